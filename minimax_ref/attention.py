@@ -1,0 +1,108 @@
+"""Attention of the text model: per-head Gemma q/k norm, partial NeoX RoPE, GQA, and on sparse
+layers the MSA lightning indexer (msa.py).
+
+Numerics (decided here): projections run in the compute dtype; q/k norms and RoPE in fp32 (cast
+back); the attention core (scores, fp32 softmax, value sum) in fp32; the output is cast to the
+compute dtype before `o_proj`. Dense layers process queries in chunks too, so no layer allocates an
+S x S matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import KVCache
+from .config import TextConfig
+from .linear import Linear
+from .msa import CHUNK_ELEMENTS, msa_attention
+from .norm import RMSNorm
+from .rope import apply_rope
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                     chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """Dense causal GQA: q [B, T, Hq, D] against k, v [B, L, Hkv, D] (slot = position).
+
+    Query head h reads kv head h // (Hq / Hkv). Keys at positions > q_pos [B, T] are masked.
+    fp32 scores / softmax / sum; returns fp32 [B, T, Hq, D].
+    """
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    kf = k.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    vf = v.float().permute(0, 2, 1, 3)
+    k_pos = torch.arange(L, device=q.device)
+    chunk = max(1, chunk_elements // (B * Hq * L))
+    outs = []
+    for s0 in range(0, T, chunk):
+        sl = slice(s0, s0 + chunk)
+        qc = q[:, sl].float()
+        t = qc.shape[1]
+        qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, t, D]
+        s = torch.einsum("bhgtd,bhld->bhgtl", qg, kf) * scale
+        future = k_pos[None, None, None, None, :] > q_pos[:, None, None, sl, None]
+        p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
+        o = torch.einsum("bhgtl,bhld->bhgtd", p, vf)
+        outs.append(o.permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
+    return torch.cat(outs, dim=1)
+
+
+class Attention(nn.Module):
+    """`self_attn` of one layer. Module and parameter names are the release's."""
+
+    def __init__(self, cfg: TextConfig, layer: int, n_heads: int | None = None, n_kv_heads: int | None = None):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.num_attention_heads if n_heads is None else n_heads
+        self.n_kv = cfg.num_key_value_heads if n_kv_heads is None else n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        H = cfg.hidden_size
+        self.q_proj = Linear(H, self.n_heads * cfg.head_dim)
+        self.k_proj = Linear(H, self.n_kv * cfg.head_dim)
+        self.v_proj = Linear(H, self.n_kv * cfg.head_dim)
+        self.o_proj = Linear(self.n_heads * cfg.head_dim, H)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.sparse = cfg.sparse_layers[layer]
+        if self.sparse:
+            sp = cfg.sparse
+            self.geometry = sp
+            self.index_dim = sp.index_head_dim
+            self.index_q_proj = Linear(H, self.n_kv * sp.index_head_dim)  # one index head per kv head
+            self.index_k_proj = Linear(H, sp.index_head_dim)
+            self.index_q_norm = RMSNorm(sp.index_head_dim, cfg.rms_norm_eps)
+            self.index_k_norm = RMSNorm(sp.index_head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, trace: dict | None = None) -> torch.Tensor:
+        """x [B, T, H] at absolute positions pos [B, T]; cos/sin [B, T, rotary_dim] fp32.
+
+        Without a cache, pos must be 0..T-1 (keys are this call's tokens). With a cache, this call's
+        K/V are written at `pos` and the keys are slots [0, max(pos) + 1).
+        """
+        B, T, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if self.sparse:
+            iq = self.index_q_norm(self.index_q_proj(x).view(B, T, self.n_kv, self.index_dim))
+            ik = self.index_k_norm(self.index_k_proj(x).view(B, T, 1, self.index_dim))
+            iq, ik = apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, :, 0]
+        if cache is not None:
+            length = int(pos.max()) + 1
+            cache.write(self.layer, k, v, pos)
+            k, v = cache.keys_values(self.layer, length)
+            if self.sparse:
+                cache.write_index(self.layer, ik, pos)
+                ik = cache.index_keys(self.layer, length)
+        if self.sparse:
+            sp = self.geometry
+            o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
+                                      sp.local_blocks, sp.init_blocks)
+            if trace is not None:
+                trace["blocks"] = blocks
+        else:
+            o = causal_attention(q, k, v, pos, self.scale)
+        return self.o_proj(o.to(x.dtype).reshape(B, T, -1))

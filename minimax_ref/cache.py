@@ -1,0 +1,86 @@
+"""KV cache indexed by absolute position.
+
+For every layer the cache holds K (after q/k norm and RoPE) and V, shaped [B, S_max, kv_heads, D];
+sparse (MSA) layers also hold the lightning indexer's key, [B, S_max, index_dim]. Slot `p` of a
+sequence holds the token at position `p`, so:
+
+* chunked prefill, and decode of sequences with different lengths, are writes at explicit
+  positions;
+* slots past a sequence's length may hold stale values: causality (key position <= query
+  position) hides them, and the next write overwrites them;
+* rollback (speculative decoding) only needs the new lengths; `rollback` also zeroes the dropped
+  slots so the cache equals one that never saw them.
+
+`kv_cache_dtype="fp8"` (decided here): K, V and index keys are stored as float8_e4m3fn, saturating
+at +-448, with a per-tensor scale of 1.0 (the release ships no KV scales); reads cast back to the
+compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import TextConfig
+
+FP8_MAX = 448.0
+
+
+class KVCache:
+    def __init__(self, cfg: TextConfig, batch_size: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", kv_cache_dtype: str = "auto", kv_heads: int | None = None):
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+        self.dtype = dtype
+        self.fp8 = kv_cache_dtype == "fp8"
+        self.scale = 1.0
+        store = torch.float8_e4m3fn if self.fp8 else dtype
+        kv_heads = cfg.num_key_value_heads if kv_heads is None else kv_heads
+        shape = (batch_size, max_seq_len, kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_hidden_layers)]
+        idx_shape = (batch_size, max_seq_len, cfg.sparse.index_head_dim)
+        self.index_k = [
+            torch.zeros(idx_shape, dtype=store, device=device) if sparse else None for sparse in cfg.sparse_layers
+        ]
+
+    def _store(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return (x.float() / self.scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return x.to(self.dtype)
+
+    def _load(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return (x.float() * self.scale).to(self.dtype)
+        return x
+
+    def _write(self, buf: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        rows = torch.arange(values.shape[0], device=positions.device)[:, None]
+        buf[rows, positions] = self._store(values)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store k, v [B, T, kv_heads, D] of the tokens at `positions` [B, T]."""
+        self._write(self.k[layer], k, positions)
+        self._write(self.v[layer], v, positions)
+
+    def write_index(self, layer: int, ik: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store index keys [B, T, index_dim] of a sparse layer."""
+        self._write(self.index_k[layer], ik, positions)
+
+    def keys_values(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of slots [0, length): [B, length, kv_heads, D] in the compute dtype."""
+        return self._load(self.k[layer][:, :length]), self._load(self.v[layer][:, :length])
+
+    def index_keys(self, layer: int, length: int) -> torch.Tensor:
+        return self._load(self.index_k[layer][:, :length])
+
+    def rollback(self, lengths: torch.Tensor | list[int]) -> None:
+        """Forget every slot at or past `lengths[b]` for each sequence b (zeroes them)."""
+        for b, n in enumerate(torch.as_tensor(lengths).tolist()):
+            for buf in (*self.k, *self.v, *(i for i in self.index_k if i is not None)):
+                buf[b, n:] = 0
+
+    def reset(self) -> None:
+        self.rollback([0] * self.batch_size)
+
+    def nbytes(self) -> int:
+        bufs = [*self.k, *self.v, *(i for i in self.index_k if i is not None)]
+        return sum(b.numel() * b.element_size() for b in bufs)

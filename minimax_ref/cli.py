@@ -1,0 +1,416 @@
+"""The `minimax-ref` command line: generate, synth, inspect (and the research commands).
+
+Every user error (bad flag values, bad checkpoint, bad input file) ends with one line
+`error: ...` on stderr and exit status 2; tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .chat import RECOMMENDED_SAMPLING
+from .errors import InputError, MiniMaxRefError
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads a model."""
+    p.add_argument("--ckpt-path", type=Path, default=None,
+                   help="checkpoint folder (default: the embedded tiny checkpoint, synthesised on first use)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="compute dtype: bfloat16 (default) or float32 (the golden mode)")
+    p.add_argument("--act-quant", choices=["none", "emulate"], default="none",
+                   help="fake-quantize NVFP4/MXFP8 linear inputs as W4A4/W8A8 kernels do (default: none)")
+    p.add_argument("--weights", choices=["dequant"], default="dequant",
+                   help="dequant: decode quantized weights once at load (default)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="longest sequence (prompt + generated tokens) the KV cache holds (default: 4096)")
+
+
+def load_from_args(args: argparse.Namespace):
+    """(model, tokenizer, checkpoint path) for the model flags."""
+    import torch
+
+    from .loader import load_model
+    from .synth import ensure_default_checkpoint
+    from .tokenizer import load_tokenizer
+
+    path = args.ckpt_path or ensure_default_checkpoint()
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    model = load_model(path, device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
+                       max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
+    return model, load_tokenizer(path), path
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def build_generate_parser(p: argparse.ArgumentParser) -> None:
+    rec = RECOMMENDED_SAMPLING
+    add_model_flags(p)
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt text (repeat for a batch); with --chat, one user message")
+    p.add_argument("--input-file", type=Path, default=None,
+                   help="JSONL batch: one request per line with 'prompt' or 'messages', optional 'tools' and "
+                        "sampling overrides; one JSON result per line on stdout, in input order")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat session (/reset, /exit)")
+    p.add_argument("--max-new-tokens", type=_nonneg_int, default=128, help="default: 128")
+    p.add_argument("--temperature", type=float, default=rec["temperature"],
+                   help=f"0 = greedy (default: {rec['temperature']}, MiniMax's recommendation)")
+    p.add_argument("--top-p", type=float, default=rec["top_p"], help=f"in (0, 1] (default: {rec['top_p']})")
+    p.add_argument("--top-k", type=int, default=rec["top_k"], help=f"0 = off (default: {rec['top_k']})")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--chat", action="store_true", help="render prompts with the chat template")
+    p.add_argument("--thinking", choices=["adaptive", "enabled", "disabled"], default="adaptive",
+                   help="thinking mode of the chat template (default: adaptive)")
+    p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument("--tools", type=Path, default=None, help="JSON file: a list of tool (function) schemas")
+    p.add_argument("--hide-reasoning", action="store_true", help="do not print the reasoning (text output)")
+    p.add_argument("--output-format", choices=["text", "json"], default="text",
+                   help="text (streamed) or json (one object per prompt per line)")
+    p.add_argument("--speculative", choices=["none"], default="none", help="speculative decoding (default: none)")
+
+
+def _read_tools(path: Path | None):
+    if path is None:
+        return None
+    from .chat import normalize_tools
+
+    try:
+        tools = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError(f"--tools {path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"--tools {path}: not valid JSON ({e})") from None
+    if isinstance(tools, dict):
+        tools = [tools]
+    normalize_tools(tools)
+    return tools
+
+
+def _sampling_kwargs(args: argparse.Namespace, override: dict | None = None) -> dict:
+    o = override or {}
+    kw = {"max_new_tokens": o.get("max_new_tokens", args.max_new_tokens),
+          "temperature": o.get("temperature", args.temperature), "top_p": o.get("top_p", args.top_p),
+          "top_k": o.get("top_k", args.top_k), "seed": o.get("seed", args.seed)}
+    from .generate import SamplingParams
+
+    SamplingParams(kw["temperature"], kw["top_p"], kw["top_k"])  # validate before loading anything
+    if not isinstance(kw["max_new_tokens"], int) or kw["max_new_tokens"] < 0:
+        raise InputError(f"max_new_tokens={kw['max_new_tokens']!r}: must be an integer >= 0")
+    return kw
+
+
+def _print_result(args: argparse.Namespace, result, streamed: bool) -> None:
+    if args.output_format == "json":
+        print(json.dumps(result.as_dict(), ensure_ascii=False), flush=True)
+        return
+    if not streamed:
+        if result.reasoning and not args.hide_reasoning:
+            print(f"{DIM}{result.reasoning}{RESET}" if sys.stdout.isatty() else result.reasoning)
+        print(result.content)
+    for call in result.tool_calls:
+        print(json.dumps({"tool_call": call}, ensure_ascii=False))
+    s = result.stats
+    print(f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, prefill {s['prefill_tokens_per_s']:.1f} "
+          f"tok/s, decode {s['decode_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+
+
+def _stream_printer(args: argparse.Namespace, tools, reasoning_started: bool):
+    """on_text callback that prints content (and dimmed reasoning) as it becomes certain."""
+    from .chat import StreamingParser
+
+    parser = StreamingParser(tools, reasoning_started=reasoning_started)
+    tty = sys.stdout.isatty()
+
+    def emit(events) -> None:
+        for ev in events:
+            if ev["type"] == "reasoning" and not args.hide_reasoning:
+                sys.stdout.write(f"{DIM}{ev['text']}{RESET}" if tty else ev["text"])
+            elif ev["type"] == "content":
+                sys.stdout.write(ev["text"])
+        sys.stdout.flush()
+
+    def on_text(row: int, text: str) -> None:
+        emit(parser.feed(text))
+
+    def close() -> None:
+        emit(parser.finish())
+        sys.stdout.write("\n")
+
+    return on_text, close
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .generate import generate
+
+    if args.speculative != "none":
+        raise InputError(f"--speculative {args.speculative} is not available in this build")
+    tools = _read_tools(args.tools)
+    kw = _sampling_kwargs(args)
+    modes = sum(x is not None and x is not False for x in (args.prompt, args.input_file, args.interactive or None))
+    if modes != 1:
+        raise InputError("give exactly one of --prompt, --input-file or --interactive")
+    if args.prompt is not None and any(p == "" for p in args.prompt):
+        raise InputError("--prompt is empty: give some text")
+    if args.input_file is not None and not args.input_file.is_file():
+        raise InputError(f"--input-file {args.input_file}: no such file")
+    model, tok, _ = load_from_args(args)
+    chat_kw = {"chat": args.chat, "tools": tools, "thinking": args.thinking, "system": args.system}
+
+    if args.interactive:
+        return _interactive(args, model, tok, tools, kw)
+    if args.input_file is not None:
+        return _batch_file(args, model, tok, tools, kw)
+
+    stream = args.output_format == "text" and len(args.prompt) == 1
+    on_text = close = None
+    if stream:
+        started = args.chat and args.thinking == "enabled"
+        on_text, close = _stream_printer(args, tools, started)
+    results = generate(model, tok, args.prompt, on_text=on_text, **chat_kw, **kw)
+    if close:
+        close()
+    for r in results:
+        _print_result(args, r, streamed=stream)
+    return 0
+
+
+def _batch_file(args, model, tok, tools, kw) -> int:
+    from .generate import generate
+
+    status = 0
+    lines = args.input_file.read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            try:
+                req = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(req, dict) or ("prompt" in req) == ("messages" in req):
+                raise InputError("each line must be an object with exactly one of 'prompt' or 'messages'")
+            unknown = sorted(set(req) - {"prompt", "messages", "tools", "max_new_tokens", "temperature", "top_p",
+                                         "top_k", "seed", "thinking", "system", "id"})
+            if unknown:
+                raise InputError(f"unknown keys {unknown}")
+            req_tools = req.get("tools", tools)
+            chat = args.chat or "messages" in req
+            prompt = req.get("messages", req.get("prompt"))
+            if not chat and not isinstance(prompt, str):
+                raise InputError("'prompt' must be a string")
+            res = generate(model, tok, [prompt], chat=chat, tools=req_tools,
+                           thinking=req.get("thinking", args.thinking), system=req.get("system", args.system),
+                           **_sampling_kwargs(args, req))[0]
+            out = res.as_dict()
+            if "id" in req:
+                out["id"] = req["id"]
+            if args.output_format == "json":
+                print(json.dumps(out, ensure_ascii=False), flush=True)
+            else:
+                _print_result(args, res, streamed=False)
+        except MiniMaxRefError as e:
+            status = 1
+            print(f"error: {args.input_file}:{n}: {e}", file=sys.stderr)
+            if args.output_format == "json":
+                print(json.dumps({"line": n, "error": str(e)}, ensure_ascii=False), flush=True)
+    return status
+
+
+def _interactive(args, model, tok, tools, kw) -> int:
+    from .generate import generate
+
+    history: list[dict] = []
+    print("minimax-ref interactive chat. /reset clears the history, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        cmd = line.strip()
+        if cmd in ("/exit", "/quit"):
+            return 0
+        if cmd == "/reset":
+            history.clear()
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if not cmd:
+            continue
+        history.append({"role": "user", "content": line})
+        on_text, close = _stream_printer(args, tools, args.thinking == "enabled")
+        try:
+            res = generate(model, tok, [history], chat=True, tools=tools, thinking=args.thinking,
+                           system=args.system, on_text=on_text, **kw)[0]
+        except MiniMaxRefError as e:
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        close()
+        for call in res.tool_calls:
+            print(json.dumps({"tool_call": call}, ensure_ascii=False))
+        turn = {"role": "assistant", "content": res.content}
+        if res.tool_calls:
+            turn["tool_calls"] = res.tool_calls
+        history.append(turn)
+
+
+# ---------------------------------------------------------------------------------------------- synth
+
+
+def build_synth_parser(p: argparse.ArgumentParser) -> None:
+    from .synth import FORMATS, PRESETS
+
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="default: tiny")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--format", choices=list(FORMATS), default="bf16",
+                   help="bf16, mxfp8, or nvfp4 (= NVFP4 routed experts + MXFP8 attention/shared/dense, as the "
+                        "release) (default: bf16)")
+    p.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    p.add_argument("--dry-run", action="store_true", help="print the tensor count and size, write nothing")
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    from .config import parse_model_config
+    from .synth import build_config, plan_tensors, write_checkpoint
+
+    if args.dry_run:
+        cfg = parse_model_config(build_config(args.preset, args.format, args.experts, args.layers))
+        count, nbytes = plan_tensors(cfg, args.format)
+        print(json.dumps({"preset": args.preset, "format": args.format, "tensors": count, "bytes": nbytes}))
+        return 0
+    out = write_checkpoint(args.out, args.preset, args.format, experts=args.experts, layers=args.layers,
+                           seed=args.seed, progress=True)
+    print(f"wrote {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+
+
+def build_inspect_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt_path", type=Path, help="checkpoint folder")
+    p.add_argument("--check-scales", action="store_true",
+                   help="also read every scale tensor (finds NaN scales and E8M0 code 255)")
+    p.add_argument("--output-format", choices=["text", "json"], default="text")
+
+
+def inspect_summary(path: Path, check_scales: bool = False) -> dict:
+    from .checkpoint import check_scales as scan_scales
+    from .checkpoint import open_checkpoint
+
+    ck = open_checkpoint(path, strict=False)
+    t = ck.config.text
+    problems = list(ck.problems)
+    if check_scales:
+        problems += scan_scales(ck)
+    summary = {
+        "path": str(path),
+        "layers": t.num_hidden_layers,
+        "layer_kinds": [t.layer_kind(i) for i in range(t.num_hidden_layers)],
+        "hidden_size": t.hidden_size,
+        "vocab_size": t.vocab_size,
+        "experts": t.num_local_experts,
+        "experts_per_token": t.num_experts_per_tok,
+        "msa": {"block_size": t.sparse.block_size, "topk_blocks": t.sparse.topk_blocks,
+                "dense_up_to_tokens": t.sparse.block_size * t.sparse.topk_blocks},
+        "vision": ck.config.vision is not None,
+        "formats": {k: sorted(v) for k, v in sorted(ck.family_formats().items())},
+        "bytes": dict(sorted(ck.family_bytes().items())),
+        "tensors": len(ck.tensors),
+        "notes": ck.notes,
+        "problems": problems,
+    }
+    pruning = path / "pruning.json"
+    if pruning.is_file():
+        summary["pruning"] = json.loads(pruning.read_text())
+    try:
+        from .tokenizer import load_tokenizer
+
+        tok = load_tokenizer(path)
+        summary["tokenizer"] = {"vocab_size": tok.vocab_size, "special_ids": tok.special_ids.as_dict(),
+                                "eos_token_ids": list(tok.eos_token_ids)}
+    except MiniMaxRefError as e:
+        summary["problems"].append(f"tokenizer: {e}")
+    return summary
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    s = inspect_summary(args.ckpt_path, args.check_scales)
+    if args.output_format == "json":
+        print(json.dumps(s, indent=2, ensure_ascii=False))
+    else:
+        kinds: dict[str, int] = {}
+        for k in s["layer_kinds"]:
+            kinds[k] = kinds.get(k, 0) + 1
+        print(f"checkpoint  {s['path']}")
+        print(f"layers      {s['layers']} ({', '.join(f'{n} x {k}' for k, n in kinds.items())})")
+        print(f"hidden      {s['hidden_size']}, vocab {s['vocab_size']}, vision {'yes' if s['vision'] else 'no'}")
+        print(f"experts     {s['experts']} per MoE layer, top-{s['experts_per_token']}")
+        m = s["msa"]
+        print(f"MSA         blocks of {m['block_size']}, top-{m['topk_blocks']} "
+              f"(equals dense attention up to {m['dense_up_to_tokens']} tokens)")
+        print(f"tensors     {s['tensors']}")
+        print("family           format          bytes")
+        for fam, fmts in s["formats"].items():
+            print(f"  {fam:<14} {'/'.join(fmts):<15} {s['bytes'].get(fam, 0):>14,}")
+        if "tokenizer" in s:
+            sp = {k: v for k, v in s["tokenizer"]["special_ids"].items() if v is not None}
+            print(f"tokenizer   vocab {s['tokenizer']['vocab_size']}, special ids {sp}")
+        for note in s["notes"]:
+            print(f"note        {note}")
+        print(f"problems    {len(s['problems'])}")
+        for p in s["problems"]:
+            print(f"  - {p}")
+    return 1 if s["problems"] else 0
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minimax-ref", description="Reference inference engine for MiniMax-M3 "
+                                     "(minimax_m3_vl) checkpoints in the release format.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, build, run, help_ in (
+        ("generate", build_generate_parser, run_generate, "generate text from a checkpoint"),
+        ("synth", build_synth_parser, run_synth, "write a synthetic checkpoint in the release format"),
+        ("inspect", build_inspect_parser, run_inspect, "validate a checkpoint and summarise it"),
+    ):
+        p = sub.add_parser(name, help=help_, description=help_,
+                           )
+        build(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except MiniMaxRefError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

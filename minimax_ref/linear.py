@@ -1,0 +1,53 @@
+"""The linear layer every projection of the text model uses.
+
+Weights are decoded once at load ("dequant-on-load") into the compute dtype, so the forward is a
+plain `x @ W^T` (no biases in the text model). What a linear remembers of its on-disk format is
+only what activation emulation needs:
+
+* `act_format = "nvfp4"`: with `act_quant="emulate"` the input is fake-quantized to NVFP4 (blocks
+  of 16 along K, the checkpoint's `input_scale`) before the matmul, as Blackwell W4A4 kernels do;
+* `act_format = "mxfp8"`: the input is fake-quantized to MXFP8 (blocks of 32, E8M0 scale).
+
+With `act_quant="none"` (default) activations stay in the compute dtype: weight-only decoding, as
+vLLM runs on Hopper. The fake-quant contract is in `quant.fake_quant_nvfp4/mxfp8`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quant import fake_quant_mxfp8, fake_quant_nvfp4
+
+ACT_QUANT_MODES = ("none", "emulate")
+
+
+def emulate_activation_quant(x: torch.Tensor, act_format: str | None, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """Fake-quantize `x` [..., K] the way a W4A4 / W8A8 kernel would see it; identity for None."""
+    if act_format == "nvfp4":
+        return fake_quant_nvfp4(x, input_scale)
+    if act_format == "mxfp8":
+        return fake_quant_mxfp8(x)
+    return x
+
+
+class Linear(nn.Module):
+    """`y = x @ weight^T` with weight [out, in] already decoded to the compute dtype."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.act_format: str | None = None  # set by the loader from the on-disk format
+        self.emulate_act_quant = False
+        self.register_buffer("input_scale", None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.emulate_act_quant:
+            x = emulate_activation_quant(x, self.act_format, self.input_scale)
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        fmt = f", act={self.act_format}" if self.emulate_act_quant else ""
+        return f"in={self.in_features}, out={self.out_features}{fmt}"

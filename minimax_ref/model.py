@@ -1,0 +1,156 @@
+"""The MiniMax-M3 text model: embedding, decoder layers, final norm, LM head.
+
+    h  = x + self_attn(input_layernorm(x))
+    x' = h + ffn(post_attention_layernorm(h))          ffn = dense MLP or MoE, per layer
+    logits = lm_head(norm(x_last))                       fp32
+
+The layer schedule (dense/sparse attention, dense MLP/MoE) comes from the config's per-layer lists.
+Module and parameter names follow the release's tensor names (with `language_model.model.`
+dropped), so the name table in checkpoint.py is short.
+
+Calling the model on input ids [B, S] runs the plain full forward at positions 0..S-1 and returns
+fp32 logits [B, S, V]. Cached prefill/decode pass `cache` and `positions`; research hooks pass a
+`Trace` to receive per-layer hidden states, router decisions and MSA block selections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .cache import KVCache
+from .config import ModelConfig, TextConfig
+from .errors import InputError
+from .linear import Linear
+from .mlp import MLP
+from .moe import MoE, Routing
+from .norm import RMSNorm
+from .rope import rope_cos_sin, rope_inv_freq
+
+
+@dataclass
+class Trace:
+    """What a forward pass records, per layer index, for research and kernel tests.
+
+    hidden_states[L]: the residual stream after layer L, [B, T, H] (only layers in `layers`, all when
+        `layers` is None; `hidden_states[-1]`-style access is by layer index, not position).
+    routing[L]: MoE decision of layer L for the B*T flattened tokens (`moe.Routing`).
+    blocks[L]: MSA block ids of layer L, [B, kv_heads, T, kb] (-1 = empty slot).
+    """
+
+    layers: set[int] | None = None
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    routing: dict[int, Routing] = field(default_factory=dict)
+    blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.moe_layers[layer]:
+            self.block_sparse_moe = MoE(
+                cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
+                cfg.shared_intermediate_size, cfg.n_shared_experts, cfg.routed_scaling_factor,
+                cfg.use_routing_bias, cfg.swiglu_alpha, cfg.swiglu_limit,
+            )
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, trace: Trace | None) -> torch.Tensor:
+        rec: dict = {} if trace is not None else None
+        h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, rec)
+        if hasattr(self, "block_sparse_moe"):
+            routing: list | None = [] if trace is not None else None
+            out = h + self.block_sparse_moe(self.post_attention_layernorm(h), routing)
+            if routing:
+                trace.routing[self.layer] = routing[0]
+        else:
+            out = h + self.mlp(self.post_attention_layernorm(h))
+        if trace is not None:
+            if "blocks" in rec:
+                trace.blocks[self.layer] = rec["blocks"]
+            if trace.wants(self.layer):
+                trace.hidden_states[self.layer] = out
+        return out
+
+
+class MiniMaxM3(nn.Module):
+    """The language model (and, when the checkpoint has one, the vision tower and projector)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        cfg = self.text = config.text
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.vision_tower = None
+        self.projector = None
+        if config.vision is not None:
+            from .vision import Projector, VisionTower
+
+            self.vision_tower = VisionTower(config.vision)
+            self.projector = Projector(config.vision.hidden_size, cfg.hidden_size, config.vision.spatial_merge_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        V = self.text.vocab_size
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= V):
+            bad = input_ids[(input_ids < 0) | (input_ids >= V)].unique()[:5].tolist()
+            raise InputError(f"token ids {bad} are outside the vocabulary [0, {V})")
+        return self.embed_tokens(input_ids)
+
+    def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+               trace: Trace | None = None) -> torch.Tensor:
+        """Run the decoder layers on embeddings x [B, T, H] at positions [B, T]; returns the residual
+        stream before the final norm."""
+        inv_freq = rope_inv_freq(self.text.rotary_dim, self.text.rope_theta, x.device)
+        cos, sin = rope_cos_sin(positions, inv_freq)
+        for layer in self.layers:
+            x = layer(x, positions, cos, sin, cache, trace)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, trace: Trace | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits fp32 [B, T, V] for `input_ids` [B, T].
+
+        positions: [B, T] absolute positions (default 0..T-1); with `cache`, K/V are written there.
+        inputs_embeds: replaces the embedding lookup (used for images).
+        """
+        if input_ids.dim() != 2:
+            raise InputError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        elif cache is None and not torch.equal(positions, torch.arange(T, device=positions.device).expand(B, T)):
+            raise InputError("positions other than 0..T-1 need a KV cache (keys live at their positions)")
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.logits(self.hidden(x, positions, cache, trace))
+
+    def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str = "auto") -> KVCache:
+        return KVCache(self.text, batch_size, max_seq_len, self.embed_tokens.weight.dtype, self.device,
+                       kv_cache_dtype)

@@ -1,0 +1,148 @@
+"""Mixture of experts: sigmoid router with a selection bias, routed SwiGLU-OAI experts, one shared
+expert.
+
+Contract (spec `model.md`, "Feed-forward"):
+* router logits `l = x_f32 @ gate_f32^T` [T, E], scores `p = sigmoid(l)` (fp32);
+* experts chosen by `topk(p + e_score_correction_bias, k)`: the bias only chooses;
+* weights `w = p[chosen] / sum(p[chosen])` (no epsilon);
+* `y = routed_scaling_factor * sum_j w_j * expert_j(x) + shared_expert(x)`.
+
+Accumulation (decided here): each expert's output (compute dtype) is cast to fp32, multiplied by
+its fp32 routing weight and summed in fp32; the scaling and the shared expert's output are added in
+fp32 and the result cast once to the compute dtype. In fp32 mode every step is fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear import emulate_activation_quant
+from .mlp import MLP, swiglu_oai
+
+
+@dataclass
+class Routing:
+    """One MoE layer's decision for T tokens: expert ids [T, k] (long), weights [T, k] (fp32),
+    and the raw router logits [T, E] (fp32)."""
+
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+    logits: torch.Tensor
+
+
+def route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    expert_mask: torch.Tensor | None = None,
+) -> Routing:
+    """Sigmoid top-k routing of `x` [T, H] by `gate_weight` [E, H] (any float dtype; used in fp32).
+
+    `bias` [E] is added to the scores for the choice only. `expert_mask` [E] bool, when given,
+    removes the experts marked False from the choice (used to emulate pruning). Ties in top-k are
+    broken as `torch.topk` does (implementation-defined).
+    """
+    logits = F.linear(x.float(), gate_weight.float())
+    scores = torch.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.float()
+    if expert_mask is not None:
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    expert_ids = torch.topk(choice, top_k, dim=-1).indices
+    chosen = scores.gather(-1, expert_ids)
+    return Routing(expert_ids, chosen / chosen.sum(-1, keepdim=True), logits)
+
+
+class Router(nn.Module):
+    """`gate.weight` [E, H] and `e_score_correction_bias` [E], kept in fp32."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, use_bias: bool):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False) if use_bias else None
+        )
+        self.register_buffer("expert_mask", None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        return route(x, self.weight, self.e_score_correction_bias, self.top_k, self.expert_mask)
+
+
+class Experts(nn.Module):
+    """The routed experts of one layer, stacked: `w1` (gate) and `w3` (up) [E, I, H], `w2` (down)
+    [E, H, I], in the compute dtype. For NVFP4 activation emulation each expert keeps its
+    `input_scale` per projection ([E] fp32 buffers)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, hidden), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.alpha, self.limit = alpha, limit
+        self.act_format: str | None = None
+        self.emulate_act_quant = False
+        for leaf in ("w1", "w2", "w3"):
+            self.register_buffer(f"{leaf}_input_scale", None, persistent=False)
+
+    def _act(self, x: torch.Tensor, leaf: str, e: int) -> torch.Tensor:
+        if not self.emulate_act_quant:
+            return x
+        scales = getattr(self, f"{leaf}_input_scale")
+        return emulate_activation_quant(x, self.act_format, None if scales is None else scales[e])
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e` on `x` [n, H] -> [n, H] in the compute dtype."""
+        gate = F.linear(self._act(x, "w1", e), self.w1[e])
+        up = F.linear(self._act(x, "w3", e), self.w3[e])
+        h = swiglu_oai(gate, up, self.alpha, self.limit)
+        return F.linear(self._act(h, "w2", e), self.w2[e])
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """`sum_j w_j * expert_j(x)` for `x` [T, H], accumulated in fp32 -> fp32 [T, H].
+
+        Tokens are grouped by expert so each selected expert runs once on all its tokens.
+        """
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat_ids = routing.expert_ids.reshape(-1)
+        flat_w = routing.weights.reshape(-1)
+        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(routing.expert_ids.shape[1])
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.w1.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start : start + n]
+            start += n
+            tokens = token_of[sel]
+            y = self.expert(e, x[tokens])
+            out.index_add_(0, tokens, y.float() * flat_w[sel, None])
+        return out
+
+
+class MoE(nn.Module):
+    """`block_sparse_moe` of a layer: `gate` (router), `experts`, `shared_experts`."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
+                 n_shared: int, scaling: float, use_bias: bool, alpha: float, limit: float):
+        super().__init__()
+        self.gate = Router(hidden, num_experts, top_k, use_bias)
+        self.experts = Experts(num_experts, hidden, intermediate, alpha, limit)
+        self.shared_experts = MLP(hidden, shared_intermediate, alpha, limit) if n_shared else None
+        self.scaling = scaling
+
+    def forward(self, x: torch.Tensor, trace: list | None = None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.gate(flat)
+        if trace is not None:
+            trace.append(routing)
+        y = self.experts(flat, routing) * self.scaling
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat).float()
+        return y.to(x.dtype).reshape(shape)

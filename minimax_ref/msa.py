@@ -1,0 +1,116 @@
+"""MiniMax Sparse Attention (MSA): the lightning indexer, block selection, and block-sparse
+attention computed by gathering the selected key blocks.
+
+Contract (spec `model.md`, "MiniMax Sparse Attention"), for queries at absolute positions `pos`:
+* index scores `s[h, q, k] = iq[h, q] . ik[k]` in fp32, no scale; `-inf` where `k > pos(q)`;
+* block score `b[h, q, j] = max_k s[h, q, k]` over keys `j*bs .. j*bs+bs-1` (the last block padded
+  with -inf);
+* forced blocks get `+inf`: the `local_blocks` blocks ending at `pos(q) // bs` and the first
+  `init_blocks` blocks (only those at or before the query's block);
+* the `min(topk, num_blocks)` largest block scores are selected; a selected score of -inf (a block
+  with no causal key) becomes -1. Valid ids are left-packed, in descending score order;
+* index head h serves kv head h: query heads `h*G .. h*G+G-1` attend only to keys in their kv head's
+  selected blocks, intersected with causality; softmax in fp32, scale `head_dim ** -0.5`.
+
+Memory grows linearly with the context: queries are processed in chunks, each chunk scores all
+keys (chunk x L) and gathers at most `topk * bs` keys per query and kv head. There is no S x S mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Elements of the largest temporary (index scores of a query chunk, or its gathered keys) that one
+# chunk may create; bounds peak memory independently of the context length.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def index_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Indexer scores of queries `iq` [B, T, Hi, Di] against cached index keys `ik` [B, L, Di].
+
+    `q_pos` [B, T] are the queries' absolute positions; key slot k is position k. Returns fp32
+    [B, Hi, T, L] with -inf at future keys.
+    """
+    s = torch.einsum("bthd,bld->bhtl", iq.float(), ik.float())
+    k_pos = torch.arange(ik.shape[1], device=ik.device)
+    future = k_pos[None, None, None, :] > q_pos[:, None, :, None]
+    return s.masked_fill(future, float("-inf"))
+
+
+def select_blocks(scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
+                  local_blocks: int = 1, init_blocks: int = 0) -> torch.Tensor:
+    """Block selection from index scores [B, Hi, T, L] -> block ids [B, Hi, T, min(topk, nb)] (long),
+    -1 for slots with no causal block. See the module docstring for the exact rule."""
+    B, H, T, L = scores.shape
+    nb = -(-L // block_size)
+    pad = nb * block_size - L
+    if pad:
+        scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+    block = scores.view(B, H, T, nb, block_size).amax(-1)
+    q_block = (q_pos // block_size)[:, None, :, None]  # [B, 1, T, 1]
+    j = torch.arange(nb, device=scores.device)
+    forced = (j <= q_block) & (j > q_block - local_blocks)
+    if init_blocks:
+        forced |= (j < init_blocks) & (j <= q_block)
+    block = block.masked_fill(forced, float("inf"))
+    k = min(topk_blocks, nb)
+    vals, ids = block.topk(k, dim=-1)
+    return ids.masked_fill(vals == float("-inf"), -1)
+
+
+def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                           q_pos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """Attention of queries `q` [B, T, Hq, D] over the selected blocks of keys `k`, values `v`
+    [B, L, Hkv, D]; `blocks` [B, Hkv, T, kb] (-1 = empty slot). Returns fp32 [B, T, Hq, D].
+
+    Scores, softmax and the value sum are fp32. Keys at positions > q_pos and empty slots are
+    masked; the local block is always selected, so no row is fully masked.
+    """
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    nb = -(-L // block_size)
+    pad = nb * block_size - L
+    kf, vf = k.float(), v.float()
+    if pad:
+        kf = torch.nn.functional.pad(kf, (0, 0, 0, 0, 0, pad))
+        vf = torch.nn.functional.pad(vf, (0, 0, 0, 0, 0, pad))
+    # [B, Hkv, nb, bs, D]: blocks addressable by id
+    kb = kf.view(B, nb, block_size, Hkv, D).permute(0, 3, 1, 2, 4)
+    vb = vf.view(B, nb, block_size, Hkv, D).permute(0, 3, 1, 2, 4)
+    safe = blocks.clamp(min=0)
+    bi = torch.arange(B, device=q.device)[:, None, None, None]
+    hi = torch.arange(Hkv, device=q.device)[None, :, None, None]
+    k_sel = kb[bi, hi, safe]  # [B, Hkv, T, kb, bs, D]
+    v_sel = vb[bi, hi, safe]
+    key_pos = safe[..., None] * block_size + torch.arange(block_size, device=q.device)  # [B,Hkv,T,kb,bs]
+    valid = (blocks[..., None] >= 0) & (key_pos <= q_pos[:, None, :, None, None])
+    qg = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    s = torch.einsum("bhgtd,bhtkld->bhgtkl", qg, k_sel) * scale
+    s = s.masked_fill(~valid[:, :, None], float("-inf"))
+    p = torch.softmax(s.flatten(-2), dim=-1).view_as(s)
+    o = torch.einsum("bhgtkl,bhtkld->bhgtd", p, v_sel)  # [B, Hkv, G, T, D]
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
+def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
+                  q_pos: torch.Tensor, scale: float, block_size: int, topk_blocks: int, local_blocks: int,
+                  init_blocks: int, chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full MSA for queries q [B, T, Hq, D] / iq [B, T, Hi, Di] against keys k, v [B, L, Hkv, D] and
+    index keys ik [B, L, Di]. Returns (attention output fp32 [B, T, Hq, D], selected blocks
+    [B, Hi, T, kb]). Queries are processed in chunks sized so that no temporary exceeds
+    `chunk_elements` elements."""
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    kb = min(topk_blocks, -(-L // block_size))
+    per_query = max(B * iq.shape[2] * L, B * Hkv * kb * block_size * D, B * Hq * kb * block_size)
+    chunk = max(1, chunk_elements // per_query)
+    outs, sels = [], []
+    for s0 in range(0, T, chunk):
+        sl = slice(s0, s0 + chunk)
+        scores = index_scores(iq[:, sl], ik, q_pos[:, sl])
+        blocks = select_blocks(scores, q_pos[:, sl], block_size, topk_blocks, local_blocks, init_blocks)
+        del scores
+        outs.append(gather_block_attention(q[:, sl], k, v, blocks, q_pos[:, sl], block_size, scale))
+        sels.append(blocks)
+    return torch.cat(outs, dim=1), torch.cat(sels, dim=2)

@@ -1,0 +1,369 @@
+"""Synthetic checkpoints in the release's exact on-disk format, with random weights.
+
+`minimax-ref synth --preset NAME --format {bf16,mxfp8,nvfp4} --out DIR` writes a complete folder:
+raw-form `config.json` (with `quantization_config` for quantized formats), the safetensors shards
+and `model.safetensors.index.json`, `generation_config.json`, and a small byte-level BPE tokenizer
+carrying the release's special tokens.
+
+Presets: `tiny` (CPU tests: 4 layers = 1 dense + 3 MSA/MoE, MSA blocks of 16 with top-4 so sparsity
+engages past 64 tokens), `tiny-vl` (tiny + a small vision tower), `release` and `pruned-80` (the
+real shapes; tensors are generated and written one at a time, so memory stays bounded by one shard).
+
+Weights are random but not degenerate (decided here, see weights.md): linear weights
+N(0, 1/in_features) (output projections scaled by 1/2), norm offsets N(0, 0.1^2), router rows with
+std 2/sqrt(H) so sigmoid scores spread, selection bias N(0, 0.01^2). Every tensor is generated from
+its own seed (seed, name), so a preset's files are byte-identical for a given seed.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import LM_HEAD, TEXT_PREFIX, LinearSpec, TensorSpec, tensor_table
+from .config import ModelConfig, parse_model_config
+from .errors import ConfigError
+from .progress import Progress
+from .quant import quantize_mxfp8, quantize_nvfp4
+
+FORMATS = ("bf16", "mxfp8", "nvfp4")
+# ModelOpt's activation global scale is amax(X) / (6 * 448); synthetic checkpoints assume
+# activations of magnitude up to ~4 after the norms (decided here).
+SYNTH_INPUT_SCALE = 4.0 / (6 * 448)
+
+
+@dataclass(frozen=True)
+class Preset:
+    text: dict
+    vision: dict | None = None
+    tokenizer_vocab: int = 1024
+    shard_bytes: int = 2 << 30
+
+
+def _text_config(vocab: int, hidden: int, layers: int, n_dense: int, heads: int, kv: int, head_dim: int,
+                 rotary: int, expert_inter: int, shared_inter: int, dense_inter: int, experts: int, top_k: int,
+                 index_dim: int, block: int, topk_blocks: int, max_pos: int) -> dict:
+    freq = [0] * n_dense + [1] * (layers - n_dense)
+    return {
+        "architectures": ["MiniMaxM3SparseForCausalLM"],
+        "model_type": "minimax_m3_vl_text",
+        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "intermediate_size": expert_inter, "shared_intermediate_size": shared_inter,
+        "dense_intermediate_size": dense_inter, "max_position_embeddings": max_pos,
+        "rms_norm_eps": 1e-6, "use_gemma_norm": True, "use_qk_norm": True, "qk_norm_type": "per_head",
+        "attention_output_gate": False, "rope_theta": 5000000.0, "rotary_dim": rotary,
+        "partial_rotary_factor": rotary / head_dim, "hidden_act": "swigluoai", "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0, "num_local_experts": experts, "num_experts_per_tok": top_k,
+        "n_shared_experts": 1, "scoring_func": "sigmoid", "use_routing_bias": True,
+        "routed_scaling_factor": 2.0, "moe_layer_freq": freq, "tie_word_embeddings": False,
+        "num_mtp_modules": 0,
+        "sparse_attention_config": {
+            "use_sparse_attention": True, "sparse_index_dim": index_dim, "sparse_num_index_heads": kv,
+            "sparse_topk_blocks": topk_blocks, "sparse_block_size": block, "sparse_score_type": "max",
+            "sparse_init_block": 0, "sparse_local_block": 1, "sparse_attention_freq": freq,
+            "sparse_disable_index_value": freq,
+        },
+    }
+
+
+_TINY_VISION = {"model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "patch_size": 14, "num_channels": 3,
+                "image_size": 2016, "position_embedding_type": "rope", "rope_mode": "3d", "rope_theta": 10000.0,
+                "hidden_act": "gelu", "layer_norm_eps": 1e-5, "temporal_patch_size": 2,
+                "spatial_merge_size": 2, "projection_dim": 128}
+_RELEASE_VISION = {"model_type": "clip_vision_model", "hidden_size": 1280, "intermediate_size": 5120,
+                   "num_hidden_layers": 32, "num_attention_heads": 16, "patch_size": 14, "num_channels": 3,
+                   "image_size": 2016, "position_embedding_type": "rope", "rope_mode": "3d",
+                   "rope_theta": 10000.0, "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+                   "temporal_patch_size": 2, "spatial_merge_size": 2, "projection_dim": 6144}
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(_text_config(1024, 128, 4, 1, 8, 2, 32, 16, 64, 64, 256, 16, 4, 32, 16, 4, 4096),
+                   tokenizer_vocab=1024, shard_bytes=1 << 20),
+    "tiny-vl": Preset(_text_config(1024, 128, 4, 1, 8, 2, 32, 16, 64, 64, 256, 16, 4, 32, 16, 4, 4096),
+                      vision=_TINY_VISION, tokenizer_vocab=1024, shard_bytes=1 << 20),
+    "release": Preset(_text_config(200064, 6144, 60, 3, 64, 4, 128, 64, 3072, 3072, 12288, 128, 4, 128, 128, 16,
+                                   1048576), vision=_RELEASE_VISION, tokenizer_vocab=4096, shard_bytes=4 << 30),
+    "pruned-80": Preset(_text_config(200064, 6144, 60, 3, 64, 4, 128, 64, 3072, 3072, 12288, 80, 4, 128, 128, 16,
+                                     1048576), vision=_RELEASE_VISION, tokenizer_vocab=4096, shard_bytes=4 << 30),
+}
+
+
+def build_config(preset: str, fmt: str = "bf16", experts: int | None = None, layers: int | None = None,
+                 special_ids: dict[str, int] | None = None) -> dict:
+    """The raw-form config.json of a preset (quantization_config included for quantized formats)."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
+    p = PRESETS[preset]
+    text = json.loads(json.dumps(p.text))
+    if experts is not None:
+        if experts < text["num_experts_per_tok"]:
+            raise ConfigError(f"--experts {experts} is fewer than num_experts_per_tok={text['num_experts_per_tok']}")
+        text["num_local_experts"] = experts
+    if layers is not None:
+        n_dense = text["moe_layer_freq"].count(0)
+        if layers < 1:
+            raise ConfigError(f"--layers {layers} must be >= 1")
+        freq = ([0] * min(n_dense, layers) + [1] * max(0, layers - n_dense))[:layers]
+        text["num_hidden_layers"] = layers
+        text["moe_layer_freq"] = freq
+        for key in ("sparse_attention_freq", "sparse_disable_index_value"):
+            text["sparse_attention_config"][key] = freq
+    sid = special_ids or {}
+    if "turn_end" in sid:
+        text["eos_token_id"] = sid["turn_end"]
+    if "bod" in sid:
+        text["bos_token_id"] = sid["bod"]
+    raw: dict = {
+        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+        "model_type": "minimax_m3_vl",
+        "torch_dtype": "bfloat16",
+        "text_config": text,
+        "projector_hidden_size": text["hidden_size"],
+        "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": True,
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+        "process_image_mode": "dynamic_res",
+        "img_token_compression_config": {"image_token_compression_method": "patch_merge",
+                                         "spatial_merge_size": 2, "temporal_patch_size": 2},
+    }
+    if "image" in sid:
+        raw["image_token_index"] = sid["image"]
+    if "video" in sid:
+        raw["video_token_index"] = sid["video"]
+    if p.vision is not None:
+        raw["vision_config"] = dict(p.vision)
+    if fmt != "bf16":
+        cfg = parse_model_config(raw)
+        raw["quantization_config"] = _quantization_config(cfg, fmt)
+    return raw
+
+
+def linear_format(spec: LinearSpec, fmt: str) -> str:
+    """On-disk format of a linear in a checkpoint of `fmt` (checkpoint.md, "Formats per module family")."""
+    if fmt == "bf16" or spec.family == "lm_head":
+        return "bf16"
+    if fmt == "nvfp4" and spec.family == "routed_expert":
+        return "nvfp4"
+    return "mxfp8"
+
+
+def _quantization_config(cfg: ModelConfig, fmt: str) -> dict:
+    linears, _ = tensor_table(cfg)
+    if fmt == "mxfp8":
+        return {"quant_method": "mxfp8", "weight_block_size": [1, 32], "activation_scheme": "dynamic",
+                "modules_to_not_convert": ["language_model.lm_head", "*block_sparse_moe.gate", "vision_tower*",
+                                           "multi_modal_projector*", "patch_merge_mlp*"]}
+    layers = {}
+    for prefix, spec in linears.items():
+        f = linear_format(spec, fmt)
+        if f == "nvfp4":
+            layers[prefix] = {"quant_algo": "NVFP4", "group_size": 16}
+        elif f == "mxfp8":
+            layers[prefix] = {"quant_algo": "MXFP8"}
+    return {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+            "producer": {"name": "minimax-ref synth", "version": "0.1.0"},
+            "exclude_modules": ["language_model.lm_head", "*block_sparse_moe.gate", "vision_tower*",
+                                "multi_modal_projector*", "patch_merge_mlp*"],
+            "quantized_layers": layers}
+
+
+def _gen(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF)
+
+
+def _randn(shape: tuple[int, ...], std: float, seed: int, name: str) -> torch.Tensor:
+    return torch.randn(shape, generator=_gen(seed, name)) * std
+
+
+def _plain_tensor(spec: TensorSpec, seed: int, H: int) -> torch.Tensor:
+    name, shape = spec.name, spec.shape
+    if spec.family == "router":
+        if name.endswith("e_score_correction_bias"):
+            return _randn(shape, 0.01, seed, name).float()
+        return _randn(shape, 2.0 / H**0.5, seed, name).float()  # the release stores the router in fp32
+    if spec.family == "embedding":
+        return _randn(shape, 1.0, seed, name).bfloat16()
+    if spec.family == "norm":
+        return _randn(shape, 0.1, seed, name).bfloat16()
+    if name.endswith("bias"):
+        return _randn(shape, 0.02, seed, name).bfloat16()
+    if "layer_norm" in name or "layrnorm" in name:  # vision LayerNorm weights sit around 1
+        return (1.0 + _randn(shape, 0.1, seed, name)).bfloat16()
+    fan_in = 1
+    for d in shape[1:]:
+        fan_in *= d
+    return _randn(shape, fan_in**-0.5, seed, name).bfloat16()
+
+
+def _linear_weight(spec: LinearSpec, seed: int) -> torch.Tensor:
+    std = spec.in_features**-0.5
+    if spec.prefix.endswith(("o_proj", "down_proj", "w2")):
+        std *= 0.5  # keep the residual stream from growing layer over layer
+    return _randn((spec.out_features, spec.in_features), std, seed, spec.prefix)
+
+
+def _linear_tensors(spec: LinearSpec, fmt: str, seed: int, linears: dict[str, LinearSpec]) -> dict[str, torch.Tensor]:
+    w = _linear_weight(spec, seed)
+    f = linear_format(spec, fmt)
+    p = spec.prefix
+    if f == "bf16":
+        return {p + ".weight": w.bfloat16()}
+    if f == "mxfp8":
+        q, s = quantize_mxfp8(w)
+        return {p + ".weight": q, p + ".weight_scale_inv": s}
+    # ModelOpt writes max(amax(w1), amax(w3)) to both gate and up (one global scale per expert pair).
+    amax = None
+    if spec.leaf in ("w1", "w3"):
+        other = linears[p[: -2] + ("w3" if spec.leaf == "w1" else "w1")]
+        amax = max(w.abs().max().item(), _linear_weight(other, seed).abs().max().item())
+    packed, scale, scale_2 = quantize_nvfp4(w, global_amax=amax)
+    return {p + ".weight": packed, p + ".weight_scale": scale, p + ".weight_scale_2": scale_2.reshape(()),
+            p + ".input_scale": torch.tensor(SYNTH_INPUT_SCALE, dtype=torch.float32)}
+
+
+def iter_tensors(cfg: ModelConfig, fmt: str, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a synthetic checkpoint, generated one at a time in a stable order."""
+    linears, plain = tensor_table(cfg)
+    H = cfg.text.hidden_size
+    for spec in plain.values():
+        yield spec.name, _plain_tensor(spec, seed, H)
+    for spec in linears.values():
+        yield from _linear_tensors(spec, fmt, seed, linears).items()
+
+
+def plan_tensors(cfg: ModelConfig, fmt: str) -> tuple[int, int]:
+    """(tensor count, bytes) a synthetic checkpoint of `fmt` would have, without generating it."""
+    linears, plain = tensor_table(cfg)
+    count, nbytes = 0, 0
+    for spec in plain.values():
+        n = 1
+        for d in spec.shape:
+            n *= d
+        count += 1
+        nbytes += n * (4 if spec.family == "router" else 2)
+    for spec in linears.values():
+        N, K = spec.out_features, spec.in_features
+        f = linear_format(spec, fmt)
+        if f == "bf16":
+            count, nbytes = count + 1, nbytes + 2 * N * K
+        elif f == "mxfp8":
+            count, nbytes = count + 2, nbytes + N * K + N * K // 32
+        else:
+            count, nbytes = count + 4, nbytes + N * K // 2 + N * K // 16 + 8
+    return count, nbytes
+
+
+def write_checkpoint(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *, experts: int | None = None,
+                     layers: int | None = None, seed: int = 0, shard_bytes: int | None = None,
+                     progress: bool = False) -> Path:
+    """Write a synthetic checkpoint folder and return its path."""
+    from .tokenizer import write_test_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    p = PRESETS.get(preset)
+    if p is None:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    special = write_test_tokenizer(out, p.tokenizer_vocab, seed=seed)
+    raw = build_config(preset, fmt, experts, layers, special)
+    cfg = parse_model_config(raw)
+    if p.tokenizer_vocab > cfg.text.vocab_size:
+        raise ConfigError(f"tokenizer vocabulary {p.tokenizer_vocab} exceeds vocab_size {cfg.text.vocab_size}")
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    gen = {"bos_token_id": special.get("bod"), "eos_token_id": [special["turn_end"]], "do_sample": True,
+           "temperature": 1.0, "top_p": 0.95, "top_k": 40, "transformers_version": "5.23.0"}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+    limit = shard_bytes or p.shard_bytes
+    total_count, total_bytes = plan_tensors(cfg, fmt)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    weight_map: dict[str, str] = {}
+    size, written, n_shards_written = 0, 0, 0
+    # Shard names need the final count; write to temporary names and rename at the end.
+    tmp_names: list[str] = []
+
+    def flush() -> None:
+        nonlocal size, n_shards_written
+        if not shards[-1]:
+            return
+        n_shards_written += 1
+        name = f"shard-{n_shards_written:05d}.tmp"
+        save_file(shards[-1], str(out / name), metadata={"format": "pt"})
+        tmp_names.append(name)
+        for t in shards[-1]:
+            weight_map[t] = name
+        shards[-1] = {}
+        size = 0
+
+    bar = Progress(f"writing {out.name}", total_bytes) if progress else None
+    for name, tensor in iter_tensors(cfg, fmt, seed):
+        nb = tensor.numel() * tensor.element_size()
+        if size and size + nb > limit:
+            flush()
+        shards[-1][name] = tensor.contiguous()
+        size += nb
+        written += nb
+        if bar:
+            bar.update(nb)
+    flush()
+    if bar:
+        bar.close()
+    n = len(tmp_names)
+    final = {tmp: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, tmp in enumerate(tmp_names)}
+    for old in out.glob("model-*.safetensors"):
+        old.unlink()
+    for tmp, fin in final.items():
+        (out / tmp).rename(out / fin)
+    index = {"metadata": {"total_size": written},
+             "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    assert len(weight_map) == total_count, (len(weight_map), total_count)
+    return out
+
+
+def default_checkpoint_dir() -> Path:
+    """Where the embedded default checkpoint is synthesised once (override: MINIMAX_REF_CACHE)."""
+    import os
+
+    root = os.environ.get("MINIMAX_REF_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimax-ref")
+    return Path(root) / "default-tiny-nvfp4-seed0"
+
+
+def ensure_default_checkpoint() -> Path:
+    """The embedded default: the `tiny` preset in the release's NVFP4+MXFP8 format, seed 0,
+    synthesised on first use (atomically, so concurrent first runs do not see half a folder)."""
+    import shutil
+    import tempfile
+
+    target = default_checkpoint_dir()
+    if (target / "model.safetensors.index.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".default-", dir=target.parent))
+    try:
+        write_checkpoint(tmp, "tiny", "nvfp4", seed=0)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "model.safetensors.index.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+__all__ = ["PRESETS", "FORMATS", "build_config", "write_checkpoint", "iter_tensors", "plan_tensors",
+           "ensure_default_checkpoint", "TEXT_PREFIX", "LM_HEAD"]

@@ -1,0 +1,60 @@
+"""The independent oracle: transformers 5.23's MiniMax-M3 implementation, loaded with the same
+decoded weights as a minimax-ref model. Test-only."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hf_text_model(model, attn_impl: str = "eager"):
+    """A `MiniMaxM3VLForCausalLM` (fp32) carrying exactly the weights of minimax-ref `model`."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLConfig, MiniMaxM3VLForCausalLM
+
+    raw = dict(model.config.raw)
+    raw.pop("quantization_config", None)
+    vl = MiniMaxM3VLConfig(**{k: v for k, v in raw.items() if k in ("text_config", "vision_config")})
+    tc = vl.text_config
+    tc._attn_implementation = attn_impl
+    hf = MiniMaxM3VLForCausalLM(tc).eval()
+    sd = {}
+    t = model.config.text
+    sd["model.embed_tokens.weight"] = model.embed_tokens.weight
+    sd["model.norm.weight"] = model.norm.weight
+    sd["lm_head.weight"] = model.lm_head.weight
+    for L, layer in enumerate(model.layers):
+        p = f"model.layers.{L}."
+        sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+        sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        a = layer.self_attn
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[p + f"self_attn.{n}.weight"] = getattr(a, n).weight
+        sd[p + "self_attn.q_norm.weight"] = a.q_norm.weight
+        sd[p + "self_attn.k_norm.weight"] = a.k_norm.weight
+        if t.sparse_layers[L]:
+            sd[p + "self_attn.indexer.q_proj.weight"] = a.index_q_proj.weight
+            sd[p + "self_attn.indexer.k_proj.weight"] = a.index_k_proj.weight
+            sd[p + "self_attn.indexer.q_norm.weight"] = a.index_q_norm.weight
+            sd[p + "self_attn.indexer.k_norm.weight"] = a.index_k_norm.weight
+        if t.moe_layers[L]:
+            m = layer.block_sparse_moe
+            sd[p + "mlp.gate.weight"] = m.gate.weight
+            sd[p + "mlp.gate.e_score_correction_bias"] = m.gate.e_score_correction_bias
+            sd[p + "mlp.experts.gate_up_proj"] = torch.cat([m.experts.w1, m.experts.w3], dim=1)
+            sd[p + "mlp.experts.down_proj"] = m.experts.w2
+            s = m.shared_experts
+            sd[p + "mlp.shared_experts.gate_up_proj.weight"] = torch.cat([s.gate_proj.weight, s.up_proj.weight], 0)
+            sd[p + "mlp.shared_experts.down_proj.weight"] = s.down_proj.weight
+        else:
+            d = layer.mlp
+            sd[p + "mlp.gate_up_proj.weight"] = torch.cat([d.gate_proj.weight, d.up_proj.weight], 0)
+            sd[p + "mlp.down_proj.weight"] = d.down_proj.weight
+    sd = {k: v.detach().float().clone() for k, v in sd.items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if "rotary" not in k and "inv_freq" not in k]
+    assert not missing and not unexpected, (missing, unexpected)
+    return hf.float()
+
+
+def relative_max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to the logit scale (max |b|)."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())

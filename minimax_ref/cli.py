@@ -385,6 +385,10 @@ def run_inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- main
 
 
+# Commands implemented in their own modules: each module has `build_parser(p)` and `run(args) -> int`.
+MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = ()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minimax-ref", description="Reference inference engine for MiniMax-M3 "
                                      "(minimax_m3_vl) checkpoints in the release format.")
@@ -398,6 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
                            )
         build(p)
         p.set_defaults(run=run)
+    import importlib
+
+    for name, module, help_ in MODULE_COMMANDS:
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod.build_parser(p)
+        p.set_defaults(run=mod.run)
     return parser
 
 

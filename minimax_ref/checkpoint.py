@@ -536,7 +536,6 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     scheme = QuantScheme(cfg.quantization, f"{path / 'config.json'} quantization_config")
     known: set[str] = set()
     formats: dict[str, LinearFormat] = {}
-    quantized_seen = False
     for prefix, spec in linears.items():
         f = _linear_format(prefix, tensors)
         if f is None:
@@ -547,7 +546,6 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
         known.update(n for n in (f.weight, f.scale, f.scale_2, f.input_scale) if n)
         _check_linear(spec, f, tensors, problems)
         if f.fmt != DENSE:
-            quantized_seen = True
             if spec.family in ("lm_head",):
                 problems.append(f"{prefix} is stored {f.fmt}; the LM head must be unquantized")
         want = scheme.expected(prefix)
@@ -583,8 +581,6 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
                             f"num_local_experts={E}")
         else:
             problems.append(f"unexpected tensor {n} in {tensors[n].shard} (not part of this model's config)")
-    if quantized_seen and cfg.quantization is None:
-        pass  # already reported per linear
     ck = Checkpoint(path, cfg, tensors, linears, plain, formats, problems, notes)
     if strict and problems:
         raise CheckpointError(f"{path}: the checkpoint does not match its config.json "
@@ -595,7 +591,7 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
 def check_scales(ck: Checkpoint) -> list[str]:
     """Read every scale tensor and report non-finite values and E8M0 code 255, naming the tensor."""
     problems = []
-    for prefix, f in ck.formats.items():
+    for f in ck.formats.values():
         if f.fmt == MXFP8:
             s = ck.read(f.scale)
             if bool((s == 255).any()):

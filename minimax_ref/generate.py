@@ -190,7 +190,7 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
     stop = set(int(i) for i in stop_ids)
     t1 = time.perf_counter()
     active = [True] * B
-    for step in range(max_new_tokens):
+    for _ in range(max_new_tokens):
         nxt = sample(last_logits, sampling, gen)
         for b, s in enumerate(seqs):
             if not active[b]:
@@ -240,36 +240,84 @@ class GenerationResult:
 
 
 def encode_prompt(tok, prompt, *, chat: bool = False, tools=None, thinking: str = "adaptive",
-                  system: str | None = None) -> list[int]:
+                  system: str | None = None, image_tokens: Sequence[int] | None = None,
+                  where: str = "prompt") -> list[int]:
     """Token ids of one prompt: a list of ids (used as is), a raw string (encoded exactly as the
-    tokenizer files say), or with `chat` a string (one user turn) or a list of messages."""
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    if chat:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system is not None and not any(m.get("role") == "system" for m in messages):
-            messages = [{"role": "system", "content": system}, *messages]
-        return tok.apply_chat_template(messages, tools=tools, thinking=thinking, add_generation_prompt=True)
-    if not isinstance(prompt, str):
-        raise InputError(f"prompt must be a string or a list of token ids without chat, got {type(prompt).__name__}")
-    return tok.encode(prompt)
+    tokenizer files say), or with `chat` a string (one user turn) or a list of messages.
+
+    image_tokens: when given, the language-model tokens of each of the prompt's images, in order
+    (`vision.tokens_per_image`; [] for none). The prompt must then hold one image marker per image,
+    or none, and then the markers are placed before its text (with `chat`, at the start of the last
+    user turn); each marker is expanded to `<start of image>` + N x `<image>` + `<end of image>`
+    (`multimodal.expand_image_markers`, which also accepts token ids already expanded). A token-id
+    prompt without images is used as is. None (the default) leaves image tokens as they are.
+    Raises InputError naming `where` when markers and images do not match.
+    """
+    if image_tokens is not None:
+        from .multimodal import ImageTokenIds, expand_image_markers, has_image_markers, place_images_first
+
+    token_ids = isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)
+    if token_ids:
+        ids = list(prompt)
+    else:
+        if image_tokens and isinstance(prompt, (str, list, tuple)) and not has_image_markers(prompt):
+            prompt = place_images_first(prompt, len(image_tokens))
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if system is not None and not any(m.get("role") == "system" for m in messages):
+                messages = [{"role": "system", "content": system}, *messages]
+            ids = tok.apply_chat_template(messages, tools=tools, thinking=thinking,
+                                          add_generation_prompt=True)
+        elif not isinstance(prompt, str):
+            raise InputError(f"prompt must be a string or a list of token ids without chat, got "
+                             f"{type(prompt).__name__}")
+        else:
+            ids = tok.encode(prompt)
+    # Without images, token ids stay as given and a tokenizer without image tokens has no markers.
+    if image_tokens is None or (not image_tokens and (token_ids or tok.special_ids.image is None)):
+        return ids
+    return expand_image_markers(ids, image_tokens, ImageTokenIds.from_tokenizer(tok), where)
 
 
 def generate(model: MiniMaxM3, tok, prompts: Sequence, *, max_new_tokens: int = 128, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = False, tools=None,
              thinking: str = "adaptive", system: str | None = None, stop_ids: Sequence[int] | None = None,
-             draft=None, on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
+             draft=None, on_text: Callable[[int, str], None] | None = None,
+             images: Sequence | None = None) -> list[GenerationResult]:
     """Generate for several prompts (strings, token-id lists, or with `chat` message lists).
 
     Returns one `GenerationResult` per prompt with the reasoning/content split and parsed tool calls
     (spec `chat.md`). `on_text(row, text)` streams decoded text as it becomes complete.
+    images: one entry per prompt (None for a prompt without images): a list of image file paths or
+    PIL images (a single one alone also works), or preprocessed `(pixel_values, image_grid_thw)`;
+    chat messages may carry image parts instead. At most `model.runtime.max_images_per_prompt`
+    per prompt. Prompt assembly and the accepted forms: `minimax_ref.multimodal`.
     """
     from .chat import parse_output
+    from .errors import ConfigError
+    from .multimodal import embed_with_images, load_prompt_images
+    from .vision import tokens_per_image
 
     if draft is not None:
         raise InputError("draft: speculative decoding is not available in this build; pass draft=None")
     sampling = SamplingParams(temperature, top_p, top_k)
-    ids = [encode_prompt(tok, p, chat=chat, tools=tools, thinking=thinking, system=system) for p in prompts]
+    if images is not None and (isinstance(images, (str, bytes)) or len(images) != len(prompts)):
+        n = 1 if isinstance(images, (str, bytes)) else len(images)
+        raise InputError(f"images: give one entry per prompt (a list of images, or None), got {n} "
+                         f"entries for {len(prompts)} prompts")
+    ids: list[list[int]] = []
+    embeds: list[torch.Tensor | None] = []
+    for i, p in enumerate(prompts):
+        where = f"prompt {i}"
+        pixels = load_prompt_images(model, None if images is None else images[i], p, chat=chat, where=where)
+        counts = [] if pixels is None else tokens_per_image(pixels[1], model.config.vision.spatial_merge_size)
+        if pixels is not None and tok.special_ids.image != model.config.image_token_id:
+            raise ConfigError(f"the tokenizer's image token id {tok.special_ids.image} differs from "
+                              f"config.json image_token_index={model.config.image_token_id}")
+        ids.append(encode_prompt(tok, p, chat=chat, tools=tools, thinking=thinking, system=system,
+                                 image_tokens=counts, where=where))
+        # The vision tower runs once per prompt, here; decoding only ever sees text embeddings.
+        embeds.append(None if pixels is None else embed_with_images(model, ids[-1], *pixels))
     if stop_ids is None:
         stop_ids = read_stop_ids(getattr(model, "ckpt_path", None), tok.eos_token_ids)
     decoders = [tok.stream_decoder() for _ in ids]
@@ -280,10 +328,11 @@ def generate(model: MiniMaxM3, tok, prompts: Sequence, *, max_new_tokens: int = 
             on_text(row, piece)
 
     seqs, stats = generate_ids(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                               stop_ids=stop_ids, on_token=on_token if on_text else None)
+                               stop_ids=stop_ids, on_token=on_token if on_text else None,
+                               inputs_embeds=embeds if any(e is not None for e in embeds) else None)
     results = []
     think_start = tok.special_ids.think_start
-    for prompt_ids, s, dec in zip(ids, seqs, decoders):
+    for prompt_ids, s, dec in zip(ids, seqs, decoders, strict=True):
         if on_text:
             rest = dec.finish()
             if rest:
@@ -294,5 +343,6 @@ def generate(model: MiniMaxM3, tok, prompts: Sequence, *, max_new_tokens: int = 
         started = think_start is not None and len(prompt_ids) > 0 and prompt_ids[-1] == think_start
         parsed = parse_output(text, tools, reasoning_started=started)
         results.append(GenerationResult(prompt_ids, s.generated, text, parsed["reasoning"], parsed["content"],
-                                        parsed["tool_calls"], s.finish_reason, stats.as_dict(), parsed["errors"]))
+                                        parsed["tool_calls"], s.finish_reason, stats.as_dict(),
+                                        parsed["errors"]))
     return results

@@ -97,8 +97,11 @@ PRESETS: dict[str, Preset] = {
 
 
 def build_config(preset: str, fmt: str = "bf16", experts: int | None = None, layers: int | None = None,
-                 special_ids: dict[str, int] | None = None) -> dict:
-    """The raw-form config.json of a preset (quantization_config included for quantized formats)."""
+                 special_ids: dict[str, int] | None = None, overrides: dict | None = None) -> dict:
+    """The raw-form config.json of a preset (quantization_config included for quantized formats).
+
+    `overrides` replaces text_config keys; keys of `sparse_attention_config` (`sparse_*`) go there.
+    """
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if fmt not in FORMATS:
@@ -118,6 +121,11 @@ def build_config(preset: str, fmt: str = "bf16", experts: int | None = None, lay
         text["moe_layer_freq"] = freq
         for key in ("sparse_attention_freq", "sparse_disable_index_value"):
             text["sparse_attention_config"][key] = freq
+    for key, value in (overrides or {}).items():
+        if key.startswith("sparse_"):
+            text["sparse_attention_config"][key] = value
+        else:
+            text[key] = value
     sid = special_ids or {}
     if "turn_end" in sid:
         text["eos_token_id"] = sid["turn_end"]
@@ -266,7 +274,7 @@ def plan_tensors(cfg: ModelConfig, fmt: str) -> tuple[int, int]:
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *, experts: int | None = None,
                      layers: int | None = None, seed: int = 0, shard_bytes: int | None = None,
-                     progress: bool = False) -> Path:
+                     overrides: dict | None = None, progress: bool = False) -> Path:
     """Write a synthetic checkpoint folder and return its path."""
     from .tokenizer import write_test_tokenizer
 
@@ -276,7 +284,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *
     if p is None:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     special = write_test_tokenizer(out, p.tokenizer_vocab, seed=seed)
-    raw = build_config(preset, fmt, experts, layers, special)
+    raw = build_config(preset, fmt, experts, layers, special, overrides)
     cfg = parse_model_config(raw)
     if p.tokenizer_vocab > cfg.text.vocab_size:
         raise ConfigError(f"tokenizer vocabulary {p.tokenizer_vocab} exceeds vocab_size {cfg.text.vocab_size}")

@@ -1,0 +1,47 @@
+"""Shared fixtures: small synthetic checkpoints in the release format, written once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from minimax_ref.synth import write_checkpoint
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = os.environ.get("MINIMAX_REF_SLOW") == "1"
+    has_gpu = torch.cuda.is_available()
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow test: set MINIMAX_REF_SLOW=1 to run"))
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    """write(preset, fmt, **kw) -> path, cached per argument set for the whole session."""
+    cache: dict = {}
+
+    def write(preset: str = "tiny", fmt: str = "bf16", **kw):
+        key = (preset, fmt, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{preset}-{fmt}")
+            cache[key] = write_checkpoint(out, preset, fmt, **kw)
+        return cache[key]
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4(ckpt_factory):
+    return ckpt_factory("tiny", "nvfp4")
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(ckpt_factory):
+    return ckpt_factory("tiny", "bf16")

@@ -1,0 +1,400 @@
+"""Config parsing, the checkpoint reader, validation errors and the synthetic writer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from minimax_ref.checkpoint import check_scales, open_checkpoint
+from minimax_ref.cli import main
+from minimax_ref.config import parse_model_config
+from minimax_ref.errors import CheckpointError, ConfigError
+from minimax_ref.loader import load_model
+from minimax_ref.synth import build_config, plan_tensors, write_checkpoint
+
+LAYER1 = "language_model.model.layers.1."
+
+
+def _copy(src, tmp_path, name="ck"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _shard_of(path, name):
+    return json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def _rewrite(path, name, fn):
+    """Apply fn(dict of the shard's tensors) to the shard holding `name`, in place."""
+    shard = path / _shard_of(path, name)
+    tensors = load_file(str(shard))
+    fn(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    for n in list(index["weight_map"]):
+        if index["weight_map"][n] == shard.name and n not in tensors:
+            del index["weight_map"][n]
+    for n in tensors:
+        index["weight_map"][n] = shard.name
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_raw_and_transformers_flat_config_parse_the_same():
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLConfig
+
+    raw = build_config("tiny-vl", "bf16")
+    flat = MiniMaxM3VLConfig(**{k: raw[k] for k in ("text_config", "vision_config")}).to_dict()
+    assert "layer_types" in flat["text_config"] and "sparse_attention_config" not in flat["text_config"]
+    a, b = parse_model_config(raw), parse_model_config(flat)
+    # transformers fills in its class defaults for bos/eos; everything else must agree
+    assert dataclasses.replace(a.text, bos_token_id=None, eos_token_id=()) == \
+        dataclasses.replace(b.text, bos_token_id=None, eos_token_id=())
+    assert a.vision == b.vision
+    assert a.text.sparse_layers == (False, True, True, True) and a.text.moe_layers == (False, True, True, True)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("sparse_score_type", "mean"), ("rope_scaling", {"type": "yarn"}), ("attention_output_gate", True),
+    ("swiglu_beta", 2.0), ("scoring_func", "softmax"), ("sparse_num_index_heads", 1), ("qk_norm_type", "shared"),
+])
+def test_unsupported_config_values_are_rejected_by_name(field, value):
+    raw = build_config("tiny", "bf16", overrides={field: value})
+    with pytest.raises(ConfigError) as e:
+        parse_model_config(raw)
+    assert field.replace("sparse_num_index_heads", "sparse_num_index_heads") in str(e.value)
+    assert repr(value) in str(e.value) or str(value) in str(e.value)
+
+
+def test_layer_schedule_comes_from_frequency_lists():
+    raw = build_config("tiny", "bf16")
+    raw["text_config"]["moe_layer_freq"] = [0, 1, 0, 1]
+    raw["text_config"]["sparse_attention_config"]["sparse_attention_freq"] = [0, 0, 1, 1]
+    raw["text_config"]["sparse_attention_config"]["sparse_disable_index_value"] = [0, 0, 1, 1]
+    t = parse_model_config(raw).text
+    assert t.moe_layers == (False, True, False, True) and t.sparse_layers == (False, False, True, True)
+
+
+# ------------------------------------------------------------------ reader and decoding
+
+
+def _e2m1_reference(packed: np.ndarray) -> np.ndarray:
+    """Independent NVFP4 element decode: low nibble = even element, codes via ml_dtypes' float4_e2m1fn."""
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.uint8)
+    return codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+
+
+def test_reader_decodes_nvfp4_expert_like_an_independent_decode(tiny_nvfp4):
+    ck = open_checkpoint(tiny_nvfp4)
+    prefix = LAYER1 + "block_sparse_moe.experts.5.w2"
+    assert ck.formats[prefix].fmt == "nvfp4"
+    with safe_open(str(tiny_nvfp4 / _shard_of(tiny_nvfp4, prefix + ".weight")), "pt") as f:
+        packed = f.get_tensor(prefix + ".weight").numpy()
+    with safe_open(str(tiny_nvfp4 / _shard_of(tiny_nvfp4, prefix + ".weight_scale")), "pt") as f:
+        scale = f.get_tensor(prefix + ".weight_scale").view(torch.uint8).numpy()
+    with safe_open(str(tiny_nvfp4 / _shard_of(tiny_nvfp4, prefix + ".weight_scale_2")), "pt") as f:
+        g = float(f.get_tensor(prefix + ".weight_scale_2"))
+    elems = _e2m1_reference(packed)
+    block = scale.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    expected = elems * np.repeat(block * np.float32(g), 16, axis=1)
+    got = ck.read_linear(prefix).numpy()
+    np.testing.assert_array_equal(got, expected)
+    # a K slice (tensor-parallel style) equals the same columns of the full decode
+    np.testing.assert_array_equal(ck.read_linear(prefix, cols=slice(32, 64)).numpy(), expected[:, 32:64])
+
+
+def test_reader_decodes_mxfp8_like_an_independent_decode(ckpt_factory):
+    path = ckpt_factory("tiny", "mxfp8")
+    ck = open_checkpoint(path)
+    prefix = LAYER1 + "self_attn.q_proj"
+    assert ck.formats[prefix].fmt == "mxfp8"
+    with safe_open(str(path / _shard_of(path, prefix + ".weight")), "pt") as f:
+        w = f.get_tensor(prefix + ".weight").view(torch.uint8).numpy()
+    with safe_open(str(path / _shard_of(path, prefix + ".weight_scale_inv")), "pt") as f:
+        s = f.get_tensor(prefix + ".weight_scale_inv").numpy()
+    expected = w.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.repeat(
+        np.exp2(s.astype(np.float32) - 127), 32, axis=1)
+    np.testing.assert_array_equal(ck.read_linear(prefix).numpy(), expected)
+    np.testing.assert_array_equal(ck.read_linear(prefix, rows=slice(64, 128)).numpy(), expected[64:128])
+
+
+def test_bf16_reader_and_family_formats(tiny_bf16, tiny_nvfp4):
+    fams = open_checkpoint(tiny_nvfp4).family_formats()
+    assert fams["routed_expert"] == {"nvfp4"} and fams["attention"] == {"mxfp8"}
+    assert fams["indexer"] == {"mxfp8"} and fams["lm_head"] == {"bf16"} and fams["router"] == {"f32"}
+    assert open_checkpoint(tiny_bf16).family_formats()["routed_expert"] == {"bf16"}
+
+
+def test_alternative_spellings_load_to_the_same_logits(tiny_nvfp4, tmp_path):
+    """compressed-tensors NVFP4 names (reciprocal globals), MXFP8 scales named weight_scale and stored
+    as F8_E8M0, and a bf16 selection bias all decode to the same model (up to the reciprocal's
+    rounding: 1 / (1 / s) is s within one fp32 ulp)."""
+    alt = _copy(tiny_nvfp4, tmp_path, "alt")
+    index = json.loads((alt / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        t = load_file(str(alt / shard))
+        out = {}
+        for name, v in t.items():
+            if name.endswith(".weight_scale_inv"):
+                out[name.replace("weight_scale_inv", "weight_scale")] = v.view(torch.float8_e8m0fnu)
+            elif ".experts." in name and name.endswith(".weight") and v.dtype == torch.uint8:
+                out[name.replace(".weight", ".weight_packed")] = v
+            elif name.endswith(".weight_scale_2"):
+                out[name.replace("weight_scale_2", "weight_global_scale")] = (1.0 / v).reshape(1)
+            elif name.endswith(".input_scale"):
+                out[name.replace("input_scale", "input_global_scale")] = (1.0 / v).reshape(1)
+            elif name.endswith("e_score_correction_bias"):
+                out[name] = v.bfloat16()  # routers may be stored bf16; values chosen exact in bf16 below
+            else:
+                out[name] = v
+        save_file(out, str(alt / shard), metadata={"format": "pt"})
+        for name in t:
+            index["weight_map"].pop(name)
+        index["weight_map"].update({n: shard for n in out})
+    (alt / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = json.loads((alt / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "mixed-precision",
+        "config_groups": {
+            "g0": {"targets": ["re:.*experts\\.\\d+\\.w[123]$"],
+                   "weights": {"num_bits": 4, "group_size": 16, "type": "float"}},
+            "g1": {"targets": ["re:.*(self_attn|mlp|shared_experts)\\.[a-z_]+_proj$"],
+                   "weights": {"num_bits": 8, "group_size": 32, "type": "float"}}},
+        "ignore": ["language_model.lm_head"]}
+    (alt / "config.json").write_text(json.dumps(cfg))
+    ck = open_checkpoint(alt)
+    assert ck.formats[LAYER1 + "block_sparse_moe.experts.0.w1"].compressed_tensors
+    ids = torch.randint(0, 1000, (1, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = load_model(alt, dtype=torch.float32)(ids)
+        m = load_model(tiny_nvfp4, dtype=torch.float32)
+        for layer in m.layers[1:]:
+            bias = layer.block_sparse_moe.gate.e_score_correction_bias
+            bias.copy_(bias.bfloat16().float())
+        b = m(ids)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _problem(path, *needles):
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(path)
+    msg = str(e.value)
+    for n in needles:
+        assert n in msg, msg
+    return e.value
+
+
+def test_missing_tensor(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    name = LAYER1 + "self_attn.k_norm.weight"
+    _rewrite(ck, name, lambda t: t.pop(name))
+    _problem(ck, "missing tensor", name)
+
+
+def test_extra_unknown_tensor_and_ignored_mtp(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    name = LAYER1 + "self_attn.q_norm.weight"
+    extra = LAYER1 + "self_attn.sink_bias"
+    mtp = "language_model.model.mtp.layers.0.enorm.weight"
+
+    def add(t):
+        t[extra] = torch.zeros(4, dtype=torch.bfloat16)
+        t[mtp] = torch.zeros(128, dtype=torch.bfloat16)
+
+    _rewrite(ck, name, add)
+    err = _problem(ck, "unexpected tensor", extra)
+    assert not any(mtp in p for p in err.problems), "mtp keys are ignored, not reported"
+
+
+def test_wrong_shape_and_wrong_dtype_reported_together(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    a = LAYER1 + "self_attn.o_proj.weight"
+    b = "language_model.model.norm.weight"
+
+    def break_(t):
+        t[a] = t[a][:, :-32].contiguous()
+    _rewrite(ck, a, break_)
+
+    def break_dtype(t):
+        t[b] = t[b].to(torch.float16).to(torch.int16)
+    _rewrite(ck, b, break_dtype)
+    err = _problem(ck, a, "shape", b, "dtype I16")
+    assert len(err.problems) >= 2
+
+
+def test_truncated_shard(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    shard = ck / _shard_of(ck, LAYER1 + "self_attn.q_proj.weight")
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1000])
+    _problem(ck, shard.name, "truncated")
+
+
+def test_index_points_at_missing_file(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    index = json.loads((ck / "model.safetensors.index.json").read_text())
+    name = LAYER1 + "self_attn.q_proj.weight"
+    index["weight_map"][name] = "model-99999-of-99999.safetensors"
+    (ck / "model.safetensors.index.json").write_text(json.dumps(index))
+    _problem(ck, "model-99999-of-99999.safetensors", "does not exist")
+
+
+def test_pickle_only_folder_is_refused(tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    torch.save({"w": torch.zeros(2)}, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(build_config("tiny")))
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(folder)
+    assert "pytorch_model.bin" in str(e.value) and "pickle" in str(e.value) and "execute" in str(e.value)
+
+
+def test_unsupported_config_value_in_checkpoint(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["text_config"]["scoring_func"] = "softmax"
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        open_checkpoint(ck)
+    assert "scoring_func" in str(e.value) and "softmax" in str(e.value)
+
+
+def test_expert_count_disagreeing_with_config(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["text_config"]["num_local_experts"] = 12
+    (ck / "config.json").write_text(json.dumps(cfg))
+    err = _problem(ck, "expert 12 but num_local_experts=12", "block_sparse_moe.gate.weight")
+    assert any("e_score_correction_bias" in p for p in err.problems)
+
+
+def test_nan_scale_and_e8m0_255_name_the_tensor(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    nvfp4 = LAYER1 + "block_sparse_moe.experts.3.w1.weight_scale"
+    mx = LAYER1 + "self_attn.v_proj.weight_scale_inv"
+
+    def nan(t):
+        s = t[nvfp4].view(torch.uint8).clone()
+        s[0, 0] = 0x7F  # E4M3 NaN
+        t[nvfp4] = s.view(torch.float8_e4m3fn)
+    _rewrite(ck, nvfp4, nan)
+
+    def code255(t):
+        t[mx] = t[mx].clone()
+        t[mx][1, 1] = 255
+    _rewrite(ck, mx, code255)
+    problems = check_scales(open_checkpoint(ck))
+    assert any(nvfp4 in p for p in problems) and any(mx in p and "255" in p for p in problems)
+    with pytest.raises(CheckpointError) as e:
+        load_model(ck, dtype=torch.float32)
+    assert nvfp4[: -len(".weight_scale")] in str(e.value) and mx[: -len("_scale_inv")] in str(e.value)
+
+
+def test_quantization_config_disagreement_is_reported(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    layers = cfg["quantization_config"]["quantized_layers"]
+    layers[LAYER1 + "self_attn.q_proj"] = {"quant_algo": "NVFP4", "group_size": 16}
+    cfg["quantization_config"]["unexpected_key"] = 1
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        open_checkpoint(ck)
+    assert "unexpected_key" in str(e.value)
+    del cfg["quantization_config"]["unexpected_key"]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _problem(ck, LAYER1 + "self_attn.q_proj is stored MXFP8 but quantization_config says NVFP4")
+
+
+def test_pruned_build_tolerates_quantized_layers_naming_missing_experts(ckpt_factory):
+    # the nvfp4 writer lists only existing experts; add entries for experts that do not exist
+    path = ckpt_factory("tiny", "nvfp4", experts=8)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["text_config"]["num_local_experts"] == 8
+    open_checkpoint(path)
+
+
+# ------------------------------------------------------------------ synth
+
+
+def test_synth_is_deterministic_and_seed_dependent(tmp_path):
+    a = write_checkpoint(tmp_path / "a", "tiny", "nvfp4", seed=3)
+    b = write_checkpoint(tmp_path / "b", "tiny", "nvfp4", seed=3)
+    c = write_checkpoint(tmp_path / "c", "tiny", "nvfp4", seed=4)
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir())
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) > 1, "the tiny preset spans several shards so the index is exercised"
+    assert any((a / f).read_bytes() != (c / f).read_bytes() for f in shards)
+
+
+def test_release_tensor_count_matches_the_release():
+    """The BF16 release has 23,416 tensors (checkpoint.md); the table must produce exactly that."""
+    count, nbytes = plan_tensors(parse_model_config(build_config("release", "bf16")), "bf16")
+    assert count == 23416
+    # the BF16 release's 59 shards hold 854,176,398,808 bytes with the router and bias in fp32; the
+    # remaining 6.45 MB are the shards' JSON headers (about 275 bytes per tensor)
+    assert 0 < 854_176_398_808 - nbytes < 23416 * 300
+
+
+def test_synth_weights_are_not_degenerate(tiny_bf16):
+    model = load_model(tiny_bf16, dtype=torch.float32)
+    assert model.norm.weight.abs().max() > 0.05, "norm offsets are not all zero"
+    from minimax_ref.model import Trace
+
+    trace = Trace(layers=set())
+    ids = torch.randint(0, 1000, (1, 120), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, trace=trace)
+    used = trace.routing[1].expert_ids.unique().numel()
+    assert used >= model.text.num_local_experts // 2, "routing spreads over the experts"
+    sel = trace.blocks[1][0, 0, -1]
+    assert (sel >= 0).all() and sel.unique().numel() == sel.numel()
+
+
+def test_synth_release_dry_run_cli(capsys):
+    assert main(["synth", "--preset", "pruned-80", "--format", "nvfp4", "--out", "unused", "--dry-run"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tensors"] > 23416 and 150e9 < out["bytes"] < 175e9  # the seed build is 162.90 GB
+
+
+def test_inspect_cli(tiny_nvfp4, tmp_path, capsys):
+    assert main(["inspect", str(tiny_nvfp4)]) == 0
+    out = capsys.readouterr().out
+    assert "routed_expert  nvfp4" in out and "problems    0" in out and "3 x msa+moe" in out
+    ck = _copy(tiny_nvfp4, tmp_path)
+    name = LAYER1 + "self_attn.k_norm.weight"
+    _rewrite(ck, name, lambda t: t.pop(name))
+    assert main(["inspect", str(ck), "--output-format", "json"]) == 1
+    assert any(name in p for p in json.loads(capsys.readouterr().out)["problems"])
+
+
+def test_safetensors_header_reader_rejects_garbage(tmp_path):
+    folder = _copy_minimal(tmp_path)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(folder)
+    assert "model.safetensors" in str(e.value)
+
+
+def _copy_minimal(tmp_path):
+    folder = tmp_path / "single"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(build_config("tiny")))
+    return folder

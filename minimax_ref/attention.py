@@ -5,6 +5,12 @@ Numerics (decided here): projections run in the compute dtype; q/k norms and RoP
 back); the attention core (scores, fp32 softmax, value sum) in fp32; the output is cast to the
 compute dtype before `o_proj`. Dense layers process queries in chunks too, so no layer allocates an
 S x S matrix.
+
+Tensor parallelism (parallel.py): a rank holds a contiguous run of query heads and the kv heads they
+read (with more ranks than kv heads, one kv head replicated over several ranks), the index heads of
+those kv heads, and the whole index key projection (one shared key head). Attention and MSA block
+selection run on the local heads only; `o_proj` holds the local heads' input columns and its fp32
+all-reduce is the block's one collective.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from .config import TextConfig
 from .linear import Linear
 from .msa import CHUNK_ELEMENTS, msa_attention
 from .norm import RMSNorm
+from .parallel import ColumnParallelLinear, RowParallelLinear, World
 from .rope import apply_rope
 
 
@@ -48,21 +55,41 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.cat(outs, dim=1)
 
 
-class Attention(nn.Module):
-    """`self_attn` of one layer. Module and parameter names are the release's."""
+def _head_rows(heads: range, head_dim: int) -> slice:
+    """Rows of a [heads * head_dim, in] projection that belong to the heads `heads`."""
+    return slice(heads.start * head_dim, heads.stop * head_dim)
 
-    def __init__(self, cfg: TextConfig, layer: int, n_heads: int | None = None, n_kv_heads: int | None = None):
+
+class Attention(nn.Module):
+    """`self_attn` of one layer. Module and parameter names are the release's.
+
+    n_heads / n_kv_heads: the model's head counts (default: the config's); `self.n_heads` and
+    `self.n_kv` are the heads this rank holds.
+    """
+
+    def __init__(self, cfg: TextConfig, layer: int, n_heads: int | None = None, n_kv_heads: int | None = None,
+                 world: World | None = None):
         super().__init__()
+        world = world or World.single()
         self.layer = layer
-        self.n_heads = cfg.num_attention_heads if n_heads is None else n_heads
-        self.n_kv = cfg.num_key_value_heads if n_kv_heads is None else n_kv_heads
-        self.head_dim = cfg.head_dim
+        total_heads = cfg.num_attention_heads if n_heads is None else n_heads
+        total_kv = cfg.num_key_value_heads if n_kv_heads is None else n_kv_heads
+        q_part = world.split(total_heads, "num_attention_heads")
+        q_heads = range(q_part.start, q_part.stop)
+        kv_heads = world.kv_heads(total_kv)
+        group = total_heads // total_kv  # query head h reads kv head h // group
+        # invariant of the even splits: the local query heads read exactly the local kv heads
+        assert range(q_heads.start // group, (q_heads.stop - 1) // group + 1) == kv_heads
+        self.n_heads, self.n_kv = len(q_heads), len(kv_heads)
+        self.head_dim = D = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        # bound on the largest attention temporary (elements); the loader sets it from the runtime settings
+        self.chunk_elements = CHUNK_ELEMENTS
         H = cfg.hidden_size
-        self.q_proj = Linear(H, self.n_heads * cfg.head_dim)
-        self.k_proj = Linear(H, self.n_kv * cfg.head_dim)
-        self.v_proj = Linear(H, self.n_kv * cfg.head_dim)
-        self.o_proj = Linear(self.n_heads * cfg.head_dim, H)
+        self.q_proj = ColumnParallelLinear(H, _head_rows(q_heads, D))
+        self.k_proj = ColumnParallelLinear(H, _head_rows(kv_heads, D))
+        self.v_proj = ColumnParallelLinear(H, _head_rows(kv_heads, D))
+        self.o_proj = RowParallelLinear(H, _head_rows(q_heads, D), world)  # all-reduces over the ranks' heads
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.sparse = cfg.sparse_layers[layer]
@@ -70,8 +97,9 @@ class Attention(nn.Module):
             sp = cfg.sparse
             self.geometry = sp
             self.index_dim = sp.index_head_dim
-            self.index_q_proj = Linear(H, self.n_kv * sp.index_head_dim)  # one index head per kv head
-            self.index_k_proj = Linear(H, sp.index_head_dim)
+            # one index head per kv head (index head h selects blocks for kv head h): they split alike
+            self.index_q_proj = ColumnParallelLinear(H, _head_rows(kv_heads, sp.index_head_dim))
+            self.index_k_proj = Linear(H, sp.index_head_dim)  # replicated: one key head for all index heads
             self.index_q_norm = RMSNorm(sp.index_head_dim, cfg.rms_norm_eps)
             self.index_k_norm = RMSNorm(sp.index_head_dim, cfg.rms_norm_eps)
 
@@ -100,9 +128,10 @@ class Attention(nn.Module):
         if self.sparse:
             sp = self.geometry
             o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
-                                      sp.local_blocks, sp.init_blocks)
+                                      sp.local_blocks, sp.init_blocks, self.chunk_elements)
             if trace is not None:
                 trace["blocks"] = blocks
         else:
-            o = causal_attention(q, k, v, pos, self.scale)
+            o = causal_attention(q, k, v, pos, self.scale, self.chunk_elements)
+        # row-parallel o_proj: this rank's heads' contribution, summed over the ranks (fp32 all-reduce)
         return self.o_proj(o.to(x.dtype).reshape(B, T, -1))

@@ -28,7 +28,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model."""
     p.add_argument("--ckpt-path", type=Path, default=None,
                    help="checkpoint folder (default: the embedded tiny checkpoint, synthesised on first use)")
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device (default: cpu; under examples/generate.py: cuda:LOCAL_RANK when CUDA is "
+                        "available, else cpu)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="compute dtype: bfloat16 (default) or float32 (the golden mode)")
     p.add_argument("--act-quant", choices=["none", "emulate"], default="none",
@@ -39,10 +41,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")
     p.add_argument("--max-model-len", type=int, default=4096,
                    help="longest sequence (prompt + generated tokens) the KV cache holds (default: 4096)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="tensor parallel (torchrun examples/generate.py): each rank holds whole routed experts "
+                        "(E/TP per rank) instead of a slice of every expert")
 
 
-def load_from_args(args: argparse.Namespace):
-    """(model, tokenizer, checkpoint path) for the model flags."""
+def load_from_args(args: argparse.Namespace, world=None):
+    """(model, tokenizer, checkpoint path) for the model flags.
+
+    world: the tensor-parallel `parallel.World` to load over (default: `args.world`, which
+    examples/generate.py sets under torchrun; else one process).
+    """
     import torch
 
     from .loader import load_model
@@ -51,8 +60,10 @@ def load_from_args(args: argparse.Namespace):
 
     path = args.ckpt_path or ensure_default_checkpoint()
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    world = world if world is not None else getattr(args, "world", None)
     model = load_model(path, device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
-                       max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
+                       max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tp=world,
+                       expert_parallel=getattr(args, "expert_parallel", False))
     return model, load_tokenizer(path), path
 
 
@@ -65,8 +76,9 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text (repeat for a batch); with --chat, one user message")
     p.add_argument("--input-file", type=Path, default=None,
-                   help="JSONL batch: one request per line with 'prompt' or 'messages', optional 'tools' and "
-                        "sampling overrides; one JSON result per line on stdout, in input order")
+                   help="JSONL batch: one request per line with 'prompt' or 'messages', optional 'tools', "
+                        "'images' (file paths relative to the JSONL file) and sampling overrides; one JSON "
+                        "result per line on stdout, in input order")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat session (/reset, /exit)")
     p.add_argument("--max-new-tokens", type=_nonneg_int, default=128, help="default: 128")
     p.add_argument("--temperature", type=float, default=rec["temperature"],
@@ -82,7 +94,15 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hide-reasoning", action="store_true", help="do not print the reasoning (text output)")
     p.add_argument("--output-format", choices=["text", "json"], default="text",
                    help="text (streamed) or json (one object per prompt per line)")
-    p.add_argument("--speculative", choices=["none"], default="none", help="speculative decoding (default: none)")
+    p.add_argument("--speculative", choices=["none"], default="none",
+                   help="speculative decoding (default: none)")
+    p.add_argument("--image", type=Path, action="append", default=None, metavar="FILE",
+                   help="image file (repeat for several, up to --limit-images); placed before the prompt "
+                        "text (with --chat, at the start of the user turn) unless the prompt holds one "
+                        "]<]image[>[ marker per image. Applies to every --prompt, and to --input-file "
+                        "records without 'images'")
+    p.add_argument("--limit-images", type=_nonneg_int, default=None, metavar="N",
+                   help="most images one prompt may carry (default: 1, the release deployment's limit)")
 
 
 def _read_tools(path: Path | None):
@@ -162,14 +182,24 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError(f"--speculative {args.speculative} is not available in this build")
     tools = _read_tools(args.tools)
     kw = _sampling_kwargs(args)
-    modes = sum(x is not None and x is not False for x in (args.prompt, args.input_file, args.interactive or None))
+    modes = sum(x is not None and x is not False
+                for x in (args.prompt, args.input_file, args.interactive or None))
     if modes != 1:
         raise InputError("give exactly one of --prompt, --input-file or --interactive")
     if args.prompt is not None and any(p == "" for p in args.prompt):
         raise InputError("--prompt is empty: give some text")
     if args.input_file is not None and not args.input_file.is_file():
         raise InputError(f"--input-file {args.input_file}: no such file")
+    if args.image and args.interactive:
+        raise InputError("--image is not supported with --interactive; use --prompt or --input-file")
+    for path in args.image or []:
+        if not path.is_file():  # fail before loading the model; contents are checked when decoded
+            raise InputError(f"--image {path}: no such file")
     model, tok, _ = load_from_args(args)
+    if args.limit_images is not None:
+        import dataclasses
+
+        model.runtime = dataclasses.replace(model.runtime, max_images_per_prompt=args.limit_images)
     chat_kw = {"chat": args.chat, "tools": tools, "thinking": args.thinking, "system": args.system}
 
     if args.interactive:
@@ -182,7 +212,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if stream:
         started = args.chat and args.thinking == "enabled"
         on_text, close = _stream_printer(args, tools, started)
-    results = generate(model, tok, args.prompt, on_text=on_text, **chat_kw, **kw)
+    images = [args.image] * len(args.prompt) if args.image else None
+    results = generate(model, tok, args.prompt, on_text=on_text, images=images, **chat_kw, **kw)
     if close:
         close()
     for r in results:
@@ -205,8 +236,8 @@ def _batch_file(args, model, tok, tools, kw) -> int:
                 raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(req, dict) or ("prompt" in req) == ("messages" in req):
                 raise InputError("each line must be an object with exactly one of 'prompt' or 'messages'")
-            unknown = sorted(set(req) - {"prompt", "messages", "tools", "max_new_tokens", "temperature", "top_p",
-                                         "top_k", "seed", "thinking", "system", "id"})
+            unknown = sorted(set(req) - {"prompt", "messages", "tools", "max_new_tokens", "temperature",
+                                         "top_p", "top_k", "seed", "thinking", "system", "id", "images"})
             if unknown:
                 raise InputError(f"unknown keys {unknown}")
             req_tools = req.get("tools", tools)
@@ -214,9 +245,20 @@ def _batch_file(args, model, tok, tools, kw) -> int:
             prompt = req.get("messages", req.get("prompt"))
             if not chat and not isinstance(prompt, str):
                 raise InputError("'prompt' must be a string")
+            # Image paths in a record are relative to the input file (--image ones to the working folder).
+            base = args.input_file.parent
+            images = req.get("images", args.image)
+            if "images" in req:
+                if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
+                    raise InputError("'images' must be a list of image file paths")
+                images = [base / x for x in images]
+            if isinstance(prompt, list):
+                from .multimodal import rebase_image_paths
+
+                prompt = rebase_image_paths(prompt, base)
             res = generate(model, tok, [prompt], chat=chat, tools=req_tools,
                            thinking=req.get("thinking", args.thinking), system=req.get("system", args.system),
-                           **_sampling_kwargs(args, req))[0]
+                           images=[images] if images else None, **_sampling_kwargs(args, req))[0]
             out = res.as_dict()
             if "id" in req:
                 out["id"] = req["id"]
@@ -386,7 +428,14 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 # Commands implemented in their own modules: each module has `build_parser(p)` and `run(args) -> int`.
-MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = ()
+MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("score", "minimax_ref.score", "per-token log-likelihood of completions; drift and top-1 agreement against a "
+                                   "reference checkpoint"),
+    ("prune", "minimax_ref.prune", "write an expert-pruned checkpoint (keep N routed experts per MoE layer)"),
+    ("plan", "minimax_ref.plan", "per-card weight memory at tensor parallelism N and the KV-cache pool"),
+    ("golden", "minimax_ref.golden", "export golden tensors (op inputs/outputs, paged KV, packed operands) for "
+                                     "kernel tests, or replay a bundle"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -170,12 +170,15 @@ class RuntimeConfig:
     max_batch_size: sequences decoded together; default 8.
     kv_cache_dtype: "auto" (the compute dtype) or "fp8" (float8_e4m3fn, saturating, scale 1.0).
     max_images_per_prompt: images one prompt may carry; default 1 (the seed's deployment).
+    attention_chunk_elements: the largest temporary one attention query chunk may create, in
+        elements (default 2**24: 64 MiB in fp32); queries are chunked so memory is linear in context.
     """
 
     max_seq_len: int = 4096
     max_batch_size: int = 8
     kv_cache_dtype: str = "auto"
     max_images_per_prompt: int = 1
+    attention_chunk_elements: int = 1 << 24
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:
@@ -186,6 +189,8 @@ class RuntimeConfig:
             raise ConfigError(
                 f"runtime setting kv_cache_dtype={self.kv_cache_dtype!r}: choose 'auto' or 'fp8'"
             )
+        if self.attention_chunk_elements < 1:
+            raise ConfigError(f"runtime setting attention_chunk_elements={self.attention_chunk_elements!r} must be >= 1")
         if self.max_images_per_prompt < 0:
             raise ConfigError(
                 f"runtime setting max_images_per_prompt={self.max_images_per_prompt!r} must be >= 0"

@@ -39,6 +39,10 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        # The part of the checkpoint's [out, in] weight this module holds (None = all of it): set by
+        # the tensor-parallel layers (parallel.py); the loader reads only that part of the shards.
+        self.rows: slice | None = None
+        self.cols: slice | None = None
         self.act_format: str | None = None  # set by the loader from the on-disk format
         self.emulate_act_quant = False
         self.register_buffer("input_scale", None, persistent=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import Linear
+from .parallel import ColumnParallelLinear, RowParallelLinear, World
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -21,13 +21,22 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float)
 
 
 class MLP(nn.Module):
-    """`gate_proj`/`up_proj` [I, H] and `down_proj` [H, I]: the release's tensor names."""
+    """`gate_proj`/`up_proj` [I, H] and `down_proj` [H, I]: the release's tensor names.
 
-    def __init__(self, hidden: int, intermediate: int, alpha: float, limit: float):
+    Tensor parallel: gate/up hold this rank's intermediate rows, down_proj the same columns, so the
+    activation is computed on the local channels only. down_proj all-reduces (once per block) unless
+    `reduce_output=False`: then forward returns this rank's partial sum (the shared expert, which the
+    MoE adds to the routed experts' partial sum before its one all-reduce).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, alpha: float, limit: float, world: World | None = None,
+                 reduce_output: bool = True):
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate)
-        self.up_proj = Linear(hidden, intermediate)
-        self.down_proj = Linear(intermediate, hidden)
+        world = world or World.single()
+        channels = world.split(intermediate, "MLP intermediate size")
+        self.gate_proj = ColumnParallelLinear(hidden, channels)
+        self.up_proj = ColumnParallelLinear(hidden, channels)
+        self.down_proj = RowParallelLinear(hidden, channels, world, reduce=reduce_output)
         self.alpha, self.limit = alpha, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

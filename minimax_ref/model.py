@@ -11,6 +11,11 @@ dropped), so the name table in checkpoint.py is short.
 Calling the model on input ids [B, S] runs the plain full forward at positions 0..S-1 and returns
 fp32 logits [B, S, V]. Cached prefill/decode pass `cache` and `positions`; research hooks pass a
 `Trace` to receive per-layer hidden states, router decisions and MSA block selections.
+
+Tensor parallelism: built with a `parallel.World` of N ranks, every rank runs this same code on its
+slices (parallel.py lists the splits); the residual stream is replicated, attention and FFN blocks
+each end in one all-reduce, the embedding sums the ranks' vocabulary rows and the logits are gathered
+so every rank holds the same full fp32 logits.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ from .attention import Attention
 from .cache import KVCache
 from .config import ModelConfig, TextConfig
 from .errors import InputError
-from .linear import Linear
 from .mlp import MLP
 from .moe import MoE, Routing
 from .norm import RMSNorm
+from .parallel import ColumnParallelLinear, VocabParallelEmbedding, World
 from .rope import rope_cos_sin, rope_inv_freq
 
 
@@ -38,7 +43,8 @@ class Trace:
     hidden_states[L]: the residual stream after layer L, [B, T, H] (only layers in `layers`, all when
         `layers` is None; `hidden_states[-1]`-style access is by layer index, not position).
     routing[L]: MoE decision of layer L for the B*T flattened tokens (`moe.Routing`).
-    blocks[L]: MSA block ids of layer L, [B, kv_heads, T, kb] (-1 = empty slot).
+    blocks[L]: MSA block ids of layer L, [B, kv_heads, T, kb] (-1 = empty slot); under tensor
+        parallelism, this rank's kv heads only.
     """
 
     layers: set[int] | None = None
@@ -51,20 +57,21 @@ class Trace:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int):
+    def __init__(self, cfg: TextConfig, layer: int, world: World, expert_parallel: bool = False):
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, world=world)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe_layers[layer]:
             self.block_sparse_moe = MoE(
                 cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
                 cfg.shared_intermediate_size, cfg.n_shared_experts, cfg.routed_scaling_factor,
-                cfg.use_routing_bias, cfg.swiglu_alpha, cfg.swiglu_limit,
+                cfg.use_routing_bias, cfg.swiglu_alpha, cfg.swiglu_limit, world, expert_parallel,
             )
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit)
+            self.mlp = MLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit,
+                           world)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, trace: Trace | None) -> torch.Tensor:
@@ -86,24 +93,32 @@ class DecoderLayer(nn.Module):
 
 
 class MiniMaxM3(nn.Module):
-    """The language model (and, when the checkpoint has one, the vision tower and projector)."""
+    """The language model (and, when the checkpoint has one, the vision tower and projector).
 
-    def __init__(self, config: ModelConfig):
+    world: the tensor-parallel group (default: one process). expert_parallel: with more than one
+    rank, hold whole routed experts (E / TP per rank) instead of a slice of every expert.
+    """
+
+    def __init__(self, config: ModelConfig, world: World | None = None, expert_parallel: bool = False):
         super().__init__()
         self.config = config
+        self.world = world = world or World.single()
+        self.expert_parallel = expert_parallel
         cfg = self.text = config.text
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, world)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, world, expert_parallel)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        # column-parallel over the vocabulary, the same rows as embed_tokens (so tying shares them)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, world.split(cfg.vocab_size, "vocab_size"))
         self.vision_tower = None
         self.projector = None
         if config.vision is not None:
             from .vision import Projector, VisionTower
 
             self.vision_tower = VisionTower(config.vision)
-            self.projector = Projector(config.vision.hidden_size, cfg.hidden_size, config.vision.spatial_merge_size)
+            self.projector = Projector(config.vision.hidden_size, cfg.hidden_size, config.vision.spatial_merge_size,
+                                       projector_hidden=config.projector_hidden_size)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,7 +146,9 @@ class MiniMaxM3(nn.Module):
         return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h)).float()
+        """fp32 logits [.., V] of the residual stream h. Each rank computes its vocabulary slice; the
+        slices are gathered so every rank holds the same full logits (and samples the same token)."""
+        return self.world.all_gather(self.lm_head(self.norm(h)).float(), dim=-1)
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, trace: Trace | None = None,
@@ -152,5 +169,6 @@ class MiniMaxM3(nn.Module):
         return self.logits(self.hidden(x, positions, cache, trace))
 
     def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str = "auto") -> KVCache:
+        """A KV cache for this rank: its kv heads only (all of them with one process)."""
         return KVCache(self.text, batch_size, max_seq_len, self.embed_tokens.weight.dtype, self.device,
-                       kv_cache_dtype)
+                       kv_cache_dtype, kv_heads=self.layers[0].self_attn.n_kv)

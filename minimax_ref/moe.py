@@ -10,6 +10,12 @@ Contract (spec `model.md`, "Feed-forward"):
 Accumulation (decided here): each expert's output (compute dtype) is cast to fp32, multiplied by
 its fp32 routing weight and summed in fp32; the scaling and the shared expert's output are added in
 fp32 and the result cast once to the compute dtype. In fp32 mode every step is fp32.
+
+Tensor parallelism (parallel.py): the router is replicated, so every rank makes the same choice.
+The routed experts are either split like an MLP (TP mode: each rank holds intermediate/TP channels
+of every expert) or whole (expert-parallel: each rank holds E/TP experts and computes only those,
+for the tokens routed to them). Either way a rank's routed sum and its shared-expert output are
+partial sums; they are added in fp32 and all-reduced once per block.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from torch import nn
 
 from .linear import emulate_activation_quant
 from .mlp import MLP, swiglu_oai
+from .parallel import World
 
 
 @dataclass
@@ -74,20 +81,43 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts of one layer, stacked: `w1` (gate) and `w3` (up) [E, I, H], `w2` (down)
-    [E, H, I], in the compute dtype. For NVFP4 activation emulation each expert keeps its
-    `input_scale` per projection ([E] fp32 buffers)."""
+    """The routed experts of one layer held by this rank, stacked: `w1` (gate) and `w3` (up)
+    [E_local, I_local, H], `w2` (down) [E_local, H, I_local], in the compute dtype. For NVFP4
+    activation emulation each expert keeps its `input_scale` per projection ([E_local] fp32 buffers).
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float):
+    `local_experts`: the global expert ids held here (all of them, or E/TP consecutive ones when
+    expert-parallel); `channels`: the slice of each expert's intermediate channels held here (all
+    of them when expert-parallel, intermediate/TP in TP mode).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float,
+                 world: World | None = None, expert_parallel: bool = False):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, hidden), requires_grad=False)
-        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        world = world or World.single()
+        self.num_experts = num_experts
+        self.expert_parallel = expert_parallel
+        if expert_parallel:
+            owned = world.split(num_experts, "num_local_experts")
+            self.local_experts = range(owned.start, owned.stop)
+            self.channels = slice(0, intermediate)
+        else:
+            self.local_experts = range(num_experts)
+            self.channels = world.split(intermediate, "routed expert intermediate_size")
+        E, I = len(self.local_experts), self.channels.stop - self.channels.start  # noqa: E741
+        self.w1 = nn.Parameter(torch.empty(E, I, hidden), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(E, I, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, hidden, I), requires_grad=False)
         self.alpha, self.limit = alpha, limit
         self.act_format: str | None = None
         self.emulate_act_quant = False
         for leaf in ("w1", "w2", "w3"):
             self.register_buffer(f"{leaf}_input_scale", None, persistent=False)
+
+    def slices(self, leaf: str) -> tuple[slice | None, slice | None]:
+        """The [rows, cols] part of one expert's checkpoint weight `leaf` ("w1", "w2", "w3") held here."""
+        if self.expert_parallel:
+            return None, None  # whole experts
+        return (None, self.channels) if leaf == "w2" else (self.channels, None)
 
     def _act(self, x: torch.Tensor, leaf: str, e: int) -> torch.Tensor:
         if not self.emulate_act_quant:
@@ -96,7 +126,8 @@ class Experts(nn.Module):
         return emulate_activation_quant(x, self.act_format, None if scales is None else scales[e])
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `e` on `x` [n, H] -> [n, H] in the compute dtype."""
+        """Local expert `e` (index into the stack) on `x` [n, H] -> [n, H] in the compute dtype
+        (in TP mode: this rank's partial output, from its intermediate channels)."""
         gate = F.linear(self._act(x, "w1", e), self.w1[e])
         up = F.linear(self._act(x, "w3", e), self.w3[e])
         h = swiglu_oai(gate, up, self.alpha, self.limit)
@@ -105,22 +136,24 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """`sum_j w_j * expert_j(x)` for `x` [T, H], accumulated in fp32 -> fp32 [T, H].
 
-        Tokens are grouped by expert so each selected expert runs once on all its tokens.
+        Tokens are grouped by expert so each selected expert runs once on all its tokens. Under
+        tensor parallelism this is the rank's partial sum: its channels of every expert (TP mode) or
+        its own experts only (expert-parallel); the caller all-reduces.
         """
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = routing.expert_ids.reshape(-1)
         flat_w = routing.weights.reshape(-1)
         token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(routing.expert_ids.shape[1])
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.w1.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
             sel = order[start : start + n]
             start += n
+            if n == 0 or e not in self.local_experts:
+                continue  # expert-parallel: another rank computes expert e for these tokens
             tokens = token_of[sel]
-            y = self.expert(e, x[tokens])
+            y = self.expert(e - self.local_experts.start, x[tokens])
             out.index_add_(0, tokens, y.float() * flat_w[sel, None])
         return out
 
@@ -129,11 +162,15 @@ class MoE(nn.Module):
     """`block_sparse_moe` of a layer: `gate` (router), `experts`, `shared_experts`."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
-                 n_shared: int, scaling: float, use_bias: bool, alpha: float, limit: float):
+                 n_shared: int, scaling: float, use_bias: bool, alpha: float, limit: float,
+                 world: World | None = None, expert_parallel: bool = False):
         super().__init__()
-        self.gate = Router(hidden, num_experts, top_k, use_bias)
-        self.experts = Experts(num_experts, hidden, intermediate, alpha, limit)
-        self.shared_experts = MLP(hidden, shared_intermediate, alpha, limit) if n_shared else None
+        self.world = world or World.single()
+        self.gate = Router(hidden, num_experts, top_k, use_bias)  # replicated: same choice on every rank
+        self.experts = Experts(num_experts, hidden, intermediate, alpha, limit, self.world, expert_parallel)
+        # the shared expert's down_proj does not reduce: forward sums it with the routed experts first
+        self.shared_experts = (MLP(hidden, shared_intermediate, alpha, limit, self.world, reduce_output=False)
+                               if n_shared else None)
         self.scaling = scaling
 
     def forward(self, x: torch.Tensor, trace: list | None = None) -> torch.Tensor:
@@ -142,7 +179,8 @@ class MoE(nn.Module):
         routing = self.gate(flat)
         if trace is not None:
             trace.append(routing)
-        y = self.experts(flat, routing) * self.scaling
+        y = self.experts(flat, routing) * self.scaling  # fp32; this rank's part under TP
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat).float()
+            y = y + self.shared_experts(flat).float()  # this rank's partial shared-expert output
+        y = self.world.all_reduce_fp32(y)  # the block's one all-reduce: routed + shared together
         return y.to(x.dtype).reshape(shape)

@@ -58,3 +58,52 @@ def hf_text_model(model, attn_impl: str = "eager"):
 def relative_max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to the logit scale (max |b|)."""
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def release_to_transformers(release_name: str) -> str:
+    """Rename a release tensor name the way transformers' checkpoint conversion mapping does."""
+    import re
+
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    for rule in get_checkpoint_conversion_mapping("minimax_m3_vl"):
+        if type(rule).__name__ != "WeightRenaming":
+            continue
+        source, target = rule.source_patterns[0], rule.target_patterns[0]
+        if re.search(source, release_name):
+            return re.sub(source, target, release_name)
+    raise AssertionError(f"no transformers renaming for {release_name}")
+
+
+def hf_vl_model(model, attn_impl: str = "eager"):
+    """A `MiniMaxM3SparseForConditionalGeneration` (fp32) carrying exactly the weights of minimax-ref
+    `model` (a checkpoint with a vision tower): the text weights mapped as `hf_text_model` maps them,
+    the vision tower and projector renamed from their release names by transformers' own conversion
+    mapping."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig
+
+    from minimax_ref.vision import PROJECTOR_RELEASE_NAMES, VISION_PREFIX
+
+    raw = model.config.raw
+    keys = ("text_config", "vision_config", "image_token_index", "video_token_index", "projector_hidden_size")
+    cfg = MiniMaxM3VLConfig(**{k: raw[k] for k in keys if k in raw})
+    for c in (cfg, cfg.text_config, cfg.vision_config):
+        c._attn_implementation = attn_impl
+    hf = MiniMaxM3SparseForConditionalGeneration(cfg).eval()
+
+    sd = {}
+    text = hf_text_model(model, attn_impl)
+    for name, value in text.state_dict().items():  # "model.X" -> "model.language_model.X"
+        if "rotary" not in name and "inv_freq" not in name:
+            sd[name if name.startswith("lm_head.") else "model.language_model." + name[len("model."):]] = value
+    for key, value in model.vision_tower.state_dict().items():
+        sd[release_to_transformers(VISION_PREFIX + key)] = value
+    to_release = {local: release for release, local in PROJECTOR_RELEASE_NAMES.items()}
+    for key, value in model.projector.state_dict().items():
+        head = key[: key.index(".") + 1]
+        sd[release_to_transformers(to_release[head] + key[len(head):])] = value
+    sd = {k: v.detach().float().clone() for k, v in sd.items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if "rotary" not in k and "inv_freq" not in k]
+    assert not missing and not unexpected, (missing, unexpected)
+    return hf.float()

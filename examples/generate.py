@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Generate with MiniMax-M3, tensor-parallel over the processes `torchrun` launches.
+
+    torchrun --nproc 2 examples/generate.py --ckpt-path DIR --prompt "Hello"    # NCCL on GPUs, gloo on CPU
+    python examples/generate.py --ckpt-path DIR --prompt "Hello"                # one process
+
+Takes every flag of `minimax-ref generate` (the parser and the run are cli.py's), plus
+`--expert-parallel` (each rank holds whole routed experts instead of a slice of every expert) and
+`--dist-timeout`. The device defaults to `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
+
+Each rank loads only its slices of the checkpoint. All ranks run the same generation: the logits
+are gathered, so every rank holds identical logits and, with the same seed, samples identical
+tokens. Only rank 0 prints (the other ranks' stdout and stderr are silenced) and, in
+`--interactive` mode, only rank 0 reads the terminal and broadcasts each line. When a rank fails
+to load (a bad checkpoint slice, out of memory) every rank stops with the error instead of waiting
+for it; the process group's timeout bounds any other wait for a rank that has died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import contextlib
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from minimax_ref.cli import build_generate_parser, run_generate
+from minimax_ref.errors import MiniMaxRefError
+from minimax_ref.parallel import World
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="examples/generate.py",
+                                description="minimax-ref generate, tensor-parallel under torchrun")
+    build_generate_parser(p)
+    p.add_argument("--dist-timeout", type=float, default=1800.0,
+                   help="seconds a collective may wait for the other ranks before failing (default: 1800; "
+                        "a rank loads its slices before the first one)")
+    p.set_defaults(device=None)  # auto: cuda:LOCAL_RANK when CUDA is available, else cpu
+    return p
+
+
+def init_world(device: str | None, timeout_s: float) -> tuple[World, str]:
+    """The tensor-parallel World from torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK,
+    MASTER_ADDR/PORT), and this rank's device. One process when WORLD_SIZE is unset or 1."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_gpu = device.startswith("cuda")
+    if size == 1:
+        return World.single(), (f"cuda:{local_rank}" if device == "cuda" else device)
+    if on_gpu:
+        device = f"cuda:{local_rank}"  # one GPU per rank
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s),
+                            device_id=torch.device(device) if on_gpu else None)
+    return World.from_group(dist.group.WORLD, device), device
+
+
+def rank0_input(world: World):
+    """A replacement for `input` that reads on rank 0 and gives every rank the same line (or EOF)."""
+    read = builtins.input
+
+    def input_(prompt: str = "") -> str:
+        line = None
+        if world.rank == 0:
+            try:
+                line = read(prompt)
+            except EOFError:
+                line = None
+        line = world.broadcast_object(line)
+        if line is None:
+            raise EOFError
+        return line
+
+    return input_
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    world, args.device = init_world(args.device, args.dist_timeout)
+    args.world = world  # cli.load_from_args loads the model tensor-parallel over it
+    status, read_line = 0, builtins.input
+    try:
+        with contextlib.ExitStack() as quiet:
+            if world.rank != 0:
+                devnull = quiet.enter_context(open(os.devnull, "w"))
+                quiet.enter_context(contextlib.redirect_stdout(devnull))
+                quiet.enter_context(contextlib.redirect_stderr(devnull))
+            if world.size > 1:
+                builtins.input = rank0_input(world)
+            status = run_generate(args)
+    except MiniMaxRefError as e:
+        # every rank raises (load failures are agreed on; input errors are the same on every rank):
+        # rank 0 speaks for all
+        if world.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        status = 2
+    except KeyboardInterrupt:
+        status = 130
+    except Exception:
+        # a bug or an out-of-memory on this rank alone: say which rank, whatever its number
+        print(f"[rank {world.rank}] " + traceback.format_exc(), file=sys.__stderr__, end="")
+        status = 1
+    finally:
+        builtins.input = read_line
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""`minimax-ref plan`: per-card weight memory at tensor parallelism N and the KV-cache pool, from
+`config.json` alone.
+
+Weights. Every tensor of `checkpoint.tensor_table(cfg)` is counted in its on-disk format: the
+format of each linear is the one `quantization_config` implies (`NVFP4`, `MXFP8`, or unquantized
+BF16; a single-algorithm MXFP8 config means MXFP8 for every linear it does not exclude), and plain
+tensors are BF16 except the router (gate and selection bias), which the release stores in FP32.
+When the shards are present their headers are used instead (exact dtypes and formats).
+
+| format | bytes of a linear [N, K] |
+|---|---|
+| bf16 | 2 N K |
+| mxfp8 | N K + N K / 32 (E8M0 scales) |
+| nvfp4 | N K / 2 + N K / 16 (E4M3 scales) + 8 (fp32 weight_scale_2 and input_scale) |
+
+Per card at TP = n (spec `checkpoint.md`, "Tensor parallel slicing"): q_proj, o_proj, dense and
+shared MLPs, routed experts (TP slicing; `--expert-parallel` gives each card ceil(E/n) whole experts
+instead), the vocab-parallel embedding and the LM head are divided by n; k_proj, v_proj and
+index_q_proj are divided by min(n, kv_heads) (kv heads, and the index heads that follow them, are
+replicated when n > kv_heads); index_k_proj, norms, router, NVFP4 global scales, vision tower and
+projectors are replicated on every card (`--split-vision` divides the vision tower and projectors
+by n instead, as vLLM shards them). Scales are sliced with their tensors.
+
+KV cache per token and card: `2 * kv_heads_per_card * head_dim` elements (K and V) per layer, plus
+one index key of `index_head_dim` elements per sparse (MSA) layer, replicated on every card (the
+indexer has one key head). Elements are 1 byte with `--kv-cache-dtype fp8`, else the compute dtype
+(2 bytes for bfloat16).
+
+Pool (decided here): `usable = gpu_memory * gpu_memory_utilization - weights_per_card -
+activation_reserve - image_reserve`; `kv_pool_tokens = floor(usable / kv_bytes_per_token)` rounded
+down to whole pages of one MSA block (128 tokens in the release). Defaults: utilization 0.92 (the
+seed's vLLM setting) and an activation reserve of 5.0 GiB per card: the memory the seed's vLLM run
+kept outside weights and KV on a 96 GB card at TP2 (95.59 GiB * 0.92 - 76.17 GiB weights - 6.81 GiB
+KV = 4.96 GiB: activations at the default batched-token budget, sampler, CUDA graphs, NCCL and
+allocator overhead). Images add their encoder-cache bytes (tokens * hidden * 2 per image) to the
+reserve. `max_model_len_fits` is true when one sequence of `--max-model-len` tokens fits the pool
+and the model's position limit, and the image tokens fit in it.
+
+Image token budget: one image at `max_pixels` (preprocessor_config.json, default 451,584) becomes
+`max_pixels // (patch_size * merge_size)^2` tokens (576) plus the start/end-of-image tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import QuantScheme, tensor_table
+from .config import ModelConfig, load_model_config
+from .errors import InputError
+
+GIB = 1 << 30
+DEFAULT_UTILIZATION = 0.92
+DEFAULT_ACTIVATION_RESERVE_GIB = 5.0
+DEFAULT_MAX_PIXELS = 451584
+NVFP4_SCALARS = 8  # weight_scale_2 + input_scale, fp32 each
+_FMT = {"NVFP4": "nvfp4", "MXFP8": "mxfp8", None: "bf16", "any": "mxfp8"}
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """One tensor group (a linear with its scales, or a plain tensor) and how it is split over cards.
+
+    `split` bytes are divided by `divisor` per card; `replicated` bytes sit on every card."""
+
+    name: str
+    family: str
+    fmt: str
+    split: int
+    replicated: int
+    divisor: int
+
+    def per_card(self) -> float:
+        return self.split / self.divisor + self.replicated
+
+
+def linear_bytes(fmt: str, n: int, k: int) -> tuple[int, int]:
+    """(sliceable bytes, replicated scalar bytes) of a linear [n, k] stored in `fmt`."""
+    if fmt == "bf16":
+        return 2 * n * k, 0
+    if fmt == "mxfp8":
+        return n * k + n * k // 32, 0
+    if fmt == "nvfp4":
+        return n * k // 2 + n * k // 16, NVFP4_SCALARS
+    raise InputError(f"unknown format {fmt!r}")
+
+
+def linear_divisor(prefix: str, family: str, tp: int, kv_heads: int, num_experts: int,
+                   expert_parallel: bool) -> float:
+    """How many ways a linear's bytes are divided at TP `tp` (1 = replicated)."""
+    leaf = prefix.rsplit(".", 1)[-1]
+    if family == "routed_expert":
+        # expert parallel: each card holds ceil(E/tp) of the E experts
+        return num_experts / math.ceil(num_experts / tp) if expert_parallel else tp
+    if leaf in ("k_proj", "v_proj", "index_q_proj"):
+        return min(tp, kv_heads)
+    if leaf == "index_k_proj":
+        return 1
+    return tp  # q_proj, o_proj, dense / shared MLPs, lm_head (vocab rows)
+
+
+def tensor_groups(cfg: ModelConfig, tp: int, *, ckpt_dir: Path | None = None, expert_parallel: bool = False,
+                  split_vision: bool = False) -> tuple[list[TensorBytes], str]:
+    """Every weight of the model as `TensorBytes`, and where the sizes came from ("config" or
+    "headers": the shards' own headers when `ckpt_dir` holds them)."""
+    t = cfg.text
+    linears, plain = tensor_table(cfg)
+    headers = None
+    if ckpt_dir is not None and (any(ckpt_dir.glob("*.safetensors"))):
+        from .checkpoint import _nbytes, open_checkpoint
+
+        headers = open_checkpoint(ckpt_dir, strict=False)
+    scheme = QuantScheme(cfg.quantization)
+    out = []
+    for prefix, spec in linears.items():
+        div = linear_divisor(prefix, spec.family, tp, t.num_key_value_heads, t.num_local_experts, expert_parallel)
+        if headers is not None and prefix in headers.formats:
+            f = headers.formats[prefix]
+            fmt = f.fmt
+            split = sum(_nbytes(headers.tensors[n]) for n in (f.weight, f.scale) if n and n in headers.tensors)
+            rep = sum(_nbytes(headers.tensors[n]) for n in (f.scale_2, f.input_scale) if n and n in headers.tensors)
+        else:
+            fmt = _FMT[scheme.expected(prefix)]
+            split, rep = linear_bytes(fmt, spec.out_features, spec.in_features)
+        out.append(TensorBytes(prefix, spec.family, fmt, split, rep, div))
+    for name, spec in plain.items():
+        if headers is not None and name in headers.tensors:
+            info = headers.tensors[name]
+            size, fmt = _nbytes(info), info.dtype.lower()
+        else:
+            elem = 4 if spec.family == "router" else 2
+            size, fmt = math.prod(spec.shape) * elem, ("f32" if elem == 4 else "bf16")
+        if spec.family == "embedding" or (split_vision and spec.family in ("vision", "projector")):
+            out.append(TensorBytes(name, spec.family, fmt, size, 0, tp))  # vocab-parallel rows / vLLM's ViT TP
+        else:
+            out.append(TensorBytes(name, spec.family, fmt, 0, size, 1))
+    return out, ("headers" if headers is not None else "config")
+
+
+def kv_bytes_per_token(cfg: ModelConfig, tp: int, kv_cache_dtype: str, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token occupies on one card (K + V of every layer, index keys of MSA layers)."""
+    t = cfg.text
+    elem = 1 if kv_cache_dtype == "fp8" else dtype_bytes
+    kv_per_card = t.num_key_value_heads // min(tp, t.num_key_value_heads)
+    per_layer = 2 * kv_per_card * t.head_dim * elem
+    index = sum(t.sparse_layers) * t.sparse.index_head_dim * elem
+    return t.num_hidden_layers * per_layer + index
+
+
+def image_tokens_per_image(cfg: ModelConfig, ckpt_dir: Path | None) -> int:
+    """Language-model tokens of one image at the preprocessor's `max_pixels`, brackets included."""
+    if cfg.vision is None:
+        return 0
+    max_pixels = DEFAULT_MAX_PIXELS
+    if ckpt_dir is not None and (ckpt_dir / "preprocessor_config.json").is_file():
+        from .config import read_json
+
+        pre = read_json(ckpt_dir / "preprocessor_config.json", "preprocessor_config.json")
+        size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+        max_pixels = int(pre.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS)
+    factor = cfg.vision.patch_size * cfg.vision.spatial_merge_size
+    return max_pixels // factor**2 + 2
+
+
+def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_len: int,
+                kv_cache_dtype: str = "auto", images: int = 0, utilization: float = DEFAULT_UTILIZATION,
+                activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB, dtype_bytes: int = 2,
+                expert_parallel: bool = False, split_vision: bool = False, ckpt_dir: Path | None = None) -> dict:
+    """The memory plan as a JSON-ready dict (fields described in the module docstring)."""
+    if tp < 1:
+        raise InputError(f"--tp {tp} must be >= 1")
+    if gpu_memory_gib <= 0 or not 0 < utilization <= 1:
+        raise InputError(f"--gpu-memory {gpu_memory_gib} must be > 0 and --gpu-memory-utilization "
+                         f"{utilization} in (0, 1]")
+    if max_model_len < 1 or images < 0 or activation_reserve_gib < 0:
+        raise InputError("--max-model-len must be >= 1, --images and --activation-reserve >= 0")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise InputError(f"--kv-cache-dtype {kv_cache_dtype!r}: choose auto or fp8")
+    t = cfg.text
+    groups, source = tensor_groups(cfg, tp, ckpt_dir=ckpt_dir, expert_parallel=expert_parallel,
+                                   split_vision=split_vision)
+    families: dict[str, dict] = {}
+    for g in groups:
+        f = families.setdefault(g.family, {"formats": set(), "bytes_total": 0, "bytes_per_card": 0.0})
+        f["formats"].add(g.fmt)
+        f["bytes_total"] += g.split + g.replicated
+        f["bytes_per_card"] += g.per_card()
+    for f in families.values():
+        f["formats"] = sorted(f["formats"])
+        f["bytes_per_card"] = int(round(f["bytes_per_card"]))
+    total = sum(f["bytes_total"] for f in families.values())
+    per_card = sum(g.per_card() for g in groups)
+    per_token = kv_bytes_per_token(cfg, tp, kv_cache_dtype, dtype_bytes)
+    img_tokens = image_tokens_per_image(cfg, ckpt_dir)
+    image_budget = images * img_tokens
+    image_reserve = image_budget * t.hidden_size * dtype_bytes
+    budget = gpu_memory_gib * GIB * utilization
+    usable = budget - per_card - activation_reserve_gib * GIB - image_reserve
+    page = t.sparse.block_size if any(t.sparse_layers) else 16
+    pool = max(0, int(usable // per_token) // page * page)
+    need = max_model_len * per_token
+    fits = (usable >= need and max_model_len <= t.max_position_embeddings and image_budget <= max_model_len)
+    return {
+        "source": source,
+        "tp": tp,
+        "expert_parallel": expert_parallel,
+        "split_vision": split_vision,
+        "weights_bytes_total": total,
+        "weights_gib_total": total / GIB,
+        "weights_bytes_per_card": int(round(per_card)),
+        "weights_gib_per_card": per_card / GIB,
+        "families": dict(sorted(families.items())),
+        "gpu_memory_gib": gpu_memory_gib,
+        "gpu_memory_utilization": utilization,
+        "activation_reserve_gib": activation_reserve_gib,
+        "image_reserve_gib": image_reserve / GIB,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_bytes_per_token": per_token,
+        "kv_gib_available": max(0.0, usable) / GIB,
+        "kv_pool_tokens": pool,
+        "kv_pool_gib": pool * per_token / GIB,
+        "kv_page_tokens": page,
+        "max_model_len": max_model_len,
+        "kv_gib_for_max_model_len": need / GIB,
+        "max_model_len_fits": bool(fits),
+        "images": images,
+        "image_tokens_per_image": img_tokens,
+        "image_token_budget": image_budget,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser(p: argparse.ArgumentParser) -> None:
+    """Flags of `minimax-ref plan`."""
+    p.add_argument("--ckpt-path", type=Path, required=True, help="checkpoint folder (config.json is enough)")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel cards")
+    p.add_argument("--gpu-memory", type=float, required=True, help="memory of one card in GiB")
+    p.add_argument("--max-model-len", type=int, required=True, help="longest sequence to serve, in tokens")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="auto: the compute dtype; fp8: 1 byte per element (KV and index keys)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="compute dtype, sizes the auto KV cache and activations (default: bfloat16)")
+    p.add_argument("--images", type=int, default=0, help="images per prompt (default: 0)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
+                   help=f"fraction of the card to use (default: {DEFAULT_UTILIZATION})")
+    p.add_argument("--activation-reserve", type=float, default=DEFAULT_ACTIVATION_RESERVE_GIB,
+                   help=f"GiB per card kept for activations and runtime (default: {DEFAULT_ACTIVATION_RESERVE_GIB})")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="whole routed experts per card (ceil(E/TP)) instead of TP-sliced experts")
+    p.add_argument("--split-vision", action="store_true",
+                   help="divide the vision tower and projectors over the cards (vLLM) instead of replicating")
+    p.add_argument("--output-format", choices=["text", "json"], default="text")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`minimax-ref plan`: prints the plan (text table, or one JSON object)."""
+    cfg = load_model_config(args.ckpt_path)
+    plan = plan_memory(cfg, tp=args.tp, gpu_memory_gib=args.gpu_memory, max_model_len=args.max_model_len,
+                       kv_cache_dtype=args.kv_cache_dtype, images=args.images,
+                       utilization=args.gpu_memory_utilization, activation_reserve_gib=args.activation_reserve,
+                       dtype_bytes=2 if args.dtype == "bfloat16" else 4, expert_parallel=args.expert_parallel,
+                       split_vision=args.split_vision, ckpt_dir=args.ckpt_path)
+    if args.output_format == "json":
+        json.dump(plan, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    print(f"weights      {plan['weights_gib_total']:.2f} GiB total, {plan['weights_gib_per_card']:.2f} GiB per "
+          f"card at TP{plan['tp']} (sizes from {plan['source']})")
+    for fam, f in plan["families"].items():
+        print(f"  {fam:<14} {'/'.join(f['formats']):<10} {f['bytes_total'] / GIB:10.3f} GiB "
+              f"{f['bytes_per_card'] / GIB:10.3f} GiB/card")
+    print(f"KV cache     {plan['kv_bytes_per_token']} bytes/token/card ({plan['kv_cache_dtype']}), "
+          f"{plan['kv_gib_available']:.2f} GiB usable at utilization {plan['gpu_memory_utilization']} "
+          f"after a {plan['activation_reserve_gib']:.2f} GiB activation reserve")
+    print(f"KV pool      {plan['kv_pool_tokens']:,} tokens ({plan['kv_pool_gib']:.2f} GiB)")
+    print(f"max len      {plan['max_model_len']:,} tokens need {plan['kv_gib_for_max_model_len']:.2f} GiB: "
+          f"{'fits' if plan['max_model_len_fits'] else 'does NOT fit'}")
+    if plan["images"]:
+        print(f"images       {plan['images']} x {plan['image_tokens_per_image']} tokens = "
+              f"{plan['image_token_budget']} tokens")
+    return 0

@@ -1,0 +1,174 @@
+"""`minimax-ref score`: per-token NLL through the chunked, batched, cached prefill, drift and top-1
+agreement against a reference, checked against an independent full-forward computation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from minimax_ref.cli import main
+from minimax_ref.errors import InputError
+from minimax_ref.loader import load_model
+from minimax_ref.prune import write_pruned
+from minimax_ref.score import ScoreTrace, TraceScore, chat_trace_ids, drift_stats, read_traces
+from minimax_ref.tokenizer import load_tokenizer
+
+# (length, completion_start): one trace past the tiny preset's dense-equivalent MSA budget
+# (4 blocks x 16 = 64 tokens), so the sparse path and chunk boundaries are both exercised.
+SHAPES = [(90, 30), (41, 40), (25, 3), (60, 59)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on a shared 2-core machine, OpenMP barriers between busy threads cost far
+    more than these tiny matrices gain from a second thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def src(tiny_nvfp4):
+    return tiny_nvfp4
+
+
+@pytest.fixture(scope="module")
+def pruned(src, tmp_path_factory):
+    """The source with 8 of 16 experts kept (every other one), written by the pruning writer."""
+    out = tmp_path_factory.mktemp("score-pruned") / "p"
+    return write_pruned(src, out, {L: list(range(0, 16, 2)) for L in (1, 2, 3)}, "test")
+
+
+@pytest.fixture(scope="module")
+def traces_file(tmp_path_factory):
+    g = torch.Generator().manual_seed(7)
+    path = tmp_path_factory.mktemp("traces") / "traces.jsonl"
+    lines = []
+    for n, start in SHAPES:
+        lines.append(json.dumps({"input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(),
+                                 "completion_start": start, "id": f"t{n}"}))
+    lines.append("")  # blank lines are skipped
+    lines.append(json.dumps({"prompt": "The answer is", "completion": " forty-two, of course."}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run(capsys, *argv) -> dict:
+    assert main(list(argv)) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1  # one JSON object on stdout
+    return json.loads(out[0])
+
+
+def _independent(path, traces) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-trace completion NLL and argmax from the plain full forward (no cache, no batching)."""
+    model = load_model(path, dtype=torch.float32)
+    nll, arg = [], []
+    with torch.no_grad():
+        for t in traces:
+            ids = torch.tensor([t.input_ids])
+            logits = model(ids)[0]
+            logp = torch.log_softmax(logits, dim=-1)
+            pos = torch.arange(t.completion_start, len(t.input_ids))
+            nll.append(-logp[pos - 1, ids[0, pos]].double())
+            arg.append(logits[pos - 1].argmax(-1))
+    return nll, arg
+
+
+def test_self_drift_is_zero_and_agreement_one(capsys, src, traces_file):
+    res = _run(capsys, "score", "--ckpt-path", str(src), "--reference", str(src), "--traces", str(traces_file),
+               "--dtype", "float32", "--batch-size", "2", "--prefill-chunk", "24", "--per-trace")
+    tok = load_tokenizer(src)
+    text_tokens = len(tok.encode(" forty-two, of course.", add_special_tokens=False))
+    assert res["tokens"] == sum(n - s for n, s in SHAPES) + text_tokens
+    assert res["traces"] == 5
+    assert res["drift_1e3"] == 0.0 and res["drift_stderr_1e3"] == 0.0
+    assert res["top1_agreement"] == 1.0
+    assert [r["line"] for r in res["per_trace"]] == [1, 2, 3, 4, 6]
+    assert res["per_trace"][0]["id"] == "t90"
+
+
+def test_drift_against_pruned_matches_independent_nll(capsys, src, pruned, traces_file):
+    res = _run(capsys, "score", "--ckpt-path", str(pruned), "--reference", str(src), "--traces", str(traces_file),
+               "--dtype", "float32", "--batch-size", "3", "--prefill-chunk", "32", "--per-token")
+    traces = read_traces(traces_file, load_tokenizer(src), vocab_size=1024)
+    nll_p, arg_p = _independent(pruned, traces)
+    nll_s, arg_s = _independent(src, traces)
+    N = sum(int(x.numel()) for x in nll_p)
+    d = torch.stack([(a - b).sum() for a, b in zip(nll_p, nll_s)])
+    n = torch.tensor([float(x.numel()) for x in nll_p], dtype=torch.float64)
+    drift = 1000 * float(d.sum()) / N
+    D = float(d.sum()) / N
+    se = 1000 * math.sqrt(len(n) / (len(n) - 1) * float(((d - D * n) ** 2).sum())) / N
+    assert res["tokens"] == N
+    assert abs(res["drift_1e3"]) > 1.0  # pruning half the experts must show
+    assert res["drift_1e3"] == pytest.approx(drift, abs=5e-3)
+    assert res["drift_stderr_1e3"] == pytest.approx(se, abs=5e-3)
+    assert res["total_nll"] == pytest.approx(float(sum(x.sum() for x in nll_p)), abs=1e-3)
+    agree = sum(int((a == b).sum()) for a, b in zip(arg_p, arg_s)) / N
+    assert res["top1_agreement"] == pytest.approx(agree, abs=1.5 / N)  # a near-tie may flip one argmax
+    for row, want in zip(res["per_trace"], nll_p):
+        assert torch.allclose(-torch.tensor(row["logprobs"], dtype=torch.float64), want, atol=1e-4)
+
+
+def test_drift_stats_estimator_by_hand():
+    """Ratio of sums, with the delta-method (cluster) standard error, on hand-made numbers."""
+    a = [TraceScore(torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([1, 2])),
+         TraceScore(torch.tensor([0.5, 0.5, 0.5, 1.5], dtype=torch.float64), torch.tensor([3, 3, 3, 3]))]
+    b = [TraceScore(torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([1, 5])),
+         TraceScore(torch.tensor([0.5, 0.5, 0.5, 0.5], dtype=torch.float64), torch.tensor([3, 3, 0, 3]))]
+    s = drift_stats(a, b)
+    # d = [1, 1], n = [2, 4], D = 2/6; residuals 1 - 2/3, 1 - 4/3
+    D = 2 / 6
+    se = math.sqrt(2 * ((1 - 2 * D) ** 2 + (1 - 4 * D) ** 2)) / 6
+    assert s["drift_1e3"] == pytest.approx(1000 * D)
+    assert s["drift_stderr_1e3"] == pytest.approx(1000 * se)
+    assert s["top1_agreement"] == pytest.approx(4 / 6)
+    assert s["tokens"] == 6
+    assert drift_stats(a[:1], b[:1])["drift_stderr_1e3"] is None  # one trace: undefined
+
+
+def test_chat_trace_is_generation_prompt_plus_reply(src):
+    tok = load_tokenizer(src)
+    ids, start = chat_trace_ids(tok, "What is 2+2?", "It is 4.")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True)
+    assert ids[:start] == prompt
+    assert tok.decode(ids[start:]) == "</mm:think>It is 4.[e~["
+
+
+@pytest.mark.parametrize("line, why", [
+    ("{not json", "not valid JSON"),
+    ('{"input_ids": [1, 2, 3], "completion_start": 3}', "completion_start"),
+    ('{"input_ids": [1, 2, 3], "completion_start": 0}', "completion_start"),
+    ('{"input_ids": [1, "a"], "completion_start": 1}', "list of integers"),
+    ('{"input_ids": [1, 5000], "completion_start": 1}', "outside the vocabulary"),
+    ('{"prompt": "a", "completion": "b", "input_ids": [1]}', "either"),
+    ('{"prompt": "a", "completion": "b", "extra": 1}', "unknown keys"),
+    ('{"prompt": "a", "completion": ""}', "empty"),
+    ("[1, 2]", "JSON object"),
+])
+def test_malformed_trace_names_the_line(tmp_path, src, line, why):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_ids": [1, 2, 3], "completion_start": 1}\n\n' + line + "\n")
+    with pytest.raises(InputError, match=rf"bad\.jsonl:3: .*{why}"):
+        read_traces(path, load_tokenizer(src), vocab_size=1024)
+
+
+def test_cli_reports_bad_trace_before_loading(capsys, tmp_path, src):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_ids": [1, 2], "completion_start": 1}\n{"input_ids": [1, 2], "completion_start": 7}\n')
+    assert main(["score", "--ckpt-path", str(src), "--traces", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "t.jsonl:2" in err and "completion_start" in err
+
+
+def test_trace_longer_than_max_model_len_is_refused(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"input_ids": list(range(50)), "completion_start": 10}) + "\n")
+    with pytest.raises(InputError, match=r"long\.jsonl:1: .*max-model-len 32"):
+        read_traces(path, None, vocab_size=1024, max_len=32)
+    assert read_traces(path, None, max_len=64) == [ScoreTrace(1, tuple(range(50)), 10)]

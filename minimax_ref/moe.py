@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import ConfigError
 from .linear import emulate_activation_quant
 from .mlp import MLP, swiglu_oai
 from .parallel import World
@@ -58,6 +59,9 @@ def route(
     scores = torch.sigmoid(logits)
     choice = scores if bias is None else scores + bias.float()
     if expert_mask is not None:
+        kept = int(expert_mask.sum())
+        if kept < top_k:  # topk would silently pick masked (-inf) experts
+            raise ConfigError(f"expert_mask keeps {kept} experts but routing chooses {top_k} per token")
         choice = choice.masked_fill(~expert_mask, float("-inf"))
     expert_ids = torch.topk(choice, top_k, dim=-1).indices
     chosen = scores.gather(-1, expert_ids)

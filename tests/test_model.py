@@ -227,3 +227,14 @@ def test_cache_rollback_zeroes_dropped_positions(nvfp4_model):
     for x, y in pairs:
         assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
         assert not x[:, 25:].any()
+
+
+def test_expert_mask_leaving_too_few_experts_is_refused():
+    from minimax_ref.errors import ConfigError
+    from minimax_ref.moe import route
+
+    x, gate = torch.randn(3, 8), torch.randn(6, 8)
+    mask = torch.tensor([True, True, True, False, False, False])
+    with pytest.raises(ConfigError, match="keeps 3 experts but routing chooses 4"):
+        route(x, gate, None, 4, mask)
+    assert set(route(x, gate, None, 2, mask).expert_ids.flatten().tolist()) <= {0, 1, 2}

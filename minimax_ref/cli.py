@@ -94,8 +94,14 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hide-reasoning", action="store_true", help="do not print the reasoning (text output)")
     p.add_argument("--output-format", choices=["text", "json"], default="text",
                    help="text (streamed) or json (one object per prompt per line)")
-    p.add_argument("--speculative", choices=["none"], default="none",
-                   help="speculative decoding (default: none)")
+    p.add_argument("--speculative", choices=["none", "dspark"], default="none",
+                   help="speculative decoding: dspark = the checkpoint's dspark/ drafter (default: none)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
+                   help="with --speculative: drafts verified per step, 1..block size (default: the drafter's "
+                        "block size)")
+    p.add_argument("--drafter-capture", choices=["pre-norm", "post-norm"], default="pre-norm",
+                   help="with --speculative: feed the target's last layer to the drafter before (pre-norm, "
+                        "default) or after (post-norm) the target's final norm")
     p.add_argument("--image", type=Path, action="append", default=None, metavar="FILE",
                    help="image file (repeat for several, up to --limit-images); placed before the prompt "
                         "text (with --chat, at the start of the user turn) unless the prompt holds one "
@@ -175,11 +181,25 @@ def _stream_printer(args: argparse.Namespace, tools, reasoning_started: bool):
     return on_text, close
 
 
+def _draft_kwargs(args: argparse.Namespace, model) -> dict:
+    """`generate`'s speculative arguments for the flags; the drafter is loaded once per command."""
+    if args.speculative == "none":
+        return {}
+    if getattr(args, "_drafter", None) is None:
+        from .drafter import SUBFOLDER, load_drafter
+
+        args._drafter = load_drafter(Path(model.ckpt_path) / SUBFOLDER, model,
+                                     capture_final_norm=args.drafter_capture == "post-norm")
+    return {"draft": args._drafter, "num_speculative_tokens": args.num_speculative_tokens}
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from .generate import generate
 
-    if args.speculative != "none":
-        raise InputError(f"--speculative {args.speculative} is not available in this build")
+    if args.speculative == "none" and (args.num_speculative_tokens is not None or args.drafter_capture != "pre-norm"):
+        raise InputError("--num-speculative-tokens and --drafter-capture need --speculative dspark")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        raise InputError(f"--num-speculative-tokens {args.num_speculative_tokens}: must be >= 1")
     tools = _read_tools(args.tools)
     kw = _sampling_kwargs(args)
     modes = sum(x is not None and x is not False
@@ -190,8 +210,6 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError("--prompt is empty: give some text")
     if args.input_file is not None and not args.input_file.is_file():
         raise InputError(f"--input-file {args.input_file}: no such file")
-    if args.image and args.interactive:
-        raise InputError("--image is not supported with --interactive; use --prompt or --input-file")
     for path in args.image or []:
         if not path.is_file():  # fail before loading the model; contents are checked when decoded
             raise InputError(f"--image {path}: no such file")
@@ -213,7 +231,8 @@ def run_generate(args: argparse.Namespace) -> int:
         started = args.chat and args.thinking == "enabled"
         on_text, close = _stream_printer(args, tools, started)
     images = [args.image] * len(args.prompt) if args.image else None
-    results = generate(model, tok, args.prompt, on_text=on_text, images=images, **chat_kw, **kw)
+    results = generate(model, tok, args.prompt, on_text=on_text, images=images, **chat_kw, **kw,
+                       **_draft_kwargs(args, model))
     if close:
         close()
     for r in results:
@@ -258,7 +277,8 @@ def _batch_file(args, model, tok, tools, kw) -> int:
                 prompt = rebase_image_paths(prompt, base)
             res = generate(model, tok, [prompt], chat=chat, tools=req_tools,
                            thinking=req.get("thinking", args.thinking), system=req.get("system", args.system),
-                           images=[images] if images else None, **_sampling_kwargs(args, req))[0]
+                           images=[images] if images else None, **_sampling_kwargs(args, req),
+                           **_draft_kwargs(args, model))[0]
             out = res.as_dict()
             if "id" in req:
                 out["id"] = req["id"]
@@ -294,11 +314,15 @@ def _interactive(args, model, tok, tools, kw) -> int:
             continue
         if not cmd:
             continue
-        history.append({"role": "user", "content": line})
+        content: str | list = line
+        if args.image and not any(m["role"] == "user" for m in history):
+            # --image files belong to the first user turn and stay in the history with it
+            content = [{"type": "image", "path": str(p)} for p in args.image] + [{"type": "text", "text": line}]
+        history.append({"role": "user", "content": content})
         on_text, close = _stream_printer(args, tools, args.thinking == "enabled")
         try:
             res = generate(model, tok, [history], chat=True, tools=tools, thinking=args.thinking,
-                           system=args.system, on_text=on_text, **kw)[0]
+                           system=args.system, on_text=on_text, **kw, **_draft_kwargs(args, model))[0]
         except MiniMaxRefError as e:
             history.pop()
             print(f"error: {e}", file=sys.stderr)
@@ -326,6 +350,8 @@ def build_synth_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
     p.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    p.add_argument("--drafter", action="store_true",
+                   help="also write a DSpark drafter in OUT/dspark at the target's shapes (release layout)")
     p.add_argument("--dry-run", action="store_true", help="print the tensor count and size, write nothing")
 
 
@@ -339,7 +365,7 @@ def run_synth(args: argparse.Namespace) -> int:
         print(json.dumps({"preset": args.preset, "format": args.format, "tensors": count, "bytes": nbytes}))
         return 0
     out = write_checkpoint(args.out, args.preset, args.format, experts=args.experts, layers=args.layers,
-                           seed=args.seed, progress=True)
+                           seed=args.seed, progress=True, drafter=args.drafter)
     print(f"wrote {out}")
     return 0
 

@@ -100,3 +100,57 @@ def test_embedded_default_is_synthesised_once(tmp_path):
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert second.returncode == 0 and (folder / "config.json").stat().st_mtime_ns == stamp
     assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+def test_input_file_batch_keeps_order_and_reports_bad_lines(tiny_nvfp4, tmp_path, capsys):
+    requests = tmp_path / "requests.jsonl"
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}, "days": {"type": "integer"}},
+                                                   "required": ["city"]}}}]
+    requests.write_text("\n".join([
+        json.dumps({"id": "a", "prompt": "First", "max_new_tokens": 3, "temperature": 0}),
+        '{"prompt": "broken", ',
+        json.dumps({"id": "c", "messages": [{"role": "user", "content": "Weather in Genève?"}], "tools": tools,
+                    "max_new_tokens": 4, "temperature": 0}),
+        json.dumps({"id": "d", "messages": [{"role": "wizard", "content": "x"}]}),
+    ]) + "\n")
+    code, out, err = run(["generate", "--ckpt-path", str(tiny_nvfp4), "--input-file", str(requests),
+                          "--output-format", "json"], capsys)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and len(rows) == 4
+    assert rows[0]["id"] == "a" and len(rows[0]["token_ids"]) == 3
+    assert rows[1] == {"line": 2, "error": rows[1]["error"]} and "not valid JSON" in rows[1]["error"]
+    assert rows[2]["id"] == "c" and isinstance(rows[2]["text"], str) and len(rows[2]["token_ids"]) == 4
+    assert rows[3]["line"] == 4 and "wizard" in rows[3]["error"]
+    assert f"{requests}:2:" in err and f"{requests}:4:" in err
+
+
+def test_tools_file_with_a_bad_schema(tiny_nvfp4, tmp_path, capsys):
+    bad = tmp_path / "tools.json"
+    bad.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]))
+    code, _, err = run(["generate", "--ckpt-path", str(tiny_nvfp4), "--chat", "--tools", str(bad), "--prompt", "x"],
+                       capsys)
+    assert code == 2 and "parameters" in err and "Traceback" not in err
+
+
+def test_interactive_session_with_history_and_reset(tiny_nvfp4):
+    cmd = [sys.executable, "-m", "minimax_ref.cli", "generate", "--ckpt-path", str(tiny_nvfp4), "--interactive",
+           "--max-new-tokens", "3", "--temperature", "0", "--hide-reasoning"]
+    proc = subprocess.run(cmd, input="Hello there\nAnd again\n/reset\nFresh start\n/exit\n", capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "history cleared" in proc.stderr and proc.stdout.count("> ") >= 4
+    assert "Traceback" not in proc.stderr
+
+
+def test_interactive_with_an_image_keeps_it_in_the_first_turn(ckpt_factory, tmp_path):
+    from PIL import Image
+
+    png = tmp_path / "red.png"
+    Image.new("RGB", (60, 40), (200, 10, 10)).save(png)
+    cmd = [sys.executable, "-m", "minimax_ref.cli", "generate", "--ckpt-path", str(ckpt_factory("tiny-vl", "nvfp4")),
+           "--interactive", "--image", str(png), "--max-new-tokens", "2", "--temperature", "0"]
+    proc = subprocess.run(cmd, input="What is this?\nAnd now?\n/exit\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "error" not in proc.stderr, proc.stderr
+    assert proc.stdout.count("> ") == 3

@@ -10,6 +10,7 @@
 from .chat import parse_output
 from .checkpoint import open_checkpoint
 from .config import ModelConfig, RuntimeConfig, TextConfig, VisionConfig, load_model_config
+from .drafter import DSparkDrafter, load_drafter
 from .errors import CheckpointError, ConfigError, InputError, MiniMaxRefError, QuantFormatError
 from .generate import GenerationResult, SamplingParams, generate, generate_ids
 from .loader import load_model
@@ -19,7 +20,8 @@ from .tokenizer import Tokenizer, load_tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
-    "load_model", "load_tokenizer", "generate", "generate_ids", "parse_output", "open_checkpoint",
+    "load_model", "load_tokenizer", "load_drafter", "DSparkDrafter", "generate", "generate_ids", "parse_output",
+    "open_checkpoint",
     "load_model_config", "MiniMaxM3", "Trace", "Tokenizer", "SamplingParams", "GenerationResult",
     "ModelConfig", "TextConfig", "VisionConfig", "RuntimeConfig",
     "MiniMaxRefError", "ConfigError", "CheckpointError", "QuantFormatError", "InputError",

@@ -190,7 +190,8 @@ class RuntimeConfig:
                 f"runtime setting kv_cache_dtype={self.kv_cache_dtype!r}: choose 'auto' or 'fp8'"
             )
         if self.attention_chunk_elements < 1:
-            raise ConfigError(f"runtime setting attention_chunk_elements={self.attention_chunk_elements!r} must be >= 1")
+            raise ConfigError(
+                f"runtime setting attention_chunk_elements={self.attention_chunk_elements!r} must be >= 1")
         if self.max_images_per_prompt < 0:
             raise ConfigError(
                 f"runtime setting max_images_per_prompt={self.max_images_per_prompt!r} must be >= 0"

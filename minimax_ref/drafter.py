@@ -69,7 +69,7 @@ from .checkpoint import (
     _read_header,
 )
 from .config import DrafterConfig, TextConfig, parse_drafter_config, read_json
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, InputError
 from .linear import ACT_QUANT_MODES, Linear
 from .mlp import MLP
 from .norm import RMSNorm
@@ -458,7 +458,7 @@ class DSparkDrafter(nn.Module):
         """Draft `num_tokens` (<= block size) tokens after each anchor [B] at positions t [B]; the
         context cache must hold the rows of positions < t."""
         if not 1 <= num_tokens <= self.block_size:
-            raise ConfigError(f"num_tokens={num_tokens}: the drafter proposes 1..{self.block_size} tokens")
+            raise InputError(f"num_tokens={num_tokens}: the drafter proposes 1..{self.block_size} tokens")
         U, h = self.block_logits(target, cache, anchors, positions, num_tokens)
         return self.markov_pass(U, h, anchors, sampling, generator)
 
@@ -568,6 +568,8 @@ def open_drafter(path: str | Path, target: TextConfig) -> tuple[DrafterConfig, C
         if f is None:
             problems.append(f"missing tensor {prefix}.weight ([{spec.out_features}, {spec.in_features}])")
             continue
+        if f.fmt == MXFP8 and f.scale not in tensors:
+            f.scale = prefix + ".weight_scale_inv"  # report the release's name for a missing scale
         formats[prefix] = f
         known.update(n for n in (f.weight, f.scale, f.scale_2, f.input_scale) if n)
         _check_linear(spec, f, tensors, problems)

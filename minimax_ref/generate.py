@@ -282,7 +282,8 @@ def encode_prompt(tok, prompt, *, chat: bool = False, tools=None, thinking: str 
 def generate(model: MiniMaxM3, tok, prompts: Sequence, *, max_new_tokens: int = 128, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = False, tools=None,
              thinking: str = "adaptive", system: str | None = None, stop_ids: Sequence[int] | None = None,
-             draft=None, on_text: Callable[[int, str], None] | None = None,
+             draft=None, num_speculative_tokens: int | None = None,
+             on_text: Callable[[int, str], None] | None = None,
              images: Sequence | None = None) -> list[GenerationResult]:
     """Generate for several prompts (strings, token-id lists, or with `chat` message lists).
 
@@ -292,14 +293,24 @@ def generate(model: MiniMaxM3, tok, prompts: Sequence, *, max_new_tokens: int = 
     PIL images (a single one alone also works), or preprocessed `(pixel_values, image_grid_thw)`;
     chat messages may carry image parts instead. At most `model.runtime.max_images_per_prompt`
     per prompt. Prompt assembly and the accepted forms: `minimax_ref.multimodal`.
+    draft: speculative decoding (`speculative.py`): a loaded `drafter.DSparkDrafter`
+    (`drafter.load_drafter`), "dspark" to load the checkpoint's own `dspark/` folder on each call, or a
+    drafter folder. num_speculative_tokens: drafts verified per step (default: the drafter's block
+    size). Greedy output is identical to `draft=None`; sampled output has the same distribution.
+    The stats then include `mean_accepted_length` and `acceptance_rate_per_position`.
     """
     from .chat import parse_output
     from .errors import ConfigError
     from .multimodal import embed_with_images, load_prompt_images
     from .vision import tokens_per_image
 
+    drafter = None
     if draft is not None:
-        raise InputError("draft: speculative decoding is not available in this build; pass draft=None")
+        from .drafter import resolve_drafter
+
+        drafter = resolve_drafter(model, draft)
+    elif num_speculative_tokens is not None:
+        raise InputError("num_speculative_tokens needs a drafter (draft=...)")
     sampling = SamplingParams(temperature, top_p, top_k)
     if images is not None and (isinstance(images, (str, bytes)) or len(images) != len(prompts)):
         n = 1 if isinstance(images, (str, bytes)) else len(images)
@@ -327,9 +338,16 @@ def generate(model: MiniMaxM3, tok, prompts: Sequence, *, max_new_tokens: int = 
         if piece and on_text:
             on_text(row, piece)
 
-    seqs, stats = generate_ids(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                               stop_ids=stop_ids, on_token=on_token if on_text else None,
-                               inputs_embeds=embeds if any(e is not None for e in embeds) else None)
+    run_kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop_ids,
+                  on_token=on_token if on_text else None,
+                  inputs_embeds=embeds if any(e is not None for e in embeds) else None)
+    if drafter is None:
+        seqs, stats = generate_ids(model, ids, **run_kw)
+    else:
+        from .speculative import speculative_generate_ids
+
+        seqs, stats = speculative_generate_ids(model, drafter, ids, num_speculative_tokens=num_speculative_tokens,
+                                               **run_kw)
     results = []
     think_start = tok.special_ids.think_start
     for prompt_ids, s, dec in zip(ids, seqs, decoders, strict=True):

@@ -18,6 +18,7 @@ its own seed (seed, name), so a preset's files are byte-identical for a given se
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -274,8 +275,11 @@ def plan_tensors(cfg: ModelConfig, fmt: str) -> tuple[int, int]:
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *, experts: int | None = None,
                      layers: int | None = None, seed: int = 0, shard_bytes: int | None = None,
-                     overrides: dict | None = None, progress: bool = False) -> Path:
-    """Write a synthetic checkpoint folder and return its path."""
+                     overrides: dict | None = None, progress: bool = False, drafter: bool = False) -> Path:
+    """Write a synthetic checkpoint folder and return its path.
+
+    drafter: also write a DSpark drafter in `dspark/` (`write_drafter`) at the target's shapes.
+    """
     from .tokenizer import write_test_tokenizer
 
     out = Path(out)
@@ -337,6 +341,131 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *
              "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     assert len(weight_map) == total_count, (len(weight_map), total_count)
+    if drafter:
+        write_drafter(out / "dspark", cfg, seed, noise_token_id=special["dspark_noise"],
+                      shard_bytes=shard_bytes or p.shard_bytes, progress=progress)
+    return out
+
+
+def drafter_config_json(target: ModelConfig, *, num_layers: int | None = None, block_size: int | None = None,
+                        target_layer_ids: list[int] | None = None, sliding_window: int | None = None,
+                        noise_token_id: int | None = None, markov_rank: int | None = None) -> dict:
+    """The `dspark/config.json` of a synthetic drafter for `target` (values under `text_config`, the
+    release's layout; a few top-level copies, which must agree, as the release has them).
+
+    Defaults (decided here): a target with 60 layers gets the release's drafter (5 layers, block 7,
+    target layers [3, 17, 31, 45, 59], window 4096, Markov rank 256); a smaller one the tiny drafter
+    (2 layers, block 4, target layers [0, 1, last], window 64 so that it engages in tests, rank 16).
+    """
+    t = target.text
+    release = t.num_hidden_layers >= 60
+    n_layers = num_layers or (5 if release else 2)
+    ids = target_layer_ids or ([3, 17, 31, 45, 59] if release
+                               else sorted({0, min(1, t.num_hidden_layers - 1), t.num_hidden_layers - 1}))
+    text = {
+        "architectures": ["DSparkMiniMaxDraftModel"],
+        "num_hidden_layers": n_layers, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
+        "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": t.head_dim, "dense_intermediate_size": t.dense_intermediate_size,
+        "dspark_ffn_hidden_size": t.dense_intermediate_size,
+        "dspark_block_size": block_size or (7 if release else 4),
+        # the release's noise id 200058 is vocab_size - 6; synthetic tokenizers pass their own
+        "dspark_noise_token_id": t.vocab_size - 6 if noise_token_id is None else noise_token_id,
+        "dspark_markov_rank": markov_rank or (256 if release else 16), "dspark_markov_head_type": "vanilla",
+        "dspark_target_layer_ids": list(ids), "dspark_use_dense_ffn": True, "dspark_hybrid_context_fusion": False,
+        "sliding_window": sliding_window or (4096 if release else 64),
+        "layer_types": ["sliding_attention"] * n_layers, "moe_layer_freq": [0] * n_layers,
+        "sparse_attention_config": None, "enable_confidence_head": True, "confidence_head_with_markov": True,
+        "use_gemma_norm": True, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope_theta,
+        "rotary_dim": t.rotary_dim, "swiglu_alpha": t.swiglu_alpha, "swiglu_limit": t.swiglu_limit,
+        "quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32]},
+    }
+    return {"architectures": ["DSparkMiniMaxDraftModel"], "text_config": text,
+            "dspark_block_size": text["dspark_block_size"], "dspark_noise_token_id": text["dspark_noise_token_id"],
+            "dspark_target_layer_ids": text["dspark_target_layer_ids"],
+            "quantization_config": text["quantization_config"]}
+
+
+def write_drafter(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, *, shard_bytes: int = 2 << 30,
+                  progress: bool = False, **config_kw) -> Path:
+    """Write a random DSpark drafter for the target `cfg` into `out_dir` (normally `<ckpt>/dspark`) in
+    the release layout: `config.json` (`drafter_config_json(cfg, **config_kw)`), the index and
+    `model-0000i-of-0000n.safetensors` shards; tensors `language_model.model.dspark.*`, the layers'
+    projections MXFP8 (`weight_scale_inv` uint8), `fc`, norms, Markov and confidence heads bf16;
+    no embedding, no LM head.
+
+    Random values (decided here, each tensor from its own generator seeded by (seed, name)): linears
+    N(0, 1/in) with o_proj / down_proj halved, norm offsets N(0, 0.1^2), markov_w1 N(0, 1) and markov_w2
+    N(0, 1/rank) (a bias of about unit size, like the base logits), confidence proj N(0, 1/in), bias 0.
+    """
+    from .config import parse_drafter_config
+    from .drafter import drafter_tensor_table
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = drafter_config_json(cfg, **config_kw)
+    dcfg = parse_drafter_config(raw, cfg.text)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    linears, plain = drafter_tensor_table(dcfg)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for spec in plain.values():
+            name, shape = spec.name, spec.shape
+            if spec.family == "norm":
+                yield name, _randn(shape, 0.1, seed, name).bfloat16()
+            elif name.endswith("markov_w1.weight"):
+                yield name, _randn(shape, 1.0, seed, name).bfloat16()
+            elif name.endswith("proj.bias"):
+                yield name, torch.zeros(shape, dtype=torch.bfloat16)
+            else:  # markov_w2 [V, r] and the confidence proj [1, in]: N(0, 1/in)
+                yield name, _randn(shape, shape[1] ** -0.5, seed, name).bfloat16()
+        for spec in linears.values():
+            w = _linear_weight(spec, seed)
+            if spec.prefix.endswith(".fc"):
+                yield spec.prefix + ".weight", w.bfloat16()
+            else:
+                q, s = quantize_mxfp8(w)
+                yield spec.prefix + ".weight", q
+                yield spec.prefix + ".weight_scale_inv", s
+
+    # Shards are written as they fill (memory stays bounded by one shard) under temporary names,
+    # renamed once their count is known.
+    shard: dict[str, torch.Tensor] = {}
+    tmp_names: list[str] = []
+    weight_map: dict[str, str] = {}
+    size = written = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            tmp_names.append(f"shard-{len(tmp_names) + 1:05d}.tmp")
+            save_file(shard, str(out / tmp_names[-1]), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, tmp_names[-1]))
+            shard, size = {}, 0
+
+    total = sum(2 * math.prod(spec.shape) for spec in plain.values()) + sum(
+        (2 if spec.prefix.endswith(".fc") else 1 + 1 / 32) * spec.out_features * spec.in_features
+        for spec in linears.values())
+    bar = Progress(f"writing {out.name}", int(total)) if progress else None
+    for name, tensor in tensors():
+        nb = tensor.numel() * tensor.element_size()
+        if size and size + nb > shard_bytes:
+            flush()
+        shard[name] = tensor.contiguous()
+        size, written = size + nb, written + nb
+        if bar:
+            bar.update(nb)
+    flush()
+    if bar:
+        bar.close()
+    for old in out.glob("model-*.safetensors"):
+        old.unlink()
+    final = {tmp: f"model-{i + 1:05d}-of-{len(tmp_names):05d}.safetensors" for i, tmp in enumerate(tmp_names)}
+    for tmp, fin in final.items():
+        (out / tmp).rename(out / fin)
+    weight_map = {name: final[tmp] for name, tmp in weight_map.items()}
+    index = {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
 
 
@@ -373,5 +502,6 @@ def ensure_default_checkpoint() -> Path:
     return target
 
 
-__all__ = ["PRESETS", "FORMATS", "build_config", "write_checkpoint", "iter_tensors", "plan_tensors",
+__all__ = ["PRESETS", "FORMATS", "build_config", "write_checkpoint", "write_drafter", "drafter_config_json",
+           "iter_tensors", "plan_tensors",
            "ensure_default_checkpoint", "TEXT_PREFIX", "LM_HEAD"]

@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-
 from memory import PeakMemory
+
 from minimax_ref.loader import load_model
 from minimax_ref.msa import msa_attention
 

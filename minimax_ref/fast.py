@@ -1,0 +1,67 @@
+"""Switchable fast paths. All off (the default) is the reference engine; each switch replaces one readable
+reference computation by a faster one that computes the same function.
+
+| switch | replaces | equal to the reference |
+|---|---|---|
+| `decode="fast"` | packed-weight decoding (`packed.decode_reference`) by a two-pass decoder | bit-identical |
+| `decode="compile"` | the same, through `torch.compile` of the reference decoder (one fused kernel) | bit-identical |
+| `moe=True` | the routed experts of small batches (<= `SYNC_FREE_TOKENS` tokens): batched matmuls over the chosen experts, with no host synchronisation and static shapes | to fp32 rounding |
+| `static_kv=True` | cached attention over slots [0, max(pos) + 1) by attention over the whole cache (static shapes: no host synchronisation per step; later slots are masked as future keys) | to fp32 rounding |
+| `sdpa=True` | the attention core (scores, fp32 softmax, value sum) by `F.scaled_dot_product_attention` in fp32, and MSA gathers only the selected key blocks from the cache's storage before converting them | to fp32 rounding |
+
+With `moe` and `static_kv` (and no trace, no activation emulation) a decode step has no host synchronisation
+and fixed shapes, so it can be captured in a CUDA graph (`benchmarks/common.py`). tests/test_packed.py
+compares every switch with the reference on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .errors import ConfigError
+
+DECODE_MODES = ("reference", "fast", "compile")
+# Token count up to which `moe=True` uses the synchronisation-free expert path (decode steps); larger
+# batches (prefill) group tokens by expert, which needs the per-expert counts on the host.
+SYNC_FREE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """Which fast paths are on (see the module docstring). `FastPaths()` is the reference."""
+
+    decode: str = "reference"
+    moe: bool = False
+    static_kv: bool = False
+    sdpa: bool = False
+
+    def __post_init__(self) -> None:
+        if self.decode not in DECODE_MODES:
+            raise ConfigError(f"fast paths: decode={self.decode!r}: choose one of {list(DECODE_MODES)}")
+
+    @classmethod
+    def of(cls, fast: bool | str | dict | FastPaths | None) -> FastPaths:
+        """`load_model`'s `fast` argument: False/None (reference), True (every fast path, eager decode),
+        "compile" (every fast path, compiled decode), a dict of switches, or a FastPaths."""
+        if isinstance(fast, FastPaths):
+            return fast
+        if fast is None or fast is False:
+            return cls()
+        if fast is True:
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=True)
+        if fast == "compile":
+            return cls(decode="compile", moe=True, static_kv=True, sdpa=True)
+        if isinstance(fast, dict):
+            names = {f.name for f in fields(cls)}
+            unknown = sorted(set(fast) - names)
+            if unknown:
+                raise ConfigError(f"fast paths: unknown switches {unknown}; known: {sorted(names)}")
+            return cls(**fast)
+        raise ConfigError(f"fast={fast!r}: give True, False, 'compile', a dict of switches or a FastPaths")
+
+    @property
+    def any(self) -> bool:
+        return self != FastPaths()
+
+
+REFERENCE = FastPaths()

@@ -1,0 +1,528 @@
+"""DSpark speculative decoding: greedy identity, lossless sampling, rollback, the drafter loader, the CLI.
+
+Speculation must never change what is generated: greedy output is compared token by token with plain
+greedy decoding (with a random drafter that is almost always wrong, an adversarial one that is always
+wrong, and an oracle that is always right), and sampled output is compared in distribution with the
+exact distribution of a toy Markov-chain target; wrong acceptance rules must fail the same check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+import minimax_ref as mr
+from minimax_ref.cli import main
+from minimax_ref.drafter import PREFIX, Draft, load_drafter
+from minimax_ref.errors import CheckpointError, InputError
+from minimax_ref.generate import SamplingParams, filtered_probs, generate_ids
+from minimax_ref.loader import load_model
+from minimax_ref.model import Trace
+from minimax_ref.speculative import (
+    SpeculativeDecoder,
+    accept_drafts,
+    accept_greedy,
+    sample_inverse_cdf,
+    speculative_generate_ids,
+)
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def spec_ckpt(ckpt_factory):
+    return ckpt_factory("tiny", "nvfp4", drafter=True)
+
+
+@pytest.fixture(scope="module")
+def model(spec_ckpt):
+    return load_model(spec_ckpt, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def drafter(spec_ckpt, model):
+    return load_drafter(spec_ckpt / "dspark", model)
+
+
+def _prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(sum(lengths))
+    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+def _same_output(ref, out) -> None:
+    for b, (r, o) in enumerate(zip(ref, out, strict=True)):
+        assert o.generated == r.generated, f"row {b}"
+        assert o.finish_reason == r.finish_reason, f"row {b}"
+
+
+# ---------------------------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("lengths", [(40,), (40, 70, 3)], ids=["single", "batch"])
+def test_greedy_identical_to_plain_greedy(model, drafter, lengths):
+    # contexts past 64 tokens engage both the drafter's window (64) and the target's MSA block selection
+    prompts = _prompts(*lengths)
+    ref, _ = generate_ids(model, prompts, max_new_tokens=40, sampling=GREEDY)
+    out, stats = speculative_generate_ids(model, drafter, prompts, max_new_tokens=40, sampling=GREEDY)
+    _same_output(ref, out)
+    # a random drafter is nearly always wrong: about one token per step
+    assert 1.0 <= stats.mean_accepted_length < 1.5
+    assert stats.num_speculative_tokens == drafter.block_size == 4
+    assert stats.generated_tokens == sum(len(s.generated) for s in out)
+    assert stats.draft_seconds > 0 and stats.verify_seconds > 0
+    print(f"random drafter: mean accepted length {stats.mean_accepted_length:.3f}")
+
+
+def test_greedy_stop_tokens_and_capture_option(model, spec_ckpt):
+    prompts = _prompts(30, 12)
+    ref, _ = generate_ids(model, prompts, max_new_tokens=30, sampling=GREEDY)
+    stop = [ref[0].generated[9], ref[1].generated[4]]
+    ref, _ = generate_ids(model, prompts, max_new_tokens=30, sampling=GREEDY, stop_ids=stop)
+    assert any(s.finish_reason == "stop" for s in ref)
+    post = load_drafter(spec_ckpt / "dspark", model, capture_final_norm=True)
+    for n in (1, 3):
+        out, _ = speculative_generate_ids(model, post, prompts, max_new_tokens=30, sampling=GREEDY, stop_ids=stop,
+                                          num_speculative_tokens=n)
+        _same_output(ref, out)
+
+
+def _reference(model, prompts, n):
+    ref, _ = generate_ids(model, prompts, max_new_tokens=n, sampling=GREEDY)
+    return [p + s.generated for p, s in zip(prompts, ref)]
+
+
+def _patch_base_logits(monkeypatch, drafter, choose):
+    """Replace the drafter's base logits by a spike of 1e4 on choose(row, position) (the real backbone
+    still runs for the hidden states; the real Markov pass then picks the spiked token)."""
+    real = drafter.block_logits
+
+    def block_logits(target, cache, anchors, positions, num_tokens):
+        U, h = real(target, cache, anchors, positions, num_tokens)
+        U = torch.zeros_like(U)
+        for b in range(U.shape[0]):
+            for k in range(num_tokens):
+                U[b, k, choose(b, int(positions[b]) + k + 1)] = 1e4
+        return U, h
+
+    monkeypatch.setattr(drafter, "block_logits", block_logits)
+
+
+def test_oracle_drafter_accepts_everything(model, drafter, monkeypatch):
+    B = drafter.block_size
+    prompts = _prompts(20, 45)
+    n = 1 + 3 * (B + 1)  # the first token, then three full steps of B accepted drafts + the bonus token
+    seqs = _reference(model, prompts, n + B + 1)
+    _patch_base_logits(monkeypatch, drafter, lambda b, pos: seqs[b][pos])
+    ref, _ = generate_ids(model, prompts, max_new_tokens=n, sampling=GREEDY)
+    out, stats = speculative_generate_ids(model, drafter, prompts, max_new_tokens=n, sampling=GREEDY)
+    _same_output(ref, out)
+    assert stats.mean_accepted_length == B + 1
+    assert stats.acceptance_rate_per_position == [1.0] * B
+    assert stats.decode_steps == 3 and stats.steps == 3 * len(prompts)
+
+
+def test_adversarial_drafter_rejected_at_every_position(model, drafter, monkeypatch):
+    prompts = _prompts(33, 8)
+    seqs = _reference(model, prompts, 40)
+    V = model.text.vocab_size
+    _patch_base_logits(monkeypatch, drafter, lambda b, pos: (seqs[b][pos] + 1) % V)
+    ref, _ = generate_ids(model, prompts, max_new_tokens=20, sampling=GREEDY)
+    out, stats = speculative_generate_ids(model, drafter, prompts, max_new_tokens=20, sampling=GREEDY)
+    _same_output(ref, out)
+    assert stats.mean_accepted_length == 1.0
+    assert stats.acceptance_rate_per_position[0] == 0.0
+
+
+def test_confidence_threshold_only_shortens_the_verified_prefix(model, drafter):
+    prompts = _prompts(25, 50)
+    ref, _ = generate_ids(model, prompts, max_new_tokens=16, sampling=GREEDY)
+    # a threshold above every sigmoid score verifies no draft at all: one token per step
+    out, stats = speculative_generate_ids(model, drafter, prompts, max_new_tokens=16, sampling=GREEDY,
+                                          confidence_threshold=1.5)
+    _same_output(ref, out)
+    assert stats.mean_accepted_length == 1.0 and stats.proposed_per_position == [0] * drafter.block_size
+    draft = drafter.draft(model, drafter.new_cache(1, 8), torch.tensor([5]), torch.tensor([0]), 4, GREEDY, None)
+    assert draft.confidence.shape == (1, 4) and bool(((draft.confidence > 0) & (draft.confidence < 1)).all())
+
+
+# ---------------------------------------------------------------------------------------------- rollback
+
+
+def test_caches_after_rollback_equal_a_plain_run(model, drafter):
+    prompts = _prompts(40, 70)
+    dec = SpeculativeDecoder(model, drafter)
+    out, stats = dec.generate(prompts, max_new_tokens=30, sampling=GREEDY)
+    assert stats.steps > 0
+    for b, s in enumerate(out):
+        L = len(s.prompt) + len(s.generated) - 1  # the last token is never run through the target
+        assert dec.lengths[b] == L
+        slots = dec.target_cache.max_seq_len
+        plain, dplain = model.new_cache(1, slots), drafter.new_cache(1, slots)
+        pos = torch.arange(L)[None]
+        trace = Trace(layers=drafter.capture_layer_ids)
+        model(torch.tensor([(s.prompt + s.generated)[:L]]), positions=pos, cache=plain, trace=trace)
+        drafter.add_context(model, dplain, trace, pos)
+        pairs = [(dec.target_cache.k, plain.k), (dec.target_cache.v, plain.v), (dec.draft_cache.k, dplain.k),
+                 (dec.draft_cache.v, dplain.v),
+                 ([x for x in dec.target_cache.index_k if x is not None], [x for x in plain.index_k if x is not None])]
+        for got_layers, want_layers in pairs:
+            assert len(got_layers) == len(want_layers) > 0
+            for got, want in zip(got_layers, want_layers):
+                torch.testing.assert_close(got[b, :L], want[0, :L], atol=1e-4, rtol=1e-4)
+                assert not got[b, L:].any(), "slots past the accepted length must be rolled back (zero)"
+
+
+# ---------------------------------------------------------------------------------------------- drafter
+
+
+def test_sliding_window_edge(model, drafter):
+    """A block query at position q sees context keys p >= q - (W - 1): the block starts at t, so slot
+    t - W is outside every query's window and slot t - W + 1 is inside the first query's."""
+    W, t = drafter.config.sliding_window, 100
+    cache = drafter.new_cache(1, 128)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(len(cache.k)):
+        cache.k[layer][:, :t] = torch.randn(cache.k[layer][:, :t].shape, generator=g)
+        cache.v[layer][:, :t] = torch.randn(cache.v[layer][:, :t].shape, generator=g)
+    anchors, positions = torch.tensor([7]), torch.tensor([t])
+    base = drafter.block_hidden(model, cache, anchors, positions)
+
+    def perturbed(slot: int) -> torch.Tensor:
+        saved = [(k[:, slot].clone(), v[:, slot].clone()) for k, v in zip(cache.k, cache.v)]
+        for k, v in zip(cache.k, cache.v):
+            k[:, slot] += 3.0
+            v[:, slot] += 3.0
+        out = drafter.block_hidden(model, cache, anchors, positions)
+        for (k, v), (k0, v0) in zip(zip(cache.k, cache.v), saved):
+            k[:, slot], v[:, slot] = k0, v0
+        return out
+
+    assert torch.equal(perturbed(t - W), base)
+    assert torch.equal(perturbed(t), base)  # not a committed context row yet
+    assert not torch.allclose(perturbed(t - W + 1), base)
+    assert not torch.allclose(perturbed(t - 1), base)
+
+
+def test_drafter_loader_refuses_embedding_and_lm_head(spec_ckpt, model, tmp_path):
+    d = tmp_path / "dspark"
+    shutil.copytree(spec_ckpt / "dspark", d)
+    V, H = model.text.vocab_size, model.text.hidden_size
+    save_file({PREFIX + "embed_tokens.weight": torch.zeros(V, H, dtype=torch.bfloat16),
+               "language_model.lm_head.weight": torch.zeros(V, H, dtype=torch.bfloat16)},
+              str(d / "extra.safetensors"), metadata={"format": "pt"})
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({PREFIX + "embed_tokens.weight": "extra.safetensors",
+                                "language_model.lm_head.weight": "extra.safetensors"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="carries its own embedding / LM head") as e:
+        load_drafter(d, model)
+    assert len(e.value.problems) == 2
+    assert any("embed_tokens" in p and "embedding" in p for p in e.value.problems)
+    assert any("lm_head" in p and "LM head" in p for p in e.value.problems)
+
+
+def test_drafter_loader_reports_every_missing_tensor(spec_ckpt, model, tmp_path):
+    d = tmp_path / "dspark"
+    shutil.copytree(spec_ckpt / "dspark", d)
+    drop = [PREFIX + "markov_head.markov_w2.weight", PREFIX + "layers.1.decoder_layer.mlp.down_proj.weight_scale_inv",
+            PREFIX + "final_norm.weight"]
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = d / index["weight_map"][drop[0]]
+    tensors = load_file(str(shard))
+    save_file({k: v for k, v in tensors.items() if k not in drop}, str(shard), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in drop}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="3 problems") as e:
+        load_drafter(d, model)
+    for name in drop:
+        assert any(name in p and "missing" in p for p in e.value.problems), name
+
+
+def test_drafter_tensors_follow_the_release_layout(spec_ckpt):
+    index = json.loads((spec_ckpt / "dspark" / "model.safetensors.index.json").read_text())
+    names = set(index["weight_map"])
+    assert all(n.startswith(PREFIX) for n in names)
+    # fc, hidden/final norm, markov w1/w2, confidence weight/bias, and per layer 4 norms + 7 fp8 weights
+    # with their 7 scales: 97 tensors with the release's 5 layers, 43 with the tiny drafter's 2
+    assert len(names) == 7 + 2 * 18 and 7 + 5 * 18 == 97
+    q_proj = PREFIX + "layers.0.decoder_layer.self_attn.q_proj.weight"
+    tensors = load_file(str(spec_ckpt / "dspark" / index["weight_map"][q_proj]))
+    assert tensors[q_proj].dtype == torch.float8_e4m3fn
+    assert tensors[q_proj + "_scale_inv"].dtype == torch.uint8
+    assert tensors[PREFIX + "fc.weight"].dtype == torch.bfloat16
+
+
+def test_release_drafter_table_matches_the_spec():
+    from minimax_ref.config import parse_drafter_config, parse_model_config
+    from minimax_ref.drafter import drafter_tensor_table
+    from minimax_ref.synth import build_config, drafter_config_json
+
+    target = parse_model_config(build_config("release", "nvfp4"))
+    cfg = parse_drafter_config(drafter_config_json(target), target.text)
+    assert (cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids, cfg.sliding_window, cfg.noise_token_id,
+            cfg.markov_rank, cfg.intermediate_size) == (5, 7, (3, 17, 31, 45, 59), 4096, 200058, 256, 12288)
+    linears, plain = drafter_tensor_table(cfg)
+    shapes = {n[len(PREFIX):]: s.shape for n, s in plain.items()}
+    shapes.update({n[len(PREFIX):]: (s.out_features, s.in_features) for n, s in linears.items()})
+    assert shapes["fc"] == (6144, 30720) and shapes["confidence_head.proj.weight"] == (1, 6400)
+    assert shapes["markov_head.markov_w2.weight"] == (200064, 256)
+    assert shapes["layers.4.decoder_layer.self_attn.q_proj"] == (8192, 6144)
+    assert shapes["layers.4.decoder_layer.self_attn.k_proj"] == (512, 6144)
+    assert shapes["layers.4.decoder_layer.mlp.down_proj"] == (6144, 12288)
+    fp8 = [n for n in linears if not n.endswith(".fc")]
+    assert len(plain) + len(linears) + len(fp8) == 97  # each fp8 weight has its scale
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def test_sampled_generation_with_the_drafter_is_seeded(model, drafter):
+    prompts = _prompts(30, 9)
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=40)
+    a, stats = speculative_generate_ids(model, drafter, prompts, max_new_tokens=12, sampling=params, seed=3)
+    b, _ = speculative_generate_ids(model, drafter, prompts, max_new_tokens=12, sampling=params, seed=3)
+    assert [s.generated for s in a] == [s.generated for s in b]
+    assert all(len(s.generated) == 12 for s in a) and stats.mean_accepted_length >= 1.0
+    none, _ = speculative_generate_ids(model, drafter, prompts, max_new_tokens=0, sampling=params)
+    assert [(s.generated, s.finish_reason) for s in none] == [([], "length")] * 2
+
+
+def test_accept_greedy():
+    assert accept_greedy(torch.tensor([3, 4, 5]), torch.tensor([3, 4, 9, 1])) == (2, 9)
+    assert accept_greedy(torch.tensor([3, 4, 5]), torch.tensor([3, 4, 5, 1])) == (3, 1)
+    assert accept_greedy(torch.tensor([], dtype=torch.long), torch.tensor([8])) == (0, 8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 4))
+def test_accept_drafts_invariants(seed, K):
+    g = torch.Generator().manual_seed(seed)
+    V = 6
+    p = torch.softmax(torch.randn(K + 1, V, generator=g) * 2, -1)
+    p[:, int(torch.randint(V, (1,), generator=g))] = 0  # a token the target never emits
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.softmax(torch.randn(K, V, generator=g) * 2, -1)
+    drafts = torch.multinomial(q, 1, generator=g).squeeze(-1)
+    u = torch.rand(K + 1, generator=g)
+    j, tok = accept_drafts(drafts, q, p, u)
+    assert 0 <= j <= K and p[j, tok] > 0  # never emits what the target cannot
+    assert all(p[i, drafts[i]] > 0 for i in range(j))
+    if j < K:  # a residual sample: where the target has more mass than the drafter, never the draft
+        assert p[j, tok] > q[j, tok] and tok != drafts[j]
+    # a draft distribution equal to the target's accepts every draft it can propose
+    assert accept_drafts(drafts, p[:K], p, u)[0] == K or any(p[i, drafts[i]] == 0 for i in range(K))
+
+
+def _accept_q_over_p(drafts, q, p, u):  # wrong: accepts with min(1, q/p)
+    for i in range(drafts.shape[0]):
+        d = int(drafts[i])
+        qi = q[i] if q is not None else torch.nn.functional.one_hot(drafts[i], p.shape[-1]).float()
+        if float(u[i]) * float(p[i, d]) < float(qi[d]):
+            continue
+        r = (p[i] - qi).clamp(min=0)
+        return i, sample_inverse_cdf(r / r.sum(), u[-1])
+    return drafts.shape[0], sample_inverse_cdf(p[-1], u[-1])
+
+
+def _accept_unnormalised_residual(drafts, q, p, u):  # wrong: residual max(0, p - q) not renormalised
+    for i in range(drafts.shape[0]):
+        d = int(drafts[i])
+        qi = q[i] if q is not None else torch.nn.functional.one_hot(drafts[i], p.shape[-1]).float()
+        if float(u[i]) * float(qi[d]) < float(p[i, d]):
+            continue
+        return i, sample_inverse_cdf((p[i] - qi).clamp(min=0), u[-1])
+    return drafts.shape[0], sample_inverse_cdf(p[-1], u[-1])
+
+
+def _accept_resample_from_p(drafts, q, p, u):  # wrong: resamples from p instead of the residual
+    for i in range(drafts.shape[0]):
+        d = int(drafts[i])
+        qi = q[i] if q is not None else torch.nn.functional.one_hot(drafts[i], p.shape[-1]).float()
+        if float(u[i]) * float(qi[d]) < float(p[i, d]):
+            continue
+        return i, sample_inverse_cdf(p[i], u[-1])
+    return drafts.shape[0], sample_inverse_cdf(p[-1], u[-1])
+
+
+WRONG_RULES = {"q_over_p": _accept_q_over_p, "unnormalised_residual": _accept_unnormalised_residual,
+               "resample_from_p": _accept_resample_from_p}
+
+
+def _first_token_distribution(rule, p: torch.Tensor, q: torch.Tensor, M: int = 400) -> torch.Tensor:
+    """The exact distribution of the first emitted token for one draft d ~ q, by midpoint quadrature
+    over the two uniforms: the first decides acceptance, the second the token emitted on rejection."""
+    V = p.shape[-1]
+    grid = (torch.arange(M, dtype=torch.float64) + 0.5) / M
+    out = torch.zeros(V, dtype=torch.float64)
+    for d in range(V):
+        if q[0, d] == 0:
+            continue
+        drafts, accepted, rejecting_u0 = torch.tensor([d]), 0, None
+        for u0 in grid:
+            if rule(drafts, q, p, torch.tensor([u0, 0.5]))[0] == 1:
+                accepted += 1
+            else:
+                rejecting_u0 = u0
+        out[d] += q[0, d] * accepted / M
+        if rejecting_u0 is not None:
+            for u1 in grid:
+                _, tok = rule(drafts, q, p, torch.tensor([rejecting_u0, u1]))
+                out[tok] += q[0, d] * (M - accepted) / M / M
+    return out
+
+
+def test_accept_drafts_emits_the_target_distribution():
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]], dtype=torch.float64)
+    q = torch.tensor([[0.1, 0.5, 0.0, 0.2, 0.2]], dtype=torch.float64)
+    got = _first_token_distribution(accept_drafts, p, q)
+    assert (got - p[0]).abs().max() < 0.01, got
+    for name, rule in WRONG_RULES.items():
+        wrong = _first_token_distribution(rule, p, q)
+        assert (wrong - p[0]).abs().max() > 0.05, name
+
+
+class _ToyCache:
+    def rollback(self, lengths) -> None:
+        pass
+
+
+class ToyTarget:
+    """A Markov chain over V tokens behind the model interface: logits at a position are log P[token]."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.table = logits
+        self.text = SimpleNamespace(vocab_size=logits.shape[0])
+        self.device = torch.device("cpu")
+
+    def new_cache(self, batch_size, max_len, kv_cache_dtype="auto"):
+        return _ToyCache()
+
+    def __call__(self, ids, *, positions=None, cache=None, trace=None, inputs_embeds=None):
+        return self.table[ids]
+
+
+class ToyDrafter:
+    """Drafts from a different Markov chain (sampled from q after the same filtering, or greedy)."""
+
+    block_size = 2
+    capture_layer_ids: set[int] = set()
+
+    def __init__(self, logits: torch.Tensor, point_mass: bool):
+        self.table, self.point_mass = logits, point_mass
+
+    def new_cache(self, batch_size, max_len):
+        return _ToyCache()
+
+    def add_context(self, target, cache, trace, positions) -> None:
+        pass
+
+    def draft(self, target, cache, anchors, positions, num_tokens, sampling, generator) -> Draft:
+        prev, tokens, probs = anchors, [], []
+        for _ in range(num_tokens):
+            z = self.table[prev]
+            if self.point_mass:
+                d = z.argmax(-1)
+            else:
+                probs.append(filtered_probs(z, sampling))
+                d = torch.multinomial(probs[-1], 1, generator=generator).squeeze(-1)
+            tokens.append(d)
+            prev = d
+        return Draft(torch.stack(tokens, 1), None if self.point_mass else torch.stack(probs, 1))
+
+
+def _chi2_threshold(df: int, z: float = 4.0) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(df) at a normal z-score (z = 4: p ~ 3e-5)."""
+    a = 2.0 / (9 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def _toy_statistic(rule, point_mass: bool, rows: int = 4000) -> float:
+    """Worst excess of a chi-square statistic over its p ~ 3e-5 quantile, over the joint distributions
+    of consecutive pairs and triples of the first four generated tokens (y1 from the prefill, the rest
+    from speculative steps); > 0 means the samples are inconsistent with the target's exact
+    distribution."""
+    V = 5
+    g = torch.Generator().manual_seed(1)
+    target_logits = torch.randn(V, V, generator=g) * 1.5
+    draft_logits = torch.randn(V, V, generator=g) * 1.5
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=4)
+    target, drafter = ToyTarget(target_logits), ToyDrafter(draft_logits, point_mass)
+    out, stats = speculative_generate_ids(target, drafter, [[2]] * rows, max_new_tokens=4, sampling=params, seed=7,
+                                          accept_fn=rule)
+    assert stats.steps > 0 and 1.0 < stats.mean_accepted_length < 3.0
+    ys = torch.tensor([s.generated for s in out])  # [rows, 4]
+    P = filtered_probs(target_logits, params).double()  # row-stochastic transition matrix
+
+    def excess(joint: torch.Tensor, columns: list[int]) -> float:
+        counts = torch.zeros_like(joint)
+        counts.index_put_(tuple(ys[:, c] for c in columns), torch.ones(rows, dtype=torch.float64), accumulate=True)
+        expected = joint * rows
+        if bool((counts[expected == 0] > 0).any()):
+            return math.inf  # a token sequence the target can never produce
+        # the usual chi-square hygiene: cells expecting fewer than 5 samples are pooled into one
+        big, small = expected >= 5, (expected > 0) & (expected < 5)
+        obs = torch.cat((counts[big], counts[small].sum().reshape(1)))
+        exp = torch.cat((expected[big], expected[small].sum().reshape(1)))
+        obs, exp = obs[exp > 0], exp[exp > 0]
+        return float(((obs - exp) ** 2 / exp).sum()) - _chi2_threshold(obs.numel() - 1)
+
+    # exact joints of consecutive tokens: P(y_n = a, y_n+1 = b) and P(y_n = a, y_n+1 = b, y_n+2 = c)
+    marginals = [P[2], P[2] @ P, P[2] @ P @ P]
+    pairs = [excess(marginals[n][:, None] * P, [n, n + 1]) for n in range(3)]
+    triples = [excess(marginals[n][:, None, None] * P[:, :, None] * P[None], [n, n + 1, n + 2]) for n in range(2)]
+    return max(pairs + triples)
+
+
+@pytest.mark.parametrize("point_mass", [False, True], ids=["sampled-drafts", "greedy-drafts"])
+def test_sampling_is_lossless_on_a_toy_chain(point_mass):
+    assert _toy_statistic(accept_drafts, point_mass) < 0
+
+
+@pytest.mark.parametrize("rule", sorted(WRONG_RULES))
+def test_wrong_acceptance_rules_fail_the_same_check(rule):
+    assert _toy_statistic(WRONG_RULES[rule], point_mass=False) > 0
+
+
+# ---------------------------------------------------------------------------------------------- API / CLI
+
+
+def test_generate_api_with_draft(model, spec_ckpt, drafter):
+    tok = mr.load_tokenizer(spec_ckpt)
+    assert tok.special_ids.dspark_noise == drafter.config.noise_token_id
+    kw = {"max_new_tokens": 10, "temperature": 0}
+    plain = mr.generate(model, tok, ["Hello world", "A longer prompt"], **kw)
+    spec = mr.generate(model, tok, ["Hello world", "A longer prompt"], draft="dspark", num_speculative_tokens=2, **kw)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert spec[0].stats["mean_accepted_length"] >= 1.0 and spec[0].stats["num_speculative_tokens"] == 2
+    with pytest.raises(InputError, match="num_speculative_tokens"):
+        mr.generate(model, tok, ["x"], draft=drafter, num_speculative_tokens=drafter.block_size + 1, **kw)
+    with pytest.raises(InputError, match="needs a drafter"):
+        mr.generate(model, tok, ["x"], num_speculative_tokens=2, **kw)
+
+
+def test_cli_synth_drafter_and_speculative_json(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    assert main(["synth", "--preset", "tiny", "--format", "nvfp4", "--out", str(out), "--drafter"]) == 0
+    assert (out / "dspark" / "config.json").is_file()
+    base = ["generate", "--ckpt-path", str(out), "--prompt", "Hello", "--prompt", "The weather in Lisbon is",
+            "--max-new-tokens", "9", "--temperature", "0", "--output-format", "json", "--dtype", "float32"]
+    capsys.readouterr()
+    assert main(base) == 0
+    plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for extra in ([], ["--num-speculative-tokens", "2", "--drafter-capture", "post-norm"]):
+        assert main(base + ["--speculative", "dspark"] + extra) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [r["token_ids"] for r in rows] == [r["token_ids"] for r in plain]
+        for r in rows:
+            assert r["stats"]["mean_accepted_length"] >= 1.0
+            assert len(r["stats"]["acceptance_rate_per_position"]) == (int(extra[1]) if extra else 4)
+    assert main(base + ["--num-speculative-tokens", "2"]) == 2
+    assert "need --speculative dspark" in capsys.readouterr().err

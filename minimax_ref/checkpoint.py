@@ -472,19 +472,14 @@ def _check_linear(spec: LinearSpec, f: LinearFormat, tensors: dict[str, TensorIn
         expect(f.weight, [(N, K)], FLOAT_DTYPES)
 
 
-def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
-    """Open and validate a checkpoint folder (headers only: no tensor data is read).
-
-    With `strict` (default) every problem found (missing / extra / misshapen tensors, wrong dtypes,
-    formats disagreeing with `quantization_config`, unreadable shards) is raised together as one
-    `CheckpointError`; otherwise they are returned in `Checkpoint.problems`.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a checkpoint folder (it does not exist or is not a directory)")
-    st_files = sorted(p.name for p in path.glob("*.safetensors"))
+def scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
+    """Tensor headers of a folder's shards (from `model.safetensors.index.json`, or the lone
+    `*.safetensors` files), and the problems found: index entries pointing at missing files,
+    unreadable or truncated shards, tensors missing from their shard or absent from the index.
+    Raises `CheckpointError` when there are no safetensors at all (naming pickle files if present)."""
+    files = sorted(p.name for p in path.glob("*.safetensors"))
     index_path = path / "model.safetensors.index.json"
-    if not st_files and not index_path.exists():
+    if not files and not index_path.exists():
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise CheckpointError(
@@ -492,20 +487,15 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
                 "safetensors only, because loading a pickle can execute arbitrary code; convert the "
                 "checkpoint to safetensors first")
         raise CheckpointError(f"{path}: no model.safetensors.index.json and no *.safetensors files")
-    cfg = load_model_config(path)
     problems: list[str] = []
-    notes: list[str] = []
-
-    # shards and the index
     if index_path.exists():
         try:
-            index = json.loads(index_path.read_text())
-            weight_map = index["weight_map"]
+            weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
         shards = sorted(set(weight_map.values()))
     else:
-        weight_map, shards = None, st_files
+        weight_map, shards = None, files
     tensors: dict[str, TensorInfo] = {}
     for shard in shards:
         sp = path / shard
@@ -527,10 +517,25 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
                     problems.append(f"tensor {name} is in {shard} but not in {index_path.name}")
                 continue
             tensors[name] = TensorInfo(shard, meta["dtype"], tuple(meta["shape"]))
-    if weight_map is not None:
-        for name, shard in weight_map.items():
-            if name not in tensors and (path / shard).is_file() and not any(shard in p for p in problems):
-                problems.append(f"tensor {name} is listed in {index_path.name} for {shard} but the shard lacks it")
+    for name, shard in (weight_map or {}).items():
+        if name not in tensors and (path / shard).is_file() and not any(shard in p for p in problems):
+            problems.append(f"tensor {name} is listed in {index_path.name} for {shard} but the shard lacks it")
+    return tensors, problems
+
+
+def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
+    """Open and validate a checkpoint folder (headers only: no tensor data is read).
+
+    With `strict` (default) every problem found (missing / extra / misshapen tensors, wrong dtypes,
+    formats disagreeing with `quantization_config`, unreadable shards) is raised together as one
+    `CheckpointError`; otherwise they are returned in `Checkpoint.problems`.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint folder (it does not exist or is not a directory)")
+    cfg = load_model_config(path)
+    tensors, problems = scan_shards(path)
+    notes: list[str] = []
 
     linears, plain = tensor_table(cfg)
     scheme = QuantScheme(cfg.quantization, f"{path / 'config.json'} quantization_config")

@@ -43,7 +43,6 @@ are replicated; every rank computes the same drafts from the same seed.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -58,15 +57,13 @@ from .checkpoint import (
     DENSE,
     FLOAT_DTYPES,
     MXFP8,
-    PICKLE_SUFFIXES,
     Checkpoint,
     LinearSpec,
     QuantScheme,
-    TensorInfo,
     TensorSpec,
     _check_linear,
     _linear_format,
-    _read_header,
+    scan_shards,
 )
 from .config import DrafterConfig, TextConfig, parse_drafter_config, read_json
 from .errors import CheckpointError, ConfigError, InputError
@@ -487,45 +484,6 @@ def _check_raw_config(raw: dict, where: str) -> None:
         raise ConfigError(f"{where}: layer_types={types!r}: only sliding_attention/full_attention layers exist")
 
 
-def _scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
-    """Tensor headers of a folder's shards (index or lone `*.safetensors`), and the problems found."""
-    problems: list[str] = []
-    index_path = path / "model.safetensors.index.json"
-    files = sorted(p.name for p in path.glob("*.safetensors"))
-    if index_path.exists():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
-        shards = sorted(set(weight_map.values()))
-    elif files:
-        weight_map, shards = None, files
-    else:
-        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        why = f" (only pickle files: {', '.join(pickles[:3])}; minimax-ref reads safetensors only)" if pickles else ""
-        raise CheckpointError(f"{path}: no model.safetensors.index.json and no *.safetensors files{why}")
-    tensors: dict[str, TensorInfo] = {}
-    for shard in shards:
-        if not (path / shard).is_file():
-            problems.append(f"{index_path.name} maps tensors to {shard}, which does not exist")
-            continue
-        try:
-            header = _read_header(path / shard)
-        except (ValueError, json.JSONDecodeError, OSError) as e:
-            problems.append(f"shard {shard} cannot be read: {e}")
-            continue
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            if weight_map is not None and weight_map.get(name) != shard:
-                if name not in weight_map:
-                    problems.append(f"tensor {name} is in {shard} but not in {index_path.name}")
-                continue
-            tensors[name] = TensorInfo(shard, meta["dtype"], tuple(meta["shape"]))
-    for name, shard in (weight_map or {}).items():
-        if name not in tensors and (path / shard).is_file():
-            problems.append(f"tensor {name} is listed in {index_path.name} for {shard} but the shard lacks it")
-    return tensors, problems
 
 
 def open_drafter(path: str | Path, target: TextConfig) -> tuple[DrafterConfig, Checkpoint]:
@@ -551,7 +509,7 @@ def open_drafter(path: str | Path, target: TextConfig) -> tuple[DrafterConfig, C
     if cfg.block_size < 1 or cfg.sliding_window < 1:
         raise ConfigError(f"{where}: dspark_block_size={cfg.block_size} and sliding_window={cfg.sliding_window} "
                           "must be >= 1")
-    tensors, problems = _scan_shards(path)
+    tensors, problems = scan_shards(path)
 
     shared = sorted(n for n in tensors if _SHARED_WEIGHTS.search(n))
     for name in shared:

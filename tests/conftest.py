@@ -9,7 +9,10 @@ import torch
 
 from minimax_ref.synth import write_checkpoint
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# One intra-op thread: the test models are tiny, and on a shared 2-core machine OpenMP barriers
+# between busy threads cost far more than a second thread gains (and results stay thread-count
+# independent).
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,16 +21,6 @@ PAGE = 8
 LONG, SHORT = 120, 37  # the long prompt is past the tiny preset's 4 x 16-token MSA budget
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP barriers between busy threads cost far
-    more than these tiny matrices gain from a second thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(5)

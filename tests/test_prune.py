@@ -21,16 +21,6 @@ MOE_LAYERS = (1, 2, 3)
 EXPERT = re.compile(r"^(.*\.block_sparse_moe\.experts\.)(\d+)(\..+)$")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP barriers between busy threads cost far
-    more than these tiny matrices gain from a second thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def src(tiny_nvfp4):
     return tiny_nvfp4

@@ -21,16 +21,6 @@ from minimax_ref.tokenizer import load_tokenizer
 SHAPES = [(90, 30), (41, 40), (25, 3), (60, 59)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP barriers between busy threads cost far
-    more than these tiny matrices gain from a second thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def src(tiny_nvfp4):
     return tiny_nvfp4

@@ -138,6 +138,41 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab: int, max_len: int) -
             raise InputError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
 
+def pad_prompts(model: MiniMaxM3, seqs: Sequence[Sequence_], inputs_embeds: list[torch.Tensor | None] | None
+                ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """Right-pad the prompts into ids [B, T] (MSA blocks are anchored to absolute positions, so only
+    right padding is exact). Returns (ids, prompt lengths, embeddings [B, T, H] or None), the
+    embeddings carrying `inputs_embeds[b]` (images) over the token embeddings where given."""
+    device = model.device
+    lengths = [len(s.prompt) for s in seqs]
+    ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long, device=device)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s.prompt)] = torch.tensor(s.prompt, device=device)
+    embeds = None
+    if inputs_embeds is not None and any(e is not None for e in inputs_embeds):
+        embeds = model.embed(ids)
+        for b, e in enumerate(inputs_embeds):
+            if e is not None:
+                embeds[b, : e.shape[0]] = e.to(embeds.dtype)
+    return ids, lengths, embeds
+
+
+def prefill(forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor], ids: torch.Tensor,
+            lengths: Sequence[int], embeds: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """Run `forward(ids_chunk, positions, embeds_chunk) -> logits` over the padded prompts in chunks of
+    `chunk` positions; return each row's logits at its last prompt token, [B, V] fp32."""
+    B, T = ids.shape
+    last: list[torch.Tensor | None] = [None] * B
+    for s0 in range(0, T, chunk):
+        s1 = min(T, s0 + chunk)
+        pos = torch.arange(s0, s1, device=ids.device).expand(B, -1)
+        logits = forward(ids[:, s0:s1], pos, None if embeds is None else embeds[:, s0:s1])
+        for b in range(B):
+            if s0 <= lengths[b] - 1 < s1:
+                last[b] = logits[b, lengths[b] - 1 - s0]
+    return torch.stack(last)
+
+
 @torch.no_grad()
 def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                  sampling: SamplingParams = SamplingParams(), seed: int = 0, stop_ids: Sequence[int] = (),
@@ -156,35 +191,34 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     _check_prompts(prompts, model.text.vocab_size, max_len)
+    limit = rt.max_batch_size if rt else len(prompts)
+    if len(prompts) > limit:  # run in groups of at most max_batch_size sequences
+        seqs_all: list[Sequence_] = []
+        total = GenerationStats()
+        for g0 in range(0, len(prompts), limit):
+            group_cb = None if on_token is None else (lambda row, tok, g0=g0: on_token(g0 + row, tok))
+            seqs_g, st = generate_ids(model, prompts[g0:g0 + limit], max_new_tokens=max_new_tokens, sampling=sampling,
+                                      seed=seed + g0, stop_ids=stop_ids, max_seq_len=max_len, kv_cache_dtype=kv_dtype,
+                                      prefill_chunk=prefill_chunk, on_token=group_cb,
+                                      inputs_embeds=None if inputs_embeds is None else inputs_embeds[g0:g0 + limit])
+            seqs_all += seqs_g
+            for f in ("prompt_tokens", "generated_tokens", "prefill_seconds", "decode_seconds", "decode_steps"):
+                setattr(total, f, getattr(total, f) + getattr(st, f))
+        return seqs_all, total
     device = model.device
     gen = torch.Generator(device="cpu").manual_seed(seed)
     seqs = [Sequence_(list(map(int, p))) for p in prompts]
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
     B = len(seqs)
-    lengths = torch.tensor([len(s.prompt) for s in seqs], device=device)
-    T = int(lengths.max())
+    ids, lengths, embeds = pad_prompts(model, seqs, inputs_embeds)
+    T = ids.shape[1]
     budget = min(max_len, T + max_new_tokens)
     cache = model.new_cache(B, budget, kv_dtype)
-    ids = torch.zeros(B, T, dtype=torch.long, device=device)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s.prompt)] = torch.tensor(s.prompt, device=device)
-    embeds = None
-    if inputs_embeds is not None and any(e is not None for e in inputs_embeds):
-        embeds = model.embed(ids)
-        for b, e in enumerate(inputs_embeds):
-            if e is not None:
-                embeds[b, : e.shape[0]] = e.to(embeds.dtype)
 
     t0 = time.perf_counter()
-    last_logits = torch.empty(B, model.text.vocab_size, device=device)
-    for s0 in range(0, T, prefill_chunk):
-        s1 = min(T, s0 + prefill_chunk)
-        pos = torch.arange(s0, s1, device=device).expand(B, -1)
-        chunk_emb = None if embeds is None else embeds[:, s0:s1]
-        logits = model(ids[:, s0:s1], positions=pos, cache=cache, inputs_embeds=chunk_emb)
-        rows = ((lengths - 1 >= s0) & (lengths - 1 < s1)).nonzero().flatten()
-        for b in rows.tolist():
-            last_logits[b] = logits[b, int(lengths[b]) - 1 - s0]
+    last_logits = prefill(lambda x, pos, emb: model(x, positions=pos, cache=cache, inputs_embeds=emb),
+                          ids, lengths, embeds, prefill_chunk)
+    lengths = torch.tensor(lengths, device=device)
     stats.prefill_seconds = time.perf_counter() - t0
 
     stop = set(int(i) for i in stop_ids)

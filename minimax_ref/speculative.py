@@ -44,7 +44,17 @@ import torch
 
 from .drafter import Draft
 from .errors import InputError
-from .generate import PREFILL_CHUNK, GenerationStats, SamplingParams, Sequence_, _check_prompts, filtered_probs, sample
+from .generate import (
+    PREFILL_CHUNK,
+    GenerationStats,
+    SamplingParams,
+    Sequence_,
+    _check_prompts,
+    filtered_probs,
+    pad_prompts,
+    prefill,
+    sample,
+)
 from .model import MiniMaxM3, Trace
 
 # (drafts [K], draft_probs [K, V] | None, target_probs [K+1, V], uniforms [K+1]) -> (accepted, token)
@@ -254,26 +264,11 @@ class SpeculativeDecoder:
         slots = budget + N + 1
         self.target_cache = model.new_cache(B, slots, kv_dtype)
         self.draft_cache = drafter.new_cache(B, slots)
-        ids = torch.zeros(B, T, dtype=torch.long, device=device)
-        for b, s in enumerate(seqs):
-            ids[b, : len(s.prompt)] = torch.tensor(s.prompt, device=device)
-        embeds = None
-        if inputs_embeds is not None and any(e is not None for e in inputs_embeds):
-            embeds = model.embed(ids)
-            for b, e in enumerate(inputs_embeds):
-                if e is not None:
-                    embeds[b, : e.shape[0]] = e.to(embeds.dtype)
+        ids, lengths, embeds = pad_prompts(model, seqs, inputs_embeds)
 
         # ---- prefill: every prompt position becomes a context row
         t0 = time.perf_counter()
-        last_logits = torch.empty(B, model.text.vocab_size, device=device)
-        for s0 in range(0, T, prefill_chunk):
-            s1 = min(T, s0 + prefill_chunk)
-            pos = torch.arange(s0, s1, device=device).expand(B, -1)
-            logits = self._forward(ids[:, s0:s1], pos, None if embeds is None else embeds[:, s0:s1])
-            for b in range(B):
-                if s0 <= lengths[b] - 1 < s1:
-                    last_logits[b] = logits[b, lengths[b] - 1 - s0]
+        last_logits = prefill(self._forward, ids, lengths, embeds, prefill_chunk)
         self._rollback(lengths)  # forget the padding of shorter prompts
         stats.prefill_seconds = time.perf_counter() - t0
 

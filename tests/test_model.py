@@ -238,3 +238,13 @@ def test_expert_mask_leaving_too_few_experts_is_refused():
     with pytest.raises(ConfigError, match="keeps 3 experts but routing chooses 4"):
         route(x, gate, None, 4, mask)
     assert set(route(x, gate, None, 2, mask).expert_ids.flatten().tolist()) <= {0, 1, 2}
+
+
+def test_batches_larger_than_max_batch_size_run_in_groups(tiny_nvfp4):
+    model = load_model(tiny_nvfp4, dtype=torch.float32, max_batch_size=2)
+    prompts = [_ids(n, seed=n)[0].tolist() for n in (30, 12, 50, 7, 21)]
+    greedy = SamplingParams(temperature=0)
+    seqs, stats = generate_ids(model, prompts, max_new_tokens=6, sampling=greedy)
+    assert len(seqs) == 5 and stats.prompt_tokens == sum(map(len, prompts))
+    for p, s in zip(prompts, seqs):
+        assert generate_ids(model, [p], max_new_tokens=6, sampling=greedy)[0][0].generated == s.generated

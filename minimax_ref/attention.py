@@ -6,6 +6,11 @@ back); the attention core (scores, fp32 softmax, value sum) in fp32; the output 
 compute dtype before `o_proj`. Dense layers process queries in chunks too, so no layer allocates an
 S x S matrix.
 
+Fast paths (fast.py): `static_kv` attends over the whole cache (static shapes, no host synchronisation;
+later slots are future keys and masked); `sdpa` runs the fp32 attention core through
+`F.scaled_dot_product_attention` and lets MSA gather its blocks from the cache's storage (so an fp8 cache
+converts only the gathered keys). Both equal the reference to fp32 rounding.
+
 Tensor parallelism (parallel.py): a rank holds a contiguous run of query heads and the kv heads they
 read (with more ranks than kv heads, one kv head replicated over several ranks), the index heads of
 those kv heads, and the whole index key projection (one shared key head). Attention and MSA block
@@ -16,10 +21,13 @@ all-reduce is the block's one collective.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from . import msa as msa_module
 from .cache import KVCache
 from .config import TextConfig
+from .fast import REFERENCE
 from .linear import Linear
 from .msa import CHUNK_ELEMENTS, msa_attention
 from .norm import RMSNorm
@@ -55,6 +63,31 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.cat(outs, dim=1)
 
 
+def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                          chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """`causal_attention` through `F.scaled_dot_product_attention` in fp32 (the fast path): the G query
+    heads of a kv head are folded into the query length, so no kv head is repeated. Equal to
+    `causal_attention` to fp32 rounding; same chunking of queries."""
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    kf = k.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    vf = v.float().permute(0, 2, 1, 3)
+    k_pos = torch.arange(L, device=q.device)
+    chunk = max(1, chunk_elements // (B * Hq * L))
+    outs = []
+    for s0 in range(0, T, chunk):
+        sl = slice(s0, s0 + chunk)
+        qc = q[:, sl].float()
+        t = qc.shape[1]
+        qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * t, D)
+        seen = k_pos[None, None, :] <= q_pos[:, sl, None]  # [B, t, L]
+        mask = seen[:, None, None].expand(B, 1, G, t, L).reshape(B, 1, G * t, L)
+        o = F.scaled_dot_product_attention(qg, kf, vf, attn_mask=mask, scale=scale)  # [B, Hkv, G*t, D]
+        outs.append(o.view(B, Hkv, G, t, D).permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
+    return torch.cat(outs, dim=1)
+
+
 def _head_rows(heads: range, head_dim: int) -> slice:
     """Rows of a [heads * head_dim, in] projection that belong to the heads `heads`."""
     return slice(heads.start * head_dim, heads.stop * head_dim)
@@ -66,6 +99,8 @@ class Attention(nn.Module):
     n_heads / n_kv_heads: the model's head counts (default: the config's); `self.n_heads` and
     `self.n_kv` are the heads this rank holds.
     """
+
+    fast = REFERENCE  # fast-path switches (fast.py); MiniMaxM3.set_fast sets them
 
     def __init__(self, cfg: TextConfig, layer: int, n_heads: int | None = None, n_kv_heads: int | None = None,
                  world: World | None = None):
@@ -104,11 +139,12 @@ class Attention(nn.Module):
             self.index_k_norm = RMSNorm(sp.index_head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, trace: dict | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, trace: dict | None = None, kv_len: int | None = None) -> torch.Tensor:
         """x [B, T, H] at absolute positions pos [B, T]; cos/sin [B, T, rotary_dim] fp32.
 
         Without a cache, pos must be 0..T-1 (keys are this call's tokens). With a cache, this call's
-        K/V are written at `pos` and the keys are slots [0, max(pos) + 1).
+        K/V are written at `pos` and the keys are slots [0, kv_len); kv_len defaults to max(pos) + 1
+        (which reads pos on the host: the model passes it once for all layers).
         """
         B, T, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), cos, sin)
@@ -118,19 +154,31 @@ class Attention(nn.Module):
             iq = self.index_q_norm(self.index_q_proj(x).view(B, T, self.n_kv, self.index_dim))
             ik = self.index_k_norm(self.index_k_proj(x).view(B, T, 1, self.index_dim))
             iq, ik = apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, :, 0]
+        load = None
         if cache is not None:
-            length = int(pos.max()) + 1
+            length = kv_len if kv_len is not None else int(pos.max()) + 1
             cache.write(self.layer, k, v, pos)
-            k, v = cache.keys_values(self.layer, length)
+            if self.sparse and self.fast.sdpa:  # fast path: gather blocks from storage, convert only those
+                k, v = cache.stored_keys_values(self.layer, length)
+                load = cache.load
+            else:
+                k, v = cache.keys_values(self.layer, length)
             if self.sparse:
                 cache.write_index(self.layer, ik, pos)
                 ik = cache.index_keys(self.layer, length)
         if self.sparse:
             sp = self.geometry
-            o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
-                                      sp.local_blocks, sp.init_blocks, self.chunk_elements)
+            if self.fast.sdpa:
+                o, blocks = msa_module.msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size,
+                                                     sp.topk_blocks, sp.local_blocks, sp.init_blocks,
+                                                     self.chunk_elements, load=load, sdpa=True)
+            else:
+                o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
+                                          sp.local_blocks, sp.init_blocks, self.chunk_elements)
             if trace is not None:
                 trace["blocks"] = blocks
+        elif self.fast.sdpa:
+            o = causal_attention_sdpa(q, k, v, pos, self.scale, self.chunk_elements)
         else:
             o = causal_attention(q, k, v, pos, self.scale, self.chunk_elements)
         # row-parallel o_proj: this rank's heads' contribution, summed over the ranks (fp32 all-reduce)

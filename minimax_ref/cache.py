@@ -47,10 +47,13 @@ class KVCache:
             return (x.float() / self.scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return x.to(self.dtype)
 
-    def _load(self, x: torch.Tensor) -> torch.Tensor:
+    def load(self, x: torch.Tensor) -> torch.Tensor:
+        """Stored values (any part of a buffer) -> the compute dtype."""
         if self.fp8:
             return (x.float() * self.scale).to(self.dtype)
         return x
+
+    _load = load
 
     def _write(self, buf: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         rows = torch.arange(values.shape[0], device=positions.device)[:, None]
@@ -68,6 +71,11 @@ class KVCache:
     def keys_values(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of slots [0, length): [B, length, kv_heads, D] in the compute dtype."""
         return self._load(self.k[layer][:, :length]), self._load(self.v[layer][:, :length])
+
+    def stored_keys_values(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of slots [0, length) as stored (views, no copy; `load` converts them). MSA's fast path
+        gathers its selected blocks from these and converts only those."""
+        return self.k[layer][:, :length], self.v[layer][:, :length]
 
     def index_keys(self, layer: int, length: int) -> torch.Tensor:
         return self._load(self.index_k[layer][:, :length])

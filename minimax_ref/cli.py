@@ -35,8 +35,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="compute dtype: bfloat16 (default) or float32 (the golden mode)")
     p.add_argument("--act-quant", choices=["none", "emulate"], default="none",
                    help="fake-quantize NVFP4/MXFP8 linear inputs as W4A4/W8A8 kernels do (default: none)")
-    p.add_argument("--weights", choices=["dequant"], default="dequant",
-                   help="dequant: decode quantized weights once at load (default)")
+    p.add_argument("--weights", choices=["dequant", "packed"], default="dequant",
+                   help="dequant: decode quantized weights once at load (default); packed: keep NVFP4/MXFP8 "
+                        "weights packed in memory and decode them at use (same outputs, packed-size memory)")
+    p.add_argument("--fast", choices=["off", "on", "compile"], default="off",
+                   help="fast paths (minimax_ref/fast.py): on = batched experts without host sync, static-shape "
+                        "cached attention, SDPA attention core, two-pass packed decoding; compile = the same with "
+                        "torch.compile'd packed decoding (default: off, the reference)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")
     p.add_argument("--max-model-len", type=int, default=4096,
@@ -44,6 +49,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel", action="store_true",
                    help="tensor parallel (torchrun examples/generate.py): each rank holds whole routed experts "
                         "(E/TP per rank) instead of a slice of every expert")
+    p.add_argument("--synthetic-weights", default=None, metavar="PRESET",
+                   help="instead of --ckpt-path: random weights of a synth preset (tiny, tiny-vl, release, "
+                        "pruned-80) generated directly on --device, in the release's formats; under torchrun each "
+                        "rank generates only its slices (default weights for them: --weights as given)")
+    p.add_argument("--synthetic-format", choices=["nvfp4", "mxfp8", "bf16"], default="nvfp4",
+                   help="with --synthetic-weights: checkpoint format (default: nvfp4 = NVFP4 experts + MXFP8)")
+    p.add_argument("--synthetic-layers", type=int, default=None, metavar="N",
+                   help="with --synthetic-weights: number of layers (default: the preset's)")
+    p.add_argument("--synthetic-experts", type=int, default=None, metavar="N",
+                   help="with --synthetic-weights: routed experts per MoE layer (default: the preset's)")
 
 
 def load_from_args(args: argparse.Namespace, world=None):
@@ -54,17 +69,57 @@ def load_from_args(args: argparse.Namespace, world=None):
     """
     import torch
 
-    from .loader import load_model
+    from .loader import load_model, load_synthetic
     from .synth import ensure_default_checkpoint
     from .tokenizer import load_tokenizer
 
-    path = args.ckpt_path or ensure_default_checkpoint()
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     world = world if world is not None else getattr(args, "world", None)
-    model = load_model(path, device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
-                       max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tp=world,
-                       expert_parallel=getattr(args, "expert_parallel", False))
-    return model, load_tokenizer(path), path
+    fast = {"off": False, "on": True, "compile": "compile"}[getattr(args, "fast", "off")]
+    common = dict(device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
+                  max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tp=world,
+                  expert_parallel=getattr(args, "expert_parallel", False), fast=fast)
+    preset = getattr(args, "synthetic_weights", None)
+    if preset is None:
+        if getattr(args, "synthetic_layers", None) is not None or getattr(args, "synthetic_experts", None) is not None:
+            raise InputError("--synthetic-layers and --synthetic-experts need --synthetic-weights")
+        path = args.ckpt_path or ensure_default_checkpoint()
+        return load_model(path, **common), load_tokenizer(path), path
+    from .synth import PRESETS
+
+    if args.ckpt_path is not None:
+        raise InputError("give --ckpt-path or --synthetic-weights, not both")
+    if preset not in PRESETS:
+        raise InputError(f"--synthetic-weights {preset!r}: choose one of {sorted(PRESETS)}")
+    model = load_synthetic(preset, format=args.synthetic_format, layers=args.synthetic_layers,
+                           experts=args.synthetic_experts, **common)
+    return model, load_tokenizer(synthetic_tokenizer_dir(PRESETS[preset].tokenizer_vocab)), None
+
+
+def synthetic_tokenizer_dir(vocab: int):
+    """A folder with the synthetic test tokenizer of `vocab` ids (written once into the cache folder, like the
+    embedded default checkpoint): the text side of `--synthetic-weights` runs, whose weights are noise."""
+    import shutil
+    import tempfile
+
+    from .synth import default_checkpoint_dir
+    from .tokenizer import write_test_tokenizer
+
+    target = default_checkpoint_dir().parent / f"synthetic-tokenizer-{vocab}"
+    if (target / "tokenizer.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))
+    try:
+        write_test_tokenizer(tmp, vocab)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            if not (target / "tokenizer.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 # ---------------------------------------------------------------------------------------------- generate

@@ -1,13 +1,18 @@
 """Switchable fast paths. All off (the default) is the reference engine; each switch replaces one readable
 reference computation by a faster one that computes the same function.
 
-| switch | replaces | equal to the reference |
-|---|---|---|
-| `decode="fast"` | packed-weight decoding (`packed.decode_reference`) by a two-pass decoder | bit-identical |
-| `decode="compile"` | the same, through `torch.compile` of the reference decoder (one fused kernel) | bit-identical |
-| `moe=True` | the routed experts of small batches (<= `SYNC_FREE_TOKENS` tokens): batched matmuls over the chosen experts, with no host synchronisation and static shapes | to fp32 rounding |
-| `static_kv=True` | cached attention over slots [0, max(pos) + 1) by attention over the whole cache (static shapes: no host synchronisation per step; later slots are masked as future keys) | to fp32 rounding |
-| `sdpa=True` | the attention core (scores, fp32 softmax, value sum) by `F.scaled_dot_product_attention` in fp32, and MSA gathers only the selected key blocks from the cache's storage before converting them | to fp32 rounding |
+* `decode="fast"`: packed-weight decoding (`packed.decode_reference`) by a two-pass decoder.
+  Bit-identical.
+* `decode="compile"`: the same through `torch.compile` of the reference decoder (one fused kernel).
+  Bit-identical.
+* `moe=True`: the routed experts of small batches (up to `SYNC_FREE_TOKENS` tokens) by batched matmuls
+  over the chosen experts, with no host synchronisation and static shapes. Equal to fp32 rounding.
+* `static_kv=True`: in decode steps (up to `SYNC_FREE_TOKENS` tokens per sequence), cached attention over
+  slots [0, max(pos) + 1) by attention over the whole cache (static shapes, no host synchronisation;
+  later slots are masked as future keys). Equal to fp32 rounding.
+* `sdpa=True`: the fp32 attention core (scores, softmax, value sum) by
+  `F.scaled_dot_product_attention` in fp32, and MSA gathers its selected key blocks from the cache's
+  storage before converting them (an fp8 cache is never converted whole). Equal to fp32 rounding.
 
 With `moe` and `static_kv` (and no trace, no activation emulation) a decode step has no host synchronisation
 and fixed shapes, so it can be captured in a CUDA graph (`benchmarks/common.py`). tests/test_packed.py
@@ -21,8 +26,9 @@ from dataclasses import dataclass, fields
 from .errors import ConfigError
 
 DECODE_MODES = ("reference", "fast", "compile")
-# Token count up to which `moe=True` uses the synchronisation-free expert path (decode steps); larger
-# batches (prefill) group tokens by expert, which needs the per-expert counts on the host.
+# Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
+# cache (decode steps); larger calls (prefill) group tokens by expert, which needs the per-expert counts
+# on the host, and attend over the filled slots only.
 SYNC_FREE_TOKENS = 64
 
 

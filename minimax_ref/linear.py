@@ -1,8 +1,9 @@
 """The linear layer every projection of the text model uses.
 
-Weights are decoded once at load ("dequant-on-load") into the compute dtype, so the forward is a
-plain `x @ W^T` (no biases in the text model). What a linear remembers of its on-disk format is
-only what activation emulation needs:
+With `weights="dequant"` (default) the weight is decoded once at load into the compute dtype, so the
+forward is a plain `x @ W^T` (no biases in the text model). With `weights="packed"` an NVFP4/MXFP8
+weight stays packed (`packed.PackedWeight`) and is decoded at each use, to the same bits. What a linear
+remembers of its on-disk format for activation emulation:
 
 * `act_format = "nvfp4"`: with `act_quant="emulate"` the input is fake-quantized to NVFP4 (blocks
   of 16 along K, the checkpoint's `input_scale`) before the matmul, as Blackwell W4A4 kernels do;
@@ -33,7 +34,8 @@ def emulate_activation_quant(x: torch.Tensor, act_format: str | None, input_scal
 
 
 class Linear(nn.Module):
-    """`y = x @ weight^T` with weight [out, in] already decoded to the compute dtype."""
+    """`y = x @ W^T` with W [out, in] in the compute dtype: the parameter `weight` (decoded at load), or,
+    for a packed linear, `packed.decode()` (then `weight` is None)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -46,11 +48,27 @@ class Linear(nn.Module):
         self.act_format: str | None = None  # set by the loader from the on-disk format
         self.emulate_act_quant = False
         self.register_buffer("input_scale", None, persistent=False)
+        self.packed = None  # a packed.PackedWeight when loaded with weights="packed"
+
+    def dense_weight(self) -> torch.Tensor:
+        """W [out, in] in the compute dtype (decoded now when the linear is packed)."""
+        return self.weight if self.packed is None else self.packed.decode()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.emulate_act_quant:
             x = emulate_activation_quant(x, self.act_format, self.input_scale)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.dense_weight())
+
+    def set_packed(self, packed: nn.Module) -> None:
+        """Hold `packed` (a `PackedWeight` [out, in]) instead of a decoded weight."""
+        self._parameters["weight"] = None
+        self.packed = packed
+
+    def unpack(self) -> None:
+        """Decode a packed weight once and keep the result (what weights="dequant" loads)."""
+        w = self.packed.decode()
+        self.packed = None
+        self.weight = nn.Parameter(w, requires_grad=False)
 
     def extra_repr(self) -> str:
         fmt = f", act={self.act_format}" if self.emulate_act_quant else ""

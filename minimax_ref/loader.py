@@ -1,10 +1,16 @@
 """`load_model`: checkpoint folder -> ready `MiniMaxM3` module in eval mode.
 
 The model is built on the meta device (no memory), then every parameter is replaced by the tensor
-decoded from the checkpoint ("dequant-on-load"): quantized linears are decoded exactly to fp32 on
-the target device and then cast to the compute dtype. Norm weights and the router stay fp32
-(they are used in fp32 whatever the compute dtype). Decode problems (NaN scales, E8M0 code 255)
-are collected over the whole checkpoint and raised together.
+read from the checkpoint. With `weights="dequant"` (default) quantized linears are decoded exactly
+to fp32 and cast to the compute dtype ("dequant-on-load"). With `weights="packed"` they stay packed
+on the target device (`packed.PackedWeight`: the stored bytes and block scales, memory = the packed
+size) and are decoded at use to the same bits. Norm weights and the router stay fp32 (they are used
+in fp32 whatever the compute dtype). Decode problems (NaN scales, E8M0 code 255) are collected over
+the whole checkpoint and raised together, in both modes.
+
+`load_synthetic` materialises a checkpoint of a `synth` preset directly in device memory
+(synthetic.py: random values in the real formats), through the same code, so real-size runs need no
+checkpoint on disk.
 
 Under tensor parallelism (parallel.py) each module declares which part of the checkpoint's tensor it
 holds and the loader reads only that part from the shards: packed NVFP4/MXFP8 bytes are sliced
@@ -19,13 +25,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import NVFP4, Checkpoint, _nbytes, open_checkpoint
+from .checkpoint import DENSE, NVFP4, Checkpoint, _nbytes, open_checkpoint
 from .config import RuntimeConfig
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, QuantFormatError
+from .fast import FastPaths
 from .linear import ACT_QUANT_MODES
 from .model import MiniMaxM3
+from .packed import PackedWeight, check_packed, model_nbytes, read_packed
 from .parallel import World, check_tp_split
 from .progress import Progress
+
+WEIGHT_MODES = ("dequant", "packed")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -102,10 +112,14 @@ def _plan(model: MiniMaxM3, ck: Checkpoint) -> tuple[list, list, int]:
 
 
 def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtype: torch.dtype,
-                 emulate: bool) -> dict[str, int]:
-    """Decode into `model` the part of every tensor of `ck` that the model holds (all of it with one
+                 emulate: bool, weights: str = "dequant", validate: bool = True) -> dict[str, int]:
+    """Load into `model` the part of every tensor of `ck` that the model holds (all of it with one
     process; this rank's slices under tensor parallelism, read from the shards without reading the
-    rest). Returns the bytes read from disk per module family."""
+    rest). Returns the bytes read from disk per module family.
+
+    weights: "dequant" decodes quantized linears now; "packed" keeps them as `PackedWeight`s (checked
+    with the decoder's checks when `validate`, which synthetic checkpoints skip: they are valid by
+    construction)."""
     problems: list[str] = []
     plain, linears, total = _plan(model, ck)
     bar = Progress(f"loading {ck.path.name}", total)
@@ -124,24 +138,35 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
     if ck.config.text.tie_word_embeddings:
         model.lm_head._parameters["weight"] = model.embed_tokens.weight
 
-    # linears; routed experts are stacked per layer into [E_local, out, in]
-    stacks: dict[tuple[str, str], torch.Tensor] = {}
+    # linears; routed experts are stacked per layer into [E_local, out, in] (decoded or packed)
+    stacks: dict[tuple[str, str], torch.Tensor | PackedWeight] = {}
     expert_scales: dict[tuple[str, str], torch.Tensor] = {}
     for spec, rows, cols in linears:
         prefix = spec.prefix
         f = ck.formats[prefix]
+        packed = weights == "packed" and f.fmt != DENSE
         try:
-            w = ck.read_linear(prefix, rows=rows, cols=cols)
+            if packed:
+                parts = [t.to(device) if t is not None else None for t in read_packed(ck, prefix, rows, cols)[1:]]
+                if validate:
+                    try:
+                        check_packed(f.fmt, *parts, name=f.weight)
+                    except QuantFormatError as e:
+                        raise CheckpointError(f"{ck.path}: {e}") from None
+            else:
+                w = ck.read_linear(prefix, rows=rows, cols=cols).to(device=device, dtype=dtype)
         except CheckpointError as e:
             problems.append(str(e))
             continue
         account(spec.family, _part_bytes(ck, (f.weight, f.scale, f.scale_2, f.input_scale),
                                          (spec.out_features, spec.in_features), rows, cols))
-        w = w.to(device=device, dtype=dtype)
-        act_format = f.fmt if f.fmt != "bf16" else None
+        act_format = f.fmt if f.fmt != DENSE else None
         if spec.expert is None:
-            _set(model, spec.module + ".weight", w)
             lin = _module(model, spec.module)
+            if packed:
+                lin.set_packed(PackedWeight(f.fmt, *parts, dtype=dtype))
+            else:
+                _set(model, spec.module + ".weight", w)
             lin.act_format = act_format
             lin.emulate_act_quant = emulate and act_format is not None
             if f.fmt == NVFP4:
@@ -149,21 +174,40 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
             continue
         key = (spec.module, spec.leaf)
         experts = _module(model, spec.module)
+        local = spec.expert - experts.local_experts.start
         if key not in stacks:
-            stacks[key] = torch.empty((len(experts.local_experts), *w.shape), dtype=dtype, device=device)
-            expert_scales[key] = torch.ones(len(experts.local_experts), dtype=torch.float32, device=device)
+            n_local = len(experts.local_experts)
+            if packed:  # empty packed stacks of this rank's experts, filled expert by expert
+                stacks[key] = PackedWeight(f.fmt, *(None if t is None else torch.empty(
+                    (n_local, *t.shape), dtype=t.dtype, device=device) for t in parts), dtype=dtype)
+            else:
+                stacks[key] = torch.empty((n_local, *w.shape), dtype=dtype, device=device)
+            expert_scales[key] = torch.ones(n_local, dtype=torch.float32, device=device)
             experts.act_format = act_format
             experts.emulate_act_quant = emulate and act_format is not None
-        local = spec.expert - experts.local_experts.start
-        stacks[key][local] = w
+        stack = stacks[key]
+        if isinstance(stack, PackedWeight) != packed or (packed and stack.fmt != f.fmt):
+            problems.append(f"{prefix}: stored {f.fmt}, unlike the other experts of its layer")
+            continue
+        if packed:
+            for buf, t in zip((stack.weight, stack.weight_scale, stack.weight_scale_2), parts):
+                if t is not None:
+                    buf[local] = t
+        else:
+            stack[local] = w
         if f.fmt == NVFP4:
             expert_scales[key][local] = ck.input_scale(prefix).to(device)
     bar.close()
     if problems:
         raise CheckpointError(f"{ck.path}: {len(problems)} tensors cannot be decoded", problems)
     for (module, leaf), stacked in stacks.items():
-        _set(model, f"{module}.{leaf}", stacked)
-        setattr(_module(model, module), f"{leaf}_input_scale", expert_scales[(module, leaf)])
+        experts = _module(model, module)
+        if isinstance(stacked, PackedWeight):
+            del experts._parameters[leaf]  # the decoded parameter's slot: the packed stack takes its name
+            setattr(experts, leaf, stacked)
+        else:
+            _set(model, f"{module}.{leaf}", stacked)
+        setattr(experts, f"{leaf}_input_scale", expert_scales[(module, leaf)])
 
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
@@ -175,16 +219,20 @@ def _nb(ck: Checkpoint, name: str) -> int:
     return _nbytes(ck.tensors[name])
 
 
-def load_model(path: str | Path, *, device: str | torch.device = "cpu",
+def load_model(path: str | Path | None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.bfloat16, act_quant: str = "none", weights: str = "dequant",
-               tp=None, expert_parallel: bool = False, **runtime) -> MiniMaxM3:
+               tp=None, expert_parallel: bool = False, fast: bool | str | dict | FastPaths = False,
+               synthetic: str | None = None, **runtime) -> MiniMaxM3:
     """Load a checkpoint folder into a ready `MiniMaxM3` in eval mode.
 
     device: where weights live and compute runs. dtype: torch.float32 (the golden mode: every weight
     and op in fp32) or torch.bfloat16. act_quant: "none" (weight-only) or "emulate" (fake-quantize
     the inputs of NVFP4/MXFP8 linears as W4A4/W8A8 kernels do). weights: "dequant" (decode once at
-    load). runtime: `RuntimeConfig` fields (max_seq_len, max_batch_size, kv_cache_dtype,
-    max_images_per_prompt), kept on `model.runtime`.
+    load) or "packed" (keep NVFP4/MXFP8 tensors packed on the device and decode at use: memory is the
+    packed size, outputs are bit-identical to "dequant"). fast: fast paths (`fast.FastPaths.of`: False =
+    the reference, True = all of them; `model.set_fast` changes them later). runtime: `RuntimeConfig`
+    fields (max_seq_len, max_batch_size, kv_cache_dtype, max_images_per_prompt, attention_chunk_elements),
+    kept on `model.runtime`.
 
     tp: tensor parallelism: a torch.distributed process group (or a `parallel.World`); None for one
     process. Every rank of the group calls load_model with the same arguments; each reads only its
@@ -192,30 +240,77 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu",
     be split is refused with a ConfigError before any weight is read; if any rank fails to load,
     every rank raises (the failing rank its own error, the others `parallel.RankFailedError`).
     expert_parallel: with tp, hold whole routed experts (E / TP per rank) instead of a slice of each.
+
+    synthetic: instead of `path` (pass None), a `synth` preset materialised in device memory:
+    `load_model(None, synthetic="pruned-80", format="nvfp4", layers=..., experts=..., seed=...)` is
+    `load_synthetic("pruned-80", ...)` (whose keyword arguments it takes).
     """
+    if synthetic is not None:
+        if path is not None:
+            raise ConfigError("load_model: give a checkpoint path or synthetic=PRESET, not both")
+        return load_synthetic(synthetic, device=device, dtype=dtype, act_quant=act_quant, weights=weights, tp=tp,
+                              expert_parallel=expert_parallel, fast=fast, **runtime)
+    if path is None:
+        raise ConfigError("load_model: give a checkpoint folder (or synthetic=PRESET)")
     world = World.of(tp, device)
+
+    def build() -> MiniMaxM3:
+        ck = open_checkpoint(Path(path))  # headers only
+        return _load(ck, world, expert_parallel, torch.device(device), dtype, act_quant, weights, fast, runtime,
+                     validate=True)
+
+    return _on_every_rank(world, build, f"loading {path}")
+
+
+def load_synthetic(preset: str, *, format: str = "nvfp4", experts: int | None = None, layers: int | None = None,
+                   overrides: dict | None = None, seed: int = 0, device: str | torch.device = "cpu",
+                   dtype: torch.dtype | str = torch.bfloat16, act_quant: str = "none", weights: str = "packed",
+                   tp=None, expert_parallel: bool = False, fast: bool | str | dict | FastPaths = False,
+                   **runtime) -> MiniMaxM3:
+    """A model of `synth` preset `preset` ("tiny", "tiny-vl", "release", "pruned-80") with random weights
+    in checkpoint format `format` ("nvfp4": NVFP4 experts + MXFP8 elsewhere, "mxfp8", "bf16"),
+    materialised directly on `device` (synthetic.py) and loaded exactly as a checkpoint folder would be:
+    same formats, same tensor-parallel slicing (each rank generates only what it holds), `weights`
+    "packed" (default here) or "dequant". experts / layers / overrides change the preset's config as
+    `minimax-ref synth --experts/--layers` do (e.g. the release's widths with a few layers on one GPU).
+    The values are deterministic for a seed and device type, and identical across TP sizes, so a TP run
+    can be compared with a TP=1 run. Other arguments as `load_model`.
+    """
+    from .synthetic import SyntheticCheckpoint
+
+    world = World.of(tp, device)
+
+    def build() -> MiniMaxM3:
+        ck = SyntheticCheckpoint(preset, format, experts=experts, layers=layers, overrides=overrides, seed=seed,
+                                 device=device)
+        return _load(ck, world, expert_parallel, torch.device(device), dtype, act_quant, weights, fast, runtime,
+                     validate=False)
+
+    return _on_every_rank(world, build, f"materialising synthetic {preset}")
+
+
+def _on_every_rank(world: World, build, what: str) -> MiniMaxM3:
     model, error = None, None
     try:
-        model = _load(Path(path), world, expert_parallel, torch.device(device), dtype, act_quant, weights,
-                      runtime)
+        model = build()
     except Exception as e:  # any failure (OOM included) must reach the other ranks before they block
         error = e
     # The ranks' first collective: agree that every rank has its weights, or all raise together.
-    world.agree(error, f"loading {path}")
+    world.agree(error, what)
     return model
 
 
-def _load(path: Path, world: World, expert_parallel: bool, device: torch.device, dtype: torch.dtype | str,
-          act_quant: str, weights: str, runtime: dict) -> MiniMaxM3:
+def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.device, dtype: torch.dtype | str,
+          act_quant: str, weights: str, fast, runtime: dict, validate: bool) -> MiniMaxM3:
     """load_model on one rank, without communication."""
     dtype = resolve_dtype(dtype)
     if act_quant not in ACT_QUANT_MODES:
         raise ConfigError(f"act_quant={act_quant!r}: choose one of {list(ACT_QUANT_MODES)}")
-    if weights != "dequant":
-        raise ConfigError(f"weights={weights!r}: this build decodes weights at load; use weights='dequant'")
+    if weights not in WEIGHT_MODES:
+        raise ConfigError(f"weights={weights!r}: choose one of {list(WEIGHT_MODES)}")
+    fast = FastPaths.of(fast)
     rt = RuntimeConfig.from_kwargs("load_model", **runtime)
     t0 = time.perf_counter()
-    ck = open_checkpoint(path)  # headers only
     cfg = ck.config
     if rt.max_seq_len > cfg.text.max_position_embeddings:
         raise ConfigError(f"max_seq_len={rt.max_seq_len} exceeds the model's max_position_embeddings="
@@ -223,18 +318,21 @@ def _load(path: Path, world: World, expert_parallel: bool, device: torch.device,
     check_tp_split(ck, world.size, expert_parallel)  # before any weight is read
     with torch.device("meta"):
         model = MiniMaxM3(cfg, world, expert_parallel)
-    by_family = load_weights(model, ck, device=device, dtype=dtype, emulate=act_quant == "emulate")
+    by_family = load_weights(model, ck, device=device, dtype=dtype, emulate=act_quant == "emulate", weights=weights,
+                             validate=validate)
     ck.close()
     model.eval()
     model.runtime = rt
     for layer in model.layers:
         layer.self_attn.chunk_elements = rt.attention_chunk_elements
-    model.ckpt_path = path
+    model.set_fast(fast)
+    model.ckpt_path = None if getattr(ck, "synthetic", False) else ck.path
     model.act_quant = act_quant
+    model.weights = weights
     model.compute_dtype = dtype
     model.notes = ck.notes
     model.load_stats = {"bytes_read": sum(by_family.values()), "bytes_read_by_family": by_family,
-                        "checkpoint_bytes": sum(ck.family_bytes().values()),
+                        "checkpoint_bytes": sum(ck.family_bytes().values()), "memory_bytes": model_nbytes(model),
                         "tp_rank": world.rank, "tp_size": world.size, "expert_parallel": expert_parallel,
                         "seconds": time.perf_counter() - t0}
     return model

@@ -29,9 +29,11 @@ from .attention import Attention
 from .cache import KVCache
 from .config import ModelConfig, TextConfig
 from .errors import InputError
+from .fast import REFERENCE, SYNC_FREE_TOKENS, FastPaths
 from .mlp import MLP
-from .moe import MoE, Routing
+from .moe import Experts, MoE, Routing
 from .norm import RMSNorm
+from .packed import PackedWeight
 from .parallel import ColumnParallelLinear, VocabParallelEmbedding, World
 from .rope import rope_cos_sin, rope_inv_freq
 
@@ -74,9 +76,9 @@ class DecoderLayer(nn.Module):
                            world)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, trace: Trace | None) -> torch.Tensor:
+                cache: KVCache | None, trace: Trace | None, kv_len: int | None = None) -> torch.Tensor:
         rec: dict = {} if trace is not None else None
-        h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, rec)
+        h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, rec, kv_len)
         if hasattr(self, "block_sparse_moe"):
             routing: list | None = [] if trace is not None else None
             out = h + self.block_sparse_moe(self.post_attention_layernorm(h), routing)
@@ -97,7 +99,10 @@ class MiniMaxM3(nn.Module):
 
     world: the tensor-parallel group (default: one process). expert_parallel: with more than one
     rank, hold whole routed experts (E / TP per rank) instead of a slice of every expert.
+    `set_fast` switches the fast paths of fast.py (default: the reference).
     """
+
+    fast = REFERENCE
 
     def __init__(self, config: ModelConfig, world: World | None = None, expert_parallel: bool = False):
         super().__init__()
@@ -128,9 +133,22 @@ class MiniMaxM3(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def set_fast(self, fast: bool | str | dict | FastPaths = True) -> FastPaths:
+        """Switch fast paths (`FastPaths.of(fast)`: True = all, False = the reference) on every module."""
+        self.fast = FastPaths.of(fast)
+        for m in self.modules():
+            if isinstance(m, (Attention, Experts)):
+                m.fast = self.fast
+            elif isinstance(m, PackedWeight):
+                m.mode = self.fast.decode
+        return self.fast
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         V = self.text.vocab_size
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= V):
+        # The range check reads the ids on the host: skipped while a CUDA graph is captured (the ids of a
+        # captured decode step are the model's own samples).
+        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if input_ids.numel() and not capturing and bool(((input_ids < 0) | (input_ids >= V)).any()):
             bad = input_ids[(input_ids < 0) | (input_ids >= V)].unique()[:5].tolist()
             raise InputError(f"token ids {bad} are outside the vocabulary [0, {V})")
         return self.embed_tokens(input_ids)
@@ -141,8 +159,13 @@ class MiniMaxM3(nn.Module):
         stream before the final norm."""
         inv_freq = rope_inv_freq(self.text.rotary_dim, self.text.rope_theta, x.device)
         cos, sin = rope_cos_sin(positions, inv_freq)
+        kv_len = None  # cached keys are slots [0, kv_len), read once here rather than in every layer
+        if cache is not None:
+            # static_kv (decode steps only; a prefill chunk attends over what it needs): the whole cache
+            static = self.fast.static_kv and positions.shape[1] <= SYNC_FREE_TOKENS
+            kv_len = cache.max_seq_len if static else int(positions.max()) + 1
         for layer in self.layers:
-            x = layer(x, positions, cos, sin, cache, trace)
+            x = layer(x, positions, cos, sin, cache, trace, kv_len)
         return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

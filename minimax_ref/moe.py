@@ -11,6 +11,14 @@ Accumulation (decided here): each expert's output (compute dtype) is cast to fp3
 its fp32 routing weight and summed in fp32; the scaling and the shared expert's output are added in
 fp32 and the result cast once to the compute dtype. In fp32 mode every step is fp32.
 
+Packed weights (`weights="packed"`): each expert stack is a `packed.PackedWeight` and an expert is
+decoded when it has tokens, to the same bits as a decoded-at-load stack.
+
+Fast path (`FastPaths(moe=True)`, fast.py): for a few tokens (decode steps) the reference's grouping by
+expert needs the per-expert token counts on the host; the fast path instead runs batched matmuls over
+the chosen experts (one weight per (token, slot) when that is fewer than the local experts, else every
+local expert on every token), with static shapes and no host synchronisation.
+
 Tensor parallelism (parallel.py): the router is replicated, so every rank makes the same choice.
 The routed experts are either split like an MLP (TP mode: each rank holds intermediate/TP channels
 of every expert) or whole (expert-parallel: each rank holds E/TP experts and computes only those,
@@ -27,8 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
+from .fast import REFERENCE, SYNC_FREE_TOKENS
 from .linear import emulate_activation_quant
 from .mlp import MLP, swiglu_oai
+from .packed import PackedWeight
 from .parallel import World
 
 
@@ -86,7 +96,8 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts of one layer held by this rank, stacked: `w1` (gate) and `w3` (up)
-    [E_local, I_local, H], `w2` (down) [E_local, H, I_local], in the compute dtype. For NVFP4
+    [E_local, I_local, H], `w2` (down) [E_local, H, I_local], in the compute dtype, or as
+    `packed.PackedWeight` stacks of the same logical shapes (`weights="packed"`). For NVFP4
     activation emulation each expert keeps its `input_scale` per projection ([E_local] fp32 buffers).
 
     `local_experts`: the global expert ids held here (all of them, or E/TP consecutive ones when
@@ -123,6 +134,22 @@ class Experts(nn.Module):
             return None, None  # whole experts
         return (None, self.channels) if leaf == "w2" else (self.channels, None)
 
+    fast = REFERENCE  # fast-path switches (fast.py); MiniMaxM3.set_fast sets them
+
+    def weight(self, leaf: str, index: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Weights of `leaf` ("w1", "w2", "w3") in the compute dtype: the whole stack (index None), local
+        expert `index` (an int), or the experts `index` (a LongTensor) stacked; decoded now if packed."""
+        w = getattr(self, leaf)
+        if isinstance(w, PackedWeight):
+            return w.decode(index)
+        return w if index is None else w[index]
+
+    def unpack(self, leaf: str) -> None:
+        """Decode the packed stack `leaf` once and keep it (what weights="dequant" loads)."""
+        w = getattr(self, leaf).decode()
+        delattr(self, leaf)
+        setattr(self, leaf, nn.Parameter(w, requires_grad=False))
+
     def _act(self, x: torch.Tensor, leaf: str, e: int) -> torch.Tensor:
         if not self.emulate_act_quant:
             return x
@@ -132,10 +159,10 @@ class Experts(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert `e` (index into the stack) on `x` [n, H] -> [n, H] in the compute dtype
         (in TP mode: this rank's partial output, from its intermediate channels)."""
-        gate = F.linear(self._act(x, "w1", e), self.w1[e])
-        up = F.linear(self._act(x, "w3", e), self.w3[e])
+        gate = F.linear(self._act(x, "w1", e), self.weight("w1", e))
+        up = F.linear(self._act(x, "w3", e), self.weight("w3", e))
         h = swiglu_oai(gate, up, self.alpha, self.limit)
-        return F.linear(self._act(h, "w2", e), self.w2[e])
+        return F.linear(self._act(h, "w2", e), self.weight("w2", e))
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """`sum_j w_j * expert_j(x)` for `x` [T, H], accumulated in fp32 -> fp32 [T, H].
@@ -144,6 +171,8 @@ class Experts(nn.Module):
         tensor parallelism this is the rank's partial sum: its channels of every expert (TP mode) or
         its own experts only (expert-parallel); the caller all-reduces.
         """
+        if self.fast.moe and not self.emulate_act_quant and x.shape[0] <= SYNC_FREE_TOKENS:
+            return self.forward_sync_free(x, routing)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = routing.expert_ids.reshape(-1)
         flat_w = routing.weights.reshape(-1)
@@ -160,6 +189,38 @@ class Experts(nn.Module):
             y = self.expert(e - self.local_experts.start, x[tokens])
             out.index_add_(0, tokens, y.float() * flat_w[sel, None])
         return out
+
+    def forward_sync_free(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """`forward` for a few tokens without host synchronisation and with static shapes (the fast
+        path for decode steps; equal to `forward` up to fp32 rounding, the sum over a token's experts is
+        taken in slot order instead of expert order).
+
+        With P = T * k (token, slot) pairs and E local experts: when P < E, each pair's expert weights
+        are gathered (decoding P experts, the chosen ones: 4 at batch 1) and applied with batched
+        matmuls; otherwise every local expert runs on every token (decoding each local expert once) and
+        the outputs are combined with a dense [T, E] weight matrix whose unchosen entries are 0.
+        Under expert parallelism, pairs routed to another rank's experts get weight 0.
+        """
+        T, k = routing.expert_ids.shape
+        E = len(self.local_experts)
+        local = routing.expert_ids - self.local_experts.start
+        mine = (local >= 0) & (local < E)
+        weights = torch.where(mine, routing.weights, torch.zeros_like(routing.weights))  # fp32 [T, k]
+        local = local.clamp(0, E - 1)
+        if T * k < E:
+            ids = local.reshape(-1)  # [P]
+            xp = x.repeat_interleave(k, dim=0)[:, None]  # [P, 1, H]
+            gate = torch.bmm(xp, self.weight("w1", ids).transpose(1, 2))
+            up = torch.bmm(xp, self.weight("w3", ids).transpose(1, 2))
+            h = swiglu_oai(gate, up, self.alpha, self.limit)
+            y = torch.bmm(h, self.weight("w2", ids).transpose(1, 2)).view(T, k, -1)  # [T, k, H]
+            return (y.float() * weights[..., None]).sum(1)
+        dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, local, weights)
+        gate = torch.matmul(x, self.weight("w1").transpose(1, 2))  # [E, T, I]
+        up = torch.matmul(x, self.weight("w3").transpose(1, 2))
+        h = swiglu_oai(gate, up, self.alpha, self.limit)
+        y = torch.matmul(h, self.weight("w2").transpose(1, 2))  # [E, T, H]
+        return torch.einsum("te,eth->th", dense, y.float())
 
 
 class MoE(nn.Module):

@@ -14,11 +14,15 @@ Contract (spec `model.md`, "MiniMax Sparse Attention"), for queries at absolute 
 
 Memory grows linearly with the context: queries are processed in chunks, each chunk scores all
 keys (chunk x L) and gathers at most `topk * bs` keys per query and kv head. There is no S x S mask.
+Only the gathered keys are converted to fp32, never the whole cache.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 # Elements of the largest temporary (index scores of a query chunk, or its gathered keys) that one
 # chunk may create; bounds peak memory independently of the context length.
@@ -45,7 +49,7 @@ def select_blocks(scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, to
     nb = -(-L // block_size)
     pad = nb * block_size - L
     if pad:
-        scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+        scores = F.pad(scores, (0, pad), value=float("-inf"))
     block = scores.view(B, H, T, nb, block_size).amax(-1)
     q_block = (q_pos // block_size)[:, None, :, None]  # [B, 1, T, 1]
     j = torch.arange(nb, device=scores.device)
@@ -59,32 +63,40 @@ def select_blocks(scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, to
 
 
 def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
-                           q_pos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                           q_pos: torch.Tensor, block_size: int, scale: float, *,
+                           load: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                           sdpa: bool = False) -> torch.Tensor:
     """Attention of queries `q` [B, T, Hq, D] over the selected blocks of keys `k`, values `v`
     [B, L, Hkv, D]; `blocks` [B, Hkv, T, kb] (-1 = empty slot). Returns fp32 [B, T, Hq, D].
 
     Scores, softmax and the value sum are fp32. Keys at positions > q_pos and empty slots are
-    masked; the local block is always selected, so no row is fully masked.
+    masked; the local block is always selected, so no row is fully masked. Only the selected keys are
+    gathered and converted to fp32 (a last block running past L is clamped to slot L - 1: those keys are
+    future keys, masked). `load` (fast path): k, v are a cache's stored tensors and `load` converts the
+    gathered ones to the compute dtype first. `sdpa` (fast path): the core runs through
+    `F.scaled_dot_product_attention` in fp32, equal to the einsum/softmax reference to fp32 rounding.
     """
     B, T, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    nb = -(-L // block_size)
-    pad = nb * block_size - L
-    kf, vf = k.float(), v.float()
-    if pad:
-        kf = torch.nn.functional.pad(kf, (0, 0, 0, 0, 0, pad))
-        vf = torch.nn.functional.pad(vf, (0, 0, 0, 0, 0, pad))
-    # [B, Hkv, nb, bs, D]: blocks addressable by id
-    kb = kf.view(B, nb, block_size, Hkv, D).permute(0, 3, 1, 2, 4)
-    vb = vf.view(B, nb, block_size, Hkv, D).permute(0, 3, 1, 2, 4)
+    kb = blocks.shape[-1]
     safe = blocks.clamp(min=0)
-    bi = torch.arange(B, device=q.device)[:, None, None, None]
-    hi = torch.arange(Hkv, device=q.device)[None, :, None, None]
-    k_sel = kb[bi, hi, safe]  # [B, Hkv, T, kb, bs, D]
-    v_sel = vb[bi, hi, safe]
     key_pos = safe[..., None] * block_size + torch.arange(block_size, device=q.device)  # [B,Hkv,T,kb,bs]
     valid = (blocks[..., None] >= 0) & (key_pos <= q_pos[:, None, :, None, None])
+    slot = key_pos.clamp(max=L - 1)
+    bi = torch.arange(B, device=q.device)[:, None, None, None, None]
+    hi = torch.arange(Hkv, device=q.device)[None, :, None, None, None]
+    k_sel, v_sel = k[bi, slot, hi], v[bi, slot, hi]  # [B, Hkv, T, kb, bs, D]
+    if load is not None:
+        k_sel, v_sel = load(k_sel), load(v_sel)
+    k_sel, v_sel = k_sel.float(), v_sel.float()
+    if sdpa:
+        # one SDPA batch entry per (sequence, kv head, query): its G query heads over its kb*bs keys
+        N, S = B * Hkv * T, kb * block_size
+        qs = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(N, 1, G, D)
+        o = F.scaled_dot_product_attention(qs, k_sel.reshape(N, 1, S, D), v_sel.reshape(N, 1, S, D),
+                                           attn_mask=valid.reshape(N, 1, 1, S), scale=scale)
+        return o.view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
     qg = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     s = torch.einsum("bhgtd,bhtkld->bhgtkl", qg, k_sel) * scale
     s = s.masked_fill(~valid[:, :, None], float("-inf"))
@@ -95,11 +107,13 @@ def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 
 def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                   q_pos: torch.Tensor, scale: float, block_size: int, topk_blocks: int, local_blocks: int,
-                  init_blocks: int, chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+                  init_blocks: int, chunk_elements: int = CHUNK_ELEMENTS, *,
+                  load: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  sdpa: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Full MSA for queries q [B, T, Hq, D] / iq [B, T, Hi, Di] against keys k, v [B, L, Hkv, D] and
     index keys ik [B, L, Di]. Returns (attention output fp32 [B, T, Hq, D], selected blocks
     [B, Hi, T, kb]). Queries are processed in chunks sized so that no temporary exceeds
-    `chunk_elements` elements."""
+    `chunk_elements` elements. `load`, `sdpa`: the fast paths of `gather_block_attention`."""
     B, T, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
     kb = min(topk_blocks, -(-L // block_size))
@@ -111,6 +125,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
         scores = index_scores(iq[:, sl], ik, q_pos[:, sl])
         blocks = select_blocks(scores, q_pos[:, sl], block_size, topk_blocks, local_blocks, init_blocks)
         del scores
-        outs.append(gather_block_attention(q[:, sl], k, v, blocks, q_pos[:, sl], block_size, scale))
+        outs.append(gather_block_attention(q[:, sl], k, v, blocks, q_pos[:, sl], block_size, scale, load=load,
+                                           sdpa=sdpa))
         sels.append(blocks)
     return torch.cat(outs, dim=1), torch.cat(sels, dim=2)

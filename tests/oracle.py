@@ -6,16 +6,33 @@ from __future__ import annotations
 import torch
 
 
-def hf_text_model(model, attn_impl: str = "eager"):
-    """A `MiniMaxM3VLForCausalLM` (fp32) carrying exactly the weights of minimax-ref `model`."""
-    from transformers.models.minimax_m3_vl import MiniMaxM3VLConfig, MiniMaxM3VLForCausalLM
+def hf_text_config(model, attn_impl: str = "eager"):
+    """The transformers text config of minimax-ref `model`."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLConfig
 
     raw = dict(model.config.raw)
     raw.pop("quantization_config", None)
     vl = MiniMaxM3VLConfig(**{k: v for k, v in raw.items() if k in ("text_config", "vision_config")})
     tc = vl.text_config
     tc._attn_implementation = attn_impl
-    hf = MiniMaxM3VLForCausalLM(tc).eval()
+    return tc
+
+
+def hf_text_model(model, attn_impl: str = "eager"):
+    """A `MiniMaxM3VLForCausalLM` (fp32) carrying exactly the weights of minimax-ref `model`."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    hf = MiniMaxM3VLForCausalLM(hf_text_config(model, attn_impl)).eval()
+    sd = {k: v.detach().float().clone() for k, v in hf_text_state_dict(model).items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if "rotary" not in k and "inv_freq" not in k]
+    assert not missing and not unexpected, (missing, unexpected)
+    return hf.float()
+
+
+def hf_text_state_dict(model) -> dict:
+    """minimax-ref `model`'s text weights under transformers' `MiniMaxM3VLForCausalLM` names (the tensors
+    themselves, not copies; the experts' gate/up stacks are concatenated)."""
     sd = {}
     t = model.config.text
     sd["model.embed_tokens.weight"] = model.embed_tokens.weight
@@ -48,11 +65,7 @@ def hf_text_model(model, attn_impl: str = "eager"):
             d = layer.mlp
             sd[p + "mlp.gate_up_proj.weight"] = torch.cat([d.gate_proj.weight, d.up_proj.weight], 0)
             sd[p + "mlp.down_proj.weight"] = d.down_proj.weight
-    sd = {k: v.detach().float().clone() for k, v in sd.items()}
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if "rotary" not in k and "inv_freq" not in k]
-    assert not missing and not unexpected, (missing, unexpected)
-    return hf.float()
+    return sd
 
 
 def relative_max_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,355 @@
+"""Shared pieces of the GPU benchmarks (tp2_packed.py, vs_transformers.py, long_context_tp2.py).
+
+Measurement rules (the device README's METHOD.md): device work is timed with a synchronisation before and
+after the region, after a warm-up; the ceiling is measured in the same run (a large device-to-device copy,
+counting bytes read plus bytes written); every figure is printed with the command's parameters.
+
+The HBM roofline of a decode step (`decode_step_bytes`) counts the bytes one rank must read from device
+memory to decode one token for each of B sequences:
+  weights touched: attention + indexer projections, norms, router, shared expert, dense MLPs, the
+    routed experts chosen (top-k of E per token; at batch B the expected number of distinct experts,
+    E * (1 - (1 - k/E)^B), for uniform routing), B rows of the embedding, the whole LM head,
+    each at its stored size on this rank (packed bytes and scales for packed weights);
+  KV read by attention, per sequence: dense layers all K and V of the context; MSA layers K and V of
+    at most topk_blocks * block_size keys per kv head, and every index key (the indexer scores them all).
+Roofline tokens/s = B / (bytes / copy bandwidth); fraction of roofline = measured / roofline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# The scripts run from a plain checkout too (the GPU machine has no `pip install -e .`): the repository root
+# goes on the path before the package is imported.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minimax_ref.cache import KVCache  # noqa: E402
+from minimax_ref.errors import MiniMaxRefError  # noqa: E402
+from minimax_ref.linear import Linear  # noqa: E402
+from minimax_ref.moe import Experts  # noqa: E402
+from minimax_ref.packed import PackedWeight  # noqa: E402
+from minimax_ref.parallel import World  # noqa: E402
+
+GIB = 1 << 30
+
+
+class BenchmarkError(RuntimeError):
+    """A clear, expected failure (bad arguments, not enough devices): printed as one `error:` line."""
+
+
+def log(world: World, *parts) -> None:
+    """Progress on stderr (rank 0 only), flushed at once so a killed run still shows how far it got."""
+    if world.rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+
+
+def init_world(device: str | None, timeout_s: float) -> tuple[World, torch.device]:
+    """The tensor-parallel World from torchrun's environment (one process when WORLD_SIZE is unset) and this
+    rank's device: cuda:LOCAL_RANK when CUDA is available (or asked for), else the CPU (gloo)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
+        if not torch.cuda.is_available():
+            raise BenchmarkError(f"--device {device}: CUDA is not available here")
+        if torch.cuda.device_count() < size:
+            raise BenchmarkError(f"{size} ranks need {size} GPUs, {torch.cuda.device_count()} visible")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+    if size == 1:
+        return World.single(), torch.device(device)
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s),
+                            device_id=torch.device(device) if on_gpu else None)
+    return World.from_group(dist.group.WORLD, device), torch.device(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gather(world: World, obj):
+    """`obj` of every rank, in rank order (a list of one with one process)."""
+    if world.size == 1:
+        return [obj]
+    out = [None] * world.size
+    dist.all_gather_object(out, obj, group=world.group)
+    return out
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier(group=world.group)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def memory_now(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return {"allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+            "max_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "reserved_gib": torch.cuda.memory_reserved(device) / GIB}
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+# ---------------------------------------------------------------------------------------------- ceilings
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> dict:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of `iters`
+    copies of `nbytes`, after 3 warm-ups). Random data (never zeros). The buffers are freed afterwards."""
+    n = nbytes // 4
+    src = torch.randn(n, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(iters + 3):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    times.sort()
+    med = times[len(times) // 2]
+    moved = 2 * n * 4  # read + written
+    return {"copy_bytes": moved, "median_s": med, "bytes_per_s": moved / med}
+
+
+# ---------------------------------------------------------------------------------------------- roofline
+
+
+def _stored_bytes(t) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, PackedWeight):
+        return t.nbytes()
+    return t.numel() * t.element_size()
+
+
+def _linear_bytes(lin: Linear) -> int:
+    return _stored_bytes(lin.packed if lin.packed is not None else lin.weight)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected number of distinct experts chosen by `batch` tokens choosing `top_k` of `num_experts` each,
+    uniformly: E * (1 - (1 - k/E)^B)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def decode_step_bytes(model, batch: int, context: int, kv_elem_bytes: int) -> dict:
+    """Bytes this rank must read for one decode step of `batch` sequences at `context` cached tokens (module
+    docstring), by family."""
+    t = model.text
+    fam: dict[str, float] = {}
+
+    def add(key: str, n: float) -> None:
+        fam[key] = fam.get(key, 0.0) + n
+
+    for layer in model.layers:
+        a = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            add("attention", _linear_bytes(getattr(a, name)))
+        if a.sparse:
+            add("indexer", _linear_bytes(a.index_q_proj) + _linear_bytes(a.index_k_proj))
+        for m in (layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm,
+                  *((a.index_q_norm, a.index_k_norm) if a.sparse else ())):
+            add("norms", _stored_bytes(m.weight))
+        # KV read per sequence
+        kv_per_key = 2 * a.n_kv * a.head_dim * kv_elem_bytes
+        if a.sparse:
+            g = a.geometry
+            add("kv", batch * (min(context, g.topk_blocks * g.block_size) * kv_per_key
+                               + context * a.index_dim * kv_elem_bytes))
+        else:
+            add("kv", batch * context * kv_per_key)
+        if hasattr(layer, "block_sparse_moe"):
+            moe = layer.block_sparse_moe
+            add("router", _stored_bytes(moe.gate.weight) + _stored_bytes(moe.gate.e_score_correction_bias))
+            if moe.shared_experts is not None:
+                s = moe.shared_experts
+                add("shared_expert", sum(_linear_bytes(x) for x in (s.gate_proj, s.up_proj, s.down_proj)))
+            ex: Experts = moe.experts
+            per_expert = sum(_stored_bytes(getattr(ex, leaf)) for leaf in ("w1", "w2", "w3")) / len(ex.local_experts)
+            distinct = expected_distinct_experts(t.num_local_experts, t.num_experts_per_tok, batch)
+            local_share = len(ex.local_experts) / t.num_local_experts  # expert parallel: this rank's experts
+            add("routed_experts", per_expert * distinct * local_share)
+        else:
+            m = layer.mlp
+            add("dense_mlp", sum(_linear_bytes(x) for x in (m.gate_proj, m.up_proj, m.down_proj)))
+    emb = model.embed_tokens.weight
+    add("embedding", batch * emb.shape[1] * emb.element_size() / model.world.size)  # the rows of this rank
+    add("lm_head", _linear_bytes(model.lm_head) + _stored_bytes(model.norm.weight))
+    total = sum(fam.values())
+    return {"batch": batch, "context": context, "bytes": int(total), "by_family": {k: int(v) for k, v in fam.items()}}
+
+
+def active_linear_elements_per_token(model) -> int:
+    """Weight elements of the linears one token passes through on this rank (top-k experts, LM head
+    included): 2x this is the matmul FLOPs per token, for an achieved-TFLOP/s figure of prefill."""
+    t = model.text
+    n = 0
+    for layer in model.layers:
+        for m in layer.modules():
+            if isinstance(m, Linear):
+                n += m.in_features * m.out_features
+        if hasattr(layer, "block_sparse_moe"):
+            ex = layer.block_sparse_moe.experts
+            per_expert = sum(getattr(ex, leaf).shape[-1] * getattr(ex, leaf).shape[-2] for leaf in ("w1", "w2", "w3"))
+            n += per_expert * t.num_experts_per_tok * len(ex.local_experts) // t.num_local_experts
+    return n + model.lm_head.in_features * model.lm_head.out_features
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def prefill(model, cache: KVCache, ids: torch.Tensor, chunk: int, start: int = 0) -> torch.Tensor:
+    """Run `ids` [B, T] through the model at positions start.. in chunks of `chunk` tokens; returns the last
+    position's logits [B, V]. Only the last position goes through the LM head (as serving engines do: the
+    full [T, V] fp32 logits of an 8K prompt would be 6.5 GB)."""
+    B, T = ids.shape
+    h = None
+    for s0 in range(0, T, chunk):
+        s1 = min(T, s0 + chunk)
+        pos = torch.arange(start + s0, start + s1, device=ids.device).expand(B, -1)
+        h = model.hidden(model.embed(ids[:, s0:s1]), pos, cache)
+    return model.logits(h[:, -1])
+
+
+def replicate_cache(model, src: KVCache, batch: int, kv_cache_dtype: str) -> KVCache:
+    """A cache of `batch` rows, each a copy of row 0 of `src` (the same prompt prefilled once)."""
+    dst = model.new_cache(batch, src.max_seq_len, kv_cache_dtype)
+    for a, b in zip([*dst.k, *dst.v, *dst.index_k], [*src.k, *src.v, *src.index_k]):
+        if a is not None:
+            a.copy_(b[:1].expand_as(a))
+    return dst
+
+
+class GraphStep:
+    """One decode step of `model` on `cache` captured in a CUDA graph (needs the fast paths `moe` and
+    `static_kv`: no host synchronisation, static shapes). `step(ids, pos)` copies the inputs into the
+    captured buffers, replays, and returns the captured logits [B, V] (overwritten by the next replay).
+
+    The warm-up and the capture write K/V at `pos0`, the position the first real step writes again."""
+
+    def __init__(self, model, cache: KVCache, ids0: torch.Tensor, pos0: torch.Tensor):
+        self.ids, self.pos = ids0.clone(), pos0.clone()
+        side = torch.cuda.Stream(device=ids0.device)
+        side.wait_stream(torch.cuda.current_stream(ids0.device))
+        with torch.cuda.stream(side):  # warm-up off the capture: allocator pools, cuBLAS handles, NCCL
+            for _ in range(2):
+                model(self.ids, positions=self.pos, cache=cache)
+        torch.cuda.current_stream(ids0.device).wait_stream(side)
+        sync(ids0.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model(self.ids, positions=self.pos, cache=cache)[:, -1]
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.pos.copy_(pos)
+        self.graph.replay()
+        return self.logits
+
+
+@dataclass
+class DecodeResult:
+    steps: int
+    seconds: float
+    batch: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.steps / self.seconds
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * self.seconds / self.steps
+
+
+def decode(model, cache: KVCache, logits: torch.Tensor, start: int, steps: int, *, graph: bool,
+           budget_s: float, warmup: int = 2) -> DecodeResult:
+    """Greedy decode `steps` tokens for every row of `cache` from last logits [B, V], the first at position
+    `start`; everything stays on the device (argmax feeds the next step; every rank holds the same gathered
+    logits, so no communication is needed to agree on tokens). Stops early once `budget_s` has passed (checked
+    every 8 steps, with a synchronisation). `warmup` untimed steps come first (their positions are rewritten
+    by the timed steps)."""
+    device = logits.device
+    B = logits.shape[0]
+    ids = logits.argmax(-1, keepdim=True)
+    pos = torch.full((B, 1), start, dtype=torch.long, device=device)
+    runner = GraphStep(model, cache, ids, pos) if graph else None
+
+    def one(ids, pos):
+        if runner is not None:
+            return runner.step(ids, pos)
+        return model(ids, positions=pos, cache=cache)[:, -1]
+
+    for _ in range(warmup):
+        one(ids, pos)
+    sync(device)
+    t0 = time.perf_counter()
+    done = 0
+    while done < steps:
+        out = one(ids, pos)
+        ids = out.argmax(-1, keepdim=True)
+        pos = pos + 1
+        done += 1
+        if done % 8 == 0:
+            sync(device)
+            if time.perf_counter() - t0 > budget_s:
+                break
+    sync(device)
+    return DecodeResult(done, time.perf_counter() - t0, B)
+
+
+def emit(result: dict, out_path: str | None) -> None:
+    """The result as one JSON line on stdout (and in `out_path`)."""
+    line = json.dumps(result, default=float)
+    print(line, flush=True)
+    if out_path:
+        with open(out_path, "a") as fh:
+            fh.write(line + "\n")
+
+
+def main_guard(run, world_holder: list) -> int:
+    """Run `run()`; expected failures (BenchmarkError, minimax-ref's own errors, out of memory) end with one
+    `error: [rank r] ...` line on stderr and exit status 2; anything else is a bug and keeps its traceback."""
+    try:
+        run()
+        return 0
+    except (BenchmarkError, MiniMaxRefError) as e:  # bad arguments, a refused split, another rank's failure
+        world = world_holder[0] if world_holder else None
+        print(f"error: [rank {world.rank if world else 0}] {e}", file=sys.stderr, flush=True)
+        return 2
+    except torch.OutOfMemoryError as e:
+        world = world_holder[0] if world_holder else None
+        rank = world.rank if world else 0
+        print(f"error: [rank {rank}] out of device memory: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -84,7 +84,9 @@ def load_from_args(args: argparse.Namespace, world=None):
         if getattr(args, "synthetic_layers", None) is not None or getattr(args, "synthetic_experts", None) is not None:
             raise InputError("--synthetic-layers and --synthetic-experts need --synthetic-weights")
         path = args.ckpt_path or ensure_default_checkpoint()
-        return load_model(path, **common), load_tokenizer(path), path
+        model = load_model(path, **common)
+        report_load(model)
+        return model, load_tokenizer(path), path
     from .synth import PRESETS
 
     if args.ckpt_path is not None:
@@ -93,7 +95,19 @@ def load_from_args(args: argparse.Namespace, world=None):
         raise InputError(f"--synthetic-weights {preset!r}: choose one of {sorted(PRESETS)}")
     model = load_synthetic(preset, format=args.synthetic_format, layers=args.synthetic_layers,
                            experts=args.synthetic_experts, **common)
+    report_load(model)
     return model, load_tokenizer(synthetic_tokenizer_dir(PRESETS[preset].tokenizer_vocab)), None
+
+
+def report_load(model) -> None:
+    """One stderr line per rank (printed by rank 0): bytes read, weight memory, seconds."""
+    stats = model.load_stats
+    rows = model.world.gather_objects(stats) if getattr(model, "world", None) is not None else [stats]
+    for r, st in enumerate(rows):
+        mem = st.get("memory_bytes")
+        print(f"[load] rank {r}/{len(rows)}: read {st['bytes_read'] / 2**20:,.1f} MiB"
+              + (f", weights in memory {mem / 2**20:,.1f} MiB" if mem is not None else "")
+              + f" in {st['seconds']:.2f} s", file=sys.stderr)
 
 
 def synthetic_tokenizer_dir(vocab: int):

@@ -157,6 +157,14 @@ class World:
                                    device=self.device)
         return box[0]
 
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        out: list[object] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def agree(self, error: BaseException | None, what: str) -> None:
         """Collective: every rank learns whether any rank failed at `what`.
 

@@ -187,6 +187,12 @@ def _quantization_config(cfg: ModelConfig, fmt: str) -> dict:
             "quantized_layers": layers}
 
 
+def quantization_config(cfg: ModelConfig, fmt: str) -> dict:
+    """The `quantization_config` block of a `fmt` ("mxfp8" or "nvfp4") checkpoint of `cfg`, as the
+    synthetic checkpoints write it (public for exporters such as examples/nano)."""
+    return _quantization_config(cfg, fmt)
+
+
 def _gen(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF)
 

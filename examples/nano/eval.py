@@ -1,0 +1,291 @@
+"""Evaluate a checkpoint folder on the seed's checks and the nano measurements; prints one JSON summary.
+
+    python examples/nano/eval.py --ckpt-path nano-ckpt [--device cuda] [--out eval.json]
+
+Seed checks, each one run of the `minimax-ref generate` command line (`--output-format json`, the
+seed's evaluation sampling: temperature 0.6, top_p 0.95, top_k 20, unless --check-temperature):
+
+* arithmetic: `--chat --thinking enabled --prompt "What is 17*23?"` -> content "391", with the
+  reasoning split off;
+* tool call: `--chat --tools tools.json --prompt "Weather in Lisbon for 3 days?"` -> a parsed
+  `get_weather` call with city "Lisbon" (and days 3);
+* image: `--chat --image 427.png --prompt "What number is this?"` -> "427".
+
+Measurements, through the Python API (`minimax_ref.generate`, batched):
+
+* exact copying of the held-out cities and order ids through tool calls, sampled at temperature 1.0,
+  top_p 0.95 (top_k off): the parsed call's argument must equal the held-out string exactly;
+* arithmetic accuracy on held-out problems (thinking enabled, greedy), by operation;
+* image accuracy on held-out numbers (greedy);
+* prompt lengths against the MSA threshold (top-k blocks x block size), to show the sparse path is used;
+* with a `dspark/` drafter: greedy speculative decoding next to plain greedy (identical tokens) and the
+  mean accepted length.
+
+The held-out items come from --heldout, else the checkpoint's `nano_run.json`, else
+`data.make_heldout(--seed)`. Any checkpoint folder works (a checkpoint without a vision tower skips
+the image parts); a check that fails is reported, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `examples.nano` importable from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from examples.nano import data as nd
+from minimax_ref.chat import EVAL_SAMPLING
+
+
+def load_heldout(ckpt: Path, path: Path | None, seed: int) -> tuple[nd.Heldout, str]:
+    """The held-out split and where it came from."""
+    if path is not None:
+        return nd.read_heldout(path), str(path)
+    run = ckpt / "nano_run.json"
+    if run.is_file():
+        raw = json.loads(run.read_text(encoding="utf-8"))
+        if "heldout" in raw:
+            return nd.Heldout.from_json(raw["heldout"]), str(run)
+    return nd.make_heldout(seed), f"make_heldout({seed})"
+
+
+def _cli_command() -> list[str]:
+    exe = shutil.which("minimax-ref")
+    return [exe] if exe else [sys.executable, "-m", "minimax_ref.cli"]
+
+
+def run_cli(ckpt: Path, args: Sequence[str], model_flags: Sequence[str]) -> dict[str, Any]:
+    """One `minimax-ref generate ... --output-format json` run: its result object, or {"error": ...}."""
+    cmd = [*_cli_command(), "generate", "--ckpt-path", str(ckpt), *model_flags, *args, "--output-format", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8")
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]}
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"error": f"unreadable output: {proc.stdout[-200:]!r}"}
+
+
+def _brief(result: dict[str, Any]) -> dict[str, Any]:
+    keys = ("reasoning", "content", "tool_calls", "finish_reason", "errors", "error")
+    return {k: result[k] for k in keys if k in result}
+
+
+def seed_checks(ckpt: Path, work: Path, model_flags: list[str], sampling: dict[str, Any], has_vision: bool,
+                ) -> dict[str, Any]:
+    """The seed's three checks through the command line."""
+    flags = ["--temperature", str(sampling["temperature"]), "--top-p", str(sampling["top_p"]),
+             "--top-k", str(sampling["top_k"]), "--seed", "0"]
+    out: dict[str, Any] = {"sampling": sampling}
+    a, op, b = nd.SEED_PROBLEM
+    r = run_cli(ckpt, ["--chat", "--thinking", "enabled", "--prompt", f"What is {a}{op}{b}?",
+                       "--max-new-tokens", "384", *flags], model_flags)
+    answer = str(nd.solve(a, op, b))
+    out["arithmetic_17x23"] = {"pass": (r.get("content") or "").strip() == answer and bool(r.get("reasoning")),
+                               **_brief(r)}
+    tools = nd.write_tools_json(work / "tools.json")
+    r = run_cli(ckpt, ["--chat", "--tools", str(tools), "--prompt", "Weather in Lisbon for 3 days?",
+                       "--max-new-tokens", "128", *flags], model_flags)
+    calls = r.get("tool_calls") or []
+    first = calls[0] if calls else {}
+    out["tool_call_lisbon"] = {
+        "pass": first.get("name") == "get_weather" and (first.get("arguments") or {}).get("city") == "Lisbon",
+        "days_right": (first.get("arguments") or {}).get("days") == 3, **_brief(r)}
+    if has_vision:
+        image = work / "427.png"
+        nd.seed_image_spec().render().save(image)
+        r = run_cli(ckpt, ["--chat", "--image", str(image), "--prompt", "What number is this?",
+                           "--max-new-tokens", "32", *flags], model_flags)
+        out["image_427"] = {"pass": (r.get("content") or "").strip() == str(nd.SEED_IMAGE_NUMBER), **_brief(r)}
+    else:
+        out["image_427"] = {"pass": None, "skipped": "the checkpoint has no vision tower"}
+    out["passed"] = sum(1 for v in out.values() if isinstance(v, dict) and v.get("pass") is True)
+    return out
+
+
+def _batched(model: Any, tok: Any, prompts: list[Any], batch: int, **kw: Any) -> list[Any]:
+    import minimax_ref as mr
+
+    images = kw.pop("images", None)
+    results = []
+    for i in range(0, len(prompts), batch):
+        part = None if images is None else images[i:i + batch]
+        results += mr.generate(model, tok, prompts[i:i + batch], images=part, **kw)
+    return results
+
+
+def copying(model: Any, tok: Any, heldout: nd.Heldout, n_cities: int, n_orders: int, batch: int,
+            seed: int) -> dict[str, Any]:
+    """Exact copying of held-out cities / order ids into tool-call arguments, sampled at 1.0 / 0.95."""
+    rng = random.Random(f"nano-eval-copy-{seed}")
+    cities = list(heldout.cities[:n_cities])
+    days = [rng.randint(1, 7) for _ in cities]
+    prompts = [nd.weather_request(c, d, rng) for c, d in zip(cities, days)]
+    orders = list(heldout.order_ids[:n_orders])
+    prompts += [nd.order_request(o, rng) for o in orders]
+    results = _batched(model, tok, prompts, batch, chat=True, tools=nd.TOOLS, max_new_tokens=96,
+                       temperature=1.0, top_p=0.95, top_k=0, seed=seed)
+    city_ok, days_ok, order_ok, misses = 0, 0, 0, []
+    for i, r in enumerate(results):
+        args = r.tool_calls[0].get("arguments", {}) if r.tool_calls else {}
+        if i < len(cities):
+            got = args.get("city")
+            city_ok += got == cities[i]
+            days_ok += got == cities[i] and args.get("days") == days[i]
+            if got != cities[i]:
+                misses.append({"want": cities[i], "got": got})
+        else:
+            want = orders[i - len(cities)]
+            got = args.get("order_id")
+            order_ok += got == want
+            if got != want:
+                misses.append({"want": want, "got": got})
+    lengths = [len(r.prompt_token_ids) for r in results]
+    return {"cities": {"n": len(cities), "exact": city_ok, "rate": round(city_ok / max(1, len(cities)), 4),
+                       "days_also_right": days_ok},
+            "order_ids": {"n": len(orders), "exact": order_ok, "rate": round(order_ok / max(1, len(orders)), 4)},
+            "sampling": {"temperature": 1.0, "top_p": 0.95, "top_k": 0}, "misses": misses[:10],
+            "prompt_tokens": {"min": min(lengths, default=0), "max": max(lengths, default=0)}}
+
+
+_LAST_INT = re.compile(r"-?\d+")
+
+
+def arithmetic(model: Any, tok: Any, heldout: nd.Heldout, n: int, batch: int, max_new_tokens: int,
+               ) -> dict[str, Any]:
+    """Accuracy on held-out problems with thinking enabled, greedy: the content must be the answer."""
+    rng = random.Random("nano-eval-arith")
+    problems = list(heldout.arithmetic[:n])
+    prompts = [nd.arithmetic_question(a, op, b, rng) for a, op, b in problems]
+    results = _batched(model, tok, prompts, batch, chat=True, thinking="enabled", max_new_tokens=max_new_tokens,
+                       temperature=0.0)
+    by_op: dict[str, list[int]] = {}
+    examples = []
+    for (a, op, b), r in zip(problems, results):
+        right = r.content.strip() == str(nd.solve(a, op, b))
+        s = by_op.setdefault(op, [0, 0])
+        s[0] += right
+        s[1] += 1
+        if len(examples) < 5 and not right:
+            examples.append({"problem": f"{a}{op}{b}", "want": nd.solve(a, op, b), "content": r.content[:40],
+                             "reasoning_tail": (r.reasoning or "")[-80:]})
+    total = sum(s[0] for s in by_op.values())
+    return {"n": len(problems), "correct": total, "accuracy": round(total / max(1, len(problems)), 4),
+            "by_op": {op: round(s[0] / s[1], 4) for op, s in sorted(by_op.items())}, "wrong_examples": examples}
+
+
+def images(model: Any, tok: Any, heldout: nd.Heldout, n: int, batch: int, fonts: Sequence[str]) -> dict[str, Any]:
+    """Accuracy on images of held-out numbers (random fonts, sizes and noise), greedy."""
+    rng = random.Random("nano-eval-images")
+    numbers = list(heldout.image_numbers[:n])
+    pictures = [[nd.random_image_spec(k, rng, fonts).render()] for k in numbers]
+    results = _batched(model, tok, ["What number is this?"] * len(numbers), batch, chat=True, images=pictures,
+                       max_new_tokens=16, temperature=0.0)
+    right = sum(r.content.strip() == str(k) for k, r in zip(numbers, results))
+    return {"n": len(numbers), "correct": right, "accuracy": round(right / max(1, len(numbers)), 4)}
+
+
+def speculative(model: Any, tok: Any, heldout: nd.Heldout, ckpt: Path, n: int) -> dict[str, Any]:
+    """Greedy decoding with the checkpoint's DSpark drafter (`dspark/`) next to plain greedy decoding:
+    the tokens must be identical; the mean accepted length is what the drafter buys."""
+    import minimax_ref as mr
+    from minimax_ref.drafter import load_drafter
+
+    drafter = load_drafter(ckpt / "dspark", model)
+    rng = random.Random("nano-eval-dspark")
+    prompts = [nd.arithmetic_question(a, op, b, rng) for a, op, b in heldout.arithmetic[: n - n // 2]]
+    prompts += [nd.weather_request(c, rng.randint(1, 7), rng) for c in heldout.cities[: n // 2]]
+    kw = dict(chat=True, tools=nd.TOOLS, max_new_tokens=128, temperature=0.0)
+    plain = mr.generate(model, tok, prompts, **kw)
+    drafted = mr.generate(model, tok, prompts, draft=drafter, **kw)
+    stats = drafted[0].stats
+    return {"n": len(prompts), "block": drafter.block_size,
+            "greedy_identical": all(a.token_ids == b.token_ids for a, b in zip(plain, drafted)),
+            "mean_accepted_length": stats.get("mean_accepted_length"),
+            "acceptance_rate_per_position": stats.get("acceptance_rate_per_position"),
+            "decode_tokens_per_s": {"plain": plain[0].stats.get("decode_tokens_per_s"),
+                                    "dspark": stats.get("decode_tokens_per_s")}}
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    import minimax_ref as mr
+
+    ckpt = Path(args.ckpt_path)
+    heldout, source = load_heldout(ckpt, args.heldout, args.seed)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    model = mr.load_model(ckpt, device=args.device, dtype=dtype, max_seq_len=args.max_model_len,
+                          max_batch_size=args.batch)
+    tok = mr.load_tokenizer(ckpt)
+    has_vision = model.vision_tower is not None
+    t = model.text
+    summary: dict[str, Any] = {"checkpoint": str(ckpt), "heldout": source, "device": args.device, "dtype": args.dtype}
+    sp = t.sparse
+    summary["architecture"] = {"layers": [t.layer_kind(i) for i in range(t.num_hidden_layers)],
+                               "experts": t.num_local_experts, "top_k": t.num_experts_per_tok,
+                               "msa_dense_up_to_tokens": sp.topk_blocks * sp.block_size if any(t.sparse_layers)
+                               else None, "vision": has_vision}
+    t0 = time.time()
+    if not args.no_cli:
+        sampling = dict(EVAL_SAMPLING) if args.check_temperature is None else {
+            "temperature": args.check_temperature, "top_p": EVAL_SAMPLING["top_p"], "top_k": EVAL_SAMPLING["top_k"]}
+        model_flags = ["--device", args.device, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+        with tempfile.TemporaryDirectory() as work:
+            summary["seed_checks"] = seed_checks(ckpt, Path(work), model_flags, sampling, has_vision)
+    summary["copying"] = copying(model, tok, heldout, args.n_cities, args.n_orders, args.batch, args.seed)
+    summary["arithmetic"] = arithmetic(model, tok, heldout, args.n_arith, args.batch, args.max_new_tokens)
+    if has_vision and args.n_images:
+        summary["images"] = images(model, tok, heldout, args.n_images, args.batch, nd.find_fonts(args.fonts))
+    if (ckpt / "dspark").is_dir() and args.n_speculative:
+        summary["dspark"] = speculative(model, tok, heldout, ckpt, args.n_speculative)
+    summary["seconds"] = round(time.time() - t0, 1)
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt-path", type=Path, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--heldout", type=Path, default=None, help="held-out split JSON (default: from nano_run.json)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=32, help="prompts generated together")
+    p.add_argument("--n-cities", type=int, default=nd.N_HELDOUT_CITIES)
+    p.add_argument("--n-orders", type=int, default=nd.N_HELDOUT_ORDERS)
+    p.add_argument("--n-arith", type=int, default=nd.N_HELDOUT_PROBLEMS)
+    p.add_argument("--n-images", type=int, default=nd.N_HELDOUT_IMAGES)
+    p.add_argument("--max-new-tokens", type=int, default=384, help="for the arithmetic reasoning")
+    p.add_argument("--n-speculative", type=int, default=16, help="prompts of the DSpark check (when dspark/ exists)")
+    p.add_argument("--fonts", choices=["default", "builtin"], default="default")
+    p.add_argument("--check-temperature", type=float, default=None,
+                   help="temperature of the seed checks (default: the seed's protocol, 0.6)")
+    p.add_argument("--no-cli", action="store_true", help="skip the seed checks through the command line")
+    p.add_argument("--out", type=Path, default=None, help="also write the summary here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    summary = evaluate(args)
+    text = json.dumps(summary, indent=1, ensure_ascii=False)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

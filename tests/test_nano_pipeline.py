@@ -1,0 +1,146 @@
+"""The nano training pipeline (examples/nano): training through the engine's model, quantization-aware
+training that sees exactly what the export writes, and (slow) the whole run on CPU at micro size:
+data -> tokenizer -> 20 training steps -> export -> load_model -> generate with the CLI -> eval."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `examples.nano`
+
+from examples.nano import data as nd  # noqa: E402
+from examples.nano import export as nx  # noqa: E402
+from examples.nano import train as nt  # noqa: E402
+from examples.nano.tokenizer import train_tokenizer  # noqa: E402
+from minimax_ref.config import parse_model_config  # noqa: E402
+from minimax_ref.loader import load_model  # noqa: E402
+from minimax_ref.model import MiniMaxM3, Trace  # noqa: E402
+from minimax_ref.quant import dequant_mxfp8, dequant_nvfp4, quantize_mxfp8, quantize_nvfp4  # noqa: E402
+from minimax_ref.tokenizer import load_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """(generator, tokenizer dir, raw config, model) at the micro size, initialised as train.py does."""
+    heldout = nd.make_heldout(0)
+    gen = nd.TaskGenerator(heldout, fonts=("",))
+    tok_dir = tmp_path_factory.mktemp("micro-tok")
+    size = nt.SIZES["micro"]
+    special = train_tokenizer(nd.tokenizer_texts(gen, 300, 0), size.text["vocab_size"], tok_dir)
+    raw = nx.raw_config(size.text, size.vision, special)
+    model = MiniMaxM3(parse_model_config(raw))
+    nt.init_weights(model, 0)
+    return gen, tok_dir, raw, model
+
+
+def test_vectorised_nvfp4_fake_quant_is_the_codec():
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = torch.randn(4, 32, 64, generator=g) * 0.05, torch.randn(4, 32, 64, generator=g) * 0.2
+    w1[1] = 0.0
+    w3[1] = 0.0
+    pair = [max(float(w1[e].abs().max()), float(w3[e].abs().max())) for e in range(4)]
+    want = torch.stack([dequant_nvfp4(*quantize_nvfp4(w1[e], global_amax=pair[e])) for e in range(4)])
+    assert torch.equal(nt.fake_quant_weight(w1, "nvfp4", w3), want)
+    want = torch.stack([dequant_nvfp4(*quantize_nvfp4(w3[e])) for e in range(4)])
+    assert torch.equal(nt.fake_quant_weight(w3, "nvfp4"), want)
+    w = torch.randn(16, 64, generator=g)
+    assert torch.equal(nt.fake_quant_weight(w, "mxfp8"), dequant_mxfp8(*quantize_mxfp8(w)))
+
+
+def test_one_training_step_reaches_every_trainable_parameter(micro):
+    """The engine's forward is differentiable end to end: the LM loss reaches every weight but the
+    indexer (its top-k is discrete), the indexer KL reaches the indexer, images reach the vision tower."""
+    gen, tok_dir, raw, model = micro
+    model = MiniMaxM3(parse_model_config(raw))
+    nt.init_weights(model, 1)
+    params = nt.make_trainable(model)
+    tok = load_tokenizer(tok_dir)
+    rng = random.Random(0)
+    examples = [gen.image(rng, thinking="enabled"), gen.arithmetic(rng, thinking="enabled"),
+                gen.tool(rng, stage="answer")]
+    tokenized = [nd.tokenize_example(ex, tok) for ex in examples]
+    T = max(len(t.ids) for t in tokenized)
+    rows = [nd.PackedRow(t.ids + [0] * (T - len(t.ids)), t.loss + [False] * (T - len(t.ids)),
+                         [t.image] if t.image else [], [t.kind]) for t in tokenized]
+    batch = nd.collate(rows)
+    assert T > 16 and batch["pixel_values"] is not None  # longer than the micro MSA's dense range
+    capture = nt.IndexerCapture(model)
+    trace = Trace(layers=set())
+    loss, _, _ = nt.lm_loss(model, batch, torch.device("cpu"), trace)
+    aux = sum(nt.indexer_kl(model.layers[i].self_attn, *capture.inputs[i], 8, torch.Generator().manual_seed(0))
+              for i in capture.inputs)
+    (loss + aux).backward()
+    capture.remove()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())]
+    assert not missing and len(params) == sum(p.requires_grad for p in model.parameters())
+    assert sorted(trace.routing) == [i for i, moe in enumerate(model.text.moe_layers) if moe]
+    bias = model.layers[1].block_sparse_moe.gate.e_score_correction_bias
+    before = bias.clone()
+    nt.update_routing_bias(model, trace, 0.01)
+    assert not torch.equal(before, bias) and bias.grad is None
+
+
+def test_export_holds_exactly_what_qat_trains(micro, tmp_path):
+    gen, tok_dir, raw, model = micro
+    nt.enable_qat(model)
+    expect_w1 = model.layers[1].block_sparse_moe.experts.w1.detach().clone()
+    expect_q = model.layers[1].self_attn.q_proj.weight.detach().clone()
+    nt.disable_qat(model)
+    scales = {("layers.1.block_sparse_moe.experts", "w2", 0): 0.0125}
+    out = nx.write_checkpoint(model, raw, tmp_path / "ckpt", tok_dir, input_scales=scales,
+                              preprocessor={"min_pixels": 3136, "max_pixels": 25088})
+    loaded = load_model(out, dtype=torch.float32)
+    assert torch.equal(loaded.layers[1].block_sparse_moe.experts.w1, expect_w1)
+    assert torch.equal(loaded.layers[1].self_attn.q_proj.weight, expect_q)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.bfloat16().float())
+    assert torch.equal(loaded.layers[1].block_sparse_moe.gate.weight, model.layers[1].block_sparse_moe.gate.weight)
+    assert float(loaded.layers[1].block_sparse_moe.experts.w2_input_scale[0]) == pytest.approx(0.0125)
+    assert float(loaded.layers[1].block_sparse_moe.experts.w2_input_scale[1]) == 1.0  # not calibrated: 1.0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {nx.SHARD}
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_algo"] == "MIXED_PRECISION"
+
+
+@pytest.mark.slow
+def test_micro_pipeline_end_to_end(tmp_path, capsys):
+    from examples.nano import eval as ne
+    from minimax_ref.cli import main as cli_main
+
+    out = tmp_path / "micro"
+    nt.main(["--size", "micro", "--device", "cpu", "--steps", "20", "--out", str(out), "--workers", "0",
+             "--log-every", "10", "--eval-every", "10", "--calib-batches", "2", "--qat-start", "0.5",
+             "--drafter", "--drafter-minutes", "0.05"])
+    run = json.loads((out / "nano_run.json").read_text())
+    assert run["steps"] == 20 and run["qat"] and run["checkpoint_bytes"] < 2_000_000
+    # the optional DSpark stage: exported, loaded, and lossless under greedy speculative decoding
+    assert (out / "dspark" / "config.json").is_file() and run["drafter"]["greedy_identical"]
+    assert run["drafter"]["mean_accepted_length"] >= 1.0
+    log = [json.loads(line) for line in (tmp_path / "micro-run" / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert losses[-1] < losses[0]
+    # the exported checkpoint computes what the trained (fake-quantized) model computed
+    assert run["teacher_forced_eval_quantized"].keys() == run["teacher_forced_eval"].keys()
+
+    model = load_model(out, dtype=torch.float32)
+    assert model.vision_tower is not None and model.text.num_local_experts == 4
+    capsys.readouterr()
+    assert cli_main(["inspect", str(out)]) == 0
+    assert "problems    0" in capsys.readouterr().out
+    code = cli_main(["generate", "--ckpt-path", str(out), "--chat", "--thinking", "enabled", "--prompt",
+                     "What is 17*23?", "--max-new-tokens", "12", "--output-format", "json", "--dtype", "float32"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and len(row["token_ids"]) <= 12 and row["finish_reason"] in ("stop", "length")
+
+    ne.main(["--ckpt-path", str(out), "--dtype", "float32", "--n-cities", "2", "--n-orders", "2", "--n-arith", "2",
+             "--n-images", "2", "--max-new-tokens", "16", "--n-speculative", "2", "--out", str(tmp_path / "eval.json")])
+    summary = json.loads((tmp_path / "eval.json").read_text())
+    assert summary["seed_checks"]["arithmetic_17x23"]["pass"] in (True, False)
+    assert "error" not in summary["seed_checks"]["tool_call_lisbon"]
+    assert summary["copying"]["cities"]["n"] == 2 and summary["images"]["n"] == 2
+    assert summary["dspark"]["greedy_identical"]

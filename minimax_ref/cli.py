@@ -100,9 +100,13 @@ def load_from_args(args: argparse.Namespace, world=None):
 
 
 def report_load(model) -> None:
-    """One stderr line per rank (printed by rank 0): bytes read, weight memory, seconds."""
+    """One stderr line per rank (printed by rank 0): bytes read, weight memory, seconds. Shown under
+    tensor parallelism and on a terminal; quiet for one process writing to a pipe."""
     stats = model.load_stats
-    rows = model.world.gather_objects(stats) if getattr(model, "world", None) is not None else [stats]
+    world = getattr(model, "world", None)
+    if (world is None or world.size == 1) and not sys.stderr.isatty():
+        return
+    rows = world.gather_objects(stats) if world is not None else [stats]
     for r, st in enumerate(rows):
         mem = st.get("memory_bytes")
         print(f"[load] rank {r}/{len(rows)}: read {st['bytes_read'] / 2**20:,.1f} MiB"

@@ -482,34 +482,16 @@ def _training_corpus(seed: int, n_merges: int) -> list[str]:
     return lines
 
 
-def write_test_tokenizer(out_dir: str | Path, vocab_size: int, *, seed: int = 0) -> dict[str, int]:
-    """Write a byte-level BPE tokenizer of exactly `vocab_size` ids (special tokens included).
-
-    Files: `tokenizer.json`, `tokenizer_config.json` (bos/eos, `added_tokens_decoder`, no template)
-    and `chat_template.jinja` (`chat.CHAT_TEMPLATE`). The special tokens of `SPECIAL_TOKEN_TEXTS`
-    take the top ids in that order; the encoder adds no BOS. Vocabularies above 8192 BPE tokens
-    are filled with unused `<|reserved_N|>` tokens. The same arguments give the same bytes.
-    Returns the special ids by attribute name. Raises ValueError below `MIN_TEST_VOCAB`.
-    """
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+def save_trained_tokenizer(tok: Any, out: Path, vocab_size: int) -> dict[str, int]:
+    """Finish a trained byte-level BPE `tokenizers.Tokenizer` the way the release lays its vocabulary
+    out, and write it: BPE ids first (padded with unused `<|reserved_N|>` entries up to
+    `vocab_size - len(SPECIAL_TOKEN_TEXTS)`), then the special tokens at the top ids;
+    `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja` in `out`. Returns the
+    special-token ids by attribute name."""
+    from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_TEST_VOCAB:
-        raise ValueError(f"vocab_size={vocab_size!r}: the test tokenizer needs at least {MIN_TEST_VOCAB} ids "
-                         f"(256 bytes, {len(SPECIAL_TOKEN_TEXTS)} special tokens and some merges)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     n_bpe = vocab_size - len(SPECIAL_TOKEN_TEXTS)
-    n_trained = min(n_bpe, _MAX_TRAINED_BPE)
-
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=n_trained, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, special_tokens=[])
-    tok.train_from_iterator(_training_corpus(seed, n_trained - 256), trainer)
-
     have = tok.get_vocab_size(with_added_tokens=False)
     if have < n_bpe:
         data = json.loads(tok.to_str())
@@ -521,7 +503,7 @@ def write_test_tokenizer(out_dir: str | Path, vocab_size: int, *, seed: int = 0)
                             for t in SPECIAL_TOKEN_TEXTS.values()])
     ids = {name: tok.token_to_id(text) for name, text in SPECIAL_TOKEN_TEXTS.items()}
     if tok.get_vocab_size(with_added_tokens=True) != vocab_size or min(ids.values()) != n_bpe:
-        raise AssertionError("test tokenizer: vocabulary size or special-token ids came out wrong")
+        raise AssertionError("tokenizer: vocabulary size or special-token ids came out wrong")
 
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     config = {
@@ -542,3 +524,34 @@ def write_test_tokenizer(out_dir: str | Path, vocab_size: int, *, seed: int = 0)
                                                encoding="utf-8")
     (out / "chat_template.jinja").write_text(chat.CHAT_TEMPLATE, encoding="utf-8")
     return {name: int(tid) for name, tid in ids.items()}
+
+
+def write_test_tokenizer(out_dir: str | Path, vocab_size: int, *, seed: int = 0) -> dict[str, int]:
+    """Write a byte-level BPE tokenizer of exactly `vocab_size` ids (special tokens included).
+
+    Files: `tokenizer.json`, `tokenizer_config.json` (bos/eos, `added_tokens_decoder`, no template)
+    and `chat_template.jinja` (`chat.CHAT_TEMPLATE`). The special tokens of `SPECIAL_TOKEN_TEXTS`
+    take the top ids in that order; the encoder adds no BOS. Vocabularies above 8192 BPE tokens
+    are filled with unused `<|reserved_N|>` tokens. The same arguments give the same bytes.
+    Returns the special ids by attribute name. Raises ValueError below `MIN_TEST_VOCAB`.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_TEST_VOCAB:
+        raise ValueError(f"vocab_size={vocab_size!r}: the test tokenizer needs at least {MIN_TEST_VOCAB} ids "
+                         f"(256 bytes, {len(SPECIAL_TOKEN_TEXTS)} special tokens and some merges)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_bpe = vocab_size - len(SPECIAL_TOKEN_TEXTS)
+    n_trained = min(n_bpe, _MAX_TRAINED_BPE)
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=n_trained, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, special_tokens=[])
+    tok.train_from_iterator(_training_corpus(seed, n_trained - 256), trainer)
+
+    return save_trained_tokenizer(tok, out, vocab_size)

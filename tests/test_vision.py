@@ -4,10 +4,10 @@ transformers implementation (MiniMaxM3VLVisionModel / MiniMaxM3VLMultiModalProje
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
+from oracle import release_to_transformers
 from PIL import Image
 
 from minimax_ref.config import VisionConfig
@@ -99,17 +99,6 @@ def transformers_models(cfg: VisionConfig):
             MiniMaxM3VLMultiModalProjector(hf_cfg).eval().float())
 
 
-def release_to_transformers(release_name: str) -> str:
-    """Rename a release tensor name the way transformers' checkpoint conversion does."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    for rule in get_checkpoint_conversion_mapping("minimax_m3_vl"):
-        if type(rule).__name__ != "WeightRenaming":
-            continue
-        source, target = rule.source_patterns[0], rule.target_patterns[0]
-        if re.search(source, release_name):
-            return re.sub(source, target, release_name)
-    raise AssertionError(f"no transformers renaming for {release_name}")
 
 
 def local_to_release(module: str, key: str) -> str:

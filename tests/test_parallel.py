@@ -299,3 +299,26 @@ def test_examples_generate_under_torchrun(checkpoints):
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 1, run.stdout  # rank 1 prints nothing
     assert json.loads(lines[0])["token_ids"] == _expected_tokens(path)
+
+
+def _task_speculative(world: World, path: str) -> list[list[int]]:
+    from minimax_ref.drafter import load_drafter
+    from minimax_ref.speculative import speculative_generate_ids
+
+    model = load_model(path, dtype=torch.float32, tp=world)
+    drafter = load_drafter(Path(path) / "dspark", model)
+    seqs, _ = speculative_generate_ids(model, drafter, PROMPTS, max_new_tokens=NEW_TOKENS,
+                                       sampling=SamplingParams(temperature=0))
+    return [s.generated for s in seqs]
+
+
+def test_speculative_decoding_under_tp_equals_plain_greedy(ranks, ckpt_factory):
+    """The drafter is replicated; the target is split: greedy output with speculation at TP=2 equals
+    plain greedy at TP=1."""
+    path = ckpt_factory("tiny", "nvfp4", drafter=True)
+    plain, _ = generate_ids(load_model(path, dtype=torch.float32), PROMPTS, max_new_tokens=NEW_TOKENS,
+                            sampling=SamplingParams(temperature=0))
+    outs = ranks.run(_task_speculative, 2, path=str(path))
+    for status, value in outs:
+        assert status == "ok", value
+        assert value == [s.generated for s in plain]

@@ -481,11 +481,12 @@ def default_checkpoint_dir() -> Path:
 
     root = os.environ.get("MINIMAX_REF_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimax-ref")
-    return Path(root) / "default-tiny-nvfp4-seed0"
+    return Path(root) / "default-tiny-nvfp4-dspark-seed0"
 
 
 def ensure_default_checkpoint() -> Path:
-    """The embedded default: the `tiny` preset in the release's NVFP4+MXFP8 format, seed 0,
+    """The embedded default: the `tiny` preset in the release's NVFP4+MXFP8 format with a DSpark
+    drafter in `dspark/` (so `--speculative dspark` works out of the box), seed 0,
     synthesised on first use (atomically, so concurrent first runs do not see half a folder)."""
     import shutil
     import tempfile
@@ -496,7 +497,7 @@ def ensure_default_checkpoint() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".default-", dir=target.parent))
     try:
-        write_checkpoint(tmp, "tiny", "nvfp4", seed=0)
+        write_checkpoint(tmp, "tiny", "nvfp4", seed=0, drafter=True)
         try:
             tmp.rename(target)
         except OSError:

@@ -94,7 +94,7 @@ def test_embedded_default_is_synthesised_once(tmp_path):
            "--output-format", "json"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
-    folder = tmp_path / "default-tiny-nvfp4-seed0"
+    folder = tmp_path / "default-tiny-nvfp4-dspark-seed0"
     assert (folder / "model.safetensors.index.json").is_file()
     stamp = (folder / "config.json").stat().st_mtime_ns
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

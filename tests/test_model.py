@@ -248,3 +248,20 @@ def test_batches_larger_than_max_batch_size_run_in_groups(tiny_nvfp4):
     assert len(seqs) == 5 and stats.prompt_tokens == sum(map(len, prompts))
     for p, s in zip(prompts, seqs):
         assert generate_ids(model, [p], max_new_tokens=6, sampling=greedy)[0][0].generated == s.generated
+
+
+@pytest.mark.parametrize("overrides", [
+    {"sparse_index_dim": 16},                                      # index heads narrower than attention heads
+    {"sparse_local_block": 2},                                     # two forced local blocks
+    {"sparse_block_size": 8, "sparse_topk_blocks": 3},             # another MSA geometry
+    {"num_key_value_heads": 1, "sparse_num_index_heads": 1},       # one kv head for all query heads
+    {"head_dim": 64, "rotary_dim": 32},                            # head_dim != hidden / heads
+    {"num_local_experts": 6, "num_experts_per_tok": 2},            # other expert counts
+    {"tie_word_embeddings": True},                                 # no lm_head tensor
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_other_geometries_match_transformers(ckpt_factory, overrides):
+    model = load_model(ckpt_factory("tiny", "nvfp4", overrides=overrides), dtype=torch.float32)
+    hf = hf_text_model(model)
+    ids = _ids(130, seed=1, batch=2)
+    with torch.no_grad():
+        assert relative_max_error(model(ids), hf(ids).logits) < TOL

@@ -193,8 +193,8 @@ def _read_tools(path: Path | None):
         tools = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise InputError(f"--tools {path}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"--tools {path}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"--tools {path}: not valid UTF-8 JSON ({e})") from None
     if isinstance(tools, dict):
         tools = [tools]
     normalize_tools(tools)
@@ -282,7 +282,14 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None and any(p == "" for p in args.prompt):
         raise InputError("--prompt is empty: give some text")
     if args.input_file is not None and not args.input_file.is_file():
-        raise InputError(f"--input-file {args.input_file}: no such file")
+        why = "is a directory" if args.input_file.is_dir() else "no such file"
+        raise InputError(f"--input-file {args.input_file}: {why}")
+    if args.prompt is not None and not args.chat:
+        chat_only = [flag for flag, used in (("--tools", args.tools is not None), ("--system", args.system is not None),
+                                             ("--thinking", args.thinking != "adaptive")) if used]
+        if chat_only:
+            verb = "applies" if len(chat_only) == 1 else "apply"
+            raise InputError(f"{', '.join(chat_only)} {verb} only to chat prompts: add --chat")
     for path in args.image or []:
         if not path.is_file():  # fail before loading the model; contents are checked when decoded
             raise InputError(f"--image {path}: no such file")
@@ -317,7 +324,10 @@ def _batch_file(args, model, tok, tools, kw) -> int:
     from .generate import generate
 
     status = 0
-    lines = args.input_file.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = args.input_file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise InputError(f"--input-file {args.input_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue

@@ -40,6 +40,21 @@ WEIGHT_MODES = ("dequant", "packed")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, refused with a ConfigError when this machine cannot run it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device={device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r}: CUDA is not available here (this torch build or machine has no "
+                              "GPU); use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16):
@@ -252,6 +267,7 @@ def load_model(path: str | Path | None, *, device: str | torch.device = "cpu",
                               expert_parallel=expert_parallel, fast=fast, **runtime)
     if path is None:
         raise ConfigError("load_model: give a checkpoint folder (or synthetic=PRESET)")
+    resolve_device(device)
     world = World.of(tp, device)
 
     def build() -> MiniMaxM3:
@@ -278,6 +294,7 @@ def load_synthetic(preset: str, *, format: str = "nvfp4", experts: int | None = 
     """
     from .synthetic import SyntheticCheckpoint
 
+    resolve_device(device)
     world = World.of(tp, device)
 
     def build() -> MiniMaxM3:

@@ -154,3 +154,25 @@ def test_interactive_with_an_image_keeps_it_in_the_first_turn(ckpt_factory, tmp_
     proc = subprocess.run(cmd, input="What is this?\nAnd now?\n/exit\n", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "error" not in proc.stderr, proc.stderr
     assert proc.stdout.count("> ") == 3
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--device", "cuda:7"], "device='cuda:7'"),
+    (["--thinking", "enabled"], "--thinking applies only to chat prompts"),
+    (["--system", "be brief"], "--system applies only to chat prompts"),
+])
+def test_more_bad_flags(tiny_nvfp4, capsys, flags, needle):
+    if flags[0] == "--device" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    code, _, err = run(["generate", "--ckpt-path", str(tiny_nvfp4), "--prompt", "hi"] + flags, capsys)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_binary_input_files_are_refused_clearly(tiny_nvfp4, tmp_path, capsys):
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    code, _, err = run(["generate", "--ckpt-path", str(tiny_nvfp4), "--input-file", str(blob)], capsys)
+    assert code == 2 and "not UTF-8 text" in err
+    code, _, err = run(["generate", "--ckpt-path", str(tiny_nvfp4), "--chat", "--tools", str(blob), "--prompt", "x"],
+                       capsys)
+    assert code == 2 and "not valid UTF-8 JSON" in err

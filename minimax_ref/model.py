@@ -181,8 +181,11 @@ class MiniMaxM3(nn.Module):
         positions: [B, T] absolute positions (default 0..T-1); with `cache`, K/V are written there.
         inputs_embeds: replaces the embedding lookup (used for images).
         """
-        if input_ids.dim() != 2:
-            raise InputError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise InputError(f"input_ids must be a [batch, seq] LongTensor, got {shape}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise InputError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)

@@ -176,3 +176,12 @@ def test_binary_input_files_are_refused_clearly(tiny_nvfp4, tmp_path, capsys):
     code, _, err = run(["generate", "--ckpt-path", str(tiny_nvfp4), "--chat", "--tools", str(blob), "--prompt", "x"],
                        capsys)
     assert code == 2 and "not valid UTF-8 JSON" in err
+
+
+def test_model_call_rejects_malformed_input_ids(tiny_nvfp4):
+    model = load_model(tiny_nvfp4, dtype=torch.float32)
+    with pytest.raises(InputError, match="integer token ids"):
+        model(torch.randn(1, 3))
+    with pytest.raises(InputError, match=r"\[batch, seq\]"):
+        model(torch.tensor([1, 2]))
+    assert model(torch.tensor([[1, 2, 3]], dtype=torch.int32)).shape == (1, 3, 1024)

@@ -79,15 +79,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def gather(world: World, obj):
-    """`obj` of every rank, in rank order (a list of one with one process)."""
-    if world.size == 1:
-        return [obj]
-    out = [None] * world.size
-    dist.all_gather_object(out, obj, group=world.group)
-    return out
-
-
 def barrier(world: World) -> None:
     if world.size > 1:
         dist.barrier(group=world.group)

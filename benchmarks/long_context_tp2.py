@@ -31,7 +31,6 @@ from common import (
     barrier,
     decode,
     emit,
-    gather,
     init_world,
     log,
     main_guard,
@@ -144,7 +143,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
             "kv_cache_gib": kv_bytes / GIB, "peak_gib": peak, "after": memory_now(device),
             "activations_gib": None if peak is None else peak - allocated0 / GIB - kv_bytes / GIB,
             "load_seconds": load_s}
-    ranks = gather(world, mine)
+    ranks = world.gather_objects(mine)
     if world.rank != 0:
         return
     budget = gpu_gib * args.gpu_memory_utilization

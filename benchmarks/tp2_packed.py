@@ -40,7 +40,6 @@ from common import (
     decode,
     decode_step_bytes,
     emit,
-    gather,
     init_world,
     log,
     main_guard,
@@ -198,7 +197,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
     mine["peak_decode_gib"] = peaks
     model.set_fast(fast)
 
-    ranks = gather(world, mine)
+    ranks = world.gather_objects(mine)
     if world.rank != 0:
         return
     result["ranks"] = ranks

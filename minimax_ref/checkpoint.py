@@ -439,6 +439,18 @@ def _linear_format(prefix: str, tensors: dict[str, TensorInfo]) -> LinearFormat 
     return LinearFormat(DENSE, w)
 
 
+def _check_plain(spec: TensorSpec, tensors: dict[str, TensorInfo], problems: list[str]) -> None:
+    """Presence, shape and dtype of one plain (never quantized) tensor."""
+    info = tensors.get(spec.name)
+    if info is None:
+        problems.append(f"missing tensor {spec.name} ({spec.family}, {list(spec.shape)})")
+        return
+    if info.shape != spec.shape:
+        problems.append(f"{spec.name} in {info.shard}: shape {list(info.shape)}, expected {list(spec.shape)}")
+    if info.dtype not in spec.dtypes:
+        problems.append(f"{spec.name} in {info.shard}: dtype {info.dtype}, expected {'/'.join(spec.dtypes)}")
+
+
 def _check_linear(spec: LinearSpec, f: LinearFormat, tensors: dict[str, TensorInfo], problems: list[str]) -> None:
     N, K = spec.out_features, spec.in_features
 
@@ -564,14 +576,7 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
             problems.append(f"{prefix} is stored NVFP4 but quantization_config is MXFP8-only")
     for name, spec in plain.items():
         known.add(name)
-        info = tensors.get(name)
-        if info is None:
-            problems.append(f"missing tensor {name} ({spec.family}, {list(spec.shape)})")
-            continue
-        if info.shape != spec.shape:
-            problems.append(f"{name} in {info.shard}: shape {list(info.shape)}, expected {list(spec.shape)}")
-        if info.dtype not in spec.dtypes:
-            problems.append(f"{name} in {info.shard}: dtype {info.dtype}, expected {'/'.join(spec.dtypes)}")
+        _check_plain(spec, tensors, problems)
     extra = sorted(n for n in tensors if n not in known)
     mtp = [n for n in extra if ".mtp." in n or n.startswith("mtp.")]
     if mtp:

@@ -62,6 +62,7 @@ from .checkpoint import (
     QuantScheme,
     TensorSpec,
     _check_linear,
+    _check_plain,
     _linear_format,
     scan_shards,
 )
@@ -537,14 +538,7 @@ def open_drafter(path: str | Path, target: TextConfig) -> tuple[DrafterConfig, C
             problems.append(f"{prefix} is stored MXFP8 but quantization_config does not quantize it")
     for name, spec in plain.items():
         known.add(name)
-        info = tensors.get(name)
-        if info is None:
-            problems.append(f"missing tensor {name} ({list(spec.shape)})")
-            continue
-        if info.shape != spec.shape:
-            problems.append(f"{name} in {info.shard}: shape {list(info.shape)}, expected {list(spec.shape)}")
-        if info.dtype not in spec.dtypes:
-            problems.append(f"{name} in {info.shard}: dtype {info.dtype}, expected {'/'.join(spec.dtypes)}")
+        _check_plain(spec, tensors, problems)
     for name in sorted(set(tensors) - known):
         problems.append(f"unexpected tensor {name} in {tensors[name].shard} (not part of this drafter's config)")
     if problems:

@@ -5,9 +5,9 @@ reference computation by a faster one that computes the same function.
   Bit-identical.
 * `decode="compile"`: the same through `torch.compile` of the reference decoder (one fused kernel).
   Bit-identical.
-* `moe=True`: the routed experts of small batches (up to `SYNC_FREE_TOKENS` tokens) by batched matmuls
+* `moe=True`: the routed experts of small batches (up to `sync_free_tokens` tokens, default 64) by batched matmuls
   over the chosen experts, with no host synchronisation and static shapes. Equal to fp32 rounding.
-* `static_kv=True`: in decode steps (up to `SYNC_FREE_TOKENS` tokens per sequence), cached attention over
+* `static_kv=True`: in decode steps (up to `sync_free_tokens` tokens per sequence), cached attention over
   slots [0, max(pos) + 1) by attention over the whole cache (static shapes, no host synchronisation;
   later slots are masked as future keys). Equal to fp32 rounding.
 * `sdpa=True`: the fp32 attention core (scores, softmax, value sum) by
@@ -40,10 +40,15 @@ class FastPaths:
     moe: bool = False
     static_kv: bool = False
     sdpa: bool = False
+    # calls of up to this many tokens take the `moe` / `static_kv` paths; training raises it so that every
+    # expert runs densely on every token (a few large matmuls instead of a loop over experts)
+    sync_free_tokens: int = SYNC_FREE_TOKENS
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
             raise ConfigError(f"fast paths: decode={self.decode!r}: choose one of {list(DECODE_MODES)}")
+        if self.sync_free_tokens < 1:
+            raise ConfigError(f"fast paths: sync_free_tokens={self.sync_free_tokens}: give a positive token count")
 
     @classmethod
     def of(cls, fast: bool | str | dict | FastPaths | None) -> FastPaths:

@@ -29,7 +29,7 @@ from .attention import Attention
 from .cache import KVCache
 from .config import ModelConfig, TextConfig
 from .errors import InputError
-from .fast import REFERENCE, SYNC_FREE_TOKENS, FastPaths
+from .fast import REFERENCE, FastPaths
 from .mlp import MLP
 from .moe import Experts, MoE, Routing
 from .norm import RMSNorm
@@ -162,7 +162,7 @@ class MiniMaxM3(nn.Module):
         kv_len = None  # cached keys are slots [0, kv_len), read once here rather than in every layer
         if cache is not None:
             # static_kv (decode steps only; a prefill chunk attends over what it needs): the whole cache
-            static = self.fast.static_kv and positions.shape[1] <= SYNC_FREE_TOKENS
+            static = self.fast.static_kv and positions.shape[1] <= self.fast.sync_free_tokens
             kv_len = cache.max_seq_len if static else int(positions.max()) + 1
         for layer in self.layers:
             x = layer(x, positions, cos, sin, cache, trace, kv_len)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
-from .fast import REFERENCE, SYNC_FREE_TOKENS
+from .fast import REFERENCE
 from .linear import emulate_activation_quant
 from .mlp import MLP, swiglu_oai
 from .packed import PackedWeight
@@ -171,7 +171,7 @@ class Experts(nn.Module):
         tensor parallelism this is the rank's partial sum: its channels of every expert (TP mode) or
         its own experts only (expert-parallel); the caller all-reduces.
         """
-        if self.fast.moe and not self.emulate_act_quant and x.shape[0] <= SYNC_FREE_TOKENS:
+        if self.fast.moe and not self.emulate_act_quant and x.shape[0] <= self.fast.sync_free_tokens:
             return self.forward_sync_free(x, routing)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = routing.expert_ids.reshape(-1)

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minimax_ref.attention import causal_attention, causal_attention_sdpa
 from minimax_ref.checkpoint import DENSE, NVFP4, open_checkpoint
+from minimax_ref.errors import ConfigError
 from minimax_ref.fast import FastPaths
 from minimax_ref.generate import SamplingParams, generate_ids
 from minimax_ref.loader import load_model, load_synthetic
@@ -308,6 +309,32 @@ def test_sync_free_experts_equal_reference(tokens, ep_rank):
     got = ex(x, r)
     assert _rel(got, want) < 1e-6
     assert torch.allclose(got, ex.forward_sync_free(x, Routing(r.expert_ids, r.weights, r.logits)))
+
+
+def test_sync_free_token_threshold_selects_the_path_and_keeps_gradients():
+    """Below the threshold the grouped loop runs (and syncs); above it the dense path, with the same values
+    and the same gradients (what training uses: every expert densely on every token)."""
+    ex = _experts()
+    for p in ex.parameters():
+        p.requires_grad_(True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 64, generator=g)
+    gate = torch.randn(16, 64, generator=g, requires_grad=True)
+    grads = []
+    for fast in (FastPaths(), FastPaths(moe=True), FastPaths(moe=True, sync_free_tokens=1 << 20)):
+        ex.fast = fast
+        called = []
+        orig = ex.forward_sync_free
+        ex.forward_sync_free = lambda *a, _o=orig, _c=called: _c.append(1) or _o(*a)
+        y = ex(x, route(x, gate, None, 4))
+        del ex.forward_sync_free
+        assert bool(called) == (fast.sync_free_tokens >= 200)
+        grads.append([t.detach().clone() for t in torch.autograd.grad(y.square().sum(), [gate, ex.w1, ex.w2])])
+    for got in grads[2:]:
+        for a, b in zip(got, grads[0]):
+            assert _rel(a, b) < 1e-5
+    with pytest.raises(ConfigError, match="sync_free_tokens"):
+        FastPaths(sync_free_tokens=0)
 
 
 def test_sync_free_experts_on_packed_weights_equal_reference(checkpoints):

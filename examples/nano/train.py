@@ -63,6 +63,7 @@ from examples.nano.tokenizer import train_tokenizer
 from minimax_ref.attention import Attention
 from minimax_ref.checkpoint import tensor_table
 from minimax_ref.config import parse_model_config
+from minimax_ref.fast import FastPaths
 from minimax_ref.linear import Linear
 from minimax_ref.model import MiniMaxM3, Trace
 from minimax_ref.moe import Experts, Router
@@ -506,6 +507,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bf16 autocast (auto: on CUDA only)")
     p.add_argument("--attn-chunk", type=int, default=1 << 28,
                    help="largest attention temporary in elements (engine default 2^24; larger = fewer kernels)")
+    p.add_argument("--moe", choices=["dense", "grouped"], default="dense",
+                   help="routed experts in training: every expert on every token with zero weights where not "
+                        "chosen (the engine's sync-free path; few large kernels, default) or the reference "
+                        "grouping by expert (a loop over experts)")
     p.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward (less memory)")
     p.add_argument("--workers", type=int, default=None, help="data worker processes (default: 8 on CUDA, 0 on CPU)")
     p.add_argument("--mix", default=None, help="data mix, e.g. arith=0.35,tool=0.35,image=0.15,greet=0.03,text=0.12")
@@ -590,6 +595,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     indexer_params = [p for p in params if id(p) in indexer_ids]
     for layer in model.layers:
         layer.self_attn.chunk_elements = args.attn_chunk
+    if args.moe == "dense":  # 4x the expert FLOPs of top-4 of 16, but a nano model is bound by kernel launches
+        model.set_fast(FastPaths(moe=True, sync_free_tokens=1 << 40))
     if args.checkpoint_layers:
         from torch.utils.checkpoint import checkpoint
 
@@ -693,6 +700,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     # 4. calibration and export
     calib = [next(batches) for _ in range(args.calib_batches)]
+    model.set_fast(False)  # calibration records each expert's own inputs: the grouped reference path
     with parametrize.cached() if qat else contextlib.nullcontext():
         scales = calibrate_input_scales(model, calib, device, amp)
     disable_qat(model)

@@ -13,6 +13,10 @@ memory to decode one token for each of B sequences:
   KV read by attention, per sequence: dense layers all K and V of the context; MSA layers K and V of
     at most topk_blocks * block_size keys per kv head, and every index key (the indexer scores them all).
 Roofline tokens/s = B / (bytes / copy bandwidth); fraction of roofline = measured / roofline.
+
+`packed_weight_traffic` estimates what the packed weights actually cost a decode step, unfused (decoded into
+memory, then multiplied) against fused (`FastPaths(matmul="fused")`), and `check_fused_matmul` compiles and
+checks the fused matmul on the model's own weights before anything is timed.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from minimax_ref.cache import KVCache  # noqa: E402
 from minimax_ref.errors import MiniMaxRefError  # noqa: E402
 from minimax_ref.linear import Linear  # noqa: E402
 from minimax_ref.moe import Experts  # noqa: E402
-from minimax_ref.packed import PackedWeight  # noqa: E402
+from minimax_ref.packed import PackedWeight, packed_matmul_fused, packed_matmul_reference  # noqa: E402
 from minimax_ref.parallel import World  # noqa: E402
 
 GIB = 1 << 30
@@ -212,6 +216,134 @@ def active_linear_elements_per_token(model) -> int:
             per_expert = sum(getattr(ex, leaf).shape[-1] * getattr(ex, leaf).shape[-2] for leaf in ("w1", "w2", "w3"))
             n += per_expert * t.num_experts_per_tok * len(ex.local_experts) // t.num_local_experts
     return n + model.lm_head.in_features * model.lm_head.out_features
+
+
+# ---------------------------------------------------------------------------------------------- packed traffic
+
+
+def unfused_bytes_per_element(fmt: str, elem: int) -> float:
+    """Device-memory bytes one weight element costs when `decode="fast"` decodes it into memory (compute dtype
+    of `elem` bytes) and a matmul reads it back: NVFP4 = bytes widened to int32 (0.5 read + 2 written), the
+    pair lookup (2 read + elem written), the fp32 block scales (1/16 read, 3 x 4/16 written or read), the
+    multiplication (elem + 4/16 read, elem written), the matmul (elem read); MXFP8 = the cast (1 read + elem
+    written), the E8M0 table (1/32 read, 3 x 4/32), the multiplication (elem + 4/32 read, elem written), the
+    matmul (elem read). Kernel-launch and cache effects are not counted."""
+    if fmt == "nvfp4":
+        return 0.5 + 2 + 2 + 4 * elem + 17 / 16
+    return 1 + 4 * elem + 17 / 32
+
+
+def packed_weight_traffic(model, batch: int, rows_per_pass: int) -> dict:
+    """Estimated device-memory bytes the packed weights cost one decode step of `batch` sequences on this rank,
+    unfused (`unfused_bytes_per_element` per element touched; gathered experts are first copied, 2 x their
+    stored bytes) and fused (the stored bytes, read once per pass of `rows_per_pass` rows; a gathered expert
+    is read once per (token, slot) pair). Which weights a step touches follows `Experts.forward_sync_free`:
+    the chosen experts' pairs when batch * top_k < local experts, else every local expert. By family."""
+    elem = model.dtype.itemsize
+    passes = -(-batch // rows_per_pass)
+    fam: dict[str, dict[str, float]] = {}
+
+    def add(key: str, fused: float, unfused: float) -> None:
+        f = fam.setdefault(key, {"fused": 0.0, "unfused": 0.0})
+        f["fused"] += fused
+        f["unfused"] += unfused
+
+    for m in model.modules():
+        if isinstance(m, Linear) and m.packed is not None:
+            pw = m.packed
+            add(pw.fmt, pw.nbytes() * passes, pw.shape.numel() * unfused_bytes_per_element(pw.fmt, elem))
+        elif isinstance(m, Experts):
+            n_local = len(m.local_experts)
+            pairs = batch * model.text.num_experts_per_tok
+            for leaf in ("w1", "w2", "w3"):
+                pw = getattr(m, leaf)
+                if not isinstance(pw, PackedWeight):
+                    continue
+                per_elem = unfused_bytes_per_element(pw.fmt, elem)
+                if pairs < n_local:
+                    one = pw.nbytes() / n_local
+                    add("experts", one * pairs, pairs * (pw.shape[1:].numel() * per_elem + 2 * one))
+                else:
+                    add("experts", pw.nbytes() * passes, pw.shape.numel() * per_elem)
+    out = {k: {kk: int(vv) for kk, vv in v.items()} for k, v in fam.items()}
+    return {"batch": batch, "fused_bytes": sum(v["fused"] for v in out.values()),
+            "unfused_bytes": sum(v["unfused"] for v in out.values()), "by_family": out}
+
+
+def check_fused_matmul(model, batches: list[int], rows_per_pass: int) -> dict:
+    """Compile the fused packed matmul and check it on the model's own weights before anything is timed, so a
+    compile failure or a wrong result ends the run at once instead of inside a timed variant.
+
+    For the first packed linear of each format and the first packed expert stack (gathered pairs, and every
+    expert of a sub-stack of at most 8 experts): rows of the identity and e_k + e_k+1 must give the decoded
+    weight and its pair sums bit for bit (the kernel multiplies the exact weight bits); random rows at the
+    row counts of `batches` must agree with decode-then-matmul (`packed_matmul_reference`) to 1e-5 relative
+    in fp32, 1e-2 in bf16 (both round an fp32 sum once). Returns what it checked; raises BenchmarkError."""
+    t0 = time.perf_counter()
+    dtype, device = model.dtype, model.device
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    gen = torch.Generator(device=device).manual_seed(7)
+    cases: dict[str, dict] = {}
+
+    def compare(name: str, x: torch.Tensor, parts: tuple, fmt: str, index=None) -> None:
+        got = packed_matmul_fused(x, fmt, *parts, dtype, index, rows_per_pass)
+        want = packed_matmul_reference(x, fmt, *parts, dtype, index)
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+        cases[name] = {"rows": x.shape[-2], "rel_err": err}
+        if not (err <= tol and bool(torch.isfinite(got).all())):
+            raise BenchmarkError(f"fused matmul check {name}: relative error {err:.3g} > {tol} against "
+                                 "decode-then-matmul")
+
+    def exact(name: str, pw: PackedWeight, parts: tuple, index=None) -> None:
+        K = pw.shape[-1]
+        eye = torch.eye(K, device=device, dtype=torch.float32)[:4]
+        x = torch.cat([eye, eye + eye.roll(1, dims=1)]).to(dtype)  # [8, K]
+        w_hat = pw.decode(index).float()
+        if index is not None:  # one pair per row: x [8, 1, K] against expert index[p]
+            x = x[:, None]
+            got = packed_matmul_fused(x, pw.fmt, *parts, dtype, index, rows_per_pass)[:, 0]  # [8, N]
+            rows = torch.arange(8, device=device)
+            cols = rows % 4
+            want = torch.where((rows >= 4)[:, None], w_hat[rows, :, cols] + w_hat[rows, :, cols + 1],
+                               w_hat[rows, :, cols]).to(dtype)
+        else:
+            got = packed_matmul_fused(x, pw.fmt, *parts, dtype, None, rows_per_pass).T  # [N, 8]
+            want = torch.cat([w_hat[:, :4], w_hat[:, :4] + w_hat[:, 1:5]], dim=1).to(dtype)
+        ok = torch.equal(got, want)
+        cases[name] = {"exact": ok}
+        if not ok:
+            bad = int((got != want).sum())
+            raise BenchmarkError(f"fused matmul check {name}: {bad} outputs differ from the decoded weight's bits")
+
+    rows_list = sorted({1, *[b for b in batches if b <= model.fast.sync_free_tokens]})
+    seen = set()
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.packed is not None and m.packed.fmt not in seen:
+            seen.add(m.packed.fmt)
+            pw = m.packed
+            exact(f"{name} exact", pw, pw.parts())
+            for r in rows_list:
+                x = torch.randn(r, pw.shape[-1], device=device, generator=gen).to(dtype)
+                compare(f"{name} rows={r}", x, pw.parts(), pw.fmt)
+    ex = next((m for m in model.modules() if isinstance(m, Experts) and isinstance(m.w1, PackedWeight)), None)
+    if ex is not None:
+        k, E = model.text.num_experts_per_tok, len(ex.local_experts)
+        ids = torch.arange(8, device=device) % E
+        exact("experts.w1 gathered exact", ex.w1, ex.w1.parts(), ids)
+        for leaf in ("w1", "w2"):
+            pw = getattr(ex, leaf)
+            for b in rows_list:
+                if b * k < E:  # the pairs path: [P, 1, K] against P gathered experts
+                    x = torch.randn(b * k, 1, pw.shape[-1], device=device, generator=gen).to(dtype)
+                    pair_ids = torch.arange(b * k, device=device) % E
+                    compare(f"experts.{leaf} pairs={b * k}", x, pw.parts(), pw.fmt, pair_ids)
+                else:  # every local expert (a sub-stack of 8): w1 takes x [T, K], w2 x [E, T, K]
+                    sub = tuple(t[:8] if t is not None and t.dim() else t for t in pw.parts())
+                    lead = (min(8, E),) if leaf == "w2" else ()
+                    x = torch.randn(*lead, b, pw.shape[-1], device=device, generator=gen).to(dtype)
+                    compare(f"experts.{leaf} every expert, rows={b}", x, sub, pw.fmt)
+    sync(device)
+    return {"ok": True, "seconds": time.perf_counter() - t0, "rows_per_pass": rows_per_pass, "cases": cases}
 
 
 # ---------------------------------------------------------------------------------------------- running

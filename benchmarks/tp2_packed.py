@@ -16,12 +16,24 @@ What it does, on every rank (only rank 0 prints):
 3. prefills one `--prompt-len`-token prompt (default 8192) in `--prefill-chunk` chunks: tokens/s;
 4. decodes `--decode-tokens` (default 512) greedy tokens at each batch of `--batches` (default 1,32)
    from the prefilled cache (batch B copies the prompt's cache into B rows), for each `--variants`
-   entry: `eager` (the fast paths, launched from Python), `graph` (the same step captured in a CUDA
+   entry: `eager` (the `--fast` paths, launched from Python), `graph` (the same step captured in a CUDA
    graph and replayed), `compile-graph` (the graph with torch.compile'd packed decoding: one fused kernel
-   per weight; compiling takes a few minutes), `reference` (the fast paths off);
+   per weight; compiling takes a few minutes), `fused` / `fused-graph` (eager / graph with the fused
+   dequantize-and-multiply of packed weights, `fast="fused"`, whatever `--fast` says), `reference` (the
+   fast paths off);
 5. prints one JSON line: parameters, per-rank memory (weights, peaks), bandwidth, prefill and decode
    tokens/s, and per batch the bytes a decode step must read (benchmarks/common.py) with the roofline
-   tokens/s and the fraction of it reached.
+   tokens/s and the fraction of it reached, and the estimated bytes the packed weights cost a step
+   unfused and fused (`packed_traffic`).
+
+With the fused matmul (`--fast fused` or a `fused*` variant) the run first compiles it and checks it on the
+model's own weights (`fused_check`: exact weight bits, agreement with decode-then-matmul); a failure ends the
+run before anything is timed. Compiling happens there and in each variant's untimed warm-up steps, before a
+CUDA graph is captured.
+
+    # 2 x H200, the fused matmul beside the current graph (about 4-6 minutes):
+    torchrun --nproc-per-node 2 benchmarks/tp2_packed.py --decode-tokens 64 --budget-s 20 \\
+        --variants graph,fused-graph --out tp2_fused.jsonl
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 import torch
 from common import (
@@ -36,6 +49,7 @@ from common import (
     BenchmarkError,
     active_linear_elements_per_token,
     barrier,
+    check_fused_matmul,
     copy_bandwidth,
     decode,
     decode_step_bytes,
@@ -44,6 +58,7 @@ from common import (
     log,
     main_guard,
     memory_now,
+    packed_weight_traffic,
     peak_gib,
     prefill,
     replicate_cache,
@@ -51,11 +66,22 @@ from common import (
     sync,
 )
 
+from minimax_ref.fast import FUSED_ROWS, FastPaths
 from minimax_ref.loader import load_synthetic
+from minimax_ref.packed import packed_weights
 from minimax_ref.plan import plan_memory
 from minimax_ref.synth import PRESETS
 
-VARIANTS = ("eager", "graph", "compile-graph", "reference")
+VARIANTS = ("eager", "graph", "compile-graph", "fused", "fused-graph", "reference")
+FAST = {"on": True, "compile": "compile", "fused": "fused"}
+
+
+def variant_fast(variant: str, fast: FastPaths, fused_rows: int) -> FastPaths:
+    """The fast paths a variant runs with: `--fast` for eager/graph, else the variant's own."""
+    own = {"reference": False, "compile-graph": "compile", "fused": "fused", "fused-graph": "fused"}
+    if variant not in own:
+        return fast
+    return replace(FastPaths.of(own[variant]), fused_rows=fused_rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--weights", default="packed", choices=["packed", "dequant"], help="default: packed")
-    p.add_argument("--fast", default="on", choices=["on", "compile"],
-                   help="fast paths for eager/graph variants: on (eager packed decode) or compile (default: on)")
+    p.add_argument("--fast", default="on", choices=sorted(FAST),
+                   help="fast paths for eager/graph variants: on (eager packed decode), compile (compiled packed\n"
+                        "decode) or fused (the fused packed matmul for decode steps) (default: on)")
+    p.add_argument("--fused-rows", type=int, default=FUSED_ROWS,
+                   help=f"fused matmul: rows of the input per pass over a weight (default: {FUSED_ROWS})")
     p.add_argument("--expert-parallel", action="store_true", help="whole experts per rank instead of TP slices")
     p.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"], help="default: fp8 (as the seed)")
     p.add_argument("--prompt-len", type=int, default=8192, help="prefill length (default: 8192)")
@@ -108,8 +137,14 @@ def run(args: argparse.Namespace, holder: list) -> None:
                              f"--decode-tokens {args.decode_tokens} = {need} tokens: raise it or shorten the run")
     if min(batches) < 1 or args.prompt_len < 1 or args.decode_tokens < 1:
         raise BenchmarkError("--batches, --prompt-len and --decode-tokens must be >= 1")
+    if args.fused_rows < 1:
+        raise BenchmarkError("--fused-rows must be >= 1")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    fast = True if args.fast == "on" else "compile"
+    fast = replace(FastPaths.of(FAST[args.fast]), fused_rows=args.fused_rows)
+    fused = [v for v in variants if variant_fast(v, fast, args.fused_rows).matmul == "fused"]
+    if fused and (args.weights != "packed" or args.format == "bf16"):
+        raise BenchmarkError(f"variants {fused} use the fused packed matmul: it needs --weights packed and an "
+                             "nvfp4 or mxfp8 --format")
     result: dict = {"benchmark": "tp2_packed", "command": " ".join(sys.argv), "params": vars(args),
                     "world_size": world.size, "device": str(device), "torch": torch.__version__,
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
@@ -137,6 +172,20 @@ def run(args: argparse.Namespace, holder: list) -> None:
     result["model"] = {"layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_local_experts,
                        "hidden": cfg.text.hidden_size, "fast_paths": vars(model.fast)}
     log(world, f"loaded in {load_s:.1f} s: {mine['weights_bytes'] / GIB:.2f} GiB of weights on rank 0")
+    if fused:
+        if not any(True for _ in packed_weights(model)):
+            raise BenchmarkError("the fused matmul was asked for but the model holds no packed weights")
+        log(world, "compiling and checking the fused packed matmul")
+        model.set_fast(replace(FastPaths.of("fused"), fused_rows=args.fused_rows))
+        error = None
+        try:
+            with torch.no_grad():
+                result["fused_check"] = check_fused_matmul(model, batches, args.fused_rows)
+        except Exception as e:  # every rank must learn of a failure, or the others would wait in a collective
+            error = e
+        world.agree(error, "checking the fused packed matmul")
+        model.set_fast(fast)
+        log(world, f"fused matmul checked in {result['fused_check']['seconds']:.1f} s")
 
     # ---- prefill (batch 1)
     gen = torch.Generator(device=device).manual_seed(1234)
@@ -172,7 +221,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
     peaks: dict = {}
     with torch.no_grad():
         for variant in variants:
-            model.set_fast({"reference": False, "compile-graph": "compile"}.get(variant, fast))
+            model.set_fast(variant_fast(variant, fast, args.fused_rows))
             decode_out[variant] = {}
             for B in batches:
                 key = f"{variant}/{B}"
@@ -214,6 +263,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
             if "tokens_per_s" in got:
                 roof[str(B)][f"fraction_{variant}"] = got["tokens_per_s"] * step_s / B
     result["roofline"] = roof
+    result["packed_traffic"] = {str(B): packed_weight_traffic(model, B, args.fused_rows) for B in batches}
     result["summary"] = {
         "weights_gib_per_card": [r["weights_bytes"] / GIB for r in ranks],
         "plan_weights_gib_per_card": plan["weights_gib_per_card"],

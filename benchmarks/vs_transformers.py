@@ -22,6 +22,18 @@ Decode: `--decode-tokens` greedy tokens at each of `--batches` (1, 32); batch B 
 into B rows (transformers: `batch_repeat_interleave`). Agreement: the prefill's last logits and the
 greedy tokens of batch 1, ours_dequant against transformers (bf16 both: close, not equal) and
 ours_packed against ours_dequant (bit-identical by contract).
+
+`--fast fused` (or the variants `fused`, `fused-graph`) runs ours_packed's decode steps with the fused
+dequantize-and-multiply of packed weights (`FastPaths(matmul="fused")`; ours_dequant has no packed weights,
+so it is unchanged): it is compiled and checked on the model's weights right after loading (`fused_check`;
+a failure ends the run), and the JSON adds the estimated bytes the packed weights cost a step, unfused and
+fused (`packed_traffic`). The prefill
+(longer than 64 tokens) still decodes, so its last logits stay bit-identical to ours_dequant; the decode
+steps sum in another order, so greedy tokens may part after a while (bf16 rounding flips MSA blocks).
+
+    # 1 x H200, the fused matmul beside the current graph, minimax-ref only (about 3-4 minutes):
+    python benchmarks/vs_transformers.py --skip-transformers --variants graph,fused-graph --decode-tokens 64 \\
+        --budget-s 15
 """
 
 from __future__ import annotations
@@ -31,12 +43,14 @@ import copy
 import gc
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from common import (
     GIB,
     BenchmarkError,
+    check_fused_matmul,
     copy_bandwidth,
     decode,
     decode_step_bytes,
@@ -44,6 +58,7 @@ from common import (
     init_world,
     log,
     main_guard,
+    packed_weight_traffic,
     peak_gib,
     prefill,
     replicate_cache,
@@ -51,10 +66,13 @@ from common import (
     sync,
 )
 
+from minimax_ref.fast import FUSED_ROWS, FastPaths
 from minimax_ref.loader import load_synthetic
 from minimax_ref.synth import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+VARIANTS = ("eager", "graph", "fused", "fused-graph")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,11 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=8192)
     p.add_argument("--decode-tokens", type=int, default=512)
     p.add_argument("--batches", default="1,32")
-    p.add_argument("--variants", default=None, help="ours: eager,graph (default on CUDA) or eager")
+    p.add_argument("--variants", default=None,
+                   help=f"ours_packed: a comma list of {','.join(VARIANTS)} (default: eager,graph on CUDA, eager\n"
+                        "on CPU); fused*: with the fused packed matmul, whatever --fast says")
     p.add_argument("--max-model-len", type=int, default=None, help="default: prompt-len + decode-tokens")
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--attention-chunk-elements", type=int, default=1 << 26)
     p.add_argument("--skip-transformers", action="store_true", help="measure minimax-ref only")
+    p.add_argument("--fast", default="on", choices=["on", "fused"],
+                   help="ours: the fast paths (on), or with the fused packed matmul for decode steps (default: on)")
+    p.add_argument("--fused-rows", type=int, default=FUSED_ROWS,
+                   help=f"fused matmul: rows of the input per pass over a weight (default: {FUSED_ROWS})")
     p.add_argument("--budget-s", type=float, default=40.0, help="stop a decode run early after this (default: 40)")
     p.add_argument("--bw-gib", type=float, default=4.0)
     p.add_argument("--out", default=None)
@@ -112,7 +136,8 @@ def build_transformers(dense_model, attn: str, device: torch.device):
     return hf
 
 
-def measure_ours(name, model, ids, args, device, batches, variants, max_len, kv_elem) -> dict:
+def measure_ours(name, model, ids, args, device, batches, variants, max_len, kv_elem, fasts: dict) -> dict:
+    """Prefill and decode speed of minimax-ref's `model`; `fasts` gives each variant's fast paths."""
     out: dict = {"weights_gib": model.load_stats["memory_bytes"] / GIB}
     cache = model.new_cache(1, max_len, args.kv_cache_dtype)
     with torch.no_grad():
@@ -124,6 +149,7 @@ def measure_ours(name, model, ids, args, device, batches, variants, max_len, kv_
         out["last_logits"] = last.float().cpu()
         out["decode"] = {}
         for variant in variants:
+            model.set_fast(fasts[variant])
             for B in batches:
                 reset_peak(device)
                 c = cache if B == 1 else replicate_cache(model, cache, B, args.kv_cache_dtype)
@@ -132,12 +158,12 @@ def measure_ours(name, model, ids, args, device, batches, variants, max_len, kv_
                     if B == 1 and variant == variants[0]:  # record batch-1 greedy tokens for the agreement check
                         out["tokens"] = greedy_tokens_ours(model, c, last, ids.shape[1], min(32, args.decode_tokens))
                     r = decode(model, c, last.expand(B, -1), ids.shape[1], args.decode_tokens,
-                               graph=variant == "graph", budget_s=args.budget_s)
+                               graph=variant.endswith("graph"), budget_s=args.budget_s)
                     out["decode"][key] = {"steps": r.steps, "tokens_per_s": r.tokens_per_s, "step_ms": r.step_ms,
                                           "peak_gib": peak_gib(device)}
                     log_fn(f"{name} decode {key}: {r.tokens_per_s:.2f} tokens/s")
                 except Exception as e:
-                    if variant != "graph" or isinstance(e, torch.OutOfMemoryError):
+                    if not variant.endswith("graph") or isinstance(e, torch.OutOfMemoryError):
                         raise
                     out["decode"][key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
                     log_fn(f"{name} decode {key} failed: {out['decode'][key]['error']}")
@@ -220,10 +246,20 @@ def run(args: argparse.Namespace, holder: list) -> None:
         raise BenchmarkError("vs_transformers.py runs on one GPU: start it with python, not torchrun")
     batches = [int(b) for b in args.batches.split(",") if b]
     variants = (args.variants or ("eager,graph" if device.type == "cuda" else "eager")).split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            raise BenchmarkError(f"--variants {v!r}: choose from {list(VARIANTS)}")
+    if any(v.endswith("graph") for v in variants) and device.type != "cuda":
+        raise BenchmarkError("--variants graph / fused-graph need CUDA")
     need = args.prompt_len + args.decode_tokens
     max_len = args.max_model_len or need
     if max_len < need:
         raise BenchmarkError(f"--max-model-len {max_len} cannot hold --prompt-len + --decode-tokens = {need}")
+    if args.fused_rows < 1:
+        raise BenchmarkError("--fused-rows must be >= 1")
+    fast = replace(FastPaths.of(True if args.fast == "on" else "fused"), fused_rows=args.fused_rows)
+    fused = replace(FastPaths.of("fused"), fused_rows=args.fused_rows)
+    fasts = {v: fused if v.startswith("fused") else fast for v in variants}
     hf_error = None
     if not args.skip_transformers:
         try:
@@ -240,7 +276,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
     bw = copy_bandwidth(device, int(args.bw_gib * GIB))
     result["copy_bandwidth"] = bw
     common = dict(format=args.format, layers=args.layers or None, experts=args.experts or None, device=device,
-                  fast=True, max_seq_len=max_len, kv_cache_dtype=args.kv_cache_dtype,
+                  fast=fast, max_seq_len=max_len, kv_cache_dtype=args.kv_cache_dtype,
                   attention_chunk_elements=args.attention_chunk_elements)
     ids = torch.randint(0, min(100_000, PRESETS[args.preset].text["vocab_size"]), (1, args.prompt_len),
                         generator=torch.Generator(device=device).manual_seed(3), device=device)
@@ -250,8 +286,16 @@ def run(args: argparse.Namespace, holder: list) -> None:
     log(world, f"ours_packed: materialising {args.preset} layers={args.layers} experts={args.experts}")
     packed = load_synthetic(args.preset, weights="packed", **common)
     result["model"] = {"layers": packed.text.num_hidden_layers, "experts": packed.text.num_local_experts,
-                       "hidden": packed.text.hidden_size}
-    systems["ours_packed"] = measure_ours("ours_packed", packed, ids, args, device, batches, variants, max_len, kv_elem)
+                       "hidden": packed.text.hidden_size, "fast_paths": vars(packed.fast)}
+    if any(f.matmul == "fused" for f in fasts.values()):
+        log(world, "compiling and checking the fused packed matmul")
+        packed.set_fast(fused)
+        with torch.no_grad():
+            result["fused_check"] = check_fused_matmul(packed, batches, args.fused_rows)
+        log(world, f"fused matmul checked in {result['fused_check']['seconds']:.1f} s")
+    result["packed_traffic"] = {str(B): packed_weight_traffic(packed, B, args.fused_rows) for B in batches}
+    systems["ours_packed"] = measure_ours("ours_packed", packed, ids, args, device, batches, variants, max_len, kv_elem,
+                                          fasts)
     del packed
     gc.collect()
     if device.type == "cuda":
@@ -260,7 +304,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
     log(world, "ours_dequant: the same weights decoded at load")
     dense = load_synthetic(args.preset, weights="dequant", **common)
     systems["ours_dequant"] = measure_ours("ours_dequant", dense, ids, args, device, batches, ["eager"], max_len,
-                                           kv_elem)
+                                           kv_elem, {"eager": fast})
     if not args.skip_transformers and hf_error is None:
         log(world, f"transformers {result['transformers']}: building from ours_dequant's weights")
         hf = build_transformers(dense, args.hf_attn, device)

@@ -13,10 +13,17 @@ reference computation by a faster one that computes the same function.
 * `sdpa=True`: the fp32 attention core (scores, softmax, value sum) by
   `F.scaled_dot_product_attention` in fp32, and MSA gathers its selected key blocks from the cache's
   storage before converting them (an fp8 cache is never converted whole). Equal to fp32 rounding.
+* `matmul="fused"`: products with packed weights (linears, and the routed experts of `moe=True`) in calls of
+  up to `sync_free_tokens` tokens by `packed.packed_matmul_fused`, a `torch.compile`d dequantize-and-multiply
+  that reads the packed bytes and scales and never writes the decoded weight (compiled on first use: warm up
+  before capturing a CUDA graph). The decoded weight has the same bits; the sum is fp32 in another order, so
+  equal to fp32 rounding. Not part of `fast=True`; `fast="fused"` is every fast path with it. `fused_rows`
+  sets how many rows of the input each pass over the weight takes (more rows: fewer passes, more registers).
 
 With `moe` and `static_kv` (and no trace, no activation emulation) a decode step has no host synchronisation
-and fixed shapes, so it can be captured in a CUDA graph (`benchmarks/common.py`). tests/test_packed.py
-compares every switch with the reference on CPU.
+and fixed shapes, so it can be captured in a CUDA graph (`benchmarks/common.py`); so can it with `matmul="fused"`
+once the warm-up steps have compiled it. tests/test_packed.py and tests/test_fused.py compare every switch with
+the reference on CPU.
 """
 
 from __future__ import annotations
@@ -26,10 +33,14 @@ from dataclasses import dataclass, fields
 from .errors import ConfigError
 
 DECODE_MODES = ("reference", "fast", "compile")
+MATMUL_MODES = ("reference", "fused")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
 # cache (decode steps); larger calls (prefill) group tokens by expert, which needs the per-expert counts
 # on the host, and attend over the filled slots only.
 SYNC_FREE_TOKENS = 64
+# Rows of x per pass of the fused matmul over a weight: each pass decodes every weight element once and feeds
+# one fp32 accumulator per row, so more rows mean fewer passes (less weight traffic) but more registers.
+FUSED_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -40,20 +51,28 @@ class FastPaths:
     moe: bool = False
     static_kv: bool = False
     sdpa: bool = False
-    # calls of up to this many tokens take the `moe` / `static_kv` paths; training raises it so that every
-    # expert runs densely on every token (a few large matmuls instead of a loop over experts)
+    # calls of up to this many tokens take the `moe` / `static_kv` / `matmul` paths; training raises it so that
+    # every expert runs densely on every token (a few large matmuls instead of a loop over experts)
     sync_free_tokens: int = SYNC_FREE_TOKENS
+    matmul: str = "reference"
+    # rows of the input per pass of the fused matmul over a weight (`packed.packed_matmul_fused`)
+    fused_rows: int = FUSED_ROWS
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
             raise ConfigError(f"fast paths: decode={self.decode!r}: choose one of {list(DECODE_MODES)}")
+        if self.matmul not in MATMUL_MODES:
+            raise ConfigError(f"fast paths: matmul={self.matmul!r}: choose one of {list(MATMUL_MODES)}")
+        if self.fused_rows < 1:
+            raise ConfigError(f"fast paths: fused_rows={self.fused_rows}: give a positive row count")
         if self.sync_free_tokens < 1:
             raise ConfigError(f"fast paths: sync_free_tokens={self.sync_free_tokens}: give a positive token count")
 
     @classmethod
     def of(cls, fast: bool | str | dict | FastPaths | None) -> FastPaths:
         """`load_model`'s `fast` argument: False/None (reference), True (every fast path, eager decode),
-        "compile" (every fast path, compiled decode), a dict of switches, or a FastPaths."""
+        "compile" (every fast path, compiled decode), "fused" (every fast path, eager decode, and the fused
+        packed matmul for a few tokens), a dict of switches, or a FastPaths."""
         if isinstance(fast, FastPaths):
             return fast
         if fast is None or fast is False:
@@ -62,17 +81,24 @@ class FastPaths:
             return cls(decode="fast", moe=True, static_kv=True, sdpa=True)
         if fast == "compile":
             return cls(decode="compile", moe=True, static_kv=True, sdpa=True)
+        if fast == "fused":
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, matmul="fused")
         if isinstance(fast, dict):
             names = {f.name for f in fields(cls)}
             unknown = sorted(set(fast) - names)
             if unknown:
                 raise ConfigError(f"fast paths: unknown switches {unknown}; known: {sorted(names)}")
             return cls(**fast)
-        raise ConfigError(f"fast={fast!r}: give True, False, 'compile', a dict of switches or a FastPaths")
+        raise ConfigError(f"fast={fast!r}: give True, False, 'compile', 'fused', a dict of switches or a FastPaths")
 
     @property
     def any(self) -> bool:
         return self != FastPaths()
+
+    @property
+    def fused_tokens(self) -> int:
+        """Calls with up to this many tokens multiply packed weights fused (`PackedWeight.fused_tokens`; 0: none)."""
+        return self.sync_free_tokens if self.matmul == "fused" else 0
 
 
 REFERENCE = FastPaths()

@@ -2,7 +2,9 @@
 
 With `weights="dequant"` (default) the weight is decoded once at load into the compute dtype, so the
 forward is a plain `x @ W^T` (no biases in the text model). With `weights="packed"` an NVFP4/MXFP8
-weight stays packed (`packed.PackedWeight`) and is decoded at each use, to the same bits. What a linear
+weight stays packed (`packed.PackedWeight`) and is decoded at each use, to the same bits, or, with
+`FastPaths(matmul="fused")` and a few tokens, multiplied without decoding it into memory
+(`PackedWeight.linear`, equal to fp32 rounding). What a linear
 remembers of its on-disk format for activation emulation:
 
 * `act_format = "nvfp4"`: with `act_quant="emulate"` the input is fake-quantized to NVFP4 (blocks
@@ -57,7 +59,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.emulate_act_quant:
             x = emulate_activation_quant(x, self.act_format, self.input_scale)
-        return F.linear(x, self.dense_weight())
+        if self.packed is not None:
+            return self.packed.linear(x)  # decode then F.linear, or the fused matmul for a few tokens
+        return F.linear(x, self.weight)
 
     def set_packed(self, packed: nn.Module) -> None:
         """Hold `packed` (a `PackedWeight` [out, in]) instead of a decoded weight."""

@@ -141,6 +141,7 @@ class MiniMaxM3(nn.Module):
                 m.fast = self.fast
             elif isinstance(m, PackedWeight):
                 m.mode = self.fast.decode
+                m.fused_tokens, m.fused_rows = self.fast.fused_tokens, self.fast.fused_rows
         return self.fast
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

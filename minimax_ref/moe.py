@@ -17,7 +17,9 @@ decoded when it has tokens, to the same bits as a decoded-at-load stack.
 Fast path (`FastPaths(moe=True)`, fast.py): for a few tokens (decode steps) the reference's grouping by
 expert needs the per-expert token counts on the host; the fast path instead runs batched matmuls over
 the chosen experts (one weight per (token, slot) when that is fewer than the local experts, else every
-local expert on every token), with static shapes and no host synchronisation.
+local expert on every token), with static shapes and no host synchronisation. With packed stacks and
+`FastPaths(matmul="fused")` those matmuls are fused dequantize-and-multiply kernels that read the chosen
+experts' packed bytes in place (`packed.packed_matmul_fused`).
 
 Tensor parallelism (parallel.py): the router is replicated, so every rank makes the same choice.
 The routed experts are either split like an MLP (TP mode: each rank holds intermediate/TP channels
@@ -210,17 +212,27 @@ class Experts(nn.Module):
         if T * k < E:
             ids = local.reshape(-1)  # [P]
             xp = x.repeat_interleave(k, dim=0)[:, None]  # [P, 1, H]
-            gate = torch.bmm(xp, self.weight("w1", ids).transpose(1, 2))
-            up = torch.bmm(xp, self.weight("w3", ids).transpose(1, 2))
+            gate = self.matmul("w1", xp, ids)
+            up = self.matmul("w3", xp, ids)
             h = swiglu_oai(gate, up, self.alpha, self.limit)
-            y = torch.bmm(h, self.weight("w2", ids).transpose(1, 2)).view(T, k, -1)  # [T, k, H]
+            y = self.matmul("w2", h, ids).view(T, k, -1)  # [T, k, H]
             return (y.float() * weights[..., None]).sum(1)
         dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, local, weights)
-        gate = torch.matmul(x, self.weight("w1").transpose(1, 2))  # [E, T, I]
-        up = torch.matmul(x, self.weight("w3").transpose(1, 2))
+        gate = self.matmul("w1", x)  # [E, T, I]
+        up = self.matmul("w3", x)
         h = swiglu_oai(gate, up, self.alpha, self.limit)
-        y = torch.matmul(h, self.weight("w2").transpose(1, 2))  # [E, T, H]
+        y = self.matmul("w2", h)  # [E, T, H]
         return torch.einsum("te,eth->th", dense, y.float())
+
+    def matmul(self, leaf: str, x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W^T` for the stack `leaf` ("w1", "w2", "w3"): x `[*B, M, K]` against every local expert (index
+        None; `*B` broadcasts against `[E_local]`) or against the experts `index` (a LongTensor [P], x `[P, M, K]`).
+        A packed stack multiplies without decoding into memory when its fused matmul is on
+        (`PackedWeight.matmul`); the gathered experts' bytes are then read in place."""
+        w = getattr(self, leaf)
+        if isinstance(w, PackedWeight):
+            return w.matmul(x, index)
+        return torch.matmul(x, (w if index is None else w[index]).transpose(-1, -2))
 
 
 class MoE(nn.Module):

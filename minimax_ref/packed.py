@@ -23,6 +23,12 @@ Contract: `PackedWeight.decode()` returns, bit for bit, what `weights="dequant"`
   kernel that reads the packed bytes and writes the compute dtype.
 
 tests/test_packed.py checks all three against `quant.dequant_*` on every code and byte value.
+
+Fused dequantize-and-multiply (`FastPaths(matmul="fused")`, for decode-size inputs): `packed_matmul` is
+`x @ w_hat^T` written so that `torch.compile` fuses the decoding into the reduction over K: one kernel reads
+the packed bytes and scales and accumulates in fp32, and no decoded weight is ever written
+(`packed_matmul_fused` compiles it; `packed_matmul_reference`, decode then `torch.matmul`, is what it
+replaces). tests/test_fused.py checks it against float64 sums of `quant.dequant_*`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from torch import nn
 
 from .checkpoint import MXFP8, NVFP4, Checkpoint
 from .errors import CheckpointError, QuantFormatError
+from .fast import FUSED_ROWS
 from .quant import E2M1_MAGNITUDES, MXFP8_BLOCK, NVFP4_BLOCK, _pow2_f32, dequant_mxfp8, dequant_nvfp4, unpack_fp4
 
 # E2M1 value of each 4-bit code (code 8 is -0.0), and of both codes of each byte (low nibble first).
@@ -133,6 +140,143 @@ def decode_compiled(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
     return _compiled(fmt, weight, weight_scale, weight_scale_2, dtype)
 
 
+# ---------------------------------------------------------------------------------------------- fused matmul
+
+def e2m1_value(codes: torch.Tensor) -> torch.Tensor:
+    """float32 value of E2M1 codes (an integer tensor of values 0..15), equal to the table `_E2M1_VALUES[codes]`
+    (code 8 gives -0.0). Comparisons instead of a table lookup, so that a compiled kernel computes it in
+    registers: magnitudes 0, 0.5, 1, 1.5 are index / 2, then 2, 3, then 4, 6; every step is exact in fp32."""
+    index = (codes & 7).to(torch.float32)
+    magnitude = torch.where(index < 4, index * 0.5, torch.where(index < 6, index - 2.0, index * 2.0 - 8.0))
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def decoded_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   weight_scale_2: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The decoded weight `decode_reference(...).to(dtype)`, bit for bit, widened to float32, as planes of
+    blocks along K (one block per block scale).
+
+    NVFP4 (operands as in `decode_reference`, weight `[*L, N, K/2]`): two planes `[*L, N, K/16, 8]`, the
+    elements of the low nibbles (even k) and of the high nibbles (odd k) of each block's 8 bytes, each
+    `fp32(dtype(e2m1 * (float(block scale) * weight_scale_2)))` in that order, as the reference. MXFP8: one
+    plane `[*L, N, K/32, 32]`, `fp32(dtype(float(e4m3) * 2^(scale - 127)))`. Elementwise in the packed bytes,
+    so that a compiled caller reducing over K computes each element where it uses it; the block dimensions
+    stay apart so that its indexing needs no division by a runtime K.
+    """
+    if fmt == NVFP4:
+        *lead, n, half_k = weight.shape
+        block = (weight_scale.to(torch.float32) * _global(weight_scale_2, lead)).unsqueeze(-1)  # [*L, N, K/16, 1]
+        data = weight.view(*lead, n, half_k // (NVFP4_BLOCK // 2), NVFP4_BLOCK // 2)
+        return [(e2m1_value(codes) * block).to(dtype).to(torch.float32) for codes in (data & 0x0F, data >> 4)]
+    k = weight.shape[-1]
+    scale = _pow2_f32(weight_scale.to(torch.int32) - 127).unsqueeze(-1)  # E8M0: 2^(code - 127), exact
+    values = weight.to(torch.float32).view(*weight.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK)
+    return [(values * scale).to(dtype).to(torch.float32)]
+
+
+def activation_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
+    """`x` [..., K] widened to float32 and split like `decoded_planes`: NVFP4 [even k, odd k], each
+    `[..., K/16, 8]`; MXFP8 [x as `[..., K/32, 32]`]."""
+    *lead, k = x.shape
+    x = x.to(torch.float32)
+    if fmt == NVFP4:
+        pairs = x.view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2, 2)
+        return [pairs[..., 0], pairs[..., 1]]
+    return [x.view(*lead, k // MXFP8_BLOCK, MXFP8_BLOCK)]
+
+
+def _select(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor | None,
+            index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The stacks' entries `index` (all with None); a scalar global is shared by all of them."""
+    if index is None:
+        return weight, weight_scale, weight_scale_2
+    g = weight_scale_2 if weight_scale_2 is None or weight_scale_2.dim() == 0 else weight_scale_2[index]
+    return weight[index], weight_scale[index], g
+
+
+def packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  weight_scale_2: torch.Tensor | None, dtype: torch.dtype,
+                  index: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w_hat^T` with the packed weight decoded inside the sum: the fused dequantize-and-multiply.
+
+    x: `[*B, M, K]` in any float dtype; weight, weight_scale, weight_scale_2: a packed `[*L, N, K]` weight or
+    stack as in `decode_reference`; index: None, or a LongTensor `[P]` of stack entries (repeats allowed) that
+    replaces L by `[P]`; `*B` broadcasts against `*L` (`[P]`). Returns `[*broadcast(B, L), M, N]` in `dtype`:
+
+        y[..., m, n] = dtype( sum_k fp32(x[..., m, k]) * fp32(w_hat[..., n, k]) )
+
+    with `w_hat = decode_reference(...).to(dtype)` bit for bit (`decoded_planes`), every product rounded to
+    fp32, the sum accumulated in fp32 in an unspecified order (so |y - exact| <= gamma_K * sum_k |x w_hat|
+    before the one final rounding to `dtype`, gamma_K = K u / (1 - K u), u = 2^-24).
+
+    Eagerly it materialises fp32 temporaries of the weight's size. Compiled (`packed_matmul_fused`) the
+    decoding fuses into the reduction: the M rows are unrolled, so the decoded element is computed once and
+    feeds M accumulators, and the kernel reads only the packed bytes, the scales and x.
+    """
+    weight, weight_scale, weight_scale_2 = _select(weight, weight_scale, weight_scale_2, index)
+    planes = decoded_planes(fmt, weight, weight_scale, weight_scale_2, dtype)  # [*L, N, blocks, block] each
+    xs = activation_planes(fmt, x)  # [*B, M, blocks, block] each
+    rows = []
+    for m in range(x.shape[-2]):
+        terms = xs[0][..., m, None, :, :] * planes[0]
+        for xp, wp in zip(xs[1:], planes[1:]):
+            terms = terms + xp[..., m, None, :, :] * wp
+        # [*, N]: one reduction over K per row, cast as it is stored (so the kernel writes the output directly)
+        rows.append(terms.sum((-2, -1)).to(dtype))
+    return torch.stack(rows, dim=-2)
+
+
+def packed_matmul_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                            weight_scale_2: torch.Tensor | None, dtype: torch.dtype,
+                            index: torch.Tensor | None = None) -> torch.Tensor:
+    """What `packed_matmul` replaces: decode (`decode_reference(...).to(dtype)`, the selected entries), then
+    `torch.matmul(x, w_hat^T)` in `dtype` (the library's accumulation). Same shapes as `packed_matmul`."""
+    weight, weight_scale, weight_scale_2 = _select(weight, weight_scale, weight_scale_2, index)
+    w = decode_reference(fmt, weight, weight_scale, weight_scale_2).to(dtype)
+    return torch.matmul(x.to(dtype), w.transpose(-1, -2))
+
+
+FUSED_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 1 << 16, "realize_acc_reads_threshold": 1 << 16,
+                          "realize_reads_threshold": 1 << 16,
+                          "emulate_precision_casts": True, "eager_numerics.disable_ftz": True}
+_fused = None
+
+
+def _compiled_packed_matmul():
+    """`packed_matmul` through `torch.compile`, made on first use.
+
+    dynamic: one graph for every N, K, stack size and gathered count (the rows M are unrolled, so each M is a
+    graph of its own); fullgraph: no graph break, so the whole sum is one compiled region (and no host
+    synchronisation can hide in one; past the recompile limit it raises rather than run eagerly). Inductor
+    options (`FUSED_INDUCTOR_OPTIONS`): the realize thresholds keep inductor from storing the decoded planes or
+    the products to memory (by default it stores a pointwise result of more than 30 operations on GPUs, 50 on
+    CPUs, or one read by several rows that reads more than 4 buffers), which is the whole point;
+    emulate_precision_casts keeps the rounding of the decoded weight to `dtype` (inductor otherwise elides a
+    downcast followed by an upcast, and would multiply by the fp32 decoded value instead of the weight's
+    bits); eager_numerics.disable_ftz keeps fp32 subnormals.
+    """
+    global _fused
+    if _fused is None:
+        # one graph per (format, dtype, rows, gathered or not, ranks of x and of the global scale)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _fused = torch.compile(packed_matmul, dynamic=True, fullgraph=True, options=FUSED_INDUCTOR_OPTIONS)
+    return _fused
+
+
+def packed_matmul_fused(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        weight_scale_2: torch.Tensor | None, dtype: torch.dtype, index: torch.Tensor | None = None,
+                        rows_per_pass: int = FUSED_ROWS) -> torch.Tensor:
+    """`packed_matmul`, compiled, in passes of `rows_per_pass` rows of x (a compiled kernel per pass, each
+    reading the weight once; the passes' outputs are concatenated). Same contract as `packed_matmul`."""
+    fn = _compiled_packed_matmul()
+    rows = x.shape[-2]
+    if rows <= rows_per_pass:
+        return fn(x, fmt, weight, weight_scale, weight_scale_2, dtype, index)
+    parts = [fn(x[..., r:r + rows_per_pass, :], fmt, weight, weight_scale, weight_scale_2, dtype, index)
+             for r in range(0, rows, rows_per_pass)]
+    return torch.cat(parts, dim=-2)
+
+
 # ---------------------------------------------------------------------------------------------- the module
 
 
@@ -148,6 +292,10 @@ class PackedWeight(nn.Module):
     or a batch of experts (`index` a LongTensor, repeats allowed). `mode` picks the decoder ("reference",
     "fast", "compile"); every mode returns the same bits. Indexing (`w[e]`) and `.shape` behave like the
     decoded stack, so code written for decoded weights reads packed ones too.
+
+    `linear(x)` and `matmul(x, index)` multiply by the weight: decoded then multiplied, or, for inputs of at
+    most `fused_tokens` rows (0, the default, = never; `FastPaths(matmul="fused")` sets it), through
+    `packed_matmul_fused` without decoding the weight into memory, `fused_rows` rows per pass.
     """
 
     def __init__(self, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -158,6 +306,7 @@ class PackedWeight(nn.Module):
         if (fmt == NVFP4) != (weight_scale_2 is not None):
             raise ValueError("PackedWeight: weight_scale_2 is given for NVFP4 and only for NVFP4")
         self.fmt, self.dtype, self.mode = fmt, dtype, "reference"
+        self.fused_tokens, self.fused_rows = 0, FUSED_ROWS
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_scale_2", weight_scale_2)
@@ -197,8 +346,26 @@ class PackedWeight(nn.Module):
     def __getitem__(self, index: int | torch.Tensor) -> torch.Tensor:
         return self.decode(index)
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """`F.linear(x, self.decode())` for one linear and `x` [..., K] -> [..., N] in the compute dtype; fused
+        (`packed_matmul_fused`, equal to fp32 rounding) when x has at most `fused_tokens` rows."""
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 0 < rows <= self.fused_tokens:
+            y = packed_matmul_fused(x.reshape(rows, x.shape[-1]), self.fmt, *self.parts(), self.dtype,
+                                    rows_per_pass=self.fused_rows)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return F.linear(x, self.decode())
+
+    def matmul(self, x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        """`torch.matmul(x, self.decode(index).transpose(-1, -2))`: x `[*B, M, K]` against the whole stack (index
+        None) or the entries `index` (a LongTensor [P]); fused when `M` is at most `fused_tokens`."""
+        if 0 < x.shape[-2] <= self.fused_tokens:
+            return packed_matmul_fused(x, self.fmt, *self.parts(), self.dtype, index, self.fused_rows)
+        return torch.matmul(x, self.decode(index).transpose(-1, -2))
+
     def extra_repr(self) -> str:
-        return f"{self.fmt}, shape={list(self.shape)}, dtype={self.dtype}, decode={self.mode}"
+        fused = f", fused_tokens={self.fused_tokens}" if self.fused_tokens else ""
+        return f"{self.fmt}, shape={list(self.shape)}, dtype={self.dtype}, decode={self.mode}{fused}"
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -277,5 +444,6 @@ def dequantize(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["PackedWeight", "decode_reference", "decode_fast", "decode_compiled", "read_packed", "check_packed",
-           "packed_weights", "model_nbytes", "dequantize", "QuantFormatError"]
+__all__ = ["PackedWeight", "decode_reference", "decode_fast", "decode_compiled", "packed_matmul", "packed_matmul_fused",
+           "packed_matmul_reference", "e2m1_value", "decoded_planes", "activation_planes", "FUSED_ROWS",
+           "read_packed", "check_packed", "packed_weights", "model_nbytes", "dequantize", "QuantFormatError"]

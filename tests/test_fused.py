@@ -1,0 +1,443 @@
+"""The fused dequantize-and-multiply of packed weights (`FastPaths(matmul="fused")`, issue 9), on CPU (C++ kernels),
+and on CUDA (Triton kernels) in the cases marked `gpu`: `python -m pytest -q tests/test_fused.py -m gpu`.
+
+Contract under test (`packed.packed_matmul`): y[m, n] = dtype(sum_k fp32(x[m, k]) * fp32(w_hat[n, k])) with
+w_hat = `quant.dequant_*(...).to(dtype)` bit for bit, fp32 products and an fp32 sum in any order. Checks:
+
+* bits: x = rows of the identity makes every output a decoded weight element (a sum of one product and
+  zeros, exact), so the compiled kernel is compared with `quant.dequant_*` bit for bit, every element; rows
+  e_k + e_k+1 check that it multiplies the weight rounded to dtype, not the fp32 decoded value;
+* rounding: against float64 sums of the same decoded weights, within the worst-case bound of an fp32 inner
+  product of K terms in any order, |y - exact| <= gamma_K * sum_k |x w_hat| with gamma_K = K u / (1 - K u),
+  u = 2^-24 (plus one final rounding, 2^-8 |exact|, for bf16 outputs); observed about 3e-7 relative;
+* fusion: the compiled graph is one kernel (C++; at most three Triton kernels: a split reduction) and
+  allocates nothing of the weight's size;
+* whole models: the packed tiny checkpoint with the switch equals the reference to fp32 rounding, same
+  greedy tokens, and a fused decode step makes no host synchronisation.
+
+Compiling on CPU costs seconds per graph (one graph per format, dtype and row count), so each test keeps
+to a few graphs; the TP=2 and benchmark checks are marked slow.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+from test_packed import IDS, REPO, _bench, _HostSyncs, _rel, two_ranks  # noqa: F401 (two_ranks: the TP=2 fixture)
+
+import minimax_ref.packed as packed_mod
+from minimax_ref.errors import ConfigError
+from minimax_ref.fast import FastPaths
+from minimax_ref.generate import SamplingParams, generate_ids
+from minimax_ref.loader import load_model, load_synthetic
+from minimax_ref.packed import (
+    FUSED_INDUCTOR_OPTIONS,
+    FUSED_ROWS,
+    PackedWeight,
+    decoded_planes,
+    e2m1_value,
+    packed_matmul,
+    packed_matmul_fused,
+    packed_matmul_reference,
+    packed_weights,
+)
+from minimax_ref.parallel import World
+from minimax_ref.quant import E2M1_MAGNITUDES, dequant_mxfp8, dequant_nvfp4
+
+U = 2.0**-24  # fp32 unit roundoff
+# The compiled kernels are C++ on the CPU and Triton on CUDA: the `gpu` cases check the latter where a GPU is.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+# ---------------------------------------------------------------------------------------------- operands
+
+
+def _nvfp4(E: int, N: int, K: int, seed: int = 0):
+    """Random NVFP4 stack [E, N, K]: every byte value occurs, block scales of both signs from 0 through the
+    subnormals to 448 (never NaN), one global per expert."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    weight.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    scale = torch.randint(0, 0x7F, (E, N, K // 16), generator=g, dtype=torch.uint8)  # 0x7f is NaN
+    scale |= torch.randint(0, 2, scale.shape, generator=g, dtype=torch.uint8) << 7
+    g2 = torch.tensor([3.7e-4, 2.0**-12, 0.75, 1.3e-3, 5.1e-2][:E], dtype=torch.float32)
+    return weight, scale.view(torch.float8_e4m3fn), g2
+
+
+def _mxfp8(E: int, N: int, K: int, seed: int = 0, exponents: tuple[int, int] = (0, 240)):
+    """Random MXFP8 stack [E, N, K]: every finite E4M3 byte, E8M0 codes in `exponents` (the default reaches
+    fp32 and bf16 subnormals at the bottom and 2^122 at the top)."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.arange(256, dtype=torch.uint8)
+    finite = b[(b & 0x7F) != 0x7F]
+    weight = finite[torch.randint(0, len(finite), (E, N, K), generator=g)]
+    weight.view(-1)[: len(finite)] = finite
+    scale = torch.randint(exponents[0], exponents[1] + 1, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    return weight.view(torch.float8_e4m3fn), scale
+
+
+def _operands(fmt: str, E: int, N: int, K: int, seed: int = 0, realistic: bool = False):
+    """(weight, weight_scale, weight_scale_2) of a stack [E, N, K]."""
+    if fmt == "nvfp4":
+        return _nvfp4(E, N, K, seed)
+    return (*_mxfp8(E, N, K, seed, (112, 136) if realistic else (0, 240)), None)
+
+
+def _expected(fmt: str, w, s, g, dtype) -> torch.Tensor:
+    """The decoded stack [E, N, K] from `quant` (the independent decoder), in `dtype`."""
+    if fmt == "nvfp4":
+        return dequant_nvfp4(w, s, g).to(dtype)
+    return dequant_mxfp8(w, s).to(dtype)
+
+
+def _on(device: str, fn, *args):
+    """fn(*args) with the tensor arguments moved to `device`; the result back on the CPU."""
+    return fn(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)).cpu()
+
+
+def _assert_within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w_hat: torch.Tensor, dtype: torch.dtype) -> None:
+    """|y - exact| <= gamma_K * sum_k |x w_hat| (+ K * 2^-149 for products rounded as fp32 subnormals), and for
+    bf16 outputs one more rounding: 2^-8 |exact| + (1 + 2^-8) * that. x [.., M, K], w_hat [.., N, K]."""
+    K = x.shape[-1]
+    xd, wd = x.double(), w_hat.double().transpose(-1, -2)
+    exact = xd @ wd
+    bound = K * U / (1 - K * U) * (xd.abs() @ wd.abs()) + K * 2.0**-149
+    if dtype == torch.bfloat16:
+        bound = 2.0**-8 * exact.abs() + (1 + 2.0**-8) * bound
+    ratio = (y.double() - exact).abs() / bound
+    assert bool((ratio <= 1).all()), f"error up to {float(ratio.max()):.3g} x the fp32 bound"
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def test_e2m1_value_is_the_table():
+    codes = torch.arange(16, dtype=torch.uint8)
+    want = torch.cat([E2M1_MAGNITUDES, -E2M1_MAGNITUDES])
+    got = e2m1_value(codes)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # code 8 is -0.0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decoded_planes_are_the_decoded_weight(fmt, dtype):
+    """The planes, put back in K order, are `quant.dequant_*(...).to(dtype)` bit for bit (signed zeros too)."""
+    w, s, g = _operands(fmt, 3, 8, 96)
+    planes = decoded_planes(fmt, w, s, g, dtype)
+    got = torch.stack(planes, dim=-1).reshape(3, 8, 96)  # NVFP4: even and odd k interleaved again
+    want = _expected(fmt, w, s, g, dtype).float()
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_packed_matmul_eager_contract(fmt):
+    """The pure function itself (uncompiled): every shape it is used with, against float64 sums."""
+    w, s, g = _operands(fmt, 4, 12, 96, realistic=True)
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        w_hat = _expected(fmt, w, s, g, dtype)
+        x = torch.randn(3, 96, generator=gen).to(dtype)
+        one = packed_matmul(x, fmt, w[1], s[1], None if g is None else g[1], dtype)  # one linear, M = 3
+        assert one.shape == (3, 12) and one.dtype == dtype
+        _assert_within_fp32_rounding(one, x, w_hat[1], dtype)
+        every = packed_matmul(x, fmt, w, s, g, dtype)  # every expert on every row: [4, 3, 12]
+        _assert_within_fp32_rounding(every, x, w_hat, dtype)
+        ids = torch.tensor([3, 0, 3])
+        xp = torch.randn(3, 1, 96, generator=gen).to(dtype)
+        pairs = packed_matmul(xp, fmt, w, s, g, dtype, index=ids)  # gathered: [3, 1, 12]
+        _assert_within_fp32_rounding(pairs, xp, w_hat[ids], dtype)
+        if dtype == torch.float32:
+            assert _rel(pairs, packed_matmul_reference(xp, fmt, w, s, g, dtype, index=ids)) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- compiled
+
+
+@pytest.mark.parametrize("fmt,K", [("nvfp4", 208), ("mxfp8", 224)])  # K: 13 / 7 blocks, no power of two
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_matmul_multiplies_the_exact_weight_bits(fmt, K, dtype, device):
+    """Rows of the identity read out the decoded weight (y = w_hat^T, every element); rows e_k + e_k+1 give
+    fp32(w_hat[:, k] + w_hat[:, k+1]) rounded once to dtype, which they do only if the kernel multiplied by
+    the weight rounded to dtype (with the fp32 decoded value instead, one final rounding of the sum differs).
+    Bit for bit, fp32 and bf16 subnormals included; in passes of FUSED_ROWS rows."""
+    w, s, g = _operands(fmt, 1, 24, K, seed=2)
+    w, s, g = w[0], s[0], None if g is None else g[0]
+    eye = torch.eye(K)
+    x = torch.cat([eye, eye + eye.roll(1, dims=1)]).to(dtype)
+    on = [None if t is None else t.to(device) for t in (x, w, s, g)]
+    y = packed_matmul_fused(on[0], fmt, *on[1:], dtype).cpu()
+    assert y.shape == (2 * K, 24) and y.dtype == dtype
+    w_hat = _expected(fmt, w, s, g, dtype)
+    assert torch.equal(y[:K].T, w_hat)
+    pairs = (w_hat.float() + w_hat.float().roll(-1, dims=1)).to(dtype)
+    assert torch.equal(y[K:].T, pairs)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_fused_matmul_within_fp32_rounding(fmt):
+    """Random rows: M = 1, 3 (one pass each) and FUSED_ROWS + 1 (two passes), fp32 compute."""
+    K = 208 if fmt == "nvfp4" else 224
+    w, s, g = _operands(fmt, 1, 40, K, seed=3, realistic=True)
+    w, s, g = w[0], s[0], None if g is None else g[0]
+    w_hat = _expected(fmt, w, s, g, torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    for M in (1, 3, FUSED_ROWS + 1):
+        x = torch.randn(M, K, generator=gen)
+        y = packed_matmul_fused(x, fmt, w, s, g, torch.float32)
+        _assert_within_fp32_rounding(y, x, w_hat, torch.float32)
+        assert _rel(y, packed_matmul_reference(x, fmt, w, s, g, torch.float32)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gathered_experts(fmt, device):
+    """The gathered-experts form (x [P, 1, K], index [P] with repeats, a global per expert): one-hot rows read
+    out the chosen experts' weights exactly, random rows are within the fp32 bound."""
+    E, N, K = 5, 24, 160
+    w, s, g = _operands(fmt, E, N, K, seed=5)
+    dtype = torch.bfloat16
+    ids = torch.tensor([3, 0, 3, 4, 1, 3])
+    cols = torch.tensor([0, 17, 100, 159, 64, 31])
+    onehot = torch.zeros(len(ids), 1, K, dtype=dtype)
+    onehot[torch.arange(len(ids)), 0, cols] = 1
+    y = _on(device, packed_matmul_fused, onehot, fmt, w, s, g, dtype, ids)
+    assert y.shape == (len(ids), 1, N)
+    w_hat = _expected(fmt, w, s, g, dtype)
+    assert torch.equal(y[:, 0], w_hat[ids, :, cols])
+    w, s, g = _operands(fmt, E, N, K, seed=6, realistic=True)
+    x = torch.randn(len(ids), 1, K, generator=torch.Generator().manual_seed(7)).to(dtype)
+    _assert_within_fp32_rounding(_on(device, packed_matmul_fused, x, fmt, w, s, g, dtype, ids), x,
+                                 _expected(fmt, w, s, g, dtype)[ids], dtype)
+
+
+def test_fused_every_local_expert():
+    """The dense form of the sync-free experts: x [T, K] shared by every expert, then x [E, T, K] per expert."""
+    E, N, K, T = 3, 20, 96, 5
+    w, s, g = _nvfp4(E, N, K, seed=8)
+    w_hat = _expected("nvfp4", w, s, g, torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    for x in (torch.randn(T, K, generator=gen), torch.randn(E, T, K, generator=gen)):
+        y = packed_matmul_fused(x, "nvfp4", w, s, g, torch.float32)
+        assert y.shape == (E, T, N)
+        _assert_within_fp32_rounding(y, x, w_hat, torch.float32)
+
+
+def _generated_code(x, fmt, w, s, g, dtype, index=None) -> str:
+    """Inductor's output code for a fresh compile of `packed_matmul` with the fused path's settings."""
+    from torch._inductor.utils import run_and_get_code
+
+    fn = torch.compile(packed_matmul, dynamic=True, fullgraph=True, options=FUSED_INDUCTOR_OPTIONS)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, code = run_and_get_code(fn, x, fmt, w, s, g, dtype, index)
+    assert len(code) == 1
+    return code[0]
+
+
+def _allocated_elements(code: str) -> list[int]:
+    """Element counts of the buffers the compiled wrapper allocates, with the example sizes inductor records
+    for its symbols (`get_args`)."""
+    call = code[code.index("def call("):]
+    symbols = dict(re.findall(r"^\s+(s\d+) = (arg\d+_1)$", call, re.M))
+    values = {a: int(v) for a, v in re.findall(r"^\s+(arg\d+_1) = (\d+)$", code, re.M)}
+    env = {sym: values[arg] for sym, arg in symbols.items()}
+    sizes = []
+    for shape in re.findall(r"empty_strided_\w+\(\(([^)]*)\)", call):
+        n = 1
+        for dim in filter(None, (d.strip() for d in shape.split(","))):
+            n *= int(eval(dim, {}, dict(env)))  # noqa: S307 - inductor's own size expressions
+        sizes.append(n)
+    return sizes
+
+
+@pytest.mark.parametrize("case", ["nvfp4 linear M=2", "nvfp4 gathered"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_graph_never_materialises_the_weight(case, device):
+    """What issue 9 is about: the compiled graph is one kernel, and every buffer it allocates is output-sized
+    (rows x N per expert), none of the weight's N x K (nor N x K/2 for the NVFP4 planes). On CUDA inductor may
+    split a long reduction in two kernels (and cast in a third), with partial sums of a few times the output's
+    size."""
+    N, K = 64, 512
+    if case.startswith("nvfp4"):
+        w, s, g = _nvfp4(1, N, K)
+        args = (torch.randn(2, K), "nvfp4", w[0], s[0], g[0], torch.bfloat16)
+        rows = 2
+    else:
+        w, s, g = _nvfp4(3, N, K)
+        args = (torch.randn(4, 1, K), "nvfp4", w, s, g, torch.bfloat16, torch.tensor([2, 0, 2, 1]))
+        rows = 4
+    code = _generated_code(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    kernels = re.findall(r"^(\w+) = async_compile\.(?:cpp\w*|triton)\(", code, re.M)
+    sizes = _allocated_elements(code)
+    if device == "cpu":
+        assert len(kernels) == 1, kernels
+        assert sizes and max(sizes) <= rows * N, sizes  # fp32 row sums and the output only
+    else:
+        assert 1 <= len(kernels) <= 3, kernels
+        assert sizes and max(sizes) < N * K // 8, sizes
+
+
+# ---------------------------------------------------------------------------------------------- switches
+
+
+def test_fused_switch_is_explicit():
+    assert FastPaths.of(True).matmul == "reference" and FastPaths.of(True).fused_tokens == 0  # fast=True unchanged
+    fused = FastPaths.of("fused")
+    assert fused == FastPaths("fast", True, True, True, matmul="fused") and fused.fused_tokens == 64
+    assert FastPaths.of({"matmul": "fused", "sync_free_tokens": 4}).fused_tokens == 4
+    with pytest.raises(ConfigError, match="matmul"):
+        FastPaths(matmul="triton")
+
+
+def test_packed_weight_routes_only_small_calls_to_the_fused_matmul(monkeypatch):
+    """`fused_tokens` rows or fewer go to the fused matmul, more rows (prefill) and 0 (off) decode."""
+    w, s, g = _nvfp4(1, 16, 64)
+    pw = PackedWeight("nvfp4", w[0], s[0], g[0], dtype=torch.float32)
+    seen = []
+    monkeypatch.setattr(packed_mod, "packed_matmul_fused", lambda x, *a, rows_per_pass: seen.append(x.shape) or
+                        packed_matmul(x, *a))
+    x = torch.randn(2, 3, 64)
+    want = torch.nn.functional.linear(x, pw.decode())
+    assert torch.equal(pw.linear(x), want) and seen == []  # off
+    pw.fused_tokens = 6
+    assert _rel(pw.linear(x), want) < 1e-6 and seen == [(6, 64)]  # [2, 3] tokens flattened to 6 rows
+    pw.fused_tokens = 5
+    assert torch.equal(pw.linear(x), want) and len(seen) == 1  # 6 rows > 5: decoded
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="module")
+def nvfp4_ckpt(ckpt_factory):
+    return ckpt_factory("tiny", "nvfp4")
+
+
+def _cached_run(model, batch: int, steps: int) -> torch.Tensor:
+    """A 70-token cached prefill (over the fused threshold: the reference path) and `steps` decode steps of
+    `batch` sequences at different positions; all logits [batch, 70 + steps, V]."""
+    dev = model.device
+    with torch.no_grad():
+        cache = model.new_cache(batch, 96)
+        ids = IDS.repeat(2, 1)[:batch].to(dev)
+        out = [model(ids[:, :70], positions=torch.arange(70, device=dev).expand(batch, -1), cache=cache)]
+        pos = torch.tensor([[70], [66], [60], [69]], device=dev)[:batch]
+        for t in range(steps):
+            out.append(model(ids[:, 70 + t:71 + t], positions=pos + t, cache=cache))
+    return torch.cat(out, dim=1).cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_model_equals_reference_at_batch_1(nvfp4_ckpt, device):
+    """Decode at batch 1: MXFP8 linears with one row, the chosen NVFP4 experts gathered (T*k < E). fp32 logits
+    to fp32 rounding, and the same greedy tokens."""
+    model = load_model(nvfp4_ckpt, dtype=torch.float32, weights="packed", device=device)
+    sampling = SamplingParams(temperature=0)
+    prompt = [IDS[0, :70].tolist()]
+    want_tokens = generate_ids(model, prompt, max_new_tokens=4, sampling=sampling)[0][0].generated  # reference
+    model.set_fast(True)  # the fast paths without the fused matmul: the logits differ by the switch alone
+    want = _cached_run(model, 1, 3)
+    model.set_fast("fused")
+    assert {pw.fused_tokens for _, pw in packed_weights(model)} == {64}
+    got = _cached_run(model, 1, 3)
+    assert torch.equal(got[:, :70], want[:, :70])  # the prefill took the reference path
+    assert 0 < _rel(got, want) < 1e-5  # the decode steps did not (the sums run in another order)
+    assert generate_ids(model, prompt, max_new_tokens=4, sampling=sampling)[0][0].generated == want_tokens
+
+
+def test_fused_model_equals_reference_at_batch_4(nvfp4_ckpt):
+    """Decode at batch 4: linears with four rows, and every local expert on every token (T*k >= E)."""
+    model = load_model(nvfp4_ckpt, dtype=torch.float32, weights="packed", fast=True)
+    want = _cached_run(model, 4, 2)
+    model.set_fast("fused")
+    got = _cached_run(model, 4, 2)
+    assert 0 < _rel(got, want) < 1e-5
+    assert torch.equal(got[:, 70:].argmax(-1), want[:, 70:].argmax(-1))
+
+
+def test_fused_decode_step_does_not_synchronise(nvfp4_ckpt, monkeypatch):
+    """The fused path's operations, run eagerly (a dispatch mode sees no compiled code), read nothing back
+    to the host: a decode step's only host read is the embedding's token-id range check."""
+    monkeypatch.setattr(packed_mod, "_fused", packed_matmul)  # the uncompiled function in place of the compiled one
+    calls = []
+    real = packed_mod.packed_matmul_fused
+    monkeypatch.setattr(packed_mod, "packed_matmul_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = load_model(nvfp4_ckpt, dtype=torch.bfloat16, weights="packed", fast="fused")
+    for batch in (1, 4):  # gathered experts; every local expert
+        cache = model.new_cache(batch, 96, "fp8")
+        ids = IDS.repeat(2, 1)[:batch]
+        with torch.no_grad():
+            model(ids[:, :70], positions=torch.arange(70).expand(batch, -1), cache=cache)
+            guard = _HostSyncs()
+            calls.clear()
+            with guard:
+                model(ids[:, 70:71], positions=torch.tensor([[70], [71], [72], [73]])[:batch], cache=cache)
+        assert calls, "the fused matmul was not used"
+        assert guard.seen == ["aten._local_scalar_dense.default"], guard.seen
+
+
+@pytest.mark.gpu
+def test_fused_decode_step_captures_in_a_cuda_graph(nvfp4_ckpt):
+    """The fused decode step, compiled in the untimed warm-up steps, is captured in a CUDA graph (the
+    benchmarks' GraphStep) and its replay gives the eager step's logits."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from common import GraphStep
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    model = load_model(nvfp4_ckpt, dtype=torch.bfloat16, weights="packed", device="cuda", fast="fused")
+    cache = model.new_cache(1, 96, "fp8")
+    ids = IDS[:1].cuda()
+    with torch.no_grad():
+        model(ids[:, :70], positions=torch.arange(70, device="cuda")[None], cache=cache)
+        pos = torch.tensor([[70]], device="cuda")
+        graph = GraphStep(model, cache, ids[:, 70:71], pos)
+        replayed = graph.step(ids[:, 70:71], pos).clone()
+        eager = model(ids[:, 70:71], positions=pos, cache=cache)[:, -1]
+    assert _rel(replayed, eager) < 1e-6
+
+
+def _task_fused(world: World, dtype: str) -> dict:
+    model = load_synthetic("tiny", dtype=getattr(torch, dtype), tp=world, fast=True)
+    want = _cached_run(model, 1, 2)
+    model.set_fast("fused")
+    return {"err": _rel(_cached_run(model, 1, 2), want), "logits": want}
+
+
+@pytest.mark.slow
+def test_tp2_fused_equals_reference(two_ranks):  # noqa: F811 (the imported fixture)
+    """TP=2 (two gloo ranks, each compiling): the fused path on each rank's slices equals the reference."""
+    outs = two_ranks(_task_fused, dtype="float32")
+    ref = _cached_run(load_synthetic("tiny", dtype=torch.float32, fast=True), 1, 2)
+    for o in outs:
+        assert 0 < o["err"] < 1e-5
+        assert _rel(o["logits"], ref) < 1e-5
+
+
+@pytest.mark.slow
+def test_tp_benchmark_dry_run_fused(capsys, monkeypatch):
+    """benchmarks/tp2_packed.py with a fused variant: the early check passes, the variant runs, and the traffic
+    estimate has the fused path reading far fewer bytes."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = _bench("tp2_packed.py", ["--device", "cpu", "--preset", "tiny", "--prompt-len", "90", "--decode-tokens",
+                                   "2", "--batches", "1,5", "--bw-gib", "0.01", "--prefill-repeats", "1",
+                                   "--variants", "eager,fused"], capsys)
+    check = out["fused_check"]
+    assert check["ok"] and [c["exact"] for c in check["cases"].values() if "exact" in c] == [True, True]
+    assert out["decode"]["fused"]["1"]["steps"] == out["decode"]["fused"]["5"]["steps"] == 2
+    traffic = out["packed_traffic"]["1"]
+    assert 0 < traffic["fused_bytes"] < traffic["unfused_bytes"] / 5
+
+
+def test_benchmark_refuses_fused_without_packed_weights(capsys, monkeypatch):
+    """Asking for the fused matmul where it cannot apply ends the run before anything is loaded."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = _bench("tp2_packed.py", ["--device", "cpu", "--preset", "tiny", "--weights", "dequant", "--fast", "fused"],
+                 capsys, code=2)
+    assert "needs --weights packed" in err
+    err = _bench("tp2_packed.py", ["--device", "cpu", "--preset", "tiny", "--fused-rows", "0"], capsys, code=2)
+    assert "--fused-rows must be >= 1" in err

@@ -183,6 +183,36 @@ def init_weights(model: MiniMaxM3, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * s)
 
 
+def copy_tokenizer(ckpt: Path, out_dir: Path) -> dict[str, int]:
+    """Copy a checkpoint folder's tokenizer files to `out_dir`; returns its special-token ids by attribute
+    name (what `train_tokenizer` returns)."""
+    import shutil
+
+    from examples.nano.tokenizer import TOKENIZER_FILES
+    from minimax_ref.tokenizer import SPECIAL_TOKEN_TEXTS
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(Path(ckpt) / name, out_dir / name)
+    tok = load_tokenizer(out_dir)
+    return {name: tok.token_to_id(text) for name, text in SPECIAL_TOKEN_TEXTS.items()}
+
+
+def load_init(model: MiniMaxM3, ckpt: Path, reinit_vision: bool = False) -> None:
+    """Continue from an exported checkpoint: its tensors decoded to fp32 (`load_model`), copied into
+    `model` (the same configuration; every tensor must match). With `reinit_vision`, the vision tower
+    and projector keep `model`'s fresh initialisation."""
+    from minimax_ref.loader import load_model
+
+    state = load_model(ckpt, dtype=torch.float32).state_dict()
+    if reinit_vision:
+        state = {k: v for k, v in state.items() if not k.startswith(("vision_tower.", "projector."))}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (reinit_vision and k.startswith(("vision_tower.", "projector.")))]
+    if missing or unexpected:
+        raise SystemExit(f"--init {ckpt}: not the same model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
 def make_trainable(model: nn.Module) -> list[nn.Parameter]:
     """Flip `requires_grad` on (the engine builds inference parameters without it). The routers'
     selection biases stay off: no loss reaches them, the balancing rule (`update_routing_bias`) moves them."""
@@ -285,15 +315,17 @@ def disable_qat(model: MiniMaxM3) -> None:
 
 
 def input_embeddings(model: MiniMaxM3, ids: torch.Tensor, pixel_values: torch.Tensor | None,
-                     grid: torch.Tensor | None) -> torch.Tensor:
+                     grid: torch.Tensor | None, stats: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Token embeddings with image features in place of the `<image>` tokens (row-major order), as
     `multimodal.embed_with_images` places them, but with gradients: that function encodes the
     images under `torch.no_grad()` (`vision.encode_images`), so here the engine's tower and projector
-    modules are called directly."""
+    modules are called directly. `stats["feature_ms"]` receives the features' mean square (fp32)."""
     x = model.embed(ids)
     if pixel_values is None:
         return x
     features = model.projector(model.vision_tower(pixel_values.to(x.device), grid))
+    if stats is not None:
+        stats["feature_ms"] = features.float().square().mean()
     slots = (ids == model.config.image_token_id).unsqueeze(-1)
     if int(slots.sum()) != features.shape[0]:
         raise RuntimeError(f"batch holds {int(slots.sum())} image tokens but the images give {features.shape[0]}")
@@ -365,11 +397,12 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
 
 
 def lm_loss(model: MiniMaxM3, batch: dict[str, Any], device: torch.device, trace: Trace | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean next-token loss over targets, logits, labels) of a collated batch (call under autocast)."""
+            stats: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean next-token loss over targets, logits, labels) of a collated batch (call under autocast);
+    `stats` receives `input_embeddings`' image-feature statistics."""
     ids = batch["input_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
-    x = input_embeddings(model, ids, batch["pixel_values"], batch["image_grid_thw"])
+    x = input_embeddings(model, ids, batch["pixel_values"], batch["image_grid_thw"], stats)
     logits = model(ids, inputs_embeds=x, trace=trace)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     return loss, logits, labels
@@ -492,6 +525,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per packed sequence (default: the size's)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", type=Path, default=None,
+                   help="continue from an exported checkpoint folder (its weights, decoded to fp32, and its "
+                        "tokenizer) instead of a fresh initialisation")
+    p.add_argument("--train", choices=["all", "vision"], default="all",
+                   help="what learns: everything, or (with --init) the vision tower and projector only, the text "
+                        "model frozen and its routing biases fixed (a reading stage on an image-heavy --mix)")
+    p.add_argument("--reinit-vision", action="store_true",
+                   help="with --init: initialise the vision tower and projector afresh")
+    p.add_argument("--vision-eps", type=float, default=1e-15,
+                   help="AdamW eps of the vision tower and projector (default 1e-15: their gradients are "
+                        "small, since the text model's RMSNorm divides by the feature scale)")
+    p.add_argument("--feature-l2", type=float, default=1e-3,
+                   help="weight of the image features' mean square in the loss; keeps the features near the "
+                        "embedding scale, where gradients still reach the tower (default 1e-3)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the size's)")
     p.add_argument("--min-lr-frac", type=float, default=0.1, help="final lr / peak lr (default: 0.1)")
     p.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: the size's)")
@@ -576,18 +623,34 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     gen = nd.TaskGenerator(heldout, mix, nd.StdlibText(heldout) if stdlib else None, fonts)
     vocab = size.text["vocab_size"]
     t0 = time.time()
-    special = train_tokenizer(nd.tokenizer_texts(gen, size.tokenizer_examples, args.seed), vocab, run_dir / "tokenizer")
+    if args.init is not None:  # the model to continue comes with its tokenizer
+        special = copy_tokenizer(args.init, run_dir / "tokenizer")
+        print(f"tokenizer: {vocab} ids from {args.init}", flush=True)
+    else:
+        special = train_tokenizer(nd.tokenizer_texts(gen, size.tokenizer_examples, args.seed), vocab,
+                                  run_dir / "tokenizer")
+        print(f"tokenizer: {vocab} ids trained on {size.tokenizer_examples} examples in {time.time() - t0:.1f}s",
+              flush=True)
     tok = load_tokenizer(run_dir / "tokenizer")
-    print(f"tokenizer: {vocab} ids trained on {size.tokenizer_examples} examples in {time.time() - t0:.1f}s; "
-          f"data: {json.dumps(nd.data_config(gen)['mix'])}, {len(fonts)} fonts", flush=True)
+    print(f"data: {json.dumps(nd.data_config(gen)['mix'])}, {len(fonts)} fonts", flush=True)
 
     # 2. model
     raw = nx.raw_config(size.text, size.vision, special, fmt="nvfp4")
     cfg = parse_model_config(raw)
     model = MiniMaxM3(cfg)
     init_weights(model, args.seed)
+    if args.init is not None:
+        load_init(model, args.init, reinit_vision=args.reinit_vision)
     model.to(device)
     params = make_trainable(model)
+    if args.train == "vision":
+        if args.init is None:
+            raise SystemExit("--train vision continues a trained model: give --init CKPT")
+        for name, p in model.named_parameters():
+            if not name.startswith(("vision_tower.", "projector.")):
+                p.requires_grad_(False)
+        params = [p for p in params if p.requires_grad]
+        args.bias_rate = 0.0  # the frozen text model keeps its routing
     # The indexer learns from its own KL loss only; its gradients are clipped apart from the model's, so
     # that the (large, early) indexer gradient does not shrink the language-model update.
     indexer_ids = {id(p) for n, p in model.named_parameters() if ".index_" in n}
@@ -608,11 +671,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
           flush=True)
     assert sum(p.numel() for p in model.parameters()) == counts["total"], "count_parameters is out of date"
 
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    vision_ids = {id(p) for n, p in model.named_parameters() if n.startswith(("vision_tower.", "projector."))}
+    decay = [p for p in params if p.ndim >= 2 and id(p) not in vision_ids]
+    no_decay = [p for p in params if p.ndim < 2 and id(p) not in vision_ids]
+    vision = [p for p in params if id(p) in vision_ids]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8,
-                            fused=device.type == "cuda")
+                             {"params": no_decay, "weight_decay": 0.0},
+                             {"params": vision, "weight_decay": 0.0, "eps": args.vision_eps}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
     loader = torch.utils.data.DataLoader(
         BatchStream(run_dir / "tokenizer", heldout, mix, stdlib, fonts, args.seed, seq_len, batch),
         batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
@@ -628,7 +694,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     qat = False
     dense = args.dense_warmup > 0
     set_dense(model, dense)
-    acc_loss = acc_aux = acc_imb = 0.0
+    acc_loss = acc_aux = acc_imb = acc_feat = 0.0
     acc_n = 0
     t_train = time.time()
     last_eval: dict[str, Any] = {}
@@ -656,11 +722,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             # one cached fake-quantization per micro-batch: each backward consumes its own graph
             with parametrize.cached() if qat else contextlib.nullcontext():
                 b = next(batches)
+                stats: dict[str, torch.Tensor] = {}
                 with autocast(device, amp):
-                    loss, _, labels = lm_loss(model, b, device, trace)
+                    loss, _, labels = lm_loss(model, b, device, trace, stats)
                     aux = sum(indexer_kl(model.layers[i].self_attn, *capture.inputs[i], n_queries, g_index)
                               for i in capture.inputs) / max(1, len(capture.inputs))
-                ((loss + aux) / args.grad_accum).backward()
+                feature_ms = stats.get("feature_ms", torch.zeros((), device=device))
+                ((loss + aux + args.feature_l2 * feature_ms) / args.grad_accum).backward()
+                acc_feat += feature_ms.detach()
                 tokens += labels.numel()
                 targets += int((labels != -100).sum())
                 acc_loss += loss.detach()  # summed on the device; read (one sync) when logged
@@ -678,11 +747,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             now = time.time()
             log_line(log_path, {"step": step, "loss": round(float(acc_loss) / acc_n, 4),
                                 "indexer_kl": round(float(acc_aux) / acc_n, 4), "lr": f"{cur_lr:.2e}",
+                                "feature_rms": round(math.sqrt(float(acc_feat) / acc_n), 3),
                                 "gnorm": round(float(gnorm), 3),
                                 "load_max/mean": round(acc_imb / max(1, acc_n // args.grad_accum), 2),
                                 "tok/s": int(tokens / (now - t_train)), "elapsed_s": int(now - t_train),
                                 "dense": dense, "qat": qat})
-            acc_loss = acc_aux = acc_imb = 0.0
+            acc_loss = acc_aux = acc_imb = acc_feat = 0.0
             acc_n = 0
         if step % args.eval_every == 0:
             model.eval()

@@ -143,8 +143,9 @@ def drafter_loss(drafter: DSparkDrafter, target: MiniMaxM3, batch: dict[str, Any
     stats = {"ce": float(loss.detach())}
     if drafter.confidence_head is not None:
         feats = torch.cat((h, emb.to(h.dtype)), -1) if drafter.config.confidence_head_with_markov else h
-        conf = drafter.confidence_head(feats).clamp(1e-6, 1 - 1e-6)
-        bce = F.binary_cross_entropy(conf, right.float(), reduction="none")
+        conf = drafter.confidence_head(feats).float().clamp(1e-6, 1 - 1e-6)
+        # written out: autocast refuses F.binary_cross_entropy (the head ends in a sigmoid of its own)
+        bce = -(right * conf.log() + (~right) * (1 - conf).log())
         loss = loss + 0.1 * (bce * valid).sum() / valid.sum().clamp_min(1)
     lead = torch.cumprod(right.long(), dim=1).sum(1).float()
     stats["acc_per_pos"] = [round(float(right[:, k].sum() / valid[:, k].sum().clamp_min(1)), 3) for k in range(Bk)]

@@ -27,21 +27,23 @@ def _nonneg_int(text: str) -> int:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model."""
     p.add_argument("--ckpt-path", type=Path, default=None,
-                   help="checkpoint folder (default: the embedded tiny checkpoint, synthesised on first use)")
+                   help="checkpoint folder (default: the embedded nano checkpoint shipped with the package)")
     p.add_argument("--device", default="cpu",
                    help="torch device (default: cpu; under examples/generate.py: cuda:LOCAL_RANK when CUDA is "
                         "available, else cpu)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="compute dtype: bfloat16 (default) or float32 (the golden mode)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="compute dtype: bfloat16, float32 (the golden mode), or auto (default: bfloat16 on a GPU, "
+                        "float32 on a CPU)")
     p.add_argument("--act-quant", choices=["none", "emulate"], default="none",
                    help="fake-quantize NVFP4/MXFP8 linear inputs as W4A4/W8A8 kernels do (default: none)")
     p.add_argument("--weights", choices=["dequant", "packed"], default="dequant",
                    help="dequant: decode quantized weights once at load (default); packed: keep NVFP4/MXFP8 "
                         "weights packed in memory and decode them at use (same outputs, packed-size memory)")
-    p.add_argument("--fast", choices=["off", "on", "compile"], default="off",
+    p.add_argument("--fast", choices=["off", "on", "compile", "fused"], default="off",
                    help="fast paths (minimax_ref/fast.py): on = batched experts without host sync, static-shape "
                         "cached attention, SDPA attention core, two-pass packed decoding; compile = the same with "
-                        "torch.compile'd packed decoding (default: off, the reference)")
+                        "torch.compile'd packed decoding; fused = on, plus decode steps multiply packed weights "
+                        "with a compiled dequantize-and-multiply (with --weights packed) (default: off, the reference)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")
     p.add_argument("--max-model-len", type=int, default=4096,
@@ -67,15 +69,14 @@ def load_from_args(args: argparse.Namespace, world=None):
     world: the tensor-parallel `parallel.World` to load over (default: `args.world`, which
     examples/generate.py sets under torchrun; else one process).
     """
-    import torch
 
-    from .loader import load_model, load_synthetic
-    from .synth import ensure_default_checkpoint
+    from .embedded import default_checkpoint
+    from .loader import load_model, load_synthetic, resolve_device, resolve_dtype
     from .tokenizer import load_tokenizer
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     world = world if world is not None else getattr(args, "world", None)
-    fast = {"off": False, "on": True, "compile": "compile"}[getattr(args, "fast", "off")]
+    fast = {"off": False, "on": True, "compile": "compile", "fused": "fused"}[getattr(args, "fast", "off")]
     common = dict(device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
                   max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tp=world,
                   expert_parallel=getattr(args, "expert_parallel", False), fast=fast)
@@ -83,7 +84,7 @@ def load_from_args(args: argparse.Namespace, world=None):
     if preset is None:
         if getattr(args, "synthetic_layers", None) is not None or getattr(args, "synthetic_experts", None) is not None:
             raise InputError("--synthetic-layers and --synthetic-experts need --synthetic-weights")
-        path = args.ckpt_path or ensure_default_checkpoint()
+        path = args.ckpt_path or default_checkpoint()
         model = load_model(path, **common)
         report_load(model)
         return model, load_tokenizer(path), path
@@ -120,10 +121,10 @@ def synthetic_tokenizer_dir(vocab: int):
     import shutil
     import tempfile
 
-    from .synth import default_checkpoint_dir
+    from .embedded import cache_dir
     from .tokenizer import write_test_tokenizer
 
-    target = default_checkpoint_dir().parent / f"synthetic-tokenizer-{vocab}"
+    target = cache_dir() / f"synthetic-tokenizer-{vocab}"
     if (target / "tokenizer.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -235,12 +236,17 @@ def _stream_printer(args: argparse.Namespace, tools, reasoning_started: bool):
 
     parser = StreamingParser(tools, reasoning_started=reasoning_started)
     tty = sys.stdout.isatty()
+    shown = {"reasoning": False}
 
     def emit(events) -> None:
         for ev in events:
             if ev["type"] == "reasoning" and not args.hide_reasoning:
                 sys.stdout.write(f"{DIM}{ev['text']}{RESET}" if tty else ev["text"])
+                shown["reasoning"] = True
             elif ev["type"] == "content":
+                if shown["reasoning"]:  # the answer starts on its own line, as in the non-streamed output
+                    sys.stdout.write("\n")
+                    shown["reasoning"] = False
                 sys.stdout.write(ev["text"])
         sys.stdout.flush()
 

@@ -366,8 +366,11 @@ def generate(model: MiniMaxM3, tok, prompts: Sequence, *, max_new_tokens: int = 
     if stop_ids is None:
         stop_ids = read_stop_ids(getattr(model, "ckpt_path", None), tok.eos_token_ids)
     decoders = [tok.stream_decoder() for _ in ids]
+    stop_set = set(stop_ids)
 
     def on_token(row: int, token: int) -> None:
+        if token in stop_set:  # the end-of-turn token ends the text; it is not part of it
+            return
         piece = decoders[row].push(token)
         if piece and on_text:
             on_text(row, piece)
@@ -389,7 +392,7 @@ def generate(model: MiniMaxM3, tok, prompts: Sequence, *, max_new_tokens: int = 
             rest = dec.finish()
             if rest:
                 on_text(seqs.index(s), rest)
-        body = [t for t in s.generated if t not in set(stop_ids)]
+        body = [t for t in s.generated if t not in stop_set]
         text = tok.decode(body)
         # a prompt that ends inside <mm:think> (thinking enabled) generates reasoning first
         started = think_start is not None and len(prompt_ids) > 0 and prompt_ids[-1] == think_start

@@ -746,11 +746,11 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("give --prompt and --out (or --replay BUNDLE)")
     from .cli import load_from_args
     from .config import load_model_config
+    from .embedded import default_checkpoint
     from .generate import encode_prompt
-    from .synth import ensure_default_checkpoint
 
     ops, explicit = parse_ops(args.ops)
-    ckpt = args.ckpt_path or ensure_default_checkpoint()
+    ckpt = args.ckpt_path or default_checkpoint()
     layers = parse_layers(args.layers, load_model_config(ckpt).text.num_hidden_layers)
     args.ckpt_path = ckpt
     model, tok, _ = load_from_args(args)

@@ -55,13 +55,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device | None = None) -> torch.dtype:
+    """`dtype` as a torch.dtype; "auto" is bfloat16 on a GPU and float32 on a CPU (where bfloat16 matmuls
+    and gathers run far slower than float32 on most processors)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"dtype={dtype}: choose torch.float32 or torch.bfloat16")
         return dtype
     if dtype not in DTYPES:
-        raise ConfigError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+        raise ConfigError(f"dtype={dtype!r}: choose one of {sorted(DTYPES) + ['auto']}")
     return DTYPES[dtype]
 
 

@@ -319,10 +319,10 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """`minimax-ref prune`: prints a JSON summary (out, kept ids per layer, method) on stdout."""
     from .config import load_model_config
+    from .embedded import default_checkpoint
     from .score import free, load_for_args, load_traces_for_args
-    from .synth import ensure_default_checkpoint
 
-    src = args.ckpt_path or ensure_default_checkpoint()
+    src = args.ckpt_path or default_checkpoint()
     text = load_model_config(src).text
     if not text.has_moe:
         raise InputError(f"{src}: the model has no MoE layers to prune")

@@ -347,7 +347,7 @@ def load_for_args(path: Path, args: argparse.Namespace):
     """Load one checkpoint with the standard model flags."""
     from .loader import load_model, resolve_dtype
 
-    return load_model(path, device=args.device, dtype=resolve_dtype(args.dtype), act_quant=args.act_quant,
+    return load_model(path, device=args.device, dtype=resolve_dtype(args.dtype, args.device), act_quant=args.act_quant,
                       weights=args.weights, max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
 
 
@@ -372,9 +372,9 @@ def free(model) -> None:
 def run(args: argparse.Namespace) -> int:
     """`minimax-ref score`: one JSON object on stdout."""
     from .config import load_model_config
-    from .synth import ensure_default_checkpoint
+    from .embedded import default_checkpoint
 
-    ckpt = args.ckpt_path or ensure_default_checkpoint()
+    ckpt = args.ckpt_path or default_checkpoint()
     traces = load_traces_for_args(args.traces, ckpt, args)
     if args.reference is not None:
         v_model = load_model_config(ckpt).text.vocab_size

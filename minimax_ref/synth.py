@@ -475,40 +475,6 @@ def write_drafter(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, *, shard
     return out
 
 
-def default_checkpoint_dir() -> Path:
-    """Where the embedded default checkpoint is synthesised once (override: MINIMAX_REF_CACHE)."""
-    import os
-
-    root = os.environ.get("MINIMAX_REF_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimax-ref")
-    return Path(root) / "default-tiny-nvfp4-dspark-seed0"
-
-
-def ensure_default_checkpoint() -> Path:
-    """The embedded default: the `tiny` preset in the release's NVFP4+MXFP8 format with a DSpark
-    drafter in `dspark/` (so `--speculative dspark` works out of the box), seed 0,
-    synthesised on first use (atomically, so concurrent first runs do not see half a folder)."""
-    import shutil
-    import tempfile
-
-    target = default_checkpoint_dir()
-    if (target / "model.safetensors.index.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".default-", dir=target.parent))
-    try:
-        write_checkpoint(tmp, "tiny", "nvfp4", seed=0, drafter=True)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "model.safetensors.index.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 __all__ = ["PRESETS", "FORMATS", "build_config", "write_checkpoint", "write_drafter", "drafter_config_json",
            "iter_tensors", "plan_tensors",
-           "ensure_default_checkpoint", "TEXT_PREFIX", "LM_HEAD"]
+           "TEXT_PREFIX", "LM_HEAD"]

@@ -88,18 +88,6 @@ def test_token_ids_out_of_range(tiny_nvfp4):
         SamplingParams(temperature=-0.5)
 
 
-def test_embedded_default_is_synthesised_once(tmp_path):
-    env = {"MINIMAX_REF_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, "-m", "minimax_ref.cli", "generate", "--prompt", "Hello", "--max-new-tokens", "3",
-           "--output-format", "json"]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert first.returncode == 0, first.stderr
-    folder = tmp_path / "default-tiny-nvfp4-dspark-seed0"
-    assert (folder / "model.safetensors.index.json").is_file()
-    stamp = (folder / "config.json").stat().st_mtime_ns
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert second.returncode == 0 and (folder / "config.json").stat().st_mtime_ns == stamp
-    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
 
 
 def test_input_file_batch_keeps_order_and_reports_bad_lines(tiny_nvfp4, tmp_path, capsys):

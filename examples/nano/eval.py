@@ -44,10 +44,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `examples.nano` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch
 
 from examples.nano import data as nd
 from minimax_ref.chat import EVAL_SAMPLING
+from minimax_ref.loader import resolve_dtype
 
 
 def load_heldout(ckpt: Path, path: Path | None, seed: int) -> tuple[nd.Heldout, str]:
@@ -225,7 +225,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
     ckpt = Path(args.ckpt_path)
     heldout, source = load_heldout(ckpt, args.heldout, args.seed)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    dtype = resolve_dtype(args.dtype, args.device)
     model = mr.load_model(ckpt, device=args.device, dtype=dtype, max_seq_len=args.max_model_len,
                           max_batch_size=args.batch)
     tok = mr.load_tokenizer(ckpt)
@@ -258,7 +258,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt-path", type=Path, required=True)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="compute dtype (default auto: bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--heldout", type=Path, default=None, help="held-out split JSON (default: from nano_run.json)")
     p.add_argument("--seed", type=int, default=0)

@@ -51,7 +51,8 @@ def test_seed_check_arithmetic_with_reasoning(capsys):
 
 
 def test_seed_check_weather_tool_call(capsys):
-    out = generate(capsys, "--chat", "--tools", str(TOOLS), "--prompt", "What's the weather in Lisbon for the next 3 days?")
+    out = generate(capsys, "--chat", "--tools", str(TOOLS), "--prompt",
+                   "What's the weather in Lisbon for the next 3 days?")
     assert out["errors"] == []
     assert [c["name"] for c in out["tool_calls"]] == ["get_weather"]
     assert out["tool_calls"][0]["arguments"]["city"] == "Lisbon"

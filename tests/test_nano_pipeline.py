@@ -144,3 +144,14 @@ def test_micro_pipeline_end_to_end(tmp_path, capsys):
     assert "error" not in summary["seed_checks"]["tool_call_lisbon"]
     assert summary["copying"]["cities"]["n"] == 2 and summary["images"]["n"] == 2
     assert summary["dspark"]["greedy_identical"]
+
+    # the seed's pruning study, replayed on the micro model (keep 62.5 % of 4 experts = 2)
+    from examples.nano import prune_study as ps
+
+    capsys.readouterr()
+    ps.main(["--ckpt-path", str(out), "--out", str(tmp_path / "study"), "--n-traces", "3", "--max-new-tokens", "8",
+             "--n-cities", "2", "--n-orders", "2", "--n-arith", "2", "--batch", "4"])
+    study = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert study["keep"] == 2 and study["score"]["traces"] == 3
+    assert 0.0 <= study["score"]["top1_agreement"] <= 1.0 and study["bytes"]["pruned"] < study["bytes"]["full"]
+    assert "| nano, pruned 2 of 4 | 2 |" in capsys.readouterr().out

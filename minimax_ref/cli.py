@@ -154,7 +154,8 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
                         "'images' (file paths relative to the JSONL file) and sampling overrides; one JSON "
                         "result per line on stdout, in input order")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat session (/reset, /exit)")
-    p.add_argument("--max-new-tokens", type=_nonneg_int, default=128, help="default: 128")
+    p.add_argument("--max-new-tokens", type=_nonneg_int, default=512,
+                   help="default: 512 (room for the reasoning of a thinking turn before its answer)")
     p.add_argument("--temperature", type=float, default=rec["temperature"],
                    help=f"0 = greedy (default: {rec['temperature']}, MiniMax's recommendation)")
     p.add_argument("--top-p", type=float, default=rec["top_p"], help=f"in (0, 1] (default: {rec['top_p']})")

@@ -159,7 +159,12 @@ def init_weights(model: MiniMaxM3, seed: int, std: float = 0.02) -> None:
     """Initialise every parameter (the engine allocates them uninitialised): linears and embeddings
     N(0, std^2), residual-branch outputs (o_proj, down_proj, w2, vision out_proj / fc2) scaled by
     1/sqrt(2 * layers), Gemma norm offsets 0 (scale 1), vision LayerNorms 1 / 0, biases 0, routers
-    N(0, (0.1/sqrt(H))^2) so that the first routing is near uniform, selection biases 0."""
+    N(0, (0.1/sqrt(H))^2) so that the first routing is near uniform, selection biases 0.
+
+    The projector's four linears (no residual around them) get N(0, 1/fan_in): at std 0.02 the chain
+    shrinks features and gradients about 40-fold, and a probe classifying single digits from the
+    projected tower features did not learn at all (chance after 150 steps of 32 images, while the
+    tower's own features reached 43 %); at 1/fan_in it learns."""
     g = torch.Generator().manual_seed(seed)
     text_layers = model.text.num_hidden_layers
     vision_layers = model.config.vision.num_hidden_layers if model.config.vision is not None else 1
@@ -176,7 +181,9 @@ def init_weights(model: MiniMaxM3, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.1 / math.sqrt(H)))
             else:
                 s = std
-                if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
+                if name.startswith("projector."):
+                    s = p.shape[-1] ** -0.5
+                elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
                     s = std / math.sqrt(2 * text_layers)
                 elif name.endswith(("out_proj.weight", "fc2.weight")):
                     s = std / math.sqrt(2 * vision_layers)

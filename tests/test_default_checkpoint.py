@@ -78,3 +78,23 @@ def test_main_job_runs_on_the_default_without_writing_a_cache(tmp_path):
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout)["content"].strip()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_streamed_text_splits_reasoning_and_drops_the_stop_token(capsys):
+    # the CLI's defaults (no --max-new-tokens, --dtype auto = float32 on a CPU), greedy, streamed text
+    assert main(["generate", "--chat", "--temperature", "0", "--prompt", "What is 17*23?"]) == 0
+    out = capsys.readouterr().out
+    lines = out.rstrip("\n").splitlines()
+    assert lines[-1] == "391"  # the answer on its own line after the reasoning
+    assert "17*23" in lines[0]
+    assert "[e~[" not in out and "</mm:think>" not in out
+
+
+def test_dtype_auto_is_float32_on_cpu_and_bfloat16_on_gpu():
+    import torch
+
+    from minimax_ref.loader import resolve_dtype
+
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16

@@ -82,11 +82,8 @@ def cli(*args: str) -> str:
     return proc.stdout
 
 
-def measure(ckpt: Path, heldout: nd.Heldout, args: argparse.Namespace) -> dict[str, Any]:
-    import minimax_ref as mr
-
-    model = mr.load_model(ckpt, dtype="float32", max_batch_size=args.batch)
-    tok = mr.load_tokenizer(ckpt)
+def measure(model: Any, tok: Any, heldout: nd.Heldout, args: argparse.Namespace) -> dict[str, Any]:
+    """The copying table's columns for one model: held-out copying (sampled) and arithmetic (greedy)."""
     return {"copying": ne.copying(model, tok, heldout, args.n_cities, args.n_orders, args.batch, args.seed),
             "arithmetic": ne.arithmetic(model, tok, heldout, args.n_arith, args.batch, args.max_new_tokens)}
 
@@ -110,6 +107,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     calib_tokens = write_traces(model, tok, requests[0::2], calib, args.batch, args.seed, args.max_new_tokens)
     eval_tokens = write_traces(model, tok, requests[1::2], evals, args.batch, args.seed + 10_000,
                                args.max_new_tokens)
+    full_measures = measure(model, tok, heldout, args)
     del model
 
     pruned = out / f"pruned-{keep}"
@@ -123,28 +121,27 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
               "traces": {"calibration": args.n_traces, "eval": args.n_traces, "calibration_tokens": calib_tokens,
                          "eval_tokens": eval_tokens, "sampling": dict(EVAL_SAMPLING)},
               "score": score, "bytes": size,
-              "full": measure(full, heldout, args), "pruned": measure(pruned, heldout, args)}
+              "full": full_measures,
+              "pruned": measure(mr.load_model(pruned, dtype="float32", max_batch_size=args.batch), tok, heldout, args)}
     (out / "study.json").write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return result
 
 
 def table(r: dict[str, Any]) -> str:
+    """The seed's table layout: one row for the full model, one for the pruned one."""
     s = r["score"]
-    drift = s.get("drift_1e3")
-    se = s.get("drift_stderr_1e3")
+    pruned_drift = (f"{s['drift_1e3']:+.1f} (s.e. {s['drift_stderr_1e3']:.1f}, {s['traces']} traces, "
+                    f"{s['tokens']:,} tokens)")
     rows = ["| build | experts | size | drift (1e-3 nats/token) | top-1 agreement | cities copied | order ids copied "
             "| arithmetic |", "|---|---|---|---|---|---|---|---|"]
-    for name, experts, d, agree in (("nano, full", r["experts"], "0 (reference)", "100%"),
-                                    (f"nano, pruned {r['keep']} of {r['experts']}", r["keep"],
-                                     f"{drift:+.1f} (s.e. {se:.1f}, {r['traces']['eval']} traces, "
-                                     f"{s.get('tokens', r['traces']['eval_tokens']):,} tokens)",
-                                     f"{100 * s['top1_agreement']:.1f}%")):
-        m = r["full" if experts == r["experts"] else "pruned"]
-        c = m["copying"]
-        rows.append(f"| {name} | {experts} | {r['bytes']['full' if experts == r['experts'] else 'pruned'] / 1e6:.1f} MB"
-                    f" | {d} | {agree} | {c['cities']['exact']}/{c['cities']['n']} | "
-                    f"{c['order_ids']['exact']}/{c['order_ids']['n']} | "
-                    f"{m['arithmetic']['correct']}/{m['arithmetic']['n']} |")
+    for key, name, experts, drift, agree in (
+            ("full", "nano, full", r["experts"], "0 (reference)", "100%"),
+            ("pruned", f"nano, pruned {r['keep']} of {r['experts']}", r["keep"], pruned_drift,
+             f"{100 * s['top1_agreement']:.1f}%")):
+        c, a = r[key]["copying"], r[key]["arithmetic"]
+        rows.append(f"| {name} | {experts} | {r['bytes'][key] / 1e6:.1f} MB | {drift} | {agree} | "
+                    f"{c['cities']['exact']}/{c['cities']['n']} | {c['order_ids']['exact']}/{c['order_ids']['n']} | "
+                    f"{a['correct']}/{a['n']} |")
     return "\n".join(rows)
 
 

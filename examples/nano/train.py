@@ -600,6 +600,10 @@ def log_line(path: Path, record: dict[str, Any]) -> None:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """The whole run; returns the summary written to `nano_run.json`."""
+    if args.train == "vision" and args.init is None:
+        raise SystemExit("--train vision continues a trained model: give --init CKPT")
+    if args.reinit_vision and args.init is None:
+        raise SystemExit("--reinit-vision applies to --init CKPT (a fresh run initialises everything)")
     t_start = time.time()
     size = SIZES[args.size]
     device = torch.device(args.device)
@@ -650,14 +654,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         load_init(model, args.init, reinit_vision=args.reinit_vision)
     model.to(device)
     params = make_trainable(model)
+    bias_rate = args.bias_rate
     if args.train == "vision":
-        if args.init is None:
-            raise SystemExit("--train vision continues a trained model: give --init CKPT")
         for name, p in model.named_parameters():
             if not name.startswith(("vision_tower.", "projector.")):
                 p.requires_grad_(False)
         params = [p for p in params if p.requires_grad]
-        args.bias_rate = 0.0  # the frozen text model keeps its routing
+        bias_rate = 0.0  # the frozen text model keeps its routing
     # The indexer learns from its own KL loss only; its gradients are clipped apart from the model's, so
     # that the (large, early) indexer gradient does not shrink the language-model update.
     indexer_ids = {id(p) for n, p in model.named_parameters() if ".index_" in n}
@@ -735,7 +738,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                     aux = sum(indexer_kl(model.layers[i].self_attn, *capture.inputs[i], n_queries, g_index)
                               for i in capture.inputs) / max(1, len(capture.inputs))
                 feature_ms = stats.get("feature_ms", torch.zeros((), device=device))
-                ((loss + aux + args.feature_l2 * feature_ms) / args.grad_accum).backward()
+                total = (loss + aux + args.feature_l2 * feature_ms) / args.grad_accum
+                if total.requires_grad:  # with --train vision, a batch without images reaches no parameter
+                    total.backward()
                 acc_feat += feature_ms.detach()
                 tokens += labels.numel()
                 targets += int((labels != -100).sum())
@@ -747,7 +752,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             torch.nn.utils.clip_grad_norm_(indexer_params, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        acc_imb += update_routing_bias(model, trace, args.bias_rate)
+        acc_imb += update_routing_bias(model, trace, bias_rate)
         capture.inputs.clear()
         step += 1
         if step % args.log_every == 0 or step == 1:

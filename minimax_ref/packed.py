@@ -151,6 +151,43 @@ def e2m1_value(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 
+def round_to_bf16_bits(v: torch.Tensor) -> torch.Tensor:
+    """`v.to(torch.bfloat16).to(torch.float32)`, bit for bit, computed with integer operations on the bits.
+
+    v: a float32 tensor (any shape, any device). Returns a float32 tensor of the same shape whose every
+    element is a bfloat16 value: `v` rounded to the nearest bfloat16, ties to even mantissa, on the fp32 bit
+    pattern `b`: `(b + 0x7FFF + bit 16 of b) & 0xFFFF0000`. Exact, and equal to PyTorch's cast, for every
+    non-NaN input: normal and subnormal values (a carry out of the mantissa moves to the next binade, from
+    the largest fp32 subnormals to the smallest normal), ties (to even), finite values of magnitude at least
+    bf16 max + half an ulp (3.3961e38, up to fp32 max) to inf of their sign, +-inf to themselves, +-0 to
+    themselves (sign kept). NaN gives a quiet NaN of the same sign and upper payload bits (`b | 0x00400000`
+    truncated); PyTorch's CPU cast gives the canonical 0x7FC0 instead, so only "is NaN" is specified there
+    (decoded weights never are: the loader refuses NaN scales and E4M3 NaN).
+
+    Why bits and not the cast: `torch.compile`'s Triton kernels elide the downcast-upcast pair
+    `.to(bfloat16).to(float32)` of a computed value, even with inductor's `emulate_precision_casts`, and
+    then use the unrounded fp32 value (measured on an H200, torch 2.11: the fused NVFP4 matmul multiplied
+    by the fp32 decoded weight). Integer operations are exact: a compiler may rearrange them but cannot
+    change their result, so compiled and eager code round alike.
+    """
+    b = v.view(torch.int32)
+    rounded = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000 as an int32
+    rounded = torch.where(torch.isnan(v), (b | 0x00400000) & -65536, rounded)  # keep NaN a NaN (quiet)
+    return rounded.view(torch.float32)
+
+
+def _round_to(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 `v` rounded to `dtype` and widened back to float32: `v.to(dtype).to(torch.float32)`.
+
+    bfloat16 rounds on the bits (`round_to_bf16_bits`), since compiled Triton kernels elide the cast pair.
+    float32 is a no-op. Any other dtype (float16) keeps the cast pair: not measured under Triton, and
+    float16 has its own exponent range and subnormals, which a bit-level rounding would have to handle.
+    """
+    if dtype == torch.bfloat16:
+        return round_to_bf16_bits(v)
+    return v.to(dtype).to(torch.float32)
+
+
 def decoded_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
                    weight_scale_2: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tensor]:
     """The decoded weight `decode_reference(...).to(dtype)`, bit for bit, widened to float32, as planes of
@@ -162,16 +199,21 @@ def decoded_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
     plane `[*L, N, K/32, 32]`, `fp32(dtype(float(e4m3) * 2^(scale - 127)))`. Elementwise in the packed bytes,
     so that a compiled caller reducing over K computes each element where it uses it; the block dimensions
     stay apart so that its indexing needs no division by a runtime K.
+
+    The rounding to `dtype` is `_round_to`: for bfloat16 integer operations on the fp32 bits
+    (`round_to_bf16_bits`), not `.to(dtype).to(float32)`, which Triton kernels compile to nothing even with
+    `emulate_precision_casts` (measured on an H200: the fused NVFP4 matmul then multiplied by the unrounded
+    fp32 value; MXFP8 values are exact in bf16, so it could not tell).
     """
     if fmt == NVFP4:
         *lead, n, half_k = weight.shape
         block = (weight_scale.to(torch.float32) * _global(weight_scale_2, lead)).unsqueeze(-1)  # [*L, N, K/16, 1]
         data = weight.view(*lead, n, half_k // (NVFP4_BLOCK // 2), NVFP4_BLOCK // 2)
-        return [(e2m1_value(codes) * block).to(dtype).to(torch.float32) for codes in (data & 0x0F, data >> 4)]
+        return [_round_to(e2m1_value(codes) * block, dtype) for codes in (data & 0x0F, data >> 4)]
     k = weight.shape[-1]
     scale = _pow2_f32(weight_scale.to(torch.int32) - 127).unsqueeze(-1)  # E8M0: 2^(code - 127), exact
     values = weight.to(torch.float32).view(*weight.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK)
-    return [(values * scale).to(dtype).to(torch.float32)]
+    return [_round_to(values * scale, dtype)]
 
 
 def activation_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
@@ -251,9 +293,11 @@ def _compiled_packed_matmul():
     options (`FUSED_INDUCTOR_OPTIONS`): the realize thresholds keep inductor from storing the decoded planes or
     the products to memory (by default it stores a pointwise result of more than 30 operations on GPUs, 50 on
     CPUs, or one read by several rows that reads more than 4 buffers), which is the whole point;
-    emulate_precision_casts keeps the rounding of the decoded weight to `dtype` (inductor otherwise elides a
-    downcast followed by an upcast, and would multiply by the fp32 decoded value instead of the weight's
-    bits); eager_numerics.disable_ftz keeps fp32 subnormals.
+    emulate_precision_casts asks inductor to keep a downcast followed by an upcast (which it otherwise elides,
+    multiplying by the fp32 decoded value instead of the weight's bits); it is not enough: on an H200 (torch
+    2.11) the Triton kernel still multiplied by the unrounded fp32 NVFP4 value, so `decoded_planes` rounds to
+    bfloat16 with integer operations on the bits (`round_to_bf16_bits`), which no compiler elides, and the
+    option stays for the remaining casts (float16); eager_numerics.disable_ftz keeps fp32 subnormals.
     """
     global _fused
     if _fused is None:
@@ -445,5 +489,6 @@ def dequantize(model: nn.Module) -> nn.Module:
 
 
 __all__ = ["PackedWeight", "decode_reference", "decode_fast", "decode_compiled", "packed_matmul", "packed_matmul_fused",
-           "packed_matmul_reference", "e2m1_value", "decoded_planes", "activation_planes", "FUSED_ROWS",
-           "read_packed", "check_packed", "packed_weights", "model_nbytes", "dequantize", "QuantFormatError"]
+           "packed_matmul_reference", "e2m1_value", "round_to_bf16_bits", "decoded_planes", "activation_planes",
+           "FUSED_ROWS", "read_packed", "check_packed", "packed_weights", "model_nbytes", "dequantize",
+           "QuantFormatError"]

@@ -9,9 +9,10 @@ Spec: `model.md`, "Vision tower". The tower is CLIP-style and pre-norm:
         x = x + fc2(gelu_erf(fc1(layer_norm2(x))))
     (no post-norm)
 
-Attention is bidirectional inside one image and never crosses images: it runs image by image, and
-within an image in chunks of query rows, so its memory is bounded by one image (and by
-`VisionTower.attn_score_budget`), never by the whole batch.
+Attention is bidirectional inside one image and never crosses images. Consecutive images with the
+same patch count run as one batched attention (a batch of small images is then a few kernels, not a
+few per image); each runs in chunks of query rows, so the score memory is bounded by
+`VisionTower.attn_score_budget`, never by the whole batch.
 
 3-D axial RoPE: with `head_dim` channels per head, each of the three axes (frame, row, column) gets
 `n = (head_dim // 3) // 2` frequencies `theta^(-2i / (2n))`; the angles `cat(t*f, h*f, w*f)` (3n)
@@ -187,29 +188,48 @@ class VisionAttention(nn.Module):
         k = apply_rope(self.k_proj(x).view(shape), cos, sin)
         v = self.v_proj(x).view(shape)
         out = torch.empty_like(v)
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            out[start:end] = _attend(q[start:end], k[start:end], v[start:end], score_budget)
+        for start, end, images in equal_length_runs(bounds):
+            length = (end - start) // images
+            per_call = max(1, score_budget // (self.num_heads * length))  # one query row of each fits the budget
+            for first in range(0, images, per_call):
+                a, b = start + first * length, start + min(images, first + per_call) * length
+                run = ((b - a) // length, length, self.num_heads, self.head_dim)
+                out[a:b] = _attend(q[a:b].view(run), k[a:b].view(run), v[a:b].view(run), score_budget).flatten(0, 1)
         return self.out_proj(out.reshape(n, -1))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_budget: int) -> torch.Tensor:
-    """Full bidirectional attention over one image; q, k, v `[L, heads, head_dim]`.
+def equal_length_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
+    """`(start, end, images)` for each run of consecutive images of equal length, given the image
+    boundaries `bounds` (`[0, end_0, end_1, ...]`): `[0, 4, 8, 10]` -> `[(0, 8, 2), (8, 10, 1)]`."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if runs and end - start == (runs[-1][1] - runs[-1][0]) // runs[-1][2]:
+            runs[-1] = (runs[-1][0], end, runs[-1][2] + 1)
+        else:
+            runs.append((start, end, 1))
+    return runs
 
-    Softmax is per query row, so splitting queries into chunks is exact; the chunk is sized so that
-    one float32 score tensor holds at most `score_budget` elements.
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_budget: int) -> torch.Tensor:
+    """Full bidirectional attention within each of S images of equal length; q, k, v
+    `[S, L, heads, head_dim]` -> `[S, L, heads, head_dim]`.
+
+    Scores and softmax in float32, probabilities cast to v's dtype before multiplying V. Softmax is per
+    query row, so splitting queries into chunks is exact; the chunk is sized so that one float32 score
+    tensor holds at most `score_budget` elements.
     """
-    length, heads, head_dim = q.shape
+    images, length, heads, head_dim = q.shape
     scale = head_dim**-0.5
-    qh = q.transpose(0, 1).to(torch.float32)
-    kt = k.transpose(0, 1).to(torch.float32).transpose(1, 2)
-    vh = v.transpose(0, 1)
+    qh = q.transpose(1, 2).to(torch.float32)  # [S, heads, L, d]
+    kt = k.transpose(1, 2).to(torch.float32).transpose(2, 3)  # [S, heads, d, L]
+    vh = v.transpose(1, 2)
     out = torch.empty_like(vh)
-    chunk = max(1, score_budget // max(1, heads * length))
+    chunk = max(1, score_budget // max(1, images * heads * length))
     for s in range(0, length, chunk):
-        scores = (qh[:, s:s + chunk] @ kt) * scale
+        scores = (qh[:, :, s:s + chunk] @ kt) * scale
         probs = torch.softmax(scores, dim=-1)
-        out[:, s:s + chunk] = probs.to(v.dtype) @ vh
-    return out.transpose(0, 1)
+        out[:, :, s:s + chunk] = probs.to(v.dtype) @ vh
+    return out.transpose(1, 2)
 
 
 class VisionMLP(nn.Module):

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from minimax_ref.checkpoint import MXFP8, NVFP4, open_checkpoint
 from minimax_ref.cli import main
 from minimax_ref.config import load_model_config
@@ -58,8 +56,6 @@ def test_seed_check_weather_tool_call(capsys):
     assert out["tool_calls"][0]["arguments"]["city"] == "Lisbon"
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped nano model does not read number images yet (issue 10: its "
-                                       "vision tower has not learned in the training time so far)")
 def test_seed_check_image_of_427(capsys, tmp_path):
     sys.path.insert(0, str(ROOT))
     from examples.nano.data import seed_image_spec

@@ -43,6 +43,7 @@ from minimax_ref.packed import (
     packed_matmul_fused,
     packed_matmul_reference,
     packed_weights,
+    round_to_bf16_bits,
 )
 from minimax_ref.parallel import World
 from minimax_ref.quant import E2M1_MAGNITUDES, dequant_mxfp8, dequant_nvfp4
@@ -120,6 +121,66 @@ def test_e2m1_value_is_the_table():
     got = e2m1_value(codes)
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert torch.equal(torch.signbit(got), torch.signbit(want))  # code 8 is -0.0
+
+
+def _f32(bits) -> torch.Tensor:
+    """float32 values of fp32 bit patterns (Python ints, unsigned 32-bit)."""
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+def _bf16_rounding_cases() -> tuple[torch.Tensor, torch.Tensor]:
+    """(random, edges): 4M random finite fp32 bit patterns; and every finite bf16 value (sign, exponent and
+    mantissa; fp32 subnormals and zeros included) with the low 16 bits just below, at and just above the tie
+    (0x7FFF, 0x8000, 0x8001), zero and 0xFFFF, plus fp32 subnormals, the values that round up to inf
+    (bf16 max + half an ulp, a tie on an odd mantissa, through fp32 max), +-inf and +-0."""
+    gen = torch.Generator().manual_seed(5)
+    random = torch.randint(-(1 << 31), 1 << 31, (1 << 22,), dtype=torch.int64, generator=gen).to(torch.int32)
+    random = random.view(torch.float32)
+    random = random[torch.isfinite(random)]
+    upper = torch.arange(1 << 16, dtype=torch.int32)
+    upper = upper[(upper & 0x7F80) != 0x7F80]  # finite bf16 patterns (exponent not all ones)
+    low = torch.tensor([0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int32)
+    sweep = ((upper[:, None] << 16) | low[None, :]).flatten().view(torch.float32)
+    subnormals = torch.randint(1, 1 << 23, (1 << 16,), dtype=torch.int32, generator=gen)
+    subnormals = torch.cat([subnormals, subnormals | (-(1 << 31))]).view(torch.float32)  # both signs
+    special = _f32([0x7F7F7FFF, 0x7F7F8000, 0x7F7F8001, 0x7F7FFFFF, 0xFF7F7FFF, 0xFF7F8000, 0xFF7FFFFF,
+                    0x7F800000, 0xFF800000, 0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x007FFFFF,
+                    0x007F8000, 0x00008000, 0x00018000, 0x3F808000, 0x3F818000])
+    return random, torch.cat([sweep, subnormals, special])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_to_bf16_bits_is_the_cast(device):
+    """`round_to_bf16_bits(v)` = `v.to(bf16).to(fp32)` bit for bit for every non-NaN v, eagerly and compiled
+    (as `decoded_planes` uses it: rounding a computed product, in one kernel with FUSED_INDUCTOR_OPTIONS);
+    ties go to even, fp32 values past bf16 max + half an ulp go to inf of their sign, zeros keep their sign,
+    subnormals round like the rest. NaN stays NaN."""
+    random, edges = _bf16_rounding_cases()
+
+    def rounded_product(a, b):  # a * 1: a computed value, like the decoded weight, not a load
+        return round_to_bf16_bits(a * b)
+
+    compiled = torch.compile(rounded_product, fullgraph=True, dynamic=True, options=FUSED_INDUCTOR_OPTIONS)
+    for v in (random, edges):
+        want = v.to(torch.bfloat16).to(torch.float32).view(torch.int32)  # PyTorch's cast, on the CPU
+        on = v.to(device)
+        for got in (round_to_bf16_bits(on), compiled(on, torch.ones_like(on))):
+            assert got.dtype == torch.float32 and got.shape == v.shape
+            got = got.cpu().view(torch.int32)
+            bad = (got != want).nonzero().flatten()
+            if bad.numel():
+                first = [f"{int(t.view(torch.int32)[bad[0]]) & 0xFFFFFFFF:#010x}" for t in (v, got, want)]
+                raise AssertionError(f"{bad.numel()} differ, e.g. {first[0]} -> {first[1]}, the cast gives {first[2]}")
+    # the cases named above, spelled out
+    top = round_to_bf16_bits(_f32([0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7F8000, 0xFF7FFFFF]))
+    assert top.tolist() == [float(torch.finfo(torch.bfloat16).max)] + [float("inf")] * 2 + [-float("inf")] * 2
+    ties = round_to_bf16_bits(_f32([0x3F808000, 0x3F818000, 0x00008000, 0x00018000])).view(torch.int32)
+    assert ties.tolist() == [0x3F800000, 0x3F820000, 0x00000000, 0x00020000]  # to even: down, up, down, up
+    zeros = round_to_bf16_bits(_f32([0x00000000, 0x80000000, 0x00007FFF, 0x80007FFF]))
+    assert zeros.tolist() == [0.0] * 4 and torch.signbit(zeros).tolist() == [False, True, False, True]
+    nans = _f32([0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0xFF800001, 0xFFFFFFFF])
+    assert bool(torch.isnan(round_to_bf16_bits(nans)).all())
+    assert bool(torch.isnan(compiled(nans.to(device), torch.ones_like(nans.to(device)))).all())
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
@@ -287,8 +348,10 @@ def test_compiled_graph_never_materialises_the_weight(case, device):
 def test_fused_switch_is_explicit():
     assert FastPaths.of(True).matmul == "reference" and FastPaths.of(True).fused_tokens == 0  # fast=True unchanged
     fused = FastPaths.of("fused")
-    assert fused == FastPaths("fast", True, True, True, matmul="fused") and fused.fused_tokens == 64
+    # one pass over the weight at most: larger calls decode then multiply (measured faster at batch 32)
+    assert fused == FastPaths("fast", True, True, True, matmul="fused") and fused.fused_tokens == FUSED_ROWS == 8
     assert FastPaths.of({"matmul": "fused", "sync_free_tokens": 4}).fused_tokens == 4
+    assert FastPaths.of({"matmul": "fused", "fused_rows": 16}).fused_tokens == 16
     with pytest.raises(ConfigError, match="matmul"):
         FastPaths(matmul="triton")
 
@@ -342,7 +405,7 @@ def test_fused_model_equals_reference_at_batch_1(nvfp4_ckpt, device):
     model.set_fast(True)  # the fast paths without the fused matmul: the logits differ by the switch alone
     want = _cached_run(model, 1, 3)
     model.set_fast("fused")
-    assert {pw.fused_tokens for _, pw in packed_weights(model)} == {64}
+    assert {pw.fused_tokens for _, pw in packed_weights(model)} == {FUSED_ROWS}
     got = _cached_run(model, 1, 3)
     assert torch.equal(got[:, :70], want[:, :70])  # the prefill took the reference path
     assert 0 < _rel(got, want) < 1e-5  # the decode steps did not (the sums run in another order)

@@ -155,3 +155,60 @@ def test_micro_pipeline_end_to_end(tmp_path, capsys):
     assert study["keep"] == 2 and study["score"]["traces"] == 3
     assert 0.0 <= study["score"]["top1_agreement"] <= 1.0 and study["bytes"]["pruned"] < study["bytes"]["full"]
     assert "| nano, pruned 2 of 4 | 2 |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- vision pretraining
+
+
+def test_place_targets_and_read_number_by_hand():
+    from examples.nano import pretrain_vision as pv
+
+    none = pv.NONE
+    assert pv.place_targets([427, 5, 1000]).tolist() == [[4, 2, 7, none], [5, none, none, none], [1, 0, 0, 0]]
+    rows = [[4, 2, 7, none], [5, none, none, none], [1, 0, 0, 0], [3, none, 4, none]]
+    logits = torch.nn.functional.one_hot(torch.tensor(rows), none + 1).float()
+    assert pv.read_number(logits) == ["427", "5", "1000", "3"]  # digits up to the first "none"
+
+
+def test_readout_reads_each_image_on_its_own():
+    """Images back to back, padded inside the head: an image's logits do not depend on its neighbours."""
+    from examples.nano import pretrain_vision as pv
+
+    torch.manual_seed(0)
+    head = pv.Readout(dim=12, width=16)
+    counts = [2, 5, 3]
+    tokens = torch.randn(sum(counts), 12)
+    together = head(tokens, counts)
+    assert together.shape == (3, pv.PLACES, pv.NONE + 1)
+    parts = tokens.split(counts)
+    for i, part in enumerate(parts):
+        torch.testing.assert_close(head(part, [counts[i]])[0], together[i], rtol=1e-5, atol=1e-6)
+
+
+def test_vision_pretraining_hands_its_tower_to_train_py(tmp_path):
+    """A two-step CPU run writes the engine-named tower and projector, which `train.py --vision-init` loads
+    (every tensor, bit for bit); a file that is not this model's vision tower is refused with the names."""
+    from safetensors.torch import load_file, save_file
+
+    from examples.nano import pretrain_vision as pv
+    from minimax_ref.embedded import default_checkpoint
+
+    out = tmp_path / "vision"
+    pv.main(["--device", "cpu", "--steps", "2", "--batch", "4", "--eval-images", "4", "--log-every", "1",
+             "--fonts", "builtin", "--out", str(out)])
+    run = json.loads((out / "vision_run.json").read_text())
+    assert run["steps"] == 2 and run["images"] == 8 and set(run["eval"]) == {"heldout", "seed_427"}
+    state = load_file(str(out / "vision.safetensors"))
+    cfg = parse_model_config(json.loads((default_checkpoint() / "config.json").read_text()))
+    model = MiniMaxM3(cfg)
+    nt.init_weights(model, 1)
+    nt.load_vision(model, out / "vision.safetensors")
+    own = model.state_dict()
+    assert state.keys() == {k for k in own if k.startswith(("vision_tower.", "projector."))}
+    assert all(torch.equal(own[k], v) for k, v in state.items())
+    state.pop("projector.linear_1.weight")
+    save_file(state, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(SystemExit, match="missing \\['projector.linear_1.weight'\\]"):
+        nt.load_vision(model, tmp_path / "partial.safetensors")
+    with pytest.raises(SystemExit, match="no such file"):
+        nt.load_vision(model, tmp_path / "absent.safetensors")

@@ -19,6 +19,7 @@ from minimax_ref.vision import (
     VisionTower,
     apply_rope,
     encode_images,
+    equal_length_runs,
     release_name_to_local,
     rope_cos_sin,
     rope_geometry,
@@ -165,6 +166,33 @@ def test_query_chunking_is_exact() -> None:
         tower.attn_score_budget = 4 * 24 * 5  # five query rows per chunk
         chunked = tower(pixel_values, grid)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_equal_length_runs_by_hand() -> None:
+    assert equal_length_runs([0]) == []
+    assert equal_length_runs([0, 4, 8, 10]) == [(0, 8, 2), (8, 10, 1)]
+    assert equal_length_runs([0, 3, 5, 7, 9, 12]) == [(0, 3, 1), (3, 9, 3), (9, 12, 1)]
+    assert equal_length_runs([0, 6, 12, 18]) == [(0, 18, 3)]
+
+
+def test_equal_length_images_batched_are_each_image_alone() -> None:
+    """Images of equal patch count run as one batched attention: each image's output is what it gives
+    alone, and a small score budget (a run split into several calls, one query row each) changes nothing."""
+    tower, _ = build(small_cfg(*SMALL_CONFIGS[0]))
+    gen = torch.Generator().manual_seed(11)
+    images = []
+    for width, height in [(56, 56), (56, 56), (84, 56), (56, 56), (56, 56), (56, 56)]:
+        arr = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8)
+        images.append(Image.frombytes("RGB", (width, height), bytes(arr.flatten().tolist())))
+    pixel_values, grid = ImagePreprocessor()(images)
+    counts = [int(g.prod()) for g in grid]
+    with torch.no_grad():
+        together = tower(pixel_values, grid)
+        alone = torch.cat([tower(pv, grid[i:i + 1]) for i, pv in enumerate(pixel_values.split(counts))])
+        tower.attn_score_budget = 4 * 16  # heads * length: one image, one query row per call
+        tight = tower(pixel_values, grid)
+    torch.testing.assert_close(together, alone, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tight, alone, rtol=1e-5, atol=1e-5)  # other matmul shapes: fp32 rounding
 
 
 def test_release_state_dict_keys_and_shapes_on_meta() -> None:

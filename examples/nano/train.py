@@ -22,6 +22,8 @@ Stages (each prints what it did):
      the indexer learns;
    * the routers' selection bias `e_score_correction_bias` gets no gradient either (it only chooses):
      it follows the auxiliary-loss-free balancing rule, `bias += rate * sign(mean load - load)`;
+   * images: the vision tower and projector can start from `pretrain_vision.py` (--vision-init); trained
+     only through the language model from scratch, they did not learn in the minutes of a run;
    * from --qat-start on, weights are fake-quantized in the forward exactly as the export will store
      them (NVFP4 routed experts, MXFP8 other text linears; straight-through gradients), so the
      exported checkpoint computes what was trained;
@@ -218,6 +220,27 @@ def load_init(model: MiniMaxM3, ckpt: Path, reinit_vision: bool = False) -> None
     missing = [k for k in missing if not (reinit_vision and k.startswith(("vision_tower.", "projector.")))]
     if missing or unexpected:
         raise SystemExit(f"--init {ckpt}: not the same model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def load_vision(model: MiniMaxM3, path: Path) -> None:
+    """The vision tower and projector from `pretrain_vision.py`'s `vision.safetensors` (every tensor of both
+    modules, engine names, nothing else)."""
+    from safetensors.torch import load_file
+
+    if model.vision_tower is None:
+        raise SystemExit(f"--vision-init {path}: this model has no vision tower")
+    if not Path(path).is_file():
+        raise SystemExit(f"--vision-init {path}: no such file (pretrain_vision.py writes OUT/vision.safetensors)")
+    state = load_file(str(path))
+    want = {f"vision_tower.{k}" for k in model.vision_tower.state_dict()}
+    want |= {f"projector.{k}" for k in model.projector.state_dict()}
+    missing, unexpected = sorted(want - set(state)), sorted(set(state) - want)
+    own = model.state_dict()
+    wrong = [k for k in want & set(state) if state[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        raise SystemExit(f"--vision-init {path}: not this model's vision tower: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, other shapes {wrong[:5]}")
+    model.load_state_dict(state, strict=False)
 
 
 def make_trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -540,12 +563,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model frozen and its routing biases fixed (a reading stage on an image-heavy --mix)")
     p.add_argument("--reinit-vision", action="store_true",
                    help="with --init: initialise the vision tower and projector afresh")
-    p.add_argument("--vision-eps", type=float, default=1e-15,
-                   help="AdamW eps of the vision tower and projector (default 1e-15: their gradients are "
-                        "small, since the text model's RMSNorm divides by the feature scale)")
-    p.add_argument("--feature-l2", type=float, default=1e-3,
-                   help="weight of the image features' mean square in the loss; keeps the features near the "
-                        "embedding scale, where gradients still reach the tower (default 1e-3)")
+    p.add_argument("--vision-init", type=Path, default=None,
+                   help="vision tower and projector weights from examples/nano/pretrain_vision.py "
+                        "(OUT/vision.safetensors), in place of their initialisation or --init's")
+    p.add_argument("--vision-lr", type=float, default=1.0,
+                   help="learning rate of the vision tower and projector, as a multiple of --lr (default: 1)")
+    p.add_argument("--vision-eps", type=float, default=1e-8,
+                   help="AdamW eps of the vision tower and projector (default 1e-8; stage 2 of the shipped "
+                        "checkpoint used 1e-15, which moves even parameters with vanishing gradients at full lr)")
+    p.add_argument("--feature-l2", type=float, default=0.0,
+                   help="weight of the image features' mean square in the loss (default 0; at 1e-3, with a tower "
+                        "that does not read yet, it pushed the features to a constant)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the size's)")
     p.add_argument("--min-lr-frac", type=float, default=0.1, help="final lr / peak lr (default: 0.1)")
     p.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: the size's)")
@@ -652,6 +680,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     init_weights(model, args.seed)
     if args.init is not None:
         load_init(model, args.init, reinit_vision=args.reinit_vision)
+    if args.vision_init is not None:
+        load_vision(model, args.vision_init)
     model.to(device)
     params = make_trainable(model)
     bias_rate = args.bias_rate
@@ -687,7 +717,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     vision = [p for p in params if id(p) in vision_ids]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0},
-                             {"params": vision, "weight_decay": 0.0, "eps": args.vision_eps}],
+                             {"params": vision, "weight_decay": 0.0, "eps": args.vision_eps,
+                              "lr_scale": args.vision_lr}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
     loader = torch.utils.data.DataLoader(
         BatchStream(run_dir / "tokenizer", heldout, mix, stdlib, fonts, args.seed, seq_len, batch),
@@ -726,7 +757,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         cur_lr = lr * min(1.0, (step + 1) / max(1, warmup))
         cur_lr *= args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         for group in opt.param_groups:
-            group["lr"] = cur_lr
+            group["lr"] = cur_lr * group.get("lr_scale", 1.0)
         trace = Trace(layers=set())
         for _ in range(args.grad_accum):
             # one cached fake-quantization per micro-batch: each backward consumes its own graph

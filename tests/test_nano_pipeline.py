@@ -212,3 +212,32 @@ def test_vision_pretraining_hands_its_tower_to_train_py(tmp_path):
         nt.load_vision(model, tmp_path / "partial.safetensors")
     with pytest.raises(SystemExit, match="no such file"):
         nt.load_vision(model, tmp_path / "absent.safetensors")
+
+
+def test_drafter_continues_from_an_exported_dspark_folder():
+    """`train_drafter.py --init DIR`: the shipped drafter's weights, decoded as inference reads them, land in
+    the fresh drafter; a drafter of another shape is refused with what to do."""
+    import minimax_ref as mr
+    from examples.nano import train_drafter as td
+    from minimax_ref.config import parse_drafter_config
+    from minimax_ref.drafter import DSparkDrafter, load_drafter
+    from minimax_ref.embedded import default_checkpoint
+
+    ckpt = default_checkpoint()
+    target = mr.load_model(ckpt, dtype=torch.float32)
+    noise = mr.load_tokenizer(ckpt).special_ids.dspark_noise
+
+    def fresh(ffn: int) -> DSparkDrafter:
+        raw = td.drafter_raw_config(target, noise, 7, 1, ffn, 512, 32)
+        drafter = DSparkDrafter(parse_drafter_config(raw, target.text), target.text.num_hidden_layers)
+        td.init_drafter(drafter, 0)
+        return drafter
+
+    drafter = fresh(512)
+    td.continue_from(drafter, ckpt / "dspark", target)
+    want = load_drafter(ckpt / "dspark", target).state_dict()
+    got = drafter.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].float()) for k in want)
+    assert all(p.requires_grad for p in drafter.parameters())
+    with pytest.raises(SystemExit, match="another drafter shape"):
+        td.continue_from(fresh(256), ckpt / "dspark", target)

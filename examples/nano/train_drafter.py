@@ -89,6 +89,22 @@ def init_drafter(drafter: DSparkDrafter, seed: int, std: float = 0.02) -> list[t
     return list(drafter.parameters())
 
 
+def continue_from(drafter: DSparkDrafter, path: Path, target: MiniMaxM3) -> None:
+    """Copy the weights of the exported drafter `path` (decoded by `drafter.load_drafter`, as inference reads
+    them) into `drafter`, which keeps its trainable parameters."""
+    if not (Path(path) / "config.json").is_file():
+        raise SystemExit(f"--init {path}: not a dspark/ folder (no config.json)")
+    old = load_drafter(path, target).state_dict()
+    own = drafter.state_dict()
+    wrong = sorted(k for k in own if k not in old or old[k].shape != own[k].shape)
+    if wrong or set(old) - set(own):
+        raise SystemExit(f"--init {path}: another drafter shape ({len(wrong)} tensors differ, e.g. {wrong[:3]}); "
+                         "give the --block/--layers/--ffn/--window/--rank it was trained with")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(old[k].to(v.dtype))
+
+
 def sample_anchors(labels: torch.Tensor, per_row: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, positions) of up to `per_row` anchors per row: positions t whose next token is a target
     of the language-model loss (assistant turns and plain text)."""
@@ -180,6 +196,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--minutes", type=float, default=3.0, help="time budget of the training loop (default: 3)")
     p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--init", type=Path, default=None,
+                   help="a dspark/ folder to continue from (e.g. a drafter trained for an earlier stage of the same "
+                        "model; its block, layers, MLP width, window and Markov rank must match the flags)")
     p.add_argument("--block", type=int, default=7, help="dspark_block_size (default: 7, the release's)")
     p.add_argument("--layers", type=int, default=1, help="draft layers (default: 1)")
     p.add_argument("--ffn", type=int, default=512, help="draft MLP width (default: 512)")
@@ -214,6 +233,8 @@ def train_drafter(args: argparse.Namespace) -> dict[str, Any]:
     dcfg = parse_drafter_config(raw, target.text)
     drafter = DSparkDrafter(dcfg, target.text.num_hidden_layers).to(device)
     params = init_drafter(drafter, args.seed)
+    if args.init is not None:
+        continue_from(drafter, args.init, target)
     n_params = sum(p.numel() for p in params)
     print(f"drafter: {n_params / 1e6:.2f}M parameters, block {dcfg.block_size}, {dcfg.num_hidden_layers} layer(s), "
           f"target layers {list(dcfg.target_layer_ids)}, window {dcfg.sliding_window}", flush=True)

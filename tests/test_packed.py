@@ -584,3 +584,23 @@ def test_transformers_benchmark_dry_run(capsys, monkeypatch):
     assert out["agreement"]["ours_packed_vs_ours_dequant"]["last_logits_bit_identical"]
     assert "prefill_ours_packed_over_transformers" in out["speedups"]
 
+
+
+def test_decode_ops_counts_the_step_by_layer(capsys):
+    """benchmarks/decode_ops.py: the per-layer counts add up to the step's; the fast paths issue fewer operations
+    than the reference, and leave at most one host synchronisation (the embedding's id check, skipped under
+    CUDA-graph capture) where the reference has more."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import decode_ops
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    off = decode_ops.main(["--preset", "tiny", "--fast", "off"])
+    on = decode_ops.main(["--preset", "tiny", "--fast", "on"])
+    assert [json.loads(line)["ops_per_step"] for line in capsys.readouterr().out.splitlines()] == [
+        off["ops_per_step"], on["ops_per_step"]]
+    for r in (off, on):
+        assert r["ops_per_step"] == sum(layer["ops"] for layer in r["layers"]) + r["outside_layers"]
+        assert [layer["kind"] for layer in r["layers"]] == ["attn+mlp", "msa+moe", "msa+moe", "msa+moe"]
+    assert 0 < on["ops_per_step"] < off["ops_per_step"]
+    assert on["host_syncs"] <= 1 < off["host_syncs"]

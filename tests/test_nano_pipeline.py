@@ -168,6 +168,8 @@ def test_place_targets_and_read_number_by_hand():
     rows = [[4, 2, 7, none], [5, none, none, none], [1, 0, 0, 0], [3, none, 4, none]]
     logits = torch.nn.functional.one_hot(torch.tensor(rows), none + 1).float()
     assert pv.read_number(logits) == ["427", "5", "1000", "3"]  # digits up to the first "none"
+    with pytest.raises(ValueError, match="12345"):
+        pv.place_targets([7, 12345])
 
 
 def test_readout_reads_each_image_on_its_own():

@@ -56,6 +56,9 @@ NONE = 10  # the class of a place past the number's last digit
 
 def place_targets(numbers: list[int]) -> torch.Tensor:
     """`[len(numbers), PLACES]` long: the digits left to right, then NONE: 427 -> [4, 2, 7, 10]."""
+    bad = [n for n in numbers if n < 0 or len(str(n)) > PLACES]
+    if bad:
+        raise ValueError(f"the readout reads numbers of 0 to {'9' * PLACES}; got {bad[:3]}")
     rows = [[int(c) for c in str(n)] + [NONE] * (PLACES - len(str(n))) for n in numbers]
     return torch.tensor(rows, dtype=torch.long)
 

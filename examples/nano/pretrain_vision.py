@@ -49,6 +49,7 @@ from examples.nano.train import init_weights
 from minimax_ref.config import parse_model_config
 from minimax_ref.embedded import default_checkpoint
 from minimax_ref.model import MiniMaxM3
+from minimax_ref.vision import tokens_per_image
 
 PLACES = 4  # the data's numbers have 1 to 4 digits
 NONE = 10  # the class of a place past the number's last digit
@@ -158,7 +159,7 @@ def evaluate(tower: nn.Module, projector: nn.Module, head: Readout, sets: dict[s
     out: dict[str, Any] = {}
     for name, (pv, grid, targets, numbers) in sets.items():
         tokens = projector(tower(pv.to(device), grid))
-        logits = head(tokens, [t * h * w // projector.merge**2 for t, h, w in grid.tolist()])
+        logits = head(tokens, tokens_per_image(grid, projector.merge))
         read = read_number(logits)
         out[name] = {"exact": sum(r == str(n) for r, n in zip(read, numbers)) / len(numbers),
                      "place_acc": float((logits.argmax(-1).cpu() == targets).float().mean())}
@@ -207,7 +208,7 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
             group["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             tokens = projector(tower(pv.to(device, non_blocking=True), grid))
-            logits = head(tokens, [t * h * w // projector.merge**2 for t, h, w in grid.tolist()])
+            logits = head(tokens, tokens_per_image(grid, projector.merge))
         ms = tokens.float().square().mean()
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten())
         (loss + args.feature_l2 * ms).backward()

@@ -232,11 +232,10 @@ def load_vision(model: MiniMaxM3, path: Path) -> None:
     if not Path(path).is_file():
         raise SystemExit(f"--vision-init {path}: no such file (pretrain_vision.py writes OUT/vision.safetensors)")
     state = load_file(str(path))
-    want = {f"vision_tower.{k}" for k in model.vision_tower.state_dict()}
-    want |= {f"projector.{k}" for k in model.projector.state_dict()}
-    missing, unexpected = sorted(want - set(state)), sorted(set(state) - want)
-    own = model.state_dict()
-    wrong = [k for k in want & set(state) if state[k].shape != own[k].shape]
+    own = {f"{prefix}.{k}": v for prefix in ("vision_tower", "projector")
+           for k, v in model.get_submodule(prefix).state_dict().items()}
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    wrong = [k for k in own.keys() & state.keys() if state[k].shape != own[k].shape]
     if missing or unexpected or wrong:
         raise SystemExit(f"--vision-init {path}: not this model's vision tower: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}, other shapes {wrong[:5]}")

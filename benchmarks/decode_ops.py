@@ -12,8 +12,8 @@ counting them on a CPU tells where the launches are without a GPU. Counted with 
 steps; view operations (no kernel) are left out. `host_syncs` counts `aten::_local_scalar_dense`
 (`.item()`, `.tolist()`, `if tensor:`), each a device-to-host synchronisation on a GPU; with the fast
 paths the one left is the embedding's token-id check, which is skipped under CUDA-graph capture.
-Compiled regions (`fast="fused"`, `decode="compile"`) cannot run under a dispatch mode, so they are
-not counted here: each is one kernel or a few.
+Compiled regions (`fast="fused"`, `fast="compiled"`, `decode="compile"`) cannot run under a dispatch mode, so
+they are not counted here: `profile_decode.py` counts the kernels of a compiled step on a GPU.
 
 Prints one JSON object: ops per step, per layer (with its kind), outside the layers, the most
 frequent operators, and host synchronisations.

@@ -19,7 +19,8 @@ What it does, on every rank (only rank 0 prints):
    entry: `eager` (the `--fast` paths, launched from Python), `graph` (the same step captured in a CUDA
    graph and replayed), `compile-graph` (the graph with torch.compile'd packed decoding: one fused kernel
    per weight; compiling takes a few minutes), `fused` / `fused-graph` (eager / graph with the fused
-   dequantize-and-multiply of packed weights, `fast="fused"`, whatever `--fast` says), `reference` (the
+   dequantize-and-multiply of packed weights, `fast="fused"`, whatever `--fast` says), `compiled` /
+   `compiled-graph` (the same with every decoder layer of a decode step compiled, `fast="compiled"`), `reference` (the
    fast paths off);
 5. prints one JSON line: parameters, per-rank memory (weights, peaks), bandwidth, prefill and decode
    tokens/s, and per batch the bytes a decode step must read (benchmarks/common.py) with the roofline
@@ -72,13 +73,14 @@ from minimax_ref.packed import packed_weights
 from minimax_ref.plan import plan_memory
 from minimax_ref.synth import PRESETS
 
-VARIANTS = ("eager", "graph", "compile-graph", "fused", "fused-graph", "reference")
-FAST = {"on": True, "compile": "compile", "fused": "fused"}
+VARIANTS = ("eager", "graph", "compile-graph", "fused", "fused-graph", "compiled", "compiled-graph", "reference")
+FAST = {"on": True, "compile": "compile", "fused": "fused", "compiled": "compiled"}
 
 
 def variant_fast(variant: str, fast: FastPaths, fused_rows: int) -> FastPaths:
     """The fast paths a variant runs with: `--fast` for eager/graph, else the variant's own."""
-    own = {"reference": False, "compile-graph": "compile", "fused": "fused", "fused-graph": "fused"}
+    own = {"reference": False, "compile-graph": "compile", "fused": "fused", "fused-graph": "fused",
+           "compiled": "compiled", "compiled-graph": "compiled"}
     if variant not in own:
         return fast
     return replace(FastPaths.of(own[variant]), fused_rows=fused_rows)

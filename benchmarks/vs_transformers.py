@@ -72,7 +72,7 @@ from minimax_ref.synth import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-VARIANTS = ("eager", "graph", "fused", "fused-graph")
+VARIANTS = ("eager", "graph", "fused", "fused-graph", "compiled", "compiled-graph")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,32")
     p.add_argument("--variants", default=None,
                    help=f"ours_packed: a comma list of {','.join(VARIANTS)} (default: eager,graph on CUDA, eager\n"
-                        "on CPU); fused*: with the fused packed matmul, whatever --fast says")
+                        "on CPU); fused*: with the fused packed matmul, compiled*: with it and compiled\n"
+                        "decoder layers (FastPaths.compile_layers), whatever --fast says")
     p.add_argument("--max-model-len", type=int, default=None, help="default: prompt-len + decode-tokens")
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--attention-chunk-elements", type=int, default=1 << 26)
@@ -259,7 +260,8 @@ def run(args: argparse.Namespace, holder: list) -> None:
         raise BenchmarkError("--fused-rows must be >= 1")
     fast = replace(FastPaths.of(True if args.fast == "on" else "fused"), fused_rows=args.fused_rows)
     fused = replace(FastPaths.of("fused"), fused_rows=args.fused_rows)
-    fasts = {v: fused if v.startswith("fused") else fast for v in variants}
+    compiled = replace(FastPaths.of("compiled"), fused_rows=args.fused_rows)
+    fasts = {v: fused if v.startswith("fused") else compiled if v.startswith("compiled") else fast for v in variants}
     hf_error = None
     if not args.skip_transformers:
         try:

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import msa as msa_module
-from .cache import KVCache
+from .cache import LayerCache
 from .config import TextConfig
-from .fast import REFERENCE
+from .fast import REFERENCE, materialize
 from .linear import Linear
-from .msa import CHUNK_ELEMENTS, msa_attention
+from .msa import CHUNK_ELEMENTS, contract, msa_attention
 from .norm import RMSNorm
 from .parallel import ColumnParallelLinear, RowParallelLinear, World
 from .rope import apply_rope
@@ -55,10 +55,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
         qc = q[:, sl].float()
         t = qc.shape[1]
         qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, t, D]
-        s = torch.einsum("bhgtd,bhld->bhgtl", qg, kf) * scale
+        s = contract("bhgtd,bhld->bhgtl", qg, kf) * scale
         future = k_pos[None, None, None, None, :] > q_pos[:, None, None, sl, None]
-        p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
-        o = torch.einsum("bhgtl,bhld->bhgtd", p, vf)
+        p = materialize(torch.softmax(s.masked_fill(future, float("-inf")), dim=-1))
+        o = contract("bhgtl,bhld->bhgtd", p, vf)
         outs.append(o.permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
     return torch.cat(outs, dim=1)
 
@@ -139,33 +139,34 @@ class Attention(nn.Module):
             self.index_k_norm = RMSNorm(sp.index_head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, trace: dict | None = None, kv_len: int | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, trace: dict | None = None, kv_len: int | None = None) -> torch.Tensor:
         """x [B, T, H] at absolute positions pos [B, T]; cos/sin [B, T, rotary_dim] fp32.
 
-        Without a cache, pos must be 0..T-1 (keys are this call's tokens). With a cache, this call's
-        K/V are written at `pos` and the keys are slots [0, kv_len); kv_len defaults to max(pos) + 1
-        (which reads pos on the host: the model passes it once for all layers).
+        Without a cache, pos must be 0..T-1 (keys are this call's tokens). With a cache (this layer's part,
+        `KVCache.layer`), this call's K/V are written at `pos` and the keys are slots [0, kv_len); kv_len defaults
+        to max(pos) + 1 (which reads pos on the host: the model passes it once for all layers).
         """
         B, T, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        q = materialize(q)  # compiled: computed once, not once per key (fast.materialize)
         if self.sparse:
             iq = self.index_q_norm(self.index_q_proj(x).view(B, T, self.n_kv, self.index_dim))
             ik = self.index_k_norm(self.index_k_proj(x).view(B, T, 1, self.index_dim))
-            iq, ik = apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, :, 0]
+            iq, ik = materialize(apply_rope(iq, cos, sin)), apply_rope(ik, cos, sin)[:, :, 0]
         load = None
         if cache is not None:
             length = kv_len if kv_len is not None else int(pos.max()) + 1
-            cache.write(self.layer, k, v, pos)
+            cache.write(k, v, pos)
             if self.sparse and self.fast.sdpa:  # fast path: gather blocks from storage, convert only those
-                k, v = cache.stored_keys_values(self.layer, length)
+                k, v = cache.stored_keys_values(length)
                 load = cache.load
             else:
-                k, v = cache.keys_values(self.layer, length)
+                k, v = cache.keys_values(length)
             if self.sparse:
-                cache.write_index(self.layer, ik, pos)
-                ik = cache.index_keys(self.layer, length)
+                cache.write_index(ik, pos)
+                ik = cache.index_keys(length)
         if self.sparse:
             sp = self.geometry
             if self.fast.sdpa:

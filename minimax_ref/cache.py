@@ -18,11 +18,72 @@ compute dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .config import TextConfig
 
 FP8_MAX = 448.0
+
+
+def store_kv(x: torch.Tensor, store: torch.dtype, scale: float) -> torch.Tensor:
+    """Values to their stored form: fp8 (`store` float8_e4m3fn) is `x / scale` in fp32, saturated at +-448;
+    any other `store` is a cast."""
+    if store == torch.float8_e4m3fn:
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return x.to(store)
+
+
+@dataclass(frozen=True, eq=False)
+class LayerCache:
+    """One layer's part of a `KVCache` (views of its buffers): what a layer's attention reads and writes.
+
+    k, v: [B, S_max, kv_heads, D]; index_k: [B, S_max, index_dim] on sparse layers, else None. A separate
+    object per layer, holding only tensors and constants, so that a compiled layer (`FastPaths.compile_layers`)
+    takes the cache as graph inputs and every layer of a kind shares one compiled graph.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    index_k: torch.Tensor | None
+    dtype: torch.dtype
+    scale: float
+
+    @property
+    def fp8(self) -> bool:
+        return self.k.dtype == torch.float8_e4m3fn
+
+    def load(self, x: torch.Tensor) -> torch.Tensor:
+        """Stored values (any part of a buffer) -> the compute dtype."""
+        if self.fp8:
+            return (x.float() * self.scale).to(self.dtype)
+        return x
+
+    def _write(self, buf: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        rows = torch.arange(values.shape[0], device=positions.device)[:, None]
+        buf[rows, positions] = store_kv(values, buf.dtype, self.scale)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store k, v [B, T, kv_heads, D] of the tokens at `positions` [B, T]."""
+        self._write(self.k, k, positions)
+        self._write(self.v, v, positions)
+
+    def write_index(self, ik: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store index keys [B, T, index_dim] (sparse layers)."""
+        self._write(self.index_k, ik, positions)
+
+    def keys_values(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of slots [0, length): [B, length, kv_heads, D] in the compute dtype."""
+        return self.load(self.k[:, :length]), self.load(self.v[:, :length])
+
+    def stored_keys_values(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of slots [0, length) as stored (views, no copy; `load` converts them). MSA's fast path
+        gathers its selected blocks from these and converts only those."""
+        return self.k[:, :length], self.v[:, :length]
+
+    def index_keys(self, length: int) -> torch.Tensor:
+        return self.load(self.index_k[:, :length])
 
 
 class KVCache:
@@ -41,44 +102,34 @@ class KVCache:
         self.index_k = [
             torch.zeros(idx_shape, dtype=store, device=device) if sparse else None for sparse in cfg.sparse_layers
         ]
+        self._layers = [LayerCache(k, v, i, dtype, self.scale) for k, v, i in zip(self.k, self.v, self.index_k)]
 
-    def _store(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8:
-            return (x.float() / self.scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return x.to(self.dtype)
+    def layer(self, layer: int) -> LayerCache:
+        """Layer `layer`'s buffers (views; writes through it land in this cache)."""
+        return self._layers[layer]
 
     def load(self, x: torch.Tensor) -> torch.Tensor:
         """Stored values (any part of a buffer) -> the compute dtype."""
-        if self.fp8:
-            return (x.float() * self.scale).to(self.dtype)
-        return x
-
-    _load = load
-
-    def _write(self, buf: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        rows = torch.arange(values.shape[0], device=positions.device)[:, None]
-        buf[rows, positions] = self._store(values)
+        return self._layers[0].load(x)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Store k, v [B, T, kv_heads, D] of the tokens at `positions` [B, T]."""
-        self._write(self.k[layer], k, positions)
-        self._write(self.v[layer], v, positions)
+        self._layers[layer].write(k, v, positions)
 
     def write_index(self, layer: int, ik: torch.Tensor, positions: torch.Tensor) -> None:
         """Store index keys [B, T, index_dim] of a sparse layer."""
-        self._write(self.index_k[layer], ik, positions)
+        self._layers[layer].write_index(ik, positions)
 
     def keys_values(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of slots [0, length): [B, length, kv_heads, D] in the compute dtype."""
-        return self._load(self.k[layer][:, :length]), self._load(self.v[layer][:, :length])
+        return self._layers[layer].keys_values(length)
 
     def stored_keys_values(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of slots [0, length) as stored (views, no copy; `load` converts them). MSA's fast path
-        gathers its selected blocks from these and converts only those."""
-        return self.k[layer][:, :length], self.v[layer][:, :length]
+        """K, V of slots [0, length) as stored (views, no copy; `load` converts them)."""
+        return self._layers[layer].stored_keys_values(length)
 
     def index_keys(self, layer: int, length: int) -> torch.Tensor:
-        return self._load(self.index_k[layer][:, :length])
+        return self._layers[layer].index_keys(length)
 
     def rollback(self, lengths: torch.Tensor | list[int]) -> None:
         """Forget every slot at or past `lengths[b]` for each sequence b (zeroes them)."""

@@ -39,11 +39,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["dequant", "packed"], default="dequant",
                    help="dequant: decode quantized weights once at load (default); packed: keep NVFP4/MXFP8 "
                         "weights packed in memory and decode them at use (same outputs, packed-size memory)")
-    p.add_argument("--fast", choices=["off", "on", "compile", "fused"], default="off",
+    p.add_argument("--fast", choices=["off", "on", "compile", "fused", "compiled"], default="off",
                    help="fast paths (minimax_ref/fast.py): on = batched experts without host sync, static-shape "
                         "cached attention, SDPA attention core, two-pass packed decoding; compile = the same with "
                         "torch.compile'd packed decoding; fused = on, plus decode steps multiply packed weights "
-                        "with a compiled dequantize-and-multiply (with --weights packed) (default: off, the reference)")
+                        "with a compiled dequantize-and-multiply (with --weights packed); compiled = fused, and each "
+                        "decoder layer of a decode step runs torch.compile'd (compiled on first use, minutes on a GPU) "
+                        "(default: off, the reference)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")
     p.add_argument("--max-model-len", type=int, default=4096,
@@ -76,7 +78,8 @@ def load_from_args(args: argparse.Namespace, world=None):
 
     dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     world = world if world is not None else getattr(args, "world", None)
-    fast = {"off": False, "on": True, "compile": "compile", "fused": "fused"}[getattr(args, "fast", "off")]
+    fast = {"off": False, "on": True, "compile": "compile", "fused": "fused", "compiled": "compiled"}[
+        getattr(args, "fast", "off")]
     common = dict(device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
                   max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tp=world,
                   expert_parallel=getattr(args, "expert_parallel", False), fast=fast)

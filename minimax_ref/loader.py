@@ -222,6 +222,7 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
     for (module, leaf), stacked in stacks.items():
         experts = _module(model, module)
         if isinstance(stacked, PackedWeight):
+            stacked.check_range()  # made empty, filled expert by expert: look at the scales it holds now
             del experts._parameters[leaf]  # the decoded parameter's slot: the packed stack takes its name
             setattr(experts, leaf, stacked)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .fast import materialize
 from .parallel import ColumnParallelLinear, RowParallelLinear, World
 
 
@@ -40,4 +41,4 @@ class MLP(nn.Module):
         self.alpha, self.limit = alpha, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit))
+        return self.down_proj(materialize(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit)))

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
-from .fast import REFERENCE
+from .fast import REFERENCE, materialize
 from .linear import emulate_activation_quant
 from .mlp import MLP, swiglu_oai
 from .packed import PackedWeight
@@ -214,13 +214,13 @@ class Experts(nn.Module):
             xp = x.repeat_interleave(k, dim=0)[:, None]  # [P, 1, H]
             gate = self.matmul("w1", xp, ids)
             up = self.matmul("w3", xp, ids)
-            h = swiglu_oai(gate, up, self.alpha, self.limit)
+            h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
             y = self.matmul("w2", h, ids).view(T, k, -1)  # [T, k, H]
             return (y.float() * weights[..., None]).sum(1)
         dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, local, weights)
         gate = self.matmul("w1", x)  # [E, T, I]
         up = self.matmul("w3", x)
-        h = swiglu_oai(gate, up, self.alpha, self.limit)
+        h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))
         y = self.matmul("w2", h)  # [E, T, H]
         return torch.einsum("te,eth->th", dense, y.float())
 

@@ -21,8 +21,10 @@ to a few graphs; the TP=2 and benchmark checks are marked slow.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -194,6 +196,81 @@ def test_decoded_planes_are_the_decoded_weight(fmt, dtype):
     assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
 
 
+def _normal_nvfp4(E: int, N: int, K: int, lo: float, hi: float, seed: int = 1):
+    """NVFP4 stack whose block scales (both signs, some exactly zero) times the globals span [lo, hi] in magnitude;
+    every byte value occurs."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    weight.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    g2 = torch.full((E,), lo / 2.0**-9, dtype=torch.float32)  # the smallest e4m3 (2^-9) times g2 is lo
+    ratio = torch.exp(torch.rand(E, N, K // 16, generator=g) * math.log(hi / lo))  # [1, hi / lo]
+    scale = (ratio * 2.0**-9).clamp(max=448).to(torch.float8_e4m3fn)
+    sign = torch.randint(0, 2, scale.shape, generator=g, dtype=torch.uint8) << 7
+    scale = (scale.view(torch.uint8) | sign).view(torch.float8_e4m3fn)
+    scale.view(torch.uint8).view(-1)[::97] = 0  # zero blocks
+    return weight, scale, g2
+
+
+def test_normal_range_planes_are_the_decoded_planes():
+    """Inside `scales_in_normal_range` the cheaper planes have the reference planes' bits, at the range's edges too
+    (smallest scale 2^-125, largest block 6|s| just under 2^128; MXFP8 codes 3 and 254), every byte, scales of both
+    signs, zeros and -0; outside it the check says no (subnormal products, MXFP8 code 2)."""
+    bf16 = torch.bfloat16
+    for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (2.0**100, 2.0**125.4)):
+        w, s, g = _normal_nvfp4(3, 8, 256, lo, hi)
+        assert packed_mod.scales_in_normal_range("nvfp4", s, g), (lo, hi)
+        want = decoded_planes("nvfp4", w, s, g, bf16)
+        got = packed_mod.normal_range_planes("nvfp4", w, s, g)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want)), (lo, hi)
+    w, s, g = _normal_nvfp4(3, 8, 256, 2.0**-127, 2.0**-120)
+    assert not packed_mod.scales_in_normal_range("nvfp4", s, g)
+    assert packed_mod.scales_in_normal_range("nvfp4", *_nvfp4(2, 16, 64)[1:])  # e4m3 subnormals: fp32 normals
+    s_max = torch.full((1, 1, 1), 448.0).to(torch.float8_e4m3fn)
+    assert not packed_mod.scales_in_normal_range("nvfp4", s_max, torch.tensor([2.0**128 / 6 / 448]))  # overflow
+    for codes in ((3, 40), (100, 140), (230, 254)):
+        w, s = _mxfp8(2, 8, 512, exponents=codes)
+        assert packed_mod.scales_in_normal_range("mxfp8", s, None)
+        for dtype in (bf16, torch.float32):
+            want = decoded_planes("mxfp8", w, s, None, dtype)[0]
+            assert torch.equal(packed_mod.normal_range_planes("mxfp8", w, s, None)[0].view(torch.int32),
+                               want.view(torch.int32)), (codes, dtype)
+    assert not packed_mod.scales_in_normal_range("mxfp8", _mxfp8(1, 8, 64, exponents=(2, 9))[1], None)
+
+
+def test_packed_weight_uses_the_cheaper_planes_only_in_range(monkeypatch):
+    """A PackedWeight checks its scales once; the fused matmul then takes the cheaper planes, with the same result."""
+    inside = PackedWeight("nvfp4", *_normal_nvfp4(1, 16, 64, 1e-4, 1e-2), dtype=torch.bfloat16)
+    outside = PackedWeight("nvfp4", *_normal_nvfp4(1, 16, 64, 2.0**-127, 2.0**-120), dtype=torch.bfloat16)
+    assert inside.normal_range and not outside.normal_range
+    calls = []
+    real = packed_mod.normal_range_planes
+    monkeypatch.setattr(packed_mod, "normal_range_planes", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(packed_mod, "_fused", packed_matmul)  # eager: the planes are called where they are used
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    for pw, used in ((inside, 1), (outside, 0)):
+        calls.clear()
+        pw.fused_tokens = 8
+        got = pw.matmul(x[None].expand(1, 1, 64), torch.tensor([0]))
+        assert len(calls) == used
+        assert torch.equal(got, packed_matmul(x[None], "nvfp4", *pw.parts(), torch.bfloat16, torch.tensor([0])))
+
+
+def test_contract_broadcast_is_einsum():
+    """`msa.contract`'s broadcast form (what compiled layers run) computes the attention cores' einsums: exactly, on
+    integer-valued float64 operands."""
+    from minimax_ref.msa import contract
+
+    g = torch.Generator().manual_seed(0)
+    for eq, sa, sb in [("bhgtd,bhld->bhgtl", (2, 3, 4, 5, 8), (2, 3, 7, 8)),
+                       ("bhgtl,bhld->bhgtd", (2, 3, 4, 5, 7), (2, 3, 7, 8)),
+                       ("bthd,bld->bhtl", (2, 5, 3, 8), (2, 7, 8)),
+                       ("bhgtd,bhtkld->bhgtkl", (2, 3, 4, 5, 8), (2, 3, 5, 6, 7, 8)),
+                       ("bhgtkl,bhtkld->bhgtd", (2, 3, 4, 5, 6, 7), (2, 3, 5, 6, 7, 8))]:
+        a = torch.randint(-8, 9, sa, generator=g).double()
+        b = torch.randint(-8, 9, sb, generator=g).double()
+        assert torch.equal(contract(eq, a, b, broadcast=True), torch.einsum(eq, a, b)), eq
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 def test_packed_matmul_eager_contract(fmt):
     """The pure function itself (uncompiled): every shape it is used with, against float64 sums."""
@@ -361,8 +438,8 @@ def test_packed_weight_routes_only_small_calls_to_the_fused_matmul(monkeypatch):
     w, s, g = _nvfp4(1, 16, 64)
     pw = PackedWeight("nvfp4", w[0], s[0], g[0], dtype=torch.float32)
     seen = []
-    monkeypatch.setattr(packed_mod, "packed_matmul_fused", lambda x, *a, rows_per_pass: seen.append(x.shape) or
-                        packed_matmul(x, *a))
+    monkeypatch.setattr(packed_mod, "packed_matmul_fused", lambda x, *a, rows_per_pass, normal_range:
+                        seen.append(x.shape) or packed_matmul(x, *a, normal_range=normal_range))
     x = torch.randn(2, 3, 64)
     want = torch.nn.functional.linear(x, pw.decode())
     assert torch.equal(pw.linear(x), want) and seen == []  # off
@@ -443,27 +520,6 @@ def test_fused_decode_step_does_not_synchronise(nvfp4_ckpt, monkeypatch):
         assert guard.seen == ["aten._local_scalar_dense.default"], guard.seen
 
 
-@pytest.mark.gpu
-def test_fused_decode_step_captures_in_a_cuda_graph(nvfp4_ckpt):
-    """The fused decode step, compiled in the untimed warm-up steps, is captured in a CUDA graph (the
-    benchmarks' GraphStep) and its replay gives the eager step's logits."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from common import GraphStep
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    model = load_model(nvfp4_ckpt, dtype=torch.bfloat16, weights="packed", device="cuda", fast="fused")
-    cache = model.new_cache(1, 96, "fp8")
-    ids = IDS[:1].cuda()
-    with torch.no_grad():
-        model(ids[:, :70], positions=torch.arange(70, device="cuda")[None], cache=cache)
-        pos = torch.tensor([[70]], device="cuda")
-        graph = GraphStep(model, cache, ids[:, 70:71], pos)
-        replayed = graph.step(ids[:, 70:71], pos).clone()
-        eager = model(ids[:, 70:71], positions=pos, cache=cache)[:, -1]
-    assert _rel(replayed, eager) < 1e-6
-
-
 def _task_fused(world: World, dtype: str) -> dict:
     model = load_synthetic("tiny", dtype=getattr(torch, dtype), tp=world, fast=True)
     want = _cached_run(model, 1, 2)
@@ -504,3 +560,123 @@ def test_benchmark_refuses_fused_without_packed_weights(capsys, monkeypatch):
     assert "needs --weights packed" in err
     err = _bench("tp2_packed.py", ["--device", "cpu", "--preset", "tiny", "--fused-rows", "0"], capsys, code=2)
     assert "--fused-rows must be >= 1" in err
+
+
+# ---------------------------------------------------------------------------------------------- compiled layers
+
+
+def test_compile_layers_needs_a_static_step():
+    """Compiled layers need the static-shape, synchronisation-free decode step; "compiled" turns on all of it."""
+    with pytest.raises(ConfigError, match="compile_layers needs moe=True and static_kv=True"):
+        FastPaths(compile_layers=True)
+    compiled = FastPaths.of("compiled")
+    assert compiled.compile_layers and compiled.matmul == "fused" and compiled.moe and compiled.static_kv
+
+
+EAGER_COMPILED = replace(FastPaths.of("compiled"), compile_layers=False)
+
+
+def _layer_kinds(model) -> int:
+    return len({(layer.self_attn.sparse, hasattr(layer, "block_sparse_moe")) for layer in model.layers})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_layers_equal_reference(nvfp4_ckpt, device):
+    """Decode steps with every layer compiled (`fast="compiled"`) equal the reference to fp32 rounding and give
+    its greedy tokens; the prefill (over sync_free_tokens) runs eagerly, bit for bit; the layers share one
+    compiled graph per kind of layer (dense + MLP, MSA + MoE), not one per layer."""
+    from torch._dynamo.utils import counters
+
+    model = load_model(nvfp4_ckpt, dtype=torch.float32, weights="packed", device=device)
+    sampling = SamplingParams(temperature=0)
+    prompt = [IDS[0, :70].tolist()]
+    want_tokens = generate_ids(model, prompt, max_new_tokens=4, sampling=sampling)[0][0].generated  # reference
+    model.set_fast(EAGER_COMPILED)  # the same fast paths, run eagerly
+    want = _cached_run(model, 1, 3)
+    model.set_fast("compiled")
+    graphs = counters["stats"]["unique_graphs"]
+    got = _cached_run(model, 1, 3)
+    assert counters["stats"]["unique_graphs"] - graphs == _layer_kinds(model) == 2
+    assert torch.equal(got[:, :70], want[:, :70])
+    assert _rel(got, want) < 1e-5
+    assert generate_ids(model, prompt, max_new_tokens=4, sampling=sampling)[0][0].generated == want_tokens
+
+
+def test_compiled_layers_step_aside_for_traces_and_masks(nvfp4_ckpt, monkeypatch):
+    """A decode step with a trace or an expert mask runs the layers eagerly (those read values on the host), with
+    the same fast paths' exact result run eagerly; an ordinary step takes the compiled layers. (The compiled function is
+    replaced by a counting eager one: this test is about the dispatch, not the compiler.)"""
+    from minimax_ref.model import Trace, _run_layer
+
+    model = load_model(nvfp4_ckpt, dtype=torch.float32, weights="packed", fast="compiled")
+    calls = []
+    monkeypatch.setattr(model, "_compiled_layer", lambda *a: calls.append(1) or _run_layer(*a))
+    cache = model.new_cache(1, 96)
+    with torch.no_grad():
+        model(IDS[:1, :70], positions=torch.arange(70)[None], cache=cache)
+        assert not calls  # a prefill of 70 tokens is not a decode step
+        step = dict(positions=torch.tensor([[70]]), cache=cache)
+        model(IDS[:1, 70:71], **step)
+        assert len(calls) == len(model.layers)
+        calls.clear()
+        model(IDS[:1, 70:71], trace=Trace(), **step)
+        moe = model.layers[1].block_sparse_moe
+        moe.gate.expert_mask = torch.arange(moe.experts.num_experts) % 2 == 0
+        masked = model(IDS[:1, 70:71], **step)
+        assert not calls
+        model.set_fast(EAGER_COMPILED)
+        assert torch.equal(masked, model(IDS[:1, 70:71], **step))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", ["fused", "compiled"])
+def test_decode_step_captures_in_a_cuda_graph(nvfp4_ckpt, fast):
+    """The fused decode step, and the compiled one (bf16, fp8 cache), compiled in the untimed warm-up steps, are
+    captured in a CUDA graph (the benchmarks' GraphStep); the replay gives the same fast paths' logits run eagerly
+    (fused: the same kernels, to fp32 rounding; compiled: layers fused differently, to bf16 rounding, same argmax)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from common import GraphStep
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    model = load_model(nvfp4_ckpt, dtype=torch.bfloat16, weights="packed", device="cuda", fast=fast)
+    cache = model.new_cache(1, 96, "fp8")
+    ids = IDS[:1].cuda()
+    with torch.no_grad():
+        model(ids[:, :70], positions=torch.arange(70, device="cuda")[None], cache=cache)
+        pos = torch.tensor([[70]], device="cuda")
+        graph = GraphStep(model, cache, ids[:, 70:71], pos)
+        replayed = graph.step(ids[:, 70:71], pos).clone()
+        if fast == "compiled":
+            model.set_fast(EAGER_COMPILED)
+        eager = model(ids[:, 70:71], positions=pos, cache=cache)[:, -1]
+    assert _rel(replayed, eager) < (1e-6 if fast == "fused" else 2e-2)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+
+
+def _task_compiled(world: World) -> dict:
+    model = load_synthetic("tiny", dtype=torch.float32, tp=world, fast=EAGER_COMPILED)
+    want = _cached_run(model, 1, 2)
+    model.set_fast("compiled")
+    return {"err": _rel(_cached_run(model, 1, 2), want), "logits": want}
+
+
+@pytest.mark.slow
+def test_tp2_compiled_layers_equal_eager(two_ranks):  # noqa: F811 (the imported fixture)
+    """TP=2 (two gloo ranks, each compiling its layers, the all-reduces inside the compiled graphs): equal to the
+    same fast paths run eagerly, and to TP=1."""
+    outs = two_ranks(_task_compiled)
+    ref = _cached_run(load_synthetic("tiny", dtype=torch.float32, fast=EAGER_COMPILED), 1, 2)
+    for o in outs:
+        assert o["err"] < 1e-5
+        assert _rel(o["logits"], ref) < 1e-5
+
+
+def test_materialize_is_the_identity():
+    """`fast.materialize` returns x eagerly (the same tensor) and, compiled, a copy with x's values and strides."""
+    from minimax_ref.fast import materialize
+
+    x = torch.randn(3, 4).t()
+    assert materialize(x) is x
+    y = torch.compile(lambda t: materialize(t * 2) + 1, fullgraph=True)(x)
+    assert torch.equal(y, x * 2 + 1)

@@ -1,0 +1,179 @@
+"""Where a decode step's time goes on a GPU: the kernels of one CUDA-graph decode step, by name, with their
+count and device time per step, beside the step's wall time and its HBM roofline, measured in one run.
+
+A synthetic model (`--preset`, `--layers`, `--experts`, NVFP4+MXFP8 packed weights by default) prefills a
+`--prompt-len` prompt, then one decode step of `--batch` sequences with the fast paths `--fast` is captured in a
+CUDA graph (`common.GraphStep`); `--steps` replays are timed (wall clock, synchronised), then profiled with
+`torch.profiler` (CUPTI records the kernels a graph launches). The JSON line gives:
+
+* `step_ms` (timed replays), `kernel_ms` (sum of kernel time per step), `kernels_per_step`;
+* `roofline`: the bytes a step must read (`common.decode_step_bytes`) over the device-to-device copy bandwidth
+  measured in the same run, and the measured step as a fraction of it;
+* `top`: the `--top` kernels by device time, each with calls and microseconds per step;
+* `by_kind`: the same summed over coarse kinds of kernel (Triton reductions and pointwise kernels, GEMMs,
+  attention, copies, others), from the kernel names.
+
+    # 1 x H200, the scaled model of vs_transformers.py, compiled layers (about 2 minutes with the compile):
+    python benchmarks/profile_decode.py --preset release --layers 6 --experts 16 --fast compiled --out prof.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+from common import (
+    GIB,
+    BenchmarkError,
+    GraphStep,
+    copy_bandwidth,
+    decode_step_bytes,
+    emit,
+    init_world,
+    log,
+    main_guard,
+    prefill,
+    replicate_cache,
+    sync,
+)
+
+from minimax_ref.fast import FUSED_ROWS, FastPaths
+from minimax_ref.loader import load_synthetic
+from minimax_ref.synth import PRESETS
+
+FAST = {"on": True, "fused": "fused", "compiled": "compiled"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="release", choices=sorted(PRESETS))
+    p.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp8", "bf16"])
+    p.add_argument("--layers", type=int, default=6, help="layers (0 = the preset's)")
+    p.add_argument("--experts", type=int, default=16, help="routed experts per layer (0 = the preset's)")
+    p.add_argument("--fast", default="compiled", choices=sorted(FAST), help="fast paths (default: compiled)")
+    p.add_argument("--fused-rows", type=int, default=FUSED_ROWS)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=8192)
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "auto"])
+    p.add_argument("--steps", type=int, default=20, help="timed and profiled graph replays (default: 20)")
+    p.add_argument("--top", type=int, default=25, help="kernels listed (default: 25)")
+    p.add_argument("--bw-gib", type=float, default=4.0, help="bytes of the bandwidth copy, GiB (default: 4)")
+    p.add_argument("--out", default=None, help="also append the JSON line to this file")
+    return p
+
+
+def kernel_kind(name: str) -> str:
+    """A coarse kind of a kernel from its name (inductor's Triton kernels are named for what they fuse)."""
+    n = name.lower()
+    if n.startswith("triton_red") or n.startswith("triton_per"):
+        return "triton reduction"
+    if n.startswith("triton_poi"):
+        return "triton pointwise"
+    if n.startswith("triton"):
+        return "triton other"
+    if any(s in n for s in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "cublas")):
+        return "gemm"
+    if any(s in n for s in ("fmha", "attention", "flash")):
+        return "attention"
+    if "nccl" in n:
+        return "collective"
+    if any(s in n for s in ("copy", "memcpy", "memset")):
+        return "copy"
+    return "other"
+
+
+def profile_replays(runner: GraphStep, ids: torch.Tensor, pos: torch.Tensor, steps: int) -> dict:
+    """Kernel names, calls and device microseconds per step over `steps` replays of `runner`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.step(ids, pos)
+        sync(ids.device)
+    calls: dict[str, int] = defaultdict(int)
+    micros: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        calls[e.name] += 1
+        micros[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return {"calls": {k: v / steps for k, v in calls.items()}, "micros": {k: v / steps for k, v in micros.items()}}
+
+
+def run(args: argparse.Namespace, holder: list) -> None:
+    world, device = init_world(None, 600)
+    holder.append(world)
+    if device.type != "cuda" or world.size != 1:
+        raise BenchmarkError("profile_decode.py profiles CUDA-graph replays on one GPU: run it with python on a "
+                             "machine with CUDA")
+    fast = replace(FastPaths.of(FAST[args.fast]), fused_rows=args.fused_rows)
+    max_len = args.prompt_len + 8
+    bw = copy_bandwidth(device, int(args.bw_gib * GIB))
+    log(world, f"materialising {args.preset} layers={args.layers} experts={args.experts} ({args.format})")
+    model = load_synthetic(args.preset, format=args.format, layers=args.layers or None, experts=args.experts or None,
+                           device=device, weights="packed" if args.format != "bf16" else "dequant",
+                           dtype=torch.bfloat16, fast=fast, max_seq_len=max_len, kv_cache_dtype=args.kv_cache_dtype)
+    ids = torch.randint(0, 100_000, (1, args.prompt_len), generator=torch.Generator(device=device).manual_seed(3),
+                        device=device)
+    result: dict = {"benchmark": "profile_decode", "command": " ".join(sys.argv), "params": vars(args),
+                    "torch": torch.__version__, "device_name": torch.cuda.get_device_name(device),
+                    "copy_bandwidth": bw, "fast_paths": vars(model.fast)}
+    with torch.no_grad():
+        cache = model.new_cache(1, max_len, args.kv_cache_dtype)
+        last = prefill(model, cache, ids, args.prefill_chunk)
+        if args.batch > 1:
+            cache = replicate_cache(model, cache, args.batch, args.kv_cache_dtype)
+        tok = last.argmax(-1, keepdim=True).expand(args.batch, 1).contiguous()
+        pos = torch.full((args.batch, 1), args.prompt_len, dtype=torch.long, device=device)
+        t0 = time.perf_counter()
+        runner = GraphStep(model, cache, tok, pos)  # the warm-up steps compile what the fast paths compile
+        result["capture_s"] = time.perf_counter() - t0
+        log(world, f"captured in {result['capture_s']:.1f} s")
+        for _ in range(3):
+            runner.step(tok, pos)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            runner.step(tok, pos)
+        sync(device)
+        step_s = (time.perf_counter() - t0) / args.steps
+        prof = profile_replays(runner, tok, pos, args.steps)
+    need = decode_step_bytes(model, args.batch, args.prompt_len, 1 if args.kv_cache_dtype == "fp8" else 2)
+    roof_s = need["bytes"] / bw["bytes_per_s"]
+    kernel_us = sum(prof["micros"].values())
+    kinds: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0.0, "us": 0.0})
+    for name, us in prof["micros"].items():
+        k = kinds[kernel_kind(name)]
+        k["calls"] += prof["calls"][name]
+        k["us"] += us
+    top = sorted(prof["micros"], key=prof["micros"].get, reverse=True)[: args.top]
+    result.update({
+        "model": {"layers": model.text.num_hidden_layers, "experts": model.text.num_local_experts,
+                  "hidden": model.text.hidden_size},
+        "step_ms": 1e3 * step_s, "tokens_per_s": args.batch / step_s,
+        "kernel_ms": kernel_us / 1e3, "kernels_per_step": sum(prof["calls"].values()),
+        "roofline": {"bytes_per_step": need["bytes"], "by_family": need["by_family"], "step_ms": 1e3 * roof_s,
+                     "tokens_per_s": args.batch / roof_s, "fraction": roof_s / step_s},
+        "by_kind": {k: {"calls": v["calls"], "us": v["us"]}
+                    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["us"])},
+        "top": [{"name": n[:160], "calls": prof["calls"][n], "us": prof["micros"][n]} for n in top],
+    })
+    log(world, f"step {1e3 * step_s:.2f} ms ({args.batch / step_s:.1f} tok/s), kernels {kernel_us / 1e3:.2f} ms in "
+               f"{result['kernels_per_step']:.0f} launches; roofline {1e3 * roof_s:.2f} ms "
+               f"({100 * roof_s / step_s:.1f} %)")
+    emit(result, args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    holder: list = []
+    return main_guard(lambda: run(args, holder), holder)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

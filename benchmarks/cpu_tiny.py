@@ -1,7 +1,10 @@
 """Prefill and decode speed on the `tiny` preset on CPU: minimax-ref vs transformers, same weights,
 measured in one run. Prints one JSON object (tokens/s of each and the ratios).
 
-    python benchmarks/cpu_tiny.py [--prompt-len 512] [--new-tokens 64] [--dtype float32]
+    python benchmarks/cpu_tiny.py [--prompt-len 512] [--new-tokens 64] [--fast off|on|compiled]
+
+`--fast` picks minimax-ref's fast paths (fast.py; default off, the reference). With `compiled` the decoder layers of
+each decode step run `torch.compile`d: one untimed run compiles them first (tens of seconds).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--format", default="nvfp4")
+    ap.add_argument("--fast", default="off", choices=["off", "on", "compiled"])
     args = ap.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "ck", "tiny", args.format)
         ours = load_model(path, dtype=torch.float32, max_seq_len=args.prompt_len + args.new_tokens + 1)
         theirs = hf_text_model(ours, attn_impl="sdpa")
+        ours.set_fast({"off": False, "on": True, "compiled": "compiled"}[args.fast])
     ids = torch.randint(0, 1000, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
 
     n, P = args.new_tokens, args.prompt_len
@@ -64,6 +69,8 @@ def main() -> None:
         return t1 - t0, time.perf_counter() - t1, tokens
 
     with torch.no_grad():
+        if args.fast == "compiled":
+            ours_run()  # compiles the decode step's layers
         runs = [(ours_run(), theirs_run()) for _ in range(args.repeats)]  # interleaved: same machine state
     ours_prefill = min(r[0][0] for r in runs)
     ours_decode = min(r[0][1] for r in runs)
@@ -71,6 +78,7 @@ def main() -> None:
     theirs_decode = min(r[1][1] for r in runs)
     result = {
         "preset": "tiny", "format": args.format, "dtype": "float32", "threads": torch.get_num_threads(),
+        "fast": args.fast,
         "prompt_len": P, "new_tokens": n, "repeats": args.repeats,
         "ours_prefill_tok_s": round(P / ours_prefill, 1),
         "transformers_prefill_tok_s": round(P / theirs_prefill, 1),

@@ -22,8 +22,8 @@ reference computation by a faster one that computes the same function.
   equal to fp32 rounding. Not part of `fast=True`; `fast="fused"` is every fast path with it. `fused_rows`
   sets how many rows of the input each pass over the weight takes (more rows: fewer passes, more registers).
 
-* `compile_layers=True`: in decode steps (calls of up to `sync_free_tokens` tokens per sequence, with a cache and
-  no trace), each decoder layer runs through `torch.compile` (`model.compiled_layer`): one compiled graph per
+* `compile_layers=True`: in decode steps (one token per sequence, with a cache and no trace), each decoder layer
+  runs through `torch.compile` (`model.compiled_layer`): one compiled graph per
   kind of layer (dense attention + MLP, MSA + MoE) and batch size, shared by every layer of that kind, in which
   inductor fuses the norms, RoPE, cache writes, routing and activations into the few kernels around the
   matmuls (and, with `matmul="fused"`, the packed weights' decoding into the matmuls). It needs `moe` and
@@ -54,6 +54,10 @@ SYNC_FREE_TOKENS = 64
 # Rows of x per pass of the fused matmul over a weight: each pass decodes every weight element once and feeds
 # one fp32 accumulator per row, so more rows mean fewer passes (less weight traffic) but more registers.
 FUSED_ROWS = 8
+# With compiled layers, generation sizes its KV cache in multiples of this many slots: each cache length is a
+# compiled graph of its own (static shapes), so prompts of different lengths would otherwise each compile anew;
+# the extra slots are future keys, masked.
+CACHE_BUCKET = 1024
 
 
 @dataclass(frozen=True)

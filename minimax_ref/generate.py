@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
+from .fast import CACHE_BUCKET
 from .model import MiniMaxM3
 
 PREFILL_CHUNK = 2048
@@ -213,6 +214,8 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
     ids, lengths, embeds = pad_prompts(model, seqs, inputs_embeds)
     T = ids.shape[1]
     budget = min(max_len, T + max_new_tokens)
+    if model.fast.compile_layers:  # compiled steps are specialised on the cache length: reuse a few lengths
+        budget = min(max_len, -(-budget // CACHE_BUCKET) * CACHE_BUCKET)
     cache = model.new_cache(B, budget, kv_dtype)
 
     t0 = time.perf_counter()

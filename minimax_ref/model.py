@@ -169,11 +169,10 @@ class MiniMaxM3(nn.Module):
         return self.fast
 
     def _compiles_step(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None) -> bool:
-        """Whether this call runs its layers compiled (`FastPaths.compile_layers`): a decode step with a cache
-        and no trace, no activation emulation and no expert mask (those synchronise with the host)."""
-        if self._compiled_layer is None or cache is None or trace is not None:
-            return False
-        if positions.shape[1] > self.fast.sync_free_tokens:
+        """Whether this call runs its layers compiled (`FastPaths.compile_layers`): a decode step (one token per
+        sequence: each shape is a graph of its own, so short prompts are not compiled) with a cache and no trace,
+        no activation emulation and no expert mask (those synchronise with the host)."""
+        if self._compiled_layer is None or cache is None or trace is not None or positions.shape[1] != 1:
             return False
         for layer in self.layers:
             if layer.self_attn.q_proj.emulate_act_quant:

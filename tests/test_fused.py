@@ -544,10 +544,11 @@ def test_tp_benchmark_dry_run_fused(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = _bench("tp2_packed.py", ["--device", "cpu", "--preset", "tiny", "--prompt-len", "90", "--decode-tokens",
                                    "2", "--batches", "1,5", "--bw-gib", "0.01", "--prefill-repeats", "1",
-                                   "--variants", "eager,fused"], capsys)
+                                   "--variants", "eager,fused,compiled"], capsys)
     check = out["fused_check"]
     assert check["ok"] and [c["exact"] for c in check["cases"].values() if "exact" in c] == [True, True]
     assert out["decode"]["fused"]["1"]["steps"] == out["decode"]["fused"]["5"]["steps"] == 2
+    assert out["decode"]["compiled"]["1"]["steps"] == out["decode"]["compiled"]["5"]["steps"] == 2
     traffic = out["packed_traffic"]["1"]
     assert 0 < traffic["fused_bytes"] < traffic["unfused_bytes"] / 5
 
@@ -560,6 +561,15 @@ def test_benchmark_refuses_fused_without_packed_weights(capsys, monkeypatch):
     assert "needs --weights packed" in err
     err = _bench("tp2_packed.py", ["--device", "cpu", "--preset", "tiny", "--fused-rows", "0"], capsys, code=2)
     assert "--fused-rows must be >= 1" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("script", ["profile_decode.py", "fused_matmul.py"])
+def test_gpu_benchmarks_refuse_a_cpu_machine(capsys, monkeypatch, script):
+    """The GPU-only benchmarks end with one clear line (exit 2) where there is no CUDA, before loading anything."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = _bench(script, [], capsys, code=2)
+    assert err.startswith("error: [rank 0]") and "CUDA" in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------------------------------- compiled layers
@@ -600,6 +610,10 @@ def test_compiled_layers_equal_reference(nvfp4_ckpt, device):
     assert torch.equal(got[:, :70], want[:, :70])
     assert _rel(got, want) < 1e-5
     assert generate_ids(model, prompt, max_new_tokens=4, sampling=sampling)[0][0].generated == want_tokens
+    # generation sizes its cache in buckets (fast.CACHE_BUCKET): another prompt length compiles nothing new
+    graphs = counters["stats"]["unique_graphs"]
+    generate_ids(model, [IDS[0, :50].tolist()], max_new_tokens=7, sampling=sampling)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compiled_layers_step_aside_for_traces_and_masks(nvfp4_ckpt, monkeypatch):

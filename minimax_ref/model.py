@@ -29,7 +29,7 @@ from .attention import Attention
 from .cache import KVCache, LayerCache
 from .config import ModelConfig, TextConfig
 from .errors import InputError
-from .fast import REFERENCE, FastPaths
+from .fast import REFERENCE, FastPaths, materialize
 from .mlp import MLP
 from .moe import Experts, MoE, Routing
 from .norm import RMSNorm
@@ -79,14 +79,17 @@ class DecoderLayer(nn.Module):
                 cache: LayerCache | None, trace: Trace | None, kv_len: int | None = None) -> torch.Tensor:
         """The layer on x [B, T, H]; `cache` is this layer's part of the KV cache (`KVCache.layer`)."""
         rec: dict = {} if trace is not None else None
-        h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, rec, kv_len)
+        # compiled, each norm is computed once and stored (fast.materialize), not once per row of every weight
+        # that multiplies it: fused into a matmul with one row per program, the norm's mean over the hidden size
+        # was recomputed for every output row
+        h = x + self.self_attn(materialize(self.input_layernorm(x)), pos, cos, sin, cache, rec, kv_len)
         if hasattr(self, "block_sparse_moe"):
             routing: list | None = [] if trace is not None else None
-            out = h + self.block_sparse_moe(self.post_attention_layernorm(h), routing)
+            out = h + self.block_sparse_moe(materialize(self.post_attention_layernorm(h)), routing)
             if routing:
                 trace.routing[self.layer] = routing[0]
         else:
-            out = h + self.mlp(self.post_attention_layernorm(h))
+            out = h + self.mlp(materialize(self.post_attention_layernorm(h)))
         if trace is not None:
             if "blocks" in rec:
                 trace.blocks[self.layer] = rec["blocks"]

@@ -193,10 +193,9 @@ def _round_to(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return v.to(dtype).to(torch.float32)
 
 
-# 2 x |E2M1| of each 3-bit magnitude code i (0, 1, 2, 3, 4, 6, 8, 12), four bits each: `(LUT >> 4i) & 15`.
-_E2M1_X2_LUT = sum(v << (4 * i) for i, v in enumerate((0, 1, 2, 3, 4, 6, 8, 12)))
-# Smallest block scale magnitude for which `normal_range_planes` is exact: half of it is an exact fp32 normal.
-_NVFP4_MIN_NORMAL_SCALE = 2.0**-125
+# Block scale magnitudes for which `normal_range_planes` is exact: [2^-125, 2^122). At the low end the smallest
+# product, 0.5 |s|, is an fp32 normal; at the high end 64 |s| (the E4M3-coded element's scale) is finite.
+_NVFP4_NORMAL_SCALES = (2.0**-125, 2.0**122)
 # MXFP8 scale codes for which 2^(code - 127) is an fp32 normal and every E4M3 multiple of it is exact in bf16.
 _MXFP8_NORMAL_CODES = (3, 254)
 
@@ -204,17 +203,29 @@ _MXFP8_NORMAL_CODES = (3, 254)
 def scales_in_normal_range(fmt: str, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor | None) -> bool:
     """Whether `normal_range_planes` decodes a weight with these scales to `decoded_planes`' exact bits.
 
-    NVFP4: every block scale s = fp32(e4m3) * weight_scale_2 is 0 or has 2^-125 <= |s| and 6 |s| < 2^128 (so s/2
-    and every product with an E2M1 value are finite fp32 normals, computed exactly as the reference rounds them).
+    NVFP4: every block scale s = fp32(e4m3) * weight_scale_2 is 0 or has 2^-125 <= |s| < 2^122 (so 64 s is finite
+    and every product with an E2M1 value is an fp32 normal, computed exactly as the reference rounds it).
     MXFP8: every E8M0 code is in [3, 254] (2^(code - 127) is a normal fp32 power of two, and each E4M3 value times
     it has at most 4 significant bits at or above 2^-133, so it is exact in bf16 and fp32: no rounding is needed).
     Real checkpoints are far inside both ranges (block scales near 1e-4 to 1e-2). Reads the scales on the host
     once (the loader's time, not the forward's)."""
     if fmt == NVFP4:
         a = (weight_scale.to(torch.float32) * _global(weight_scale_2, list(weight_scale.shape[:-2]))).abs()
-        return bool(((a == 0) | ((a >= _NVFP4_MIN_NORMAL_SCALE) & (a * 6 < 2.0**128))).all())
+        lo, hi = _NVFP4_NORMAL_SCALES
+        return bool(((a == 0) | ((a >= lo) & (a < hi))).all())
     codes = weight_scale.view(torch.uint8)
     return bool(((codes >= _MXFP8_NORMAL_CODES[0]) & (codes <= _MXFP8_NORMAL_CODES[1])).all())
+
+
+def _e2m1_as_e4m3(bits: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (the low 4 bits of an integer tensor, s e e m) re-coded as the E4M3 value e2m1 * 2^-6, float32.
+
+    E2M1's exponent and mantissa bits become E4M3's two low exponent bits and its top mantissa bit, and its sign
+    E4M3's: E4M3 then reads 2^(e - 7) (1 + m/2), or for e = 0 its subnormal 2^-6 (m/2), which is the E2M1 value
+    2^(e - 1) (1 + m/2) (or m/2) times 2^-6 for every code, -0 included. The widening is one hardware conversion
+    (E4M3 to float is what MXFP8 weights use too), not a table or a chain of selects."""
+    e4m3 = ((bits & 7) << 2) | ((bits & 8) << 4)
+    return e4m3.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 def normal_range_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -222,23 +233,20 @@ def normal_range_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tens
     """`decoded_planes(..., torch.bfloat16)`, bit for bit, in fewer operations per element, for weights whose scales
     pass `scales_in_normal_range` (outside it the bits may differ).
 
-    NVFP4: |e2m1| * s = m2 * (s / 2) with m2 = 2 |e2m1| an integer 0..12 from a 32-bit constant (`_E2M1_X2_LUT`),
-    and s / 2 exact, so the fp32 product is the reference's; it is rounded to bf16 on the bits (to nearest, ties to
-    even; no NaN or overflow can occur in range) and the code's sign bit is xor-ed in (-m * s rounds to -(m * s),
-    and -0 times s gets the sign the reference's product gets). MXFP8: fp32(e4m3) * 2^(code - 127) with the power
-    of two built from the code's bits; exact, so it is already the bf16 value. About half the integer and
-    floating-point operations of `decoded_planes` per element, which is what bounds the fused matmul on a GPU
-    (measured on an H200 at 1 row: 1.4x faster for MXFP8, 1.2x for NVFP4)."""
+    NVFP4: e2m1 * s = (e2m1 * 2^-6) * (64 s), the first factor an E4M3 value (`_e2m1_as_e4m3`, sign included) and
+    64 s exact, so the one fp32 rounding of the product is the reference's (-0 times s too); it is rounded to bf16
+    on the bits (to nearest, ties to even; no NaN or overflow can occur in range). MXFP8: fp32(e4m3) *
+    2^(code - 127) with the power of two built from the code's bits; exact, so it is already the bf16 value. About
+    half the integer and floating-point operations of `decoded_planes` per element, which is what bounds the fused
+    matmul on a GPU (measured on an H200 at 1 row: 1.4x faster for MXFP8, 1.25-1.35x for NVFP4)."""
     if fmt == NVFP4:
         *lead, n, half_k = weight.shape
-        half = (weight_scale.to(torch.float32) * (0.5 * _global(weight_scale_2, lead))).unsqueeze(-1)
+        s64 = (weight_scale.to(torch.float32) * (64.0 * _global(weight_scale_2, lead))).unsqueeze(-1)
         data = weight.view(*lead, n, half_k // (NVFP4_BLOCK // 2), NVFP4_BLOCK // 2).to(torch.int32)
         planes = []
-        for codes in (data & 0x0F, data >> 4):
-            m2 = ((_E2M1_X2_LUT >> ((codes & 7) * 4)) & 15).to(torch.float32)
-            b = (m2 * half).view(torch.int32)
-            rounded = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-            planes.append((rounded ^ ((codes & 8) << 28)).view(torch.float32))
+        for codes in (data, data >> 4):
+            b = (_e2m1_as_e4m3(codes) * s64).view(torch.int32)
+            planes.append(((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32))
         return planes
     k = weight.shape[-1]
     scale = (weight_scale.to(torch.int32) << 23).view(torch.float32).unsqueeze(-1)  # 2^(code - 127), code >= 1
@@ -277,7 +285,8 @@ def activation_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
     """`x` [..., K] widened to float32 and split like `decoded_planes`: NVFP4 [even k, odd k], each
     `[..., K/16, 8]`; MXFP8 [x as `[..., K/32, 32]`]."""
     *lead, k = x.shape
-    x = x.to(torch.float32)
+    # bf16 widened on the bits (exact): a cast would be emulated in compiled kernels as a round trip through bf16
+    x = (x.view(torch.int16).to(torch.int32) << 16).view(torch.float32) if x.dtype == torch.bfloat16 else x.float()
     if fmt == NVFP4:
         pairs = x.view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2, 2)
         return [pairs[..., 0], pairs[..., 1]]

@@ -213,10 +213,10 @@ def _normal_nvfp4(E: int, N: int, K: int, lo: float, hi: float, seed: int = 1):
 
 def test_normal_range_planes_are_the_decoded_planes():
     """Inside `scales_in_normal_range` the cheaper planes have the reference planes' bits, at the range's edges too
-    (smallest scale 2^-125, largest block 6|s| just under 2^128; MXFP8 codes 3 and 254), every byte, scales of both
-    signs, zeros and -0; outside it the check says no (subnormal products, MXFP8 code 2)."""
+    (smallest scale 2^-125, largest just under 2^122; MXFP8 codes 3 and 254), every byte, scales of both signs, zeros
+    and -0; outside it the check says no (subnormal products, 64 |s| past fp32 max, MXFP8 code 2)."""
     bf16 = torch.bfloat16
-    for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (2.0**100, 2.0**125.4)):
+    for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (2.0**100, 2.0**121.99)):
         w, s, g = _normal_nvfp4(3, 8, 256, lo, hi)
         assert packed_mod.scales_in_normal_range("nvfp4", s, g), (lo, hi)
         want = decoded_planes("nvfp4", w, s, g, bf16)
@@ -227,6 +227,8 @@ def test_normal_range_planes_are_the_decoded_planes():
     assert packed_mod.scales_in_normal_range("nvfp4", *_nvfp4(2, 16, 64)[1:])  # e4m3 subnormals: fp32 normals
     s_max = torch.full((1, 1, 1), 448.0).to(torch.float8_e4m3fn)
     assert not packed_mod.scales_in_normal_range("nvfp4", s_max, torch.tensor([2.0**128 / 6 / 448]))  # overflow
+    assert not packed_mod.scales_in_normal_range("nvfp4", s_max, torch.tensor([2.0**122 / 448]))  # 64 s overflows
+    assert packed_mod.scales_in_normal_range("nvfp4", s_max, torch.tensor([2.0**121 / 448]))
     for codes in ((3, 40), (100, 140), (230, 254)):
         w, s = _mxfp8(2, 8, 512, exponents=codes)
         assert packed_mod.scales_in_normal_range("mxfp8", s, None)
@@ -314,6 +316,36 @@ def test_fused_matmul_multiplies_the_exact_weight_bits(fmt, K, dtype, device):
     assert torch.equal(y[:K].T, w_hat)
     pairs = (w_hat.float() + w_hat.float().roll(-1, dims=1)).to(dtype)
     assert torch.equal(y[K:].T, pairs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_matmul_normal_range_planes_exact_weight_bits(device):
+    """The same read-out through the compiled kernel with `normal_range_planes` (what PackedWeight uses for weights
+    in range): identity rows give the decoded weight, pair rows the once-rounded pair sums, bit for bit; for one
+    NVFP4 linear (scales of both signs, zero blocks, every byte value, the range's edges) and gathered experts
+    with a global scale each, and for MXFP8 at small and large scale codes. The x rows are bf16, widened on the bits."""
+    bf16 = torch.bfloat16
+    cases = []
+    for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (2.0**100, 2.0**121.99)):
+        cases.append(("nvfp4", *_normal_nvfp4(3, 24, 208, lo, hi, seed=3)))
+    for codes in ((3, 40), (200, 240)):
+        cases.append(("mxfp8", *_mxfp8(3, 24, 224, exponents=codes), None))
+    for fmt, w, s, g in cases:
+        assert packed_mod.scales_in_normal_range(fmt, s, g)
+        K = w.shape[-1] * (2 if fmt == "nvfp4" else 1)
+        w_hat = _expected(fmt, w, s, g, bf16)
+        eye = torch.eye(K)
+        x = torch.cat([eye, eye + eye.roll(1, dims=1)]).to(bf16)
+        one = _on(device, packed_matmul_fused, x, fmt, w[1], s[1], None if g is None else g[1], bf16, None,
+                  FUSED_ROWS, True)
+        assert torch.equal(one[:K].T, w_hat[1]), fmt
+        assert torch.equal(one[K:].T, (w_hat[1].float() + w_hat[1].float().roll(-1, dims=1)).to(bf16)), fmt
+        ids = torch.tensor([2, 0, 2])
+        cols = torch.tensor([0, K - 1, 77])
+        onehot = torch.zeros(len(ids), 1, K, dtype=bf16)
+        onehot[torch.arange(len(ids)), 0, cols] = 1
+        y = _on(device, packed_matmul_fused, onehot, fmt, w, s, g, bf16, ids, FUSED_ROWS, True)
+        assert torch.equal(y[:, 0], w_hat[ids, :, cols]), fmt
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
@@ -564,7 +596,7 @@ def test_benchmark_refuses_fused_without_packed_weights(capsys, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("script", ["profile_decode.py", "fused_matmul.py"])
+@pytest.mark.parametrize("script", ["profile_decode.py", "fused_matmul.py", "fused_variants.py"])
 def test_gpu_benchmarks_refuse_a_cpu_machine(capsys, monkeypatch, script):
     """The GPU-only benchmarks end with one clear line (exit 2) where there is no CUDA, before loading anything."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -33,6 +33,7 @@ from fused_matmul import SHAPES, operands, per_call_s
 from minimax_ref.fast import materialize
 from minimax_ref.packed import (
     FUSED_INDUCTOR_OPTIONS,
+    _e2m1_as_e4m3,
     _global,
     activation_planes,
     decode_fast,
@@ -92,10 +93,7 @@ def no_rounding(x, weight, weight_scale, g, index):
     *lead, n, half_k = weight.shape
     s64 = (weight_scale.to(torch.float32) * (64.0 * _global(g, lead))).unsqueeze(-1)
     data = weight.view(*lead, n, half_k // 8, 8).to(torch.int32)
-    planes = []
-    for codes in (data, data >> 4):
-        e4 = ((codes & 7) << 2) | ((codes & 8) << 4)
-        planes.append(e4.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32) * s64)
+    planes = [_e2m1_as_e4m3(codes) * s64 for codes in (data, data >> 4)]
     xs = activation_planes("nvfp4", x)
     terms = xs[0][..., 0, None, :, :] * planes[0] + xs[1][..., 0, None, :, :] * planes[1]
     return terms.sum((-2, -1)).to(torch.bfloat16).unsqueeze(-2)

@@ -20,8 +20,9 @@ import time
 import torch
 from common import BenchmarkError, emit, main_guard
 
-from minimax_ref.packed import FUSED_INDUCTOR_OPTIONS, decode_fast, packed_matmul, packed_matmul_reference
+from minimax_ref.model import LAYER_INDUCTOR_OPTIONS
 from minimax_ref.packed import _select as select_entries
+from minimax_ref.packed import decode_fast, packed_matmul, packed_matmul_reference
 
 # (name, format, experts in the stack, N, K, gathered entries or 0): the release's projections at TP1
 SHAPES = [("q_proj", "mxfp8", 0, 8192, 6144, 0), ("o_proj", "mxfp8", 0, 6144, 8192, 0),
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise BenchmarkError("fused_matmul.py measures CUDA kernels: run it on a machine with a GPU")
     device = torch.device("cuda")
-    options = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
+    options = dict(LAYER_INDUCTOR_OPTIONS)
     fused = torch.compile(packed_matmul, dynamic=False, fullgraph=True, options=options)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     out: dict = {"benchmark": "fused_matmul", "command": " ".join(sys.argv), "torch": torch.__version__,

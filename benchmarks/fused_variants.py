@@ -1,11 +1,13 @@
 """Other ways to write the fused packed matmul, timed beside the engine's, one row of x, at the release's shapes:
 what was tried to make the NVFP4 / MXFP8 decode-and-multiply cheaper, and what each costs. One JSON line.
 
-Each variant is a function `torch.compile`d as the compiled layers compile (`FUSED_INDUCTOR_OPTIONS`, coordinate
-descent, static shapes), timed as `fused_matmul.py` times (a CUDA graph of 10 products, replayed), and checked
+Each variant is a function `torch.compile`d as the compiled layers compile (`model.LAYER_INDUCTOR_OPTIONS`, static
+shapes), timed as `fused_matmul.py` times (a CUDA graph of 10 products, replayed), and checked
 against `packed.packed_matmul_reference` (relative error; the bit-exact ones agree to the bf16 output's rounding):
 
 * `engine`: `packed_matmul(..., normal_range=True)`, what PackedWeight runs in range (`normal_range_planes`);
+* `e4m3` (NVFP4): what the engine did before: the E2M1 code re-coded as the E4M3 value e2m1 * 2^-6, widened by the
+  conversion instruction, times 64 s, rounded to bf16 with integer operations on the bits;
 * `x_fp32`: the same with x handed over in fp32 (what a producer that stored fp32 would save: no widening of x);
 * `word_int`, `word_veltkamp`, `word_e4m3` (NVFP4): the weight read as int32 words, 8 codes each, one scale per
   word, x transposed to match; magnitudes built on the fp32 bits (e2m1 * 2^-126, a subnormal for code 1) and
@@ -13,7 +15,7 @@ against `packed.packed_matmul_reference` (relative error; the bit-exact ones agr
   normal fp32 without FMA contraction), or through the E4M3 conversion as `normal_range_planes` does;
 * `template_mm` (NVFP4): decode then `torch.matmul` with `max_autotune` (inductor's Triton matmul templates, which
   may fuse a pointwise prologue);
-* timing only, not the weight's bits: `no_rounding` (NVFP4: the E4M3 planes without the bf16 rounding),
+* timing only, not the weight's bits: `no_rounding` (NVFP4: the engine's planes without the bf16 rounding),
   `bf16_reduction` (the same reduction over the weight decoded to bf16 beforehand: 3.6x the bytes, no decoding)
   and `bytes_only` (NVFP4: the packed bytes times x, no decoding: the loads alone).
 
@@ -31,9 +33,9 @@ from common import BenchmarkError, emit, main_guard
 from fused_matmul import SHAPES, operands, per_call_s
 
 from minimax_ref.fast import materialize
+from minimax_ref.model import LAYER_INDUCTOR_OPTIONS
 from minimax_ref.packed import (
-    FUSED_INDUCTOR_OPTIONS,
-    _e2m1_as_e4m3,
+    _e2m1_times_2_pow_minus_126,
     _global,
     activation_planes,
     decode_fast,
@@ -44,7 +46,12 @@ from minimax_ref.packed import (
 from minimax_ref.packed import _select as select_entries
 
 SIGN = -(1 << 31)
-EXACT = ("engine", "x_fp32", "word_int", "word_veltkamp", "word_e4m3", "template_mm")
+EXACT = ("engine", "e4m3", "x_fp32", "word_int", "word_veltkamp", "word_e4m3", "template_mm")
+
+
+def _e2m1_as_e4m3(bits: torch.Tensor) -> torch.Tensor:
+    e4m3 = ((bits & 7) << 2) | ((bits & 8) << 4)
+    return e4m3.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 def _round_bits(v: torch.Tensor) -> torch.Tensor:
@@ -88,15 +95,27 @@ def word_matmul(x, words, weight_scale, g, index, how):
     return terms.sum((-2, -1)).to(torch.bfloat16).unsqueeze(-2)
 
 
-def no_rounding(x, weight, weight_scale, g, index):
+def nvfp4_product(x, planes):
+    xs = activation_planes("nvfp4", x)
+    terms = xs[0][..., 0, None, :, :] * planes[0] + xs[1][..., 0, None, :, :] * planes[1]
+    return terms.sum((-2, -1)).to(torch.bfloat16).unsqueeze(-2)
+
+
+def e4m3(x, weight, weight_scale, g, index):
     weight, weight_scale, g = select_entries(weight, weight_scale, g, index)
     *lead, n, half_k = weight.shape
     s64 = (weight_scale.to(torch.float32) * (64.0 * _global(g, lead))).unsqueeze(-1)
     data = weight.view(*lead, n, half_k // 8, 8).to(torch.int32)
-    planes = [_e2m1_as_e4m3(codes) * s64 for codes in (data, data >> 4)]
-    xs = activation_planes("nvfp4", x)
-    terms = xs[0][..., 0, None, :, :] * planes[0] + xs[1][..., 0, None, :, :] * planes[1]
-    return terms.sum((-2, -1)).to(torch.bfloat16).unsqueeze(-2)
+    return nvfp4_product(x, [_round_bits(_e2m1_as_e4m3(codes) * s64).view(torch.float32)
+                             for codes in (data, data >> 4)])
+
+
+def no_rounding(x, weight, weight_scale, g, index):
+    weight, weight_scale, g = select_entries(weight, weight_scale, g, index)
+    *lead, n, half_k = weight.shape
+    s = (weight_scale.to(torch.float32) * _global(g, lead) * 2.0**126).unsqueeze(-1)
+    data = weight.view(*lead, n, half_k // 8, 8).to(torch.int32)
+    return nvfp4_product(x, [code * s for code in _e2m1_times_2_pow_minus_126(data, data)])
 
 
 def template_mm(x, weight, weight_scale, g, index):
@@ -123,7 +142,7 @@ def measure(shape: tuple, iters: int, device: torch.device) -> dict:
     parts = select_entries(w, s, g, index)
     nbytes = sum(t.numel() * t.element_size() for t in parts[:2])
     want = packed_matmul_reference(x, fmt, w, s, g, torch.bfloat16, index).float()
-    options = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
+    options = dict(LAYER_INDUCTOR_OPTIONS)
 
     def compiled(fn, **extra):
         return torch.compile(fn, dynamic=False, options={**options, **extra})
@@ -136,6 +155,7 @@ def measure(shape: tuple, iters: int, device: torch.device) -> dict:
         words = w.view(torch.int32)
         for how in ("int", "veltkamp", "e4m3"):
             variants[f"word_{how}"] = (compiled(word_matmul), (x, words, s, g, index, how))
+        variants["e4m3"] = (compiled(e4m3), (x, w, s, g, index))
         variants["template_mm"] = (compiled(template_mm, max_autotune=True), (x, w, s, g, index))
         variants["no_rounding"] = (compiled(no_rounding), (x, w, s, g, index))
         variants["bytes_only"] = (compiled(bytes_only), (x[..., ::2].contiguous(), parts[0]))

@@ -103,19 +103,24 @@ def _run_layer(layer: DecoderLayer, x: torch.Tensor, pos: torch.Tensor, cos: tor
     return layer(x, pos, cos, sin, cache, trace, kv_len)
 
 
+# The compiled layers' inductor options: the fused matmul's (`packed.FUSED_INDUCTOR_OPTIONS`: a packed weight's
+# decoding stays inside the matmul that reads it, and the bfloat16 roundings are kept), with coordinate-descent tuning
+# of each Triton kernel's block sizes and warps (measured on an H200, scaled model at batch 1: 5.9 -> 4.7 ms per step,
+# for a few minutes more compiling; no effect on a CPU). Descent along one axis at a time: with every diagonal move
+# tried too (`coordinate_descent_check_all_directions`) the compile of a 4-layer model did not finish in 5 minutes.
+LAYER_INDUCTOR_OPTIONS = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
+
+
 def compiled_layer():
     """`_run_layer` through `torch.compile`, for decode steps (`FastPaths.compile_layers`).
 
     The layer is an argument and reads no per-layer constant on this path (its cache part comes in as tensors,
     `KVCache.layer`), so every layer of a kind passes the same guards and shares one compiled graph: one per
     (kind of layer, batch size, cache length, dtype). Static shapes (`dynamic=False`: a decode step's shapes are
-    fixed) and `fullgraph`: no graph break, so no host synchronisation hides in the step. The inductor options
-    are the fused matmul's (`packed.FUSED_INDUCTOR_OPTIONS`): a packed weight's decoding stays inside the matmul
-    that reads it, and the bfloat16 roundings are kept; with coordinate-descent tuning of each Triton kernel's block
-    sizes (measured on an H200, scaled model at batch 1: 5.9 -> 4.7 ms per step, for a few minutes more compiling;
-    no effect on a CPU)."""
+    fixed) and `fullgraph`: no graph break, so no host synchronisation hides in the step. Inductor options:
+    `LAYER_INDUCTOR_OPTIONS`."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    options = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
+    options = dict(LAYER_INDUCTOR_OPTIONS)
     return torch.compile(_run_layer, dynamic=False, fullgraph=True, options=options)
 
 

@@ -75,7 +75,9 @@ def route(
         if kept < top_k:  # topk would silently pick masked (-inf) experts
             raise ConfigError(f"expert_mask keeps {kept} experts but routing chooses {top_k} per token")
         choice = choice.masked_fill(~expert_mask, float("-inf"))
-    expert_ids = torch.topk(choice, top_k, dim=-1).indices
+    # a compiled decode step (no trace reads the order) skips sorting the chosen experts: the order only changes the
+    # fp32 sum order of their outputs, and the sort is a kernel of its own
+    expert_ids = torch.topk(choice, top_k, dim=-1, sorted=not torch.compiler.is_compiling()).indices
     chosen = scores.gather(-1, expert_ids)
     return Routing(expert_ids, chosen / chosen.sum(-1, keepdim=True), logits)
 

@@ -8,7 +8,8 @@ Contract (spec `model.md`, "MiniMax Sparse Attention"), for queries at absolute 
 * forced blocks get `+inf`: the `local_blocks` blocks ending at `pos(q) // bs` and the first
   `init_blocks` blocks (only those at or before the query's block);
 * the `min(topk, num_blocks)` largest block scores are selected; a selected score of -inf (a block
-  with no causal key) becomes -1. Valid ids are left-packed, in descending score order;
+  with no causal key) becomes -1. Valid ids are left-packed, in descending score order (in a compiled
+  decode step, where nothing reads the ids, in topk's unsorted order: only the fp32 sums' order changes);
 * index head h serves kv head h: query heads `h*G .. h*G+G-1` attend only to keys in their kv head's
   selected blocks, intersected with causality; softmax in fp32, scale `head_dim ** -0.5`.
 
@@ -88,7 +89,7 @@ def select_blocks(scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, to
         forced |= (j < init_blocks) & (j <= q_block)
     block = block.masked_fill(forced, float("inf"))
     k = min(topk_blocks, nb)
-    vals, ids = block.topk(k, dim=-1)
+    vals, ids = block.topk(k, dim=-1, sorted=not torch.compiler.is_compiling())  # unsorted: as in `moe.route`
     return ids.masked_fill(vals == float("-inf"), -1)
 
 

@@ -193,9 +193,9 @@ def _round_to(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return v.to(dtype).to(torch.float32)
 
 
-# Block scale magnitudes for which `normal_range_planes` is exact: [2^-125, 2^122). At the low end the smallest
-# product, 0.5 |s|, is an fp32 normal; at the high end 64 |s| (the E4M3-coded element's scale) is finite.
-_NVFP4_NORMAL_SCALES = (2.0**-125, 2.0**122)
+# Block scale magnitudes for which `normal_range_planes` is exact: [2^-125, 4). At the low end the smallest product,
+# 0.5 |s|, is an fp32 normal; at the high end 2^126 |s| (the scale of the element built as e2m1 * 2^-126) is finite.
+_NVFP4_NORMAL_SCALES = (2.0**-125, 4.0)
 # MXFP8 scale codes for which 2^(code - 127) is an fp32 normal and every E4M3 multiple of it is exact in bf16.
 _MXFP8_NORMAL_CODES = (3, 254)
 
@@ -203,12 +203,12 @@ _MXFP8_NORMAL_CODES = (3, 254)
 def scales_in_normal_range(fmt: str, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor | None) -> bool:
     """Whether `normal_range_planes` decodes a weight with these scales to `decoded_planes`' exact bits.
 
-    NVFP4: every block scale s = fp32(e4m3) * weight_scale_2 is 0 or has 2^-125 <= |s| < 2^122 (so 64 s is finite
+    NVFP4: every block scale s = fp32(e4m3) * weight_scale_2 is 0 or has 2^-125 <= |s| < 4 (so 2^126 s is finite
     and every product with an E2M1 value is an fp32 normal, computed exactly as the reference rounds it).
     MXFP8: every E8M0 code is in [3, 254] (2^(code - 127) is a normal fp32 power of two, and each E4M3 value times
     it has at most 4 significant bits at or above 2^-133, so it is exact in bf16 and fp32: no rounding is needed).
-    Real checkpoints are far inside both ranges (block scales near 1e-4 to 1e-2). Reads the scales on the host
-    once (the loader's time, not the forward's)."""
+    Real checkpoints are far inside both ranges (block scales near 1e-4 to 1e-2; the NVFP4 recipe's largest is the
+    tensor's amax / 6). Reads the scales on the host once (the loader's time, not the forward's)."""
     if fmt == NVFP4:
         a = (weight_scale.to(torch.float32) * _global(weight_scale_2, list(weight_scale.shape[:-2]))).abs()
         lo, hi = _NVFP4_NORMAL_SCALES
@@ -217,15 +217,22 @@ def scales_in_normal_range(fmt: str, weight_scale: torch.Tensor, weight_scale_2:
     return bool(((codes >= _MXFP8_NORMAL_CODES[0]) & (codes <= _MXFP8_NORMAL_CODES[1])).all())
 
 
-def _e2m1_as_e4m3(bits: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (the low 4 bits of an integer tensor, s e e m) re-coded as the E4M3 value e2m1 * 2^-6, float32.
+def _e2m1_times_2_pow_minus_126(low: torch.Tensor, high: torch.Tensor) -> list[torch.Tensor]:
+    """The E2M1 codes of packed NVFP4 bytes (int32 tensors of values 0..255) as float32 values e2m1 * 2^-126, the
+    low nibbles' (`low`) and the high nibbles' (`high`): each code's bits s e e m placed as fp32 bits, the sign at
+    bit 31, e e as the exponent field's two low bits and m as the mantissa's top bit. fp32 then reads
+    2^(e - 127) (1 + m/2), or for e = 0 the subnormal 2^-126 (m/2): the E2M1 value 2^(e - 1) (1 + m/2) (or m/2)
+    times 2^-126 for every code, -0 included. Two masks, two shifts and an or per code, no conversion instruction."""
+    return [(((low & 0x08) << 28) | ((low & 0x07) << 22)).view(torch.float32),
+            (((high & 0x80) << 24) | ((high & 0x70) << 18)).view(torch.float32)]
 
-    E2M1's exponent and mantissa bits become E4M3's two low exponent bits and its top mantissa bit, and its sign
-    E4M3's: E4M3 then reads 2^(e - 7) (1 + m/2), or for e = 0 its subnormal 2^-6 (m/2), which is the E2M1 value
-    2^(e - 1) (1 + m/2) (or m/2) times 2^-6 for every code, -0 included. The widening is one hardware conversion
-    (E4M3 to float is what MXFP8 weights use too), not a table or a chain of selects."""
-    e4m3 = ((bits & 7) << 2) | ((bits & 8) << 4)
-    return e4m3.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+def _to_bf16_by_conversion(v: torch.Tensor) -> torch.Tensor:
+    """float32 `v` (finite, not NaN) rounded to the nearest bfloat16, ties to even, by the conversion instruction,
+    and widened back to float32 on the bits. Passing the bfloat16 through its int16 bits is what keeps a compiled
+    kernel from eliding the rounding (which it does to `.to(bfloat16).to(float32)`, see `round_to_bf16_bits`): one
+    conversion, one widening and a shift instead of `round_to_bf16_bits`' five integer operations."""
+    return (v.to(torch.bfloat16).view(torch.int16).to(torch.int32) << 16).view(torch.float32)
 
 
 def normal_range_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -233,21 +240,19 @@ def normal_range_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tens
     """`decoded_planes(..., torch.bfloat16)`, bit for bit, in fewer operations per element, for weights whose scales
     pass `scales_in_normal_range` (outside it the bits may differ).
 
-    NVFP4: e2m1 * s = (e2m1 * 2^-6) * (64 s), the first factor an E4M3 value (`_e2m1_as_e4m3`, sign included) and
-    64 s exact, so the one fp32 rounding of the product is the reference's (-0 times s too); it is rounded to bf16
-    on the bits (to nearest, ties to even; no NaN or overflow can occur in range). MXFP8: fp32(e4m3) *
-    2^(code - 127) with the power of two built from the code's bits; exact, so it is already the bf16 value. About
-    half the integer and floating-point operations of `decoded_planes` per element, which is what bounds the fused
-    matmul on a GPU (measured on an H200 at 1 row: 1.4-1.7x faster for MXFP8, 1.3-1.5x for NVFP4)."""
+    NVFP4: e2m1 * s = (e2m1 * 2^-126) * (2^126 s), the first factor built on the bits (`_e2m1_times_2_pow_minus_126`,
+    sign included; a subnormal for the codes +-0.5, hence the compiled kernels' `disable_ftz`) and 2^126 s exact, so
+    the one fp32 rounding of the product is the reference's (-0 times s too); it is then rounded to bf16 by the
+    conversion instruction (`_to_bf16_by_conversion`; no NaN or overflow can occur in range). MXFP8: fp32(e4m3) *
+    2^(code - 127) with the power of two built from the code's bits; exact, so it is already the bf16 value. Under half
+    the integer and floating-point operations of `decoded_planes` per element, which is what bounds the fused matmul
+    on a GPU (measured on an H200 at 1 row: 1.3-1.7x faster for MXFP8 over two compiles, 1.6-1.9x for NVFP4)."""
     if fmt == NVFP4:
         *lead, n, half_k = weight.shape
-        s64 = (weight_scale.to(torch.float32) * (64.0 * _global(weight_scale_2, lead))).unsqueeze(-1)
+        # (fp32(e4m3) * global) is the reference's block scale, rounded once; times 2^126 it stays exact
+        s = (weight_scale.to(torch.float32) * _global(weight_scale_2, lead) * 2.0**126).unsqueeze(-1)
         data = weight.view(*lead, n, half_k // (NVFP4_BLOCK // 2), NVFP4_BLOCK // 2).to(torch.int32)
-        planes = []
-        for codes in (data, data >> 4):
-            b = (_e2m1_as_e4m3(codes) * s64).view(torch.int32)
-            planes.append(((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32))
-        return planes
+        return [_to_bf16_by_conversion(code * s) for code in _e2m1_times_2_pow_minus_126(data, data)]
     k = weight.shape[-1]
     scale = (weight_scale.to(torch.int32) << 23).view(torch.float32).unsqueeze(-1)  # 2^(code - 127), code >= 1
     return [weight.to(torch.float32).view(*weight.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK) * scale]

@@ -213,10 +213,10 @@ def _normal_nvfp4(E: int, N: int, K: int, lo: float, hi: float, seed: int = 1):
 
 def test_normal_range_planes_are_the_decoded_planes():
     """Inside `scales_in_normal_range` the cheaper planes have the reference planes' bits, at the range's edges too
-    (smallest scale 2^-125, largest just under 2^122; MXFP8 codes 3 and 254), every byte, scales of both signs, zeros
-    and -0; outside it the check says no (subnormal products, 64 |s| past fp32 max, MXFP8 code 2)."""
+    (smallest scale 2^-125, largest just under 4; MXFP8 codes 3 and 254), every byte, scales of both signs, zeros
+    and -0; outside it the check says no (subnormal products, 2^126 |s| past fp32 max, MXFP8 code 2)."""
     bf16 = torch.bfloat16
-    for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (2.0**100, 2.0**121.99)):
+    for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (0.25, 3.7)):
         w, s, g = _normal_nvfp4(3, 8, 256, lo, hi)
         assert packed_mod.scales_in_normal_range("nvfp4", s, g), (lo, hi)
         want = decoded_planes("nvfp4", w, s, g, bf16)
@@ -227,8 +227,13 @@ def test_normal_range_planes_are_the_decoded_planes():
     assert packed_mod.scales_in_normal_range("nvfp4", *_nvfp4(2, 16, 64)[1:])  # e4m3 subnormals: fp32 normals
     s_max = torch.full((1, 1, 1), 448.0).to(torch.float8_e4m3fn)
     assert not packed_mod.scales_in_normal_range("nvfp4", s_max, torch.tensor([2.0**128 / 6 / 448]))  # overflow
-    assert not packed_mod.scales_in_normal_range("nvfp4", s_max, torch.tensor([2.0**122 / 448]))  # 64 s overflows
-    assert packed_mod.scales_in_normal_range("nvfp4", s_max, torch.tensor([2.0**121 / 448]))
+    assert not packed_mod.scales_in_normal_range("nvfp4", s_max, torch.tensor([4.0 / 448]))  # 2^126 s overflows
+    edge = torch.tensor([3.999 / 448])
+    assert packed_mod.scales_in_normal_range("nvfp4", s_max, edge)
+    every_byte = torch.arange(256, dtype=torch.uint8).view(1, 16, 16)
+    got = packed_mod.normal_range_planes("nvfp4", every_byte, s_max.expand(1, 16, 2), edge)
+    want = decoded_planes("nvfp4", every_byte, s_max.expand(1, 16, 2), edge, bf16)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want))
     for codes in ((3, 40), (100, 140), (230, 254)):
         w, s = _mxfp8(2, 8, 512, exponents=codes)
         assert packed_mod.scales_in_normal_range("mxfp8", s, None)
@@ -326,7 +331,7 @@ def test_fused_matmul_normal_range_planes_exact_weight_bits(device):
     with a global scale each, and for MXFP8 at small and large scale codes. The x rows are bf16, widened on the bits."""
     bf16 = torch.bfloat16
     cases = []
-    for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (2.0**100, 2.0**121.99)):
+    for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (0.25, 3.7)):
         cases.append(("nvfp4", *_normal_nvfp4(3, 24, 208, lo, hi, seed=3)))
     for codes in ((3, 40), (200, 240)):
         cases.append(("mxfp8", *_mxfp8(3, 24, 224, exponents=codes), None))
@@ -596,7 +601,7 @@ def test_benchmark_refuses_fused_without_packed_weights(capsys, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("script", ["profile_decode.py", "fused_matmul.py", "fused_variants.py"])
+@pytest.mark.parametrize("script", ["profile_decode.py", "fused_matmul.py", "fused_variants.py", "launch_configs.py"])
 def test_gpu_benchmarks_refuse_a_cpu_machine(capsys, monkeypatch, script):
     """The GPU-only benchmarks end with one clear line (exit 2) where there is no CUDA, before loading anything."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -1,0 +1,235 @@
+"""How much of a compiled decode kernel's time is its launch configuration: the Triton kernels that inductor generates
+for the fused packed matmuls and the compiled layers, each relaunched in place with the block sizes and warps that its
+coordinate-descent tuning chose and with each of a fixed list, timed alike. One JSON line.
+
+* `--what weights`: one packed weight at a time (`fused_matmul.py`'s shapes, one row of x), written a few ways and
+  compiled as the compiled layers compile (`model.LAYER_INDUCTOR_OPTIONS`, static shapes): `engine`
+  (`packed_matmul(..., normal_range=True)`: `normal_range_planes`), `x_fp32` (the same with x handed over in fp32),
+  and for NVFP4 `e4m3_int` / `e4m3_cvt` (the E2M1 code re-coded as the E4M3 value e2m1 * 2^-6, widened by the
+  conversion instruction, times 64 s, rounded to bf16 with integer operations on the bits, as the engine did
+  before, or by the conversion instruction). Every variant's output is checked against
+  `packed.packed_matmul_reference` and every NVFP4 variant's planes against `decoded_planes`, bit for bit.
+* `--what layers`: a release-width model of 4 layers (3 dense, 1 MSA+MoE; 16 routed experts, NVFP4 + MXFP8 packed,
+  fp8 KV cache, an 8,192-token prompt) with `fast="compiled"`: the Triton reductions of one eager decode step with at
+  least 2,048 outputs and 2,048 reduced elements each (the matmuls, attention over the selected keys).
+
+A kernel is relaunched through its Triton function with the grid inductor would use (`XBLOCK` outputs per program),
+`enable_fp_fusion` off and fp32 subnormals kept (as inductor compiles it here), and timed as `fused_matmul.py` times
+(a CUDA graph of 10 launches, replayed); `tuned_us` is the same relaunch with the tuned configuration. Relaunching a
+layer's kernels recomputes their outputs from the step's inputs; those that write in place (the cache) write what
+they wrote.
+
+    # 1 x H200 (about 3 minutes each, most of it compiling):
+    python benchmarks/launch_configs.py --what weights --out launch_configs.jsonl
+    python benchmarks/launch_configs.py --what layers --out launch_configs.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+import time
+
+import torch
+from common import BenchmarkError, emit, main_guard, prefill
+from fused_matmul import SHAPES, operands, per_call_s
+from fused_variants import _e2m1_as_e4m3, _round_bits, nvfp4_product
+
+from minimax_ref.fast import FastPaths
+from minimax_ref.loader import load_synthetic
+from minimax_ref.model import LAYER_INDUCTOR_OPTIONS
+from minimax_ref.packed import (
+    _global,
+    decoded_planes,
+    normal_range_planes,
+    packed_matmul,
+    packed_matmul_reference,
+)
+from minimax_ref.packed import _select as select_entries
+
+# (XBLOCK, R0_BLOCK, num_warps): outputs per program, reduced elements per loop step, warps
+WEIGHT_CONFIGS = [c for c in itertools.product([1, 2], [512, 1024, 2048, 4096], [4, 8, 16])
+                  if 1 <= c[0] * c[1] // (32 * c[2]) <= 16]
+LAYER_CONFIGS = [(1, 512, 4), (1, 512, 8), (1, 512, 16), (1, 1024, 4), (1, 1024, 8), (1, 256, 2), (1, 256, 4),
+                 (1, 256, 8), (2, 512, 4), (2, 512, 8), (1, 2048, 8), (1, 2048, 16)]
+WEIGHT_VARIANTS = {"q_proj": ["engine", "x_fp32"], "o_proj": ["engine"], "dense gate_proj": ["engine", "x_fp32"],
+                   "4 routed experts w1": ["engine", "x_fp32", "e4m3_int", "e4m3_cvt"],
+                   "4 routed experts w2": ["engine", "x_fp32"]}
+
+
+class Launches:
+    """The Triton kernels inductor's compiled code launches (its `CachingAutotuner.run`), with their arguments, while
+    `recording`; the wrapper is installed for this process only."""
+
+    def __init__(self):
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+        self.calls: list = []
+        self.recording = False
+        run = CachingAutotuner.run
+
+        def recorded(kernel, *args, stream, **kwargs):
+            if self.recording:
+                self.calls.append((kernel, args))
+            return run(kernel, *args, stream=stream, **kwargs)
+
+        CachingAutotuner.run = recorded
+
+    def of(self, fn) -> list:
+        self.calls, self.recording = [], True
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            self.recording = False
+        return self.calls
+
+
+def relaunch_us(kernel, args: tuple, xblock: int, r0_block: int, num_warps: int, num_stages: int, iters: int) -> float:
+    """Microseconds per launch of inductor reduction `kernel` (args: its pointers, then xnumel and r0numel)."""
+    grid = ((args[-2] + xblock - 1) // xblock, 1, 1)
+    return 1e6 * per_call_s(lambda: kernel.fn[grid](*args, XBLOCK=xblock, R0_BLOCK=r0_block, num_warps=num_warps,
+                                                    num_stages=num_stages, enable_fp_fusion=False,
+                                                    enable_reflect_ftz=False), iters)
+
+
+def sweep(kernel, args: tuple, configs: list, iters: int) -> dict:
+    """The tuned configuration's time and the fastest of `configs` (a configuration Triton refuses is skipped)."""
+    tuned = kernel.launchers[0].config
+    xblock, r0_block = tuned.kwargs.get("XBLOCK", 1), tuned.kwargs["R0_BLOCK"]
+    out = {"kernel": kernel.fn.__name__[:160], "xnumel": args[-2], "r0numel": args[-1],
+           "tuned": {"config": [xblock, r0_block, tuned.num_warps, tuned.num_stages],
+                     "us": relaunch_us(kernel, args, xblock, r0_block, tuned.num_warps, tuned.num_stages, iters)}}
+    timed = []
+    for xb, rb, nw in configs:
+        try:
+            timed.append({"config": [xb, rb, nw, 1], "us": relaunch_us(kernel, args, xb, rb, nw, 1, iters)})
+        except Exception as e:  # noqa: BLE001 (a configuration this kernel cannot take: too many registers, ...)
+            print(f"  {out['kernel'][:60]} {[xb, rb, nw]}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
+    out["fastest"] = sorted(timed, key=lambda t: t["us"])[:4]
+    return out
+
+
+def _bf16_by_conversion(v: torch.Tensor) -> torch.Tensor:
+    return (v.to(torch.bfloat16).view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+
+
+def _bf16_by_bits(v: torch.Tensor) -> torch.Tensor:
+    return _round_bits(v).view(torch.float32)
+
+
+def e4m3_planes(weight, weight_scale, g, rounding):
+    """NVFP4 planes as session 5's engine built them (the E4M3 re-coding, times 64 s), rounded by `rounding`."""
+    *lead, n, half_k = weight.shape
+    s64 = (weight_scale.to(torch.float32) * (64.0 * _global(g, lead))).unsqueeze(-1)
+    data = weight.view(*lead, n, half_k // 8, 8).to(torch.int32)
+    return [rounding(_e2m1_as_e4m3(codes) * s64) for codes in (data, data >> 4)]
+
+
+def e4m3_matmul(x, weight, weight_scale, g, index, rounding):
+    weight, weight_scale, g = select_entries(weight, weight_scale, g, index)
+    return nvfp4_product(x, e4m3_planes(weight, weight_scale, g, rounding))
+
+
+def engine_matmul(x, fmt, weight, weight_scale, g, index):
+    return packed_matmul(x, fmt, weight, weight_scale, g, torch.bfloat16, index, True)
+
+
+def weights(args: argparse.Namespace, device: torch.device) -> list:
+    launches = Launches()
+    rows = []
+    for name, fmt, experts, n, k, gathered in SHAPES:
+        if name not in WEIGHT_VARIANTS:
+            continue
+        w, s, g = operands(fmt, experts, n, k, device)
+        index = torch.arange(gathered, device=device) * 3 % experts if gathered else None
+        x = torch.randn(*((gathered,) if gathered else ()), 1, k, device=device).to(torch.bfloat16)
+        want = packed_matmul_reference(x, fmt, w, s, g, torch.bfloat16, index).float()
+        parts = select_entries(w, s, g, index)
+        reference_planes = decoded_planes(fmt, *parts, torch.bfloat16)
+        for variant in WEIGHT_VARIANTS[name]:
+            options = dict(LAYER_INDUCTOR_OPTIONS)
+            if variant.startswith("e4m3"):
+                rounding = _bf16_by_bits if variant == "e4m3_int" else _bf16_by_conversion
+                planes = e4m3_planes(*parts, rounding)
+                fn = torch.compile(e4m3_matmul, dynamic=False, fullgraph=True, options=options)
+                call = functools.partial(fn, x, w, s, g, index, rounding)
+            else:
+                planes = normal_range_planes(fmt, *parts)
+                fn = torch.compile(engine_matmul, dynamic=False, fullgraph=True, options=options)
+                call = functools.partial(fn, x.float() if variant == "x_fp32" else x, fmt, w, s, g, index)
+            if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(planes, reference_planes)):
+                raise BenchmarkError(f"{name} {variant}: the decoded weight's bits differ from decoded_planes")
+            t0 = time.perf_counter()
+            err = float((call().float() - want).abs().max() / want.abs().max())
+            compile_s = time.perf_counter() - t0
+            if err > 1e-2:
+                raise BenchmarkError(f"{name} {variant}: relative error {err:.3g} against decode-then-matmul")
+            kernel, kargs = max(launches.of(call), key=lambda c: c[1][-2] * c[1][-1])
+            row = {"weight": name, "format": fmt, "variant": variant, "compile_s": compile_s, "rel_err": err,
+                   "compiled_us": 1e6 * per_call_s(call, args.iters),
+                   **sweep(kernel, kargs, WEIGHT_CONFIGS, args.iters)}
+            print(f"{name:20s} {variant:9s} tuned {row['tuned']['us']:6.1f} us {row['tuned']['config']}  fastest "
+                  f"{row['fastest'][0]['us']:6.1f} us {row['fastest'][0]['config']}", file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
+
+
+def layers(args: argparse.Namespace, device: torch.device) -> list:
+    launches = Launches()
+    prompt = 8192
+    model = load_synthetic("release", format="nvfp4", layers=4, experts=16, device=device, weights="packed",
+                           dtype=torch.bfloat16, fast=FastPaths.of("compiled"), max_seq_len=prompt + 8,
+                           kv_cache_dtype="fp8")
+    ids = torch.randint(0, 100_000, (1, prompt), generator=torch.Generator(device=device).manual_seed(3),
+                        device=device)
+    with torch.no_grad():
+        cache = model.new_cache(1, prompt + 8, "fp8")
+        tok = prefill(model, cache, ids, 4096).argmax(-1, keepdim=True)
+        pos = torch.full((1, 1), prompt, dtype=torch.long, device=device)
+        t0 = time.perf_counter()
+        for _ in range(2):  # compiles and tunes
+            model(tok, positions=pos, cache=cache)
+        torch.cuda.synchronize()
+        print(f"compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        calls = launches.of(lambda: model(tok, positions=pos, cache=cache))
+        rows, seen = [], set()
+        for kernel, kargs in calls:
+            name = kernel.fn.__name__
+            if name in seen or "R0_BLOCK" not in kernel.launchers[0].config.kwargs:
+                continue
+            seen.add(name)
+            if not isinstance(kargs[-1], int) or kargs[-1] < 2048 or kargs[-2] < 2048:
+                continue
+            row = sweep(kernel, kargs, LAYER_CONFIGS, args.iters)
+            print(f"{row['kernel'][:70]:70s} tuned {row['tuned']['us']:6.1f} us {row['tuned']['config']}  fastest "
+                  f"{row['fastest'][0]['us']:6.1f} us {row['fastest'][0]['config']}", file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise BenchmarkError("launch_configs.py relaunches CUDA kernels: run it on a machine with a GPU")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    device = torch.device("cuda")
+    out = {"benchmark": "launch_configs", "what": args.what, "command": " ".join(sys.argv), "torch": torch.__version__,
+           "device_name": torch.cuda.get_device_name(device),
+           "kernels": weights(args, device) if args.what == "weights" else layers(args, device)}
+    emit(out, args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--what", default="weights", choices=["weights", "layers"],
+                   help="one packed weight at a time, or a 4-layer model's decode step (default: weights)")
+    p.add_argument("--iters", type=int, default=10, help="graph replays timed per configuration (default: 10)")
+    p.add_argument("--out", default=None, help="also append the JSON line to this file")
+    args = p.parse_args(argv)
+    return main_guard(lambda: run(args), [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

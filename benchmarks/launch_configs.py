@@ -87,6 +87,12 @@ class Launches:
         return self.calls
 
 
+def _is_looped_reduction(kernel, args: tuple) -> bool:
+    """An inductor reduction with a loop over R0_BLOCK elements, launched with its xnumel and r0numel last."""
+    return (bool(kernel.launchers) and "R0_BLOCK" in kernel.launchers[0].config.kwargs
+            and all(isinstance(a, int) for a in args[-2:]))
+
+
 def relaunch_us(kernel, args: tuple, xblock: int, r0_block: int, num_warps: int, num_stages: int, iters: int) -> float:
     """Microseconds per launch of inductor reduction `kernel` (args: its pointers, then xnumel and r0numel)."""
     grid = ((args[-2] + xblock - 1) // xblock, 1, 1)
@@ -167,7 +173,10 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
             compile_s = time.perf_counter() - t0
             if err > 1e-2:
                 raise BenchmarkError(f"{name} {variant}: relative error {err:.3g} against decode-then-matmul")
-            kernel, kargs = max(launches.of(call), key=lambda c: c[1][-2] * c[1][-1])
+            reductions = [(k, a) for k, a in launches.of(call) if _is_looped_reduction(k, a)]
+            if not reductions:
+                raise BenchmarkError(f"{name} {variant}: the compiled product launched no looped reduction kernel")
+            kernel, kargs = max(reductions, key=lambda c: c[1][-2] * c[1][-1])
             row = {"weight": name, "format": fmt, "variant": variant, "compile_s": compile_s, "rel_err": err,
                    "compiled_us": 1e6 * per_call_s(call, args.iters),
                    **sweep(kernel, kargs, WEIGHT_CONFIGS, args.iters)}
@@ -198,10 +207,10 @@ def layers(args: argparse.Namespace, device: torch.device) -> list:
         rows, seen = [], set()
         for kernel, kargs in calls:
             name = kernel.fn.__name__
-            if name in seen or "R0_BLOCK" not in kernel.launchers[0].config.kwargs:
+            if name in seen or not _is_looped_reduction(kernel, kargs):
                 continue
             seen.add(name)
-            if not isinstance(kargs[-1], int) or kargs[-1] < 2048 or kargs[-2] < 2048:
+            if kargs[-1] < 2048 or kargs[-2] < 2048:
                 continue
             row = sweep(kernel, kargs, LAYER_CONFIGS, args.iters)
             print(f"{row['kernel'][:70]:70s} tuned {row['tuned']['us']:6.1f} us {row['tuned']['config']}  fastest "

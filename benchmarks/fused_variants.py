@@ -101,13 +101,22 @@ def nvfp4_product(x, planes):
     return terms.sum((-2, -1)).to(torch.bfloat16).unsqueeze(-2)
 
 
-def e4m3(x, weight, weight_scale, g, index):
-    weight, weight_scale, g = select_entries(weight, weight_scale, g, index)
+def bf16_by_bits(v: torch.Tensor) -> torch.Tensor:
+    return _round_bits(v).view(torch.float32)
+
+
+def e4m3_planes(weight, weight_scale, g, rounding):
+    """NVFP4 planes as session 5's engine built them (the E4M3 re-coding, times 64 s), rounded to bf16 by
+    `rounding`."""
     *lead, n, half_k = weight.shape
     s64 = (weight_scale.to(torch.float32) * (64.0 * _global(g, lead))).unsqueeze(-1)
     data = weight.view(*lead, n, half_k // 8, 8).to(torch.int32)
-    return nvfp4_product(x, [_round_bits(_e2m1_as_e4m3(codes) * s64).view(torch.float32)
-                             for codes in (data, data >> 4)])
+    return [rounding(_e2m1_as_e4m3(codes) * s64) for codes in (data, data >> 4)]
+
+
+def e4m3(x, weight, weight_scale, g, index, rounding=bf16_by_bits):
+    weight, weight_scale, g = select_entries(weight, weight_scale, g, index)
+    return nvfp4_product(x, e4m3_planes(weight, weight_scale, g, rounding))
 
 
 def no_rounding(x, weight, weight_scale, g, index):
@@ -115,7 +124,7 @@ def no_rounding(x, weight, weight_scale, g, index):
     *lead, n, half_k = weight.shape
     s = (weight_scale.to(torch.float32) * _global(g, lead) * 2.0**126).unsqueeze(-1)
     data = weight.view(*lead, n, half_k // 8, 8).to(torch.int32)
-    return nvfp4_product(x, [code * s for code in _e2m1_times_2_pow_minus_126(data, data)])
+    return nvfp4_product(x, [code * s for code in _e2m1_times_2_pow_minus_126(data)])
 
 
 def template_mm(x, weight, weight_scale, g, index):

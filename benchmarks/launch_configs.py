@@ -35,19 +35,19 @@ import time
 import torch
 from common import BenchmarkError, emit, main_guard, prefill
 from fused_matmul import SHAPES, operands, per_call_s
-from fused_variants import _e2m1_as_e4m3, _round_bits, nvfp4_product
+from fused_variants import bf16_by_bits, e4m3, e4m3_planes
 
 from minimax_ref.fast import FastPaths
 from minimax_ref.loader import load_synthetic
 from minimax_ref.model import LAYER_INDUCTOR_OPTIONS
+from minimax_ref.packed import _select as select_entries
 from minimax_ref.packed import (
-    _global,
+    _to_bf16_by_conversion,
     decoded_planes,
     normal_range_planes,
     packed_matmul,
     packed_matmul_reference,
 )
-from minimax_ref.packed import _select as select_entries
 
 # (XBLOCK, R0_BLOCK, num_warps): outputs per program, reduced elements per loop step, warps
 WEIGHT_CONFIGS = [c for c in itertools.product([1, 2], [512, 1024, 2048, 4096], [4, 8, 16])
@@ -118,27 +118,6 @@ def sweep(kernel, args: tuple, configs: list, iters: int) -> dict:
     return out
 
 
-def _bf16_by_conversion(v: torch.Tensor) -> torch.Tensor:
-    return (v.to(torch.bfloat16).view(torch.int16).to(torch.int32) << 16).view(torch.float32)
-
-
-def _bf16_by_bits(v: torch.Tensor) -> torch.Tensor:
-    return _round_bits(v).view(torch.float32)
-
-
-def e4m3_planes(weight, weight_scale, g, rounding):
-    """NVFP4 planes as session 5's engine built them (the E4M3 re-coding, times 64 s), rounded by `rounding`."""
-    *lead, n, half_k = weight.shape
-    s64 = (weight_scale.to(torch.float32) * (64.0 * _global(g, lead))).unsqueeze(-1)
-    data = weight.view(*lead, n, half_k // 8, 8).to(torch.int32)
-    return [rounding(_e2m1_as_e4m3(codes) * s64) for codes in (data, data >> 4)]
-
-
-def e4m3_matmul(x, weight, weight_scale, g, index, rounding):
-    weight, weight_scale, g = select_entries(weight, weight_scale, g, index)
-    return nvfp4_product(x, e4m3_planes(weight, weight_scale, g, rounding))
-
-
 def engine_matmul(x, fmt, weight, weight_scale, g, index):
     return packed_matmul(x, fmt, weight, weight_scale, g, torch.bfloat16, index, True)
 
@@ -158,9 +137,9 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
         for variant in WEIGHT_VARIANTS[name]:
             options = dict(LAYER_INDUCTOR_OPTIONS)
             if variant.startswith("e4m3"):
-                rounding = _bf16_by_bits if variant == "e4m3_int" else _bf16_by_conversion
+                rounding = bf16_by_bits if variant == "e4m3_int" else _to_bf16_by_conversion
                 planes = e4m3_planes(*parts, rounding)
-                fn = torch.compile(e4m3_matmul, dynamic=False, fullgraph=True, options=options)
+                fn = torch.compile(e4m3, dynamic=False, fullgraph=True, options=options)
                 call = functools.partial(fn, x, w, s, g, index, rounding)
             else:
                 planes = normal_range_planes(fmt, *parts)

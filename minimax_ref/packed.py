@@ -217,22 +217,29 @@ def scales_in_normal_range(fmt: str, weight_scale: torch.Tensor, weight_scale_2:
     return bool(((codes >= _MXFP8_NORMAL_CODES[0]) & (codes <= _MXFP8_NORMAL_CODES[1])).all())
 
 
-def _e2m1_times_2_pow_minus_126(low: torch.Tensor, high: torch.Tensor) -> list[torch.Tensor]:
-    """The E2M1 codes of packed NVFP4 bytes (int32 tensors of values 0..255) as float32 values e2m1 * 2^-126, the
-    low nibbles' (`low`) and the high nibbles' (`high`): each code's bits s e e m placed as fp32 bits, the sign at
+def _e2m1_times_2_pow_minus_126(data: torch.Tensor) -> list[torch.Tensor]:
+    """The E2M1 codes of packed NVFP4 bytes `data` (an int32 tensor of values 0..255) as float32 values
+    e2m1 * 2^-126, the low nibbles' then the high nibbles': each code's bits s e e m placed as fp32 bits, the sign at
     bit 31, e e as the exponent field's two low bits and m as the mantissa's top bit. fp32 then reads
     2^(e - 127) (1 + m/2), or for e = 0 the subnormal 2^-126 (m/2): the E2M1 value 2^(e - 1) (1 + m/2) (or m/2)
     times 2^-126 for every code, -0 included. Two masks, two shifts and an or per code, no conversion instruction."""
-    return [(((low & 0x08) << 28) | ((low & 0x07) << 22)).view(torch.float32),
-            (((high & 0x80) << 24) | ((high & 0x70) << 18)).view(torch.float32)]
+    return [(((data & 0x08) << 28) | ((data & 0x07) << 22)).view(torch.float32),
+            (((data & 0x80) << 24) | ((data & 0x70) << 18)).view(torch.float32)]
+
+
+def _widen_bf16_bits(b: torch.Tensor) -> torch.Tensor:
+    """bfloat16 `b` as float32, exactly, by shifting its 16 bits into place: in compiled kernels a cast would be
+    emulated as a round trip through bf16, and a computed bf16 passed on as its bits keeps its rounding."""
+    return (b.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
 
 
 def _to_bf16_by_conversion(v: torch.Tensor) -> torch.Tensor:
     """float32 `v` (finite, not NaN) rounded to the nearest bfloat16, ties to even, by the conversion instruction,
-    and widened back to float32 on the bits. Passing the bfloat16 through its int16 bits is what keeps a compiled
-    kernel from eliding the rounding (which it does to `.to(bfloat16).to(float32)`, see `round_to_bf16_bits`): one
-    conversion, one widening and a shift instead of `round_to_bf16_bits`' five integer operations."""
-    return (v.to(torch.bfloat16).view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+    and widened back to float32 on the bits (`_widen_bf16_bits`). Passing the bfloat16 through its int16 bits is
+    what keeps a compiled kernel from eliding the rounding (which it does to `.to(bfloat16).to(float32)`, see
+    `round_to_bf16_bits`): one conversion, one widening and a shift instead of `round_to_bf16_bits`' five integer
+    operations."""
+    return _widen_bf16_bits(v.to(torch.bfloat16))
 
 
 def normal_range_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -252,7 +259,7 @@ def normal_range_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tens
         # (fp32(e4m3) * global) is the reference's block scale, rounded once; times 2^126 it stays exact
         s = (weight_scale.to(torch.float32) * _global(weight_scale_2, lead) * 2.0**126).unsqueeze(-1)
         data = weight.view(*lead, n, half_k // (NVFP4_BLOCK // 2), NVFP4_BLOCK // 2).to(torch.int32)
-        return [_to_bf16_by_conversion(code * s) for code in _e2m1_times_2_pow_minus_126(data, data)]
+        return [_to_bf16_by_conversion(code * s) for code in _e2m1_times_2_pow_minus_126(data)]
     k = weight.shape[-1]
     scale = (weight_scale.to(torch.int32) << 23).view(torch.float32).unsqueeze(-1)  # 2^(code - 127), code >= 1
     return [weight.to(torch.float32).view(*weight.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK) * scale]
@@ -290,8 +297,7 @@ def activation_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
     """`x` [..., K] widened to float32 and split like `decoded_planes`: NVFP4 [even k, odd k], each
     `[..., K/16, 8]`; MXFP8 [x as `[..., K/32, 32]`]."""
     *lead, k = x.shape
-    # bf16 widened on the bits (exact): a cast would be emulated in compiled kernels as a round trip through bf16
-    x = (x.view(torch.int16).to(torch.int32) << 16).view(torch.float32) if x.dtype == torch.bfloat16 else x.float()
+    x = _widen_bf16_bits(x) if x.dtype == torch.bfloat16 else x.float()
     if fmt == NVFP4:
         pairs = x.view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2, 2)
         return [pairs[..., 0], pairs[..., 1]]

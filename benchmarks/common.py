@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_ref.cache import KVCache  # noqa: E402
 from minimax_ref.errors import MiniMaxRefError  # noqa: E402
+from minimax_ref.launch import DECODE_REDUCTIONS, ReductionConfigs  # noqa: E402
 from minimax_ref.linear import Linear  # noqa: E402
 from minimax_ref.moe import Experts  # noqa: E402
 from minimax_ref.packed import PackedWeight, packed_matmul_fused, packed_matmul_reference  # noqa: E402
@@ -48,6 +49,19 @@ GIB = 1 << 30
 
 class BenchmarkError(RuntimeError):
     """A clear, expected failure (bad arguments, not enough devices): printed as one `error:` line."""
+
+
+REDUCTION_CONFIG_HELP = ("launch configurations of the compiled layers' large reductions over packed weights (the "
+                         "matmuls): XBLOCK,R0_BLOCK,NUM_WARPS for both formats, NVFP4's/MXFP8's, or tuned "
+                         f"(coordinate descent, per compile) (default: the engine's, {DECODE_REDUCTIONS.text()})")
+
+
+def reduction_config(text: str | None) -> ReductionConfigs | None:
+    """A `--reduction-config` argument: None (the engine's `launch.DECODE_REDUCTIONS`), "tuned" (None: no fixed
+    configuration), X,R,W or X,R,W/X,R,W."""
+    if text is None:
+        return DECODE_REDUCTIONS
+    return None if text == "tuned" else ReductionConfigs.parse(text)
 
 
 def log(world: World, *parts) -> None:

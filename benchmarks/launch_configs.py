@@ -1,6 +1,8 @@
 """How much of a compiled decode kernel's time is its launch configuration: the Triton kernels that inductor generates
 for the fused packed matmuls and the compiled layers, each relaunched in place with the block sizes and warps that its
-coordinate-descent tuning chose and with each of a fixed list, timed alike. One JSON line.
+compile gave it (`--reduction-config`: the engine's fixed configuration for the large reductions,
+`launch.DECODE_REDUCTIONS`, or `tuned`: coordinate-descent tuning for every kernel) and with each of a fixed list,
+timed alike. One JSON line.
 
 * `--what weights`: one packed weight at a time (`fused_matmul.py`'s shapes, one row of x), written a few ways and
   compiled as the compiled layers compile (`model.LAYER_INDUCTOR_OPTIONS`, static shapes): `engine`
@@ -15,13 +17,14 @@ coordinate-descent tuning chose and with each of a fixed list, timed alike. One 
 
 A kernel is relaunched through its Triton function with the grid inductor would use (`XBLOCK` outputs per program),
 `enable_fp_fusion` off and fp32 subnormals kept (as inductor compiles it here), and timed as `fused_matmul.py` times
-(a CUDA graph of 10 launches, replayed); `tuned_us` is the same relaunch with the tuned configuration. Relaunching a
+(a CUDA graph of 10 launches, replayed); `compiled` is the same relaunch with the compiled configuration. Relaunching a
 layer's kernels recomputes their outputs from the step's inputs; those that write in place (the cache) write what
 they wrote.
 
     # 1 x H200 (about 3 minutes each, most of it compiling):
     python benchmarks/launch_configs.py --what weights --out launch_configs.jsonl
     python benchmarks/launch_configs.py --what layers --out launch_configs.jsonl
+    python benchmarks/launch_configs.py --what layers --reduction-config tuned --out launch_configs.jsonl
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ import functools
 import itertools
 import sys
 import time
+from dataclasses import replace
 
 import torch
-from common import BenchmarkError, emit, main_guard, prefill
+from common import REDUCTION_CONFIG_HELP, BenchmarkError, emit, main_guard, prefill, reduction_config
 from fused_matmul import SHAPES, operands, per_call_s
 from fused_variants import bf16_by_bits, e4m3, e4m3_planes
 
 from minimax_ref.fast import FastPaths
+from minimax_ref.launch import compiled_with_fixed_reductions
 from minimax_ref.loader import load_synthetic
 from minimax_ref.model import LAYER_INDUCTOR_OPTIONS
 from minimax_ref.packed import _select as select_entries
@@ -50,10 +55,14 @@ from minimax_ref.packed import (
 )
 
 # (XBLOCK, R0_BLOCK, num_warps): outputs per program, reduced elements per loop step, warps
-WEIGHT_CONFIGS = [c for c in itertools.product([1, 2], [512, 1024, 2048, 4096], [4, 8, 16])
+WEIGHT_CONFIGS = [c for c in itertools.product([1, 2], [256, 512, 1024, 2048, 4096], [4, 8, 16])
                   if 1 <= c[0] * c[1] // (32 * c[2]) <= 16]
-LAYER_CONFIGS = [(1, 512, 4), (1, 512, 8), (1, 512, 16), (1, 1024, 4), (1, 1024, 8), (1, 256, 2), (1, 256, 4),
-                 (1, 256, 8), (2, 512, 4), (2, 512, 8), (1, 2048, 8), (1, 2048, 16)]
+# the last six hold several outputs per program: the attention value sums read a cached key's row of values
+# (contiguous over the outputs) once for all of them
+LAYER_CONFIGS = [(1, 128, 4), (1, 128, 8), (1, 256, 2), (1, 256, 4), (1, 256, 8), (1, 256, 16), (1, 512, 4),
+                 (1, 512, 8), (1, 512, 16), (1, 1024, 4), (1, 1024, 8), (2, 256, 8), (2, 512, 4), (2, 512, 8),
+                 (4, 512, 16), (4, 1024, 2), (8, 512, 1), (1, 2048, 8),
+                 (8, 256, 4), (16, 128, 4), (32, 64, 4), (64, 32, 4), (128, 16, 8), (32, 128, 8)]
 WEIGHT_VARIANTS = {"q_proj": ["engine", "x_fp32"], "o_proj": ["engine"], "dense gate_proj": ["engine", "x_fp32"],
                    "4 routed experts w1": ["engine", "x_fp32", "e4m3_int", "e4m3_cvt"],
                    "4 routed experts w2": ["engine", "x_fp32"]}
@@ -95,6 +104,8 @@ def _is_looped_reduction(kernel, args: tuple) -> bool:
 
 def relaunch_us(kernel, args: tuple, xblock: int, r0_block: int, num_warps: int, num_stages: int, iters: int) -> float:
     """Microseconds per launch of inductor reduction `kernel` (args: its pointers, then xnumel and r0numel)."""
+    if kernel.fn.fn is None:  # compiled in a worker process, which drops the Python function: load it as inductor does
+        kernel.fn = kernel._reload_kernel().fn
     grid = ((args[-2] + xblock - 1) // xblock, 1, 1)
     return 1e6 * per_call_s(lambda: kernel.fn[grid](*args, XBLOCK=xblock, R0_BLOCK=r0_block, num_warps=num_warps,
                                                     num_stages=num_stages, enable_fp_fusion=False,
@@ -102,12 +113,14 @@ def relaunch_us(kernel, args: tuple, xblock: int, r0_block: int, num_warps: int,
 
 
 def sweep(kernel, args: tuple, configs: list, iters: int) -> dict:
-    """The tuned configuration's time and the fastest of `configs` (a configuration Triton refuses is skipped)."""
-    tuned = kernel.launchers[0].config
-    xblock, r0_block = tuned.kwargs.get("XBLOCK", 1), tuned.kwargs["R0_BLOCK"]
+    """The compiled configuration's time and the fastest of `configs` (a configuration Triton refuses is
+    skipped)."""
+    compiled = kernel.launchers[0].config
+    xblock, r0_block = compiled.kwargs.get("XBLOCK", 1), compiled.kwargs["R0_BLOCK"]
     out = {"kernel": kernel.fn.__name__[:160], "xnumel": args[-2], "r0numel": args[-1],
-           "tuned": {"config": [xblock, r0_block, tuned.num_warps, tuned.num_stages],
-                     "us": relaunch_us(kernel, args, xblock, r0_block, tuned.num_warps, tuned.num_stages, iters)}}
+           "compiled": {"config": [xblock, r0_block, compiled.num_warps, compiled.num_stages],
+                        "us": relaunch_us(kernel, args, xblock, r0_block, compiled.num_warps, compiled.num_stages,
+                                          iters)}}
     timed = []
     for xb, rb, nw in configs:
         try:
@@ -135,15 +148,19 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
         parts = select_entries(w, s, g, index)
         reference_planes = decoded_planes(fmt, *parts, torch.bfloat16)
         for variant in WEIGHT_VARIANTS[name]:
+            if args.variants and variant not in args.variants:
+                continue
             options = dict(LAYER_INDUCTOR_OPTIONS)
             if variant.startswith("e4m3"):
                 rounding = bf16_by_bits if variant == "e4m3_int" else _to_bf16_by_conversion
                 planes = e4m3_planes(*parts, rounding)
-                fn = torch.compile(e4m3, dynamic=False, fullgraph=True, options=options)
+                fn = compiled_with_fixed_reductions(e4m3, args.reductions, dynamic=False, fullgraph=True,
+                                                    options=options)
                 call = functools.partial(fn, x, w, s, g, index, rounding)
             else:
                 planes = normal_range_planes(fmt, *parts)
-                fn = torch.compile(engine_matmul, dynamic=False, fullgraph=True, options=options)
+                fn = compiled_with_fixed_reductions(engine_matmul, args.reductions, dynamic=False, fullgraph=True,
+                                                    options=options)
                 call = functools.partial(fn, x.float() if variant == "x_fp32" else x, fmt, w, s, g, index)
             if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(planes, reference_planes)):
                 raise BenchmarkError(f"{name} {variant}: the decoded weight's bits differ from decoded_planes")
@@ -159,7 +176,8 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
             row = {"weight": name, "format": fmt, "variant": variant, "compile_s": compile_s, "rel_err": err,
                    "compiled_us": 1e6 * per_call_s(call, args.iters),
                    **sweep(kernel, kargs, WEIGHT_CONFIGS, args.iters)}
-            print(f"{name:20s} {variant:9s} tuned {row['tuned']['us']:6.1f} us {row['tuned']['config']}  fastest "
+            print(f"{name:20s} {variant:9s} compiled {row['compiled']['us']:6.1f} us {row['compiled']['config']}  "
+                  f"fastest "
                   f"{row['fastest'][0]['us']:6.1f} us {row['fastest'][0]['config']}", file=sys.stderr, flush=True)
             rows.append(row)
     return rows
@@ -168,9 +186,9 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
 def layers(args: argparse.Namespace, device: torch.device) -> list:
     launches = Launches()
     prompt = 8192
+    fast = replace(FastPaths.of("compiled"), layer_reductions=args.reductions)
     model = load_synthetic("release", format="nvfp4", layers=4, experts=16, device=device, weights="packed",
-                           dtype=torch.bfloat16, fast=FastPaths.of("compiled"), max_seq_len=prompt + 8,
-                           kv_cache_dtype="fp8")
+                           dtype=torch.bfloat16, fast=fast, max_seq_len=prompt + 8, kv_cache_dtype="fp8")
     ids = torch.randint(0, 100_000, (1, prompt), generator=torch.Generator(device=device).manual_seed(3),
                         device=device)
     with torch.no_grad():
@@ -189,10 +207,11 @@ def layers(args: argparse.Namespace, device: torch.device) -> list:
             if name in seen or not _is_looped_reduction(kernel, kargs):
                 continue
             seen.add(name)
-            if kargs[-1] < 2048 or kargs[-2] < 2048:
+            if kargs[-1] < 1024 or kargs[-2] < 1024:
                 continue
             row = sweep(kernel, kargs, LAYER_CONFIGS, args.iters)
-            print(f"{row['kernel'][:70]:70s} tuned {row['tuned']['us']:6.1f} us {row['tuned']['config']}  fastest "
+            print(f"{row['kernel'][:70]:70s} compiled {row['compiled']['us']:6.1f} us {row['compiled']['config']}  "
+                  f"fastest "
                   f"{row['fastest'][0]['us']:6.1f} us {row['fastest'][0]['config']}", file=sys.stderr, flush=True)
             rows.append(row)
     return rows
@@ -201,10 +220,12 @@ def layers(args: argparse.Namespace, device: torch.device) -> list:
 def run(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise BenchmarkError("launch_configs.py relaunches CUDA kernels: run it on a machine with a GPU")
+    args.reductions = reduction_config(args.reduction_config)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     device = torch.device("cuda")
     out = {"benchmark": "launch_configs", "what": args.what, "command": " ".join(sys.argv), "torch": torch.__version__,
            "device_name": torch.cuda.get_device_name(device),
+           "reduction_config": None if args.reductions is None else args.reductions.text(),
            "kernels": weights(args, device) if args.what == "weights" else layers(args, device)}
     emit(out, args.out)
 
@@ -214,8 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--what", default="weights", choices=["weights", "layers"],
                    help="one packed weight at a time, or a 4-layer model's decode step (default: weights)")
     p.add_argument("--iters", type=int, default=10, help="graph replays timed per configuration (default: 10)")
+    p.add_argument("--reduction-config", default=None, metavar="X,R,W|tuned", help=REDUCTION_CONFIG_HELP)
+    p.add_argument("--variants", default="", help="--what weights: only these variants, comma-separated (default: all "
+                   f"of {sorted({v for vs in WEIGHT_VARIANTS.values() for v in vs})})")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = p.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
     return main_guard(lambda: run(args), [])
 
 

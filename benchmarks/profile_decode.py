@@ -23,11 +23,12 @@ import argparse
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 from common import (
     GIB,
+    REDUCTION_CONFIG_HELP,
     BenchmarkError,
     GraphStep,
     copy_bandwidth,
@@ -37,6 +38,7 @@ from common import (
     log,
     main_guard,
     prefill,
+    reduction_config,
     replicate_cache,
     sync,
 )
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="timed and profiled graph replays (default: 20)")
     p.add_argument("--top", type=int, default=25, help="kernels listed (default: 25)")
     p.add_argument("--bw-gib", type=float, default=4.0, help="bytes of the bandwidth copy, GiB (default: 4)")
+    p.add_argument("--reduction-config", default=None, metavar="X,R,W|tuned", help=REDUCTION_CONFIG_HELP)
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p
 
@@ -111,7 +114,8 @@ def run(args: argparse.Namespace, holder: list) -> None:
     if device.type != "cuda" or world.size != 1:
         raise BenchmarkError("profile_decode.py profiles CUDA-graph replays on one GPU: run it with python on a "
                              "machine with CUDA")
-    fast = replace(FastPaths.of(FAST[args.fast]), fused_rows=args.fused_rows)
+    fast = replace(FastPaths.of(FAST[args.fast]), fused_rows=args.fused_rows,
+                   layer_reductions=reduction_config(args.reduction_config))
     max_len = args.prompt_len + 8
     bw = copy_bandwidth(device, int(args.bw_gib * GIB))
     log(world, f"materialising {args.preset} layers={args.layers} experts={args.experts} ({args.format})")
@@ -122,7 +126,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
                         device=device)
     result: dict = {"benchmark": "profile_decode", "command": " ".join(sys.argv), "params": vars(args),
                     "torch": torch.__version__, "device_name": torch.cuda.get_device_name(device),
-                    "copy_bandwidth": bw, "fast_paths": vars(model.fast)}
+                    "copy_bandwidth": bw, "fast_paths": asdict(model.fast)}
     with torch.no_grad():
         cache = model.new_cache(1, max_len, args.kv_cache_dtype)
         last = prefill(model, cache, ids, args.prefill_chunk)

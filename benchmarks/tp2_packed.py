@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 from common import (
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
                        dtype_bytes=2 if dtype == torch.bfloat16 else 4, expert_parallel=args.expert_parallel)
     result["plan"] = {k: plan[k] for k in ("weights_gib_per_card", "kv_bytes_per_token", "kv_gib_for_max_model_len")}
     result["model"] = {"layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_local_experts,
-                       "hidden": cfg.text.hidden_size, "fast_paths": vars(model.fast)}
+                       "hidden": cfg.text.hidden_size, "fast_paths": asdict(model.fast)}
     log(world, f"loaded in {load_s:.1f} s: {mine['weights_bytes'] / GIB:.2f} GiB of weights on rank 0")
     if fused:
         if not any(True for _ in packed_weights(model)):

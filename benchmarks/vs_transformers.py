@@ -43,7 +43,7 @@ import copy
 import gc
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -288,7 +288,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
     log(world, f"ours_packed: materialising {args.preset} layers={args.layers} experts={args.experts}")
     packed = load_synthetic(args.preset, weights="packed", **common)
     result["model"] = {"layers": packed.text.num_hidden_layers, "experts": packed.text.num_local_experts,
-                       "hidden": packed.text.hidden_size, "fast_paths": vars(packed.fast)}
+                       "hidden": packed.text.hidden_size, "fast_paths": asdict(packed.fast)}
     if any(f.matmul == "fused" for f in fasts.values()):
         log(world, "compiling and checking the fused packed matmul")
         packed.set_fast(fused)

@@ -30,6 +30,11 @@ reference computation by a faster one that computes the same function.
   `static_kv` (static shapes, no host synchronisation). Same function; fp32 sums in another order, so equal to
   fp32 rounding. Compiled on first use (tens of seconds per kind of layer): warm up before capturing a CUDA
   graph. Steps with NVFP4/MXFP8 activation emulation or an expert mask run the layers eagerly.
+  `layer_reductions`: the launch configurations of the compiled layers' large Triton reductions over packed weights
+  (the matmuls; `launch.FixedReductions`), one per format, default `launch.DECODE_REDUCTIONS`; None: tuned by
+  inductor's coordinate descent like the other kernels (a different configuration from one compile to the next). A
+  `launch.ReductionConfigs`, one `launch.ReductionConfig` for both formats, or the text `"XBLOCK,R0_BLOCK,NUM_WARPS"`
+  (both) or `"X,R,W/X,R,W"` (NVFP4's/MXFP8's). Same function either way.
 
 With `moe` and `static_kv` (and no trace, no activation emulation) a decode step has no host synchronisation
 and fixed shapes, so it can be captured in a CUDA graph (`benchmarks/common.py`); so can it with `matmul="fused"`
@@ -44,6 +49,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .errors import ConfigError
+from .launch import DECODE_REDUCTIONS, ReductionConfigs
 
 DECODE_MODES = ("reference", "fast", "compile")
 MATMUL_MODES = ("reference", "fused")
@@ -75,8 +81,11 @@ class FastPaths:
     # rows of the input per pass of the fused matmul over a weight (`packed.packed_matmul_fused`)
     fused_rows: int = FUSED_ROWS
     compile_layers: bool = False
+    # launch configurations of the compiled layers' large reductions over packed weights (None: tuned per compile)
+    layer_reductions: ReductionConfigs | None = DECODE_REDUCTIONS
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_reductions", ReductionConfigs.of(self.layer_reductions))
         if self.decode not in DECODE_MODES:
             raise ConfigError(f"fast paths: decode={self.decode!r}: choose one of {list(DECODE_MODES)}")
         if self.matmul not in MATMUL_MODES:

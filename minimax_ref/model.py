@@ -30,6 +30,7 @@ from .cache import KVCache, LayerCache
 from .config import ModelConfig, TextConfig
 from .errors import InputError
 from .fast import REFERENCE, FastPaths, materialize
+from .launch import DECODE_REDUCTIONS, ReductionConfigs, compiled_with_fixed_reductions
 from .mlp import MLP
 from .moe import Experts, MoE, Routing
 from .norm import RMSNorm
@@ -111,17 +112,18 @@ def _run_layer(layer: DecoderLayer, x: torch.Tensor, pos: torch.Tensor, cos: tor
 LAYER_INDUCTOR_OPTIONS = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
 
 
-def compiled_layer():
+def compiled_layer(reductions: ReductionConfigs | None = DECODE_REDUCTIONS):
     """`_run_layer` through `torch.compile`, for decode steps (`FastPaths.compile_layers`).
 
     The layer is an argument and reads no per-layer constant on this path (its cache part comes in as tensors,
     `KVCache.layer`), so every layer of a kind passes the same guards and shares one compiled graph: one per
     (kind of layer, batch size, cache length, dtype). Static shapes (`dynamic=False`: a decode step's shapes are
     fixed) and `fullgraph`: no graph break, so no host synchronisation hides in the step. Inductor options:
-    `LAYER_INDUCTOR_OPTIONS`."""
+    `LAYER_INDUCTOR_OPTIONS`, and the large reductions over packed weights (the matmuls) launched with their
+    format's configuration in `reductions` (`launch.FixedReductions`; None: tuned like the other kernels)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    options = dict(LAYER_INDUCTOR_OPTIONS)
-    return torch.compile(_run_layer, dynamic=False, fullgraph=True, options=options)
+    return compiled_with_fixed_reductions(_run_layer, reductions, dynamic=False, fullgraph=True,
+                                          options=dict(LAYER_INDUCTOR_OPTIONS))
 
 
 class MiniMaxM3(nn.Module):
@@ -173,7 +175,7 @@ class MiniMaxM3(nn.Module):
             elif isinstance(m, PackedWeight):
                 m.mode = self.fast.decode
                 m.fused_tokens, m.fused_rows = self.fast.fused_tokens, self.fast.fused_rows
-        self._compiled_layer = compiled_layer() if self.fast.compile_layers else None
+        self._compiled_layer = compiled_layer(self.fast.layer_reductions) if self.fast.compile_layers else None
         return self.fast
 
     def _compiles_step(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None) -> bool:

@@ -212,12 +212,12 @@ class Experts(nn.Module):
         weights = torch.where(mine, routing.weights, torch.zeros_like(routing.weights))  # fp32 [T, k]
         local = local.clamp(0, E - 1)
         if T * k < E:
-            ids = local.reshape(-1)  # [P]
-            xp = x.repeat_interleave(k, dim=0)[:, None]  # [P, 1, H]
-            gate = self.matmul("w1", xp, ids)
-            up = self.matmul("w3", xp, ids)
+            # each token's row broadcast against its k experts (not repeated: the fused matmul reads x in place)
+            xt = x[:, None, None]  # [T, 1, 1, H]
+            gate = self.matmul("w1", xt, local)  # [T, k, 1, I]
+            up = self.matmul("w3", xt, local)
             h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
-            y = self.matmul("w2", h, ids).view(T, k, -1)  # [T, k, H]
+            y = self.matmul("w2", h, local).view(T, k, -1)  # [T, k, H]
             return (y.float() * weights[..., None]).sum(1)
         dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, local, weights)
         gate = self.matmul("w1", x)  # [E, T, I]
@@ -228,7 +228,8 @@ class Experts(nn.Module):
 
     def matmul(self, leaf: str, x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W^T` for the stack `leaf` ("w1", "w2", "w3"): x `[*B, M, K]` against every local expert (index
-        None; `*B` broadcasts against `[E_local]`) or against the experts `index` (a LongTensor [P], x `[P, M, K]`).
+        None; `*B` broadcasts against `[E_local]`) or against the experts `index` (a LongTensor of any shape `I`;
+        `*B` broadcasts against `I`).
         A packed stack multiplies without decoding into memory when its fused matmul is on
         (`PackedWeight.matmul`); the gathered experts' bytes are then read in place."""
         w = getattr(self, leaf)

@@ -295,13 +295,31 @@ def decoded_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
 
 def activation_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
     """`x` [..., K] widened to float32 and split like `decoded_planes`: NVFP4 [even k, odd k], each
-    `[..., K/16, 8]`; MXFP8 [x as `[..., K/32, 32]`]."""
+    `[..., K/16, 8]`; MXFP8 [x as `[..., K/32, 32]`]. Exact (a widening).
+
+    A bf16 x of an NVFP4 product is read as int32 words, each the pair (x[2j], x[2j+1]) that one packed byte
+    multiplies (little-endian: x[2j] in the low half), and both halves are shifted or masked into fp32 bits: one
+    load and two integer operations per byte in a compiled kernel, where two strided bf16 loads and their widenings
+    cost twice that."""
     *lead, k = x.shape
+    if fmt == NVFP4 and x.dtype == torch.bfloat16:
+        words = _bf16_pairs_as_int32(x).view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2)
+        return [(words << 16).view(torch.float32), (words & -65536).view(torch.float32)]
     x = _widen_bf16_bits(x) if x.dtype == torch.bfloat16 else x.float()
     if fmt == NVFP4:
         pairs = x.view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2, 2)
         return [pairs[..., 0], pairs[..., 1]]
     return [x.view(*lead, k // MXFP8_BLOCK, MXFP8_BLOCK)]
+
+
+def _bf16_pairs_as_int32(x: torch.Tensor) -> torch.Tensor:
+    """bf16 `x` [..., K] (K even) as int32 [..., K/2]: each word holds x[2j] in its low and x[2j+1] in its high 16
+    bits (the bytes as stored, read little-endian, which every device torch runs on is). Copies x first unless it is
+    contiguous and starts on a word (compiled, the compiler places its buffers, and a view's offset is not traced)."""
+    x = x.contiguous()
+    if not torch.compiler.is_compiling() and x.storage_offset() % 2:
+        x = x.clone()
+    return x.view(torch.int32)
 
 
 def _select(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor | None,
@@ -328,8 +346,8 @@ def packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale:
     """`x @ w_hat^T` with the packed weight decoded inside the sum: the fused dequantize-and-multiply.
 
     x: `[*B, M, K]` in any float dtype; weight, weight_scale, weight_scale_2: a packed `[*L, N, K]` weight or
-    stack as in `decode_reference`; index: None, or a LongTensor `[P]` of stack entries (repeats allowed) that
-    replaces L by `[P]`; `*B` broadcasts against `*L` (`[P]`). Returns `[*broadcast(B, L), M, N]` in `dtype`:
+    stack as in `decode_reference`; index: None, or a LongTensor of stack entries (any shape `I`, repeats allowed)
+    that replaces L by `I`; `*B` broadcasts against `*L` (`I`). Returns `[*broadcast(B, L), M, N]` in `dtype`:
 
         y[..., m, n] = dtype( sum_k fp32(x[..., m, k]) * fp32(w_hat[..., n, k]) )
 
@@ -369,7 +387,8 @@ def packed_matmul_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, wei
 
 FUSED_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 1 << 16, "realize_acc_reads_threshold": 1 << 16,
                           "realize_reads_threshold": 1 << 16,
-                          "emulate_precision_casts": True, "eager_numerics.disable_ftz": True}
+                          "emulate_precision_casts": True, "eager_numerics.disable_ftz": True,
+                          "assert_indirect_indexing": False}
 _fused = None
 
 
@@ -386,7 +405,10 @@ def _compiled_packed_matmul():
     multiplying by the fp32 decoded value instead of the weight's bits); it is not enough: on an H200 (torch
     2.11) the Triton kernel still multiplied by the unrounded fp32 NVFP4 value, so `decoded_planes` rounds to
     bfloat16 with integer operations on the bits (`round_to_bf16_bits`), which no compiler elides, and the
-    option stays for the remaining casts (float16); eager_numerics.disable_ftz keeps fp32 subnormals.
+    option stays for the remaining casts (float16); eager_numerics.disable_ftz keeps fp32 subnormals;
+    assert_indirect_indexing off: inductor would check every gathered expert's (and every gathered key's) index
+    against its bound once per loaded element, inside the loop over K, and the indices here are the engine's own
+    (top-k expert ids, clamped block ids), in range by construction.
     """
     global _fused
     if _fused is None:
@@ -500,7 +522,7 @@ class PackedWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
         """`torch.matmul(x, self.decode(index).transpose(-1, -2))`: x `[*B, M, K]` against the whole stack (index
-        None) or the entries `index` (a LongTensor [P]); fused when `M` is at most `fused_tokens`."""
+        None) or the entries `index` (a LongTensor of any shape); fused when `M` is at most `fused_tokens`."""
         if 0 < x.shape[-2] <= self.fused_tokens:
             return packed_matmul_fused(x, self.fmt, *self.parts(), self.dtype, index, self.fused_rows,
                                        self.normal_range)

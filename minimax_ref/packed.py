@@ -299,8 +299,8 @@ def activation_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
 
     A bf16 x of an NVFP4 product is read as int32 words, each the pair (x[2j], x[2j+1]) that one packed byte
     multiplies (little-endian: x[2j] in the low half), and both halves are shifted or masked into fp32 bits: one
-    load and two integer operations per byte in a compiled kernel, where two strided bf16 loads and their widenings
-    cost twice that."""
+    load and two integer operations per byte in a compiled kernel instead of two strided bf16 loads and their
+    widenings (its effect on an H200 decode step was within the spread of runs of the same code, BENCHMARKS.md)."""
     *lead, k = x.shape
     if fmt == NVFP4 and x.dtype == torch.bfloat16:
         words = _bf16_pairs_as_int32(x).view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2)

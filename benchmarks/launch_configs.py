@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--what", default="weights", choices=["weights", "layers"],
                    help="one packed weight at a time, or a 4-layer model's decode step (default: weights)")
     p.add_argument("--iters", type=int, default=10, help="graph replays timed per configuration (default: 10)")
-    p.add_argument("--reduction-config", default=None, metavar="X,R,W|tuned", help=REDUCTION_CONFIG_HELP)
+    p.add_argument("--reduction-config", default=None, metavar="X,R,W[/X,R,W]|tuned", help=REDUCTION_CONFIG_HELP)
     p.add_argument("--variants", default="", help="--what weights: only these variants, comma-separated (default: all "
                    f"of {sorted({v for vs in WEIGHT_VARIANTS.values() for v in vs})})")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")

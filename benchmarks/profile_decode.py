@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="timed and profiled graph replays (default: 20)")
     p.add_argument("--top", type=int, default=25, help="kernels listed (default: 25)")
     p.add_argument("--bw-gib", type=float, default=4.0, help="bytes of the bandwidth copy, GiB (default: 4)")
-    p.add_argument("--reduction-config", default=None, metavar="X,R,W|tuned", help=REDUCTION_CONFIG_HELP)
+    p.add_argument("--reduction-config", default=None, metavar="X,R,W[/X,R,W]|tuned", help=REDUCTION_CONFIG_HELP)
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p
 

@@ -51,14 +51,15 @@ class BenchmarkError(RuntimeError):
     """A clear, expected failure (bad arguments, not enough devices): printed as one `error:` line."""
 
 
-REDUCTION_CONFIG_HELP = ("launch configurations of the compiled layers' large reductions over packed weights (the "
-                         "matmuls): XBLOCK,R0_BLOCK,NUM_WARPS for both formats, NVFP4's/MXFP8's, or tuned "
-                         f"(coordinate descent, per compile) (default: the engine's, {DECODE_REDUCTIONS.text()})")
+REDUCTION_CONFIG_HELP = ("launch configurations of the compiled layers' large reductions: XBLOCK,R0_BLOCK,NUM_WARPS "
+                         "for every product over packed weights, NVFP4's/MXFP8's, then KIND=X,R,W or KIND=tuned parts "
+                         "(kinds: nvfp4, mxfp8, nvfp4_pair, mxfp8_pair, other), or tuned for everything (coordinate "
+                         f"descent, per compile) (default: the engine's, {DECODE_REDUCTIONS.text()})")
 
 
 def reduction_config(text: str | None) -> ReductionConfigs | None:
     """A `--reduction-config` argument: None (the engine's `launch.DECODE_REDUCTIONS`), "tuned" (None: no fixed
-    configuration), X,R,W or X,R,W/X,R,W."""
+    configuration), or the text of `ReductionConfigs.parse`."""
     if text is None:
         return DECODE_REDUCTIONS
     return None if text == "tuned" else ReductionConfigs.parse(text)

@@ -9,11 +9,13 @@ timed alike. One JSON line.
   (`packed_matmul(..., normal_range=True)`: `normal_range_planes`), `x_fp32` (the same with x handed over in fp32),
   and for NVFP4 `e4m3_int` / `e4m3_cvt` (the E2M1 code re-coded as the E4M3 value e2m1 * 2^-6, widened by the
   conversion instruction, times 64 s, rounded to bf16 with integer operations on the bits, as the engine did
-  before, or by the conversion instruction). Every variant's output is checked against
+  before, or by the conversion instruction) and `words` (`packed_matmul(..., words=True)`: the packed bytes read as
+  int32 words, eight elements a load, `packed.nvfp4_word_planes`). Every variant's output is checked against
   `packed.packed_matmul_reference` and every NVFP4 variant's planes against `decoded_planes`, bit for bit.
 * `--what layers`: a release-width model of 4 layers (3 dense, 1 MSA+MoE; 16 routed experts, NVFP4 + MXFP8 packed,
-  fp8 KV cache, an 8,192-token prompt) with `fast="compiled"`: the Triton reductions of one eager decode step with at
-  least 2,048 outputs and 2,048 reduced elements each (the matmuls, attention over the selected keys).
+  fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (`--nvfp4-words`: NVFP4 read as int32 words): the
+  looped Triton reductions of one decode step with at least 1,024 outputs and 1,024 reduced indices each (384 for
+  NVFP4's words) (the matmuls, attention over the selected keys).
 
 A kernel is relaunched through its Triton function with the grid inductor would use (`XBLOCK` outputs per program),
 `enable_fp_fusion` off and fp32 subnormals kept (as inductor compiles it here), and timed as `fused_matmul.py` times
@@ -45,11 +47,13 @@ from minimax_ref.fast import FastPaths
 from minimax_ref.launch import compiled_with_fixed_reductions
 from minimax_ref.loader import load_synthetic
 from minimax_ref.model import LAYER_INDUCTOR_OPTIONS
+from minimax_ref.packed import _bytes_as_int32 as bytes_as_int32
 from minimax_ref.packed import _select as select_entries
 from minimax_ref.packed import (
     _to_bf16_by_conversion,
     decoded_planes,
     normal_range_planes,
+    nvfp4_word_planes,
     packed_matmul,
     packed_matmul_reference,
 )
@@ -62,10 +66,13 @@ WEIGHT_CONFIGS = [c for c in itertools.product([1, 2], [256, 512, 1024, 2048, 40
 LAYER_CONFIGS = [(1, 128, 4), (1, 128, 8), (1, 256, 2), (1, 256, 4), (1, 256, 8), (1, 256, 16), (1, 512, 4),
                  (1, 512, 8), (1, 512, 16), (1, 1024, 4), (1, 1024, 8), (2, 256, 8), (2, 512, 4), (2, 512, 8),
                  (4, 512, 16), (4, 1024, 2), (8, 512, 1), (1, 2048, 8),
-                 (8, 256, 4), (16, 128, 4), (32, 64, 4), (64, 32, 4), (128, 16, 8), (32, 128, 8)]
-WEIGHT_VARIANTS = {"q_proj": ["engine", "x_fp32"], "o_proj": ["engine"], "dense gate_proj": ["engine", "x_fp32"],
-                   "4 routed experts w1": ["engine", "x_fp32", "e4m3_int", "e4m3_cvt"],
-                   "4 routed experts w2": ["engine", "x_fp32"]}
+                 (8, 256, 4), (16, 128, 4), (32, 64, 4), (64, 32, 4), (128, 16, 8), (32, 128, 8),
+                 # shorter steps for NVFP4 read as int32 words (8 elements a reduced index)
+                 (1, 64, 2), (1, 64, 4), (2, 128, 4), (4, 128, 4)]
+WEIGHT_VARIANTS = {"q_proj": ["engine", "x_fp32"], "o_proj": ["engine"],
+                   "dense gate_proj": ["engine", "x_fp32", "words"],
+                   "4 routed experts w1": ["engine", "x_fp32", "e4m3_int", "e4m3_cvt", "words"],
+                   "4 routed experts w2": ["engine", "x_fp32", "words"]}
 
 
 class Launches:
@@ -135,6 +142,10 @@ def engine_matmul(x, fmt, weight, weight_scale, g, index):
     return packed_matmul(x, fmt, weight, weight_scale, g, torch.bfloat16, index, True)
 
 
+def words_matmul(x, fmt, weight, weight_scale, g, index):
+    return packed_matmul(x, fmt, weight, weight_scale, g, torch.bfloat16, index, True, words=True)
+
+
 def weights(args: argparse.Namespace, device: torch.device) -> list:
     launches = Launches()
     rows = []
@@ -157,6 +168,12 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
                 fn = compiled_with_fixed_reductions(e4m3, args.reductions, dynamic=False, fullgraph=True,
                                                     options=options)
                 call = functools.partial(fn, x, w, s, g, index, rounding)
+            elif variant == "words":  # the same elements, in word order: compared as whole rows
+                reference_planes = [torch.stack(reference_planes, -1).flatten(-3)]
+                planes = [torch.stack(nvfp4_word_planes(bytes_as_int32(parts[0]), *parts[1:]), -1).flatten(-3)]
+                fn = compiled_with_fixed_reductions(words_matmul, args.reductions, dynamic=False, fullgraph=True,
+                                                    options=options)
+                call = functools.partial(fn, x, fmt, w, s, g, index)
             else:
                 planes = normal_range_planes(fmt, *parts)
                 fn = compiled_with_fixed_reductions(engine_matmul, args.reductions, dynamic=False, fullgraph=True,
@@ -186,7 +203,7 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
 def layers(args: argparse.Namespace, device: torch.device) -> list:
     launches = Launches()
     prompt = 8192
-    fast = replace(FastPaths.of("compiled"), layer_reductions=args.reductions)
+    fast = replace(FastPaths.of("compiled"), layer_reductions=args.reductions, nvfp4_words=args.nvfp4_words)
     model = load_synthetic("release", format="nvfp4", layers=4, experts=16, device=device, weights="packed",
                            dtype=torch.bfloat16, fast=fast, max_seq_len=prompt + 8, kv_cache_dtype="fp8")
     ids = torch.randint(0, 100_000, (1, prompt), generator=torch.Generator(device=device).manual_seed(3),
@@ -207,7 +224,7 @@ def layers(args: argparse.Namespace, device: torch.device) -> list:
             if name in seen or not _is_looped_reduction(kernel, kargs):
                 continue
             seen.add(name)
-            if kargs[-1] < 1024 or kargs[-2] < 1024:
+            if kargs[-2] < 1024 or kargs[-1] < 384:  # 384: NVFP4's down projection read as words (3,072 elements)
                 continue
             row = sweep(kernel, kargs, LAYER_CONFIGS, args.iters)
             print(f"{row['kernel'][:70]:70s} compiled {row['compiled']['us']:6.1f} us {row['compiled']['config']}  "
@@ -226,6 +243,7 @@ def run(args: argparse.Namespace) -> None:
     out = {"benchmark": "launch_configs", "what": args.what, "command": " ".join(sys.argv), "torch": torch.__version__,
            "device_name": torch.cuda.get_device_name(device),
            "reduction_config": None if args.reductions is None else args.reductions.text(),
+           "nvfp4_words": args.nvfp4_words,
            "kernels": weights(args, device) if args.what == "weights" else layers(args, device)}
     emit(out, args.out)
 
@@ -235,9 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--what", default="weights", choices=["weights", "layers"],
                    help="one packed weight at a time, or a 4-layer model's decode step (default: weights)")
     p.add_argument("--iters", type=int, default=10, help="graph replays timed per configuration (default: 10)")
-    p.add_argument("--reduction-config", default=None, metavar="X,R,W[/X,R,W]|tuned", help=REDUCTION_CONFIG_HELP)
+    p.add_argument("--reduction-config", default=None, metavar="X,R,W[/X,R,W][/KIND=X,R,W...]|tuned",
+                   help=REDUCTION_CONFIG_HELP)
     p.add_argument("--variants", default="", help="--what weights: only these variants, comma-separated (default: all "
                    f"of {sorted({v for vs in WEIGHT_VARIANTS.values() for v in vs})})")
+    p.add_argument("--nvfp4-words", action="store_true",
+                   help="--what layers: FastPaths.nvfp4_words, the NVFP4 products read the packed bytes as int32 words")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]

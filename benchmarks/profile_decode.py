@@ -15,11 +15,14 @@ CUDA graph (`common.GraphStep`); `--steps` replays are timed (wall clock, synchr
 
     # 1 x H200, the scaled model of vs_transformers.py, compiled layers (about 2 minutes with the compile):
     python benchmarks/profile_decode.py --preset release --layers 6 --experts 16 --fast compiled --out prof.jsonl
+    # two launch configurations of the reductions on the same weights (one compile and capture each):
+    python benchmarks/profile_decode.py --layers 60 --reduction-config 1,256,8 --reduction-config tuned --out prof.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections import defaultdict
@@ -65,7 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="timed and profiled graph replays (default: 20)")
     p.add_argument("--top", type=int, default=25, help="kernels listed (default: 25)")
     p.add_argument("--bw-gib", type=float, default=4.0, help="bytes of the bandwidth copy, GiB (default: 4)")
-    p.add_argument("--reduction-config", default=None, metavar="X,R,W[/X,R,W]|tuned", help=REDUCTION_CONFIG_HELP)
+    p.add_argument("--reduction-config", action="append", default=None,
+                   metavar="X,R,W[/X,R,W][/KIND=X,R,W...]|tuned",
+                   help=REDUCTION_CONFIG_HELP + "; repeat it to profile several in one run, on the same weights and "
+                   "prefilled cache (one JSON line each)")
+    p.add_argument("--nvfp4-words", default="off", choices=["off", "on", "both"],
+                   help="FastPaths.nvfp4_words: the fused NVFP4 products read the packed bytes as int32 words; both: "
+                   "each configuration with and without (default: off)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p
 
@@ -114,8 +123,8 @@ def run(args: argparse.Namespace, holder: list) -> None:
     if device.type != "cuda" or world.size != 1:
         raise BenchmarkError("profile_decode.py profiles CUDA-graph replays on one GPU: run it with python on a "
                              "machine with CUDA")
-    fast = replace(FastPaths.of(FAST[args.fast]), fused_rows=args.fused_rows,
-                   layer_reductions=reduction_config(args.reduction_config))
+    configs = [reduction_config(text) for text in args.reduction_config or [None]]
+    fast = replace(FastPaths.of(FAST[args.fast]), fused_rows=args.fused_rows, layer_reductions=configs[0])
     max_len = args.prompt_len + 8
     bw = copy_bandwidth(device, int(args.bw_gib * GIB))
     log(world, f"materialising {args.preset} layers={args.layers} experts={args.experts} ({args.format})")
@@ -124,9 +133,6 @@ def run(args: argparse.Namespace, holder: list) -> None:
                            dtype=torch.bfloat16, fast=fast, max_seq_len=max_len, kv_cache_dtype=args.kv_cache_dtype)
     ids = torch.randint(0, 100_000, (1, args.prompt_len), generator=torch.Generator(device=device).manual_seed(3),
                         device=device)
-    result: dict = {"benchmark": "profile_decode", "command": " ".join(sys.argv), "params": vars(args),
-                    "torch": torch.__version__, "device_name": torch.cuda.get_device_name(device),
-                    "copy_bandwidth": bw, "fast_paths": asdict(model.fast)}
     with torch.no_grad():
         cache = model.new_cache(1, max_len, args.kv_cache_dtype)
         last = prefill(model, cache, ids, args.prefill_chunk)
@@ -134,19 +140,37 @@ def run(args: argparse.Namespace, holder: list) -> None:
             cache = replicate_cache(model, cache, args.batch, args.kv_cache_dtype)
         tok = last.argmax(-1, keepdim=True).expand(args.batch, 1).contiguous()
         pos = torch.full((args.batch, 1), args.prompt_len, dtype=torch.long, device=device)
-        t0 = time.perf_counter()
-        runner = GraphStep(model, cache, tok, pos)  # the warm-up steps compile what the fast paths compile
-        result["capture_s"] = time.perf_counter() - t0
-        log(world, f"captured in {result['capture_s']:.1f} s")
-        for _ in range(3):
-            runner.step(tok, pos)
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            runner.step(tok, pos)
-        sync(device)
-        step_s = (time.perf_counter() - t0) / args.steps
-        prof = profile_replays(runner, tok, pos, args.steps)
+        words = {"off": [False], "on": [True], "both": [False, True]}[args.nvfp4_words]
+        # each step writes the same cache slot, so every configuration sees the same state
+        for reductions, nvfp4_words in itertools.product(configs, words):
+            torch._dynamo.reset()
+            model.set_fast(replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words))
+            result = profile_step(args, world, model, cache, tok, pos, bw)
+            emit(result, args.out)
+            torch.cuda.empty_cache()
+
+
+def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tensor, pos: torch.Tensor,
+                 bw: dict) -> dict:
+    """Capture `model`'s decode step (its fast paths as set) in a CUDA graph, time and profile its replays."""
+    device = tok.device
+    result: dict = {"benchmark": "profile_decode", "command": " ".join(sys.argv), "params": vars(args),
+                    "torch": torch.__version__, "device_name": torch.cuda.get_device_name(device),
+                    "copy_bandwidth": bw, "fast_paths": asdict(model.fast)}
+    t0 = time.perf_counter()
+    runner = GraphStep(model, cache, tok, pos)  # the warm-up steps compile what the fast paths compile
+    result["capture_s"] = time.perf_counter() - t0
+    log(world, f"captured in {result['capture_s']:.1f} s")
+    for _ in range(3):
+        runner.step(tok, pos)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        runner.step(tok, pos)
+    sync(device)
+    step_s = (time.perf_counter() - t0) / args.steps
+    prof = profile_replays(runner, tok, pos, args.steps)
+    del runner
     need = decode_step_bytes(model, args.batch, args.prompt_len, 1 if args.kv_cache_dtype == "fp8" else 2)
     roof_s = need["bytes"] / bw["bytes_per_s"]
     kernel_us = sum(prof["micros"].values())
@@ -156,7 +180,9 @@ def run(args: argparse.Namespace, holder: list) -> None:
         k["calls"] += prof["calls"][name]
         k["us"] += us
     top = sorted(prof["micros"], key=prof["micros"].get, reverse=True)[: args.top]
+    reductions = model.fast.layer_reductions
     result.update({
+        "reduction_config": None if reductions is None else reductions.text(),
         "model": {"layers": model.text.num_hidden_layers, "experts": model.text.num_local_experts,
                   "hidden": model.text.hidden_size},
         "step_ms": 1e3 * step_s, "tokens_per_s": args.batch / step_s,
@@ -167,10 +193,11 @@ def run(args: argparse.Namespace, holder: list) -> None:
                     for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["us"])},
         "top": [{"name": n[:160], "calls": prof["calls"][n], "us": prof["micros"][n]} for n in top],
     })
-    log(world, f"step {1e3 * step_s:.2f} ms ({args.batch / step_s:.1f} tok/s), kernels {kernel_us / 1e3:.2f} ms in "
-               f"{result['kernels_per_step']:.0f} launches; roofline {1e3 * roof_s:.2f} ms "
-               f"({100 * roof_s / step_s:.1f} %)")
-    emit(result, args.out)
+    words = " words" if model.fast.nvfp4_words else ""
+    log(world, f"[{result['reduction_config']}{words}] step {1e3 * step_s:.2f} ms ({args.batch / step_s:.1f} tok/s), "
+               f"kernels {kernel_us / 1e3:.2f} ms in {result['kernels_per_step']:.0f} launches; roofline "
+               f"{1e3 * roof_s:.2f} ms ({100 * roof_s / step_s:.1f} %)")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,8 @@ reference computation by a faster one that computes the same function.
   before capturing a CUDA graph). The decoded weight has the same bits; the sum is fp32 in another order, so
   equal to fp32 rounding. Not part of `fast=True`; `fast="fused"` is every fast path with it. `fused_rows`
   sets how many rows of the input each pass over the weight takes (more rows: fewer passes, more registers).
+  `nvfp4_words=True`: the fused NVFP4 products (bf16, scales in the normal range) read the packed bytes as int32
+  words, eight elements per load (`packed.nvfp4_word_planes`); the same decoded bits, the sum in another order.
 
 * `compile_layers=True`: in decode steps (one token per sequence, with a cache and no trace), each decoder layer
   runs through `torch.compile` (`model.compiled_layer`): one compiled graph per
@@ -30,11 +32,13 @@ reference computation by a faster one that computes the same function.
   `static_kv` (static shapes, no host synchronisation). Same function; fp32 sums in another order, so equal to
   fp32 rounding. Compiled on first use (tens of seconds per kind of layer): warm up before capturing a CUDA
   graph. Steps with NVFP4/MXFP8 activation emulation or an expert mask run the layers eagerly.
-  `layer_reductions`: the launch configurations of the compiled layers' large Triton reductions over packed weights
-  (the matmuls; `launch.FixedReductions`), one per format, default `launch.DECODE_REDUCTIONS`; None: tuned by
-  inductor's coordinate descent like the other kernels (a different configuration from one compile to the next). A
-  `launch.ReductionConfigs`, one `launch.ReductionConfig` for both formats, or the text `"XBLOCK,R0_BLOCK,NUM_WARPS"`
-  (both) or `"X,R,W/X,R,W"` (NVFP4's/MXFP8's). Same function either way.
+  `layer_reductions`: the launch configurations of the compiled layers' large Triton reductions
+  (`launch.FixedReductions`), one per kind (`launch.KINDS`: products over one or two packed weights of each format,
+  and reductions over no packed weight, attention's value sums), default `launch.DECODE_REDUCTIONS`; None, for all
+  or for a kind: tuned by inductor's coordinate descent like the other kernels (a different configuration from one
+  compile to the next). A `launch.ReductionConfigs`, one `launch.ReductionConfig` for every product over packed
+  weights, or the text of `ReductionConfigs.parse` (`"X,R,W"`, `"X,R,W/X,R,W"`: NVFP4's/MXFP8's, `KIND=X,R,W`
+  parts). Same function either way.
 
 With `moe` and `static_kv` (and no trace, no activation emulation) a decode step has no host synchronisation
 and fixed shapes, so it can be captured in a CUDA graph (`benchmarks/common.py`); so can it with `matmul="fused"`
@@ -80,6 +84,8 @@ class FastPaths:
     matmul: str = "reference"
     # rows of the input per pass of the fused matmul over a weight (`packed.packed_matmul_fused`)
     fused_rows: int = FUSED_ROWS
+    # the fused NVFP4 products read the packed bytes as int32 words (`packed.nvfp4_word_planes`)
+    nvfp4_words: bool = False
     compile_layers: bool = False
     # launch configurations of the compiled layers' large reductions over packed weights (None: tuned per compile)
     layer_reductions: ReductionConfigs | None = DECODE_REDUCTIONS
@@ -151,9 +157,30 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 def materialize(x: torch.Tensor) -> torch.Tensor:
-    """`x`. Inside a compiled region (`compile_layers`), a copy through an opaque operator, so that x is computed once
-    and stored: inductor fuses an elementwise chain into every consumer and recomputes it there, which for the
-    queries after norm and RoPE, the softmax probabilities or the SwiGLU output means once per key or per weight
-    row (measured on an H200: 110 us instead of a few for the scores of one layer at 8K keys). The packed matmuls
-    need that inlining (their decoded weight must never be stored), so it is bounded here, where it costs."""
+    """`x`. Inside a compiled region (`compile_layers`), x computed once and stored: inductor fuses an elementwise
+    chain into every consumer and recomputes it there, which for the queries after norm and RoPE, the softmax
+    probabilities or the SwiGLU output means once per key or per weight row (measured on an H200: 110 us instead of a
+    few for the scores of one layer at 8K keys). The packed matmuls need that inlining (their decoded weight must never
+    be stored), so it is bounded here, where it costs. Traced as an opaque operator, which inductor lowers to storing
+    x (`register_materialize_lowering`; without the lowering, the operator's copy of x)."""
     return _materialize(x) if torch.compiler.is_compiling() else x
+
+
+def register_materialize_lowering() -> None:
+    """Have inductor lower `materialize` to x's buffer itself: the producer's kernel stores x and the consumers read
+    it, instead of storing it and then copying it through the operator (a device-to-device copy of about 1 us, seven
+    per decoder layer: 0.43 ms of a 60-layer step on an H200). Same values. Registered once per process, in inductor's
+    table of lowerings (the compiled layers call it before compiling)."""
+    from torch._inductor.lowering import lowerings, register_lowering
+
+    op = torch.ops.minimax_ref.materialize.default
+    if getattr(lowerings.get(op), "stores_once", False):
+        return
+
+    def store_once(x):
+        x.realize()
+        return x
+
+    # replaces the fallback (the operator's own copy) inductor records for the operator when it first meets it
+    register_lowering(op, type_promotion_kind=None)(store_once)
+    lowerings[op].stores_once = True

@@ -6,9 +6,10 @@ program, R0_BLOCK elements per step of the loop over K, warps) coordinate-descen
 alone, accepting any move that measures 0.1 % faster. On an H200 (torch 2.11) that search stopped at a different
 configuration from one compile to the next, up to 2x slower in the decode step than one row per program, 256
 elements a step and 8 warps (BENCHMARKS.md, `benchmarks/launch_configs.py`). `FixedReductions` gives every such
-reduction over a packed weight a configuration chosen beforehand for its format (`DECODE_REDUCTIONS`), so a decode
-step's matmul kernels are the same in every compile and run, and are not tuned at all (the other kernels, attention
-among them, still are).
+reduction a configuration chosen beforehand for its kind (`KINDS`: over one or over two packed weights, of either
+format, or over no packed weight, as attention's value sums are; `DECODE_REDUCTIONS`), so a decode step's matmul
+kernels are the same in every compile and run, and are not tuned at all (a kind whose configuration is None, and the
+smaller kernels, still are).
 
 The configuration changes only the order of the fp32 sums, never what is summed: each output is the same function,
 equal to fp32 rounding (`tests/test_fused.py` compares the compiled layers with the reference on CPU and GPU).
@@ -62,28 +63,60 @@ class ReductionConfig:
                 "num_stages": self.num_stages}
 
 
+# The kinds of reduction `FixedReductions` tells apart, in the order of `ReductionConfigs`' fields: products over one
+# packed weight of each format, over two or more (the fused gate + up projections: two accumulators per output), and
+# the large reductions that read no packed weight (in a decode step: attention's sums of cached values).
+KINDS = ("nvfp4", "mxfp8", "nvfp4_pair", "mxfp8_pair", "other")
+
+
 @dataclass(frozen=True)
 class ReductionConfigs:
-    """The fixed launch configurations of the reductions over packed weights, one per format (`FixedReductions` tells
-    them apart by the largest packed tensor a kernel reads: NVFP4's uint8 codes or MXFP8's fp8 elements)."""
+    """The fixed launch configuration of each kind of large reduction (`KINDS`; None: that kind keeps inductor's
+    tuning). `FixedReductions` tells the kinds apart by what a kernel reads: NVFP4's uint8 codes or MXFP8's fp8
+    elements as its largest packed tensor, one packed weight or several."""
 
-    nvfp4: ReductionConfig
-    mxfp8: ReductionConfig
+    nvfp4: ReductionConfig | None = None  # the routed experts' down projection
+    mxfp8: ReductionConfig | None = None  # q_proj, o_proj, the shared expert's and dense MLPs' down projections
+    nvfp4_pair: ReductionConfig | None = None  # the routed experts' gate + up
+    mxfp8_pair: ReductionConfig | None = None  # gate + up of the shared expert and of the dense MLPs
+    other: ReductionConfig | None = None  # attention's value sums; every product, with weights decoded at load
+
+    @classmethod
+    def uniform(cls, config: ReductionConfig) -> ReductionConfigs:
+        """`config` for every product over packed weights; the reductions over none (`other`) as `DECODE_REDUCTIONS`
+        has them."""
+        return cls(config, config, config, config, DECODE_REDUCTIONS.other)
 
     @classmethod
     def parse(cls, text: str) -> ReductionConfigs:
-        """`"X,R,W"` (both formats) or `"X,R,W/X,R,W"` (NVFP4's, then MXFP8's), e.g. `"1,256,8/8,512,1"`."""
-        parts = text.split("/")
-        if len(parts) > 2:
-            raise ConfigError(f"reduction launch configurations {text!r}: give XBLOCK,R0_BLOCK,NUM_WARPS for both "
-                              "formats, or NVFP4's/MXFP8's, e.g. 1,256,8/8,512,1")
-        nvfp4 = ReductionConfig.parse(parts[0])
-        return cls(nvfp4, ReductionConfig.parse(parts[1]) if len(parts) == 2 else nvfp4)
+        """The command lines' form: parts separated by `/`. Up to two bare `X,R,W` parts come first: NVFP4's
+        products (one weight and two), then MXFP8's (one bare part: both formats). `KIND=X,R,W` or `KIND=tuned` parts
+        (a kind of `KINDS`) then set one kind. Kinds that no part names keep `DECODE_REDUCTIONS`' configuration. E.g.
+        `"1,256,8"`, `"1,256,8/8,512,1"`, `"mxfp8=8,512,1/other=8,256,4"`."""
+        values = {kind: getattr(DECODE_REDUCTIONS, kind) for kind in KINDS}
+        bare: list[ReductionConfig] = []
+        keyed: dict[str, ReductionConfig | None] = {}
+        for part in text.split("/"):
+            kind, eq, value = part.rpartition("=")
+            if not eq:
+                if keyed or len(bare) == 2:
+                    raise ConfigError(f"reduction launch configurations {text!r}: at most two bare X,R,W parts "
+                                      "(NVFP4's, then MXFP8's), before any KIND=X,R,W part")
+                bare.append(ReductionConfig.parse(part))
+            elif kind not in KINDS:
+                raise ConfigError(f"reduction launch configurations {text!r}: unknown kind {kind!r}; the kinds are "
+                                  f"{', '.join(KINDS)}")
+            else:
+                keyed[kind] = None if value == "tuned" else ReductionConfig.parse(value)
+        if bare:
+            values.update(nvfp4=bare[0], nvfp4_pair=bare[0], mxfp8=bare[-1], mxfp8_pair=bare[-1])
+        values.update(keyed)
+        return cls(**values)
 
     @classmethod
     def of(cls, value) -> ReductionConfigs | None:
-        """`FastPaths.layer_reductions`' accepted forms: None (tuned), a ReductionConfigs, one ReductionConfig or
-        (X, R, W) for both formats, or the `parse` text."""
+        """`FastPaths.layer_reductions`' accepted forms: None (all tuned), a ReductionConfigs, one ReductionConfig or
+        (X, R, W) for every product over packed weights, or the `parse` text."""
         if value is None or isinstance(value, ReductionConfigs):
             return value
         if isinstance(value, str):
@@ -91,37 +124,50 @@ class ReductionConfigs:
         if isinstance(value, (tuple, list)):
             value = ReductionConfig(*value)
         if isinstance(value, ReductionConfig):
-            return cls(value, value)
+            return cls.uniform(value)
         raise ConfigError(f"fast paths: layer_reductions={value!r}: give a launch.ReductionConfigs, a "
-                          "launch.ReductionConfig, its text \"XBLOCK,R0_BLOCK,NUM_WARPS\" (or NVFP4's/MXFP8's) or None "
-                          "(tuned)")
+                          "launch.ReductionConfig, its text \"XBLOCK,R0_BLOCK,NUM_WARPS\" (or the per-kind form of "
+                          "ReductionConfigs.parse) or None (tuned)")
 
     def text(self) -> str:
-        return "/".join(f"{c.xblock},{c.r0_block},{c.num_warps}" for c in (self.nvfp4, self.mxfp8))
+        """The `parse` form that names every kind."""
+        def one(c: ReductionConfig | None) -> str:
+            return "tuned" if c is None else f"{c.xblock},{c.r0_block},{c.num_warps}"
+        return "/".join(f"{kind}={one(getattr(self, kind))}" for kind in KINDS)
 
 
-# The decode step's reductions over packed weights: one output per program, 256 elements (NVFP4: bytes) a step, 8
-# warps, for both formats. Measured on an H200 (BENCHMARKS.md, session 7): the 60-layer batch-1 step took 26.2 ms with
-# it. Relaunched in place (`benchmarks/launch_configs.py --what layers`), each NVFP4 kernel has another fastest
-# configuration, all within 15 % of this one; MXFP8 kernels that read one weight run 1.1-2x faster with 8 outputs per
-# one-warp program and 512 elements a step (8,512,1), but the kernels that read two (the fused gate + up of the
-# shared expert and of the dense MLPs) ran 12x and 11x slower with it, so MXFP8 keeps this one until a configuration
-# by number of weights read is measured.
-DECODE_REDUCTIONS = ReductionConfigs(nvfp4=ReductionConfig(1, 256, 8), mxfp8=ReductionConfig(1, 256, 8))
-# Fixed reductions have at least this many outputs and reduced elements (bytes, for NVFP4's packed pairs): the products
-# with packed weights (hundreds to thousands of rows of thousands of elements). Smaller ones (the kv and index key
-# projections, hundreds of rows) keep inductor's choice: with one row per program they would not fill the GPU.
+# The decode step's configurations, one per kind, from relaunching each kernel of a release-width decode step in place
+# with 24 configurations (`benchmarks/launch_configs.py --what layers`, BENCHMARKS.md, sessions 7 and 8): one output
+# row per program for NVFP4 (128 bytes a step and 4 warps over one weight, 256 and 2 warps over two); for MXFP8 over
+# one weight, 8 rows per one-warp program and 512 elements a step (the fused gate + up, with two accumulators per
+# row, spills registers with it and keeps 1,256,8); 8 outputs per program for attention's value sums, whose cached
+# rows are read coalesced across the outputs. Measured on an H200 in one run (60 layers, batch 1): 25.6 ms a step with
+# 1,256,8 for every product over packed weights, 21.5 ms with these.
+DECODE_REDUCTIONS = ReductionConfigs(nvfp4=ReductionConfig(1, 128, 4), mxfp8=ReductionConfig(8, 512, 1),
+                                     nvfp4_pair=ReductionConfig(1, 256, 2), mxfp8_pair=ReductionConfig(1, 256, 8),
+                                     other=ReductionConfig(8, 256, 4))
+# Fixed reductions have at least this many outputs and reduced elements (bytes of the packed weight's row, for NVFP4's
+# packed pairs and for its int32 words alike): the products
+# with packed weights (hundreds to thousands of rows of thousands of elements) and attention's value sums (thousands of
+# outputs over thousands of keys). Smaller ones (the kv and index key projections, hundreds of rows; the norms, the
+# router) keep inductor's choice: with one row per program they would not fill the GPU.
 MIN_OUTPUTS = 1024
 MIN_REDUCED = 1024
 
 
-def fixes(outputs: int | None, reduced: int | None, tiled: bool, packed: str | None) -> bool:
-    """Whether a reduction of `outputs` independent results of `reduced` elements each (None: not a static size) gets
-    a fixed configuration: it decodes a packed weight (`packed`: "nvfp4" or "mxfp8", the format of the largest packed
-    tensor it reads, `FixedReductions.packed_format`), both sizes are static and at least `MIN_OUTPUTS` x
-    `MIN_REDUCED`, and it is not tiled over a second output dimension. Attention reductions (the value sums over
-    cached keys, which need several outputs per program to read the cache's rows coalesced) keep their tuning."""
-    return (packed is not None and not tiled and outputs is not None and reduced is not None
+def kind_of(packed: str | None, weights: int) -> str:
+    """The `KINDS` entry of a reduction reading `weights` packed weights whose largest packed tensor is of format
+    `packed` ("nvfp4", "mxfp8"; None when it reads none)."""
+    if packed is None:
+        return "other"
+    return f"{packed}_pair" if weights >= 2 else packed
+
+
+def fixes(outputs: int | None, reduced: int | None, tiled: bool) -> bool:
+    """Whether a reduction of `outputs` independent results of `reduced` elements each (None: not a static size) is
+    large enough to get its kind's fixed configuration: both sizes static and at least `MIN_OUTPUTS` x `MIN_REDUCED`,
+    and not tiled over a second output dimension."""
+    return (not tiled and outputs is not None and reduced is not None
             and outputs >= MIN_OUTPUTS and reduced >= MIN_REDUCED)
 
 
@@ -150,11 +196,19 @@ def _choices_class():
             return f"minimax_ref.launch.FixedReductions({self.configs.text()})"
 
         def dtype_of(self, buffer: str) -> torch.dtype | None:
-            """The dtype of a buffer or graph input of the graph being compiled (None: not one)."""
+            """The dtype of a buffer or graph input of the graph being compiled (None: not one); for an alias that
+            reinterprets a tensor's bytes (`aten.view.dtype`: NVFP4's codes read as int32 words,
+            `packed.nvfp4_word_planes`), the dtype of that tensor."""
             try:
-                return V.graph.get_dtype(buffer)
-            except (KeyError, AttributeError):
+                dtype = V.graph.get_dtype(buffer)
+                origins = list(getattr(V.graph.get_buffer(buffer), "origins", None) or ())
+            except (KeyError, AttributeError, NotImplementedError):
                 return None
+            if len(origins) == 1 and origins[0].target is torch.ops.aten.view.dtype:
+                source = getattr(origins[0].args[0], "meta", {}).get("val")
+                if isinstance(source, torch.Tensor):
+                    return source.dtype
+            return dtype
 
         def numel_of(self, buffer: str) -> int:
             try:
@@ -162,17 +216,29 @@ def _choices_class():
             except (KeyError, AttributeError):
                 return 0
 
-        def packed_format(self, features) -> str | None:
-            """"nvfp4" or "mxfp8" when the kernel reads a packed weight (a uint8 tensor: NVFP4's codes or MXFP8's E8M0
-            scales; nothing else in a decode step is uint8), by the dtype of the largest uint8 or fp8 tensor it reads
-            (NVFP4's codes outnumber their fp8 block scales 8 to 1, MXFP8's fp8 elements their uint8 scales 32 to 1);
-            else None."""
+        def packed_reads(self, features) -> tuple[str | None, int, int]:
+            """The format of the packed weights a kernel reads, how many it reads, and the bytes of that format's
+            largest tensor one reduced index loads. A packed weight is a uint8 tensor (NVFP4's codes, also when read as
+            int32 words, or MXFP8's E8M0 scales, one per weight; nothing else in a decode step is uint8); the format is
+            the dtype of the largest uint8 or fp8 tensor read, in elements (NVFP4's codes outnumber their fp8 block
+            scales 8 to 1, 2 to 1 as words; MXFP8's fp8 elements their uint8 scales 32 to 1): "nvfp4" or "mxfp8",
+            None with no uint8 read (then 0 weights and 1 byte). The bytes are 4 for NVFP4 read as words, else 1."""
             reads = {dep.name for node in features.scheduler_nodes() for dep in node.read_writes.reads}
-            packed = [(self.numel_of(name), dtype) for name in sorted(reads)
+            packed = [(self.numel_of(name), dtype, name) for name in sorted(reads)
                       if (dtype := self.dtype_of(name)) in (torch.uint8, torch.float8_e4m3fn)]
-            if not any(dtype == torch.uint8 for _, dtype in packed):
-                return None
-            return "nvfp4" if max(packed, key=lambda p: p[0])[1] == torch.uint8 else "mxfp8"
+            weights = sum(dtype == torch.uint8 for _, dtype, _ in packed)
+            if not weights:
+                return None, 0, 1
+            _, dtype, name = max(packed, key=lambda p: p[0])
+            return ("nvfp4" if dtype == torch.uint8 else "mxfp8"), weights, self.width_of(name)
+
+        def width_of(self, buffer: str) -> int:
+            """The bytes of one element of a buffer as the kernel loads it (4 for NVFP4's codes read as int32 words,
+            where `dtype_of` names the uint8 they alias); 1 when the graph does not know the buffer."""
+            try:
+                return V.graph.get_dtype(buffer).itemsize
+            except (KeyError, AttributeError, NotImplementedError):
+                return 1
 
         def triton_kernel_kwargs(self, kernel_cls, features, groups, kernel_kwargs):
             kernel_kwargs = super().triton_kernel_kwargs(kernel_cls, features, groups, kernel_kwargs)
@@ -181,9 +247,10 @@ def _choices_class():
                     or kernel_kwargs.get("mix_order_reduction") or len(groups) != 1):
                 return kernel_kwargs
             tiled = not (isinstance(groups[0], dict) and set(groups[0]) == {"x", "r0_"})
-            fmt = self.packed_format(features)
-            if fixes(_static(features.numel), _static(features.reduction_numel), tiled, fmt):
-                config = getattr(self.configs, fmt)
+            packed, weights, width = self.packed_reads(features)
+            config = getattr(self.configs, kind_of(packed, weights))
+            reduced = _static(features.reduction_numel)
+            if config is not None and fixes(_static(features.numel), reduced and reduced * width, tiled):
                 kernel_kwargs = {**kernel_kwargs, "fixed_config": FixedTritonConfig(config.triton())}
             return kernel_kwargs
 

@@ -29,7 +29,7 @@ from .attention import Attention
 from .cache import KVCache, LayerCache
 from .config import ModelConfig, TextConfig
 from .errors import InputError
-from .fast import REFERENCE, FastPaths, materialize
+from .fast import REFERENCE, FastPaths, materialize, register_materialize_lowering
 from .launch import DECODE_REDUCTIONS, ReductionConfigs, compiled_with_fixed_reductions
 from .mlp import MLP
 from .moe import Experts, MoE, Routing
@@ -122,6 +122,7 @@ def compiled_layer(reductions: ReductionConfigs | None = DECODE_REDUCTIONS):
     `LAYER_INDUCTOR_OPTIONS`, and the large reductions over packed weights (the matmuls) launched with their
     format's configuration in `reductions` (`launch.FixedReductions`; None: tuned like the other kernels)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    register_materialize_lowering()
     return compiled_with_fixed_reductions(_run_layer, reductions, dynamic=False, fullgraph=True,
                                           options=dict(LAYER_INDUCTOR_OPTIONS))
 
@@ -175,6 +176,7 @@ class MiniMaxM3(nn.Module):
             elif isinstance(m, PackedWeight):
                 m.mode = self.fast.decode
                 m.fused_tokens, m.fused_rows = self.fast.fused_tokens, self.fast.fused_rows
+                m.words = self.fast.nvfp4_words
         self._compiled_layer = compiled_layer(self.fast.layer_reductions) if self.fast.compile_layers else None
         return self.fast
 

@@ -265,6 +265,57 @@ def normal_range_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tens
     return [weight.to(torch.float32).view(*weight.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK) * scale]
 
 
+def nvfp4_word_planes(words: torch.Tensor, weight_scale: torch.Tensor,
+                      weight_scale_2: torch.Tensor) -> list[torch.Tensor]:
+    """`normal_range_planes("nvfp4", ...)`'s elements, bit for bit, from the packed bytes read as int32 words: eight
+    planes `[*L, N, K/16, 2]`, plane j holding nibble j of each of a block's two words (`_bytes_as_int32`: word w of a
+    block is its bytes 4w..4w+3, little-endian, so nibble j is element 8w + j of the block). Stacked on a last axis
+    and flattened, the planes are the row `[*L, N, K]` in order.
+
+    One load of a word (and one of its block scale) feeds eight elements, where the byte planes load a byte and a
+    scale for two. Each nibble's bits s e e m are placed as `_e2m1_times_2_pow_minus_126` places them (sign at bit
+    31, e e m at bits 24..22) by two shifts, two masks and an or, then multiplied by 2^126 s and rounded to bf16 as
+    `normal_range_planes` does. For scales that pass `scales_in_normal_range` only."""
+    *lead, n, n_words = words.shape
+    s = (weight_scale.to(torch.float32) * _global(weight_scale_2, lead) * 2.0**126).unsqueeze(-1)
+    w = words.view(*lead, n, n_words // 2, 2)
+    planes = []
+    for j in range(8):
+        sign = (w << (28 - 4 * j)) & _FP32_SIGN
+        field = 22 - 4 * j  # where the nibble's e e m bits (4j..4j+2) must move, as a left shift
+        magnitude = (w << field if field >= 0 else w >> -field) & _E2M1_FIELD
+        planes.append(_to_bf16_by_conversion((sign | magnitude).view(torch.float32) * s))
+    return planes
+
+
+# The fp32 bits that `nvfp4_word_planes` fills from a nibble: the sign, and e e m as exponent bits 24..23 and the
+# mantissa's top bit 22 (as int32 constants).
+_FP32_SIGN = -(1 << 31)
+_E2M1_FIELD = 0x01C00000
+
+
+def activation_word_planes(x: torch.Tensor) -> list[torch.Tensor]:
+    """`x` [..., K] widened to float32 in the layout of `nvfp4_word_planes`: eight planes `[..., K/16, 2]`, plane j
+    holding element 8w + j of each block's word w. A bf16 x is read as int32 pairs (`activation_planes`): plane 2p
+    is pair p's low half, plane 2p + 1 its high half. Exact (a widening)."""
+    *lead, k = x.shape
+    if x.dtype == torch.bfloat16:
+        pairs = _bf16_pairs_as_int32(x).view(*lead, k // NVFP4_BLOCK, 2, 4)
+        return [((pairs[..., j // 2] << 16) if j % 2 == 0 else (pairs[..., j // 2] & -65536)).view(torch.float32)
+                for j in range(8)]
+    x = x.float().view(*lead, k // NVFP4_BLOCK, 2, 8)
+    return [x[..., j] for j in range(8)]
+
+
+def _bytes_as_int32(weight: torch.Tensor) -> torch.Tensor:
+    """uint8 `weight` [..., B] (B a multiple of 4) as int32 [..., B/4], each word four consecutive bytes read
+    little-endian (as every device torch runs on stores them). A view of a contiguous, word-aligned weight (a stored
+    one is); else of a copy."""
+    if not torch.compiler.is_compiling() and (not weight.is_contiguous() or weight.storage_offset() % 4):
+        weight = weight.contiguous().clone()
+    return weight.view(torch.int32)
+
+
 def decoded_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
                    weight_scale_2: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tensor]:
     """The decoded weight `decode_reference(...).to(dtype)`, bit for bit, widened to float32, as planes of
@@ -342,7 +393,7 @@ def _planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor, weight_s
 
 def packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
                   weight_scale_2: torch.Tensor | None, dtype: torch.dtype,
-                  index: torch.Tensor | None = None, normal_range: bool = False) -> torch.Tensor:
+                  index: torch.Tensor | None = None, normal_range: bool = False, words: bool = False) -> torch.Tensor:
     """`x @ w_hat^T` with the packed weight decoded inside the sum: the fused dequantize-and-multiply.
 
     x: `[*B, M, K]` in any float dtype; weight, weight_scale, weight_scale_2: a packed `[*L, N, K]` weight or
@@ -360,11 +411,18 @@ def packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale:
     feeds M accumulators, and the kernel reads only the packed bytes, the scales and x.
 
     normal_range: the caller has checked `scales_in_normal_range` (PackedWeight does at construction): the planes
-    come from `normal_range_planes`, the same bits in fewer operations.
+    come from `normal_range_planes`, the same bits in fewer operations. words (NVFP4 in range, bf16): the same bits
+    from the bytes read four at a time (`nvfp4_word_planes`), the sum in another order.
     """
-    weight, weight_scale, weight_scale_2 = _select(weight, weight_scale, weight_scale_2, index)
-    planes = _planes(fmt, weight, weight_scale, weight_scale_2, dtype, normal_range)  # [*L, N, blocks, block] each
-    xs = activation_planes(fmt, x)  # [*B, M, blocks, block] each
+    if words and fmt == NVFP4 and normal_range and dtype == torch.bfloat16:
+        # the words are a view of the stored bytes taken before selecting entries, so selecting copies nothing
+        selected = _select(_bytes_as_int32(weight), weight_scale, weight_scale_2, index)
+        planes = nvfp4_word_planes(*selected)  # [*L, N, K/16, 2] each
+        xs = activation_word_planes(x)
+    else:
+        weight, weight_scale, weight_scale_2 = _select(weight, weight_scale, weight_scale_2, index)
+        planes = _planes(fmt, weight, weight_scale, weight_scale_2, dtype, normal_range)  # [*L, N, blocks, block]
+        xs = activation_planes(fmt, x)  # [*B, M, blocks, block] each
     rows = []
     for m in range(x.shape[-2]):
         terms = xs[0][..., m, None, :, :] * planes[0]
@@ -420,7 +478,8 @@ def _compiled_packed_matmul():
 
 def packed_matmul_fused(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
                         weight_scale_2: torch.Tensor | None, dtype: torch.dtype, index: torch.Tensor | None = None,
-                        rows_per_pass: int = FUSED_ROWS, normal_range: bool = False) -> torch.Tensor:
+                        rows_per_pass: int = FUSED_ROWS, normal_range: bool = False,
+                        words: bool = False) -> torch.Tensor:
     """`packed_matmul`, compiled, in passes of `rows_per_pass` rows of x (a compiled kernel per pass, each
     reading the weight once; the passes' outputs are concatenated). Same contract as `packed_matmul`.
 
@@ -429,9 +488,9 @@ def packed_matmul_fused(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_
     fn = packed_matmul if torch.compiler.is_compiling() else _compiled_packed_matmul()
     rows = x.shape[-2]
     if rows <= rows_per_pass:
-        return fn(x, fmt, weight, weight_scale, weight_scale_2, dtype, index, normal_range)
-    parts = [fn(x[..., r:r + rows_per_pass, :], fmt, weight, weight_scale, weight_scale_2, dtype, index, normal_range)
-             for r in range(0, rows, rows_per_pass)]
+        return fn(x, fmt, weight, weight_scale, weight_scale_2, dtype, index, normal_range, words)
+    parts = [fn(x[..., r:r + rows_per_pass, :], fmt, weight, weight_scale, weight_scale_2, dtype, index, normal_range,
+                words) for r in range(0, rows, rows_per_pass)]
     return torch.cat(parts, dim=-2)
 
 
@@ -453,7 +512,8 @@ class PackedWeight(nn.Module):
 
     `linear(x)` and `matmul(x, index)` multiply by the weight: decoded then multiplied, or, for inputs of at
     most `fused_tokens` rows (0, the default, = never; `FastPaths(matmul="fused")` sets it), through
-    `packed_matmul_fused` without decoding the weight into memory, `fused_rows` rows per pass.
+    `packed_matmul_fused` without decoding the weight into memory, `fused_rows` rows per pass (NVFP4 read as
+    int32 words with `words`, `FastPaths.nvfp4_words`).
     """
 
     def __init__(self, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -464,7 +524,7 @@ class PackedWeight(nn.Module):
         if (fmt == NVFP4) != (weight_scale_2 is not None):
             raise ValueError("PackedWeight: weight_scale_2 is given for NVFP4 and only for NVFP4")
         self.fmt, self.dtype, self.mode = fmt, dtype, "reference"
-        self.fused_tokens, self.fused_rows = 0, FUSED_ROWS
+        self.fused_tokens, self.fused_rows, self.words = 0, FUSED_ROWS, False
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_scale_2", weight_scale_2)
@@ -516,7 +576,7 @@ class PackedWeight(nn.Module):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if 0 < rows <= self.fused_tokens:
             y = packed_matmul_fused(x.reshape(rows, x.shape[-1]), self.fmt, *self.parts(), self.dtype,
-                                    rows_per_pass=self.fused_rows, normal_range=self.normal_range)
+                                    rows_per_pass=self.fused_rows, normal_range=self.normal_range, words=self.words)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.decode())
 
@@ -525,7 +585,7 @@ class PackedWeight(nn.Module):
         None) or the entries `index` (a LongTensor of any shape); fused when `M` is at most `fused_tokens`."""
         if 0 < x.shape[-2] <= self.fused_tokens:
             return packed_matmul_fused(x, self.fmt, *self.parts(), self.dtype, index, self.fused_rows,
-                                       self.normal_range)
+                                       self.normal_range, self.words)
         return torch.matmul(x, self.decode(index).transpose(-1, -2))
 
     def extra_repr(self) -> str:

@@ -244,6 +244,37 @@ def test_normal_range_planes_are_the_decoded_planes():
     assert not packed_mod.scales_in_normal_range("mxfp8", _mxfp8(1, 8, 64, exponents=(2, 9))[1], None)
 
 
+def test_nvfp4_word_planes_are_the_decoded_weight():
+    """The planes read from int32 words hold, in word order, the decoded weight's bits (`decoded_planes`) for scales
+    in range (its edges, both signs, zeros, every byte value); the activation's word planes are x, widened exactly;
+    and the product through them reads out the decoded weight bit for bit (identity rows) and equals the byte planes'
+    product to fp32 rounding, gathered experts included."""
+    bf16 = torch.bfloat16
+    cases = [_normal_nvfp4(3, 8, 256, lo, hi) for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (0.25, 3.7))]
+    s_max = torch.full((1, 16, 2), 448.0).to(torch.float8_e4m3fn)
+    cases.append((torch.arange(256, dtype=torch.uint8).view(1, 16, 16), s_max, torch.tensor([3.999 / 448])))
+    for w, s, g in cases:
+        assert packed_mod.scales_in_normal_range("nvfp4", s, g)
+        want = torch.stack(decoded_planes("nvfp4", w, s, g, bf16), -1).flatten(-3)  # [E, N, K]
+        got = torch.stack(packed_mod.nvfp4_word_planes(packed_mod._bytes_as_int32(w), s, g), -1).flatten(-3)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        K = want.shape[-1]
+        eye = torch.eye(K).to(bf16)
+        read = packed_matmul(eye, "nvfp4", w, s, g, bf16, torch.tensor([0]), True, words=True)  # [1, K, N]
+        assert torch.equal(read[0].T.float(), want[0])  # as values: a sum of -0 and +0 products is +0
+    x = torch.randn(2, 3, 256).to(bf16)
+    for xx in (x, x.float()):
+        assert torch.equal(torch.stack(packed_mod.activation_word_planes(xx), -1).flatten(-3), x.float())
+    w, s, g = cases[1]
+    ids = torch.tensor([[2, 0], [1, 2]])
+    rows = torch.randn(2, 2, 1, 256).to(bf16)
+    by_words = packed_matmul(rows, "nvfp4", w, s, g, bf16, ids, True, words=True)
+    by_bytes = packed_matmul(rows, "nvfp4", w, s, g, bf16, ids, True)
+    assert by_words.shape == (2, 2, 1, 8) and torch.allclose(by_words.float(), by_bytes.float(), rtol=1e-2, atol=1e-6)
+    odd = w[:, :, 4:]  # not word-aligned: read through a copy
+    assert torch.equal(packed_mod._bytes_as_int32(odd).view(torch.uint8).view(odd.shape), odd)
+
+
 def test_packed_weight_uses_the_cheaper_planes_only_in_range(monkeypatch):
     """A PackedWeight checks its scales once; the fused matmul then takes the cheaper planes, with the same result."""
     inside = PackedWeight("nvfp4", *_normal_nvfp4(1, 16, 64, 1e-4, 1e-2), dtype=torch.bfloat16)
@@ -475,8 +506,8 @@ def test_packed_weight_routes_only_small_calls_to_the_fused_matmul(monkeypatch):
     w, s, g = _nvfp4(1, 16, 64)
     pw = PackedWeight("nvfp4", w[0], s[0], g[0], dtype=torch.float32)
     seen = []
-    monkeypatch.setattr(packed_mod, "packed_matmul_fused", lambda x, *a, rows_per_pass, normal_range:
-                        seen.append(x.shape) or packed_matmul(x, *a, normal_range=normal_range))
+    monkeypatch.setattr(packed_mod, "packed_matmul_fused", lambda x, *a, rows_per_pass, normal_range, words:
+                        seen.append(x.shape) or packed_matmul(x, *a, normal_range=normal_range, words=words))
     x = torch.randn(2, 3, 64)
     want = torch.nn.functional.linear(x, pw.decode())
     assert torch.equal(pw.linear(x), want) and seen == []  # off
@@ -724,10 +755,28 @@ def test_tp2_compiled_layers_equal_eager(two_ranks):  # noqa: F811 (the imported
 
 
 def test_materialize_is_the_identity():
-    """`fast.materialize` returns x eagerly (the same tensor) and, compiled, a copy with x's values and strides."""
-    from minimax_ref.fast import materialize
+    """`fast.materialize` returns x eagerly (the same tensor); compiled, x's values with x's strides through the
+    operator's copy, and, once its inductor lowering is registered, through no operator call at all (x stored once)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from minimax_ref.fast import materialize, register_materialize_lowering
 
     x = torch.randn(3, 4).t()
     assert materialize(x) is x
-    y = torch.compile(lambda t: materialize(t * 2) + 1, fullgraph=True)(x)
-    assert torch.equal(y, x * 2 + 1)
+
+    def fn(t):
+        return materialize(t * 2) + 1
+
+    torch._dynamo.reset()
+    from torch._inductor.lowering import lowerings
+
+    if torch.ops.minimax_ref.materialize.default not in lowerings:
+        with torch._inductor.config.patch(force_disable_caches=True):  # the caches' keys do not cover lowerings
+            y, code = run_and_get_code(torch.compile(fn, fullgraph=True), x)
+        assert torch.equal(y, x * 2 + 1) and "ops.minimax_ref.materialize" in code[0]
+    register_materialize_lowering()
+    register_materialize_lowering()  # once is enough; again is harmless
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        y, code = run_and_get_code(torch.compile(fn, fullgraph=True), x)
+    assert torch.equal(y, x * 2 + 1) and "ops.minimax_ref.materialize" not in code[0]

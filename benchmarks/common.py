@@ -53,14 +53,15 @@ class BenchmarkError(RuntimeError):
 
 REDUCTION_CONFIG_HELP = ("launch configurations of the compiled layers' large reductions: XBLOCK,R0_BLOCK,NUM_WARPS "
                          "for every product over packed weights, NVFP4's/MXFP8's, then KIND=X,R,W or KIND=tuned parts "
-                         "(kinds: nvfp4, mxfp8, nvfp4_pair, mxfp8_pair, other), or tuned for everything (coordinate "
-                         f"descent, per compile) (default: the engine's, {DECODE_REDUCTIONS.text()})")
+                         "(kinds: nvfp4, mxfp8, nvfp4_pair, mxfp8_pair, other), tuned for everything (coordinate "
+                         "descent, per compile), or default: the engine's "
+                         f"({DECODE_REDUCTIONS.text()}, also when not given)")
 
 
 def reduction_config(text: str | None) -> ReductionConfigs | None:
-    """A `--reduction-config` argument: None (the engine's `launch.DECODE_REDUCTIONS`), "tuned" (None: no fixed
-    configuration), or the text of `ReductionConfigs.parse`."""
-    if text is None:
+    """A `--reduction-config` argument: None or "default" (the engine's `launch.DECODE_REDUCTIONS`), "tuned" (None:
+    no fixed configuration), or the text of `ReductionConfigs.parse`."""
+    if text is None or text == "default":
         return DECODE_REDUCTIONS
     return None if text == "tuned" else ReductionConfigs.parse(text)
 

@@ -13,7 +13,7 @@ timed alike. One JSON line.
   int32 words, eight elements a load, `packed.nvfp4_word_planes`). Every variant's output is checked against
   `packed.packed_matmul_reference` and every NVFP4 variant's planes against `decoded_planes`, bit for bit.
 * `--what layers`: a release-width model of 4 layers (3 dense, 1 MSA+MoE; 16 routed experts, NVFP4 + MXFP8 packed,
-  fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (`--nvfp4-words`: NVFP4 read as int32 words): the
+  fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (`--nvfp4-words off`: NVFP4 read as bytes): the
   looped Triton reductions of one decode step with at least 1,024 outputs and 1,024 reduced indices each (384 for
   NVFP4's words) (the matmuls, attention over the selected keys).
 
@@ -203,7 +203,9 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
 def layers(args: argparse.Namespace, device: torch.device) -> list:
     launches = Launches()
     prompt = 8192
-    fast = replace(FastPaths.of("compiled"), layer_reductions=args.reductions, nvfp4_words=args.nvfp4_words)
+    fast = replace(FastPaths.of("compiled"), layer_reductions=args.reductions)
+    if args.nvfp4_words != "default":
+        fast = replace(fast, nvfp4_words=args.nvfp4_words == "on")
     model = load_synthetic("release", format="nvfp4", layers=4, experts=16, device=device, weights="packed",
                            dtype=torch.bfloat16, fast=fast, max_seq_len=prompt + 8, kv_cache_dtype="fp8")
     ids = torch.randint(0, 100_000, (1, prompt), generator=torch.Generator(device=device).manual_seed(3),
@@ -257,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=REDUCTION_CONFIG_HELP)
     p.add_argument("--variants", default="", help="--what weights: only these variants, comma-separated (default: all "
                    f"of {sorted({v for vs in WEIGHT_VARIANTS.values() for v in vs})})")
-    p.add_argument("--nvfp4-words", action="store_true",
-                   help="--what layers: FastPaths.nvfp4_words, the NVFP4 products read the packed bytes as int32 words")
+    p.add_argument("--nvfp4-words", default="default", choices=["default", "on", "off"],
+                   help="--what layers: FastPaths.nvfp4_words, the NVFP4 products read the packed bytes as int32 words "
+                   "(default: as fast='compiled' sets it, on)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]

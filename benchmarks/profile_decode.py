@@ -72,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="X,R,W[/X,R,W][/KIND=X,R,W...]|tuned",
                    help=REDUCTION_CONFIG_HELP + "; repeat it to profile several in one run, on the same weights and "
                    "prefilled cache (one JSON line each)")
-    p.add_argument("--nvfp4-words", default="off", choices=["off", "on", "both"],
+    p.add_argument("--nvfp4-words", default="default", choices=["default", "off", "on", "both"],
                    help="FastPaths.nvfp4_words: the fused NVFP4 products read the packed bytes as int32 words; both: "
-                   "each configuration with and without (default: off)")
+                   "each configuration with and without (default: as --fast sets it; on for compiled)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
             cache = replicate_cache(model, cache, args.batch, args.kv_cache_dtype)
         tok = last.argmax(-1, keepdim=True).expand(args.batch, 1).contiguous()
         pos = torch.full((args.batch, 1), args.prompt_len, dtype=torch.long, device=device)
-        words = {"off": [False], "on": [True], "both": [False, True]}[args.nvfp4_words]
+        words = {"default": [fast.nvfp4_words], "off": [False], "on": [True], "both": [False, True]}[args.nvfp4_words]
         # each step writes the same cache slot, so every configuration sees the same state
         for reductions, nvfp4_words in itertools.product(configs, words):
             torch._dynamo.reset()

@@ -354,17 +354,19 @@ def test_fused_matmul_multiplies_the_exact_weight_bits(fmt, K, dtype, device):
     assert torch.equal(y[K:].T, pairs)
 
 
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_matmul_normal_range_planes_exact_weight_bits(device):
+def test_fused_matmul_normal_range_planes_exact_weight_bits(device, words):
     """The same read-out through the compiled kernel with `normal_range_planes` (what PackedWeight uses for weights
-    in range): identity rows give the decoded weight, pair rows the once-rounded pair sums, bit for bit; for one
-    NVFP4 linear (scales of both signs, zero blocks, every byte value, the range's edges) and gathered experts
-    with a global scale each, and for MXFP8 at small and large scale codes. The x rows are bf16, widened on the bits."""
+    in range) or, `words`, NVFP4's `nvfp4_word_planes`: identity rows give the decoded weight, pair rows the
+    once-rounded pair sums, bit for bit; for one NVFP4 linear (scales of both signs, zero blocks, every byte value,
+    the range's edges) and gathered experts with a global scale each, and for MXFP8 at small and large scale codes.
+    The x rows are bf16, widened on the bits."""
     bf16 = torch.bfloat16
     cases = []
     for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (0.25, 3.7)):
         cases.append(("nvfp4", *_normal_nvfp4(3, 24, 208, lo, hi, seed=3)))
-    for codes in ((3, 40), (200, 240)):
+    for codes in ((3, 40), (200, 240)) if not words else ():  # words are NVFP4's
         cases.append(("mxfp8", *_mxfp8(3, 24, 224, exponents=codes), None))
     for fmt, w, s, g in cases:
         assert packed_mod.scales_in_normal_range(fmt, s, g)
@@ -373,14 +375,14 @@ def test_fused_matmul_normal_range_planes_exact_weight_bits(device):
         eye = torch.eye(K)
         x = torch.cat([eye, eye + eye.roll(1, dims=1)]).to(bf16)
         one = _on(device, packed_matmul_fused, x, fmt, w[1], s[1], None if g is None else g[1], bf16, None,
-                  FUSED_ROWS, True)
+                  FUSED_ROWS, True, words)
         assert torch.equal(one[:K].T, w_hat[1]), fmt
         assert torch.equal(one[K:].T, (w_hat[1].float() + w_hat[1].float().roll(-1, dims=1)).to(bf16)), fmt
         ids = torch.tensor([2, 0, 2])
         cols = torch.tensor([0, K - 1, 77])
         onehot = torch.zeros(len(ids), 1, K, dtype=bf16)
         onehot[torch.arange(len(ids)), 0, cols] = 1
-        y = _on(device, packed_matmul_fused, onehot, fmt, w, s, g, bf16, ids, FUSED_ROWS, True)
+        y = _on(device, packed_matmul_fused, onehot, fmt, w, s, g, bf16, ids, FUSED_ROWS, True, words)
         assert torch.equal(y[:, 0], w_hat[ids, :, cols]), fmt
 
 

@@ -312,3 +312,43 @@ def test_release_width_compiled_layers_with_fixed_reductions():
     assert torch.equal(got[:, :296], want[:, :296])
     rel = float((got - want).abs().max() / want.abs().max())
     assert rel < 1e-5, rel
+
+
+@gpu
+def test_release_width_compiled_layers_read_nvfp4_as_words():
+    """bf16 at release-like widths (as above): `fast="compiled"` reads NVFP4's packed bytes as int32 words (its
+    default), and those products, their rows counted in bytes (`FixedReductions.packed_reads`), still launch with
+    the NVFP4 kinds' fixed configurations; the decode steps equal those of the same model reading bytes up to the
+    bf16 rounding of fp32 sums taken in another order, and the prefill (not compiled) is the same."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from minimax_ref.loader import load_synthetic
+
+    torch._dynamo.reset()
+    overrides = {"vocab_size": 8192, "hidden_size": 2048, "num_attention_heads": 16, "dense_intermediate_size": 4096,
+                 "intermediate_size": 2048, "shared_intermediate_size": 2048}
+    assert FastPaths.of("compiled").nvfp4_words
+    single, pair = ReductionConfig(1, 64, 4), ReductionConfig(1, 64, 2)  # told apart from every other kind's
+    fast = replace(FastPaths.of("compiled"), layer_reductions=replace(DECODE_REDUCTIONS, nvfp4=single, nvfp4_pair=pair))
+    model = load_synthetic("release", layers=4, experts=8, overrides=overrides, device="cuda", dtype=torch.bfloat16,
+                           fast=fast, max_seq_len=512)
+    ids = torch.randint(0, 8192, (1, 300), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def steps() -> torch.Tensor:
+        with torch.no_grad():
+            cache = model.new_cache(1, 512)
+            out = [model(ids[:, :296], positions=torch.arange(296, device="cuda")[None], cache=cache)]
+            for t in range(296, 300):
+                out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device="cuda"), cache=cache))
+        return torch.cat(out, dim=1).float()
+
+    with _Launched() as launched:
+        by_words = steps()
+    configs = launched.configs(fixed=True)
+    assert {(1, 64, 4), (1, 64, 2)} <= configs, configs
+    torch._dynamo.reset()
+    model.set_fast(replace(fast, nvfp4_words=False))
+    by_bytes = steps()
+    assert torch.equal(by_words[:, :296], by_bytes[:, :296])
+    rel = float((by_words[:, 296:] - by_bytes[:, 296:]).abs().max() / by_bytes[:, 296:].abs().max())
+    assert rel < 3e-2, rel

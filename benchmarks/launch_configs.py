@@ -204,8 +204,9 @@ def layers(args: argparse.Namespace, device: torch.device) -> list:
     launches = Launches()
     prompt = 8192
     fast = replace(FastPaths.of("compiled"), layer_reductions=args.reductions)
-    if args.nvfp4_words != "default":
-        fast = replace(fast, nvfp4_words=args.nvfp4_words == "on")
+    for fmt in ("nvfp4", "mxfp8"):
+        if getattr(args, f"{fmt}_words") != "default":
+            fast = replace(fast, **{f"{fmt}_words": getattr(args, f"{fmt}_words") == "on"})
     model = load_synthetic("release", format="nvfp4", layers=4, experts=16, device=device, weights="packed",
                            dtype=torch.bfloat16, fast=fast, max_seq_len=prompt + 8, kv_cache_dtype="fp8")
     ids = torch.randint(0, 100_000, (1, prompt), generator=torch.Generator(device=device).manual_seed(3),
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> None:
     out = {"benchmark": "launch_configs", "what": args.what, "command": " ".join(sys.argv), "torch": torch.__version__,
            "device_name": torch.cuda.get_device_name(device),
            "reduction_config": None if args.reductions is None else args.reductions.text(),
-           "nvfp4_words": args.nvfp4_words,
+           "nvfp4_words": args.nvfp4_words, "mxfp8_words": args.mxfp8_words,
            "kernels": weights(args, device) if args.what == "weights" else layers(args, device)}
     emit(out, args.out)
 
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvfp4-words", default="default", choices=["default", "on", "off"],
                    help="--what layers: FastPaths.nvfp4_words, the NVFP4 products read the packed bytes as int32 words "
                    "(default: as fast='compiled' sets it, on)")
+    p.add_argument("--mxfp8-words", default="default", choices=["default", "on", "off"],
+                   help="--what layers: FastPaths.mxfp8_words, the same for MXFP8 (default: as fast='compiled' sets)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]

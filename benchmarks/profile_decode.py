@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvfp4-words", default="default", choices=["default", "off", "on", "both"],
                    help="FastPaths.nvfp4_words: the fused NVFP4 products read the packed bytes as int32 words; both: "
                    "each configuration with and without (default: as --fast sets it; on for compiled)")
+    p.add_argument("--mxfp8-words", default="default", choices=["default", "off", "on", "both"],
+                   help="FastPaths.mxfp8_words: the same for MXFP8's E4M3 bytes (default: as --fast sets it)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p
 
@@ -140,11 +142,15 @@ def run(args: argparse.Namespace, holder: list) -> None:
             cache = replicate_cache(model, cache, args.batch, args.kv_cache_dtype)
         tok = last.argmax(-1, keepdim=True).expand(args.batch, 1).contiguous()
         pos = torch.full((args.batch, 1), args.prompt_len, dtype=torch.long, device=device)
-        words = {"default": [fast.nvfp4_words], "off": [False], "on": [True], "both": [False, True]}[args.nvfp4_words]
+        def words(choice: str, default: bool) -> list[bool]:
+            return {"default": [default], "off": [False], "on": [True], "both": [False, True]}[choice]
+
         # each step writes the same cache slot, so every configuration sees the same state
-        for reductions, nvfp4_words in itertools.product(configs, words):
+        for reductions, nvfp4_words, mxfp8_words in itertools.product(
+                configs, words(args.nvfp4_words, fast.nvfp4_words), words(args.mxfp8_words, fast.mxfp8_words)):
             torch._dynamo.reset()
-            model.set_fast(replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words))
+            model.set_fast(replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words,
+                                   mxfp8_words=mxfp8_words))
             result = profile_step(args, world, model, cache, tok, pos, bw)
             emit(result, args.out)
             torch.cuda.empty_cache()
@@ -193,7 +199,7 @@ def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tenso
                     for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["us"])},
         "top": [{"name": n[:160], "calls": prof["calls"][n], "us": prof["micros"][n]} for n in top],
     })
-    words = " words" if model.fast.nvfp4_words else ""
+    words = "".join(f" {fmt} words" for fmt in ("nvfp4", "mxfp8") if getattr(model.fast, f"{fmt}_words"))
     log(world, f"[{result['reduction_config']}{words}] step {1e3 * step_s:.2f} ms ({args.batch / step_s:.1f} tok/s), "
                f"kernels {kernel_us / 1e3:.2f} ms in {result['kernels_per_step']:.0f} launches; roofline "
                f"{1e3 * roof_s:.2f} ms ({100 * roof_s / step_s:.1f} %)")

@@ -24,6 +24,8 @@ reference computation by a faster one that computes the same function.
   `nvfp4_words=True`: the fused NVFP4 products (bf16, scales in the normal range) read the packed bytes as int32
   words, eight elements per load (`packed.nvfp4_word_planes`); the same decoded bits, the sum in another order.
   On in `fast="compiled"` (60 compiled layers on an H200, batch 1: 20.5 -> 19.9 ms a step, BENCHMARKS.md).
+  `mxfp8_words=True`: the same for MXFP8's E4M3 bytes (`packed.mxfp8_word_planes`, bits placed by integer
+  operations instead of the E4M3 conversion; a weight holding an E4M3 NaN byte keeps the byte planes).
 
 * `compile_layers=True`: in decode steps (one token per sequence, with a cache and no trace), each decoder layer
   runs through `torch.compile` (`model.compiled_layer`): one compiled graph per
@@ -87,6 +89,7 @@ class FastPaths:
     fused_rows: int = FUSED_ROWS
     # the fused NVFP4 products read the packed bytes as int32 words (`packed.nvfp4_word_planes`)
     nvfp4_words: bool = False
+    mxfp8_words: bool = False
     compile_layers: bool = False
     # launch configurations of the compiled layers' large reductions over packed weights (None: tuned per compile)
     layer_reductions: ReductionConfigs | None = DECODE_REDUCTIONS

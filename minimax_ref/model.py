@@ -176,7 +176,7 @@ class MiniMaxM3(nn.Module):
             elif isinstance(m, PackedWeight):
                 m.mode = self.fast.decode
                 m.fused_tokens, m.fused_rows = self.fast.fused_tokens, self.fast.fused_rows
-                m.words = self.fast.nvfp4_words
+                m.set_words(self.fast.nvfp4_words if m.fmt == "nvfp4" else self.fast.mxfp8_words)
         self._compiled_layer = compiled_layer(self.fast.layer_reductions) if self.fast.compile_layers else None
         return self.fast
 

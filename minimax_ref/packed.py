@@ -288,29 +288,60 @@ def nvfp4_word_planes(words: torch.Tensor, weight_scale: torch.Tensor,
     return planes
 
 
-# The fp32 bits that `nvfp4_word_planes` fills from a nibble: the sign, and e e m as exponent bits 24..23 and the
-# mantissa's top bit 22 (as int32 constants).
+# The fp32 bits that the word planes fill: the sign; NVFP4's e e m as exponent bits 24..23 and the mantissa's top
+# bit 22; E4M3's e e e e m m m as exponent bits 26..23 and the mantissa's top bits 22..20 (as int32 constants).
 _FP32_SIGN = -(1 << 31)
 _E2M1_FIELD = 0x01C00000
+_E4M3_FIELD = 0x07F00000
 
 
-def activation_word_planes(x: torch.Tensor) -> list[torch.Tensor]:
-    """`x` [..., K] widened to float32 in the layout of `nvfp4_word_planes`: eight planes `[..., K/16, 2]`, plane j
-    holding element 8w + j of each block's word w. A bf16 x is read as int32 pairs (`activation_planes`): plane 2p
-    is pair p's low half, plane 2p + 1 its high half. Exact (a widening)."""
+def mxfp8_word_planes(words: torch.Tensor, weight_scale: torch.Tensor) -> list[torch.Tensor]:
+    """`normal_range_planes("mxfp8", ...)`'s elements, bit for bit, from the E4M3 bytes read as int32 words: four
+    planes `[*L, N, K/32, 8]`, plane i holding byte i of each of a block's eight words (`_bytes_as_int32`: element
+    4w + i of the block). Stacked on a last axis and flattened, the planes are the row `[*L, N, K]` in order.
+
+    Each byte's bits s e e e e m m m are placed as fp32 bits (sign at bit 31, e e e e m m m at bits 26..20) by two
+    shifts, two masks and an or: fp32 then reads the E4M3 value times 2^-120 exactly (E4M3's subnormals as fp32
+    subnormals, hence the compiled kernels' `disable_ftz`); times 2^120, then times 2^(code - 127), both exact in
+    range, it is `normal_range_planes`' product, with no conversion instruction. For E8M0 codes that pass
+    `scales_in_normal_range` and weights with no E4M3 NaN byte (0x7f, 0xff: placed on the bits they would read as
+    the finite 480 * 2^-120; `has_e4m3_nan`)."""
+    *lead, n, n_words = words.shape
+    scale = (weight_scale.to(torch.int32) << 23).view(torch.float32).unsqueeze(-1)  # 2^(code - 127)
+    w = words.view(*lead, n, n_words // (MXFP8_BLOCK // 4), MXFP8_BLOCK // 4)
+    planes = []
+    for i in range(4):
+        sign = (w << (24 - 8 * i)) & _FP32_SIGN
+        field = 20 - 8 * i  # where byte i's e e e e m m m bits (8i..8i+6) must move, as a left shift
+        magnitude = (w << field if field >= 0 else w >> -field) & _E4M3_FIELD
+        planes.append((sign | magnitude).view(torch.float32) * 2.0**120 * scale)
+    return planes
+
+
+def has_e4m3_nan(weight: torch.Tensor) -> bool:
+    """Whether an E4M3 tensor holds a NaN byte (0x7f or 0xff), which `mxfp8_word_planes` would not read as NaN."""
+    return bool(((weight.view(torch.uint8) & 0x7F) == 0x7F).any())
+
+
+def activation_word_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
+    """`x` [..., K] widened to float32 in the layout of the word planes of `fmt`: NVFP4 (`nvfp4_word_planes`) eight
+    planes `[..., K/16, 2]`, plane j holding element 8w + j of each block's word w; MXFP8 (`mxfp8_word_planes`) four
+    planes `[..., K/32, 8]`, plane i holding element 4w + i. A bf16 x is read as int32 pairs (`activation_planes`):
+    plane 2p is pair p's low half, plane 2p + 1 its high half. Exact (a widening)."""
     *lead, k = x.shape
+    block, per_word = (NVFP4_BLOCK, 8) if fmt == NVFP4 else (MXFP8_BLOCK, 4)
     if x.dtype == torch.bfloat16:
-        pairs = _bf16_pairs_as_int32(x).view(*lead, k // NVFP4_BLOCK, 2, 4)
+        pairs = _bf16_pairs_as_int32(x).view(*lead, k // block, block // per_word, per_word // 2)
         return [((pairs[..., j // 2] << 16) if j % 2 == 0 else (pairs[..., j // 2] & -65536)).view(torch.float32)
-                for j in range(8)]
-    x = x.float().view(*lead, k // NVFP4_BLOCK, 2, 8)
-    return [x[..., j] for j in range(8)]
+                for j in range(per_word)]
+    x = x.float().view(*lead, k // block, block // per_word, per_word)
+    return [x[..., j] for j in range(per_word)]
 
 
 def _bytes_as_int32(weight: torch.Tensor) -> torch.Tensor:
-    """uint8 `weight` [..., B] (B a multiple of 4) as int32 [..., B/4], each word four consecutive bytes read
-    little-endian (as every device torch runs on stores them). A view of a contiguous, word-aligned weight (a stored
-    one is); else of a copy."""
+    """A 1-byte `weight` [..., B] (NVFP4's uint8 codes, MXFP8's E4M3 elements; B a multiple of 4) as int32
+    [..., B/4], each word four consecutive bytes read little-endian (as every device torch runs on stores them). A
+    view of a contiguous, word-aligned weight (a stored one is); else of a copy."""
     if not torch.compiler.is_compiling() and (not weight.is_contiguous() or weight.storage_offset() % 4):
         weight = weight.contiguous().clone()
     return weight.view(torch.int32)
@@ -411,14 +442,15 @@ def packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale:
     feeds M accumulators, and the kernel reads only the packed bytes, the scales and x.
 
     normal_range: the caller has checked `scales_in_normal_range` (PackedWeight does at construction): the planes
-    come from `normal_range_planes`, the same bits in fewer operations. words (NVFP4 in range, bf16): the same bits
-    from the bytes read four at a time (`nvfp4_word_planes`), the sum in another order.
+    come from `normal_range_planes`, the same bits in fewer operations. words (in range, bf16; MXFP8 also fp32): the
+    same bits from the bytes read four at a time (`nvfp4_word_planes`, `mxfp8_word_planes`: the caller has checked
+    that an MXFP8 weight holds no NaN byte, `has_e4m3_nan`), the sum in another order.
     """
-    if words and fmt == NVFP4 and normal_range and dtype == torch.bfloat16:
+    if words and normal_range and (dtype == torch.bfloat16 or (fmt == MXFP8 and dtype == torch.float32)):
         # the words are a view of the stored bytes taken before selecting entries, so selecting copies nothing
-        selected = _select(_bytes_as_int32(weight), weight_scale, weight_scale_2, index)
-        planes = nvfp4_word_planes(*selected)  # [*L, N, K/16, 2] each
-        xs = activation_word_planes(x)
+        w, s, g = _select(_bytes_as_int32(weight), weight_scale, weight_scale_2, index)
+        planes = nvfp4_word_planes(w, s, g) if fmt == NVFP4 else mxfp8_word_planes(w, s)  # [*L, N, blocks, words]
+        xs = activation_word_planes(fmt, x)
     else:
         weight, weight_scale, weight_scale_2 = _select(weight, weight_scale, weight_scale_2, index)
         planes = _planes(fmt, weight, weight_scale, weight_scale_2, dtype, normal_range)  # [*L, N, blocks, block]
@@ -512,8 +544,8 @@ class PackedWeight(nn.Module):
 
     `linear(x)` and `matmul(x, index)` multiply by the weight: decoded then multiplied, or, for inputs of at
     most `fused_tokens` rows (0, the default, = never; `FastPaths(matmul="fused")` sets it), through
-    `packed_matmul_fused` without decoding the weight into memory, `fused_rows` rows per pass (NVFP4 read as
-    int32 words with `words`, `FastPaths.nvfp4_words`).
+    `packed_matmul_fused` without decoding the weight into memory, `fused_rows` rows per pass (the packed bytes
+    read as int32 words with `words`: `set_words`, `FastPaths.nvfp4_words` / `mxfp8_words`).
     """
 
     def __init__(self, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -524,16 +556,28 @@ class PackedWeight(nn.Module):
         if (fmt == NVFP4) != (weight_scale_2 is not None):
             raise ValueError("PackedWeight: weight_scale_2 is given for NVFP4 and only for NVFP4")
         self.fmt, self.dtype, self.mode = fmt, dtype, "reference"
-        self.fused_tokens, self.fused_rows, self.words = 0, FUSED_ROWS, False
+        self.fused_tokens, self.fused_rows, self.words, self._words_on = 0, FUSED_ROWS, False, False
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_scale_2", weight_scale_2)
         self.check_range()
 
     def check_range(self) -> None:
-        """Whether the fused matmul may decode through `normal_range_planes` (same bits, fewer operations): set once
-        from the scales held (call again after filling the buffers in place)."""
+        """Whether the fused matmul may decode through `normal_range_planes` (same bits, fewer operations), and
+        whether an MXFP8 weight may be read as words: set once from the scales and bytes held (call again after
+        filling the buffers in place)."""
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
+        self._nan_free = None
+        self.set_words(self._words_on)
+
+    def set_words(self, on: bool) -> None:
+        """Whether the fused matmul reads the packed bytes as int32 words (`nvfp4_word_planes`, `mxfp8_word_planes`;
+        the same bits). An MXFP8 weight holding an E4M3 NaN byte keeps the byte planes, which read it as NaN (checked
+        once, on the first call that turns words on)."""
+        if on and self.fmt == MXFP8 and self._nan_free is None:
+            self._nan_free = not has_e4m3_nan(self.weight)
+        self._words_on = on
+        self.words = on and (self.fmt == NVFP4 or bool(self._nan_free))
 
     @property
     def shape(self) -> torch.Size:

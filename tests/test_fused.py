@@ -264,7 +264,7 @@ def test_nvfp4_word_planes_are_the_decoded_weight():
         assert torch.equal(read[0].T.float(), want[0])  # as values: a sum of -0 and +0 products is +0
     x = torch.randn(2, 3, 256).to(bf16)
     for xx in (x, x.float()):
-        assert torch.equal(torch.stack(packed_mod.activation_word_planes(xx), -1).flatten(-3), x.float())
+        assert torch.equal(torch.stack(packed_mod.activation_word_planes("nvfp4", xx), -1).flatten(-3), x.float())
     w, s, g = cases[1]
     ids = torch.tensor([[2, 0], [1, 2]])
     rows = torch.randn(2, 2, 1, 256).to(bf16)
@@ -273,6 +273,54 @@ def test_nvfp4_word_planes_are_the_decoded_weight():
     assert by_words.shape == (2, 2, 1, 8) and torch.allclose(by_words.float(), by_bytes.float(), rtol=1e-2, atol=1e-6)
     odd = w[:, :, 4:]  # not word-aligned: read through a copy
     assert torch.equal(packed_mod._bytes_as_int32(odd).view(torch.uint8).view(odd.shape), odd)
+
+
+def test_mxfp8_word_planes_are_the_decoded_weight():
+    """MXFP8's planes read from int32 words hold, in word order, the decoded weight's bits (`decoded_planes`, bf16 and
+    fp32) for every finite E4M3 byte (subnormals and both zeros included) and E8M0 codes across the normal range
+    (its edges 3 and 254 included); the activation's word planes are x, widened exactly; the product through them
+    reads out the decoded weight bit for bit (identity rows) and equals the byte planes' product to fp32 rounding,
+    gathered entries included. A weight holding an E4M3 NaN byte is found (`has_e4m3_nan`), and a PackedWeight
+    holding one keeps the byte planes, which give NaN where the words would not."""
+    bf16 = torch.bfloat16
+    for lo, hi in ((3, 40), (100, 140), (200, 254)):
+        w, s = _mxfp8(3, 8, 256, exponents=(lo, hi))
+        s.view(-1)[:2] = torch.tensor([lo, hi], dtype=torch.uint8)
+        assert packed_mod.scales_in_normal_range("mxfp8", s, None) and not packed_mod.has_e4m3_nan(w)
+        got = torch.stack(packed_mod.mxfp8_word_planes(packed_mod._bytes_as_int32(w), s), -1).flatten(-3)
+        for dtype in (bf16, torch.float32):
+            want = decoded_planes("mxfp8", w, s, None, dtype)[0].flatten(-2)  # [E, N, K]
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (lo, hi, dtype)
+        if hi > 140:
+            continue  # values past fp32's range: an identity row's zeros times them are NaN
+        K = w.shape[-1]
+        read = packed_matmul(torch.eye(K).to(bf16), "mxfp8", w, s, None, bf16, torch.tensor([1]), True, words=True)
+        assert torch.equal(read[0].T.float(), decoded_planes("mxfp8", w, s, None, bf16)[0].flatten(-2)[1])
+    x = torch.randn(2, 3, 256).to(bf16)
+    for xx in (x, x.float()):
+        assert torch.equal(torch.stack(packed_mod.activation_word_planes("mxfp8", xx), -1).flatten(-3), x.float())
+    w, s = _mxfp8(3, 8, 256, exponents=(110, 125))
+    ids = torch.tensor([[2, 0], [1, 2]])
+    rows = torch.randn(2, 2, 1, 256)
+    for dtype in (bf16, torch.float32):
+        by_words = packed_matmul(rows.to(dtype), "mxfp8", w, s, None, dtype, ids, True, words=True)
+        by_bytes = packed_matmul(rows.to(dtype), "mxfp8", w, s, None, dtype, ids, True)
+        assert by_words.shape == (2, 2, 1, 8)
+        assert torch.allclose(by_words.float(), by_bytes.float(), rtol=1e-2 if dtype == bf16 else 1e-5, atol=1e-6)
+    nan = w.clone()
+    nan.view(torch.uint8)[0, 0, 5] = 0xFF
+    assert packed_mod.has_e4m3_nan(nan)
+    weight = PackedWeight("mxfp8", nan, s, dtype=bf16)
+    weight.set_words(True)
+    assert not weight.words
+    weight.fused_tokens = 1
+    assert torch.isnan(weight.matmul(torch.ones(3, 1, 256, dtype=bf16))[0]).any()
+    clean = PackedWeight("mxfp8", w, s, dtype=bf16)
+    clean.set_words(True)
+    assert clean.words
+    clean.weight.view(torch.uint8)[0, 0, 5] = 0x7F  # filled in place: checked again
+    clean.check_range()
+    assert not clean.words
 
 
 def test_packed_weight_uses_the_cheaper_planes_only_in_range(monkeypatch):
@@ -358,15 +406,15 @@ def test_fused_matmul_multiplies_the_exact_weight_bits(fmt, K, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_matmul_normal_range_planes_exact_weight_bits(device, words):
     """The same read-out through the compiled kernel with `normal_range_planes` (what PackedWeight uses for weights
-    in range) or, `words`, NVFP4's `nvfp4_word_planes`: identity rows give the decoded weight, pair rows the
-    once-rounded pair sums, bit for bit; for one NVFP4 linear (scales of both signs, zero blocks, every byte value,
-    the range's edges) and gathered experts with a global scale each, and for MXFP8 at small and large scale codes.
-    The x rows are bf16, widened on the bits."""
+    in range) or, `words`, `nvfp4_word_planes` / `mxfp8_word_planes`: identity rows give the decoded weight, pair
+    rows the once-rounded pair sums, bit for bit; for one NVFP4 linear (scales of both signs, zero blocks, every byte
+    value, the range's edges) and gathered experts with a global scale each, and for MXFP8 at small and large scale
+    codes. The x rows are bf16, widened on the bits."""
     bf16 = torch.bfloat16
     cases = []
     for lo, hi in ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (0.25, 3.7)):
         cases.append(("nvfp4", *_normal_nvfp4(3, 24, 208, lo, hi, seed=3)))
-    for codes in ((3, 40), (200, 240)) if not words else ():  # words are NVFP4's
+    for codes in ((3, 40), (200, 240)):
         cases.append(("mxfp8", *_mxfp8(3, 24, 224, exponents=codes), None))
     for fmt, w, s, g in cases:
         assert packed_mod.scales_in_normal_range(fmt, s, g)

@@ -147,7 +147,8 @@ def test_inductor_hook_hands_the_kernel_its_kinds_configuration():
 def test_kinds_read_from_inductor_graphs():
     """`FixedReductions.packed_reads` on the kernels inductor actually schedules (CPU compiles, inspected after
     fusion): an NVFP4 product read as bytes or as int32 words (`words=True`, an alias of the stored bytes), two NVFP4
-    products fused into one kernel (gate and up), an MXFP8 product, and a plain fp32 reduction."""
+    products fused into one kernel (gate and up), an MXFP8 product read as bytes or words, and a plain fp32
+    reduction."""
 
     from minimax_ref.packed import FUSED_INDUCTOR_OPTIONS, packed_matmul
     from minimax_ref.quant import quantize_mxfp8, quantize_nvfp4
@@ -184,6 +185,8 @@ def test_kinds_read_from_inductor_graphs():
     assert kinds(nvfp4(True), x, ids) == [("nvfp4", 1, 4)]  # int32 words: 4 bytes of the row per reduced index
     assert kinds(gate_up, x, ids) == [("nvfp4", 2, 4)]
     assert kinds(lambda x: packed_matmul(x, "mxfp8", *mx, None, torch.bfloat16, None, True), x[0]) == [("mxfp8", 1, 1)]
+    mx_words = lambda x: packed_matmul(x, "mxfp8", *mx, None, torch.bfloat16, None, True, words=True)  # noqa: E731
+    assert kinds(mx_words, x[0]) == [("mxfp8", 1, 4)]
     assert kinds(lambda a, b: (a * b).sum(-1), torch.randn(64, 256), torch.randn(256)) == [(None, 0, 1)]
 
 
@@ -315,11 +318,12 @@ def test_release_width_compiled_layers_with_fixed_reductions():
 
 
 @gpu
-def test_release_width_compiled_layers_read_nvfp4_as_words():
+def test_release_width_compiled_layers_read_packed_words():
     """bf16 at release-like widths (as above): `fast="compiled"` reads NVFP4's packed bytes as int32 words (its
-    default), and those products, their rows counted in bytes (`FixedReductions.packed_reads`), still launch with
-    the NVFP4 kinds' fixed configurations; the decode steps equal those of the same model reading bytes up to the
-    bf16 rounding of fp32 sums taken in another order, and the prefill (not compiled) is the same."""
+    default), here MXFP8's too (`mxfp8_words`), and those products, their rows counted in bytes
+    (`FixedReductions.packed_reads`), still launch with their kinds' fixed configurations; the decode steps equal
+    those of the same model reading bytes up to the bf16 rounding of fp32 sums taken in another order, and the
+    prefill (not compiled) is the same."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from minimax_ref.loader import load_synthetic
@@ -328,8 +332,11 @@ def test_release_width_compiled_layers_read_nvfp4_as_words():
     overrides = {"vocab_size": 8192, "hidden_size": 2048, "num_attention_heads": 16, "dense_intermediate_size": 4096,
                  "intermediate_size": 2048, "shared_intermediate_size": 2048}
     assert FastPaths.of("compiled").nvfp4_words
-    single, pair = ReductionConfig(1, 64, 4), ReductionConfig(1, 64, 2)  # told apart from every other kind's
-    fast = replace(FastPaths.of("compiled"), layer_reductions=replace(DECODE_REDUCTIONS, nvfp4=single, nvfp4_pair=pair))
+    # told apart from every other kind's
+    configs = ReductionConfigs(nvfp4=ReductionConfig(1, 64, 4), mxfp8=ReductionConfig(2, 128, 4),
+                               nvfp4_pair=ReductionConfig(1, 64, 2), mxfp8_pair=ReductionConfig(1, 128, 8),
+                               other=ReductionConfig(8, 256, 4))
+    fast = replace(FastPaths.of("compiled"), layer_reductions=configs, mxfp8_words=True)
     model = load_synthetic("release", layers=4, experts=8, overrides=overrides, device="cuda", dtype=torch.bfloat16,
                            fast=fast, max_seq_len=512)
     ids = torch.randint(0, 8192, (1, 300), generator=torch.Generator().manual_seed(1)).cuda()
@@ -344,10 +351,10 @@ def test_release_width_compiled_layers_read_nvfp4_as_words():
 
     with _Launched() as launched:
         by_words = steps()
-    configs = launched.configs(fixed=True)
-    assert {(1, 64, 4), (1, 64, 2)} <= configs, configs
+    got = launched.configs(fixed=True)
+    assert {(1, 64, 4), (2, 128, 4), (1, 64, 2), (1, 128, 8)} <= got, got
     torch._dynamo.reset()
-    model.set_fast(replace(fast, nvfp4_words=False))
+    model.set_fast(replace(fast, nvfp4_words=False, mxfp8_words=False))
     by_bytes = steps()
     assert torch.equal(by_words[:, :296], by_bytes[:, :296])
     rel = float((by_words[:, 296:] - by_bytes[:, 296:]).abs().max() / by_bytes[:, 296:].abs().max())

@@ -13,7 +13,7 @@ timed alike. One JSON line.
   int32 words, eight elements a load, `packed.nvfp4_word_planes`). Every variant's output is checked against
   `packed.packed_matmul_reference` and every NVFP4 variant's planes against `decoded_planes`, bit for bit.
 * `--what layers`: a release-width model of 4 layers (3 dense, 1 MSA+MoE; 16 routed experts, NVFP4 + MXFP8 packed,
-  fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (`--nvfp4-words off`: NVFP4 read as bytes): the
+  fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (`--nvfp4-words on`: NVFP4 read as int32 words): the
   looped Triton reductions of one decode step with at least 1,024 outputs and 1,024 reduced indices each (384 for
   NVFP4's words) (the matmuls, attention over the selected keys).
 
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"of {sorted({v for vs in WEIGHT_VARIANTS.values() for v in vs})})")
     p.add_argument("--nvfp4-words", default="default", choices=["default", "on", "off"],
                    help="--what layers: FastPaths.nvfp4_words, the NVFP4 products read the packed bytes as int32 words "
-                   "(default: as fast='compiled' sets it, on)")
+                   "(default: as fast='compiled' sets it, off)")
     p.add_argument("--mxfp8-words", default="default", choices=["default", "on", "off"],
                    help="--what layers: FastPaths.mxfp8_words, the same for MXFP8 (default: as fast='compiled' sets)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")

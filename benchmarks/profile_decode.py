@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "prefilled cache (one JSON line each)")
     p.add_argument("--nvfp4-words", default="default", choices=["default", "off", "on", "both"],
                    help="FastPaths.nvfp4_words: the fused NVFP4 products read the packed bytes as int32 words; both: "
-                   "each configuration with and without (default: as --fast sets it; on for compiled)")
+                   "each configuration with and without (default: as --fast sets it, off)")
     p.add_argument("--mxfp8-words", default="default", choices=["default", "off", "on", "both"],
                    help="FastPaths.mxfp8_words: the same for MXFP8's E4M3 bytes (default: as --fast sets it)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")

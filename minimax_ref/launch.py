@@ -251,7 +251,10 @@ def _choices_class():
             config = getattr(self.configs, kind_of(packed, weights))
             reduced = _static(features.reduction_numel)
             if config is not None and fixes(_static(features.numel), reduced and reduced * width, tiled):
-                kernel_kwargs = {**kernel_kwargs, "fixed_config": FixedTritonConfig(config.triton())}
+                # looped, as the configuration assumes: inductor would make a reduction of at most 1,024 indices
+                # (NVFP4's or MXFP8's rows read as words) persistent, a kernel without the R0_BLOCK it sets
+                kernel_kwargs = {**kernel_kwargs, "fixed_config": FixedTritonConfig(config.triton()),
+                                 "override_persistent_reduction": False}
             return kernel_kwargs
 
     return FixedReductions

@@ -125,6 +125,7 @@ def test_inductor_hook_hands_the_kernel_its_kinds_configuration():
                         (("p", "cache"), c[4])):  # attention over an fp8 cache: no packed weight
         got = choices.triton_kernel_kwargs(None, _features(6144, 12288, reads), [big], {"features": None})
         assert got["fixed_config"].config == want.triton(), reads
+        assert got["override_persistent_reduction"] is False  # looped, as the configuration's R0_BLOCK assumes
     # Words are counted in the bytes of the row they hold: 256 words = 1,024 bytes are fixed, 255 are not.
     for n_words, fixed in ((1536, True), (MIN_REDUCED // 4, True), (MIN_REDUCED // 4 - 1, False)):
         got = choices.triton_kernel_kwargs(None, _features(6144, n_words, ("x", "words", "block_scales")),
@@ -319,8 +320,8 @@ def test_release_width_compiled_layers_with_fixed_reductions():
 
 @gpu
 def test_release_width_compiled_layers_read_packed_words():
-    """bf16 at release-like widths (as above): `fast="compiled"` reads NVFP4's packed bytes as int32 words (its
-    default), here MXFP8's too (`mxfp8_words`), and those products, their rows counted in bytes
+    """bf16 at release-like widths (as above): `fast="compiled"` reading NVFP4's and MXFP8's packed bytes as int32
+    words (`nvfp4_words`, `mxfp8_words`), those products, their rows counted in bytes
     (`FixedReductions.packed_reads`), still launch with their kinds' fixed configurations; the decode steps equal
     those of the same model reading bytes up to the bf16 rounding of fp32 sums taken in another order, and the
     prefill (not compiled) is the same."""
@@ -331,12 +332,11 @@ def test_release_width_compiled_layers_read_packed_words():
     torch._dynamo.reset()
     overrides = {"vocab_size": 8192, "hidden_size": 2048, "num_attention_heads": 16, "dense_intermediate_size": 4096,
                  "intermediate_size": 2048, "shared_intermediate_size": 2048}
-    assert FastPaths.of("compiled").nvfp4_words
     # told apart from every other kind's
     configs = ReductionConfigs(nvfp4=ReductionConfig(1, 64, 4), mxfp8=ReductionConfig(2, 128, 4),
                                nvfp4_pair=ReductionConfig(1, 64, 2), mxfp8_pair=ReductionConfig(1, 128, 8),
                                other=ReductionConfig(8, 256, 4))
-    fast = replace(FastPaths.of("compiled"), layer_reductions=configs, mxfp8_words=True)
+    fast = replace(FastPaths.of("compiled"), layer_reductions=configs, nvfp4_words=True, mxfp8_words=True)
     model = load_synthetic("release", layers=4, experts=8, overrides=overrides, device="cuda", dtype=torch.bfloat16,
                            fast=fast, max_seq_len=512)
     ids = torch.randint(0, 8192, (1, 300), generator=torch.Generator().manual_seed(1)).cuda()

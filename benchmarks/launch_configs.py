@@ -9,8 +9,9 @@ timed alike. One JSON line.
   (`packed_matmul(..., normal_range=True)`: `normal_range_planes`), `x_fp32` (the same with x handed over in fp32),
   and for NVFP4 `e4m3_int` / `e4m3_cvt` (the E2M1 code re-coded as the E4M3 value e2m1 * 2^-6, widened by the
   conversion instruction, times 64 s, rounded to bf16 with integer operations on the bits, as the engine did
-  before, or by the conversion instruction) and `words` (`packed_matmul(..., words=True)`: the packed bytes read as
-  int32 words, eight elements a load, `packed.nvfp4_word_planes`). Every variant's output is checked against
+  before, or by the conversion instruction), and for both `words` (`packed_matmul(..., words=True)`: the packed bytes
+  read as int32 words, eight NVFP4 or four MXFP8 elements a load, `packed.nvfp4_word_planes`,
+  `packed.mxfp8_word_planes`). Every variant's output is checked against
   `packed.packed_matmul_reference` and every NVFP4 variant's planes against `decoded_planes`, bit for bit.
 * `--what layers`: a release-width model of 4 layers (3 dense, 1 MSA+MoE; 16 routed experts, NVFP4 + MXFP8 packed,
   fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (`--nvfp4-words on`: NVFP4 read as int32 words): the
@@ -19,9 +20,10 @@ timed alike. One JSON line.
 
 A kernel is relaunched through its Triton function with the grid inductor would use (`XBLOCK` outputs per program),
 `enable_fp_fusion` off and fp32 subnormals kept (as inductor compiles it here), and timed as `fused_matmul.py` times
-(a CUDA graph of 10 launches, replayed); `compiled` is the same relaunch with the compiled configuration. Relaunching a
-layer's kernels recomputes their outputs from the step's inputs; those that write in place (the cache) write what
-they wrote.
+(a CUDA graph of 10 launches, replayed), each launch after a write of `--l2-flush-mib` MiB that evicts its operands
+from L2 (that write's own time subtracted); `compiled` is the same relaunch with the compiled configuration.
+Relaunching a layer's kernels recomputes their outputs from the step's inputs; those that write in place (the cache)
+write what they wrote.
 
     # 1 x H200 (about 3 minutes each, most of it compiling):
     python benchmarks/launch_configs.py --what weights --out launch_configs.jsonl
@@ -52,6 +54,7 @@ from minimax_ref.packed import _select as select_entries
 from minimax_ref.packed import (
     _to_bf16_by_conversion,
     decoded_planes,
+    mxfp8_word_planes,
     normal_range_planes,
     nvfp4_word_planes,
     packed_matmul,
@@ -69,7 +72,7 @@ LAYER_CONFIGS = [(1, 128, 4), (1, 128, 8), (1, 256, 2), (1, 256, 4), (1, 256, 8)
                  (8, 256, 4), (16, 128, 4), (32, 64, 4), (64, 32, 4), (128, 16, 8), (32, 128, 8),
                  # shorter steps for NVFP4 read as int32 words (8 elements a reduced index)
                  (1, 64, 2), (1, 64, 4), (2, 128, 4), (4, 128, 4)]
-WEIGHT_VARIANTS = {"q_proj": ["engine", "x_fp32"], "o_proj": ["engine"],
+WEIGHT_VARIANTS = {"q_proj": ["engine", "x_fp32", "words"], "o_proj": ["engine", "words"],
                    "dense gate_proj": ["engine", "x_fp32", "words"],
                    "4 routed experts w1": ["engine", "x_fp32", "e4m3_int", "e4m3_cvt", "words"],
                    "4 routed experts w2": ["engine", "x_fp32", "words"]}
@@ -109,17 +112,40 @@ def _is_looped_reduction(kernel, args: tuple) -> bool:
             and all(isinstance(a, int) for a in args[-2:]))
 
 
-def relaunch_us(kernel, args: tuple, xblock: int, r0_block: int, num_warps: int, num_stages: int, iters: int) -> float:
+class Timer:
+    """Microseconds per call of a function, timed as `fused_matmul.per_call_s` times it, after a write of
+    `flush_mib` MiB (larger than the GPU's L2 cache: 50 MiB on an H200) before each call, whose own time, measured
+    alone the same way, is subtracted: the call then reads its operands from HBM, as in a decode step, which reads
+    each layer's weights once. `flush_mib` 0: calls back to back (the sweeps up to session 8), which leaves part of a
+    kernel's operands in L2 and ranked configurations with short loop steps faster than they were in a step."""
+
+    def __init__(self, flush_mib: int, device: torch.device, iters: int):
+        self.iters = iters
+        self.flush = torch.empty(flush_mib << 20, dtype=torch.uint8, device=device) if flush_mib else None
+        self.flush_us = 1e6 * per_call_s(self.flush.zero_, iters) if flush_mib else 0.0
+
+    def us(self, fn) -> float:
+        if self.flush is None:
+            return 1e6 * per_call_s(fn, self.iters)
+
+        def flushed():
+            self.flush.zero_()
+            fn()
+
+        return 1e6 * per_call_s(flushed, self.iters) - self.flush_us
+
+
+def relaunch_us(kernel, args: tuple, xblock: int, r0_block: int, num_warps: int, num_stages: int,
+                timer: Timer) -> float:
     """Microseconds per launch of inductor reduction `kernel` (args: its pointers, then xnumel and r0numel)."""
     if kernel.fn.fn is None:  # compiled in a worker process, which drops the Python function: load it as inductor does
         kernel.fn = kernel._reload_kernel().fn
     grid = ((args[-2] + xblock - 1) // xblock, 1, 1)
-    return 1e6 * per_call_s(lambda: kernel.fn[grid](*args, XBLOCK=xblock, R0_BLOCK=r0_block, num_warps=num_warps,
-                                                    num_stages=num_stages, enable_fp_fusion=False,
-                                                    enable_reflect_ftz=False), iters)
+    return timer.us(lambda: kernel.fn[grid](*args, XBLOCK=xblock, R0_BLOCK=r0_block, num_warps=num_warps,
+                                            num_stages=num_stages, enable_fp_fusion=False, enable_reflect_ftz=False))
 
 
-def sweep(kernel, args: tuple, configs: list, iters: int) -> dict:
+def sweep(kernel, args: tuple, configs: list, timer: Timer) -> dict:
     """The compiled configuration's time and the fastest of `configs` (a configuration Triton refuses is
     skipped)."""
     compiled = kernel.launchers[0].config
@@ -127,11 +153,11 @@ def sweep(kernel, args: tuple, configs: list, iters: int) -> dict:
     out = {"kernel": kernel.fn.__name__[:160], "xnumel": args[-2], "r0numel": args[-1],
            "compiled": {"config": [xblock, r0_block, compiled.num_warps, compiled.num_stages],
                         "us": relaunch_us(kernel, args, xblock, r0_block, compiled.num_warps, compiled.num_stages,
-                                          iters)}}
+                                          timer)}}
     timed = []
     for xb, rb, nw in configs:
         try:
-            timed.append({"config": [xb, rb, nw, 1], "us": relaunch_us(kernel, args, xb, rb, nw, 1, iters)})
+            timed.append({"config": [xb, rb, nw, 1], "us": relaunch_us(kernel, args, xb, rb, nw, 1, timer)})
         except Exception as e:  # noqa: BLE001 (a configuration this kernel cannot take: too many registers, ...)
             print(f"  {out['kernel'][:60]} {[xb, rb, nw]}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
     out["fastest"] = sorted(timed, key=lambda t: t["us"])[:4]
@@ -162,6 +188,7 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
             if args.variants and variant not in args.variants:
                 continue
             options = dict(LAYER_INDUCTOR_OPTIONS)
+            expected = reference_planes
             if variant.startswith("e4m3"):
                 rounding = bf16_by_bits if variant == "e4m3_int" else _to_bf16_by_conversion
                 planes = e4m3_planes(*parts, rounding)
@@ -169,8 +196,11 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
                                                     options=options)
                 call = functools.partial(fn, x, w, s, g, index, rounding)
             elif variant == "words":  # the same elements, in word order: compared as whole rows
-                reference_planes = [torch.stack(reference_planes, -1).flatten(-3)]
-                planes = [torch.stack(nvfp4_word_planes(bytes_as_int32(parts[0]), *parts[1:]), -1).flatten(-3)]
+                expected = [torch.stack(reference_planes, -1).flatten(-3)]
+                words = bytes_as_int32(parts[0])
+                planes = (nvfp4_word_planes(words, *parts[1:]) if fmt == "nvfp4"
+                          else mxfp8_word_planes(words, parts[1]))
+                planes = [torch.stack(planes, -1).flatten(-3)]
                 fn = compiled_with_fixed_reductions(words_matmul, args.reductions, dynamic=False, fullgraph=True,
                                                     options=options)
                 call = functools.partial(fn, x, fmt, w, s, g, index)
@@ -179,7 +209,7 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
                 fn = compiled_with_fixed_reductions(engine_matmul, args.reductions, dynamic=False, fullgraph=True,
                                                     options=options)
                 call = functools.partial(fn, x.float() if variant == "x_fp32" else x, fmt, w, s, g, index)
-            if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(planes, reference_planes)):
+            if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(planes, expected)):
                 raise BenchmarkError(f"{name} {variant}: the decoded weight's bits differ from decoded_planes")
             t0 = time.perf_counter()
             err = float((call().float() - want).abs().max() / want.abs().max())
@@ -191,8 +221,7 @@ def weights(args: argparse.Namespace, device: torch.device) -> list:
                 raise BenchmarkError(f"{name} {variant}: the compiled product launched no looped reduction kernel")
             kernel, kargs = max(reductions, key=lambda c: c[1][-2] * c[1][-1])
             row = {"weight": name, "format": fmt, "variant": variant, "compile_s": compile_s, "rel_err": err,
-                   "compiled_us": 1e6 * per_call_s(call, args.iters),
-                   **sweep(kernel, kargs, WEIGHT_CONFIGS, args.iters)}
+                   "compiled_us": args.timer.us(call), **sweep(kernel, kargs, WEIGHT_CONFIGS, args.timer)}
             print(f"{name:20s} {variant:9s} compiled {row['compiled']['us']:6.1f} us {row['compiled']['config']}  "
                   f"fastest "
                   f"{row['fastest'][0]['us']:6.1f} us {row['fastest'][0]['config']}", file=sys.stderr, flush=True)
@@ -229,7 +258,7 @@ def layers(args: argparse.Namespace, device: torch.device) -> list:
             seen.add(name)
             if kargs[-2] < 1024 or kargs[-1] < 384:  # 384: NVFP4's down projection read as words (3,072 elements)
                 continue
-            row = sweep(kernel, kargs, LAYER_CONFIGS, args.iters)
+            row = sweep(kernel, kargs, LAYER_CONFIGS, args.timer)
             print(f"{row['kernel'][:70]:70s} compiled {row['compiled']['us']:6.1f} us {row['compiled']['config']}  "
                   f"fastest "
                   f"{row['fastest'][0]['us']:6.1f} us {row['fastest'][0]['config']}", file=sys.stderr, flush=True)
@@ -243,10 +272,14 @@ def run(args: argparse.Namespace) -> None:
     args.reductions = reduction_config(args.reduction_config)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     device = torch.device("cuda")
+    if args.l2_flush_mib < 0:
+        raise BenchmarkError(f"--l2-flush-mib {args.l2_flush_mib}: give 0 (no flush) or a size in MiB")
+    args.timer = Timer(args.l2_flush_mib, device, args.iters)
     out = {"benchmark": "launch_configs", "what": args.what, "command": " ".join(sys.argv), "torch": torch.__version__,
            "device_name": torch.cuda.get_device_name(device),
            "reduction_config": None if args.reductions is None else args.reductions.text(),
-           "nvfp4_words": args.nvfp4_words, "mxfp8_words": args.mxfp8_words,
+           "nvfp4_words": args.nvfp4_words, "mxfp8_words": args.mxfp8_words, "l2_flush_mib": args.l2_flush_mib,
+           "l2_flush_us": args.timer.flush_us,
            "kernels": weights(args, device) if args.what == "weights" else layers(args, device)}
     emit(out, args.out)
 
@@ -256,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--what", default="weights", choices=["weights", "layers"],
                    help="one packed weight at a time, or a 4-layer model's decode step (default: weights)")
     p.add_argument("--iters", type=int, default=10, help="graph replays timed per configuration (default: 10)")
+    p.add_argument("--l2-flush-mib", type=int, default=256,
+                   help="MiB written before each timed launch, so that it reads from HBM as a decode step does; its "
+                   "own time is subtracted (0: launches back to back, partly from L2) (default: 256)")
     p.add_argument("--reduction-config", default=None, metavar="X,R,W[/X,R,W][/KIND=X,R,W...]|tuned",
                    help=REDUCTION_CONFIG_HELP)
     p.add_argument("--variants", default="", help="--what weights: only these variants, comma-separated (default: all "

@@ -444,13 +444,18 @@ def packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale:
     normal_range: the caller has checked `scales_in_normal_range` (PackedWeight does at construction): the planes
     come from `normal_range_planes`, the same bits in fewer operations. words (in range, bf16; MXFP8 also fp32): the
     same bits from the bytes read four at a time (`nvfp4_word_planes`, `mxfp8_word_planes`: the caller has checked
-    that an MXFP8 weight holds no NaN byte, `has_e4m3_nan`), the sum in another order.
+    that an MXFP8 weight holds no NaN byte, `has_e4m3_nan`), the sum in another order; with a bf16 x, the planes'
+    products are added by fused multiply-adds (`torch.addcmul`, an FMA instruction in inductor's CUDA kernels): a
+    product of a bf16 x and a decoded element (at most 8 significant bits) is exact in fp32, so this is the same as
+    rounding it and adding, except for products under fp32's normal range (|x w| < 2^-126), added unrounded.
     """
+    exact_products = False
     if words and normal_range and (dtype == torch.bfloat16 or (fmt == MXFP8 and dtype == torch.float32)):
         # the words are a view of the stored bytes taken before selecting entries, so selecting copies nothing
         w, s, g = _select(_bytes_as_int32(weight), weight_scale, weight_scale_2, index)
         planes = nvfp4_word_planes(w, s, g) if fmt == NVFP4 else mxfp8_word_planes(w, s)  # [*L, N, blocks, words]
         xs = activation_word_planes(fmt, x)
+        exact_products = x.dtype == torch.bfloat16
     else:
         weight, weight_scale, weight_scale_2 = _select(weight, weight_scale, weight_scale_2, index)
         planes = _planes(fmt, weight, weight_scale, weight_scale_2, dtype, normal_range)  # [*L, N, blocks, block]
@@ -459,7 +464,8 @@ def packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale:
     for m in range(x.shape[-2]):
         terms = xs[0][..., m, None, :, :] * planes[0]
         for xp, wp in zip(xs[1:], planes[1:]):
-            terms = terms + xp[..., m, None, :, :] * wp
+            xm = xp[..., m, None, :, :]
+            terms = torch.addcmul(terms, xm, wp) if exact_products else terms + xm * wp
         # [*, N]: one reduction over K per row, cast as it is stored (so the kernel writes the output directly)
         rows.append(terms.sum((-2, -1)).to(dtype))
     return torch.stack(rows, dim=-2)

@@ -58,6 +58,15 @@ REDUCTION_CONFIG_HELP = ("launch configurations of the compiled layers' large re
                          f"({DECODE_REDUCTIONS.text()}, also when not given)")
 
 
+WORDS_CHOICES = ["default", "off", "on", "both"]
+
+
+def words_settings(choice: str, default: bool) -> list[bool]:
+    """A `--nvfp4-words` / `--mxfp8-words` argument (`WORDS_CHOICES`) as the settings to run: `default` is the fast
+    paths' own, `both` each of off and on."""
+    return {"default": [default], "off": [False], "on": [True], "both": [False, True]}[choice]
+
+
 def reduction_config(text: str | None) -> ReductionConfigs | None:
     """A `--reduction-config` argument: None or "default" (the engine's `launch.DECODE_REDUCTIONS`), "tuned" (None:
     no fixed configuration), or the text of `ReductionConfigs.parse`."""

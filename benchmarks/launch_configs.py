@@ -41,7 +41,16 @@ import time
 from dataclasses import replace
 
 import torch
-from common import REDUCTION_CONFIG_HELP, BenchmarkError, emit, main_guard, prefill, reduction_config
+from common import (
+    REDUCTION_CONFIG_HELP,
+    WORDS_CHOICES,
+    BenchmarkError,
+    emit,
+    main_guard,
+    prefill,
+    reduction_config,
+    words_settings,
+)
 from fused_matmul import SHAPES, operands, per_call_s
 from fused_variants import bf16_by_bits, e4m3, e4m3_planes
 
@@ -233,9 +242,8 @@ def layers(args: argparse.Namespace, device: torch.device) -> list:
     launches = Launches()
     prompt = 8192
     fast = replace(FastPaths.of("compiled"), layer_reductions=args.reductions)
-    for fmt in ("nvfp4", "mxfp8"):
-        if getattr(args, f"{fmt}_words") != "default":
-            fast = replace(fast, **{f"{fmt}_words": getattr(args, f"{fmt}_words") == "on"})
+    fast = replace(fast, nvfp4_words=words_settings(args.nvfp4_words, fast.nvfp4_words)[0],
+                   mxfp8_words=words_settings(args.mxfp8_words, fast.mxfp8_words)[0])
     model = load_synthetic("release", format="nvfp4", layers=4, experts=16, device=device, weights="packed",
                            dtype=torch.bfloat16, fast=fast, max_seq_len=prompt + 8, kv_cache_dtype="fp8")
     ids = torch.randint(0, 100_000, (1, prompt), generator=torch.Generator(device=device).manual_seed(3),
@@ -296,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                    help=REDUCTION_CONFIG_HELP)
     p.add_argument("--variants", default="", help="--what weights: only these variants, comma-separated (default: all "
                    f"of {sorted({v for vs in WEIGHT_VARIANTS.values() for v in vs})})")
-    p.add_argument("--nvfp4-words", default="default", choices=["default", "on", "off"],
+    p.add_argument("--nvfp4-words", default="default", choices=WORDS_CHOICES[:3],
                    help="--what layers: FastPaths.nvfp4_words, the NVFP4 products read the packed bytes as int32 words "
                    "(default: as fast='compiled' sets it, off)")
-    p.add_argument("--mxfp8-words", default="default", choices=["default", "on", "off"],
+    p.add_argument("--mxfp8-words", default="default", choices=WORDS_CHOICES[:3],
                    help="--what layers: FastPaths.mxfp8_words, the same for MXFP8 (default: as fast='compiled' sets)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = p.parse_args(argv)

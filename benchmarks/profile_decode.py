@@ -32,6 +32,7 @@ import torch
 from common import (
     GIB,
     REDUCTION_CONFIG_HELP,
+    WORDS_CHOICES,
     BenchmarkError,
     GraphStep,
     copy_bandwidth,
@@ -44,6 +45,7 @@ from common import (
     reduction_config,
     replicate_cache,
     sync,
+    words_settings,
 )
 
 from minimax_ref.fast import FUSED_ROWS, FastPaths
@@ -72,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="X,R,W[/X,R,W][/KIND=X,R,W...]|tuned",
                    help=REDUCTION_CONFIG_HELP + "; repeat it to profile several in one run, on the same weights and "
                    "prefilled cache (one JSON line each)")
-    p.add_argument("--nvfp4-words", default="default", choices=["default", "off", "on", "both"],
+    p.add_argument("--nvfp4-words", default="default", choices=WORDS_CHOICES,
                    help="FastPaths.nvfp4_words: the fused NVFP4 products read the packed bytes as int32 words; both: "
                    "each configuration with and without (default: as --fast sets it, off)")
-    p.add_argument("--mxfp8-words", default="default", choices=["default", "off", "on", "both"],
+    p.add_argument("--mxfp8-words", default="default", choices=WORDS_CHOICES,
                    help="FastPaths.mxfp8_words: the same for MXFP8's E4M3 bytes (default: as --fast sets it)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p
@@ -142,12 +144,10 @@ def run(args: argparse.Namespace, holder: list) -> None:
             cache = replicate_cache(model, cache, args.batch, args.kv_cache_dtype)
         tok = last.argmax(-1, keepdim=True).expand(args.batch, 1).contiguous()
         pos = torch.full((args.batch, 1), args.prompt_len, dtype=torch.long, device=device)
-        def words(choice: str, default: bool) -> list[bool]:
-            return {"default": [default], "off": [False], "on": [True], "both": [False, True]}[choice]
-
         # each step writes the same cache slot, so every configuration sees the same state
         for reductions, nvfp4_words, mxfp8_words in itertools.product(
-                configs, words(args.nvfp4_words, fast.nvfp4_words), words(args.mxfp8_words, fast.mxfp8_words)):
+                configs, words_settings(args.nvfp4_words, fast.nvfp4_words),
+                words_settings(args.mxfp8_words, fast.mxfp8_words)):
             torch._dynamo.reset()
             model.set_fast(replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words,
                                    mxfp8_words=mxfp8_words))

@@ -89,7 +89,7 @@ class FastPaths:
     matmul: str = "reference"
     # rows of the input per pass of the fused matmul over a weight (`packed.packed_matmul_fused`)
     fused_rows: int = FUSED_ROWS
-    # the fused NVFP4 products read the packed bytes as int32 words (`packed.nvfp4_word_planes`)
+    # the fused products read the packed bytes as int32 words (`packed.nvfp4_word_planes`, `mxfp8_word_planes`)
     nvfp4_words: bool = False
     mxfp8_words: bool = False
     compile_layers: bool = False

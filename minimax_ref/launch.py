@@ -197,8 +197,8 @@ def _choices_class():
 
         def dtype_of(self, buffer: str) -> torch.dtype | None:
             """The dtype of a buffer or graph input of the graph being compiled (None: not one); for an alias that
-            reinterprets a tensor's bytes (`aten.view.dtype`: NVFP4's codes read as int32 words,
-            `packed.nvfp4_word_planes`), the dtype of that tensor."""
+            reinterprets a tensor's bytes (`aten.view.dtype`: NVFP4's codes or MXFP8's elements read as int32
+            words, `packed.nvfp4_word_planes`, `packed.mxfp8_word_planes`), the dtype of that tensor."""
             try:
                 dtype = V.graph.get_dtype(buffer)
                 origins = list(getattr(V.graph.get_buffer(buffer), "origins", None) or ())
@@ -221,8 +221,9 @@ def _choices_class():
             largest tensor one reduced index loads. A packed weight is a uint8 tensor (NVFP4's codes, also when read as
             int32 words, or MXFP8's E8M0 scales, one per weight; nothing else in a decode step is uint8); the format is
             the dtype of the largest uint8 or fp8 tensor read, in elements (NVFP4's codes outnumber their fp8 block
-            scales 8 to 1, 2 to 1 as words; MXFP8's fp8 elements their uint8 scales 32 to 1): "nvfp4" or "mxfp8",
-            None with no uint8 read (then 0 weights and 1 byte). The bytes are 4 for NVFP4 read as words, else 1."""
+            scales 8 to 1, 2 to 1 as words; MXFP8's fp8 elements their uint8 scales 32 to 1, 8 to 1 as words):
+            "nvfp4" or "mxfp8", None with no uint8 read (then 0 weights and 1 byte). The bytes are 4 for a weight
+            read as int32 words, else 1."""
             reads = {dep.name for node in features.scheduler_nodes() for dep in node.read_writes.reads}
             packed = [(self.numel_of(name), dtype, name) for name in sorted(reads)
                       if (dtype := self.dtype_of(name)) in (torch.uint8, torch.float8_e4m3fn)]
@@ -233,8 +234,8 @@ def _choices_class():
             return ("nvfp4" if dtype == torch.uint8 else "mxfp8"), weights, self.width_of(name)
 
         def width_of(self, buffer: str) -> int:
-            """The bytes of one element of a buffer as the kernel loads it (4 for NVFP4's codes read as int32 words,
-            where `dtype_of` names the uint8 they alias); 1 when the graph does not know the buffer."""
+            """The bytes of one element of a buffer as the kernel loads it (4 for a packed weight read as int32 words,
+            where `dtype_of` names the dtype they alias); 1 when the graph does not know the buffer."""
             try:
                 return V.graph.get_dtype(buffer).itemsize
             except (KeyError, AttributeError, NotImplementedError):

@@ -119,8 +119,8 @@ def compiled_layer(reductions: ReductionConfigs | None = DECODE_REDUCTIONS):
     `KVCache.layer`), so every layer of a kind passes the same guards and shares one compiled graph: one per
     (kind of layer, batch size, cache length, dtype). Static shapes (`dynamic=False`: a decode step's shapes are
     fixed) and `fullgraph`: no graph break, so no host synchronisation hides in the step. Inductor options:
-    `LAYER_INDUCTOR_OPTIONS`, and the large reductions over packed weights (the matmuls) launched with their
-    format's configuration in `reductions` (`launch.FixedReductions`; None: tuned like the other kernels)."""
+    `LAYER_INDUCTOR_OPTIONS`, and the large reductions (the matmuls, attention's value sums) launched with their
+    kind's configuration in `reductions` (`launch.FixedReductions`; None: tuned like the other kernels)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     register_materialize_lowering()
     return compiled_with_fixed_reductions(_run_layer, reductions, dynamic=False, fullgraph=True,

@@ -280,11 +280,9 @@ def nvfp4_word_planes(words: torch.Tensor, weight_scale: torch.Tensor,
     s = (weight_scale.to(torch.float32) * _global(weight_scale_2, lead) * 2.0**126).unsqueeze(-1)
     w = words.view(*lead, n, n_words // 2, 2)
     planes = []
-    for j in range(8):
-        sign = (w << (28 - 4 * j)) & _FP32_SIGN
-        field = 22 - 4 * j  # where the nibble's e e m bits (4j..4j+2) must move, as a left shift
-        magnitude = (w << field if field >= 0 else w >> -field) & _E2M1_FIELD
-        planes.append(_to_bf16_by_conversion((sign | magnitude).view(torch.float32) * s))
+    for j in range(8):  # nibble j's s e e m: s to bit 31, e e m (bits 4j..4j+2) to bits 24..22
+        bits = (_shifted(w, 28 - 4 * j) & _FP32_SIGN) | (_shifted(w, 22 - 4 * j) & _E2M1_FIELD)
+        planes.append(_to_bf16_by_conversion(bits.view(torch.float32) * s))
     return planes
 
 
@@ -293,6 +291,11 @@ def nvfp4_word_planes(words: torch.Tensor, weight_scale: torch.Tensor,
 _FP32_SIGN = -(1 << 31)
 _E2M1_FIELD = 0x01C00000
 _E4M3_FIELD = 0x07F00000
+
+
+def _shifted(words: torch.Tensor, shift: int) -> torch.Tensor:
+    """int32 `words` shifted left by `shift` bits, or right by `-shift` (arithmetic: callers mask the bits kept)."""
+    return words << shift if shift >= 0 else words >> -shift
 
 
 def mxfp8_word_planes(words: torch.Tensor, weight_scale: torch.Tensor) -> list[torch.Tensor]:
@@ -310,11 +313,9 @@ def mxfp8_word_planes(words: torch.Tensor, weight_scale: torch.Tensor) -> list[t
     scale = (weight_scale.to(torch.int32) << 23).view(torch.float32).unsqueeze(-1)  # 2^(code - 127)
     w = words.view(*lead, n, n_words // (MXFP8_BLOCK // 4), MXFP8_BLOCK // 4)
     planes = []
-    for i in range(4):
-        sign = (w << (24 - 8 * i)) & _FP32_SIGN
-        field = 20 - 8 * i  # where byte i's e e e e m m m bits (8i..8i+6) must move, as a left shift
-        magnitude = (w << field if field >= 0 else w >> -field) & _E4M3_FIELD
-        planes.append((sign | magnitude).view(torch.float32) * 2.0**120 * scale)
+    for i in range(4):  # byte i's s e e e e m m m: s to bit 31, e e e e m m m (bits 8i..8i+6) to bits 26..20
+        bits = (_shifted(w, 24 - 8 * i) & _FP32_SIGN) | (_shifted(w, 20 - 8 * i) & _E4M3_FIELD)
+        planes.append(bits.view(torch.float32) * 2.0**120 * scale)
     return planes
 
 
@@ -332,8 +333,7 @@ def activation_word_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
     block, per_word = (NVFP4_BLOCK, 8) if fmt == NVFP4 else (MXFP8_BLOCK, 4)
     if x.dtype == torch.bfloat16:
         pairs = _bf16_pairs_as_int32(x).view(*lead, k // block, block // per_word, per_word // 2)
-        return [((pairs[..., j // 2] << 16) if j % 2 == 0 else (pairs[..., j // 2] & -65536)).view(torch.float32)
-                for j in range(per_word)]
+        return [half for p in range(per_word // 2) for half in _pair_halves(pairs[..., p])]
     x = x.float().view(*lead, k // block, block // per_word, per_word)
     return [x[..., j] for j in range(per_word)]
 
@@ -385,13 +385,17 @@ def activation_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
     widenings (its effect on an H200 decode step was within the spread of runs of the same code, BENCHMARKS.md)."""
     *lead, k = x.shape
     if fmt == NVFP4 and x.dtype == torch.bfloat16:
-        words = _bf16_pairs_as_int32(x).view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2)
-        return [(words << 16).view(torch.float32), (words & -65536).view(torch.float32)]
+        return list(_pair_halves(_bf16_pairs_as_int32(x).view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2)))
     x = _widen_bf16_bits(x) if x.dtype == torch.bfloat16 else x.float()
     if fmt == NVFP4:
         pairs = x.view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2, 2)
         return [pairs[..., 0], pairs[..., 1]]
     return [x.view(*lead, k // MXFP8_BLOCK, MXFP8_BLOCK)]
+
+
+def _pair_halves(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two bf16 values of each int32 word of `_bf16_pairs_as_int32` (low half, high half) as float32, exactly."""
+    return (pairs << 16).view(torch.float32), (pairs & -65536).view(torch.float32)
 
 
 def _bf16_pairs_as_int32(x: torch.Tensor) -> torch.Tensor:
@@ -413,11 +417,16 @@ def _select(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: to
     return weight[index], weight_scale[index], g
 
 
+def _normal_planes_apply(fmt: str, dtype: torch.dtype, normal_range: bool) -> bool:
+    """Whether `normal_range_planes` (and the word planes) give `decoded_planes`' bits: scales in the normal range
+    and a bf16 compute dtype (or MXFP8 in fp32, whose values are exact there too)."""
+    return normal_range and (dtype == torch.bfloat16 or (fmt == MXFP8 and dtype == torch.float32))
+
+
 def _planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor | None,
             dtype: torch.dtype, normal_range: bool) -> list[torch.Tensor]:
-    """`decoded_planes`, through `normal_range_planes` where that gives the same bits: scales in the normal range
-    and a bf16 compute dtype (or MXFP8 in fp32, whose values are exact there too)."""
-    if normal_range and (dtype == torch.bfloat16 or (fmt == MXFP8 and dtype == torch.float32)):
+    """`decoded_planes`, through `normal_range_planes` where that gives the same bits (`_normal_planes_apply`)."""
+    if _normal_planes_apply(fmt, dtype, normal_range):
         return normal_range_planes(fmt, weight, weight_scale, weight_scale_2)
     return decoded_planes(fmt, weight, weight_scale, weight_scale_2, dtype)
 
@@ -450,7 +459,7 @@ def packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale:
     rounding it and adding, except for products under fp32's normal range (|x w| < 2^-126), added unrounded.
     """
     exact_products = False
-    if words and normal_range and (dtype == torch.bfloat16 or (fmt == MXFP8 and dtype == torch.float32)):
+    if words and _normal_planes_apply(fmt, dtype, normal_range):
         # the words are a view of the stored bytes taken before selecting entries, so selecting copies nothing
         w, s, g = _select(_bytes_as_int32(weight), weight_scale, weight_scale_2, index)
         planes = nvfp4_word_planes(w, s, g) if fmt == NVFP4 else mxfp8_word_planes(w, s)  # [*L, N, blocks, words]
@@ -562,7 +571,7 @@ class PackedWeight(nn.Module):
         if (fmt == NVFP4) != (weight_scale_2 is not None):
             raise ValueError("PackedWeight: weight_scale_2 is given for NVFP4 and only for NVFP4")
         self.fmt, self.dtype, self.mode = fmt, dtype, "reference"
-        self.fused_tokens, self.fused_rows, self.words, self._words_on = 0, FUSED_ROWS, False, False
+        self.fused_tokens, self.fused_rows, self._words_on = 0, FUSED_ROWS, False
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_scale_2", weight_scale_2)
@@ -583,7 +592,11 @@ class PackedWeight(nn.Module):
         if on and self.fmt == MXFP8 and self._nan_free is None:
             self._nan_free = not has_e4m3_nan(self.weight)
         self._words_on = on
-        self.words = on and (self.fmt == NVFP4 or bool(self._nan_free))
+
+    @property
+    def words(self) -> bool:
+        """Whether the fused matmul reads this weight as int32 words (`set_words`)."""
+        return self._words_on and (self.fmt == NVFP4 or bool(self._nan_free))
 
     @property
     def shape(self) -> torch.Size:

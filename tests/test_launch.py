@@ -267,9 +267,31 @@ def test_compiled_matvec_launches_with_the_fixed_configuration(config, other):
     assert torch.allclose(small, (short.double() @ xs.double()).float(), rtol=1e-5, atol=1e-2)
 
 
+def _release_width_model(dtype: torch.dtype, fast: FastPaths):
+    """Release-like widths at test size on the GPU: hidden 2,048, 3 dense layers and an MSA + MoE layer of 8 experts,
+    NVFP4 + MXFP8 packed."""
+    from minimax_ref.loader import load_synthetic
+
+    overrides = {"vocab_size": 8192, "hidden_size": 2048, "num_attention_heads": 16, "dense_intermediate_size": 4096,
+                 "intermediate_size": 2048, "shared_intermediate_size": 2048}
+    return load_synthetic("release", layers=4, experts=8, overrides=overrides, device="cuda", dtype=dtype, fast=fast,
+                          max_seq_len=512)
+
+
+def _prefill_and_decode(model) -> torch.Tensor:
+    """The logits of a 296-token prefill and of 4 decode steps after it, float32 `[1, 300, V]`."""
+    ids = torch.randint(0, 8192, (1, 300), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        cache = model.new_cache(1, 512)
+        out = [model(ids[:, :296], positions=torch.arange(296, device="cuda")[None], cache=cache)]
+        for t in range(296, 300):
+            out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device="cuda"), cache=cache))
+    return torch.cat(out, dim=1).float()
+
+
 @gpu
 def test_release_width_compiled_layers_with_fixed_reductions():
-    """Release-like widths (hidden 2,048, 3 dense layers and an MSA + MoE layer, NVFP4 + MXFP8 packed, fp32), each
+    """Release-like widths (`_release_width_model`, fp32), each
     kind of product over packed weights given a configuration of its own: the compiled decode steps launch every
     kind's matmuls with it (a kernel with a pair's configuration reads two packed weights, one with a single weight's
     reads one), attention keeps its tuning, and the steps equal the same fast paths run eagerly to fp32 rounding."""
@@ -277,30 +299,15 @@ def test_release_width_compiled_layers_with_fixed_reductions():
         pytest.skip("needs a CUDA device")
     from torch._inductor.runtime.hints import HeuristicType
 
-    from minimax_ref.loader import load_synthetic
-
     torch._dynamo.reset()
-    overrides = {"vocab_size": 8192, "hidden_size": 2048, "num_attention_heads": 16, "dense_intermediate_size": 4096,
-                 "intermediate_size": 2048, "shared_intermediate_size": 2048}
-    model = load_synthetic("release", layers=4, experts=8, overrides=overrides, device="cuda", dtype=torch.float32,
-                           fast=replace(FastPaths.of("compiled"), compile_layers=False), max_seq_len=512)
-    ids = torch.randint(0, 8192, (1, 300), generator=torch.Generator().manual_seed(1)).cuda()
-
-    def steps() -> torch.Tensor:
-        with torch.no_grad():
-            cache = model.new_cache(1, 512)
-            out = [model(ids[:, :296], positions=torch.arange(296, device="cuda")[None], cache=cache)]
-            for t in range(296, 300):
-                out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device="cuda"), cache=cache))
-        return torch.cat(out, dim=1)
-
-    want = steps()
+    model = _release_width_model(torch.float32, replace(FastPaths.of("compiled"), compile_layers=False))
+    want = _prefill_and_decode(model)
     single, pair = ReductionConfig(1, 128, 4), ReductionConfig(1, 256, 2)
     mx_single, mx_pair = ReductionConfig(2, 512, 4), ReductionConfig(1, 256, 8)
     configs = ReductionConfigs(nvfp4=single, mxfp8=mx_single, nvfp4_pair=pair, mxfp8_pair=mx_pair, other=None)
     model.set_fast(replace(FastPaths.of("compiled"), layer_reductions=configs))
     with _Launched() as launched:
-        got = steps()
+        got = _prefill_and_decode(model)
 
     def key(c: ReductionConfig) -> tuple[int, int, int]:
         return c.xblock, c.r0_block, c.num_warps
@@ -327,35 +334,20 @@ def test_release_width_compiled_layers_read_packed_words():
     prefill (not compiled) is the same."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from minimax_ref.loader import load_synthetic
-
     torch._dynamo.reset()
-    overrides = {"vocab_size": 8192, "hidden_size": 2048, "num_attention_heads": 16, "dense_intermediate_size": 4096,
-                 "intermediate_size": 2048, "shared_intermediate_size": 2048}
     # told apart from every other kind's
     configs = ReductionConfigs(nvfp4=ReductionConfig(1, 64, 4), mxfp8=ReductionConfig(2, 128, 4),
                                nvfp4_pair=ReductionConfig(1, 64, 2), mxfp8_pair=ReductionConfig(1, 128, 8),
                                other=ReductionConfig(8, 256, 4))
     fast = replace(FastPaths.of("compiled"), layer_reductions=configs, nvfp4_words=True, mxfp8_words=True)
-    model = load_synthetic("release", layers=4, experts=8, overrides=overrides, device="cuda", dtype=torch.bfloat16,
-                           fast=fast, max_seq_len=512)
-    ids = torch.randint(0, 8192, (1, 300), generator=torch.Generator().manual_seed(1)).cuda()
-
-    def steps() -> torch.Tensor:
-        with torch.no_grad():
-            cache = model.new_cache(1, 512)
-            out = [model(ids[:, :296], positions=torch.arange(296, device="cuda")[None], cache=cache)]
-            for t in range(296, 300):
-                out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device="cuda"), cache=cache))
-        return torch.cat(out, dim=1).float()
-
+    model = _release_width_model(torch.bfloat16, fast)
     with _Launched() as launched:
-        by_words = steps()
+        by_words = _prefill_and_decode(model)
     got = launched.configs(fixed=True)
     assert {(1, 64, 4), (2, 128, 4), (1, 64, 2), (1, 128, 8)} <= got, got
     torch._dynamo.reset()
     model.set_fast(replace(fast, nvfp4_words=False, mxfp8_words=False))
-    by_bytes = steps()
+    by_bytes = _prefill_and_decode(model)
     assert torch.equal(by_words[:, :296], by_bytes[:, :296])
     rel = float((by_words[:, 296:] - by_bytes[:, 296:]).abs().max() / by_bytes[:, 296:].abs().max())
     assert rel < 3e-2, rel

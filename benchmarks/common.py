@@ -21,6 +21,7 @@ checks the fused matmul on the model's own weights before anything is timed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_ref.cache import KVCache  # noqa: E402
 from minimax_ref.errors import MiniMaxRefError  # noqa: E402
-from minimax_ref.launch import DECODE_REDUCTIONS, ReductionConfigs  # noqa: E402
+from minimax_ref.launch import DECODE_REDUCTIONS, KINDS, ReductionConfigs  # noqa: E402
 from minimax_ref.linear import Linear  # noqa: E402
 from minimax_ref.moe import Experts  # noqa: E402
 from minimax_ref.packed import PackedWeight, packed_matmul_fused, packed_matmul_reference  # noqa: E402
@@ -53,18 +54,30 @@ class BenchmarkError(RuntimeError):
 
 REDUCTION_CONFIG_HELP = ("launch configurations of the compiled layers' large reductions: XBLOCK,R0_BLOCK,NUM_WARPS "
                          "for every product over packed weights, NVFP4's/MXFP8's, then KIND=X,R,W or KIND=tuned parts "
-                         "(kinds: nvfp4, mxfp8, nvfp4_pair, mxfp8_pair, other), tuned for everything (coordinate "
+                         f"(kinds: {', '.join(KINDS)}), tuned for everything (coordinate "
                          "descent, per compile), or default: the engine's "
                          f"({DECODE_REDUCTIONS.text()}, also when not given)")
 
 
 WORDS_CHOICES = ["default", "off", "on", "both"]
+MXFP8_WORDS_CHOICES = [*WORDS_CHOICES, "gate_up"]  # FastPaths.mxfp8_words="gate_up"
 
 
-def words_settings(choice: str, default: bool) -> list[bool]:
-    """A `--nvfp4-words` / `--mxfp8-words` argument (`WORDS_CHOICES`) as the settings to run: `default` is the fast
-    paths' own, `both` each of off and on."""
-    return {"default": [default], "off": [False], "on": [True], "both": [False, True]}[choice]
+def words_settings(choice: str, default: bool | str) -> list[bool | str]:
+    """A `--nvfp4-words` / `--mxfp8-words` argument, comma-separated `WORDS_CHOICES` (`MXFP8_WORDS_CHOICES`), as the
+    settings to run in that order: `default` is the fast paths' own, `both` off then on."""
+    named = {"default": [default], "off": [False], "on": [True], "both": [False, True], "gate_up": ["gate_up"]}
+    return [setting for part in choice.split(",") for setting in named[part]]
+
+
+def words_choice(choices: list[str]):
+    """The argparse type of a words argument: comma-separated `choices`."""
+    def parse(text: str) -> str:
+        bad = [part for part in text.split(",") if part not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad)}: choose from {', '.join(choices)} (comma-separated)")
+        return text
+    return parse
 
 
 def reduction_config(text: str | None) -> ReductionConfigs | None:

@@ -307,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvfp4-words", default="default", choices=WORDS_CHOICES[:3],
                    help="--what layers: FastPaths.nvfp4_words, the NVFP4 products read the packed bytes as int32 words "
                    "(default: as fast='compiled' sets it, off)")
-    p.add_argument("--mxfp8-words", default="default", choices=WORDS_CHOICES[:3],
-                   help="--what layers: FastPaths.mxfp8_words, the same for MXFP8 (default: as fast='compiled' sets)")
+    p.add_argument("--mxfp8-words", default="default", choices=[*WORDS_CHOICES[:3], "gate_up"],
+                   help="--what layers: FastPaths.mxfp8_words, the same for MXFP8; gate_up: only the gate and up "
+                   "projections (default: as fast='compiled' sets it)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]

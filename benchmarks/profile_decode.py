@@ -31,6 +31,7 @@ from dataclasses import asdict, replace
 import torch
 from common import (
     GIB,
+    MXFP8_WORDS_CHOICES,
     REDUCTION_CONFIG_HELP,
     WORDS_CHOICES,
     BenchmarkError,
@@ -45,6 +46,7 @@ from common import (
     reduction_config,
     replicate_cache,
     sync,
+    words_choice,
     words_settings,
 )
 
@@ -74,11 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="X,R,W[/X,R,W][/KIND=X,R,W...]|tuned",
                    help=REDUCTION_CONFIG_HELP + "; repeat it to profile several in one run, on the same weights and "
                    "prefilled cache (one JSON line each)")
-    p.add_argument("--nvfp4-words", default="default", choices=WORDS_CHOICES,
+    p.add_argument("--nvfp4-words", default="default", type=words_choice(WORDS_CHOICES),
                    help="FastPaths.nvfp4_words: the fused NVFP4 products read the packed bytes as int32 words; both: "
                    "each configuration with and without (default: as --fast sets it, off)")
-    p.add_argument("--mxfp8-words", default="default", choices=WORDS_CHOICES,
-                   help="FastPaths.mxfp8_words: the same for MXFP8's E4M3 bytes (default: as --fast sets it)")
+    p.add_argument("--mxfp8-words", default="default", type=words_choice(MXFP8_WORDS_CHOICES),
+                   help="FastPaths.mxfp8_words: the same for MXFP8's E4M3 bytes; gate_up: only the gate and up "
+                   "projections; several, comma-separated: each in turn (default: as --fast sets it)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p
 
@@ -199,7 +202,8 @@ def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tenso
                     for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["us"])},
         "top": [{"name": n[:160], "calls": prof["calls"][n], "us": prof["micros"][n]} for n in top],
     })
-    words = "".join(f" {fmt} words" for fmt in ("nvfp4", "mxfp8") if getattr(model.fast, f"{fmt}_words"))
+    words = "".join(f" {fmt} words" + ("" if on is True else f" ({on})")
+                    for fmt in ("nvfp4", "mxfp8") if (on := getattr(model.fast, f"{fmt}_words")))
     log(world, f"[{result['reduction_config']}{words}] step {1e3 * step_s:.2f} ms ({args.batch / step_s:.1f} tok/s), "
                f"kernels {kernel_us / 1e3:.2f} ms in {result['kernels_per_step']:.0f} launches; roofline "
                f"{1e3 * roof_s:.2f} ms ({100 * roof_s / step_s:.1f} %)")

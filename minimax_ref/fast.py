@@ -75,6 +75,11 @@ FUSED_ROWS = 8
 CACHE_BUCKET = 1024
 
 
+# The projections that `mxfp8_words="gate_up"` reads as words: the two whose products a compiled layer fuses into
+# one kernel (the dense MLPs' and the shared expert's; the routed experts' are NVFP4).
+GATE_UP = frozenset({"gate_proj", "up_proj"})
+
+
 @dataclass(frozen=True)
 class FastPaths:
     """Which fast paths are on (see the module docstring). `FastPaths()` is the reference."""
@@ -91,7 +96,7 @@ class FastPaths:
     fused_rows: int = FUSED_ROWS
     # the fused products read the packed bytes as int32 words (`packed.nvfp4_word_planes`, `mxfp8_word_planes`)
     nvfp4_words: bool = False
-    mxfp8_words: bool = False
+    mxfp8_words: bool | str = False  # or "gate_up": only the gate and up projections (`reads_words`)
     compile_layers: bool = False
     # launch configurations of the compiled layers' large reductions over packed weights (None: tuned per compile)
     layer_reductions: ReductionConfigs | None = DECODE_REDUCTIONS
@@ -109,6 +114,18 @@ class FastPaths:
                               "must have static shapes and no host synchronisation)")
         if self.sync_free_tokens < 1:
             raise ConfigError(f"fast paths: sync_free_tokens={self.sync_free_tokens}: give a positive token count")
+        if self.mxfp8_words not in (False, True, "gate_up"):
+            raise ConfigError(f"fast paths: mxfp8_words={self.mxfp8_words!r}: give True, False or \"gate_up\" (only "
+                              "the gate and up projections)")
+
+    def reads_words(self, name: str, fmt: str) -> bool:
+        """Whether the packed weight `name` (a module path, e.g. `layers.3.mlp.gate_proj.packed`) of format `fmt`
+        is read as int32 words (`nvfp4_words`, `mxfp8_words`)."""
+        if fmt == "nvfp4":
+            return self.nvfp4_words
+        if self.mxfp8_words == "gate_up":
+            return not GATE_UP.isdisjoint(name.split("."))
+        return self.mxfp8_words
 
     @classmethod
     def of(cls, fast: bool | str | dict | FastPaths | None) -> FastPaths:

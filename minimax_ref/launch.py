@@ -64,9 +64,12 @@ class ReductionConfig:
 
 
 # The kinds of reduction `FixedReductions` tells apart, in the order of `ReductionConfigs`' fields: products over one
-# packed weight of each format, over two or more (the fused gate + up projections: two accumulators per output), and
-# the large reductions that read no packed weight (in a decode step: attention's sums of cached values).
-KINDS = ("nvfp4", "mxfp8", "nvfp4_pair", "mxfp8_pair", "other")
+# packed weight of each format, over two or more (the fused gate + up projections: two accumulators per output), the
+# same four reading the packed bytes as int32 words (`FastPaths.nvfp4_words`, `mxfp8_words`: a reduced index then
+# holds four bytes, and the best step differs: MXFP8's 8,512,1 over bytes took 20x as long over words on an H200),
+# and the large reductions that read no packed weight (in a decode step: attention's sums of cached values).
+PRODUCT_KINDS = ("nvfp4", "mxfp8", "nvfp4_pair", "mxfp8_pair")
+KINDS = (*PRODUCT_KINDS, *(f"{kind}_words" for kind in PRODUCT_KINDS), "other")
 
 
 @dataclass(frozen=True)
@@ -79,20 +82,24 @@ class ReductionConfigs:
     mxfp8: ReductionConfig | None = None  # q_proj, o_proj, the shared expert's and dense MLPs' down projections
     nvfp4_pair: ReductionConfig | None = None  # the routed experts' gate + up
     mxfp8_pair: ReductionConfig | None = None  # gate + up of the shared expert and of the dense MLPs
+    nvfp4_words: ReductionConfig | None = None  # the same four, the packed bytes read as int32 words
+    mxfp8_words: ReductionConfig | None = None
+    nvfp4_pair_words: ReductionConfig | None = None
+    mxfp8_pair_words: ReductionConfig | None = None
     other: ReductionConfig | None = None  # attention's value sums; every product, with weights decoded at load
 
     @classmethod
     def uniform(cls, config: ReductionConfig) -> ReductionConfigs:
-        """`config` for every product over packed weights; the reductions over none (`other`) as `DECODE_REDUCTIONS`
-        has them."""
-        return cls(config, config, config, config, DECODE_REDUCTIONS.other)
+        """`config` for every product over packed weights (bytes or words); the reductions over none (`other`) as
+        `DECODE_REDUCTIONS` has them."""
+        return cls(**{**dict.fromkeys(KINDS, config), "other": DECODE_REDUCTIONS.other})
 
     @classmethod
     def parse(cls, text: str) -> ReductionConfigs:
         """The command lines' form: parts separated by `/`. Up to two bare `X,R,W` parts come first: NVFP4's
-        products (one weight and two), then MXFP8's (one bare part: both formats). `KIND=X,R,W` or `KIND=tuned` parts
-        (a kind of `KINDS`) then set one kind. Kinds that no part names keep `DECODE_REDUCTIONS`' configuration. E.g.
-        `"1,256,8"`, `"1,256,8/8,512,1"`, `"mxfp8=8,512,1/other=8,256,4"`."""
+        products (one weight and two, bytes and words), then MXFP8's (one bare part: both formats). `KIND=X,R,W` or
+        `KIND=tuned` parts (a kind of `KINDS`) then set one kind. Kinds that no part names keep `DECODE_REDUCTIONS`'
+        configuration. E.g. `"1,256,8"`, `"1,256,8/8,512,1"`, `"mxfp8=8,512,1/mxfp8_words=8,128,1/other=8,256,4"`."""
         values = {kind: getattr(DECODE_REDUCTIONS, kind) for kind in KINDS}
         bare: list[ReductionConfig] = []
         keyed: dict[str, ReductionConfig | None] = {}
@@ -109,7 +116,8 @@ class ReductionConfigs:
             else:
                 keyed[kind] = None if value == "tuned" else ReductionConfig.parse(value)
         if bare:
-            values.update(nvfp4=bare[0], nvfp4_pair=bare[0], mxfp8=bare[-1], mxfp8_pair=bare[-1])
+            values.update((kind, bare[0] if kind.startswith("nvfp4") else bare[-1])
+                          for kind in KINDS if kind != "other")
         values.update(keyed)
         return cls(**values)
 
@@ -145,6 +153,9 @@ class ReductionConfigs:
 # 1,256,8 for every product over packed weights, 21.5 ms with these.
 DECODE_REDUCTIONS = ReductionConfigs(nvfp4=ReductionConfig(1, 128, 4), mxfp8=ReductionConfig(8, 512, 1),
                                      nvfp4_pair=ReductionConfig(1, 256, 2), mxfp8_pair=ReductionConfig(1, 256, 8),
+                                     nvfp4_words=ReductionConfig(1, 128, 4), mxfp8_words=ReductionConfig(8, 128, 1),
+                                     nvfp4_pair_words=ReductionConfig(1, 256, 2),
+                                     mxfp8_pair_words=ReductionConfig(1, 256, 8),
                                      other=ReductionConfig(8, 256, 4))
 # Fixed reductions have at least this many outputs and reduced elements (bytes of the packed weight's row, for NVFP4's
 # packed pairs and for its int32 words alike): the products
@@ -155,12 +166,12 @@ MIN_OUTPUTS = 1024
 MIN_REDUCED = 1024
 
 
-def kind_of(packed: str | None, weights: int) -> str:
+def kind_of(packed: str | None, weights: int, width: int = 1) -> str:
     """The `KINDS` entry of a reduction reading `weights` packed weights whose largest packed tensor is of format
-    `packed` ("nvfp4", "mxfp8"; None when it reads none)."""
+    `packed` ("nvfp4", "mxfp8"; None when it reads none) and is loaded `width` bytes at a time (4: int32 words)."""
     if packed is None:
         return "other"
-    return f"{packed}_pair" if weights >= 2 else packed
+    return packed + ("_pair" if weights >= 2 else "") + ("_words" if width == 4 else "")
 
 
 def fixes(outputs: int | None, reduced: int | None, tiled: bool) -> bool:
@@ -249,7 +260,7 @@ def _choices_class():
                 return kernel_kwargs
             tiled = not (isinstance(groups[0], dict) and set(groups[0]) == {"x", "r0_"})
             packed, weights, width = self.packed_reads(features)
-            config = getattr(self.configs, kind_of(packed, weights))
+            config = getattr(self.configs, kind_of(packed, weights, width))
             reduced = _static(features.reduction_numel)
             if config is not None and fixes(_static(features.numel), reduced and reduced * width, tiled):
                 # looped, as the configuration assumes: inductor would make a reduction of at most 1,024 indices

@@ -170,13 +170,13 @@ class MiniMaxM3(nn.Module):
     def set_fast(self, fast: bool | str | dict | FastPaths = True) -> FastPaths:
         """Switch fast paths (`FastPaths.of(fast)`: True = all, False = the reference) on every module."""
         self.fast = FastPaths.of(fast)
-        for m in self.modules():
+        for name, m in self.named_modules():
             if isinstance(m, (Attention, Experts)):
                 m.fast = self.fast
             elif isinstance(m, PackedWeight):
                 m.mode = self.fast.decode
                 m.fused_tokens, m.fused_rows = self.fast.fused_tokens, self.fast.fused_rows
-                m.set_words(self.fast.nvfp4_words if m.fmt == "nvfp4" else self.fast.mxfp8_words)
+                m.set_words(self.fast.reads_words(name, m.fmt))
         self._compiled_layer = compiled_layer(self.fast.layer_reductions) if self.fast.compile_layers else None
         return self.fast
 

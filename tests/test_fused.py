@@ -693,6 +693,32 @@ def test_gpu_benchmarks_refuse_a_cpu_machine(capsys, monkeypatch, script):
 # ---------------------------------------------------------------------------------------------- compiled layers
 
 
+def test_words_switches_choose_the_weights_read_as_words(nvfp4_ckpt):
+    """`nvfp4_words` reads every NVFP4 weight as words, `mxfp8_words="gate_up"` only the MXFP8 gate and up
+    projections (the dense MLPs' and the shared expert's), True every MXFP8 weight; a bf16 model's decode steps read
+    either way agree to bf16 rounding of fp32 sums in another order."""
+    model = load_model(nvfp4_ckpt, dtype=torch.bfloat16, weights="packed")
+    fused = FastPaths.of("fused")
+    model.set_fast(fused)
+    want = _cached_run(model, 1, 2).float()
+
+    def read_as_words(fast: FastPaths) -> set[str]:
+        model.set_fast(fast)
+        return {name for name, pw in packed_weights(model) if pw.words}
+
+    names = {name: pw.fmt for name, pw in packed_weights(model)}
+    nvfp4 = {n for n, fmt in names.items() if fmt == "nvfp4"}
+    gate_up = {n for n, fmt in names.items() if fmt == "mxfp8" and (".gate_proj." in n or ".up_proj." in n)}
+    assert nvfp4 and gate_up and len(gate_up) < len(names) - len(nvfp4)
+    assert read_as_words(replace(fused, nvfp4_words=True)) == nvfp4
+    assert read_as_words(replace(fused, mxfp8_words=True)) == set(names) - nvfp4
+    assert read_as_words(replace(fused, nvfp4_words=True, mxfp8_words="gate_up")) == nvfp4 | gate_up
+    got = _cached_run(model, 1, 2).float()
+    assert torch.equal(got[:, :70], want[:, :70]) and _rel(got, want) < 3e-2
+    with pytest.raises(ConfigError, match="mxfp8_words='up': give True, False or \"gate_up\""):
+        FastPaths(mxfp8_words="up")
+
+
 def test_compile_layers_needs_a_static_step():
     """Compiled layers need the static-shape, synchronisation-free decode step; "compiled" turns on all of it."""
     with pytest.raises(ConfigError, match="compile_layers needs moe=True and static_kv=True"):

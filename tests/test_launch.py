@@ -21,6 +21,7 @@ from minimax_ref.launch import (
     DECODE_REDUCTIONS,
     MIN_OUTPUTS,
     MIN_REDUCED,
+    PRODUCT_KINDS,
     ReductionConfig,
     ReductionConfigs,
     _choices_class,
@@ -50,12 +51,15 @@ def test_reduction_config_text_and_validation():
 def test_fast_paths_layer_reductions():
     assert FastPaths.of("compiled").layer_reductions == DECODE_REDUCTIONS
     c1, c2 = ReductionConfig(1, 512, 4), ReductionConfig(8, 512, 1)
-    everywhere = ReductionConfigs(nvfp4=c1, mxfp8=c1, nvfp4_pair=c1, mxfp8_pair=c1, other=DECODE_REDUCTIONS.other)
+    everywhere = ReductionConfigs(nvfp4=c1, mxfp8=c1, nvfp4_pair=c1, mxfp8_pair=c1, nvfp4_words=c1, mxfp8_words=c1,
+                                  nvfp4_pair_words=c1, mxfp8_pair_words=c1, other=DECODE_REDUCTIONS.other)
     assert FastPaths.of({"layer_reductions": "1,512,4"}).layer_reductions == everywhere
     assert FastPaths.of({"layer_reductions": c1}).layer_reductions == everywhere
     assert FastPaths.of({"layer_reductions": [1, 512, 4]}).layer_reductions == everywhere
     split = FastPaths.of({"layer_reductions": "1,512,4/8,512,1"}).layer_reductions
-    assert split == ReductionConfigs(nvfp4=c1, nvfp4_pair=c1, mxfp8=c2, mxfp8_pair=c2, other=DECODE_REDUCTIONS.other)
+    assert split == ReductionConfigs(nvfp4=c1, nvfp4_pair=c1, mxfp8=c2, mxfp8_pair=c2, nvfp4_words=c1,
+                                     nvfp4_pair_words=c1, mxfp8_words=c2, mxfp8_pair_words=c2,
+                                     other=DECODE_REDUCTIONS.other)
     assert FastPaths.of({"layer_reductions": None}).layer_reductions is None
     with pytest.raises(ConfigError, match="layer_reductions=3.5"):
         FastPaths(layer_reductions=3.5)
@@ -65,13 +69,16 @@ def test_reduction_configs_text_per_kind():
     """Bare parts set NVFP4's and MXFP8's products; `KIND=` parts one kind each (`tuned`: no fixed configuration);
     kinds no part names keep the engine's default; `text()` names every kind and parses back to the same."""
     c1, c2, c3 = ReductionConfig(1, 128, 4), ReductionConfig(8, 512, 1), ReductionConfig(8, 256, 4)
-    got = ReductionConfigs.parse("1,128,4/mxfp8=8,512,1/other=8,256,4")
-    assert got == ReductionConfigs(nvfp4=c1, nvfp4_pair=c1, mxfp8=c2, mxfp8_pair=c1, other=c3)
+    got = ReductionConfigs.parse("1,128,4/mxfp8=8,512,1/mxfp8_words=8,256,4/other=8,256,4")
+    assert got == ReductionConfigs(nvfp4=c1, nvfp4_pair=c1, mxfp8=c2, mxfp8_pair=c1, nvfp4_words=c1,
+                                   nvfp4_pair_words=c1, mxfp8_words=c3, mxfp8_pair_words=c1, other=c3)
     assert ReductionConfigs.parse("nvfp4_pair=tuned") == replace(DECODE_REDUCTIONS, nvfp4_pair=None)
     assert ReductionConfigs.parse("mxfp8_pair=1,128,4") == replace(DECODE_REDUCTIONS, mxfp8_pair=c1)
+    assert ReductionConfigs.parse("nvfp4_pair_words=1,128,4") == replace(DECODE_REDUCTIONS, nvfp4_pair_words=c1)
     for configs in (got, DECODE_REDUCTIONS, ReductionConfigs()):
         assert ReductionConfigs.parse(configs.text()) == configs
-    assert got.text() == "nvfp4=1,128,4/mxfp8=8,512,1/nvfp4_pair=1,128,4/mxfp8_pair=1,128,4/other=8,256,4"
+    assert got.text() == ("nvfp4=1,128,4/mxfp8=8,512,1/nvfp4_pair=1,128,4/mxfp8_pair=1,128,4/nvfp4_words=1,128,4/"
+                          "mxfp8_words=8,256,4/nvfp4_pair_words=1,128,4/mxfp8_pair_words=1,128,4/other=8,256,4")
     for text, message in (("1,256,8/8,512,1/2,256,8", "at most two bare"),
                           ("other=8,256,4/1,256,8", "before any KIND=X,R,W part"),
                           ("attention=8,256,4", "unknown kind 'attention'; the kinds are nvfp4, mxfp8"),
@@ -90,6 +97,8 @@ def test_the_rule_fixes_only_large_untiled_reductions():
     assert not fixes(None, 6144, tiled=False)  # a dynamic size
     assert [kind_of(f, n) for f, n in ((None, 0), ("nvfp4", 1), ("nvfp4", 2), ("mxfp8", 1), ("mxfp8", 3))] == [
         "other", "nvfp4", "nvfp4_pair", "mxfp8", "mxfp8_pair"]
+    assert [kind_of(f, n, 4) for f, n in (("nvfp4", 1), ("nvfp4", 2), ("mxfp8", 1), ("mxfp8", 2))] == [
+        "nvfp4_words", "nvfp4_pair_words", "mxfp8_words", "mxfp8_pair_words"]
 
 
 def _features(numel, rnumel, reads=("codes",)):
@@ -104,18 +113,19 @@ def test_inductor_hook_hands_the_kernel_its_kinds_configuration():
     MXFP8: fp8 elements outnumber the uint8 scales), one packed weight or two, or none; and leaves every other
     kernel's arguments, and those of a kind configured None, as they were."""
     c = [ReductionConfig(1, 256, 8), ReductionConfig(8, 512, 1), ReductionConfig(1, 256, 2), ReductionConfig(1, 128, 8),
-         ReductionConfig(8, 256, 4)]
-    configs = ReductionConfigs(*c)
+         ReductionConfig(8, 256, 4), ReductionConfig(1, 64, 4)]
+    configs = ReductionConfigs(nvfp4=c[0], mxfp8=c[1], nvfp4_pair=c[2], mxfp8_pair=c[3], other=c[4], nvfp4_words=c[5])
     choices = _choices_class()(configs)
     buffers = {"codes": (torch.uint8, 6144 * 6144), "block_scales": (torch.float8_e4m3fn, 6144 * 768),
                "up_codes": (torch.uint8, 6144 * 6144), "up_block_scales": (torch.float8_e4m3fn, 6144 * 768),
                "elements": (torch.float8_e4m3fn, 6144 * 12288), "e8m0": (torch.uint8, 6144 * 384),
                "up_elements": (torch.float8_e4m3fn, 6144 * 12288), "up_e8m0": (torch.uint8, 6144 * 384),
                "words": (torch.uint8, 6144 * 1536),  # NVFP4's codes of a 12,288-element row as int32 words
+               "up_words": (torch.uint8, 6144 * 1536),
                "x": (torch.bfloat16, 12288), "cache": (torch.float8_e4m3fn, 8192 * 512), "p": (torch.float32, 8192)}
     choices.dtype_of = lambda name: buffers[name][0]
     choices.numel_of = lambda name: buffers[name][1]
-    choices.width_of = lambda name: 4 if name == "words" else 1
+    choices.width_of = lambda name: 4 if name.endswith("words") else 1
     assert _static(7) == 7 and _static(sympy.Integer(7)) == 7 and _static(sympy.Symbol("s0")) is None
     big = {"x": sympy.Integer(6144), "r0_": sympy.Integer(12288)}
     for reads, want in ((("x", "codes", "block_scales"), c[0]), (("x", "elements", "e8m0"), c[1]),
@@ -126,11 +136,14 @@ def test_inductor_hook_hands_the_kernel_its_kinds_configuration():
         got = choices.triton_kernel_kwargs(None, _features(6144, 12288, reads), [big], {"features": None})
         assert got["fixed_config"].config == want.triton(), reads
         assert got["override_persistent_reduction"] is False  # looped, as the configuration's R0_BLOCK assumes
-    # Words are counted in the bytes of the row they hold: 256 words = 1,024 bytes are fixed, 255 are not.
+    # Words are their own kind, counted in the bytes of the row they hold: 256 words = 1,024 bytes are fixed, 255 are
+    # not.
     for n_words, fixed in ((1536, True), (MIN_REDUCED // 4, True), (MIN_REDUCED // 4 - 1, False)):
         got = choices.triton_kernel_kwargs(None, _features(6144, n_words, ("x", "words", "block_scales")),
                                            [{"x": 6144, "r0_": n_words}], {})
-        assert ("fixed_config" in got) == fixed and (not fixed or got["fixed_config"].config == c[0].triton())
+        assert ("fixed_config" in got) == fixed and (not fixed or got["fixed_config"].config == c[5].triton())
+    pair_of_words = _features(6144, 1536, ("x", "words", "block_scales", "up_words", "up_block_scales"))
+    assert "fixed_config" not in choices.triton_kernel_kwargs(None, pair_of_words, [{"x": 6144, "r0_": 1536}], {})
     for features, groups, kwargs in (
         (_features(6144, 64), [{"x": 6144, "r0_": 64}], {}),  # a short reduction
         (_features(6144 * 4096, 1), [{"x": 6144 * 4096, "r0_": 1}], {}),  # pointwise
@@ -328,23 +341,25 @@ def test_release_width_compiled_layers_with_fixed_reductions():
 @gpu
 def test_release_width_compiled_layers_read_packed_words():
     """bf16 at release-like widths (as above): `fast="compiled"` reading NVFP4's and MXFP8's packed bytes as int32
-    words (`nvfp4_words`, `mxfp8_words`), those products, their rows counted in bytes
-    (`FixedReductions.packed_reads`), still launch with their kinds' fixed configurations; the decode steps equal
+    words (`nvfp4_words`, `mxfp8_words`), every product, its row counted in bytes (`FixedReductions.packed_reads`),
+    launches with its words kind's fixed configuration (none with the bytes kinds'); the decode steps equal
     those of the same model reading bytes up to the bf16 rounding of fp32 sums taken in another order, and the
     prefill (not compiled) is the same."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     torch._dynamo.reset()
-    # told apart from every other kind's
-    configs = ReductionConfigs(nvfp4=ReductionConfig(1, 64, 4), mxfp8=ReductionConfig(2, 128, 4),
-                               nvfp4_pair=ReductionConfig(1, 64, 2), mxfp8_pair=ReductionConfig(1, 128, 8),
+    # told apart from one another and from the bytes kinds'
+    words = {"nvfp4_words": (1, 64, 4), "mxfp8_words": (2, 128, 4), "nvfp4_pair_words": (1, 64, 2),
+             "mxfp8_pair_words": (1, 128, 8)}
+    configs = ReductionConfigs(**dict.fromkeys(PRODUCT_KINDS, ReductionConfig(1, 512, 8)),
+                               **{kind: ReductionConfig(*c) for kind, c in words.items()},
                                other=ReductionConfig(8, 256, 4))
     fast = replace(FastPaths.of("compiled"), layer_reductions=configs, nvfp4_words=True, mxfp8_words=True)
     model = _release_width_model(torch.bfloat16, fast)
     with _Launched() as launched:
         by_words = _prefill_and_decode(model)
     got = launched.configs(fixed=True)
-    assert {(1, 64, 4), (2, 128, 4), (1, 64, 2), (1, 128, 8)} <= got, got
+    assert set(words.values()) <= got and (1, 512, 8) not in got, got  # every product read as words, with its kind's
     torch._dynamo.reset()
     model.set_fast(replace(fast, nvfp4_words=False, mxfp8_words=False))
     by_bytes = _prefill_and_decode(model)

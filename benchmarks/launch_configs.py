@@ -14,9 +14,9 @@ timed alike. One JSON line.
   `packed.mxfp8_word_planes`). Every variant's output is checked against
   `packed.packed_matmul_reference` and every NVFP4 variant's planes against `decoded_planes`, bit for bit.
 * `--what layers`: a release-width model of 4 layers (3 dense, 1 MSA+MoE; 16 routed experts, NVFP4 + MXFP8 packed,
-  fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (`--nvfp4-words on`: NVFP4 read as int32 words): the
-  looped Triton reductions of one decode step with at least 1,024 outputs and 1,024 reduced indices each (384 for
-  NVFP4's words) (the matmuls, attention over the selected keys).
+  fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (NVFP4 and MXFP8's gate + up read as int32 words;
+  `--nvfp4-words` / `--mxfp8-words` change that): the looped Triton reductions of one decode step with at least
+  1,024 outputs and 1,024 reduced bytes each (the matmuls, attention over the selected keys).
 
 A kernel is relaunched through its Triton function with the grid inductor would use (`XBLOCK` outputs per program),
 `enable_fp_fusion` off and fp32 subnormals kept (as inductor compiles it here), and timed as `fused_matmul.py` times
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"of {sorted({v for vs in WEIGHT_VARIANTS.values() for v in vs})})")
     p.add_argument("--nvfp4-words", default="default", choices=WORDS_CHOICES[:3],
                    help="--what layers: FastPaths.nvfp4_words, the NVFP4 products read the packed bytes as int32 words "
-                   "(default: as fast='compiled' sets it, off)")
+                   "(default: as fast='compiled' sets it, on)")
     p.add_argument("--mxfp8-words", default="default", choices=[*WORDS_CHOICES[:3], "gate_up"],
                    help="--what layers: FastPaths.mxfp8_words, the same for MXFP8; gate_up: only the gate and up "
                    "projections (default: as fast='compiled' sets it)")

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "prefilled cache (one JSON line each)")
     p.add_argument("--nvfp4-words", default="default", type=words_choice(WORDS_CHOICES),
                    help="FastPaths.nvfp4_words: the fused NVFP4 products read the packed bytes as int32 words; both: "
-                   "each configuration with and without (default: as --fast sets it, off)")
+                   "each configuration with and without (default: as --fast sets it; compiled: on)")
     p.add_argument("--mxfp8-words", default="default", type=words_choice(MXFP8_WORDS_CHOICES),
                    help="FastPaths.mxfp8_words: the same for MXFP8's E4M3 bytes; gate_up: only the gate and up "
                    "projections; several, comma-separated: each in turn (default: as --fast sets it)")

@@ -23,11 +23,14 @@ reference computation by a faster one that computes the same function.
   sets how many rows of the input each pass over the weight takes (more rows: fewer passes, more registers).
   `nvfp4_words=True`: the fused NVFP4 products (bf16, scales in the normal range) read the packed bytes as int32
   words, eight elements per load (`packed.nvfp4_word_planes`); the same decoded bits, the sum in another order.
-  Off by default: on an H200 (60 compiled layers, batch 1) the routed experts' products took 108.4 -> 97.5 and
-  49.0 -> 42.5 us a layer, 20.5 -> 19.9 ms a step, but the bits of the compiled word planes have been checked on
-  the CPU only (the GPU tests that check them are written and have not run yet, BENCHMARKS.md).
   `mxfp8_words=True`: the same for MXFP8's E4M3 bytes (`packed.mxfp8_word_planes`, bits placed by integer
-  operations instead of the E4M3 conversion; a weight holding an E4M3 NaN byte keeps the byte planes).
+  operations instead of the E4M3 conversion; a weight holding an E4M3 NaN byte keeps the byte planes);
+  `mxfp8_words="gate_up"`: only for the gate and up projections (`reads_words`). `fast="compiled"` takes
+  `nvfp4_words=True, mxfp8_words="gate_up"`: on an H200 (60 compiled layers, batch 1, one run) NVFP4's words took
+  the routed experts' products from 108.4 to 97.5 and 49.0 to 42.5 us a layer, MXFP8's the shared expert's gate + up
+  from 29.2 to 21.3 us, while MXFP8's single products (q_proj, o_proj, the down projections) were 1.1-1.5x slower
+  as words, with any of the three launch configurations tried; 20.41 -> 19.86 ms a step for the gate + up
+  (BENCHMARKS.md). The compiled word planes are checked bit for bit on the CPU and the H200 (`tests/test_fused.py`).
 
 * `compile_layers=True`: in decode steps (one token per sequence, with a cache and no trace), each decoder layer
   runs through `torch.compile` (`model.compiled_layer`): one compiled graph per
@@ -39,11 +42,11 @@ reference computation by a faster one that computes the same function.
   graph. Steps with NVFP4/MXFP8 activation emulation or an expert mask run the layers eagerly.
   `layer_reductions`: the launch configurations of the compiled layers' large Triton reductions
   (`launch.FixedReductions`), one per kind (`launch.KINDS`: products over one or two packed weights of each format,
-  and reductions over no packed weight, attention's value sums), default `launch.DECODE_REDUCTIONS`; None, for all
-  or for a kind: tuned by inductor's coordinate descent like the other kernels (a different configuration from one
-  compile to the next). A `launch.ReductionConfigs`, one `launch.ReductionConfig` for every product over packed
-  weights, or the text of `ReductionConfigs.parse` (`"X,R,W"`, `"X,R,W/X,R,W"`: NVFP4's/MXFP8's, `KIND=X,R,W`
-  parts). Same function either way.
+  read as bytes or as words, and reductions over no packed weight, attention's value sums), default
+  `launch.DECODE_REDUCTIONS`; None, for all or for a kind: tuned by inductor's coordinate descent like the other
+  kernels (a different configuration from one compile to the next). A `launch.ReductionConfigs`, one
+  `launch.ReductionConfig` for every product over packed weights, or the text of `ReductionConfigs.parse`
+  (`"X,R,W"`, `"X,R,W/X,R,W"`: NVFP4's/MXFP8's, `KIND=X,R,W` parts). Same function either way.
 
 With `moe` and `static_kv` (and no trace, no activation emulation) a decode step has no host synchronisation
 and fixed shapes, so it can be captured in a CUDA graph (`benchmarks/common.py`); so can it with `matmul="fused"`
@@ -146,7 +149,8 @@ class FastPaths:
         if fast == "compiled":
             # sdpa off: its fp32 kernel (memory-efficient attention) does not split the keys of a one-query step
             # over the GPU (measured: 0.5 ms per layer at 8K keys on an H200), while the compiled einsum core does
-            return cls(decode="fast", moe=True, static_kv=True, sdpa=False, matmul="fused", compile_layers=True)
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=False, matmul="fused", compile_layers=True,
+                       nvfp4_words=True, mxfp8_words="gate_up")
         if isinstance(fast, dict):
             names = {f.name for f in fields(cls)}
             unknown = sorted(set(fast) - names)

@@ -150,10 +150,16 @@ class ReductionConfigs:
 # one weight, 8 rows per one-warp program and 512 elements a step (the fused gate + up, with two accumulators per
 # row, spills registers with it and keeps 1,256,8); 8 outputs per program for attention's value sums, whose cached
 # rows are read coalesced across the outputs. Measured on an H200 in one run (60 layers, batch 1): 25.6 ms a step with
-# 1,256,8 for every product over packed weights, 21.5 ms with these.
+# 1,256,8 for every product over packed weights, 21.5 ms with these. Over int32 words (each reduced index 4 bytes),
+# from whole 60-layer steps (`benchmarks/profile_decode.py`, session 9): NVFP4 keeps its configurations (in words;
+# shorter steps were slower), as does MXFP8's gate + up (29.2 us a layer over bytes, 21.3 over words); MXFP8 over one
+# weight is slower as words whatever the configuration tried (q_proj, o_proj and the shared expert's down projection:
+# 23.6 + 29.0 + 12.0 us over bytes at 8,512,1; over words 32.4 + 39.2 + 15.9 at 8,128,1, 38.9 + 44.5 + 18.3 at
+# 4,128,2, 33.0 + 33.1 + 17.8 at 1,256,4, 500 + 521 + 286 at 8,512,1, which spills), so `fast="compiled"` reads
+# only the gate + up as words (`FastPaths.mxfp8_words="gate_up"`) and the kind keeps the least slow configuration.
 DECODE_REDUCTIONS = ReductionConfigs(nvfp4=ReductionConfig(1, 128, 4), mxfp8=ReductionConfig(8, 512, 1),
                                      nvfp4_pair=ReductionConfig(1, 256, 2), mxfp8_pair=ReductionConfig(1, 256, 8),
-                                     nvfp4_words=ReductionConfig(1, 128, 4), mxfp8_words=ReductionConfig(8, 128, 1),
+                                     nvfp4_words=ReductionConfig(1, 128, 4), mxfp8_words=ReductionConfig(1, 256, 4),
                                      nvfp4_pair_words=ReductionConfig(1, 256, 2),
                                      mxfp8_pair_words=ReductionConfig(1, 256, 8),
                                      other=ReductionConfig(8, 256, 4))

@@ -655,6 +655,23 @@ def test_tp2_fused_equals_reference(two_ranks):  # noqa: F811 (the imported fixt
         assert _rel(o["logits"], ref) < 1e-5
 
 
+def _task_words(world: World) -> dict:
+    model = load_synthetic("tiny", dtype=torch.bfloat16, tp=world, fast="fused")
+    want = _cached_run(model, 1, 2).float()
+    model.set_fast(replace(FastPaths.of("fused"), nvfp4_words=True, mxfp8_words=True))
+    got = _cached_run(model, 1, 2).float()
+    return {"words": sorted({pw.words for _, pw in packed_weights(model)}), "err": _rel(got, want),
+            "prefill_equal": torch.equal(got[:, :70], want[:, :70])}
+
+
+@pytest.mark.slow
+def test_tp2_words_equal_bytes(two_ranks):  # noqa: F811 (the imported fixture)
+    """TP=2 (two gloo ranks): every rank's slices of the packed weights (rows or columns of the stored tensors) are
+    read as int32 words, and the decode steps agree with the byte planes' to bf16 rounding of fp32 sums."""
+    for o in two_ranks(_task_words):
+        assert o["words"] == [True] and o["prefill_equal"] and o["err"] < 3e-2, o
+
+
 @pytest.mark.slow
 def test_tp_benchmark_dry_run_fused(capsys, monkeypatch):
     """benchmarks/tp2_packed.py with a fused variant: the early check passes, the variant runs, and the traffic

@@ -313,12 +313,13 @@ def test_release_width_compiled_layers_with_fixed_reductions():
     from torch._inductor.runtime.hints import HeuristicType
 
     torch._dynamo.reset()
-    model = _release_width_model(torch.float32, replace(FastPaths.of("compiled"), compile_layers=False))
+    bytes_ = replace(FastPaths.of("compiled"), nvfp4_words=False, mxfp8_words=False)  # the bytes kinds only
+    model = _release_width_model(torch.float32, replace(bytes_, compile_layers=False))
     want = _prefill_and_decode(model)
     single, pair = ReductionConfig(1, 128, 4), ReductionConfig(1, 256, 2)
     mx_single, mx_pair = ReductionConfig(2, 512, 4), ReductionConfig(1, 256, 8)
     configs = ReductionConfigs(nvfp4=single, mxfp8=mx_single, nvfp4_pair=pair, mxfp8_pair=mx_pair, other=None)
-    model.set_fast(replace(FastPaths.of("compiled"), layer_reductions=configs))
+    model.set_fast(replace(bytes_, layer_reductions=configs))
     with _Launched() as launched:
         got = _prefill_and_decode(model)
 

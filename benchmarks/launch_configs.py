@@ -16,7 +16,8 @@ timed alike. One JSON line.
 * `--what layers`: a release-width model of 4 layers (3 dense, 1 MSA+MoE; 16 routed experts, NVFP4 + MXFP8 packed,
   fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (NVFP4 and MXFP8's gate + up read as int32 words;
   `--nvfp4-words` / `--mxfp8-words` change that): the looped Triton reductions of one decode step with at least
-  1,024 outputs and 1,024 reduced bytes each (the matmuls, attention over the selected keys).
+  1,024 outputs and 384 reduced indices each (NVFP4's down projection read as words: 384 words, 1,536 bytes a row)
+  (the matmuls, attention over the selected keys).
 
 A kernel is relaunched through its Triton function with the grid inductor would use (`XBLOCK` outputs per program),
 `enable_fp_fusion` off and fp32 subnormals kept (as inductor compiles it here), and timed as `fused_matmul.py` times

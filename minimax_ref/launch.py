@@ -164,10 +164,10 @@ DECODE_REDUCTIONS = ReductionConfigs(nvfp4=ReductionConfig(1, 128, 4), mxfp8=Red
                                      mxfp8_pair_words=ReductionConfig(1, 256, 8),
                                      other=ReductionConfig(8, 256, 4))
 # Fixed reductions have at least this many outputs and reduced elements (bytes of the packed weight's row, for NVFP4's
-# packed pairs and for its int32 words alike): the products
-# with packed weights (hundreds to thousands of rows of thousands of elements) and attention's value sums (thousands of
-# outputs over thousands of keys). Smaller ones (the kv and index key projections, hundreds of rows; the norms, the
-# router) keep inductor's choice: with one row per program they would not fill the GPU.
+# packed pairs and for rows read as int32 words alike): the products with packed weights (hundreds to thousands of
+# rows of thousands of elements) and attention's value sums (thousands of outputs over thousands of keys). Smaller ones
+# (the kv and index key projections, hundreds of rows; the norms, the router) keep inductor's choice: with one row per
+# program they would not fill the GPU.
 MIN_OUTPUTS = 1024
 MIN_REDUCED = 1024
 

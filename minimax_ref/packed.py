@@ -217,14 +217,31 @@ def scales_in_normal_range(fmt: str, weight_scale: torch.Tensor, weight_scale_2:
     return bool(((codes >= _MXFP8_NORMAL_CODES[0]) & (codes <= _MXFP8_NORMAL_CODES[1])).all())
 
 
+# The fp32 bits that the E2M1 and E4M3 codes are placed on: the sign; E2M1's e e m as exponent bits 24..23 and the
+# mantissa's top bit 22; E4M3's e e e e m m m as exponent bits 26..23 and the mantissa's top bits 22..20 (as int32
+# constants).
+_FP32_SIGN = -(1 << 31)
+_E2M1_FIELD = 0x01C00000
+_E4M3_FIELD = 0x07F00000
+
+
+def _shifted(words: torch.Tensor, shift: int) -> torch.Tensor:
+    """int32 `words` shifted left by `shift` bits, or right by `-shift` (arithmetic: callers mask the bits kept)."""
+    return words << shift if shift >= 0 else words >> -shift
+
+
+def _e2m1_nibble(data: torch.Tensor, j: int) -> torch.Tensor:
+    """Nibble j (bits 4j..4j+3) of int32 `data`, an E2M1 code s e e m, as the float32 e2m1 * 2^-126: the sign placed
+    at bit 31, e e as the exponent field's two low bits and m as the mantissa's top bit. fp32 then reads
+    2^(e - 127) (1 + m/2), or for e = 0 the subnormal 2^-126 (m/2): the E2M1 value 2^(e - 1) (1 + m/2) (or m/2)
+    times 2^-126 for every code, -0 included. Two shifts, two masks and an or, no conversion instruction."""
+    return ((_shifted(data, 28 - 4 * j) & _FP32_SIGN) | (_shifted(data, 22 - 4 * j) & _E2M1_FIELD)).view(torch.float32)
+
+
 def _e2m1_times_2_pow_minus_126(data: torch.Tensor) -> list[torch.Tensor]:
     """The E2M1 codes of packed NVFP4 bytes `data` (an int32 tensor of values 0..255) as float32 values
-    e2m1 * 2^-126, the low nibbles' then the high nibbles': each code's bits s e e m placed as fp32 bits, the sign at
-    bit 31, e e as the exponent field's two low bits and m as the mantissa's top bit. fp32 then reads
-    2^(e - 127) (1 + m/2), or for e = 0 the subnormal 2^-126 (m/2): the E2M1 value 2^(e - 1) (1 + m/2) (or m/2)
-    times 2^-126 for every code, -0 included. Two masks, two shifts and an or per code, no conversion instruction."""
-    return [(((data & 0x08) << 28) | ((data & 0x07) << 22)).view(torch.float32),
-            (((data & 0x80) << 24) | ((data & 0x70) << 18)).view(torch.float32)]
+    e2m1 * 2^-126 (`_e2m1_nibble`), the low nibbles' then the high nibbles'."""
+    return [_e2m1_nibble(data, 0), _e2m1_nibble(data, 1)]
 
 
 def _widen_bf16_bits(b: torch.Tensor) -> torch.Tensor:
@@ -273,29 +290,12 @@ def nvfp4_word_planes(words: torch.Tensor, weight_scale: torch.Tensor,
     and flattened, the planes are the row `[*L, N, K]` in order.
 
     One load of a word (and one of its block scale) feeds eight elements, where the byte planes load a byte and a
-    scale for two. Each nibble's bits s e e m are placed as `_e2m1_times_2_pow_minus_126` places them (sign at bit
-    31, e e m at bits 24..22) by two shifts, two masks and an or, then multiplied by 2^126 s and rounded to bf16 as
-    `normal_range_planes` does. For scales that pass `scales_in_normal_range` only."""
+    scale for two. Each nibble's bits s e e m are placed on the fp32 bits (`_e2m1_nibble`), then multiplied by 2^126 s
+    and rounded to bf16 as `normal_range_planes` does. For scales that pass `scales_in_normal_range` only."""
     *lead, n, n_words = words.shape
     s = (weight_scale.to(torch.float32) * _global(weight_scale_2, lead) * 2.0**126).unsqueeze(-1)
     w = words.view(*lead, n, n_words // 2, 2)
-    planes = []
-    for j in range(8):  # nibble j's s e e m: s to bit 31, e e m (bits 4j..4j+2) to bits 24..22
-        bits = (_shifted(w, 28 - 4 * j) & _FP32_SIGN) | (_shifted(w, 22 - 4 * j) & _E2M1_FIELD)
-        planes.append(_to_bf16_by_conversion(bits.view(torch.float32) * s))
-    return planes
-
-
-# The fp32 bits that the word planes fill: the sign; NVFP4's e e m as exponent bits 24..23 and the mantissa's top
-# bit 22; E4M3's e e e e m m m as exponent bits 26..23 and the mantissa's top bits 22..20 (as int32 constants).
-_FP32_SIGN = -(1 << 31)
-_E2M1_FIELD = 0x01C00000
-_E4M3_FIELD = 0x07F00000
-
-
-def _shifted(words: torch.Tensor, shift: int) -> torch.Tensor:
-    """int32 `words` shifted left by `shift` bits, or right by `-shift` (arithmetic: callers mask the bits kept)."""
-    return words << shift if shift >= 0 else words >> -shift
+    return [_to_bf16_by_conversion(_e2m1_nibble(w, j) * s) for j in range(8)]
 
 
 def mxfp8_word_planes(words: torch.Tensor, weight_scale: torch.Tensor) -> list[torch.Tensor]:

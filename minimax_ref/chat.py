@@ -3,23 +3,28 @@
 Rendering
 ---------
 `render_chat` is the built-in renderer; `render_chat_template` renders a checkpoint's jinja2 chat
-template in a sandbox. `CHAT_TEMPLATE` is a jinja2 template that renders exactly what
-`render_chat` renders (the test tokenizer ships it as `chat_template.jinja`). A conversation is::
+template in a sandbox. `CHAT_TEMPLATE` is the project's jinja2 template; it renders exactly what
+`render_chat` renders, and both render exactly what the release's `chat_template.jinja` renders for
+every conversation they accept (the test tokenizer and exported checkpoints ship `CHAT_TEMPLATE`).
+A conversation is::
 
     ]~!b[
-    ]~b]system\\n{STANDING_INSTRUCTIONS + thinking-mode text}[e~[\\n
-    ]~b]developer\\n{system message or DEFAULT_SYSTEM_PROMPT}{tools section, when tools}[e~[\\n
+    ]~b]system\\n{root message or IDENTITY_TEXT}\\n\\n<thinking_instructions>...</thinking_instructions>[e~[\\n
+    ]~b]developer\\n{system/developer message or DEFAULT_SYSTEM_PROMPT}{tools section, when tools}[e~[\\n
     ]~b]user\\n{content}[e~[\\n
-    ]~b]ai\\n</mm:think>{content}{tool-call block, when tool_calls}[e~[\\n   (reasoning dropped)
-    ]~b]tool\\n{result string}[e~[\\n                                   (one turn per tool message)
+    ]~b]ai\\n<mm:think>{reasoning}</mm:think>{content}{tool-call block}[e~[\\n   (no reasoning: </mm:think>{content}...)
+    ]~b]tool\\n<response>{result}</response>\\n<response>{result}</response>[e~[\\n   (consecutive results share a turn)
     ]~b]ai\\n  +  "" | "<mm:think>" | "</mm:think>"     (generation prompt: adaptive/enabled/disabled)
 
-Decided here (the release's wrapper texts are not public): the tools section is
-`TOOLS_SECTION_HEADER`, then `<tools>`, one `<tool>{function JSON}</tool>` line per tool,
-`</tools>`, then `TOOLS_SECTION_FOOTER`; it follows the system message after a blank line.
-The function JSON is `json.dumps(tool["function"], ensure_ascii=False)` with the caller's key order.
-A tool turn's content is the tool message's result string, unwrapped. An assistant turn's tool calls
-follow its content directly, as one `render_tool_calls` block.
+The tools section is `"\\n\\n" + tools_section(tools)`: `TOOLS_INTRO`, `<tools>` with one
+`<tool>{function JSON}</tool>` line per tool (`json.dumps(tool["function"], ensure_ascii=False)`,
+the caller's key order), `</tools>`, then `TOOLS_USAGE` and `TOOL_CALL_EXAMPLE`. A tool-call block is
+`render_tool_calls`: the opener and a newline, then per call one line `<invoke name=...>` + its
+arguments + `</invoke>` and a newline, then the closer (every tag namespaced). Values are raw text;
+None is omitted from mappings (an item of a list that is None renders as an empty `<item>`).
+
+Messages are first brought to one form by `normalize_messages` (string contents, parsed tool-call
+arguments); conversations the release template refuses raise InputError naming the message.
 
 Parsing
 -------
@@ -66,6 +71,7 @@ RECOMMENDED_SAMPLING: dict[str, float | int] = dict(temperature=1.0, top_p=0.95,
 #: The sampling settings of the seed's evaluation protocol.
 EVAL_SAMPLING: dict[str, float | int] = dict(temperature=0.6, top_p=0.95, top_k=20)
 
+#: The first turn's text when the conversation has no `root` message.
 IDENTITY_TEXT = (
     "Your model version is MiniMax-M3, developed by MiniMax. Knowledge cutoff: January 2026. "
     "Founded in early 2022, MiniMax is a global AI foundation model company committed to advancing "
@@ -90,33 +96,30 @@ GENERATION_PROMPT = {
     "disabled": TURN_START + "ai\n" + THINK_END,
 }
 
-TOOLS_SECTION_HEADER = (
+TOOLS_INTRO = (
     "# Tools\n"
-    "You can call the functions below. Each <tool> line holds one function's JSON schema.\n"
+    "You may call one or more tools to assist with the user query.\n"
+    "Here are the tools available in JSONSchema format:\n"
 )
-TOOLS_SECTION_FOOTER = (
-    "\nTo call functions, write one tool-call block with one invoke element per call and one tag per "
-    "argument, every tag prefixed with " + NS + ":\n"
-    + TOOL_CALL_START + "\n"
-    + NS + '<invoke name="function_name">\n'
-    + NS + "<argument_name>value" + NS + "</argument_name>\n"
-    + NS + "</invoke>\n"
-    + TOOL_CALL_END + "\n"
-    "Values are raw text: objects are nested tags, lists are <item> tags, booleans are true or false."
+TOOLS_USAGE = (
+    "To call tools, wrap all invocations in a single " + TOOL_CALL_START + TOOL_CALL_END + " block. "
+    "Parameter values containing nested objects or arrays are recursively expanded into XML elements. "
+    "Example:\n"
+)
+# The example calls of the tools section (rendered by `render_tool_calls` into TOOL_CALL_EXAMPLE).
+EXAMPLE_CALLS: tuple[dict[str, Any], ...] = (
+    {"name": "tool-name-1",
+     "arguments": {"param-1": "value-1", "param-2": [{"key-a": "val-a", "key-b": "val-b"}]}},
+    {"name": "tool-name-2", "arguments": {"param-1": "value-1"}},
 )
 
 
-def standing_instructions(thinking: str = "adaptive") -> str:
-    """The content of the first (`system`) turn for a thinking mode."""
+def standing_instructions(thinking: str = "adaptive", identity: str | None = None) -> str:
+    """The content of the first (`system`) turn: `identity` (a `root` message's text; None or ""
+    gives `IDENTITY_TEXT`) and the thinking instructions of mode `thinking`."""
     _check_thinking(thinking)
-    return (
-        IDENTITY_TEXT
-        + "\n\n<thinking_instructions>\n"
-        + THINKING_TEXT
-        + "\n"
-        + THINKING_MODE_TEXT[thinking]
-        + "\n</thinking_instructions>"
-    )
+    return ((identity or IDENTITY_TEXT) + "\n\n<thinking_instructions>\n" + THINKING_TEXT + "\n"
+            + THINKING_MODE_TEXT[thinking] + "\n</thinking_instructions>")
 
 
 def _check_thinking(thinking: Any) -> None:
@@ -127,8 +130,12 @@ def _check_thinking(thinking: Any) -> None:
 # ----------------------------------------------------------------------------------------------
 # Validation and normalisation of messages and tools
 # ----------------------------------------------------------------------------------------------
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ROLES = ("root", "system", "developer", "user", "assistant", "tool")
+_PREAMBLE_ROLES = ("system", "developer")
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+_VIDEO_PART_TYPES = ("video", "video_url", "input_video")
+# transformers fills `reasoning_content` from these fields, first one set wins.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _JSON_TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 
 
@@ -181,8 +188,8 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str,
     """Validate tool definitions; return them in OpenAI form `{"type": "function", "function": {...}}`.
 
     Accepts the OpenAI form or a bare function object (`{"name", "description", "parameters"}`).
-    `parameters`, when present, must be a JSON-Schema object (`"type": "object"`), otherwise
-    InputError names the tool.
+    `parameters`, when present, must be a JSON-Schema object (`"type": "object"`, or no type with
+    `properties` / `anyOf` / `oneOf` / `allOf`), otherwise InputError names the tool.
     """
     if tools is None:
         return []
@@ -220,23 +227,36 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str,
     return out
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, role: str) -> str:
+    """The text a message's content renders as: parts joined, image and video parts as their tokens.
+    A tool result's part may also be `{"output": text}`."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
+            pwhere = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, Mapping) else None
             if isinstance(part, str):
                 parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type") == "text":
-                if not isinstance(part.get("text"), str):
-                    raise InputError(f"{where}.content[{j}].text: expected a string")
-                parts.append(part["text"])
-            elif isinstance(part, Mapping) and part.get("type") in _IMAGE_PART_TYPES:
+            elif kind in _IMAGE_PART_TYPES:
                 # The image processor expands this marker into the image's feature slots.
                 parts.append(IMAGE)
+            elif kind in _VIDEO_PART_TYPES:
+                parts.append(VIDEO)
+            elif role == "tool" and isinstance(part, Mapping) and "output" in part:
+                if not isinstance(part["output"], str):
+                    raise InputError(f"{pwhere}.output: expected a string (serialise the tool's result)")
+                parts.append(part["output"])
+            elif kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise InputError(f"{pwhere}.text: expected a string")
+                parts.append(part["text"])
             else:
-                raise InputError(f"{where}.content[{j}]: expected a text part or an image part")
+                raise InputError(f"{pwhere}: expected a string, a text part, an image part or a video part"
+                                 + (" or an {'output': text} part" if role == "tool" else ""))
         return "".join(parts)
     raise InputError(f"{where}.content: expected a string or a list of parts, got {type(content).__name__}")
 
@@ -257,11 +277,14 @@ def _normalize_arguments(arguments: Any, where: str) -> dict[str, Any]:
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Validate a conversation; return it with string contents and parsed tool-call arguments.
 
-    Roles: `system`/`developer` (first message only), `user`, `assistant`, `tool`. Content is a
-    string or a list of parts (`{"type": "text", "text": ...}`, image parts, which become the image
-    marker). An assistant message may omit content when it has `tool_calls` (OpenAI form or
-    `{"name", "arguments"}`, arguments a dict or its JSON text). Any other shape raises InputError
-    naming the message index.
+    Roles: `root` (first message only: it replaces the identity text of the first turn), `system`
+    or `developer` (first message, or second after `root`), `user`, `assistant`, `tool`. Content is
+    a string or a list of parts (strings, `{"type": "text", "text": ...}`, image parts and video parts,
+    which become their tokens; a tool result may also hold `{"output": text}` parts); None where the
+    release allows it (root/system/developer: the default text; assistant). Assistant messages may
+    carry `tool_calls` (OpenAI form or `{"name", "arguments"}`, arguments a dict or its JSON text) and
+    `reasoning_content` (or `thinking` / `reasoning`, which transformers reads as it). Any other shape
+    raises InputError naming the message index.
     """
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
         raise InputError("messages: expected a list of {'role': ..., 'content': ...} objects")
@@ -273,20 +296,34 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         role = msg.get("role")
         if role not in _ROLES:
             raise InputError(f"{where}.role: unknown role {role!r}; expected one of {', '.join(_ROLES)}")
-        if role in ("system", "developer") and i != 0:
-            raise InputError(f"{where}: a {role} message may only be the first message")
+        after_root = i == 1 and out[0]["role"] == "root"
+        if role == "root" and i != 0:
+            raise InputError(f"{where}: a root message may only be the first message")
+        if role in _PREAMBLE_ROLES and not (i == 0 or after_root):
+            raise InputError(f"{where}: a {role} message may only be the first message (or the second, "
+                             "after a root message)")
         tool_calls = msg.get("tool_calls") or []
         if tool_calls and role != "assistant":
             raise InputError(f"{where}.tool_calls: only assistant messages carry tool calls")
         content = msg.get("content")
-        if content is None and not (role == "assistant" and "content" in msg or tool_calls):
+        if content is None and role in ("user", "tool"):
             raise InputError(f"{where}: missing 'content'")
-        text = "" if content is None else _content_text(content, where)
-        # Other fields (reasoning_content, name, tool_call_id, ...) pass through for a checkpoint's
-        # own template; the built-in renderer ignores them.
+        text = _content_text(content, where, role)
+        if role in ("root", *_PREAMBLE_ROLES) and isinstance(content, list) and content and not text:
+            # The release renders a non-empty part list as its (empty) text, a string "" as the default:
+            # a string cannot say which, so the ambiguous form is refused.
+            raise InputError(f"{where}.content: the parts hold no text; pass \"\" (or leave the message "
+                             "out) for the default text")
         norm: dict[str, Any] = dict(msg)
-        norm.update(role="system" if role == "developer" else role, content=text)
+        norm["content"] = text
         if role == "assistant":
+            reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise InputError(f"{where}.reasoning_content: expected a string, got {type(reasoning).__name__}")
+            for k in _REASONING_FIELDS:
+                norm.pop(k, None)
+            if reasoning is not None:
+                norm["reasoning_content"] = reasoning
             calls = []
             if not isinstance(tool_calls, list):
                 raise InputError(f"{where}.tool_calls: must be a list")
@@ -309,6 +346,13 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
 # ----------------------------------------------------------------------------------------------
 # Tool-call rendering
 # ----------------------------------------------------------------------------------------------
+# Tags of tool-call blocks (the parser below reads them too).
+_TAG_RE = re.compile(r"<(/?)([^<>]*)>")
+_INVOKE_RE = re.compile(r"""invoke\s+name\s*=\s*(?:"([^"]*)"|'([^']*)')\s*""")
+_INT_RE = re.compile(r"[+-]?\d+")
+_NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
 def _check_key(key: Any, where: str) -> None:
     if (not isinstance(key, str) or not key or key.startswith("/") or "<" in key or ">" in key
             or NS in key or _INVOKE_RE.fullmatch(key)):
@@ -334,32 +378,34 @@ def _check_renderable(value: Any, where: str) -> None:
         raise InputError(f"{where}: cannot render a {type(value).__name__} as a tool-call value")
 
 
+def _tag(name: str, inner: str) -> str:
+    return f"{NS}<{name}>{inner}{NS}</{name}>"
+
+
 def _value_xml(value: Any) -> str:
-    # None inside a mapping is omitted (as the release does); None inside a list renders as null.
+    # None is left out of mappings; inside a list it keeps its (empty) <item>, as the release renders it.
     if isinstance(value, Mapping):
-        return "".join(f"{NS}<{k}>{_value_xml(v)}{NS}</{k}>" for k, v in value.items() if v is not None)
+        return "".join(_tag(k, _value_xml(v)) for k, v in value.items() if v is not None)
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
-        return "null"
+        return ""
     if isinstance(value, (list, tuple)):
-        return "".join(f"{NS}<item>{_value_xml(v)}{NS}</item>" for v in value)
+        return "".join(_tag("item", _value_xml(v)) for v in value)
     return str(value)
 
 
 def _invoke_xml(name: str, arguments: Mapping[str, Any]) -> str:
-    lines = [f'{NS}<invoke name="{name}">']
-    lines += [f"{NS}<{k}>{_value_xml(v)}{NS}</{k}>" for k, v in arguments.items() if v is not None]
-    lines.append(f"{NS}</invoke>")
-    return "\n".join(lines)
+    return f'{NS}<invoke name="{name}">{_value_xml(arguments)}{NS}</invoke>\n'
 
 
 def render_tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
-    """One tool-call block holding one invoke per call (`{"name", "arguments"}` or OpenAI form).
+    """One tool-call block holding one invoke per call (`{"name", "arguments"}` or OpenAI form):
+    the opener and a newline, each invoke on one line ending in a newline, then the closer.
 
-    Elements are separated by newlines; argument values are raw text (see `render_tool_call`).
+    Argument values are raw text (see `render_tool_call`).
     """
     invokes = []
     for i, call in enumerate(calls):
@@ -368,7 +414,7 @@ def render_tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
         args = _normalize_arguments(function.get("arguments"), f"tool_calls[{i}]")
         _check_renderable(args, f"tool_calls[{i}].arguments")
         invokes.append(_invoke_xml(name, args))
-    return "\n".join([TOOL_CALL_START, *invokes, TOOL_CALL_END])
+    return TOOL_CALL_START + "\n" + "".join(invokes) + TOOL_CALL_END
 
 
 def render_tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
@@ -381,6 +427,10 @@ def render_tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
     return render_tool_calls([{"name": name, "arguments": arguments}])
 
 
+#: The example block of the tools section.
+TOOL_CALL_EXAMPLE = render_tool_calls(EXAMPLE_CALLS)
+
+
 # ----------------------------------------------------------------------------------------------
 # Built-in renderer
 # ----------------------------------------------------------------------------------------------
@@ -389,9 +439,33 @@ def _turn(role: str, content: str) -> str:
 
 
 def tools_section(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The tool-definition text appended to the developer turn (tools in OpenAI form)."""
-    lines = [f"<tool>{json.dumps(t['function'], ensure_ascii=False)}</tool>" for t in tools]
-    return TOOLS_SECTION_HEADER + "<tools>\n" + "\n".join(lines) + "\n</tools>\n" + TOOLS_SECTION_FOOTER
+    """The tool-definition text of the developer turn (tools in OpenAI form; it follows the
+    developer text after a blank line)."""
+    lines = "".join(f"<tool>{json.dumps(t['function'], ensure_ascii=False)}</tool>\n" for t in tools)
+    return TOOLS_INTRO + "\n<tools>\n" + lines + "</tools>\n\n" + TOOLS_USAGE + "\n" + TOOL_CALL_EXAMPLE
+
+
+def split_reasoning(content: str, reasoning: str | None) -> tuple[str, str]:
+    """(reasoning, content) of an earlier assistant turn, as the release renders history.
+
+    A string `reasoning` is used as is and `content` kept whole. Otherwise, when `content` holds
+    `</mm:think>`, the text before the first one (after its last `<mm:think>`) is the reasoning and
+    the text after the last one the content, both stripped of surrounding newlines.
+    """
+    if reasoning is not None:
+        return reasoning, content
+    if THINK_END not in content:
+        return "", content
+    head = content.split(THINK_END)[0].strip("\n")
+    return head.split(THINK_START)[-1].strip("\n"), content.split(THINK_END)[-1].strip("\n")
+
+
+def _assistant_turn(msg: Mapping[str, Any]) -> str:
+    reasoning, content = split_reasoning(msg["content"], msg.get("reasoning_content"))
+    # A turn without reasoning still closes the (empty) reasoning, as the disabled-mode prompt does.
+    head = THINK_START + reasoning + THINK_END if reasoning else THINK_END
+    calls = render_tool_calls(msg["tool_calls"]) if msg["tool_calls"] else ""
+    return _turn("ai", head + content + calls)
 
 
 def render_chat(
@@ -400,28 +474,42 @@ def render_chat(
     thinking: str = "adaptive",
     add_generation_prompt: bool = True,
 ) -> str:
-    """Render a conversation as the release template does (layout in the module docstring).
+    """Render a conversation exactly as the release template does (layout in the module docstring).
 
-    `thinking` is `adaptive`, `enabled` or `disabled`. Earlier assistant turns lose their reasoning
-    (`reasoning_content` is ignored). Raises InputError for bad messages, tools or mode.
+    `thinking` is `adaptive`, `enabled` or `disabled`. Earlier assistant turns keep their reasoning.
+    Raises InputError for bad messages, tools or mode, and for a tool result whose latest assistant
+    message made no tool call.
     """
     _check_thinking(thinking)
     msgs = normalize_messages(messages)
     tool_defs = normalize_tools(tools)
-    parts = [BOD, _turn("system", standing_instructions(thinking))]
-    system_text = DEFAULT_SYSTEM_PROMPT
-    if msgs and msgs[0]["role"] == "system":
-        system_text = msgs[0]["content"]
-        msgs = msgs[1:]
+    start = 0
+    identity = None
+    developer = DEFAULT_SYSTEM_PROMPT
+    if msgs and msgs[0]["role"] == "root":
+        identity, start = msgs[0]["content"], 1
+    if len(msgs) > start and msgs[start]["role"] in _PREAMBLE_ROLES:
+        developer = msgs[start]["content"] or DEFAULT_SYSTEM_PROMPT
+        start += 1
     if tool_defs:
-        system_text += "\n\n" + tools_section(tool_defs)
-    parts.append(_turn("developer", system_text))
-    for msg in msgs:
-        if msg["role"] == "assistant":
-            calls = render_tool_calls(msg["tool_calls"]) if msg["tool_calls"] else ""
-            parts.append(_turn("ai", THINK_END + msg["content"] + calls))
+        developer += "\n\n" + tools_section(tool_defs)
+    parts = [BOD, _turn("system", standing_instructions(thinking, identity)), _turn("developer", developer)]
+    calls_pending = False  # whether the latest assistant message made tool calls
+    for i in range(start, len(msgs)):
+        msg, role = msgs[i], msgs[i]["role"]
+        if role == "assistant":
+            parts.append(_assistant_turn(msg))
+            calls_pending = bool(msg["tool_calls"])
+        elif role == "tool":
+            if not calls_pending:
+                raise InputError(f"messages[{i}]: a tool result must come after an assistant message with "
+                                 "tool calls (the latest assistant message, if any, made none)")
+            first = msgs[i - 1]["role"] != "tool"
+            last = i + 1 == len(msgs) or msgs[i + 1]["role"] != "tool"
+            parts.append((TURN_START + "tool" if first else "") + "\n<response>" + msg["content"]
+                         + "</response>" + (TURN_END + "\n" if last else ""))
         else:
-            parts.append(_turn(msg["role"], msg["content"]))
+            parts.append(_turn("user", msg["content"]))
     if add_generation_prompt:
         parts.append(GENERATION_PROMPT[thinking])
     return "".join(parts)
@@ -435,86 +523,129 @@ def _jinja_str(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
 
 
-# Every newline of the output is an explicit literal, so the template's own layout never leaks into it.
+def _jinja_list(items: Sequence[str]) -> str:
+    return "[" + ", ".join(_jinja_str(t) for t in items) + "]"
+
+
+# Every newline of the output is an explicit literal, so the template's own layout never leaks into
+# it. The template takes messages as `normalize_messages` gives them and also as transformers passes
+# them (part lists, `{"name", "arguments"}` calls); it refuses what `normalize_messages` refuses where
+# a template can tell.
 CHAT_TEMPLATE = (
-    "{#- MiniMax-M3 chat template as rendered by minimax_ref.chat.render_chat. -#}\n"
+    "{#- MiniMax-M3 chat template of minimax_ref (renders what minimax_ref.chat.render_chat renders). -#}\n"
     "{%- set ns_token = " + _jinja_str(NS) + " -%}\n"
-    "{%- set bod_token = " + _jinja_str(BOD) + " -%}\n"
-    "{%- set turn_start = " + _jinja_str(TURN_START) + " -%}\n"
-    "{%- set turn_end = " + _jinja_str(TURN_END) + " -%}\n"
-    "{%- set think_begin_token = " + _jinja_str(THINK_START) + " -%}\n"
-    "{%- set think_end_token = " + _jinja_str(THINK_END) + " -%}\n"
-    "{%- set mode = thinking_mode if (thinking_mode is defined and thinking_mode) else 'adaptive' -%}\n"
-    "{%- if mode not in ['adaptive', 'enabled', 'disabled'] -%}\n"
-    "{{- raise_exception('unknown thinking_mode ' ~ mode) -}}\n"
+    "{%- set think_open = " + _jinja_str(THINK_START) + " -%}\n"
+    "{%- set think_close = " + _jinja_str(THINK_END) + " -%}\n"
+    "{%- set turn_end = " + _jinja_str(TURN_END + "\n") + " -%}\n"
+    "{%- set mode = thinking_mode if thinking_mode is defined else 'adaptive' -%}\n"
+    "{%- if mode not in " + _jinja_list(THINKING_MODES) + " -%}\n"
+    "{{- raise_exception('unknown thinking_mode ' ~ mode ~ '; expected adaptive, enabled or disabled') -}}\n"
     "{%- endif -%}\n"
-    "{%- set mode_texts = {"
-    + ", ".join(f"'{m}': {_jinja_str(THINKING_MODE_TEXT[m])}" for m in THINKING_MODES)
-    + "} -%}\n"
-    "{%- macro to_xml(value) -%}\n"
+    # part lists: text, image and video parts; a tool result's part may be {"output": text}
+    "{%- macro part_text(part, in_tool) -%}\n"
+    "{%- if part is string -%}{{- part -}}\n"
+    "{%- elif part.type in " + _jinja_list(_IMAGE_PART_TYPES) + " -%}{{- " + _jinja_str(IMAGE) + " -}}\n"
+    "{%- elif part.type in " + _jinja_list(_VIDEO_PART_TYPES) + " -%}{{- " + _jinja_str(VIDEO) + " -}}\n"
+    "{%- elif in_tool and part.output is defined -%}{{- part.output -}}\n"
+    "{%- elif part.type == 'text' -%}{{- part.text -}}\n"
+    "{%- else -%}{{- raise_exception('a message part that is not text, image or video') -}}\n"
+    "{%- endif -%}\n"
+    "{%- endmacro -%}\n"
+    "{%- macro text_of(content, in_tool=false) -%}\n"
+    "{%- if content is none -%}\n"
+    "{%- elif content is string -%}{{- content -}}\n"
+    "{%- else -%}{%- for part in content -%}{{- part_text(part, in_tool) -}}{%- endfor -%}\n"
+    "{%- endif -%}\n"
+    "{%- endmacro -%}\n"
+    # tool-call values: None left out of mappings, empty inside lists; booleans as JSON
+    "{%- macro xml_value(value) -%}\n"
     "{%- if value is mapping -%}\n"
-    "{%- for k, v in value.items() -%}\n"
-    "{%- if v is not none -%}\n"
-    "{{- " + _jinja_str(NS) + " ~ '<' ~ k ~ '>' -}}{{- to_xml(v) -}}{{- "
-    + _jinja_str(NS) + " ~ '</' ~ k ~ '>' -}}\n"
-    "{%- endif -%}\n"
+    "{%- for key, item in value.items() if item is not none -%}\n"
+    "{{- ns_token ~ '<' ~ key ~ '>' -}}{{- xml_value(item) -}}{{- ns_token ~ '</' ~ key ~ '>' -}}\n"
     "{%- endfor -%}\n"
     "{%- elif value is string -%}{{- value -}}\n"
     "{%- elif value is boolean -%}{{- 'true' if value else 'false' -}}\n"
-    "{%- elif value is none -%}{{- 'null' -}}\n"
+    "{%- elif value is none -%}\n"
     "{%- elif value is iterable -%}\n"
     "{%- for item in value -%}\n"
-    "{{- " + _jinja_str(NS + "<item>") + " -}}{{- to_xml(item) -}}"
-    "{{- " + _jinja_str(NS + "</item>") + " -}}\n"
+    "{{- ns_token ~ '<item>' -}}{{- xml_value(item) -}}{{- ns_token ~ '</item>' -}}\n"
     "{%- endfor -%}\n"
     "{%- else -%}{{- value -}}\n"
     "{%- endif -%}\n"
     "{%- endmacro -%}\n"
-    "{{- bod_token ~ turn_start ~ 'system\\n' -}}\n"
-    "{{- " + _jinja_str(IDENTITY_TEXT + "\n\n<thinking_instructions>\n" + THINKING_TEXT + "\n") + " -}}\n"
-    "{{- mode_texts[mode] ~ '\\n</thinking_instructions>' ~ turn_end ~ '\\n' -}}\n"
-    "{%- if messages and messages[0].role in ['system', 'developer'] -%}\n"
-    "{%- set system_text = messages[0].content -%}\n"
-    "{%- set rest = messages[1:] -%}\n"
-    "{%- else -%}\n"
-    "{%- set system_text = " + _jinja_str(DEFAULT_SYSTEM_PROMPT) + " -%}\n"
-    "{%- set rest = messages -%}\n"
+    "{%- macro call_block(calls) -%}\n"
+    "{{- ns_token ~ '<tool_call>\\n' -}}\n"
+    "{%- for call in calls -%}\n"
+    "{%- set fn = call.function if call.function is defined else call -%}\n"
+    "{%- if fn.arguments is string -%}"
+    "{{- raise_exception('tool-call arguments must be an object, not JSON text') -}}{%- endif -%}\n"
+    "{{- ns_token ~ '<invoke name=\"' ~ fn.name ~ '\">' -}}{{- xml_value(fn.arguments or {}) -}}"
+    "{{- ns_token ~ '</invoke>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{{- ns_token ~ '</tool_call>' -}}\n"
+    "{%- endmacro -%}\n"
+    # the preamble: root, then system/developer
+    "{%- set head = namespace(identity=" + _jinja_str(IDENTITY_TEXT) + ", developer="
+    + _jinja_str(DEFAULT_SYSTEM_PROMPT) + ", start=0, calls=false) -%}\n"
+    "{%- if messages and messages[0].role == 'root' -%}\n"
+    "{%- if messages[0].content -%}{%- set head.identity = text_of(messages[0].content) -%}{%- endif -%}\n"
+    "{%- set head.start = 1 -%}\n"
     "{%- endif -%}\n"
-    "{{- turn_start ~ 'developer\\n' ~ system_text -}}\n"
+    "{%- if messages | length > head.start and messages[head.start].role in "
+    + _jinja_list(_PREAMBLE_ROLES) + " -%}\n"
+    "{%- if messages[head.start].content -%}"
+    "{%- set head.developer = text_of(messages[head.start].content) -%}{%- endif -%}\n"
+    "{%- set head.start = head.start + 1 -%}\n"
+    "{%- endif -%}\n"
+    "{{- " + _jinja_str(BOD + TURN_START + "system\n") + " ~ head.identity -}}\n"
+    "{{- " + _jinja_str("\n\n<thinking_instructions>\n" + THINKING_TEXT + "\n") + " -}}\n"
+    "{%- if mode == 'enabled' -%}{{- " + _jinja_str(THINKING_MODE_TEXT["enabled"]) + " -}}\n"
+    "{%- elif mode == 'disabled' -%}{{- " + _jinja_str(THINKING_MODE_TEXT["disabled"]) + " -}}\n"
+    "{%- else -%}{{- " + _jinja_str(THINKING_MODE_TEXT["adaptive"]) + " -}}{%- endif -%}\n"
+    "{{- '\\n</thinking_instructions>' ~ turn_end -}}\n"
+    "{{- " + _jinja_str(TURN_START + "developer\n") + " ~ head.developer -}}\n"
     "{%- if tools -%}\n"
-    "{{- '\\n\\n' ~ " + _jinja_str(TOOLS_SECTION_HEADER + "<tools>\n") + " -}}\n"
+    "{{- '\\n\\n' ~ " + _jinja_str(TOOLS_INTRO + "\n<tools>\n") + " -}}\n"
     "{%- for tool in tools -%}\n"
     "{{- '<tool>' ~ (tool.function | tojson(ensure_ascii=False)) ~ '</tool>\\n' -}}\n"
     "{%- endfor -%}\n"
-    "{{- '</tools>\\n' ~ " + _jinja_str(TOOLS_SECTION_FOOTER) + " -}}\n"
+    "{{- '</tools>\\n\\n' ~ " + _jinja_str(TOOLS_USAGE + "\n" + TOOL_CALL_EXAMPLE) + " -}}\n"
     "{%- endif -%}\n"
-    "{{- turn_end ~ '\\n' -}}\n"
-    "{%- for message in rest -%}\n"
+    "{{- turn_end -}}\n"
+    # the conversation
+    "{%- for message in messages -%}\n"
+    "{%- if loop.index0 >= head.start -%}\n"
+    "{%- set where = 'messages[' ~ loop.index0 ~ ']: ' -%}\n"
     "{%- if message.role == 'assistant' -%}\n"
-    "{{- turn_start ~ 'ai\\n' ~ think_end_token ~ message.content -}}\n"
-    "{%- if message.tool_calls -%}\n"
-    "{{- ns_token ~ '<tool_call>' -}}\n"
-    "{%- for call in message.tool_calls -%}\n"
-    "{%- set fn = call.function if call.function is defined else call -%}\n"
-    "{{- '\\n' ~ ns_token ~ '<invoke name=\"' ~ fn.name ~ '\">' -}}\n"
-    "{%- for k, v in fn.arguments.items() -%}\n"
-    "{%- if v is not none -%}\n"
-    "{{- '\\n' ~ ns_token ~ '<' ~ k ~ '>' -}}{{- to_xml(v) -}}{{- ns_token ~ '</' ~ k ~ '>' -}}\n"
+    "{%- set body = text_of(message.content) -%}\n"
+    "{%- set thought = '' -%}\n"
+    "{%- if message.reasoning_content is string -%}\n"
+    "{%- set thought = message.reasoning_content -%}\n"
+    "{%- elif think_close in body -%}\n"
+    "{%- set thought = body.split(think_close)[0].strip('\\n').split(think_open)[-1].strip('\\n') -%}\n"
+    "{%- set body = body.split(think_close)[-1].strip('\\n') -%}\n"
     "{%- endif -%}\n"
-    "{%- endfor -%}\n"
-    "{{- '\\n' ~ ns_token ~ '</invoke>' -}}\n"
-    "{%- endfor -%}\n"
-    "{{- '\\n' ~ ns_token ~ '</tool_call>' -}}\n"
-    "{%- endif -%}\n"
-    "{{- turn_end ~ '\\n' -}}\n"
+    "{{- " + _jinja_str(TURN_START + "ai\n") + " -}}\n"
+    "{{- (think_open ~ thought ~ think_close) if thought else think_close -}}{{- body -}}\n"
+    "{%- if message.tool_calls -%}{{- call_block(message.tool_calls) -}}{%- endif -%}\n"
+    "{{- turn_end -}}\n"
+    "{%- set head.calls = message.tool_calls is defined and message.tool_calls | length > 0 -%}\n"
+    "{%- elif message.role == 'tool' -%}\n"
+    "{%- if not head.calls -%}{{- raise_exception(where ~ 'a tool result must come after an assistant "
+    "message with tool calls') -}}{%- endif -%}\n"
+    "{%- if loop.previtem.role != 'tool' -%}{{- " + _jinja_str(TURN_START + "tool") + " -}}{%- endif -%}\n"
+    "{{- '\\n<response>' ~ text_of(message.content, true) ~ '</response>' -}}\n"
+    "{%- if loop.last or loop.nextitem.role != 'tool' -%}{{- turn_end -}}{%- endif -%}\n"
+    "{%- elif message.role == 'user' -%}\n"
+    "{{- " + _jinja_str(TURN_START + "user\n") + " ~ text_of(message.content) ~ turn_end -}}\n"
     "{%- else -%}\n"
-    "{{- turn_start ~ message.role ~ '\\n' ~ message.content ~ turn_end ~ '\\n' -}}\n"
+    "{{- raise_exception(where ~ 'role ' ~ message.role ~ ' is not allowed here') -}}\n"
+    "{%- endif -%}\n"
     "{%- endif -%}\n"
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}\n"
-    "{{- turn_start ~ 'ai\\n' -}}\n"
-    "{%- if mode == 'enabled' -%}{{- think_begin_token -}}"
-    "{%- elif mode == 'disabled' -%}{{- think_end_token -}}{%- endif -%}\n"
+    "{{- " + _jinja_str(TURN_START + "ai\n") + " -}}\n"
+    "{%- if mode == 'enabled' -%}{{- think_open -}}{%- elif mode == 'disabled' -%}{{- think_close -}}{%- endif -%}\n"
     "{%- endif -%}\n"
 )
 
@@ -589,10 +720,6 @@ class _Malformed(Exception):
     pass
 
 
-_TAG_RE = re.compile(r"<(/?)([^<>]*)>")
-_INVOKE_RE = re.compile(r"""invoke\s+name\s*=\s*(?:"([^"]*)"|'([^']*)')\s*""")
-_INT_RE = re.compile(r"[+-]?\d+")
-_NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
 
 @dataclass
@@ -648,20 +775,35 @@ def _parse_tree(text: str) -> list[Any]:
     return root.children
 
 
+def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`extra` laid over `base`; `properties` and `required` are united rather than replaced."""
+    out = {**base, **extra}
+    for key in ("properties",):
+        if isinstance(base.get(key), Mapping) and isinstance(extra.get(key), Mapping):
+            out[key] = {**base[key], **extra[key]}
+    if isinstance(base.get("required"), list) and isinstance(extra.get("required"), list):
+        out["required"] = list(dict.fromkeys(base["required"] + extra["required"]))
+    return out
+
+
 def _alternatives(schema: Any) -> list[tuple[str, dict]]:
-    """Flatten a schema into (type, subschema) alternatives, in the schema's order."""
+    """Flatten a schema into (type, subschema) alternatives, in the schema's order.
+
+    `allOf` parts are merged into the schema; each `anyOf` / `oneOf` part is merged with the rest of
+    the schema into an alternative of its own (at any depth).
+    """
     if schema is None or isinstance(schema, bool) or not isinstance(schema, Mapping):
         return [("any", {})]
     schema = dict(schema)
     for sub in schema.pop("allOf", None) or []:
         if isinstance(sub, Mapping):
-            schema = {**sub, **schema}
+            schema = _merge(_alternatives_base(sub), schema)
     alts: list[tuple[str, dict]] = []
     for key in ("anyOf", "oneOf"):
         if key in schema:
             base = {k: v for k, v in schema.items() if k not in ("anyOf", "oneOf")}
             for sub in schema[key]:
-                merged = {**base, **sub} if isinstance(sub, Mapping) else base
+                merged = _merge(base, sub) if isinstance(sub, Mapping) else base
                 alts += _alternatives(merged)
             return alts
     types = schema.get("type")
@@ -677,6 +819,32 @@ def _alternatives(schema: Any) -> list[tuple[str, dict]]:
     for t in types if isinstance(types, list) else [types]:
         alts.append((t, schema))
     return alts
+
+
+def _alternatives_base(schema: Mapping[str, Any]) -> dict[str, Any]:
+    # An allOf part's own allOf is merged in first, so nested parts contribute their properties too.
+    out = dict(schema)
+    for sub in out.pop("allOf", None) or []:
+        if isinstance(sub, Mapping):
+            out = _merge(_alternatives_base(sub), out)
+    return out
+
+
+def _object_view(schema: Any) -> tuple[dict[str, Any], list[list[str]], Any]:
+    """(properties, required lists, additionalProperties) of an object schema, its alternatives
+    merged: a name that several alternatives declare may take any of their schemas; the required
+    lists are one per alternative (one of them must be met)."""
+    alts = [sub for kind, sub in _alternatives(schema) if kind in ("object", "any")] or [{}]
+    declared: dict[str, list[Any]] = {}
+    for sub in alts:
+        for key, prop in (sub.get("properties") or {}).items():
+            if prop not in declared.setdefault(key, []):
+                declared[key].append(prop)
+    props = {k: v[0] if len(v) == 1 else {"anyOf": v} for k, v in declared.items()}
+    required = [list(sub.get("required") or []) for sub in alts]
+    extras = [sub.get("additionalProperties", True) for sub in alts]
+    extra = False if all(e is False for e in extras) else next((e for e in extras if isinstance(e, Mapping)), True)
+    return props, required, extra
 
 
 def _describe(schema: Any) -> str:
@@ -761,9 +929,17 @@ def _coerce(block: str, el: _Element, schema: Any, path: str) -> tuple[Any, list
     structured = bool(el.elements)
     partial: tuple[Any, list[str]] | None = None
     if structured:
+        objects = [sub for kind, sub in alts if kind == "object"]
+        tried_objects = False
         for kind, sub in alts:
             if kind not in ("object", "array", "any"):
                 continue
+            if kind == "object":
+                # All object alternatives are read together, so that the one declaring the names wins.
+                if tried_objects:
+                    continue
+                tried_objects = True
+                sub = objects[0] if len(objects) == 1 else {"anyOf": objects}
             got = _coerce_structured(block, el, kind, sub, path)
             if got is _FAIL:
                 continue
@@ -802,31 +978,67 @@ def _coerce_structured(block: str, el: _Element, kind: str, schema: Mapping, pat
     return _coerce_object(block, children, schema, path)
 
 
+def _coerce_repeated(block: str, els: list[_Element], schema: Any, path: str) -> tuple[list[Any], list[str]]:
+    """A name given several times among siblings: its values, in order, as one list.
+
+    Under an array schema each repetition is an item (or, written as `<item>`s, a run of items);
+    otherwise each is coerced by the schema itself and, unless the schema allows anything, the list
+    is flagged.
+    """
+    alts = _alternatives(schema)
+    array = next((sub for kind, sub in alts if kind == "array"), None)
+    values: list[Any] = []
+    errs: list[str] = []
+    for el in els:
+        if array is not None:
+            runs = bool(el.elements) and all(c.name == "item" for c in el.elements) and not el.stray_text()
+            if runs:
+                v, e = _coerce(block, el, array, f"{path}[{len(values)}:]")
+                if isinstance(v, list):
+                    values += v
+                    errs += e
+                    continue
+            v, e = _coerce(block, el, array.get("items"), f"{path}[{len(values)}]")
+        else:
+            v, e = _coerce(block, el, schema, f"{path}[{len(values)}]")
+        values.append(v)
+        errs += e
+    if array is None and not any(kind == "any" for kind, _ in alts):
+        errs.append(f"{path}: given {len(els)} times; the values are kept as a list, but the schema "
+                    f"expects {_describe(schema)}")
+    return values, errs
+
+
 def _coerce_object(block: str, children: list[_Element], schema: Any, path: str,
                    ) -> tuple[dict[str, Any], list[str]]:
-    props = schema.get("properties") or {} if isinstance(schema, Mapping) else {}
-    extra = schema.get("additionalProperties", True) if isinstance(schema, Mapping) else True
-    out: dict[str, Any] = {}
-    errs: list[str] = []
+    props, required, extra = _object_view(schema)
+    groups: dict[str, list[_Element]] = {}
     for c in children:
         if c.attr_name is not None:
             raise _Malformed(f"an <invoke> element inside {path}")
-        sub_path = f"{path}.{c.name}" if path else c.name
-        if c.name in out:
-            errs.append(f"{sub_path}: given more than once; the last value is kept")
-        if c.name in props:
-            sub = props[c.name]
+        groups.setdefault(c.name, []).append(c)
+    out: dict[str, Any] = {}
+    errs: list[str] = []
+    for name, els in groups.items():
+        sub_path = f"{path}.{name}" if path else name
+        if name in props:
+            sub = props[name]
         else:
             if extra is False:
                 errs.append(f"{sub_path}: not a declared property")
             sub = extra if isinstance(extra, Mapping) else None
-        value, e = _coerce(block, c, sub, sub_path)
-        out[c.name] = value
+        # Repeated sibling tags collect into a list: no value is dropped.
+        value, e = _coerce(block, els[0], sub, sub_path) if len(els) == 1 else \
+            _coerce_repeated(block, els, sub, sub_path)
+        out[name] = value
         errs += e
-    if isinstance(schema, Mapping):
-        for r in schema.get("required") or []:
-            if r not in out:
-                errs.append(f"{path + '.' if path else ''}{r}: required but missing")
+    if not any(all(r in out for r in req) for req in required):
+        prefix = path + "." if path else ""
+        if len(required) == 1:
+            errs += [f"{prefix}{r}: required but missing" for r in required[0] if r not in out]
+        else:
+            wanted = " or ".join("(" + ", ".join(req) + ")" for req in required)
+            errs.append(f"{path or 'arguments'}: fits none of the alternatives' required properties {wanted}")
     return out, errs
 
 

@@ -78,8 +78,9 @@ ORDER_TOOL = {
 
 TOOLS_TEXT = (
     "\n\n# Tools\n"
-    "You can call the functions below. Each <tool> line holds one function's JSON schema.\n"
-    "<tools>\n"
+    "You may call one or more tools to assist with the user query.\n"
+    "Here are the tools available in JSONSchema format:\n"
+    "\n<tools>\n"
     '<tool>{"name": "get_weather", "description": "Current weather & forecast for a city (\\"name\\" in '
     'local spelling).", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, '
     '"days": {"type": "integer"}}, "required": ["city"]}}</tool>\n'
@@ -87,14 +88,17 @@ TOOLS_TEXT = (
     '"properties": {"order_id": {"type": "string"}}}}</tool>\n'
     "</tools>\n"
     "\n"
-    "To call functions, write one tool-call block with one invoke element per call and one tag per "
-    "argument, every tag prefixed with ]<]minimax[>[:\n"
+    "To call tools, wrap all invocations in a single ]<]minimax[>[<tool_call>]<]minimax[>[</tool_call> block. "
+    "Parameter values containing nested objects or arrays are recursively expanded into XML elements. Example:\n"
+    "\n"
     "]<]minimax[>[<tool_call>\n"
-    ']<]minimax[>[<invoke name="function_name">\n'
-    "]<]minimax[>[<argument_name>value]<]minimax[>[</argument_name>\n"
+    ']<]minimax[>[<invoke name="tool-name-1">]<]minimax[>[<param-1>value-1]<]minimax[>[</param-1>'
+    "]<]minimax[>[<param-2>]<]minimax[>[<item>]<]minimax[>[<key-a>val-a]<]minimax[>[</key-a>"
+    "]<]minimax[>[<key-b>val-b]<]minimax[>[</key-b>]<]minimax[>[</item>]<]minimax[>[</param-2>"
     "]<]minimax[>[</invoke>\n"
-    "]<]minimax[>[</tool_call>\n"
-    "Values are raw text: objects are nested tags, lists are <item> tags, booleans are true or false."
+    ']<]minimax[>[<invoke name="tool-name-2">]<]minimax[>[<param-1>value-1]<]minimax[>[</param-1>'
+    "]<]minimax[>[</invoke>\n"
+    "]<]minimax[>[</tool_call>"
 )
 
 SIMPLE = [{"role": "user", "content": "What is 2+2?"}]
@@ -130,7 +134,7 @@ EXPECTED_MULTI = (
     head("adaptive")
     + "]~b]developer\nAnswer tersely.[e~[\n"
     "]~b]user\nWhat is 2+2?[e~[\n"
-    "]~b]ai\n</mm:think>4[e~[\n"
+    "]~b]ai\n<mm:think>Two plus two is four.</mm:think>4[e~[\n"
     "]~b]user\nAnd 3+3?[e~[\n"
     "]~b]ai\n"
 )
@@ -138,19 +142,15 @@ EXPECTED_TOOLS = (
     head("enabled")
     + "]~b]developer\nYou are a helpful assistant." + TOOLS_TEXT + "[e~[\n"
     "]~b]user\nWeather in Yaoundé and Genève for 2 days?[e~[\n"
-    "]~b]ai\n</mm:think>Checking both.\n\n"
+    "]~b]ai\n<mm:think>Two cities, call twice.</mm:think>Checking both.\n\n"
     "]<]minimax[>[<tool_call>\n"
-    ']<]minimax[>[<invoke name="get_weather">\n'
-    "]<]minimax[>[<city>Yaoundé]<]minimax[>[</city>\n"
-    "]<]minimax[>[<days>2]<]minimax[>[</days>\n"
-    "]<]minimax[>[</invoke>\n"
-    ']<]minimax[>[<invoke name="get_weather">\n'
-    "]<]minimax[>[<city>Genève]<]minimax[>[</city>\n"
-    "]<]minimax[>[<days>2]<]minimax[>[</days>\n"
-    "]<]minimax[>[</invoke>\n"
+    ']<]minimax[>[<invoke name="get_weather">]<]minimax[>[<city>Yaoundé]<]minimax[>[</city>'
+    "]<]minimax[>[<days>2]<]minimax[>[</days>]<]minimax[>[</invoke>\n"
+    ']<]minimax[>[<invoke name="get_weather">]<]minimax[>[<city>Genève]<]minimax[>[</city>'
+    "]<]minimax[>[<days>2]<]minimax[>[</days>]<]minimax[>[</invoke>\n"
     "]<]minimax[>[</tool_call>[e~[\n"
-    ']~b]tool\n{"temp": 31, "sky": "sunny"}[e~[\n'
-    "]~b]tool\n8°C, rain[e~[\n"
+    ']~b]tool\n<response>{"temp": 31, "sky": "sunny"}</response>\n'
+    "<response>8°C, rain</response>[e~[\n"
     "]~b]ai\n<mm:think>"
 )
 
@@ -178,9 +178,8 @@ def test_render_simple_each_mode(mode):
     assert render_chat_template(CHAT_TEMPLATE, SIMPLE, thinking=mode) == EXPECTED_SIMPLE[mode]
 
 
-def test_render_multi_turn_drops_reasoning():
+def test_render_multi_turn_keeps_reasoning():
     assert render_chat(MULTI) == EXPECTED_MULTI
-    assert "Two plus two" not in render_chat(MULTI)
     assert render_chat_template(CHAT_TEMPLATE, MULTI) == EXPECTED_MULTI
 
 
@@ -193,7 +192,8 @@ def test_render_tools_calls_and_results():
 def test_no_generation_prompt_and_developer_role():
     msgs = [{"role": "developer", "content": ""}, {"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": "What is this?"}]}]
-    expected = (head("disabled") + "]~b]developer\n[e~[\n"
+    # an empty developer message falls back to the default text, as the release renders it
+    expected = (head("disabled") + "]~b]developer\nYou are a helpful assistant.[e~[\n"
                 "]~b]user\n]<]image[>[What is this?[e~[\n")
     assert render_chat(msgs, thinking="disabled", add_generation_prompt=False) == expected
     assert render_chat_template(CHAT_TEMPLATE, msgs, thinking="disabled", add_generation_prompt=False) \
@@ -581,8 +581,9 @@ def test_streaming_any_split_equals_one_shot(text_cuts, started):
 def test_render_tool_calls_several_invokes():
     text = render_tool_calls([{"name": "a", "arguments": {}},
                               {"type": "function", "function": {"name": "b", "arguments": '{"x": 1}'}}])
-    assert text == (f'{NS}<tool_call>\n{NS}<invoke name="a">\n{NS}</invoke>\n{NS}<invoke name="b">\n'
-                    f"{NS}<x>1{NS}</x>\n{NS}</invoke>\n{NS}</tool_call>")
+    # the release's layout: one line per invoke, the arguments inline
+    assert text == (f'{NS}<tool_call>\n{NS}<invoke name="a">{NS}</invoke>\n{NS}<invoke name="b">'
+                    f"{NS}<x>1{NS}</x>{NS}</invoke>\n{NS}</tool_call>")
     assert parse_output(text)["tool_calls"] == [{"name": "a", "arguments": {}},
                                                 {"name": "b", "arguments": {"x": "1"}}]
 
@@ -599,3 +600,117 @@ def test_transformers_renders_the_written_template_identically(tok_dirs, toks):
         assert text == render_chat(messages, tools, mode)
         assert hf.encode(text, add_special_tokens=False) == builtin_tok.apply_chat_template(
             messages, tools=tools, thinking=mode)
+
+
+# ------------------------------------------------------------------------------------------------
+# Repeated sibling tags and composition keywords at the root of `parameters`
+# ------------------------------------------------------------------------------------------------
+def tags(**groups) -> str:
+    """Sibling tags, each name given once per value of its list: tags(a=["1", "2"]) -> <a>1</a><a>2</a>."""
+    return "".join(f"{NS}<{k}>{v}{NS}</{k}>" for k, vs in groups.items() for v in vs)
+
+
+def block(name: str, inner: str) -> str:
+    return f'{NS}<tool_call>\n{NS}<invoke name="{name}">{inner}{NS}</invoke>\n{NS}</tool_call>'
+
+
+def fn(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+ONE_OF_ROOT = fn("calc", {"oneOf": [{"properties": {"number": {"type": "number"}}, "required": ["number"]},
+                                    {"properties": {"text": {"type": "string"}, "flag": {"type": "boolean"}},
+                                     "required": ["text"]}]})
+ANY_OF_ROOT = fn("calc2", {"anyOf": [{"properties": {"text": {"type": "string"}}},
+                                     {"properties": {"number": {"type": "integer"}}}]})
+ALL_OF_ROOT = fn("merge", {"type": "object", "properties": {"a": {"type": "integer"}},
+                           "allOf": [{"properties": {"b": {"type": "boolean"}}, "required": ["b"]},
+                                     {"allOf": [{"properties": {"c": {"type": "array",
+                                                                      "items": {"type": "number"}}}}]}]})
+NESTED_ONE_OF = fn("draw", {"type": "object", "properties": {"shape": {"oneOf": [
+    {"properties": {"kind": {"const": "square"}, "side": {"type": "string"}}},
+    {"properties": {"kind": {"const": "circle"}, "radius": {"type": "number"}}, "required": ["radius"]}]}}})
+LISTS = fn("tagger", {"type": "object", "properties": {
+    "tag": {"type": "array", "items": {"type": "integer"}},
+    "label": {"type": "string"},
+    "meta": {"type": "object", "properties": {"k": {"type": "array", "items": {"type": "boolean"}}}}}})
+SCHEMA_TOOLS = [ONE_OF_ROOT, ANY_OF_ROOT, ALL_OF_ROOT, NESTED_ONE_OF, LISTS]
+
+SCHEMA_CASES = [
+    # (text, tools, expected calls, number of errors)
+    (block("anything", tags(x=["a", "b"])), None, [("anything", {"x": ["a", "b"]})], 0),
+    (block("anything", tags(x=["a", "b", "c"], y=["1"])), None, [("anything", {"x": ["a", "b", "c"], "y": "1"})], 0),
+    (block("anything", f"{NS}<o>{tags(t=['a', 'b'])}{NS}</o>"), None, [("anything", {"o": {"t": ["a", "b"]}})], 0),
+    (block("tagger", tags(tag=["1", "2"])), [LISTS], [("tagger", {"tag": [1, 2]})], 0),
+    (block("tagger", tags(tag=[f"{NS}<item>1{NS}</item>{NS}<item>2{NS}</item>", "3"])), [LISTS],
+     [("tagger", {"tag": [1, 2, 3]})], 0),
+    (block("tagger", f"{NS}<meta>{tags(k=['true', 'false'])}{NS}</meta>"), [LISTS],
+     [("tagger", {"meta": {"k": [True, False]}})], 0),
+    (block("tagger", tags(label=["a", "b"])), [LISTS], [("tagger", {"label": ["a", "b"]})], 1),
+    (block("calc", tags(number=["42"])), [ONE_OF_ROOT], [("calc", {"number": 42})], 0),
+    (block("calc", tags(number=["4.5e1"])), [ONE_OF_ROOT], [("calc", {"number": 45.0})], 0),
+    (block("calc", tags(text=["42"], flag=["true"])), [ONE_OF_ROOT], [("calc", {"text": "42", "flag": True})], 0),
+    (block("calc", tags(flag=["true"])), [ONE_OF_ROOT], [("calc", {"flag": True})], 1),
+    (block("calc2", tags(number=["7"])), [ANY_OF_ROOT], [("calc2", {"number": 7})], 0),
+    (block("calc2", tags(text=["7"])), [ANY_OF_ROOT], [("calc2", {"text": "7"})], 0),
+    (block("merge", tags(a=["1"], b=["false"], c=[f"{NS}<item>2.5{NS}</item>"])), [ALL_OF_ROOT],
+     [("merge", {"a": 1, "b": False, "c": [2.5]})], 0),
+    (block("merge", tags(a=["1"])), [ALL_OF_ROOT], [("merge", {"a": 1})], 1),
+    (block("draw", f"{NS}<shape>{tags(kind=['circle'], radius=['2'])}{NS}</shape>"), [NESTED_ONE_OF],
+     [("draw", {"shape": {"kind": "circle", "radius": 2}})], 0),
+    (block("draw", f"{NS}<shape>{tags(kind=['square'], side=['2'])}{NS}</shape>"), [NESTED_ONE_OF],
+     [("draw", {"shape": {"kind": "square", "side": "2"}})], 0),
+]
+
+
+@pytest.mark.parametrize("text,tools,calls,n_errors", SCHEMA_CASES)
+def test_repeated_tags_and_composed_schemas(text, tools, calls, n_errors):
+    got = parse_output("</mm:think>" + text, tools)
+    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == calls
+    assert json.dumps(got["tool_calls"]) == json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    assert len(got["errors"]) == n_errors, got["errors"]
+    assert got["content"] == ""
+    # streaming, one character at a time and in two halves, gives the one-shot result
+    for pieces in ([*text], [text[: len(text) // 2], text[len(text) // 2:]]):
+        parser = StreamingParser(tools)
+        events = parser.feed("</mm:think>")
+        for piece in pieces:
+            events += parser.feed(piece)
+        events += parser.finish()
+        assert parser.result() == got
+        assert [{"name": e["name"], "arguments": e["arguments"]} for e in events if e["type"] == "tool_call"] \
+            == got["tool_calls"]
+
+
+def test_repeated_scalar_tag_error_names_it():
+    got = parse_output(block("tagger", tags(label=["a", "b"])), [LISTS])
+    assert "label" in got["errors"][0] and "2 times" in got["errors"][0]
+
+
+CALLED = [{"role": "user", "content": "a"},
+          {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}]}]
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([{"role": "user", "content": "a"}, {"role": "root", "content": "b"}], r"messages\[1\]: a root message"),
+    ([{"role": "root", "content": "r"}, {"role": "system", "content": "s"}, {"role": "developer", "content": "d"}],
+     r"messages\[2\]: a developer message"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], r"messages\[0\].content\[0\]"),
+    ([*CALLED, {"role": "tool", "content": [{"output": 5}]}], r"messages\[2\].content\[0\].output"),
+    ([*CALLED, {"role": "tool", "content": None}], r"messages\[2\]: missing 'content'"),
+    ([{"role": "system", "content": [{"type": "text", "text": ""}]}], r"messages\[0\].content: the parts hold no text"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": 5}],
+     r"messages\[1\].reasoning_content"),
+    ([*CALLED, {"role": "tool", "content": "1"}, {"role": "assistant", "content": "ok"},
+      {"role": "tool", "content": "2"}], r"messages\[4\]: a tool result must come after"),
+])
+def test_bad_conversation_shapes_name_the_message(messages, match):
+    with pytest.raises(InputError, match=match):
+        render_chat(messages)
+    with pytest.raises(InputError, match=match):
+        render_chat_template(CHAT_TEMPLATE, messages)
+
+
+def test_video_parts_render_as_the_video_token():
+    text = render_chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x.mp4"}}, "What?"]}])
+    assert "]~b]user\n]<]video[>[What?[e~[\n" in text

@@ -48,7 +48,8 @@ def test_heldout_split_is_deterministic_and_complete(heldout, tmp_path):
 
 
 def test_heldout_cities_never_appear_in_training_text(gen, heldout):
-    names = re.compile("|".join(re.escape(c) for c in heldout.cities))
+    assert heldout.city_set == set(heldout.cities) | set(heldout.long_cities)
+    names = re.compile("|".join(re.escape(c) for c in sorted(heldout.city_set, key=len, reverse=True)))
     rng = random.Random(1)
     examples = [gen.sample(rng) for _ in range(3000)] + [gen.tool(rng) for _ in range(1500)]
     assert {ex.kind for ex in examples} == {"arith", "tool", "image", "greet", "text"}
@@ -106,7 +107,8 @@ def test_arithmetic_answers_and_working_are_right(gen, heldout, thinking):
 @pytest.mark.parametrize("thinking", ["enabled", "adaptive", "disabled"])
 def test_tool_calls_parse_back_to_their_arguments(gen, which, thinking):
     rng = random.Random(5)
-    for city in ("Yaoundé", "Genève", "N'Djamena", "Sana'a", "Port-au-Prince", "São Paulo", "Ho Chi Minh City"):
+    for city in ("Yaoundé", "Genève", "N'Djamena", "Sana'a", "Port-au-Prince", "São Paulo", "Ho Chi Minh City",
+                 "Hafnarfjörður", "Điện Biên Phủ", "Saint George's", "Ústí nad Labem"):
         ex = gen.tool(rng, city=city, which=which, stage="call", thinking=thinking)
         parsed = chat.parse_output(ex.completion[: -len(chat.TURN_END)], nd.TOOLS,
                                    reasoning_started=thinking == "enabled")
@@ -121,7 +123,9 @@ def test_tool_calls_parse_back_to_their_arguments(gen, which, thinking):
         parsed = chat.parse_output(answer.completion[: -len(chat.TURN_END)], nd.TOOLS,
                                    reasoning_started=thinking == "enabled")
         assert parsed["content"] == answer.meta["answer"] and not parsed["tool_calls"] and not parsed["errors"]
-        assert answer.prompt.count("]~b]tool\n") == len(answer.meta["calls"])
+        # the release's format: the results share one tool turn, each in its <response>
+        assert answer.prompt.count("]~b]tool\n<response>") == 1
+        assert answer.prompt.count("<response>") == len(answer.meta["calls"])
 
 
 def test_prompts_are_the_shipped_chat_template(gen, tok):
@@ -178,3 +182,61 @@ def test_shipped_tools_json_is_the_generators_tools():
 
     shipped = Path(__file__).resolve().parents[1] / "examples" / "nano" / "tools.json"
     assert json.loads(shipped.read_text(encoding="utf-8")) == nd.TOOLS
+
+
+def test_long_city_names_and_their_heldout_split(gen, heldout):
+    assert len(nd.LONG_CITIES) >= 150 and len(set(nd.CITIES)) == len(nd.CITIES)
+    for name in nd.LONG_CITIES:
+        assert 10 <= len(name) <= 15 and (not name.isascii() or any(c in name for c in " -'")), name
+    assert sum(not c.isascii() for c in nd.LONG_CITIES) >= 80 and sum(" " in c for c in nd.LONG_CITIES) >= 80
+    # no long name holds another city's name (or the held-out and training texts would overlap)
+    assert not [(c, o) for c in nd.LONG_CITIES for o in nd.CITIES if c != o and (c in o or o in c)]
+    long_held = set(heldout.long_cities)
+    assert len(long_held) == nd.N_HELDOUT_LONG_CITIES and long_held <= set(nd.LONG_CITIES)
+    assert not long_held & set(heldout.cities) and not long_held & set(heldout.train_cities)
+    assert any(not c.isascii() for c in long_held) and any(" " in c for c in long_held)
+    # training weather calls practise long names at about LONG_CITY_SHARE, never a held-out one
+    rng = random.Random(9)
+    drawn = [gen.train_city(rng) for _ in range(4000)]
+    share = sum(c in nd.LONG_CITIES for c in drawn) / len(drawn)
+    assert abs(share - nd.LONG_CITY_SHARE - (1 - nd.LONG_CITY_SHARE) * len(heldout.train_long_cities)
+               / len(heldout.train_cities)) < 0.04
+    assert not set(drawn) & heldout.city_set
+    # splits written before long names existed still load (with none held out)
+    raw = heldout.to_json()
+    raw.pop("long_cities")
+    assert nd.Heldout.from_json(raw).long_cities == ()
+    # the teacher-forced evaluation has a kind of its own for them
+    kinds = {ex.kind for ex in nd.eval_examples(gen, 2, 0)}
+    assert "tool_long_city" in kinds
+
+
+RELEASE_TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "testdata" / "release_chat_template.jinja"
+
+
+def test_prompts_are_what_the_release_template_renders(gen):
+    if not RELEASE_TEMPLATE.is_file():
+        pytest.skip(f"{RELEASE_TEMPLATE} is absent (the shared test data sits beside the repository)")
+    template = RELEASE_TEMPLATE.read_text(encoding="utf-8")
+    rng = random.Random(10)
+    examples = [gen.sample(rng) for _ in range(120)] + [gen.tool(rng, stage="answer", thinking=t)
+                                                         for t in ("enabled", "adaptive", "disabled")]
+    for ex in examples:
+        if ex.kind == "text":
+            continue
+        assert chat.render_chat_template(template, ex.meta["messages"], ex.meta["tools"], ex.meta["thinking"]) \
+            == ex.prompt
+
+
+def test_shipped_checkpoints_heldout_items_stay_held_out():
+    # Continuing the embedded default's training (train.py --init) must not train on its held-out
+    # items: the seed's split keeps every item it had before the long names were added.
+    import json
+
+    from minimax_ref.embedded import default_checkpoint
+
+    raw = json.loads((default_checkpoint() / "nano_run.json").read_text(encoding="utf-8"))["heldout"]
+    shipped, now = nd.Heldout.from_json(raw), nd.make_heldout(raw["seed"])
+    assert (shipped.cities, shipped.order_ids, shipped.arithmetic, shipped.image_numbers) == \
+        (now.cities, now.order_ids, now.arithmetic, now.image_numbers)
+    assert shipped.long_cities in ((), now.long_cities)

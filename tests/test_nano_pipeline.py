@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from examples.nano import data as nd  # noqa: E402
 from examples.nano import export as nx  # noqa: E402
 from examples.nano import train as nt  # noqa: E402
 from examples.nano.tokenizer import train_tokenizer  # noqa: E402
+from minimax_ref import chat  # noqa: E402
 from minimax_ref.config import parse_model_config  # noqa: E402
 from minimax_ref.loader import load_model  # noqa: E402
 from minimax_ref.model import MiniMaxM3, Trace  # noqa: E402
@@ -93,8 +95,13 @@ def test_export_holds_exactly_what_qat_trains(micro, tmp_path):
     expect_q = model.layers[1].self_attn.q_proj.weight.detach().clone()
     nt.disable_qat(model)
     scales = {("layers.1.block_sparse_moe.experts", "w2", 0): 0.0125}
-    out = nx.write_checkpoint(model, raw, tmp_path / "ckpt", tok_dir, input_scales=scales,
+    # a tokenizer folder with some other chat template: the export writes the project's own
+    old_tok = tmp_path / "tok"
+    shutil.copytree(tok_dir, old_tok)
+    (old_tok / "chat_template.jinja").write_text("{{ messages[0].content }}", encoding="utf-8")
+    out = nx.write_checkpoint(model, raw, tmp_path / "ckpt", old_tok, input_scales=scales,
                               preprocessor={"min_pixels": 3136, "max_pixels": 25088})
+    assert (out / "chat_template.jinja").read_text(encoding="utf-8") == chat.CHAT_TEMPLATE
     loaded = load_model(out, dtype=torch.float32)
     assert torch.equal(loaded.layers[1].block_sparse_moe.experts.w1, expect_w1)
     assert torch.equal(loaded.layers[1].self_attn.q_proj.weight, expect_q)
@@ -138,11 +145,14 @@ def test_micro_pipeline_end_to_end(tmp_path, capsys):
     assert code == 0 and len(row["token_ids"]) <= 12 and row["finish_reason"] in ("stop", "length")
 
     ne.main(["--ckpt-path", str(out), "--dtype", "float32", "--n-cities", "2", "--n-orders", "2", "--n-arith", "2",
-             "--n-images", "2", "--max-new-tokens", "16", "--n-speculative", "2", "--out", str(tmp_path / "eval.json")])
+             "--n-long", "2", "--n-images", "2", "--max-new-tokens", "16", "--n-speculative", "2",
+             "--out", str(tmp_path / "eval.json")])
     summary = json.loads((tmp_path / "eval.json").read_text())
     assert summary["seed_checks"]["arithmetic_17x23"]["pass"] in (True, False)
     assert "error" not in summary["seed_checks"]["tool_call_lisbon"]
     assert summary["copying"]["cities"]["n"] == 2 and summary["images"]["n"] == 2
+    assert summary["long_name_copying"]["all"]["n"] == 2 and summary["long_name_copying"]["heldout"].endswith(
+        "nano_run.json")
     assert summary["dspark"]["greedy_identical"]
 
     # the seed's pruning study, replayed on the micro model (keep 62.5 % of 4 experts = 2)

@@ -5,22 +5,27 @@ its seed):
 
 * (a) arithmetic: "What is 17*23?" -> column-by-column reasoning in `<mm:think>` -> "391";
 * (b) tool use: `get_weather(city, days)` and `get_order(order_id)` over `CITIES` (accented names
-  included) and order ids like `RD-57931-D6`: the call turn and the answer turn after the tool result;
+  included, and `LONG_CITIES`: 10-15 characters with diacritics or several words, drawn for a
+  `LONG_CITY_SHARE` of weather calls) and order ids like `RD-57931-D6`: the call turn and the answer
+  turn after the tool results;
 * (c) images of numbers rendered with pillow (fonts, sizes, colours, rotation, noise) with
   "What number is this?";
 * (d) plain text from the Python standard library sources on this machine (optional; the files
   differ between Python versions, so this part is reproducible only on the same installation);
 plus a few greetings, so that a first "Hello" gets a sensible answer.
 
-Held-out split (`Heldout`, written to JSON by `write_heldout`): 100 cities and 50 order ids that no
-training example contains, 200 arithmetic problems (17*23 among them) and 100 image numbers (427
-among them) that are never trained on. Training generators reject them; tests check it.
+Held-out split (`Heldout`, written to JSON by `write_heldout`): 100 cities, 50 long city names and
+50 order ids that no training example contains, 200 arithmetic problems (17*23 among them) and 100
+image numbers (427 among them) that are never trained on. Training generators reject them; tests
+check it.
 
-Chat formatting is the engine's own: prompts are `minimax_ref.chat.render_chat` (what
-`Tokenizer.apply_chat_template` renders with the shipped template) and tool calls
-`chat.render_tool_calls`. An `Example` is one assistant turn: `prompt` (everything the model is
-given, ending with the generation prompt of its thinking mode) and `completion` (what it must
-write, up to and including the end-of-turn token). Only completion tokens carry loss.
+Chat formatting is the release's: prompts are `minimax_ref.chat.render_chat` (which renders exactly
+what the release's chat template renders, and what `Tokenizer.apply_chat_template` renders with the
+shipped template) and tool calls `chat.render_tool_calls` (the release's layout). Earlier turns in a
+prompt keep their reasoning and tool results share one `tool` turn, as the release renders history.
+An `Example` is one assistant turn: `prompt` (everything the model is given, ending with the
+generation prompt of its thinking mode) and `completion` (what it must write, up to and including
+the end-of-turn token). Only completion tokens carry loss.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from minimax_ref.multimodal import ImageTokenIds, expand_image_markers
 # vocabulary of the tasks
 #: World city names for the tool-use data (a few hundred, accented and punctuated ones included); 100
 #: of them are held out by `make_heldout`.
-CITIES: tuple[str, ...] = (
+BASE_CITIES: tuple[str, ...] = (
     'Lisbon', 'Porto', 'Coimbra', 'Braga', 'Faro', 'Madrid', 'Barcelona', 'Valencia', 'Sevilla', 'Málaga',
     'Zaragoza', 'Bilbao', 'Córdoba', 'Granada', 'Alicante', 'Palma', 'A Coruña', 'Cádiz', 'Paris', 'Lyon',
     'Marseille', 'Toulouse', 'Nice', 'Nantes', 'Strasbourg', 'Montpellier', 'Bordeaux', 'Lille', 'Rennes',
@@ -105,6 +110,43 @@ CITIES: tuple[str, ...] = (
     'Belo Horizonte', 'Manaus', 'Curitiba', 'Recife', 'Porto Alegre', 'Belém', 'Florianópolis', 'Georgetown',
     'Paramaribo', 'Cayenne', 'Nuuk',
 )
+#: Long, rare names to copy verbatim: 10 to 15 characters, each with diacritics or several words
+#: (spaces, hyphens, apostrophes); `N_HELDOUT_LONG_CITIES` of them are held out by `make_heldout`.
+LONG_CITIES: tuple[str, ...] = (
+    'Hradec Králové', 'Ústí nad Labem', 'Český Krumlov', 'Karlovy Vary', 'Mladá Boleslav', 'Frýdek-Místek',
+    'Kutná Hora', 'Banská Bystrica', 'Nové Zámky', 'Dunajská Streda', 'Zielona Góra', 'Bielsko-Biała',
+    'Jelenia Góra', 'Częstochowa', 'Świnoujście', 'Tarnowskie Góry', 'Székesfehérvár', 'Nyíregyháza', 'Békéscsaba',
+    'Salgótarján', 'Dunaújváros', 'Târgu Mureș', 'Râmnicu Vâlcea', 'Piatra Neamț', 'Sfântu Gheorghe', 'Alba Iulia',
+    'Miercurea Ciuc', 'Târgoviște', 'Caransebeș', 'Kahramanmaraş', 'Diyarbakır', 'Buôn Ma Thuột', 'Phan Thiết',
+    'Thái Nguyên', 'Long Xuyên', 'Quảng Ngãi', 'Thủ Dầu Một', 'Điện Biên Phủ', 'Hafnarfjörður', 'Egilsstaðir',
+    'Ísafjörður', 'Seyðisfjörður', 'Sauðárkrókur', 'Reykjanesbær', 'Mosfellsbær', 'Siglufjörður', 'Örnsköldsvik',
+    'Sønderborg', 'Skellefteå', 'Norrköping', 'Trollhättan', 'Ringkøbing', 'Hämeenlinna', 'Nurmijärvi', 'Saarbrücken',
+    'Mönchengladbach', 'Zweibrücken', 'Wiener Neustadt', 'Sankt Pölten', 'Schwäbisch Hall', 'Lüdenscheid',
+    'Wolfenbüttel', 'Bad Homburg', 'Sankt Moritz', 'Aix-en-Provence', 'Saint-Étienne', 'Saint-Nazaire',
+    'Châteauroux', 'La Rochelle', 'Aix-les-Bains', 'Bourg-en-Bresse', 'Montbéliard', 'Mont-de-Marsan',
+    'Lons-le-Saunier', 'Saint-Brieuc', 'Vénissieux', 'Pointe-à-Pitre', 'Fort-de-France', 'Vitoria-Gasteiz',
+    'San Sebastián', 'Vänersborg', 'Póvoa de Varzim', 'Figueira da Foz', 'Ponta Delgada', 'Castelo Branco',
+    'Ciudad Juárez', 'San Luis Potosí', 'Ciudad Obregón', 'Nuevo Laredo', 'Piedras Negras', 'Santa Marta',
+    'Ciudad del Este', 'Encarnación', 'Río Gallegos', 'Bahía Blanca', 'Mar del Plata', 'Viña del Mar',
+    'Puerto Montt', 'Ribeirão Preto', 'Foz do Iguaçu', 'Juiz de Fora', 'João Pessoa', 'Campo Grande', 'Havlíčkův Brod',
+    'Caxias do Sul', 'Uberlândia', 'Petrópolis', 'San Pedro Sula', 'Puerto Plata', 'Pinar del Río', 'Puerto Limón',
+    'Cap-Haïtien', 'Pétion-Ville', 'Fort-Liberté', 'Montego Bay', 'Port Antonio', 'Spanish Town', "Saint George's",
+    'Bobo-Dioulasso', 'Abomey-Calavi', 'Ngaoundéré', 'Port-Gentil', 'Pointe-Noire', 'Mbuji-Mayi', 'Walvis Bay',
+    'Victoria Falls', 'Port Sudan', 'Sharm el-Sheikh', 'Marsa Matruh', 'Nový Jičín', 'Richards Bay',
+    'Graaff-Reinet', 'Mazar-i-Sharif', 'Türkmenabat', "Cox's Bazar", 'Nuwara Eliya', 'Udon Thani', 'Surat Thani',
+    'Nakhon Sawan', 'Kampong Cham', 'Kota Bharu', 'Zamboanga City', 'Cagayan de Oro', 'General Santos',
+    'Iloilo City', 'Puerto Princesa', 'Quezon City', 'Angeles City', 'New Plymouth', 'Gold Coast', 'Sunshine Coast',
+    'Alice Springs', 'Wagga Wagga', 'Thunder Bay', 'Trois-Rivières', 'Grande Prairie', 'Fort McMurray',
+    'Medicine Hat', 'Prince George', 'Prince Rupert', 'Baie-Comeau', 'Rouyn-Noranda', 'Saint-Hyacinthe',
+    'Saint-Jérôme', 'Oklahoma City', 'Kansas City', 'Des Moines', 'Little Rock', 'Baton Rouge', 'Corpus Christi',
+    'Santa Barbara', 'Mosonmagyaróvár', 'Rapid City', 'Sioux Falls', 'Grand Rapids', 'Virginia Beach',
+    'Atlantic City', 'Kailua-Kona', 'Nizhny Novgorod', 'Rostov-on-Don', 'Ivano-Frankivsk', 'Marijampolė',
+    'Kohtla-Järve', 'Banja Luka', 'Novi Pazar', 'Herceg Novi', 'Bijelo Polje', 'Slavonski Brod', 'Novo Mesto',
+    'Murska Sobota', 'Gjirokastër', 'Stara Zagora', 'Veliko Tarnovo', 'Reggio Calabria', 'Reggio Emilia',
+    'Ascoli Piceno', 'Milton Keynes', 'Stoke-on-Trent', 'Fort William', 'Dún Laoghaire', 'Merthyr Tydfil',
+    "Nuku'alofa",
+)
+CITIES: tuple[str, ...] = BASE_CITIES + LONG_CITIES
 
 #: The seed's tool-call check asks for Lisbon: it always stays in the training split.
 ALWAYS_TRAIN_CITIES = ("Lisbon",)
@@ -116,6 +158,10 @@ SCHEMA_ORDER_ID = "RD-57931-D6"
 ORDER_ID_RE = re.compile(r"[A-Z]{2}-\d{5}-[A-Z]\d")
 
 N_HELDOUT_CITIES = 100
+N_HELDOUT_LONG_CITIES = 50
+#: Share of training weather calls that name a long city (`LONG_CITIES`), so that copying long, rare
+#: names is practised more often than their share of `CITIES`.
+LONG_CITY_SHARE = 0.4
 N_HELDOUT_ORDERS = 50
 N_HELDOUT_PROBLEMS = 200
 N_HELDOUT_IMAGES = 100
@@ -182,10 +228,13 @@ class Heldout:
     order_ids: tuple[str, ...]
     arithmetic: tuple[tuple[int, str, int], ...]
     image_numbers: tuple[int, ...]
+    #: held-out `LONG_CITIES` (empty in splits written before they existed)
+    long_cities: tuple[str, ...] = ()
 
     @functools.cached_property
     def city_set(self) -> frozenset[str]:
-        return frozenset(self.cities)
+        """Every held-out city name, long ones included."""
+        return frozenset(self.cities) | frozenset(self.long_cities)
 
     @functools.cached_property
     def order_set(self) -> frozenset[str]:
@@ -206,15 +255,20 @@ class Heldout:
     def train_cities(self) -> tuple[str, ...]:
         return tuple(c for c in CITIES if c not in self.city_set)
 
+    @functools.cached_property
+    def train_long_cities(self) -> tuple[str, ...]:
+        return tuple(c for c in LONG_CITIES if c not in self.city_set)
+
     def to_json(self) -> dict[str, Any]:
         return {"seed": self.seed, "cities": list(self.cities), "order_ids": list(self.order_ids),
-                "arithmetic": [list(p) for p in self.arithmetic], "image_numbers": list(self.image_numbers)}
+                "arithmetic": [list(p) for p in self.arithmetic], "image_numbers": list(self.image_numbers),
+                "long_cities": list(self.long_cities)}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Heldout:
         return cls(int(raw["seed"]), tuple(raw["cities"]), tuple(raw["order_ids"]),
                    tuple((int(a), str(op), int(b)) for a, op, b in raw["arithmetic"]),
-                   tuple(int(n) for n in raw["image_numbers"]))
+                   tuple(int(n) for n in raw["image_numbers"]), tuple(raw.get("long_cities", ())))
 
 
 def random_order_id(rng: random.Random) -> str:
@@ -224,20 +278,24 @@ def random_order_id(rng: random.Random) -> str:
             f"{rng.choice(up)}{rng.randrange(10)}")
 
 
-def heldout_city_pool() -> list[str]:
-    """Cities that may be held out: not the seed's check city, and not a name that training text would
-    contain anyway, inside another city's name (Porto / Porto-Novo, Lima / Limassol) or in the fixed
-    prompt text (the tool schemas)."""
+def heldout_city_pool(names: Sequence[str] = BASE_CITIES) -> list[str]:
+    """Cities of `names` that may be held out: not the seed's check city, and not a name that training
+    text would contain anyway, inside another city's name (Porto / Porto-Novo, Lima / Limassol) or in
+    the fixed prompt text (the tool schemas)."""
     fixed = "".join(chat.render_chat([{"role": "user", "content": ""}], TOOLS, mode) for mode in chat.THINKING_MODES)
-    return [c for c in CITIES if c not in ALWAYS_TRAIN_CITIES and c not in fixed
+    return [c for c in names if c not in ALWAYS_TRAIN_CITIES and c not in fixed
             and not any(c != o and (c in o or o in c) for o in CITIES)]
 
 
 def make_heldout(seed: int = 0) -> Heldout:
-    """The held-out split for `seed` (a pure function of the seed)."""
+    """The held-out split for `seed` (a pure function of the seed). The long names are drawn from a
+    generator of their own, so every other item is what the seed gave before they existed (a model
+    trained then can continue training without seeing its held-out items); no long name contains
+    another city's name, so the two draws never overlap."""
     rng = random.Random(f"nano-heldout-{seed}")
-    pool = heldout_city_pool()
-    cities = tuple(rng.sample(pool, N_HELDOUT_CITIES))
+    cities = tuple(rng.sample(heldout_city_pool(BASE_CITIES), N_HELDOUT_CITIES))
+    long_rng = random.Random(f"nano-heldout-long-{seed}")
+    long_cities = tuple(long_rng.sample(heldout_city_pool(LONG_CITIES), N_HELDOUT_LONG_CITIES))
     orders: list[str] = []
     while len(orders) < N_HELDOUT_ORDERS:
         oid = random_order_id(rng)
@@ -255,7 +313,7 @@ def make_heldout(seed: int = 0) -> Heldout:
         n = _random_image_number(rng)
         if n not in numbers:
             numbers.append(n)
-    return Heldout(seed, cities, tuple(orders), tuple(problems), tuple(numbers))
+    return Heldout(seed, cities, tuple(orders), tuple(problems), tuple(numbers), long_cities)
 
 
 def write_heldout(heldout: Heldout, path: str | Path) -> Path:
@@ -591,7 +649,7 @@ class StdlibText:
         self.files = files[:max_files] if max_files else files
         if not self.files:
             raise FileNotFoundError(f"no Python sources under {root}")
-        names = sorted(heldout.cities, key=len, reverse=True) if heldout else []
+        names = sorted(heldout.city_set, key=len, reverse=True) if heldout else []
         self._banned = re.compile("|".join(re.escape(n) for n in names)) if names else None
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - a handful of generator objects per process
@@ -694,6 +752,8 @@ class TaskGenerator:
         return [t for t in TOOLS if t["function"]["name"] in needed] or list(TOOLS)
 
     def train_city(self, rng: random.Random) -> str:
+        if self.heldout.train_long_cities and rng.random() < LONG_CITY_SHARE:
+            return rng.choice(self.heldout.train_long_cities)
         return rng.choice(self.heldout.train_cities)
 
     def train_order_id(self, rng: random.Random) -> str:
@@ -729,8 +789,10 @@ class TaskGenerator:
         tools = list(TOOLS) if problem is None and rng.random() < 0.15 else None
         if problem is None and rng.random() < 0.2:  # an earlier exchange in the history
             a0, op0, b0 = self.train_problem(rng)
-            messages += [{"role": "user", "content": arithmetic_question(a0, op0, b0, rng)},
-                         {"role": "assistant", "content": str(solve(a0, op0, b0))}]
+            earlier: dict[str, Any] = {"role": "assistant", "content": str(solve(a0, op0, b0))}
+            if rng.random() < 0.5:  # the release keeps earlier reasoning in the history
+                earlier["reasoning_content"] = arithmetic_reasoning(a0, op0, b0)
+            messages += [{"role": "user", "content": arithmetic_question(a0, op0, b0, rng)}, earlier]
         messages.append({"role": "user", "content": q})
         answer = str(solve(a, op, b))
         prompt = chat.render_chat(messages, tools, thinking)
@@ -775,14 +837,18 @@ class TaskGenerator:
         messages = self._system(rng) + [{"role": "user", "content": user}]
         meta: dict[str, Any] = {"calls": calls, "thinking": thinking, "stage": stage, "user": user,
                                 "messages": messages, "tools": tools}
+        call_reasoning = "I need to call " + ", and ".join(reasons) + "."
         if stage == "call":
-            reasoning = "I need to call " + ", and ".join(reasons) + "."
             content = chat.render_tool_calls(calls)
             return Example("tool", chat.render_chat(messages, tools, thinking),
-                           completion_text(thinking, reasoning, content, False), meta=meta)
+                           completion_text(thinking, call_reasoning, content, False), meta=meta)
         results = [weather_result(c["arguments"]["city"], c["arguments"]["days"], rng)
                    if c["name"] == "get_weather" else order_result(c["arguments"]["order_id"], rng) for c in calls]
-        messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        # The calling turn as the history keeps it: with its reasoning when it had some (thinking enabled).
+        calling: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": calls}
+        if thinking == "enabled":
+            calling["reasoning_content"] = call_reasoning
+        messages.append(calling)
         messages += [{"role": "tool", "content": json.dumps(r, ensure_ascii=False)} for r in results]
         answers = [weather_answer(r) if "forecast" in r else order_answer(r) for r in results]
         reasoning = "The tool results are in. I will report " + " and ".join(
@@ -982,11 +1048,14 @@ def training_stream(gen: TaskGenerator, tok: Any, seed: int, stream: int = 0,
 
 def eval_examples(gen: TaskGenerator, n_per_kind: int = 32, seed: int = 0) -> list[Example]:
     """Held-out examples for teacher-forced evaluation during training: arithmetic (thinking enabled),
-    tool calls naming held-out cities and order ids (adaptive), and images of held-out numbers."""
+    tool calls naming held-out cities, order ids and long city names (adaptive), and images of held-out
+    numbers."""
     h = gen.heldout
     rng = random.Random(f"nano-eval-{seed}")
     out = [gen.arithmetic(rng, problem=p, thinking="enabled") for p in h.arithmetic[:n_per_kind]]
     out += [gen.tool(rng, city=c, which="weather", stage="call", thinking="adaptive") for c in h.cities[:n_per_kind]]
+    long_names = [gen.tool(rng, city=c, which="weather", stage="call", thinking="adaptive")
+                  for c in h.long_cities[:n_per_kind]]
     out += [gen.tool(rng, order_id=o, which="order", stage="call", thinking="adaptive")
             for o in h.order_ids[:n_per_kind]]
     out += [gen.image(rng, spec=random_image_spec(n, rng, gen.fonts), thinking="adaptive")
@@ -994,7 +1063,9 @@ def eval_examples(gen: TaskGenerator, n_per_kind: int = 32, seed: int = 0) -> li
     for ex in out:  # the tool kinds are reported separately
         if ex.kind == "tool":
             ex.kind = "tool_" + ex.meta["calls"][0]["name"].split("_")[1]
-    return out
+    for ex in long_names:
+        ex.kind = "tool_long_city"
+    return out + long_names
 
 
 def data_config(gen: TaskGenerator) -> dict[str, Any]:

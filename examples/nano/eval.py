@@ -15,6 +15,8 @@ Measurements, through the Python API (`minimax_ref.generate`, batched):
 
 * exact copying of the held-out cities and order ids through tool calls, sampled at temperature 1.0,
   top_p 0.95 (top_k off): the parsed call's argument must equal the held-out string exactly;
+* tool-argument copy accuracy on held-out long city names (10-15 characters, diacritics or several
+  words), greedy (`long_name_copying`);
 * arithmetic accuracy on held-out problems (thinking enabled, greedy), by operation;
 * image accuracy on held-out numbers (greedy);
 * prompt lengths against the MSA threshold (top-k blocks x block size), to show the sparse path is used;
@@ -125,6 +127,31 @@ def _batched(model: Any, tok: Any, prompts: list[Any], batch: int, **kw: Any) ->
         part = None if images is None else images[i:i + batch]
         results += mr.generate(model, tok, prompts[i:i + batch], images=part, **kw)
     return results
+
+
+def long_name_copying(model: Any, tok: Any, names: Sequence[str], batch: int, seed: int) -> dict[str, Any]:
+    """Tool-argument copy accuracy on held-out long city names (`data.LONG_CITIES`: 10-15 characters,
+    diacritics or several words), greedy: the parsed `get_weather` call's `city` must equal the name
+    exactly. Reported overall, for names with diacritics and for multi-word names."""
+    rng = random.Random(f"nano-eval-long-{seed}")
+    names = list(names)
+    prompts = [nd.weather_request(c, rng.randint(1, 7), rng) for c in names]
+    results = _batched(model, tok, prompts, batch, chat=True, tools=nd.TOOLS, max_new_tokens=96, temperature=0.0)
+    groups = {"all": lambda c: True, "diacritics": lambda c: not c.isascii(),
+              "multi_word": lambda c: any(ch in c for ch in " -'")}
+    counts = {g: [0, 0] for g in groups}
+    misses = []
+    for name, r in zip(names, results):
+        call = next((c for c in r.tool_calls if c.get("name") == "get_weather"), {})
+        got = (call.get("arguments") or {}).get("city")
+        for g, member in groups.items():
+            if member(name):
+                counts[g][0] += got == name
+                counts[g][1] += 1
+        if got != name:
+            misses.append({"want": name, "got": got})
+    return {**{g: {"n": n, "exact": k, "rate": round(k / max(1, n), 4)} for g, (k, n) in counts.items()},
+            "sampling": "greedy", "misses": misses[:10]}
 
 
 def copying(model: Any, tok: Any, heldout: nd.Heldout, n_cities: int, n_orders: int, batch: int,
@@ -245,6 +272,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as work:
             summary["seed_checks"] = seed_checks(ckpt, Path(work), model_flags, sampling, has_vision)
     summary["copying"] = copying(model, tok, heldout, args.n_cities, args.n_orders, args.batch, args.seed)
+    if args.n_long:
+        # A split written before the long names existed holds none; the seed's split then supplies them
+        # (the long names were not in that run's training data at all).
+        long_names = heldout.long_cities or nd.make_heldout(args.seed).long_cities
+        summary["long_name_copying"] = {
+            "heldout": source if heldout.long_cities else f"make_heldout({args.seed})",
+            **long_name_copying(model, tok, long_names[:args.n_long], args.batch, args.seed)}
     summary["arithmetic"] = arithmetic(model, tok, heldout, args.n_arith, args.batch, args.max_new_tokens)
     if has_vision and args.n_images:
         summary["images"] = images(model, tok, heldout, args.n_images, args.batch, nd.find_fonts(args.fonts))
@@ -266,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="prompts generated together")
     p.add_argument("--n-cities", type=int, default=nd.N_HELDOUT_CITIES)
     p.add_argument("--n-orders", type=int, default=nd.N_HELDOUT_ORDERS)
+    p.add_argument("--n-long", type=int, default=nd.N_HELDOUT_LONG_CITIES,
+                   help="held-out long city names for the greedy copy-accuracy measurement (0: skip)")
     p.add_argument("--n-arith", type=int, default=nd.N_HELDOUT_PROBLEMS)
     p.add_argument("--n-images", type=int, default=nd.N_HELDOUT_IMAGES)
     p.add_argument("--max-new-tokens", type=int, default=384, help="for the arithmetic reasoning")

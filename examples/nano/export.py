@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from minimax_ref import chat
 from minimax_ref.checkpoint import LinearSpec, tensor_table
 from minimax_ref.config import parse_model_config
 from minimax_ref.quant import quantize_mxfp8, quantize_nvfp4
@@ -106,8 +107,9 @@ def write_checkpoint(model: nn.Module, raw: dict[str, Any], out_dir: str | Path,
                      preprocessor: Mapping[str, Any] | None = None, extra_files: Mapping[str, Any] | None = None,
                      ) -> Path:
     """Write the checkpoint folder: config.json, one shard + model.safetensors.index.json,
-    generation_config.json, the tokenizer files of `tokenizer_dir`, preprocessor_config.json, and
-    `extra_files` (name -> JSON value). An existing folder's shards are replaced."""
+    generation_config.json, the tokenizer files of `tokenizer_dir` with `chat.CHAT_TEMPLATE` as
+    chat_template.jinja, preprocessor_config.json, and `extra_files` (name -> JSON value). An existing
+    folder's shards are replaced."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = state_tensors(model, raw, fmt, input_scales)
@@ -123,8 +125,11 @@ def write_checkpoint(model: nn.Module, raw: dict[str, Any], out_dir: str | Path,
     gen = {"bos_token_id": text.get("bos_token_id"), "eos_token_id": [text["eos_token_id"]], "do_sample": True,
            "temperature": 1.0, "top_p": 0.95, "top_k": 40, "transformers_version": "5.23.0"}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(Path(tokenizer_dir) / name, out / name)
+    # The project's template, which renders exactly what the release's renders (whatever the tokenizer
+    # folder shipped): a checkpoint trained on the release format is prompted in it.
+    (out / "chat_template.jinja").write_text(chat.CHAT_TEMPLATE, encoding="utf-8")
     if preprocessor is not None:
         (out / "preprocessor_config.json").write_text(json.dumps(dict(preprocessor), indent=2) + "\n")
     for name, value in (extra_files or {}).items():

@@ -39,10 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_ref.cache import KVCache  # noqa: E402
 from minimax_ref.errors import MiniMaxRefError  # noqa: E402
-from minimax_ref.launch import DECODE_REDUCTIONS, KINDS, ReductionConfigs  # noqa: E402
+from minimax_ref.fast import Kernels, paths_of  # noqa: E402
+from minimax_ref.fast.graph import GraphStep  # noqa: E402
+from minimax_ref.fast.launch import KINDS, ReductionConfigs  # noqa: E402
+from minimax_ref.fast.packed import packed_matmul_reference  # noqa: E402
 from minimax_ref.linear import Linear  # noqa: E402
 from minimax_ref.moe import Experts  # noqa: E402
-from minimax_ref.packed import PackedWeight, packed_matmul_fused, packed_matmul_reference  # noqa: E402
+from minimax_ref.packed import PackedWeight  # noqa: E402
 from minimax_ref.parallel import World  # noqa: E402
 
 GIB = 1 << 30
@@ -55,8 +58,8 @@ class BenchmarkError(RuntimeError):
 REDUCTION_CONFIG_HELP = ("launch configurations of the compiled layers' large reductions: XBLOCK,R0_BLOCK,NUM_WARPS "
                          "for every product over packed weights, NVFP4's/MXFP8's, then KIND=X,R,W or KIND=tuned parts "
                          f"(kinds: {', '.join(KINDS)}), tuned for everything (coordinate "
-                         "descent, per compile), or default: the engine's "
-                         f"({DECODE_REDUCTIONS.text()}, also when not given)")
+                         "descent, per compile), or default: the engine's table entry for this GPU and torch "
+                         "(fast.launch.TUNED; tuned where it has none), also when not given")
 
 
 WORDS_CHOICES = ["default", "off", "on", "both"]
@@ -80,11 +83,11 @@ def words_choice(choices: list[str]):
     return parse
 
 
-def reduction_config(text: str | None) -> ReductionConfigs | None:
-    """A `--reduction-config` argument: None or "default" (the engine's `launch.DECODE_REDUCTIONS`), "tuned" (None:
-    no fixed configuration), or the text of `ReductionConfigs.parse`."""
+def reduction_config(text: str | None) -> ReductionConfigs | str | None:
+    """A `--reduction-config` argument: None or "default" ("auto": the engine's table, `fast.launch.tuned_for`),
+    "tuned" (None: no fixed configuration), or the text of `ReductionConfigs.parse`."""
     if text is None or text == "default":
-        return DECODE_REDUCTIONS
+        return "auto"
     return None if text == "tuned" else ReductionConfigs.parse(text)
 
 
@@ -322,6 +325,8 @@ def check_fused_matmul(model, batches: list[int], rows_per_pass: int) -> dict:
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     gen = torch.Generator(device=device).manual_seed(7)
     cases: dict[str, dict] = {}
+    kernels = getattr(model, "kernels", None) or Kernels()  # the model's compiled functions when it has them
+    packed_matmul_fused = kernels.matmul
 
     def compare(name: str, x: torch.Tensor, parts: tuple, fmt: str, index=None) -> None:
         got = packed_matmul_fused(x, fmt, *parts, dtype, index, rows_per_pass)
@@ -353,7 +358,7 @@ def check_fused_matmul(model, batches: list[int], rows_per_pass: int) -> dict:
             bad = int((got != want).sum())
             raise BenchmarkError(f"fused matmul check {name}: {bad} outputs differ from the decoded weight's bits")
 
-    rows_list = sorted({1, *[b for b in batches if b <= model.fast.sync_free_tokens]})
+    rows_list = sorted({1, *[b for b in batches if b <= paths_of(model).sync_free_tokens]})
     seen = set()
     for name, m in model.named_modules():
         if isinstance(m, Linear) and m.packed is not None and m.packed.fmt not in seen:
@@ -407,33 +412,6 @@ def replicate_cache(model, src: KVCache, batch: int, kv_cache_dtype: str) -> KVC
         if a is not None:
             a.copy_(b[:1].expand_as(a))
     return dst
-
-
-class GraphStep:
-    """One decode step of `model` on `cache` captured in a CUDA graph (needs the fast paths `moe` and
-    `static_kv`: no host synchronisation, static shapes). `step(ids, pos)` copies the inputs into the
-    captured buffers, replays, and returns the captured logits [B, V] (overwritten by the next replay).
-
-    The warm-up and the capture write K/V at `pos0`, the position the first real step writes again."""
-
-    def __init__(self, model, cache: KVCache, ids0: torch.Tensor, pos0: torch.Tensor):
-        self.ids, self.pos = ids0.clone(), pos0.clone()
-        side = torch.cuda.Stream(device=ids0.device)
-        side.wait_stream(torch.cuda.current_stream(ids0.device))
-        with torch.cuda.stream(side):  # warm-up off the capture: allocator pools, cuBLAS handles, NCCL
-            for _ in range(2):
-                model(self.ids, positions=self.pos, cache=cache)
-        torch.cuda.current_stream(ids0.device).wait_stream(side)
-        sync(ids0.device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = model(self.ids, positions=self.pos, cache=cache)[:, -1]
-
-    def step(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        self.ids.copy_(ids)
-        self.pos.copy_(pos)
-        self.graph.replay()
-        return self.logits
 
 
 @dataclass

@@ -3,8 +3,8 @@ measured in one run. Prints one JSON object (tokens/s of each and the ratios).
 
     python benchmarks/cpu_tiny.py [--prompt-len 512] [--new-tokens 64] [--fast off|on|compiled]
 
-`--fast` picks minimax-ref's fast paths (fast.py; default off, the reference). With `compiled` the decoder layers of
-each decode step run `torch.compile`d: one untimed run compiles them first (tens of seconds).
+`--fast` picks minimax-ref's fast paths (`minimax_ref/fast/`; default off, the reference). With `compiled` the
+decoder layers of each decode step run `torch.compile`d: one untimed run compiles them first (tens of seconds).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from oracle import hf_text_model  # noqa: E402
 
+from minimax_ref.fast import apply  # noqa: E402
 from minimax_ref.loader import load_model  # noqa: E402
 from minimax_ref.synth import write_checkpoint  # noqa: E402
 
@@ -39,7 +40,7 @@ def main() -> None:
         path = write_checkpoint(Path(tmp) / "ck", "tiny", args.format)
         ours = load_model(path, dtype=torch.float32, max_seq_len=args.prompt_len + args.new_tokens + 1)
         theirs = hf_text_model(ours, attn_impl="sdpa")
-        ours.set_fast({"off": False, "on": True, "compiled": "compiled"}[args.fast])
+        apply(ours, {"off": False, "on": True, "compiled": "compiled"}[args.fast])
     ids = torch.randint(0, 1000, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
 
     n, P = args.new_tokens, args.prompt_len

@@ -1,11 +1,13 @@
-"""One packed weight at the release's shapes: the fused dequantize-and-multiply (`packed.packed_matmul`, compiled as
-the compiled layers compile it) against cuBLAS on the weight already decoded to bf16, and against decode-then-multiply,
-at a few rows. Each figure is microseconds per product (a CUDA graph of 10 products, replayed), with the packed bytes
-per microsecond beside it; every product is first checked against `packed.packed_matmul_reference`.
+"""One packed weight at the release's shapes: the fused dequantize-and-multiply (`fast.packed.packed_matmul`, compiled
+as the compiled layers compile it) against cuBLAS on the weight already decoded to bf16, and against
+decode-then-multiply, at a few rows. Each figure is microseconds per product (a CUDA graph of 10 products, replayed),
+with the packed bytes per microsecond beside it; every product is first checked against
+`fast.packed.packed_matmul_reference`.
 
-Variants: `planes=reference` (`packed.decoded_planes`), `planes=normal` (`packed.normal_range_planes`, the same bits in
-fewer operations; the weights here are in its range), `cublas_bf16` (`x @ w_bf16^T`, the weight decoded beforehand:
-3.6x the bytes for NVFP4, no decoding), `decode_then_matmul` (`decode_fast`, then the matmul: what `--fast on` does).
+Variants: `planes=reference` (`fast.packed.decoded_planes`), `planes=normal` (`fast.packed.normal_range_planes`, the
+same bits in fewer operations; the weights here are in its range), `cublas_bf16` (`x @ w_bf16^T`, the weight decoded
+beforehand: 3.6x the bytes for NVFP4, no decoding), `decode_then_matmul` (`decode_fast`, then the matmul: what `--fast
+on` does).
 
     # 1 x H200 (about 2 minutes, most of it compiling):
     python benchmarks/fused_matmul.py --out fused_matmul.jsonl
@@ -20,9 +22,9 @@ import time
 import torch
 from common import BenchmarkError, emit, main_guard
 
-from minimax_ref.model import LAYER_INDUCTOR_OPTIONS
-from minimax_ref.packed import _select as select_entries
-from minimax_ref.packed import decode_fast, packed_matmul, packed_matmul_reference
+from minimax_ref.fast.compiled import LAYER_INDUCTOR_OPTIONS
+from minimax_ref.fast.packed import _select as select_entries
+from minimax_ref.fast.packed import decode_fast, packed_matmul, packed_matmul_reference
 
 # (name, format, experts in the stack, N, K, gathered entries or 0): the release's projections at TP1
 SHAPES = [("q_proj", "mxfp8", 0, 8192, 6144, 0), ("o_proj", "mxfp8", 0, 6144, 8192, 0),

@@ -3,7 +3,7 @@ what was tried to make the NVFP4 / MXFP8 decode-and-multiply cheaper, and what e
 
 Each variant is a function `torch.compile`d as the compiled layers compile (`model.LAYER_INDUCTOR_OPTIONS`, static
 shapes), timed as `fused_matmul.py` times (a CUDA graph of 10 products, replayed), and checked
-against `packed.packed_matmul_reference` (relative error; the bit-exact ones agree to the bf16 output's rounding):
+against `fast.packed.packed_matmul_reference` (relative error; the bit-exact ones agree to the bf16 output's rounding):
 
 * `engine`: `packed_matmul(..., normal_range=True)`, what PackedWeight runs in range (`normal_range_planes`);
 * `e4m3` (NVFP4): what the engine did before: the E2M1 code re-coded as the E4M3 value e2m1 * 2^-6, widened by the
@@ -32,9 +32,8 @@ import torch
 from common import BenchmarkError, emit, main_guard
 from fused_matmul import SHAPES, operands, per_call_s
 
-from minimax_ref.fast import materialize
-from minimax_ref.model import LAYER_INDUCTOR_OPTIONS
-from minimax_ref.packed import (
+from minimax_ref.fast.compiled import LAYER_INDUCTOR_OPTIONS, materialize
+from minimax_ref.fast.packed import (
     _e2m1_times_2_pow_minus_126,
     _global,
     activation_planes,
@@ -43,7 +42,7 @@ from minimax_ref.packed import (
     packed_matmul,
     packed_matmul_reference,
 )
-from minimax_ref.packed import _select as select_entries
+from minimax_ref.fast.packed import _select as select_entries
 
 SIGN = -(1 << 31)
 EXACT = ("engine", "e4m3", "x_fp32", "word_int", "word_veltkamp", "word_e4m3", "template_mm")
@@ -106,7 +105,7 @@ def bf16_by_bits(v: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_planes(weight, weight_scale, g, rounding):
-    """NVFP4 planes as session 5's engine built them (the E4M3 re-coding, times 64 s), rounded to bf16 by
+    """NVFP4 planes by the E4M3 re-coding (e2m1 * 2^-6 widened by the conversion, times 64 s), rounded to bf16 by
     `rounding`."""
     *lead, n, half_k = weight.shape
     s64 = (weight_scale.to(torch.float32) * (64.0 * _global(g, lead))).unsqueeze(-1)

@@ -1,7 +1,7 @@
 """How much of a compiled decode kernel's time is its launch configuration: the Triton kernels that inductor generates
 for the fused packed matmuls and the compiled layers, each relaunched in place with the block sizes and warps that its
 compile gave it (`--reduction-config`: the engine's fixed configuration for the large reductions,
-`launch.DECODE_REDUCTIONS`, or `tuned`: coordinate-descent tuning for every kernel) and with each of a fixed list,
+`fast.launch.DECODE_REDUCTIONS`, or `tuned`: coordinate-descent tuning for every kernel) and with each of a fixed list,
 timed alike. One JSON line.
 
 * `--what weights`: one packed weight at a time (`fused_matmul.py`'s shapes, one row of x), written a few ways and
@@ -10,9 +10,9 @@ timed alike. One JSON line.
   and for NVFP4 `e4m3_int` / `e4m3_cvt` (the E2M1 code re-coded as the E4M3 value e2m1 * 2^-6, widened by the
   conversion instruction, times 64 s, rounded to bf16 with integer operations on the bits, as the engine did
   before, or by the conversion instruction), and for both `words` (`packed_matmul(..., words=True)`: the packed bytes
-  read as int32 words, eight NVFP4 or four MXFP8 elements a load, `packed.nvfp4_word_planes`,
-  `packed.mxfp8_word_planes`). Every variant's output is checked against
-  `packed.packed_matmul_reference` and every NVFP4 variant's planes against `decoded_planes`, bit for bit.
+  read as int32 words, eight NVFP4 or four MXFP8 elements a load, `fast.packed.nvfp4_word_planes`,
+  `fast.packed.mxfp8_word_planes`). Every variant's output is checked against
+  `fast.packed.packed_matmul_reference` and every NVFP4 variant's planes against `decoded_planes`, bit for bit.
 * `--what layers`: a release-width model of 4 layers (3 dense, 1 MSA+MoE; 16 routed experts, NVFP4 + MXFP8 packed,
   fp8 KV cache, an 8,192-token prompt) with `fast="compiled"` (NVFP4 and MXFP8's gate + up read as int32 words;
   `--nvfp4-words` / `--mxfp8-words` change that): the looped Triton reductions of one decode step with at least
@@ -56,12 +56,11 @@ from fused_matmul import SHAPES, operands, per_call_s
 from fused_variants import bf16_by_bits, e4m3, e4m3_planes
 
 from minimax_ref.fast import FastPaths
-from minimax_ref.launch import compiled_with_fixed_reductions
-from minimax_ref.loader import load_synthetic
-from minimax_ref.model import LAYER_INDUCTOR_OPTIONS
-from minimax_ref.packed import _bytes_as_int32 as bytes_as_int32
-from minimax_ref.packed import _select as select_entries
-from minimax_ref.packed import (
+from minimax_ref.fast.compiled import LAYER_INDUCTOR_OPTIONS
+from minimax_ref.fast.launch import compiled_with_fixed_reductions, tuned_for
+from minimax_ref.fast.packed import _bytes_as_int32 as bytes_as_int32
+from minimax_ref.fast.packed import _select as select_entries
+from minimax_ref.fast.packed import (
     _to_bf16_by_conversion,
     decoded_planes,
     mxfp8_word_planes,
@@ -70,6 +69,7 @@ from minimax_ref.packed import (
     packed_matmul,
     packed_matmul_reference,
 )
+from minimax_ref.loader import load_synthetic
 
 # (XBLOCK, R0_BLOCK, num_warps): outputs per program, reduced elements per loop step, warps
 WEIGHT_CONFIGS = [c for c in itertools.product([1, 2], [256, 512, 1024, 2048, 4096], [4, 8, 16])
@@ -126,7 +126,7 @@ class Timer:
     """Microseconds per call of a function, timed as `fused_matmul.per_call_s` times it, after a write of
     `flush_mib` MiB (larger than the GPU's L2 cache: 50 MiB on an H200) before each call, whose own time, measured
     alone the same way, is subtracted: the call then reads its operands from HBM, as in a decode step, which reads
-    each layer's weights once. `flush_mib` 0: calls back to back (the sweeps up to session 8), which leaves part of a
+    each layer's weights once. `flush_mib` 0: calls back to back, which leaves part of a
     kernel's operands in L2 and ranked configurations with short loop steps faster than they were in a step."""
 
     def __init__(self, flush_mib: int, device: torch.device, iters: int):
@@ -278,9 +278,11 @@ def layers(args: argparse.Namespace, device: torch.device) -> list:
 def run(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise BenchmarkError("launch_configs.py relaunches CUDA kernels: run it on a machine with a GPU")
-    args.reductions = reduction_config(args.reduction_config)
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     device = torch.device("cuda")
+    args.reductions = reduction_config(args.reduction_config)
+    if args.reductions == "auto":  # the engine's table entry for this GPU and torch (None: tuned)
+        args.reductions = tuned_for(device)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if args.l2_flush_mib < 0:
         raise BenchmarkError(f"--l2-flush-mib {args.l2_flush_mib}: give 0 (no flush) or a size in MiB")
     args.timer = Timer(args.l2_flush_mib, device, args.iters)

@@ -3,7 +3,7 @@ count and device time per step, beside the step's wall time and its HBM roofline
 
 A synthetic model (`--preset`, `--layers`, `--experts`, NVFP4+MXFP8 packed weights by default) prefills a
 `--prompt-len` prompt, then one decode step of `--batch` sequences with the fast paths `--fast` is captured in a
-CUDA graph (`common.GraphStep`); `--steps` replays are timed (wall clock, synchronised), then profiled with
+CUDA graph (`fast.graph.GraphStep`); `--steps` replays are timed (wall clock, synchronised), then profiled with
 `torch.profiler` (CUPTI records the kernels a graph launches). The JSON line gives:
 
 * `step_ms` (timed replays), `kernel_ms` (sum of kernel time per step), `kernels_per_step`;
@@ -35,7 +35,6 @@ from common import (
     REDUCTION_CONFIG_HELP,
     WORDS_CHOICES,
     BenchmarkError,
-    GraphStep,
     copy_bandwidth,
     decode_step_bytes,
     emit,
@@ -50,7 +49,8 @@ from common import (
     words_settings,
 )
 
-from minimax_ref.fast import FUSED_ROWS, FastPaths
+from minimax_ref.fast import FUSED_ROWS, FastPaths, apply
+from minimax_ref.fast.graph import GraphStep
 from minimax_ref.loader import load_synthetic
 from minimax_ref.synth import PRESETS
 
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
                 configs, words_settings(args.nvfp4_words, fast.nvfp4_words),
                 words_settings(args.mxfp8_words, fast.mxfp8_words)):
             torch._dynamo.reset()
-            model.set_fast(replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words,
+            apply(model, replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words,
                                    mxfp8_words=mxfp8_words))
             result = profile_step(args, world, model, cache, tok, pos, bw)
             emit(result, args.out)
@@ -189,7 +189,7 @@ def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tenso
         k["calls"] += prof["calls"][name]
         k["us"] += us
     top = sorted(prof["micros"], key=prof["micros"].get, reverse=True)[: args.top]
-    reductions = model.fast.layer_reductions
+    reductions = model.compiled.reductions if model.compiled is not None else None  # the launch configurations in force
     result.update({
         "reduction_config": None if reductions is None else reductions.text(),
         "model": {"layers": model.text.num_hidden_layers, "experts": model.text.num_local_experts,

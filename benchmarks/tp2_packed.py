@@ -67,7 +67,7 @@ from common import (
     sync,
 )
 
-from minimax_ref.fast import FUSED_ROWS, FastPaths
+from minimax_ref.fast import FUSED_ROWS, FastPaths, apply
 from minimax_ref.loader import load_synthetic
 from minimax_ref.packed import packed_weights
 from minimax_ref.plan import plan_memory
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
         if not any(True for _ in packed_weights(model)):
             raise BenchmarkError("the fused matmul was asked for but the model holds no packed weights")
         log(world, "compiling and checking the fused packed matmul")
-        model.set_fast(replace(FastPaths.of("fused"), fused_rows=args.fused_rows))
+        apply(model, replace(FastPaths.of("fused"), fused_rows=args.fused_rows))
         error = None
         try:
             with torch.no_grad():
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
         except Exception as e:  # every rank must learn of a failure, or the others would wait in a collective
             error = e
         world.agree(error, "checking the fused packed matmul")
-        model.set_fast(fast)
+        apply(model, fast)
         log(world, f"fused matmul checked in {result['fused_check']['seconds']:.1f} s")
 
     # ---- prefill (batch 1)
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
     peaks: dict = {}
     with torch.no_grad():
         for variant in variants:
-            model.set_fast(variant_fast(variant, fast, args.fused_rows))
+            apply(model, variant_fast(variant, fast, args.fused_rows))
             decode_out[variant] = {}
             for B in batches:
                 key = f"{variant}/{B}"
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     mine["peak_decode_gib"] = peaks
-    model.set_fast(fast)
+    apply(model, fast)
 
     ranks = world.gather_objects(mine)
     if world.rank != 0:

@@ -66,7 +66,7 @@ from common import (
     sync,
 )
 
-from minimax_ref.fast import FUSED_ROWS, FastPaths
+from minimax_ref.fast import FUSED_ROWS, FastPaths, apply
 from minimax_ref.loader import load_synthetic
 from minimax_ref.synth import PRESETS
 
@@ -150,7 +150,7 @@ def measure_ours(name, model, ids, args, device, batches, variants, max_len, kv_
         out["last_logits"] = last.float().cpu()
         out["decode"] = {}
         for variant in variants:
-            model.set_fast(fasts[variant])
+            apply(model, fasts[variant])
             for B in batches:
                 reset_peak(device)
                 c = cache if B == 1 else replicate_cache(model, cache, B, args.kv_cache_dtype)
@@ -291,7 +291,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
                        "hidden": packed.text.hidden_size, "fast_paths": asdict(packed.fast)}
     if any(f.matmul == "fused" for f in fasts.values()):
         log(world, "compiling and checking the fused packed matmul")
-        packed.set_fast(fused)
+        apply(packed, fused)
         with torch.no_grad():
             result["fused_check"] = check_fused_matmul(packed, batches, args.fused_rows)
         log(world, f"fused matmul checked in {result['fused_check']['seconds']:.1f} s")

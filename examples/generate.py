@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Generate with MiniMax-M3, tensor-parallel over the processes `torchrun` launches.
 
-    torchrun --nproc 2 examples/generate.py --ckpt-path DIR --prompt "Hello"    # NCCL on GPUs, gloo on CPU
-    python examples/generate.py --ckpt-path DIR --prompt "Hello"                # one process
+    torchrun --nproc-per-node 2 examples/generate.py --ckpt-path DIR --prompt "Hello"  # NCCL on GPUs, gloo on CPU
+    python examples/generate.py --ckpt-path DIR --prompt "Hello"                       # one process
 
 Takes every flag of `minimax-ref generate` (the parser and the run are cli.py's), plus
 `--expert-parallel` (each rank holds whole routed experts instead of a slice of every expert) and
@@ -13,7 +13,11 @@ are gathered, so every rank holds identical logits and, with the same seed, samp
 tokens. Only rank 0 prints (the other ranks' stdout and stderr are silenced) and, in
 `--interactive` mode, only rank 0 reads the terminal and broadcasts each line. When a rank fails
 to load (a bad checkpoint slice, out of memory) every rank stops with the error instead of waiting
-for it; the process group's timeout bounds any other wait for a rank that has died.
+for it; the process group's timeout bounds any other wait for a rank that has died. A rank that fails
+later prints its traceback; the others, whose collectives then fail, say in one line that a peer failed.
+Every rank destroys the process group and leaves with os._exit (exit status 1 after a failure, 2 for a
+user error, 130 on Ctrl-C): C++ destructors of the communication threads run at a normal interpreter exit
+and could abort the process (SIGABRT) after its work is done.
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ import builtins
 import contextlib
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from minimax_ref.cli import build_generate_parser, run_generate
+from minimax_ref.cli import build_generate_parser, check_device_flag, run_generate
 from minimax_ref.errors import MiniMaxRefError
-from minimax_ref.parallel import World
+from minimax_ref.loader import resolve_device
+from minimax_ref.parallel import World, is_peer_failure
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +58,8 @@ def init_world(device: str | None, timeout_s: float) -> tuple[World, str]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device_flag(device)
+    resolve_device(device)  # no CUDA here: one clean ConfigError, before any CUDA call
     on_gpu = device.startswith("cuda")
     if size == 1:
         return World.single(), (f"cuda:{local_rank}" if device == "cuda" else device)
@@ -84,7 +92,11 @@ def rank0_input(world: World):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    world, args.device = init_world(args.device, args.dist_timeout)
+    try:
+        world, args.device = init_world(args.device, args.dist_timeout)
+    except MiniMaxRefError as e:  # the same on every rank: rank 0 speaks for all
+        speak_for_all(int(os.environ.get("RANK", "0")), f"error: {e}")
+        return 2
     args.world = world  # cli.load_from_args loads the model tensor-parallel over it
     status, read_line = 0, builtins.input
     try:
@@ -99,21 +111,51 @@ def main(argv: list[str] | None = None) -> int:
     except MiniMaxRefError as e:
         # every rank raises (load failures are agreed on; input errors are the same on every rank):
         # rank 0 speaks for all
-        if world.rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        speak_for_all(world.rank, f"error: {e}")
         status = 2
     except KeyboardInterrupt:
         status = 130
-    except Exception:
-        # a bug or an out-of-memory on this rank alone: say which rank, whatever its number
-        print(f"[rank {world.rank}] " + traceback.format_exc(), file=sys.__stderr__, end="")
+    except Exception as e:
+        if world.size > 1 and is_peer_failure(e):
+            # this rank's collective failed because another rank died: that rank printed the cause
+            print(f"[rank {world.rank}] error: another tensor-parallel rank failed (its message is the cause): "
+                  f"{str(e).splitlines()[0][:200]}", file=sys.__stderr__)
+        else:
+            # a bug or an out-of-memory on this rank alone: say which rank, whatever its number
+            print(f"[rank {world.rank}] " + traceback.format_exc(), file=sys.__stderr__, end="")
         status = 1
     finally:
         builtins.input = read_line
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a group broken by a failed peer: nothing left to release cleanly
+                pass
     return status
 
 
+# Seconds the other ranks wait after an error every rank has, so that rank 0 prints it first: torchrun stops
+# every worker as soon as one exits non-zero, which could otherwise stop rank 0 before it has said anything.
+RANK0_FIRST_S = 3.0
+
+
+def speak_for_all(rank: int, message: str) -> None:
+    """Print `message` (an error every rank has) once, from rank 0; the other ranks give it time to."""
+    if rank == 0:
+        print(message, file=sys.__stderr__, flush=True)
+    else:
+        time.sleep(RANK0_FIRST_S)
+
+
+def exit_process(status: int) -> None:
+    """Leave with `status`: flush the streams, then os._exit when torch.distributed was used (see the module
+    docstring: skipping the C++ destructors of the communication threads avoids an abort at exit)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

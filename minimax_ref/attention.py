@@ -6,11 +6,6 @@ back); the attention core (scores, fp32 softmax, value sum) in fp32; the output 
 compute dtype before `o_proj`. Dense layers process queries in chunks too, so no layer allocates an
 S x S matrix.
 
-Fast paths (fast.py): `static_kv` attends over the whole cache (static shapes, no host synchronisation;
-later slots are future keys and masked); `sdpa` runs the fp32 attention core through
-`F.scaled_dot_product_attention` and lets MSA gather its blocks from the cache's storage (so an fp8 cache
-converts only the gathered keys). Both equal the reference to fp32 rounding.
-
 Tensor parallelism (parallel.py): a rank holds a contiguous run of query heads and the kv heads they
 read (with more ranks than kv heads, one kv head replicated over several ranks), the index heads of
 those kv heads, and the whole index key projection (one shared key head). Attention and MSA block
@@ -21,18 +16,18 @@ all-reduce is the block's one collective.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import msa as msa_module
 from .cache import LayerCache
 from .config import TextConfig
-from .fast import REFERENCE, materialize
 from .linear import Linear
-from .msa import CHUNK_ELEMENTS, contract, msa_attention
+from .msa import CHUNK_ELEMENTS, msa_attention
 from .norm import RMSNorm
 from .parallel import ColumnParallelLinear, RowParallelLinear, World
 from .rope import apply_rope
+
+# chunk_elements large enough that attention runs in one query chunk: what a captured call runs with
+ONE_CHUNK = 1 << 62
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
@@ -40,7 +35,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     """Dense causal GQA: q [B, T, Hq, D] against k, v [B, L, Hkv, D] (slot = position).
 
     Query head h reads kv head h // (Hq / Hkv). Keys at positions > q_pos [B, T] are masked.
-    fp32 scores / softmax / sum; returns fp32 [B, T, Hq, D].
+    fp32 scores / softmax / sum; returns fp32 [B, T, Hq, D]. Queries in chunks of at most
+    `chunk_elements` scores.
     """
     B, T, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
@@ -55,36 +51,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
         qc = q[:, sl].float()
         t = qc.shape[1]
         qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, t, D]
-        s = contract("bhgtd,bhld->bhgtl", qg, kf) * scale
+        s = torch.einsum("bhgtd,bhld->bhgtl", qg, kf) * scale
         future = k_pos[None, None, None, None, :] > q_pos[:, None, None, sl, None]
-        p = materialize(torch.softmax(s.masked_fill(future, float("-inf")), dim=-1))
-        o = contract("bhgtl,bhld->bhgtd", p, vf)
+        p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
+        o = torch.einsum("bhgtl,bhld->bhgtd", p, vf)
         outs.append(o.permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
-    return torch.cat(outs, dim=1)
-
-
-def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                          chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
-    """`causal_attention` through `F.scaled_dot_product_attention` in fp32 (the fast path): the G query
-    heads of a kv head are folded into the query length, so no kv head is repeated. Equal to
-    `causal_attention` to fp32 rounding; same chunking of queries."""
-    B, T, Hq, D = q.shape
-    L, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    kf = k.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-    vf = v.float().permute(0, 2, 1, 3)
-    k_pos = torch.arange(L, device=q.device)
-    chunk = max(1, chunk_elements // (B * Hq * L))
-    outs = []
-    for s0 in range(0, T, chunk):
-        sl = slice(s0, s0 + chunk)
-        qc = q[:, sl].float()
-        t = qc.shape[1]
-        qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * t, D)
-        seen = k_pos[None, None, :] <= q_pos[:, sl, None]  # [B, t, L]
-        mask = seen[:, None, None].expand(B, 1, G, t, L).reshape(B, 1, G * t, L)
-        o = F.scaled_dot_product_attention(qg, kf, vf, attn_mask=mask, scale=scale)  # [B, Hkv, G*t, D]
-        outs.append(o.view(B, Hkv, G, t, D).permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
     return torch.cat(outs, dim=1)
 
 
@@ -97,13 +68,11 @@ class Attention(nn.Module):
     """`self_attn` of one layer. Module and parameter names are the release's.
 
     n_heads / n_kv_heads: the model's head counts (default: the config's); `self.n_heads` and
-    `self.n_kv` are the heads this rank holds.
+    `self.n_kv` are the heads this rank holds. chunk_elements: bound on the largest attention temporary.
     """
 
-    fast = REFERENCE  # fast-path switches (fast.py); MiniMaxM3.set_fast sets them
-
     def __init__(self, cfg: TextConfig, layer: int, n_heads: int | None = None, n_kv_heads: int | None = None,
-                 world: World | None = None):
+                 world: World | None = None, chunk_elements: int = CHUNK_ELEMENTS):
         super().__init__()
         world = world or World.single()
         self.layer = layer
@@ -118,8 +87,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv = len(q_heads), len(kv_heads)
         self.head_dim = D = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        # bound on the largest attention temporary (elements); the loader sets it from the runtime settings
-        self.chunk_elements = CHUNK_ELEMENTS
+        self.chunk_elements = chunk_elements  # bound on the largest attention temporary (elements)
         H = cfg.hidden_size
         self.q_proj = ColumnParallelLinear(H, _head_rows(q_heads, D))
         self.k_proj = ColumnParallelLinear(H, _head_rows(kv_heads, D))
@@ -145,42 +113,60 @@ class Attention(nn.Module):
         Without a cache, pos must be 0..T-1 (keys are this call's tokens). With a cache (this layer's part,
         `KVCache.layer`), this call's K/V are written at `pos` and the keys are slots [0, kv_len); kv_len defaults
         to max(pos) + 1 (which reads pos on the host: the model passes it once for all layers).
+        `trace` (a dict) receives the MSA block ids ("blocks"); with trace["capture"] set, also the attention
+        core's operands and result ("core": `record`), and the core runs in one query chunk (`chunk_for`).
         """
         B, T, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-        q = materialize(q)  # compiled: computed once, not once per key (fast.materialize)
-        if self.sparse:
-            iq = self.index_q_norm(self.index_q_proj(x).view(B, T, self.n_kv, self.index_dim))
-            ik = self.index_k_norm(self.index_k_proj(x).view(B, T, 1, self.index_dim))
-            iq, ik = materialize(apply_rope(iq, cos, sin)), apply_rope(ik, cos, sin)[:, :, 0]
-        load = None
+        q, k, v = self.qkv(x, cos, sin)
+        iq, ik = self.index_qk(x, cos, sin) if self.sparse else (None, None)
         if cache is not None:
             length = kv_len if kv_len is not None else int(pos.max()) + 1
             cache.write(k, v, pos)
-            if self.sparse and self.fast.sdpa:  # fast path: gather blocks from storage, convert only those
-                k, v = cache.stored_keys_values(length)
-                load = cache.load
-            else:
-                k, v = cache.keys_values(length)
+            k, v = cache.keys_values(length)
             if self.sparse:
                 cache.write_index(ik, pos)
                 ik = cache.index_keys(length)
         if self.sparse:
             sp = self.geometry
-            if self.fast.sdpa:
-                o, blocks = msa_module.msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size,
-                                                     sp.topk_blocks, sp.local_blocks, sp.init_blocks,
-                                                     self.chunk_elements, load=load, sdpa=True)
-            else:
-                o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
-                                          sp.local_blocks, sp.init_blocks, self.chunk_elements)
-            if trace is not None:
-                trace["blocks"] = blocks
-        elif self.fast.sdpa:
-            o = causal_attention_sdpa(q, k, v, pos, self.scale, self.chunk_elements)
+            o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
+                                      sp.local_blocks, sp.init_blocks, self.chunk_for(trace))
         else:
-            o = causal_attention(q, k, v, pos, self.scale, self.chunk_elements)
+            o, blocks = causal_attention(q, k, v, pos, self.scale, self.chunk_for(trace)), None
+        if trace is not None:
+            self.record(trace, q, k, v, iq, ik, pos, o, blocks)
         # row-parallel o_proj: this rank's heads' contribution, summed over the ranks (fp32 all-reduce)
         return self.o_proj(o.to(x.dtype).reshape(B, T, -1))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries [B, T, heads, D] and keys [B, T, kv_heads, D] after q/k norm and RoPE, values [B, T, kv_heads, D]."""
+        B, T, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos, sin)
+        return q, k, self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+
+    def index_qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lightning indexer's queries [B, T, kv_heads, Di] and key [B, T, Di], after norm and RoPE."""
+        B, T, _ = x.shape
+        iq = self.index_q_norm(self.index_q_proj(x).view(B, T, self.n_kv, self.index_dim))
+        ik = self.index_k_norm(self.index_k_proj(x).view(B, T, 1, self.index_dim))
+        return apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, :, 0]
+
+    def chunk_for(self, trace: dict | None) -> int:
+        """The attention core's `chunk_elements`: the layer's memory bound, or, for a captured call, one chunk (the
+        engine's chunking only bounds memory, and one call is what a kernel computes)."""
+        return ONE_CHUNK if trace is not None and trace.get("capture") else self.chunk_elements
+
+    def record(self, trace: dict, q, k, v, iq, ik, pos, o, blocks) -> None:
+        """Put the block ids in `trace` and, when it asks (`trace["capture"]`), the attention core's operands and
+        result under "core" (q, k, v, q_pos, o; on sparse layers also iq, ik, blocks; the scale, geometry and
+        chunk size), as the core was called."""
+        if blocks is not None:
+            trace["blocks"] = blocks
+        if trace.get("capture"):
+            core = {"q": q, "k": k, "v": v, "q_pos": pos, "o": o, "scale": self.scale,
+                    "chunk_elements": self.chunk_for(trace)}
+            if self.sparse:
+                sp = self.geometry
+                core.update(iq=iq, ik=ik, blocks=blocks, block_size=sp.block_size, topk_blocks=sp.topk_blocks,
+                            local_blocks=sp.local_blocks, init_blocks=sp.init_blocks)
+            trace["core"] = core

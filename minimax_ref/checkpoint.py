@@ -37,6 +37,28 @@ VISION_PREFIX = "vision_tower.vision_model."
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
+# Stored dtypes whose values `Checkpoint.read` checks for NaN / Inf (the quantized formats' NaN codes are the
+# decoders' to refuse, quant.py).
+NONFINITE_DTYPES = ("BF16", "F16", "F32", "F64")
+NONFINITE_CHUNK = 1 << 24  # elements tested at a time, so the temporary mask stays small next to a large tensor
+
+
+def nonfinite(t: torch.Tensor) -> tuple[int, list[int] | None]:
+    """(count, index of the first) of the NaN / Inf elements of floating tensor `t`; (0, None) when all are finite.
+
+    Tested in chunks of `NONFINITE_CHUNK` elements of the flattened tensor (a [200064, 6144] embedding would
+    otherwise need a 1.2 GB mask); the index is a multi-dimensional index into `t`."""
+    flat = t.reshape(-1)
+    count, first = 0, None
+    for start in range(0, flat.numel(), NONFINITE_CHUNK):
+        bad = ~torch.isfinite(flat[start:start + NONFINITE_CHUNK])
+        n = int(bad.sum())
+        if n and first is None:
+            pos = start + int(bad.nonzero()[0, 0])
+            first = list(torch.unravel_index(torch.tensor(pos), t.shape)) if t.ndim else []
+            first = [int(i) for i in first]
+        count += n
+    return count, first
 NVFP4, MXFP8, DENSE = "nvfp4", "mxfp8", "bf16"
 
 # Families, for summaries and format expectations (checkpoint.md, "Formats per module family").
@@ -312,6 +334,13 @@ class Checkpoint:
             raise CheckpointError(f"{self.path / info.shard}: cannot read tensor {name!r}: {e}") from None
         if info.dtype == "F8_E8M0":
             t = t.view(torch.uint8)
+        if t.is_floating_point() and info.dtype in NONFINITE_DTYPES:
+            count, first = nonfinite(t)
+            if count:
+                part = "" if rows is None and cols is None else " (in the part read)"
+                raise CheckpointError(f"{self.path / info.shard}: tensor {name!r} holds {count} non-finite value(s) "
+                                      f"(NaN or Inf){part}, first at index {first}: the file is damaged or was "
+                                      "exported wrongly; re-download or re-export it")
         return t
 
     def read_scalar(self, name: str) -> torch.Tensor:
@@ -598,6 +627,27 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     return ck
 
 
+def check_values(ck: Checkpoint) -> list[str]:
+    """Read every tensor of `ck` and report, naming each tensor, what loading would refuse: NaN / Inf in floating
+    tensors (`Checkpoint.read`), E4M3 NaN bytes in MXFP8 weights, and bad scales (`check_scales`). All problems
+    are returned together; the files' headers must already be valid (`open_checkpoint`)."""
+    problems = []
+    global_scales = {n for f in ck.formats.values() for n in (f.scale_2, f.input_scale) if n}  # check_scales' part
+    for name, info in ck.tensors.items():
+        if info.dtype not in NONFINITE_DTYPES or name in global_scales:
+            continue
+        try:
+            ck.read(name)
+        except CheckpointError as e:
+            problems.append(str(e).removeprefix(f"{ck.path / info.shard}: "))
+    for f in ck.formats.values():
+        if f.fmt == MXFP8 and f.weight in ck.tensors:
+            nan = (ck.read(f.weight).view(torch.uint8) & 0x7F) == 0x7F
+            if bool(nan.any()):
+                problems.append(f"{f.weight}: MXFP8 weight holds {int(nan.sum())} E4M3 NaN byte(s) (0x7f/0xff)")
+    return problems + check_scales(ck)
+
+
 def check_scales(ck: Checkpoint) -> list[str]:
     """Read every scale tensor and report non-finite values and E8M0 code 255, naming the tensor."""
     problems = []
@@ -612,15 +662,12 @@ def check_scales(ck: Checkpoint) -> list[str]:
                 problems.append(f"{f.scale}: non-finite block scale")
             for n in (f.scale_2, f.input_scale):
                 if n is not None:
-                    v = ck.read(n).float()
+                    try:
+                        v = ck.read(n).float()
+                    except CheckpointError:  # Checkpoint.read refuses the non-finite ones
+                        problems.append(f"{n}: global scale is not finite")
+                        continue
                     if not bool(torch.isfinite(v).all()) or bool((v <= 0).any()):
                         problems.append(f"{n}: global scale {v.flatten().tolist()} is not finite and positive")
     return problems
 
-
-def shard_range(n: int, rank: int, world: int, what: str = "dimension") -> slice:
-    """The contiguous part [rank*n/world, (rank+1)*n/world) of a dimension of size n."""
-    if n % world:
-        raise CheckpointError(f"{what} of size {n} does not split evenly over {world} ranks")
-    step = n // world
-    return slice(rank * step, (rank + 1) * step)

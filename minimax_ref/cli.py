@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
-from .chat import RECOMMENDED_SAMPLING
 from .errors import InputError, MiniMaxRefError
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -40,7 +40,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="dequant: decode quantized weights once at load (default); packed: keep NVFP4/MXFP8 "
                         "weights packed in memory and decode them at use (same outputs, packed-size memory)")
     p.add_argument("--fast", choices=["off", "on", "compile", "fused", "compiled"], default="off",
-                   help="fast paths (minimax_ref/fast.py): on = batched experts without host sync, static-shape "
+                   help="fast paths (minimax_ref/fast/): on = batched experts without host sync, static-shape "
                         "cached attention, SDPA attention core, two-pass packed decoding; compile = the same with "
                         "torch.compile'd packed decoding; fused = on, plus decode steps multiply packed weights "
                         "with a compiled dequantize-and-multiply (with --weights packed); compiled = fused, and each "
@@ -76,10 +76,13 @@ def load_from_args(args: argparse.Namespace, world=None):
     from .loader import load_model, load_synthetic, resolve_device, resolve_dtype
     from .tokenizer import load_tokenizer
 
+    check_device_flag(args.device)
     dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     world = world if world is not None else getattr(args, "world", None)
     fast = {"off": False, "on": True, "compile": "compile", "fused": "fused", "compiled": "compiled"}[
         getattr(args, "fast", "off")]
+    if fast in COMPILE_NOTICES:
+        print(f"[fast] --fast {fast}: {COMPILE_NOTICES[fast]}", file=sys.stderr)
     common = dict(device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
                   max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tp=world,
                   expert_parallel=getattr(args, "expert_parallel", False), fast=fast)
@@ -100,7 +103,33 @@ def load_from_args(args: argparse.Namespace, world=None):
     model = load_synthetic(preset, format=args.synthetic_format, layers=args.synthetic_layers,
                            experts=args.synthetic_experts, **common)
     report_load(model)
-    return model, load_tokenizer(synthetic_tokenizer_dir(PRESETS[preset].tokenizer_vocab)), None
+    # the tokenizer covers every id the model can emit: random weights sample from the whole vocabulary
+    return model, load_tokenizer(synthetic_tokenizer_dir(model.config.text.vocab_size)), None
+
+
+# What each compiling --fast mode compiles, said before the silence it causes.
+COMPILE_NOTICES = {
+    "compile": "the packed-weight decoder is compiled by torch.compile on first use (a pause before the first "
+               "tokens)",
+    "fused": "the dequantize-and-multiply kernels are compiled by torch.compile on first use (a pause before the "
+             "first decode step)",
+    "compiled": "every decoder layer of a decode step is compiled by torch.compile on first use: expect a long "
+                "silent pause (minutes on a GPU) before the first tokens",
+}
+DEVICE_TYPES = ("cpu", "cuda")  # the devices the kernels and formats (float8, packed bytes) are written for
+
+
+def check_device_flag(device: str) -> None:
+    """Refuse a `--device` this engine does not run on (mps, xpu, ...) before anything is loaded."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise InputError(f"--device {device!r} is not a torch device; use cpu or cuda (cuda:N)") from None
+    if kind not in DEVICE_TYPES:
+        raise InputError(f"--device {device}: minimax-ref runs on cpu or cuda only ({kind} lacks the float8 and "
+                         "packed-weight operations it needs); use --device cpu")
 
 
 def report_load(model) -> None:
@@ -148,7 +177,7 @@ def synthetic_tokenizer_dir(vocab: int):
 
 
 def build_generate_parser(p: argparse.ArgumentParser) -> None:
-    rec = RECOMMENDED_SAMPLING
+    from .chat import RECOMMENDED_SAMPLING as rec
     add_model_flags(p)
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text (repeat for a batch); with --chat, one user message")
@@ -206,22 +235,40 @@ def _read_tools(path: Path | None):
     return tools
 
 
+def _check_number(value, name: str, *, integer: bool = False):
+    """`value` of sampling field `name` if it is a JSON number (an integer when `integer`), else an InputError
+    naming the field: a quoted or null value must not reach the sampler's comparisons as a raw TypeError."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        kind = "an integer" if integer else "a number"
+        raise InputError(f"{name}={value!r}: must be {kind}")
+    if not integer and not math.isfinite(value):
+        raise InputError(f"{name}={value!r}: must be a finite number")
+    return value
+
+
 def _sampling_kwargs(args: argparse.Namespace, override: dict | None = None) -> dict:
+    """generate's sampling arguments: the flags, overridden by a request's own fields; every value is checked
+    (types and ranges) here, before any model work."""
     o = override or {}
     kw = {"max_new_tokens": o.get("max_new_tokens", args.max_new_tokens),
           "temperature": o.get("temperature", args.temperature), "top_p": o.get("top_p", args.top_p),
           "top_k": o.get("top_k", args.top_k), "seed": o.get("seed", args.seed)}
     from .generate import SamplingParams
 
+    for name in ("temperature", "top_p"):
+        _check_number(kw[name], name)
+    for name in ("max_new_tokens", "top_k", "seed"):
+        _check_number(kw[name], name, integer=True)
     SamplingParams(kw["temperature"], kw["top_p"], kw["top_k"])  # validate before loading anything
-    if not isinstance(kw["max_new_tokens"], int) or kw["max_new_tokens"] < 0:
+    if kw["max_new_tokens"] < 0:
         raise InputError(f"max_new_tokens={kw['max_new_tokens']!r}: must be an integer >= 0")
     return kw
 
 
-def _print_result(args: argparse.Namespace, result, streamed: bool) -> None:
+def _print_result(args: argparse.Namespace, result, streamed: bool, max_new_tokens: int | None = None) -> None:
     if args.output_format == "json":
         print(json.dumps(result.as_dict(), ensure_ascii=False), flush=True)
+        _note_cut(args, result, max_new_tokens)
         return
     if not streamed:
         if result.reasoning and not args.hide_reasoning:
@@ -232,6 +279,16 @@ def _print_result(args: argparse.Namespace, result, streamed: bool) -> None:
     s = result.stats
     print(f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, prefill {s['prefill_tokens_per_s']:.1f} "
           f"tok/s, decode {s['decode_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+    _note_cut(args, result, max_new_tokens)
+
+
+def _note_cut(args: argparse.Namespace, result, max_new_tokens: int | None) -> None:
+    """Say on stderr when a reply stopped at --max-model-len before --max-new-tokens (the cache was full)."""
+    n_prompt, n_new = len(result.prompt_token_ids), len(result.token_ids)
+    if max_new_tokens is not None and result.finish_reason == "length" and n_new < max_new_tokens:
+        print(f"note: stopped after {n_new} of --max-new-tokens {max_new_tokens} tokens: the prompt ({n_prompt} "
+              f"tokens) plus the reply reached --max-model-len {args.max_model_len}; raise --max-model-len for "
+              "longer replies", file=sys.stderr)
 
 
 def _stream_printer(args: argparse.Namespace, tools, reasoning_started: bool):
@@ -291,9 +348,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError("give exactly one of --prompt, --input-file or --interactive")
     if args.prompt is not None and any(p == "" for p in args.prompt):
         raise InputError("--prompt is empty: give some text")
-    if args.input_file is not None and not args.input_file.is_file():
-        why = "is a directory" if args.input_file.is_dir() else "no such file"
-        raise InputError(f"--input-file {args.input_file}: {why}")
+    requests = _read_requests(args, tools) if args.input_file is not None else None
+    if requests == []:  # an empty input file: nothing to load the model for
+        return 0
     if args.prompt is not None and not args.chat:
         chat_only = [flag for flag, used in (("--tools", args.tools is not None), ("--system", args.system is not None),
                                              ("--thinking", args.thinking != "adaptive")) if used]
@@ -312,8 +369,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.interactive:
         return _interactive(args, model, tok, tools, kw)
-    if args.input_file is not None:
-        return _batch_file(args, model, tok, tools, kw)
+    if requests is not None:
+        return _batch_file(args, model, tok, requests)
 
     stream = args.output_format == "text" and len(args.prompt) == 1
     on_text = close = None
@@ -325,60 +382,118 @@ def run_generate(args: argparse.Namespace) -> int:
                        **_draft_kwargs(args, model))
     if close:
         close()
-    for r in results:
-        _print_result(args, r, streamed=stream)
+    for i, r in enumerate(results):
+        if not stream and args.output_format == "text" and len(results) > 1:
+            # several replies: each under a header naming its prompt, so they do not run together
+            print(("\n" if i else "") + f"=== prompt {i + 1} of {len(results)} ===")
+        _print_result(args, r, streamed=stream, max_new_tokens=kw["max_new_tokens"])
     return 0
 
 
-def _batch_file(args, model, tok, tools, kw) -> int:
-    from .generate import generate
+REQUEST_KEYS = ("prompt", "messages", "tools", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "thinking",
+                "system", "id", "images")
+THINKING_MODES = ("adaptive", "enabled", "disabled")
 
-    status = 0
+
+def _check_request(args: argparse.Namespace, req: object, tools) -> dict:
+    """`generate`'s keyword arguments for one --input-file record, every field checked (InputError otherwise)."""
+    if not isinstance(req, dict) or ("prompt" in req) == ("messages" in req):
+        raise InputError("each line must be an object with exactly one of 'prompt' or 'messages'")
+    unknown = sorted(set(req) - set(REQUEST_KEYS))
+    if unknown:
+        raise InputError(f"unknown keys {unknown} (known: {list(REQUEST_KEYS)})")
+    chat = args.chat or "messages" in req
+    prompt = req.get("messages", req.get("prompt"))
+    if "messages" in req:
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
+            raise InputError("'messages' must be a non-empty list of message objects")
+    elif not isinstance(prompt, str) or not prompt:
+        raise InputError(f"'prompt' must be a non-empty string, got {prompt!r}")
+    req_tools = tools
+    if "tools" in req:
+        from .chat import normalize_tools
+
+        req_tools = req["tools"] if not isinstance(req["tools"], dict) else [req["tools"]]
+        if not isinstance(req_tools, list):
+            raise InputError(f"'tools' must be a list of tool schemas, got {req['tools']!r}")
+        normalize_tools(req_tools)
+    thinking = req.get("thinking", args.thinking)
+    if thinking not in THINKING_MODES:
+        raise InputError(f"'thinking'={thinking!r}: choose one of {list(THINKING_MODES)}")
+    system = req.get("system", args.system)
+    if system is not None and not isinstance(system, str):
+        raise InputError(f"'system' must be a string, got {system!r}")
+    # Image paths in a record are relative to the input file (--image ones to the working folder).
+    base = args.input_file.parent
+    images = args.image
+    if "images" in req:
+        if not isinstance(req["images"], list) or not all(isinstance(x, str) for x in req["images"]):
+            raise InputError("'images' must be a list of image file paths")
+        images = [base / x for x in req["images"]]
+        missing = [str(x) for x in images if not x.is_file()]
+        if missing:
+            raise InputError(f"'images': no such file {missing[0]}")
+    if isinstance(prompt, list):
+        from .multimodal import rebase_image_paths
+
+        prompt = rebase_image_paths(prompt, base)
+    return {"prompts": [prompt], "chat": chat, "tools": req_tools, "thinking": thinking, "system": system,
+            "images": [images] if images else None, **_sampling_kwargs(args, req)}
+
+
+def _read_requests(args: argparse.Namespace, tools) -> list[tuple[int, object, dict | str]]:
+    """Every record of --input-file as (line number, id or None, generate's kwargs or the line's error message),
+    all checked before anything is loaded; blank lines are skipped. An unreadable file is one InputError."""
+    path = args.input_file
+    if path.is_dir():
+        raise InputError(f"--input-file {path}: is a directory, not a JSONL file")
     try:
-        lines = args.input_file.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes()  # any readable file: a pipe or /dev/null as well as a regular file
+    except FileNotFoundError:
+        raise InputError(f"--input-file {path}: no such file") from None
+    except OSError as e:
+        raise InputError(f"--input-file {path}: cannot read ({e.strerror})") from None
+    try:
+        lines = data.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise InputError(f"--input-file {args.input_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise InputError(f"--input-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    requests: list[tuple[int, object, dict | str]] = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        req = None
         try:
             try:
                 req = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(req, dict) or ("prompt" in req) == ("messages" in req):
-                raise InputError("each line must be an object with exactly one of 'prompt' or 'messages'")
-            unknown = sorted(set(req) - {"prompt", "messages", "tools", "max_new_tokens", "temperature",
-                                         "top_p", "top_k", "seed", "thinking", "system", "id", "images"})
-            if unknown:
-                raise InputError(f"unknown keys {unknown}")
-            req_tools = req.get("tools", tools)
-            chat = args.chat or "messages" in req
-            prompt = req.get("messages", req.get("prompt"))
-            if not chat and not isinstance(prompt, str):
-                raise InputError("'prompt' must be a string")
-            # Image paths in a record are relative to the input file (--image ones to the working folder).
-            base = args.input_file.parent
-            images = req.get("images", args.image)
-            if "images" in req:
-                if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
-                    raise InputError("'images' must be a list of image file paths")
-                images = [base / x for x in images]
-            if isinstance(prompt, list):
-                from .multimodal import rebase_image_paths
+            requests.append((n, req.get("id") if isinstance(req, dict) else None, _check_request(args, req, tools)))
+        except MiniMaxRefError as e:
+            requests.append((n, req.get("id") if isinstance(req, dict) else None, str(e)))
+    if not requests:
+        print(f"note: --input-file {path} holds no requests (it is empty or blank); nothing to do", file=sys.stderr)
+    return requests
 
-                prompt = rebase_image_paths(prompt, base)
-            res = generate(model, tok, [prompt], chat=chat, tools=req_tools,
-                           thinking=req.get("thinking", args.thinking), system=req.get("system", args.system),
-                           images=[images] if images else None, **_sampling_kwargs(args, req),
-                           **_draft_kwargs(args, model))[0]
+
+def _batch_file(args, model, tok, requests) -> int:
+    """Run the checked --input-file records in order; the bad ones (and ones whose run fails) are reported with
+    their line number and the rest still run. Exit status 1 when any line failed."""
+    from .generate import generate
+
+    status = 0
+    for n, req_id, kw in requests:
+        try:
+            if isinstance(kw, str):
+                raise InputError(kw)
+            res = generate(model, tok, **kw, **_draft_kwargs(args, model))[0]
             out = res.as_dict()
-            if "id" in req:
-                out["id"] = req["id"]
+            if req_id is not None:
+                out["id"] = req_id
             if args.output_format == "json":
                 print(json.dumps(out, ensure_ascii=False), flush=True)
+                _note_cut(args, res, kw["max_new_tokens"])
             else:
-                _print_result(args, res, streamed=False)
+                _print_result(args, res, streamed=False, max_new_tokens=kw["max_new_tokens"])
         except MiniMaxRefError as e:
             status = 1
             print(f"error: {args.input_file}:{n}: {e}", file=sys.stderr)
@@ -420,10 +535,16 @@ def _interactive(args, model, tok, tools, kw) -> int:
             history.pop()
             print(f"error: {e}", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # Ctrl-C during a reply ends the reply; at the prompt it ends the session
+            history.pop()
+            print("\n(reply interrupted; the turn is dropped from the history)", file=sys.stderr)
+            continue
         close()
         for call in res.tool_calls:
             print(json.dumps({"tool_call": call}, ensure_ascii=False))
         turn = {"role": "assistant", "content": res.content}
+        if res.reasoning:  # the release's format keeps every earlier turn's reasoning in the prompt
+            turn["reasoning_content"] = res.reasoning
         if res.tool_calls:
             turn["tool_calls"] = res.tool_calls
         history.append(turn)
@@ -468,20 +589,22 @@ def run_synth(args: argparse.Namespace) -> int:
 
 def build_inspect_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt_path", type=Path, help="checkpoint folder")
-    p.add_argument("--check-scales", action="store_true",
-                   help="also read every scale tensor (finds NaN scales and E8M0 code 255)")
+    p.add_argument("--quick", action="store_true",
+                   help="check the headers only (names, shapes, dtypes, formats); by default every tensor is also "
+                        "read and checked for NaN / Inf values, E4M3 NaN bytes and bad scales, as loading does")
     p.add_argument("--output-format", choices=["text", "json"], default="text")
 
 
-def inspect_summary(path: Path, check_scales: bool = False) -> dict:
-    from .checkpoint import check_scales as scan_scales
-    from .checkpoint import open_checkpoint
+def inspect_summary(path: Path, quick: bool = False) -> dict:
+    """`minimax-ref inspect`'s summary of checkpoint `path`; `problems` lists everything loading would refuse
+    (header problems always; tensor values too unless `quick`)."""
+    from .checkpoint import check_values, open_checkpoint
 
     ck = open_checkpoint(path, strict=False)
     t = ck.config.text
     problems = list(ck.problems)
-    if check_scales:
-        problems += scan_scales(ck)
+    if not quick and not problems:  # values are read only from shards whose headers are sound
+        problems += check_values(ck)
     summary = {
         "path": str(path),
         "layers": t.num_hidden_layers,
@@ -514,7 +637,7 @@ def inspect_summary(path: Path, check_scales: bool = False) -> dict:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    s = inspect_summary(args.ckpt_path, args.check_scales)
+    s = inspect_summary(args.ckpt_path, args.quick)
     if args.output_format == "json":
         print(json.dumps(s, indent=2, ensure_ascii=False))
     else:
@@ -581,13 +704,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The `minimax-ref` program: 0 on success, 1 when a command reports problems (inspect, plan, batch lines),
+    2 for a user error (one `error:` line), 130 on Ctrl-C (at any moment, imports included: no traceback)."""
     try:
+        args = build_parser().parse_args(argv)
         return args.run(args)
     except MiniMaxRefError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
         return 130
 
 

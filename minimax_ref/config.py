@@ -16,6 +16,7 @@ settings (sequence length, batch size, KV-cache dtype) live in `RuntimeConfig`, 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,51 @@ SPARSE_LAYER = "minimax_m3_sparse"
 DENSE_LAYER = "full_attention"
 
 
-def _get(d: dict, key: str, default: Any, where: str) -> Any:
-    value = d.get(key, default)
-    if value is None and default is not None:
-        return default
+_REQUIRED = object()
+
+
+def _int(d: dict, key: str, where: str, default: Any = _REQUIRED, minimum: int | None = 1) -> int:
+    """Integer field `key` of `d` (null or absent: `default`), at least `minimum`, or a ConfigError naming it.
+
+    JSON integers only (an integral float such as 128.0 is accepted; booleans and strings are not):
+    int("4") would quietly accept a quoted number and int(None) fail with a TypeError naming nothing.
+    """
+    value = d.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            problem = "is missing" if key not in d else "is null"
+            raise ConfigError(f"{where}: required field {key!r} {problem}; it must be an integer")
+        value = default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: {key}={value!r} must be an integer")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{where}: {key}={value!r} must be >= {minimum}")
     return value
+
+
+def _float(d: dict, key: str, where: str, default: float, *, positive: bool = False) -> float:
+    """Finite number field `key` of `d` (null or absent: `default`), > 0 when `positive`, or a ConfigError
+    naming it: a negative rms_norm_eps or a NaN theta would run and print garbage instead of failing."""
+    value = d.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: {key}={value!r} must be a number")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ConfigError(f"{where}: {key}={value!r} must be a finite number{' > 0' if positive else ''}")
+    return value
+
+
+def _bool(d: dict, key: str, where: str, default: bool) -> bool:
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool) and value not in (0, 1):
+        raise ConfigError(f"{where}: {key}={value!r} must be true or false")
+    return bool(value)
 
 
 def _require(condition: bool, where: str, field_name: str, value: Any, why: str) -> None:
@@ -244,16 +285,13 @@ def parse_text_config(tc: dict, where: str = "config.json text_config") -> TextC
     """Parse the text model's config from either the raw release form or the transformers form."""
     if not isinstance(tc, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(tc).__name__}")
-    try:
-        n_layers = int(tc["num_hidden_layers"])
-        hidden = int(tc["hidden_size"])
-        n_heads = int(tc["num_attention_heads"])
-        vocab = int(tc["vocab_size"])
-    except KeyError as e:
-        raise ConfigError(f"{where}: required field {e.args[0]!r} is missing") from None
+    n_layers = _int(tc, "num_hidden_layers", where)
+    hidden = _int(tc, "hidden_size", where)
+    n_heads = _int(tc, "num_attention_heads", where)
+    vocab = _int(tc, "vocab_size", where)
 
-    n_kv = int(_get(tc, "num_key_value_heads", n_heads, where))
-    head_dim = int(_get(tc, "head_dim", hidden // n_heads, where))
+    n_kv = _int(tc, "num_key_value_heads", where, n_heads)
+    head_dim = _int(tc, "head_dim", where, hidden // n_heads)
     _require(n_heads % n_kv == 0, where, "num_key_value_heads", n_kv,
              f"must divide num_attention_heads={n_heads}")
 
@@ -273,7 +311,7 @@ def parse_text_config(tc: dict, where: str = "config.json text_config") -> TextC
     _require(not gate, where, "attention_output_gate", gate, "the output gate is not implemented")
     scoring = tc.get("scoring_func", "sigmoid")
     _require(scoring == "sigmoid", where, "scoring_func", scoring, "only 'sigmoid' routing is implemented")
-    n_shared = int(_get(tc, "n_shared_experts", 1, where))
+    n_shared = _int(tc, "n_shared_experts", where, 1, minimum=0)
     _require(n_shared in (0, 1), where, "n_shared_experts", n_shared, "0 or 1 shared expert supported")
     for bad in ("rope_scaling",):
         if tc.get(bad):
@@ -286,12 +324,16 @@ def parse_text_config(tc: dict, where: str = "config.json text_config") -> TextC
     rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
     _require(rope_type == "default", where, "rope_parameters.rope_type", rope_type,
              "only plain RoPE is implemented (no scaling)")
-    theta = float(rope_params.get("rope_theta", tc.get("rope_theta", 5_000_000.0)))
+    if rope_params.get("rope_theta") is not None:
+        theta = _float(rope_params, "rope_theta", f"{where} rope_parameters", 5_000_000.0, positive=True)
+    else:
+        theta = _float(tc, "rope_theta", where, 5_000_000.0, positive=True)
     partial = rope_params.get("partial_rotary_factor", tc.get("partial_rotary_factor"))
     if "rotary_dim" in tc and tc["rotary_dim"] is not None:
-        rotary_dim = int(tc["rotary_dim"])
+        rotary_dim = _int(tc, "rotary_dim", where)
     elif partial is not None:
-        rotary_dim = int(head_dim * float(partial))
+        rotary_dim = int(head_dim * _float({"partial_rotary_factor": partial}, "partial_rotary_factor", where, 0.5,
+                                           positive=True))
     else:
         rotary_dim = head_dim // 2
     _require(0 < rotary_dim <= head_dim and rotary_dim % 2 == 0, where, "rotary_dim", rotary_dim,
@@ -333,13 +375,17 @@ def parse_text_config(tc: dict, where: str = "config.json text_config") -> TextC
             return sac[legacy]
         return default
 
+    def sparse_int(flat: str, legacy: str, default: int) -> int:
+        name = flat if tc.get(flat) is not None else f"sparse_attention_config.{legacy}"
+        return _int({name: sparse_key(flat, legacy, default)}, name, where, minimum=None)
+
     sparse = SparseAttentionConfig(
-        index_heads=int(sparse_key("index_n_heads", "sparse_num_index_heads", n_kv)),
-        index_head_dim=int(sparse_key("index_head_dim", "sparse_index_dim", head_dim)),
-        block_size=int(sparse_key("index_block_size", "sparse_block_size", 128)),
-        topk_blocks=int(sparse_key("index_topk_blocks", "sparse_topk_blocks", 16)),
-        local_blocks=int(sparse_key("index_local_blocks", "sparse_local_block", 1)),
-        init_blocks=int(sparse_key("index_init_blocks", "sparse_init_block", 0)),
+        index_heads=sparse_int("index_n_heads", "sparse_num_index_heads", n_kv),
+        index_head_dim=sparse_int("index_head_dim", "sparse_index_dim", head_dim),
+        block_size=sparse_int("index_block_size", "sparse_block_size", 128),
+        topk_blocks=sparse_int("index_topk_blocks", "sparse_topk_blocks", 16),
+        local_blocks=sparse_int("index_local_blocks", "sparse_local_block", 1),
+        init_blocks=sparse_int("index_init_blocks", "sparse_init_block", 0),
         score_type=str(sparse_key("index_score_type", "sparse_score_type", "max")),
     )
     if any(sparse_layers):
@@ -357,16 +403,18 @@ def parse_text_config(tc: dict, where: str = "config.json text_config") -> TextC
         _require(rotary_dim <= sparse.index_head_dim and sparse.index_head_dim % 2 == 0, where,
                  "sparse_index_dim", sparse.index_head_dim, f"must be even and >= rotary_dim={rotary_dim}")
 
-    n_experts = int(_get(tc, "num_local_experts", tc.get("num_experts", 0) or 0, where))
-    top_k = int(_get(tc, "num_experts_per_tok", 4, where))
+    n_experts = _int(tc, "num_local_experts", where, tc.get("num_experts", 0) or 0, minimum=0)
+    top_k = _int(tc, "num_experts_per_tok", where, 4)
     if any(moe_layers):
         _require(n_experts >= 1, where, "num_local_experts", n_experts, "MoE layers need experts")
         _require(1 <= top_k <= n_experts, where, "num_experts_per_tok", top_k,
                  f"must be in [1, num_local_experts={n_experts}]")
 
     eos = tc.get("eos_token_id")
-    eos_ids: tuple[int, ...] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    inter = int(_get(tc, "intermediate_size", 3072, where))
+    eos_list = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    eos_ids = tuple(_int({"eos_token_id": e}, "eos_token_id", where, minimum=0) for e in eos_list)
+    bos = None if tc.get("bos_token_id") is None else _int(tc, "bos_token_id", where, minimum=0)
+    inter = _int(tc, "intermediate_size", where, 3072)
     return TextConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -375,24 +423,24 @@ def parse_text_config(tc: dict, where: str = "config.json text_config") -> TextC
         num_key_value_heads=n_kv,
         head_dim=head_dim,
         intermediate_size=inter,
-        shared_intermediate_size=int(_get(tc, "shared_intermediate_size", inter, where)),
-        dense_intermediate_size=int(_get(tc, "dense_intermediate_size", 4 * inter, where)),
+        shared_intermediate_size=_int(tc, "shared_intermediate_size", where, inter),
+        dense_intermediate_size=_int(tc, "dense_intermediate_size", where, 4 * inter),
         num_local_experts=n_experts,
         num_experts_per_tok=top_k,
         n_shared_experts=n_shared,
-        routed_scaling_factor=float(_get(tc, "routed_scaling_factor", 1.0, where)),
-        use_routing_bias=bool(_get(tc, "use_routing_bias", True, where)),
-        rms_norm_eps=float(_get(tc, "rms_norm_eps", 1e-6, where)),
+        routed_scaling_factor=_float(tc, "routed_scaling_factor", where, 1.0, positive=True),
+        use_routing_bias=_bool(tc, "use_routing_bias", where, True),
+        rms_norm_eps=_float(tc, "rms_norm_eps", where, 1e-6, positive=True),
         rope_theta=theta,
         rotary_dim=rotary_dim,
-        max_position_embeddings=int(_get(tc, "max_position_embeddings", 1 << 20, where)),
-        swiglu_alpha=float(_get(tc, "swiglu_alpha", 1.702, where)),
-        swiglu_limit=float(_get(tc, "swiglu_limit", 7.0, where)),
-        tie_word_embeddings=bool(_get(tc, "tie_word_embeddings", False, where)),
+        max_position_embeddings=_int(tc, "max_position_embeddings", where, 1 << 20),
+        swiglu_alpha=_float(tc, "swiglu_alpha", where, 1.702),
+        swiglu_limit=_float(tc, "swiglu_limit", where, 7.0, positive=True),
+        tie_word_embeddings=_bool(tc, "tie_word_embeddings", where, False),
         sparse_layers=sparse_layers,
         moe_layers=moe_layers,
         sparse=sparse,
-        bos_token_id=tc.get("bos_token_id"),
+        bos_token_id=bos,
         eos_token_id=eos_ids,
     )
 
@@ -407,17 +455,20 @@ def parse_vision_config(vc: dict, where: str = "config.json vision_config") -> V
     _require(pos == "rope", where, "position_embedding_type", pos, "only 3-D RoPE is implemented")
     rope_mode = vc.get("rope_mode", "3d")
     _require(rope_mode == "3d", where, "rope_mode", rope_mode, "only '3d' axial RoPE is implemented")
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: rope_parameters must be an object, got {rope!r}")
     cfg = VisionConfig(
-        hidden_size=int(vc.get("hidden_size", 1280)),
-        intermediate_size=int(vc.get("intermediate_size", 5120)),
-        num_hidden_layers=int(vc.get("num_hidden_layers", 32)),
-        num_attention_heads=int(vc.get("num_attention_heads", 16)),
-        num_channels=int(vc.get("num_channels", 3)),
-        patch_size=int(vc.get("patch_size", 14)),
-        temporal_patch_size=int(vc.get("temporal_patch_size", 2)),
-        spatial_merge_size=int(vc.get("spatial_merge_size", 2)),
-        layer_norm_eps=float(vc.get("layer_norm_eps", 1e-5)),
-        rope_theta=float(rope.get("rope_theta", vc.get("rope_theta", 10000.0))),
+        hidden_size=_int(vc, "hidden_size", where, 1280),
+        intermediate_size=_int(vc, "intermediate_size", where, 5120),
+        num_hidden_layers=_int(vc, "num_hidden_layers", where, 32),
+        num_attention_heads=_int(vc, "num_attention_heads", where, 16),
+        num_channels=_int(vc, "num_channels", where, 3),
+        patch_size=_int(vc, "patch_size", where, 14),
+        temporal_patch_size=_int(vc, "temporal_patch_size", where, 2),
+        spatial_merge_size=_int(vc, "spatial_merge_size", where, 2),
+        layer_norm_eps=_float(vc, "layer_norm_eps", where, 1e-5, positive=True),
+        rope_theta=(_float(rope, "rope_theta", f"{where} rope_parameters", 10000.0, positive=True)
+                    if rope.get("rope_theta") is not None else _float(vc, "rope_theta", where, 10000.0, positive=True)),
     )
     _require(cfg.hidden_size % cfg.num_attention_heads == 0, where, "num_attention_heads",
              cfg.num_attention_heads, f"must divide hidden_size={cfg.hidden_size}")
@@ -443,14 +494,21 @@ def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
         text = parse_text_config(raw, where)
         vision = None
     quant = raw.get("quantization_config")
+    quant_where = f"{where} quantization_config"
     if quant is None and isinstance(raw.get("text_config"), dict):
         quant = raw["text_config"].get("quantization_config")
+        quant_where = f"{where} text_config.quantization_config"
+    if quant is not None and not isinstance(quant, dict):
+        raise ConfigError(f"{quant_where}: expected an object (or null for an unquantized checkpoint), got {quant!r}")
+    for key in ("image_token_index", "image_token_id", "video_token_index", "video_token_id"):
+        if raw.get(key) is not None:
+            _int(raw, key, where, minimum=0)
     return ModelConfig(
         text=text,
         vision=vision,
         image_token_id=raw.get("image_token_index", raw.get("image_token_id")),
         video_token_id=raw.get("video_token_index", raw.get("video_token_id")),
-        projector_hidden_size=int(raw.get("projector_hidden_size", text.hidden_size)),
+        projector_hidden_size=_int(raw, "projector_hidden_size", where, text.hidden_size),
         quantization=quant,
         raw=raw,
     )
@@ -473,7 +531,10 @@ def parse_drafter_config(raw: dict, target: TextConfig, where: str = "dspark/con
         raise ConfigError(f"{where}: required field(s) {missing} missing")
     if tc.get("sparse_attention_config"):
         raise ConfigError(f"{where}: sparse_attention_config must be null for a DSpark drafter")
-    layer_ids = tuple(int(i) for i in tc["dspark_target_layer_ids"])
+    ids = tc["dspark_target_layer_ids"]
+    if not isinstance(ids, list):
+        raise ConfigError(f"{where}: dspark_target_layer_ids={ids!r} must be a list of layer indices")
+    layer_ids = tuple(_int({"dspark_target_layer_ids": i}, "dspark_target_layer_ids", where, minimum=0) for i in ids)
     bad = [i for i in layer_ids if not 0 <= i < target.num_hidden_layers]
     if bad:
         raise ConfigError(
@@ -483,33 +544,33 @@ def parse_drafter_config(raw: dict, target: TextConfig, where: str = "dspark/con
     head_type = tc.get("dspark_markov_head_type", "vanilla")
     _require(head_type == "vanilla", where, "dspark_markov_head_type", head_type,
              "only the 'vanilla' Markov head is implemented")
-    hidden = int(tc["hidden_size"])
+    hidden = _int(tc, "hidden_size", where)
     _require(hidden == target.hidden_size, where, "hidden_size", hidden,
              f"must equal the target's hidden_size={target.hidden_size}")
-    vocab = int(tc.get("vocab_size", target.vocab_size))
+    vocab = _int(tc, "vocab_size", where, target.vocab_size)
     _require(vocab == target.vocab_size, where, "vocab_size", vocab,
              f"must equal the target's vocab_size={target.vocab_size}")
     return DrafterConfig(
-        num_hidden_layers=int(tc["num_hidden_layers"]),
+        num_hidden_layers=_int(tc, "num_hidden_layers", where),
         hidden_size=hidden,
         vocab_size=vocab,
-        num_attention_heads=int(tc.get("num_attention_heads", target.num_attention_heads)),
-        num_key_value_heads=int(tc.get("num_key_value_heads", target.num_key_value_heads)),
-        head_dim=int(tc.get("head_dim", target.head_dim)),
-        intermediate_size=int(tc.get("dspark_ffn_hidden_size", tc.get("dense_intermediate_size",
-                                                                      target.dense_intermediate_size))),
-        block_size=int(tc["dspark_block_size"]),
-        noise_token_id=int(tc.get("dspark_noise_token_id", 200058)),
-        markov_rank=int(tc.get("dspark_markov_rank", 256)),
+        num_attention_heads=_int(tc, "num_attention_heads", where, target.num_attention_heads),
+        num_key_value_heads=_int(tc, "num_key_value_heads", where, target.num_key_value_heads),
+        head_dim=_int(tc, "head_dim", where, target.head_dim),
+        intermediate_size=_int(tc, "dspark_ffn_hidden_size", where,
+                               _int(tc, "dense_intermediate_size", where, target.dense_intermediate_size)),
+        block_size=_int(tc, "dspark_block_size", where),
+        noise_token_id=_int(tc, "dspark_noise_token_id", where, 200058, minimum=0),
+        markov_rank=_int(tc, "dspark_markov_rank", where, 256),
         target_layer_ids=layer_ids,
-        sliding_window=int(tc.get("sliding_window", 4096)),
+        sliding_window=_int(tc, "sliding_window", where, 4096),
         enable_confidence_head=bool(tc.get("enable_confidence_head", False)),
         confidence_head_with_markov=bool(tc.get("confidence_head_with_markov", True)),
-        rms_norm_eps=float(tc.get("rms_norm_eps", target.rms_norm_eps)),
-        rope_theta=float(tc.get("rope_theta", target.rope_theta)),
-        rotary_dim=int(tc.get("rotary_dim", target.rotary_dim)),
-        swiglu_alpha=float(tc.get("swiglu_alpha", target.swiglu_alpha)),
-        swiglu_limit=float(tc.get("swiglu_limit", target.swiglu_limit)),
+        rms_norm_eps=_float(tc, "rms_norm_eps", where, target.rms_norm_eps, positive=True),
+        rope_theta=_float(tc, "rope_theta", where, target.rope_theta, positive=True),
+        rotary_dim=_int(tc, "rotary_dim", where, target.rotary_dim),
+        swiglu_alpha=_float(tc, "swiglu_alpha", where, target.swiglu_alpha),
+        swiglu_limit=_float(tc, "swiglu_limit", where, target.swiglu_limit, positive=True),
         quantization=tc.get("quantization_config"),
     )
 

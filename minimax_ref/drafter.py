@@ -24,7 +24,7 @@ including the query's own; decided here per query position, as the public SGLang
 tensor-parallel ranks like the target's own logits.
 
 Markov pass. `prev = a`; for k in 0..N-1: `z_k = U[k] + markov_w2 @ markov_w1[prev]`; the draft
-`d_k` is argmax(z_k) (greedy) or a sample of `q_k = generate.filtered_probs(z_k, sampling)` (the same
+`d_k` is argmax(z_k) (greedy) or a sample of `q_k = filtered_probs(z_k, sampling)` (`sampling.py`; the same
 temperature/top-k/top-p as the target); `prev = d_k`. Block position k predicts position t+k+1.
 
 Confidence head. `c_k = sigmoid(proj([h_k ; markov_w1[prev_k]]))` with h_k the block's final-normed
@@ -72,9 +72,9 @@ from .linear import ACT_QUANT_MODES, Linear
 from .mlp import MLP
 from .norm import RMSNorm
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .sampling import SamplingParams, draw, filtered_probs
 
 if TYPE_CHECKING:
-    from .generate import SamplingParams
     from .model import MiniMaxM3, Trace
 
 PREFIX = "language_model.model.dspark."
@@ -317,13 +317,6 @@ def _target_logits(target: MiniMaxM3, h: torch.Tensor) -> torch.Tensor:
     return logits if world is None else world.all_gather(logits, dim=-1)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One sample per row of probs [B, V] (`torch.multinomial` on the generator's device)."""
-    on_cpu = generator is not None and generator.device.type == "cpu"
-    out = torch.multinomial(probs.cpu() if on_cpu else probs, 1, generator=generator)
-    return out.squeeze(-1).to(probs.device)
-
-
 class DSparkDrafter(nn.Module):
     """The DSpark drafter (spec `dspark.md`). Module and parameter names are the release's with the
     `language_model.model.dspark.` prefix and `decoder_layer.` dropped.
@@ -427,8 +420,6 @@ class DSparkDrafter(nn.Module):
                     sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         """The sequential stage: z_k = U[k] + markov_w2 @ markov_w1[prev]; greedy argmax or a sample
         of q_k = filtered_probs(z_k, sampling); prev = d_k (the anchor for k = 0)."""
-        from .generate import filtered_probs
-
         B, N = base_logits.shape[:2]
         tokens = torch.empty(B, N, dtype=torch.long, device=base_logits.device)
         probs = None if sampling.greedy else torch.empty_like(base_logits)
@@ -445,7 +436,7 @@ class DSparkDrafter(nn.Module):
                 d = z.argmax(-1)
             else:
                 probs[:, k] = filtered_probs(z, sampling)
-                d = _draw(probs[:, k], generator)
+                d = draw(probs[:, k], generator)
             tokens[:, k] = d
             prev = d
         return Draft(tokens, probs, conf)
@@ -559,6 +550,8 @@ def load_drafter(path: str | Path, target: MiniMaxM3, *, capture_final_norm: boo
     capture_final_norm: see `DSparkDrafter`. Raises CheckpointError (every problem together) or
     ConfigError.
     """
+    from .linear import set_activation_formats
+
     act_quant = act_quant or getattr(target, "act_quant", "none")
     if act_quant not in ACT_QUANT_MODES:
         raise ConfigError(f"act_quant={act_quant!r}: choose one of {list(ACT_QUANT_MODES)}")
@@ -566,6 +559,8 @@ def load_drafter(path: str | Path, target: MiniMaxM3, *, capture_final_norm: boo
     device, dtype = target.device, target.dtype
     with torch.device("meta"):
         drafter = DSparkDrafter(cfg, target.text.num_hidden_layers, capture_final_norm)
+        set_activation_formats(drafter, {spec.module: ck.formats[prefix].fmt for prefix, spec in ck.linears.items()},
+                               act_quant == "emulate")
     state: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     for spec in ck.plain.values():
@@ -580,10 +575,6 @@ def load_drafter(path: str | Path, target: MiniMaxM3, *, capture_final_norm: boo
     if problems:
         raise CheckpointError(f"{path}: {len(problems)} drafter tensors cannot be decoded", problems)
     drafter.load_state_dict(state, strict=True, assign=True)
-    for prefix, spec in ck.linears.items():
-        lin = drafter.get_submodule(spec.module)
-        lin.act_format = "mxfp8" if ck.formats[prefix].fmt == MXFP8 else None
-        lin.emulate_act_quant = act_quant == "emulate" and lin.act_format is not None
     drafter.source_path = Path(path)
     return drafter.eval()
 

@@ -36,3 +36,9 @@ class QuantFormatError(MiniMaxRefError):
 
 class InputError(MiniMaxRefError):
     """Bad input to generation or scoring: prompt, sampling parameters, token ids, images, files."""
+
+
+class NumericsError(MiniMaxRefError):
+    """A forward pass produced NaN or Inf (names the layer where they first appeared), or a result that would
+    carry them (a score). Damaged weights or config values are the usual cause: `minimax-ref inspect` reads
+    every tensor."""

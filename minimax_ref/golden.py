@@ -9,9 +9,9 @@ inputs and outputs are written to `{op}/layer{L:03d}_{phase}.safetensors`:
 |---|---|---|---|
 | `rmsnorm` | all | hooks on input_layernorm, post_attention_layernorm | `{norm}.x`, `{norm}.weight`, `{norm}.y` |
 | `mxfp8_linear` | with an MXFP8 linear | forward hook on the layer's first MXFP8 linear | `x`, `w.*` (packed), `y` |
-| `attention` | dense attention | the call of `attention.causal_attention` | `q`, `k`, `v`, `q_pos`, `o`, paged KV |
-| `indexer` | MSA | the call of `attention.msa_attention` | `iq`, `ik`, `q_pos`, `scores`, `blocks`, paged index keys |
-| `msa` | MSA | the call of `attention.msa_attention` | `q`, `k`, `v`, `iq`, `ik`, `q_pos`, `o`, `blocks`, paged KV |
+| `attention` | dense attention | the attention core (`Trace.attention`) | `q`, `k`, `v`, `q_pos`, `o`, paged KV |
+| `indexer` | MSA | the MSA call (`Trace.attention`) | `iq`, `ik`, `q_pos`, `scores`, `blocks`, paged index keys |
+| `msa` | MSA | the MSA call (`Trace.attention`) | `q`, `k`, `v`, `iq`, `ik`, `q_pos`, `o`, `blocks`, paged KV |
 | `router` | MoE | hook on `block_sparse_moe.gate` | `x`, `gate_weight`, `bias`, `expert_ids`, `weights`, `logits` |
 | `moe` | MoE | forward hook on `block_sparse_moe` | `x`, `y`, router, shared and used routed experts (packed) |
 | `nvfp4_linear` | NVFP4 experts | recomputed from the MoE's input | `x`, `w1.*` (packed), `y`; `h`, `w2.*`, `y2` |
@@ -22,8 +22,9 @@ float8_e4m3fn [N, K/16]; MXFP8: uint8 E8M0 [N, K/32]), `.weight_scale_2` (fp32 s
 meaning: multiplies) and `.input_scale` (fp32 scalar, ModelOpt meaning). The NVFP4 expert chosen is
 the one most tokens were routed to (ties: lower id); its `x` rows are those tokens, ascending.
 
-Attention is captured in one query chunk (the wrapped call gets `chunk_elements=ONE_CHUNK`): the
-engine's chunking only bounds memory, and one call is what a kernel computes. Paged KV views: the
+Attention is captured through the forward's `Trace` (`Trace.attention_layers`), and a captured call runs in
+one query chunk (`Attention.chunk_for`): the engine's chunking only bounds memory, and one call is what a
+kernel computes. Paged KV views: the
 layer's cache storage (float8_e4m3fn with `--kv-cache-dtype fp8`, else the compute dtype) cut into
 pages of `page_size` tokens: `k_pages`, `v_pages` [P, page_size, kv_heads, D], `index_k_pages`
 [P, page_size, index_dim], `block_table` int32 [B, max_pages] (-1 = no page), `seq_lens` int32 [B]
@@ -61,12 +62,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from . import attention as attention_mod
 from .checkpoint import DENSE, MXFP8, NVFP4, TEXT_PREFIX, Checkpoint
 from .errors import InputError
+from .outdir import staged_folder
 
 OPS = ("indexer", "msa", "moe", "nvfp4_linear", "mxfp8_linear", "attention", "router", "rmsnorm")
-ONE_CHUNK = 1 << 62  # chunk_elements large enough that attention runs in one query chunk
 FORMAT = "minimax-ref golden v1"
 MANIFEST = "manifest.json"
 
@@ -193,13 +193,12 @@ def from_pages(pages: torch.Tensor, table: torch.Tensor, seq_lens: Sequence[int]
 
 
 class _Capture:
-    """Hooks and wrapped attention functions that record the chosen ops during forwards."""
+    """Module hooks and a `Trace` that record the chosen ops during forwards."""
 
     def __init__(self, model, ck: Checkpoint, ops: set[str], layers: set[int]):
         self.model, self.ck, self.ops, self.layers = model, ck, ops, layers
         self.entries: dict[tuple[str, int, str], Entry] = {}
         self.phase = ""
-        self.layer: int | None = None
         self.handles: list = []
         self.routing: dict[int, object] = {}
         self.emulate = getattr(model, "act_quant", "none") == "emulate"
@@ -213,7 +212,6 @@ class _Capture:
     # ---- install / remove
     def __enter__(self) -> _Capture:
         for L, layer in enumerate(self.model.layers):
-            self.handles.append(layer.self_attn.register_forward_pre_hook(self._set_layer(L)))
             if L not in self.layers:
                 continue
             if "rmsnorm" in self.ops:
@@ -227,21 +225,28 @@ class _Capture:
                 moe = layer.block_sparse_moe
                 self.handles.append(moe.gate.register_forward_hook(self._router_hook(L)))
                 self.handles.append(moe.register_forward_hook(self._moe_hook(L)))
-        self._orig = (attention_mod.causal_attention, attention_mod.msa_attention)
-        attention_mod.causal_attention = self._causal
-        attention_mod.msa_attention = self._msa
         return self
 
+    def trace(self):
+        """The `Trace` a captured forward takes: the attention cores of the chosen layers, when an attention op is
+        chosen."""
+        from .model import Trace
+
+        wanted = self.layers if self.ops & {"attention", "indexer", "msa"} else set()
+        return Trace(layers=set(), attention_layers=set(wanted))
+
+    def record_attention(self, trace) -> None:
+        """The attention entries of one forward, from its trace."""
+        for L, core in sorted(trace.attention.items()):
+            if "blocks" in core:
+                self._msa(L, core)
+            else:
+                self._causal(L, core)
+
     def __exit__(self, *exc) -> None:
-        attention_mod.causal_attention, attention_mod.msa_attention = self._orig
         for h in self.handles:
             h.remove()
         self.handles.clear()
-
-    def _set_layer(self, L: int):
-        def hook(module, args):
-            self.layer = L
-        return hook
 
     # ---- hooks
     def _norm_hook(self, L: int, norm: str):
@@ -355,41 +360,34 @@ class _Capture:
             e.put("x_hat", act(x, "w1"), "output")
         e.params.update({"expert": x_id, "tokens": tokens.tolist(), "format": NVFP4})
 
-    # ---- wrapped attention functions
-    def _causal(self, q, k, v, q_pos, scale, chunk_elements=None):
-        o = self._orig[0](q, k, v, q_pos, scale, chunk_elements=ONE_CHUNK)
-        if self.layer in self.layers and "attention" in self.ops:
-            e = self.entry("attention", self.layer)
-            for name, t in (("q", q), ("k", k), ("v", v), ("q_pos", q_pos)):
-                e.put(name, t, "input")
-            e.put("o", o, "output")
-            e.params.update({"scale": scale, "chunk_elements": ONE_CHUNK})
-        return o
+    # ---- attention, from the trace
+    def _causal(self, L: int, core: dict) -> None:
+        if "attention" not in self.ops:
+            return
+        e = self.entry("attention", L)
+        for name in ("q", "k", "v", "q_pos"):
+            e.put(name, core[name], "input")
+        e.put("o", core["o"], "output")
+        e.params.update({"scale": core["scale"], "chunk_elements": core["chunk_elements"]})
 
-    def _msa(self, q, k, v, iq, ik, q_pos, scale, block_size, topk_blocks, local_blocks, init_blocks,
-             chunk_elements=None):
+    def _msa(self, L: int, core: dict) -> None:
         from .msa import index_scores
 
-        o, blocks = self._orig[1](q, k, v, iq, ik, q_pos, scale, block_size, topk_blocks, local_blocks,
-                                  init_blocks, chunk_elements=ONE_CHUNK)
-        L = self.layer
-        geometry = {"block_size": block_size, "topk_blocks": topk_blocks, "local_blocks": local_blocks,
-                    "init_blocks": init_blocks}
-        if L in self.layers and "indexer" in self.ops:
+        geometry = {name: core[name] for name in ("block_size", "topk_blocks", "local_blocks", "init_blocks")}
+        if "indexer" in self.ops:
             e = self.entry("indexer", L)
-            for name, t in (("iq", iq), ("ik", ik), ("q_pos", q_pos)):
-                e.put(name, t, "input")
-            e.put("scores", index_scores(iq, ik, q_pos), "output")
-            e.put("blocks", blocks, "output")
+            for name in ("iq", "ik", "q_pos"):
+                e.put(name, core[name], "input")
+            e.put("scores", index_scores(core["iq"], core["ik"], core["q_pos"]), "output")
+            e.put("blocks", core["blocks"], "output")
             e.params.update(geometry)
-        if L in self.layers and "msa" in self.ops:
+        if "msa" in self.ops:
             e = self.entry("msa", L)
-            for name, t in (("q", q), ("k", k), ("v", v), ("iq", iq), ("ik", ik), ("q_pos", q_pos)):
-                e.put(name, t, "input")
-            e.put("o", o, "output")
-            e.put("blocks", blocks, "output")
-            e.params.update({**geometry, "scale": scale})
-        return o, blocks
+            for name in ("q", "k", "v", "iq", "ik", "q_pos"):
+                e.put(name, core[name], "input")
+            e.put("o", core["o"], "output")
+            e.put("blocks", core["blocks"], "output")
+            e.params.update({**geometry, "scale": core["scale"]})
 
     # ---- paged views after a step
     def add_pages(self, cache, seq_lens: list[int], page: int, seed: int) -> None:
@@ -515,7 +513,9 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
     decoded: list[list[int]] = [[] for _ in prompts]
     with _Capture(model, ck, set(ops), set(layers)) as cap:
         cap.phase = "prefill"
-        logits = model(ids, positions=torch.arange(T, device=device).expand(B, T), cache=cache)
+        trace = cap.trace()
+        logits = model(ids, positions=torch.arange(T, device=device).expand(B, T), cache=cache, trace=trace)
+        cap.record_attention(trace)
         cap.add_pages(cache, lengths, page, seed)
         nxt = torch.stack([logits[b, n - 1].argmax() for b, n in enumerate(lengths)])
         for step in range(decode_steps):
@@ -523,11 +523,12 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
             for b in range(B):
                 decoded[b].append(int(nxt[b]))
             pos = torch.tensor([n + step for n in lengths], device=device)[:, None]
-            logits = model(nxt[:, None], positions=pos, cache=cache)
+            trace = cap.trace()
+            logits = model(nxt[:, None], positions=pos, cache=cache, trace=trace)
+            cap.record_attention(trace)
             cap.add_pages(cache, [n + step + 1 for n in lengths], page, seed + step + 1)
             nxt = logits[:, 0].argmax(-1)
     entries = [cap.entries[k] for k in sorted(cap.entries, key=lambda k: (OPS.index(k[0]), k[1], k[2]))]
-    out.mkdir(parents=True, exist_ok=True)
     manifest = {
         "format": FORMAT,
         "checkpoint": str(model.ckpt_path),
@@ -549,15 +550,17 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
         "recompute": RECOMPUTE,
         "entries": [],
     }
-    for e in entries:
-        path = out / e.file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(e.tensors, str(path), metadata={"op": e.op, "layer": str(e.layer), "phase": e.phase})
-        manifest["entries"].append({
-            "file": e.file, "op": e.op, "layer": e.layer, "phase": e.phase, "params": e.params,
-            "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "role": e.roles[n]}
-                        for n, t in e.tensors.items()}})
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    # written under a temporary name and renamed when complete: a failure (a full disk) leaves nothing behind
+    with staged_folder(out) as tmp:
+        for e in entries:
+            path = tmp / e.file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(e.tensors, str(path), metadata={"op": e.op, "layer": str(e.layer), "phase": e.phase})
+            manifest["entries"].append({
+                "file": e.file, "op": e.op, "layer": e.layer, "phase": e.phase, "params": e.params,
+                "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                                "role": e.roles[n]} for n, t in e.tensors.items()}})
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -574,6 +577,7 @@ def _replay_linear(t: dict, key: str, fmt: str, x: torch.Tensor, dtype: torch.dt
 
 
 def _replay_moe(t: dict, p: dict, dtype: torch.dtype, emulate: bool) -> torch.Tensor:
+    from .linear import set_activation_formats
     from .mlp import MLP
     from .moe import Experts, Routing, route
 
@@ -584,29 +588,27 @@ def _replay_moe(t: dict, p: dict, dtype: torch.dtype, emulate: bool) -> torch.Te
     fmts = p["formats"]
     ws = {leaf: torch.stack([decode_operand(t, f"experts.{e}.{leaf}", fmts[f"experts.{e}.{leaf}"], dtype)
                              for e in used]) for leaf in ("w1", "w2", "w3")}
-    ex = Experts(len(used), H, ws["w1"].shape[1], p["alpha"], p["limit"])
+    act = {fmt for leaf in ws for fmt in [fmts[f"experts.{used[0]}.{leaf}"]] if fmt != DENSE}
+    ex = Experts(len(used), H, ws["w1"].shape[1], p["alpha"], p["limit"], act_format=min(act, default=None),
+                 emulate=emulate)
     for leaf, w in ws.items():
         setattr(ex, leaf, torch.nn.Parameter(w, requires_grad=False))
-        fmt = fmts[f"experts.{used[0]}.{leaf}"]
         scales = [t.get(f"experts.{e}.{leaf}.input_scale") for e in used]
         if all(s is not None for s in scales):
             setattr(ex, f"{leaf}_input_scale", torch.stack([s.reshape(()) for s in scales]))
         else:
             setattr(ex, f"{leaf}_input_scale", torch.ones(len(used)))
-        ex.act_format = None if fmt == DENSE else fmt
-    ex.emulate_act_quant = emulate and ex.act_format is not None
     local = torch.searchsorted(torch.tensor(used), routing.expert_ids)
     y = ex(x, Routing(local, routing.weights, routing.logits)) * p["scaling"]
     if p["shared_expert"]:
-        shared = {proj: decode_operand(t, f"shared.{proj}", fmts[f"shared.{proj}"], dtype)
-                  for proj in ("gate_proj", "up_proj", "down_proj")}
+        projs = ("gate_proj", "up_proj", "down_proj")
+        shared = {proj: decode_operand(t, f"shared.{proj}", fmts[f"shared.{proj}"], dtype) for proj in projs}
         mlp = MLP(H, shared["gate_proj"].shape[0], p["alpha"], p["limit"])
+        set_activation_formats(mlp, {proj: fmts[f"shared.{proj}"] for proj in projs}, emulate)
         for proj, w in shared.items():
-            key, lin = f"shared.{proj}", getattr(mlp, proj)
+            lin = getattr(mlp, proj)
             lin.weight = torch.nn.Parameter(w, requires_grad=False)
-            lin.act_format = None if fmts[key] == DENSE else fmts[key]
-            lin.emulate_act_quant = emulate and lin.act_format is not None
-            lin.input_scale = t.get(f"{key}.input_scale")
+            lin.input_scale = t.get(f"shared.{proj}.input_scale")
         y = y + mlp(x).float()
     return y.to(x.dtype)
 
@@ -693,12 +695,7 @@ def _replay_paged(t: dict, p: dict, op: str, dtype: torch.dtype, kv_scale: float
 def replay_bundle(path: str | Path) -> list[dict]:
     """Recompute every op of a golden bundle; one row per check: file, check, ok."""
     path = Path(path)
-    mf = path / MANIFEST
-    if not mf.is_file():
-        raise InputError(f"{path}: no {MANIFEST} (not a golden bundle)")
-    manifest = json.loads(mf.read_text())
-    if manifest.get("format") != FORMAT:
-        raise InputError(f"{mf}: format {manifest.get('format')!r} is not {FORMAT!r}")
+    manifest = read_bundle_manifest(path)
     num = manifest["numerics"]
     dtype = getattr(torch, num["dtype"])
     emulate = num["act_quant"] == "emulate"
@@ -707,7 +704,12 @@ def replay_bundle(path: str | Path) -> list[dict]:
         # Fresh (allocator-aligned) copies: safetensors maps tensors at 8-byte offsets, and CPU BLAS
         # takes different code paths (different rounding) for differently aligned small matrices.
         tensors = {k: v.clone() for k, v in load_file(str(path / ent["file"])).items()}
-        for name, ok in _replay_entry(tensors, ent["params"], ent["op"], dtype, emulate, num["kv_scale"]):
+        try:
+            checks = _replay_entry(tensors, ent["params"], ent["op"], dtype, emulate, num["kv_scale"])
+        except KeyError as e:
+            raise InputError(f"{path / ent['file']}: the bundle's {ent['op']} entry lacks {e.args[0]!r} (a damaged "
+                             "or hand-edited bundle: export it again)") from None
+        for name, ok in checks:
             results.append({"file": ent["file"], "check": name, "ok": bool(ok)})
     return results
 
@@ -762,3 +764,50 @@ def run(args: argparse.Namespace) -> int:
                "ops": sorted({e["op"] for e in manifest["entries"]}), "layers": manifest["layers"]}, sys.stdout)
     sys.stdout.write("\n")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- bundle validation
+
+
+def read_bundle_manifest(path: Path) -> dict:
+    """The manifest of golden bundle `path`, after checking the bundle is whole: the manifest is JSON of this
+    format with numerics and entries, and every entry's file exists and is a complete safetensors file. Every
+    problem found is raised together as one InputError (a damaged bundle must not end in a traceback)."""
+    from .checkpoint import _read_header
+
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise InputError(f"{path}: no {MANIFEST} (not a golden bundle)")
+    try:
+        manifest = json.loads(mf.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{mf}: not valid JSON ({e}); export the bundle again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise InputError(f"{mf}: format {got!r} is not {FORMAT!r}")
+    problems = []
+    num = manifest.get("numerics")
+    if not isinstance(num, dict) or not all(k in num for k in ("dtype", "act_quant", "kv_scale")):
+        problems.append("'numerics' must hold dtype, act_quant and kv_scale")
+    elif not isinstance(getattr(torch, str(num["dtype"]), None), torch.dtype):
+        problems.append(f"numerics.dtype {num['dtype']!r} is not a torch dtype")
+    entries = manifest.get("entries")
+    if not isinstance(entries, list):
+        problems.append("'entries' must be a list")
+        entries = []
+    for i, ent in enumerate(entries):
+        if not isinstance(ent, dict) or not all(k in ent for k in ("file", "op", "params")):
+            problems.append(f"entries[{i}] must hold file, op and params")
+            continue
+        f = path / str(ent["file"])
+        if not f.is_file():
+            problems.append(f"entries[{i}]: {ent['file']} is missing")
+            continue
+        try:
+            _read_header(f)
+        except (ValueError, json.JSONDecodeError, OSError) as e:
+            problems.append(f"entries[{i}]: {ent['file']} cannot be read ({e})")
+    if problems:
+        raise InputError(f"{path}: damaged golden bundle ({len(problems)} problems); export it again:\n"
+                         + "\n".join(f"  - {p}" for p in problems[:20]))
+    return manifest

@@ -28,9 +28,8 @@ from torch import nn
 from .checkpoint import DENSE, NVFP4, Checkpoint, _nbytes, open_checkpoint
 from .config import RuntimeConfig
 from .errors import CheckpointError, ConfigError, QuantFormatError
-from .fast import FastPaths
 from .linear import ACT_QUANT_MODES
-from .model import MiniMaxM3
+from .model import MiniMaxM3, Numerics
 from .packed import PackedWeight, check_packed, model_nbytes, read_packed
 from .parallel import World, check_tp_split
 from .progress import Progress
@@ -131,7 +130,7 @@ def _plan(model: MiniMaxM3, ck: Checkpoint) -> tuple[list, list, int]:
 
 
 def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtype: torch.dtype,
-                 emulate: bool, weights: str = "dequant", validate: bool = True) -> dict[str, int]:
+                 weights: str = "dequant", validate: bool = True) -> dict[str, int]:
     """Load into `model` the part of every tensor of `ck` that the model holds (all of it with one
     process; this rank's slices under tensor parallelism, read from the shards without reading the
     rest). Returns the bytes read from disk per module family.
@@ -179,15 +178,12 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
             continue
         account(spec.family, _part_bytes(ck, (f.weight, f.scale, f.scale_2, f.input_scale),
                                          (spec.out_features, spec.in_features), rows, cols))
-        act_format = f.fmt if f.fmt != DENSE else None
         if spec.expert is None:
             lin = _module(model, spec.module)
             if packed:
                 lin.set_packed(PackedWeight(f.fmt, *parts, dtype=dtype))
             else:
                 _set(model, spec.module + ".weight", w)
-            lin.act_format = act_format
-            lin.emulate_act_quant = emulate and act_format is not None
             if f.fmt == NVFP4:
                 lin.input_scale = ck.input_scale(prefix).to(device)
             continue
@@ -202,8 +198,6 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
             else:
                 stacks[key] = torch.empty((n_local, *w.shape), dtype=dtype, device=device)
             expert_scales[key] = torch.ones(n_local, dtype=torch.float32, device=device)
-            experts.act_format = act_format
-            experts.emulate_act_quant = emulate and act_format is not None
         stack = stacks[key]
         if isinstance(stack, PackedWeight) != packed or (packed and stack.fmt != f.fmt):
             problems.append(f"{prefix}: stored {f.fmt}, unlike the other experts of its layer")
@@ -222,7 +216,6 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
     for (module, leaf), stacked in stacks.items():
         experts = _module(model, module)
         if isinstance(stacked, PackedWeight):
-            stacked.check_range()  # made empty, filled expert by expert: look at the scales it holds now
             del experts._parameters[leaf]  # the decoded parameter's slot: the packed stack takes its name
             setattr(experts, leaf, stacked)
         else:
@@ -241,7 +234,7 @@ def _nb(ck: Checkpoint, name: str) -> int:
 
 def load_model(path: str | Path | None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.bfloat16, act_quant: str = "none", weights: str = "dequant",
-               tp=None, expert_parallel: bool = False, fast: bool | str | dict | FastPaths = False,
+               tp=None, expert_parallel: bool = False, fast: bool | str | dict | None = False,
                synthetic: str | None = None, **runtime) -> MiniMaxM3:
     """Load a checkpoint folder into a ready `MiniMaxM3` in eval mode.
 
@@ -249,8 +242,9 @@ def load_model(path: str | Path | None, *, device: str | torch.device = "cpu",
     and op in fp32) or torch.bfloat16. act_quant: "none" (weight-only) or "emulate" (fake-quantize
     the inputs of NVFP4/MXFP8 linears as W4A4/W8A8 kernels do). weights: "dequant" (decode once at
     load) or "packed" (keep NVFP4/MXFP8 tensors packed on the device and decode at use: memory is the
-    packed size, outputs are bit-identical to "dequant"). fast: fast paths (`fast.FastPaths.of`: False =
-    the reference, True = all of them; `model.set_fast` changes them later). runtime: `RuntimeConfig`
+    packed size, outputs are bit-identical to "dequant"). fast: fast paths (`minimax_ref.fast.FastPaths.of`:
+    False/None/"off" = the reference, which never imports `minimax_ref.fast`; True = all of them;
+    `minimax_ref.fast.apply(model, ...)` changes them later). runtime: `RuntimeConfig`
     fields (max_seq_len, max_batch_size, kv_cache_dtype, max_images_per_prompt, attention_chunk_elements),
     kept on `model.runtime`.
 
@@ -261,6 +255,8 @@ def load_model(path: str | Path | None, *, device: str | torch.device = "cpu",
     every rank raises (the failing rank its own error, the others `parallel.RankFailedError`).
     expert_parallel: with tp, hold whole routed experts (E / TP per rank) instead of a slice of each.
 
+    path None: the embedded default checkpoint (`embedded.default_checkpoint`; `load_tokenizer(None)` is its
+    tokenizer).
     synthetic: instead of `path` (pass None), a `synth` preset materialised in device memory:
     `load_model(None, synthetic="pruned-80", format="nvfp4", layers=..., experts=..., seed=...)` is
     `load_synthetic("pruned-80", ...)` (whose keyword arguments it takes).
@@ -270,8 +266,10 @@ def load_model(path: str | Path | None, *, device: str | torch.device = "cpu",
             raise ConfigError("load_model: give a checkpoint path or synthetic=PRESET, not both")
         return load_synthetic(synthetic, device=device, dtype=dtype, act_quant=act_quant, weights=weights, tp=tp,
                               expert_parallel=expert_parallel, fast=fast, **runtime)
-    if path is None:
-        raise ConfigError("load_model: give a checkpoint folder (or synthetic=PRESET)")
+    if path is None:  # the embedded default, as the CLI without --ckpt-path
+        from .embedded import default_checkpoint
+
+        path = default_checkpoint()
     resolve_device(device)
     world = World.of(tp, device)
 
@@ -286,7 +284,7 @@ def load_model(path: str | Path | None, *, device: str | torch.device = "cpu",
 def load_synthetic(preset: str, *, format: str = "nvfp4", experts: int | None = None, layers: int | None = None,
                    overrides: dict | None = None, seed: int = 0, device: str | torch.device = "cpu",
                    dtype: torch.dtype | str = torch.bfloat16, act_quant: str = "none", weights: str = "packed",
-                   tp=None, expert_parallel: bool = False, fast: bool | str | dict | FastPaths = False,
+                   tp=None, expert_parallel: bool = False, fast: bool | str | dict | None = False,
                    **runtime) -> MiniMaxM3:
     """A model of `synth` preset `preset` ("tiny", "tiny-vl", "release", "pruned-80") with random weights
     in checkpoint format `format` ("nvfp4": NVFP4 experts + MXFP8 elsewhere, "mxfp8", "bf16"),
@@ -330,7 +328,10 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
         raise ConfigError(f"act_quant={act_quant!r}: choose one of {list(ACT_QUANT_MODES)}")
     if weights not in WEIGHT_MODES:
         raise ConfigError(f"weights={weights!r}: choose one of {list(WEIGHT_MODES)}")
-    fast = FastPaths.of(fast)
+    if fast not in (None, False, "off"):
+        from .fast import FastPaths
+
+        fast = FastPaths.of(fast)  # refuses bad switches before any weight is read
     rt = RuntimeConfig.from_kwargs("load_model", **runtime)
     t0 = time.perf_counter()
     cfg = ck.config
@@ -338,18 +339,19 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
         raise ConfigError(f"max_seq_len={rt.max_seq_len} exceeds the model's max_position_embeddings="
                           f"{cfg.text.max_position_embeddings}")
     check_tp_split(ck, world.size, expert_parallel)  # before any weight is read
+    numerics = Numerics(act_quant, rt.attention_chunk_elements, rt.kv_cache_dtype)
+    formats = {spec.module: ck.formats[prefix].fmt for prefix, spec in ck.linears.items()}
     with torch.device("meta"):
-        model = MiniMaxM3(cfg, world, expert_parallel)
-    by_family = load_weights(model, ck, device=device, dtype=dtype, emulate=act_quant == "emulate", weights=weights,
-                             validate=validate)
+        model = MiniMaxM3(cfg, world, expert_parallel, numerics=numerics, formats=formats)
+    by_family = load_weights(model, ck, device=device, dtype=dtype, weights=weights, validate=validate)
     ck.close()
     model.eval()
     model.runtime = rt
-    for layer in model.layers:
-        layer.self_attn.chunk_elements = rt.attention_chunk_elements
-    model.set_fast(fast)
+    if fast not in (None, False, "off"):
+        from .fast import apply
+
+        apply(model, fast)
     model.ckpt_path = None if getattr(ck, "synthetic", False) else ck.path
-    model.act_quant = act_quant
     model.weights = weights
     model.compute_dtype = dtype
     model.notes = ck.notes

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fast import materialize
 from .parallel import ColumnParallelLinear, RowParallelLinear, World
 
 
@@ -41,4 +40,7 @@ class MLP(nn.Module):
         self.alpha, self.limit = alpha, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(materialize(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit)))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu_oai(gate, up, self.alpha, self.limit)

@@ -10,7 +10,8 @@ dropped), so the name table in checkpoint.py is short.
 
 Calling the model on input ids [B, S] runs the plain full forward at positions 0..S-1 and returns
 fp32 logits [B, S, V]. Cached prefill/decode pass `cache` and `positions`; research hooks pass a
-`Trace` to receive per-layer hidden states, router decisions and MSA block selections.
+`Trace` to receive per-layer hidden states, router decisions, MSA block selections and (for golden
+bundles) the attention cores' operands.
 
 Tensor parallelism: built with a `parallel.World` of N ranks, every rank runs this same code on its
 slices (parallel.py lists the splits); the residual stream is replicated, attention and FFN blocks
@@ -20,6 +21,7 @@ so every rank holds the same full fp32 logits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -28,15 +30,41 @@ from torch import nn
 from .attention import Attention
 from .cache import KVCache, LayerCache
 from .config import ModelConfig, TextConfig
-from .errors import InputError
-from .fast import REFERENCE, FastPaths, materialize, register_materialize_lowering
-from .launch import DECODE_REDUCTIONS, ReductionConfigs, compiled_with_fixed_reductions
+from .errors import ConfigError, InputError
+from .finite import finite_logits
+from .linear import ACT_QUANT_MODES, set_activation_formats
 from .mlp import MLP
-from .moe import Experts, MoE, Routing
+from .moe import MoE, Routing
+from .msa import CHUNK_ELEMENTS
 from .norm import RMSNorm
-from .packed import FUSED_INDUCTOR_OPTIONS, PackedWeight
 from .parallel import ColumnParallelLinear, VocabParallelEmbedding, World
 from .rope import rope_cos_sin, rope_inv_freq
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How a model computes, fixed when it is built (`MiniMaxM3(..., numerics=)`).
+
+    act_quant: "none" (weight-only: activations stay in the compute dtype) or "emulate" (the inputs of NVFP4 /
+        MXFP8 linears fake-quantized as W4A4 / W8A8 kernels see them, `linear.emulate_activation_quant`).
+    attention_chunk_elements: bound on the largest attention temporary, in elements (queries run in chunks).
+    kv_cache_dtype: `new_cache`'s default storage, "auto" (the compute dtype) or "fp8" (cache.py).
+    The compute dtype is the loaded weights' (`MiniMaxM3.dtype`).
+    """
+
+    act_quant: str = "none"
+    attention_chunk_elements: int = CHUNK_ELEMENTS
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.act_quant not in ACT_QUANT_MODES:
+            raise ConfigError(f"act_quant={self.act_quant!r}: choose one of {list(ACT_QUANT_MODES)}")
+        if not isinstance(self.attention_chunk_elements, int) or self.attention_chunk_elements < 1:
+            raise ConfigError(f"attention_chunk_elements={self.attention_chunk_elements!r}: give a positive count")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {list(KV_CACHE_DTYPES)}")
 
 
 @dataclass
@@ -48,23 +76,29 @@ class Trace:
     routing[L]: MoE decision of layer L for the B*T flattened tokens (`moe.Routing`).
     blocks[L]: MSA block ids of layer L, [B, kv_heads, T, kb] (-1 = empty slot); under tensor
         parallelism, this rank's kv heads only.
+    attention[L]: for the layers in `attention_layers`, the attention core's operands and result as it
+        was called (`Attention.record`: q, k, v, q_pos, o, and on MSA layers iq, ik, blocks; the scale,
+        geometry and chunk size). What golden bundles are made of.
     """
 
     layers: set[int] | None = None
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
     routing: dict[int, Routing] = field(default_factory=dict)
     blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention_layers: set[int] = field(default_factory=set)
+    attention: dict[int, dict] = field(default_factory=dict)
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int, world: World, expert_parallel: bool = False):
+    def __init__(self, cfg: TextConfig, layer: int, world: World, expert_parallel: bool = False,
+                 chunk_elements: int = CHUNK_ELEMENTS):
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, world=world)
+        self.self_attn = Attention(cfg, layer, world=world, chunk_elements=chunk_elements)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe_layers[layer]:
             self.block_sparse_moe = MoE(
@@ -79,52 +113,23 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None, trace: Trace | None, kv_len: int | None = None) -> torch.Tensor:
         """The layer on x [B, T, H]; `cache` is this layer's part of the KV cache (`KVCache.layer`)."""
-        rec: dict = {} if trace is not None else None
-        # compiled, each norm is computed once and stored (fast.materialize), not once per row of every weight
-        # that multiplies it: fused into a matmul with one row per program, the norm's mean over the hidden size
-        # was recomputed for every output row
-        h = x + self.self_attn(materialize(self.input_layernorm(x)), pos, cos, sin, cache, rec, kv_len)
+        rec = None if trace is None else {"capture": self.layer in trace.attention_layers}
+        h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, rec, kv_len)
         if hasattr(self, "block_sparse_moe"):
             routing: list | None = [] if trace is not None else None
-            out = h + self.block_sparse_moe(materialize(self.post_attention_layernorm(h)), routing)
+            out = h + self.block_sparse_moe(self.post_attention_layernorm(h), routing)
             if routing:
                 trace.routing[self.layer] = routing[0]
         else:
-            out = h + self.mlp(materialize(self.post_attention_layernorm(h)))
+            out = h + self.mlp(self.post_attention_layernorm(h))
         if trace is not None:
             if "blocks" in rec:
                 trace.blocks[self.layer] = rec["blocks"]
+            if "core" in rec:
+                trace.attention[self.layer] = rec["core"]
             if trace.wants(self.layer):
                 trace.hidden_states[self.layer] = out
         return out
-
-
-def _run_layer(layer: DecoderLayer, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: LayerCache | None, trace: Trace | None, kv_len: int | None) -> torch.Tensor:
-    return layer(x, pos, cos, sin, cache, trace, kv_len)
-
-
-# The compiled layers' inductor options: the fused matmul's (`packed.FUSED_INDUCTOR_OPTIONS`: a packed weight's
-# decoding stays inside the matmul that reads it, and the bfloat16 roundings are kept), with coordinate-descent tuning
-# of each Triton kernel's block sizes and warps (measured on an H200, scaled model at batch 1: 5.9 -> 4.7 ms per step,
-# for a few minutes more compiling; no effect on a CPU). Descent along one axis at a time: with every diagonal move
-# tried too (`coordinate_descent_check_all_directions`) the compile of a 4-layer model did not finish in 5 minutes.
-LAYER_INDUCTOR_OPTIONS = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
-
-
-def compiled_layer(reductions: ReductionConfigs | None = DECODE_REDUCTIONS):
-    """`_run_layer` through `torch.compile`, for decode steps (`FastPaths.compile_layers`).
-
-    The layer is an argument and reads no per-layer constant on this path (its cache part comes in as tensors,
-    `KVCache.layer`), so every layer of a kind passes the same guards and shares one compiled graph: one per
-    (kind of layer, batch size, cache length, dtype). Static shapes (`dynamic=False`: a decode step's shapes are
-    fixed) and `fullgraph`: no graph break, so no host synchronisation hides in the step. Inductor options:
-    `LAYER_INDUCTOR_OPTIONS`, and the large reductions (the matmuls, attention's value sums) launched with their
-    kind's configuration in `reductions` (`launch.FixedReductions`; None: tuned like the other kernels)."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    register_materialize_lowering()
-    return compiled_with_fixed_reductions(_run_layer, reductions, dynamic=False, fullgraph=True,
-                                          options=dict(LAYER_INDUCTOR_OPTIONS))
 
 
 class MiniMaxM3(nn.Module):
@@ -132,20 +137,21 @@ class MiniMaxM3(nn.Module):
 
     world: the tensor-parallel group (default: one process). expert_parallel: with more than one
     rank, hold whole routed experts (E / TP per rank) instead of a slice of every expert.
-    `set_fast` switches the fast paths of fast.py (default: the reference).
+    numerics: how it computes (`Numerics`). formats: the on-disk format of each linear's and expert
+    stack's weight by module path ("nvfp4", "mxfp8", else dense), for activation emulation (the
+    loader passes the checkpoint's).
     """
 
-    fast = REFERENCE
-    _compiled_layer = None
-
-    def __init__(self, config: ModelConfig, world: World | None = None, expert_parallel: bool = False):
+    def __init__(self, config: ModelConfig, world: World | None = None, expert_parallel: bool = False,
+                 numerics: Numerics | None = None, formats: Mapping[str, str] | None = None):
         super().__init__()
         self.config = config
         self.world = world = world or World.single()
         self.expert_parallel = expert_parallel
+        self.numerics = numerics = numerics or Numerics()
         cfg = self.text = config.text
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, world)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, world, expert_parallel)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, world, expert_parallel, numerics.attention_chunk_elements)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # column-parallel over the vocabulary, the same rows as embed_tokens (so tying shares them)
@@ -158,6 +164,12 @@ class MiniMaxM3(nn.Module):
             self.vision_tower = VisionTower(config.vision)
             self.projector = Projector(config.vision.hidden_size, cfg.hidden_size, config.vision.spatial_merge_size,
                                        projector_hidden=config.projector_hidden_size)
+        # the tensor-parallel linears' constructors take no format: it is set here, as the model is built
+        set_activation_formats(self, formats or {}, numerics.act_quant == "emulate")
+
+    @property
+    def act_quant(self) -> str:
+        return self.numerics.act_quant
 
     @property
     def dtype(self) -> torch.dtype:
@@ -166,33 +178,6 @@ class MiniMaxM3(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
-
-    def set_fast(self, fast: bool | str | dict | FastPaths = True) -> FastPaths:
-        """Switch fast paths (`FastPaths.of(fast)`: True = all, False = the reference) on every module."""
-        self.fast = FastPaths.of(fast)
-        for name, m in self.named_modules():
-            if isinstance(m, (Attention, Experts)):
-                m.fast = self.fast
-            elif isinstance(m, PackedWeight):
-                m.mode = self.fast.decode
-                m.fused_tokens, m.fused_rows = self.fast.fused_tokens, self.fast.fused_rows
-                m.set_words(self.fast.reads_words(name, m.fmt))
-        self._compiled_layer = compiled_layer(self.fast.layer_reductions) if self.fast.compile_layers else None
-        return self.fast
-
-    def _compiles_step(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None) -> bool:
-        """Whether this call runs its layers compiled (`FastPaths.compile_layers`): a decode step (one token per
-        sequence: each shape is a graph of its own, so short prompts are not compiled) with a cache and no trace,
-        no activation emulation and no expert mask (those synchronise with the host)."""
-        if self._compiled_layer is None or cache is None or trace is not None or positions.shape[1] != 1:
-            return False
-        for layer in self.layers:
-            if layer.self_attn.q_proj.emulate_act_quant:
-                return False
-            moe = getattr(layer, "block_sparse_moe", None)
-            if moe is not None and (moe.gate.expert_mask is not None or moe.experts.emulate_act_quant):
-                return False
-        return True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         V = self.text.vocab_size
@@ -208,17 +193,16 @@ class MiniMaxM3(nn.Module):
                trace: Trace | None = None) -> torch.Tensor:
         """Run the decoder layers on embeddings x [B, T, H] at positions [B, T]; returns the residual
         stream before the final norm."""
-        inv_freq = rope_inv_freq(self.text.rotary_dim, self.text.rope_theta, x.device)
-        cos, sin = rope_cos_sin(positions, inv_freq)
-        kv_len = None  # cached keys are slots [0, kv_len), read once here rather than in every layer
-        if cache is not None:
-            # static_kv (decode steps only; a prefill chunk attends over what it needs): the whole cache
-            static = self.fast.static_kv and positions.shape[1] <= self.fast.sync_free_tokens
-            kv_len = cache.max_seq_len if static else int(positions.max()) + 1
-        run = self._compiled_layer if self._compiles_step(positions, cache, trace) else _run_layer
+        cos, sin = self.rope(positions)
+        # cached keys are slots [0, kv_len), read on the host once here rather than in every layer
+        kv_len = None if cache is None else int(positions.max()) + 1
         for i, layer in enumerate(self.layers):
-            x = run(layer, x, positions, cos, sin, None if cache is None else cache.layer(i), trace, kv_len)
+            x = layer(x, positions, cos, sin, None if cache is None else cache.layer(i), trace, kv_len)
         return x
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin fp32 [B, T, rotary_dim] of `positions` [B, T] (`rope.rope_cos_sin`)."""
+        return rope_cos_sin(positions, rope_inv_freq(self.text.rotary_dim, self.text.rope_theta, positions.device))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [.., V] of the residual stream h. Each rank computes its vocabulary slice; the
@@ -244,9 +228,16 @@ class MiniMaxM3(nn.Module):
         elif cache is None and not torch.equal(positions, torch.arange(T, device=positions.device).expand(B, T)):
             raise InputError("positions other than 0..T-1 need a KV cache (keys live at their positions)")
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        return self.logits(self.hidden(x, positions, cache, trace))
+        return self.checked(self.logits(self.hidden(x, positions, cache, trace)), x, positions, cache)
 
-    def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str = "auto") -> KVCache:
-        """A KV cache for this rank: its kv heads only (all of them with one process)."""
+    def checked(self, logits: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None) -> torch.Tensor:
+        """`logits`, refused with a `NumericsError` naming the layer where NaN / Inf first appear (finite.py).
+        x, positions, cache: the forward's embeddings and arguments, to re-run it on failure."""
+        return finite_logits(self, logits, x, lambda tr: self.hidden(x, positions, cache, tr), Trace)
+
+    def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None) -> KVCache:
+        """A KV cache for this rank: its kv heads only (all of them with one process); kv_cache_dtype "auto" or
+        "fp8" (default: `numerics.kv_cache_dtype`)."""
         return KVCache(self.text, batch_size, max_seq_len, self.embed_tokens.weight.dtype, self.device,
-                       kv_cache_dtype, kv_heads=self.layers[0].self_attn.n_kv)
+                       kv_cache_dtype or self.numerics.kv_cache_dtype, kv_heads=self.layers[0].self_attn.n_kv)

@@ -14,13 +14,6 @@ fp32 and the result cast once to the compute dtype. In fp32 mode every step is f
 Packed weights (`weights="packed"`): each expert stack is a `packed.PackedWeight` and an expert is
 decoded when it has tokens, to the same bits as a decoded-at-load stack.
 
-Fast path (`FastPaths(moe=True)`, fast.py): for a few tokens (decode steps) the reference's grouping by
-expert needs the per-expert token counts on the host; the fast path instead runs batched matmuls over
-the chosen experts (one weight per (token, slot) when that is fewer than the local experts, else every
-local expert on every token), with static shapes and no host synchronisation. With packed stacks and
-`FastPaths(matmul="fused")` those matmuls are fused dequantize-and-multiply kernels that read the chosen
-experts' packed bytes in place (`packed.packed_matmul_fused`).
-
 Tensor parallelism (parallel.py): the router is replicated, so every rank makes the same choice.
 The routed experts are either split like an MLP (TP mode: each rank holds intermediate/TP channels
 of every expert) or whole (expert-parallel: each rank holds E/TP experts and computes only those,
@@ -37,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
-from .fast import REFERENCE, materialize
 from .linear import emulate_activation_quant
 from .mlp import MLP, swiglu_oai
 from .packed import PackedWeight
@@ -67,6 +59,14 @@ def route(
     removes the experts marked False from the choice (used to emulate pruning). Ties in top-k are
     broken as `torch.topk` does (implementation-defined).
     """
+    logits, scores, choice = router_scores(x, gate_weight, bias, top_k, expert_mask)
+    return routing_of(logits, scores, torch.topk(choice, top_k, dim=-1).indices)
+
+
+def router_scores(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                  expert_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route`'s fp32 logits [T, E], sigmoid scores [T, E] and the scores the choice ranks (bias added, masked
+    experts at -inf)."""
     logits = F.linear(x.float(), gate_weight.float())
     scores = torch.sigmoid(logits)
     choice = scores if bias is None else scores + bias.float()
@@ -75,9 +75,11 @@ def route(
         if kept < top_k:  # topk would silently pick masked (-inf) experts
             raise ConfigError(f"expert_mask keeps {kept} experts but routing chooses {top_k} per token")
         choice = choice.masked_fill(~expert_mask, float("-inf"))
-    # a compiled decode step (no trace reads the order) skips sorting the chosen experts: the order only changes the
-    # fp32 sum order of their outputs, and the sort is a kernel of its own
-    expert_ids = torch.topk(choice, top_k, dim=-1, sorted=not torch.compiler.is_compiling()).indices
+    return logits, scores, choice
+
+
+def routing_of(logits: torch.Tensor, scores: torch.Tensor, expert_ids: torch.Tensor) -> Routing:
+    """The routing of the chosen `expert_ids` [T, k]: weights = their scores, normalised to sum 1."""
     chosen = scores.gather(-1, expert_ids)
     return Routing(expert_ids, chosen / chosen.sum(-1, keepdim=True), logits)
 
@@ -110,7 +112,8 @@ class Experts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float,
-                 world: World | None = None, expert_parallel: bool = False):
+                 world: World | None = None, expert_parallel: bool = False, act_format: str | None = None,
+                 emulate: bool = False):
         super().__init__()
         world = world or World.single()
         self.num_experts = num_experts
@@ -127,8 +130,8 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, I, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, hidden, I), requires_grad=False)
         self.alpha, self.limit = alpha, limit
-        self.act_format: str | None = None
-        self.emulate_act_quant = False
+        self.act_format = act_format  # on-disk format of the stacks, for activation emulation (linear.py)
+        self.emulate_act_quant = emulate and act_format is not None
         for leaf in ("w1", "w2", "w3"):
             self.register_buffer(f"{leaf}_input_scale", None, persistent=False)
 
@@ -137,8 +140,6 @@ class Experts(nn.Module):
         if self.expert_parallel:
             return None, None  # whole experts
         return (None, self.channels) if leaf == "w2" else (self.channels, None)
-
-    fast = REFERENCE  # fast-path switches (fast.py); MiniMaxM3.set_fast sets them
 
     def weight(self, leaf: str, index: int | torch.Tensor | None = None) -> torch.Tensor:
         """Weights of `leaf` ("w1", "w2", "w3") in the compute dtype: the whole stack (index None), local
@@ -149,7 +150,7 @@ class Experts(nn.Module):
         return w if index is None else w[index]
 
     def unpack(self, leaf: str) -> None:
-        """Decode the packed stack `leaf` once and keep it (what weights="dequant" loads)."""
+        """Decode the packed stack `leaf` once and keep it (what weights="dequant" loads; `packed.dequantize`)."""
         w = getattr(self, leaf).decode()
         delattr(self, leaf)
         setattr(self, leaf, nn.Parameter(w, requires_grad=False))
@@ -175,8 +176,6 @@ class Experts(nn.Module):
         tensor parallelism this is the rank's partial sum: its channels of every expert (TP mode) or
         its own experts only (expert-parallel); the caller all-reduces.
         """
-        if self.fast.moe and not self.emulate_act_quant and x.shape[0] <= self.fast.sync_free_tokens:
-            return self.forward_sync_free(x, routing)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = routing.expert_ids.reshape(-1)
         flat_w = routing.weights.reshape(-1)
@@ -193,49 +192,6 @@ class Experts(nn.Module):
             y = self.expert(e - self.local_experts.start, x[tokens])
             out.index_add_(0, tokens, y.float() * flat_w[sel, None])
         return out
-
-    def forward_sync_free(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """`forward` for a few tokens without host synchronisation and with static shapes (the fast
-        path for decode steps; equal to `forward` up to fp32 rounding, the sum over a token's experts is
-        taken in slot order instead of expert order).
-
-        With P = T * k (token, slot) pairs and E local experts: when P < E, each pair's expert weights
-        are gathered (decoding P experts, the chosen ones: 4 at batch 1) and applied with batched
-        matmuls; otherwise every local expert runs on every token (decoding each local expert once) and
-        the outputs are combined with a dense [T, E] weight matrix whose unchosen entries are 0.
-        Under expert parallelism, pairs routed to another rank's experts get weight 0.
-        """
-        T, k = routing.expert_ids.shape
-        E = len(self.local_experts)
-        local = routing.expert_ids - self.local_experts.start
-        mine = (local >= 0) & (local < E)
-        weights = torch.where(mine, routing.weights, torch.zeros_like(routing.weights))  # fp32 [T, k]
-        local = local.clamp(0, E - 1)
-        if T * k < E:
-            # each token's row broadcast against its k experts (not repeated: the fused matmul reads x in place)
-            xt = x[:, None, None]  # [T, 1, 1, H]
-            gate = self.matmul("w1", xt, local)  # [T, k, 1, I]
-            up = self.matmul("w3", xt, local)
-            h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
-            y = self.matmul("w2", h, local).view(T, k, -1)  # [T, k, H]
-            return (y.float() * weights[..., None]).sum(1)
-        dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, local, weights)
-        gate = self.matmul("w1", x)  # [E, T, I]
-        up = self.matmul("w3", x)
-        h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))
-        y = self.matmul("w2", h)  # [E, T, H]
-        return torch.einsum("te,eth->th", dense, y.float())
-
-    def matmul(self, leaf: str, x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ W^T` for the stack `leaf` ("w1", "w2", "w3"): x `[*B, M, K]` against every local expert (index
-        None; `*B` broadcasts against `[E_local]`) or against the experts `index` (a LongTensor of any shape `I`;
-        `*B` broadcasts against `I`).
-        A packed stack multiplies without decoding into memory when its fused matmul is on
-        (`PackedWeight.matmul`); the gathered experts' bytes are then read in place."""
-        w = getattr(self, leaf)
-        if isinstance(w, PackedWeight):
-            return w.matmul(x, index)
-        return torch.matmul(x, (w if index is None else w[index]).transpose(-1, -2))
 
 
 class MoE(nn.Module):

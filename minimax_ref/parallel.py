@@ -34,6 +34,7 @@ module that splits; there is no module-level distributed state.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,7 +47,8 @@ from .errors import ConfigError, MiniMaxRefError
 from .linear import Linear
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from .checkpoint import Checkpoint, LinearSpec
+    from .config import ModelConfig
 
 QUANT_GROUP = {"nvfp4": 16, "mxfp8": 32}  # elements per block scale along K
 
@@ -192,6 +194,20 @@ class World:
                               f"{messages[bad[0]]}")
 
 
+# Messages of the communication libraries when the other end of a collective has gone away.
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
+                        "NCCL communicator was aborted", "Timed out", "timed out")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because another rank died or stopped answering (torch's
+    distributed error types, or the RuntimeError gloo raises for a closed connection), not a fault of this rank."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in PEER_FAILURE_MARKERS)
+
+
 # ----------------------------------------------------------------------------------------------
 # layers
 
@@ -258,17 +274,19 @@ class VocabParallelEmbedding(nn.Module):
 # validation, before any weight is read
 
 
-def check_tp_split(ck: Checkpoint, size: int, expert_parallel: bool) -> None:
-    """Refuse a checkpoint that cannot be split over `size` ranks, listing every reason.
+def tp_split_problems(cfg: ModelConfig, linear_formats: Mapping[str, tuple[LinearSpec, str]], size: int,
+                      expert_parallel: bool) -> list[str]:
+    """Why a model cannot be split over `size` tensor-parallel ranks; [] when it can.
 
-    `ck` is an opened checkpoint (headers only: call this before reading weights). Head counts, the vocabulary, the
-    intermediate sizes (and the expert count when expert-parallel) must divide; the input-column
-    slices of row-parallel linears (o_proj, down_proj, w2) must keep whole NVFP4 (16) / MXFP8 (32)
-    groups, because packed bytes and block scales are sliced together without decoding.
+    cfg: the model's config. linear_formats: every linear as prefix -> (its `checkpoint.LinearSpec`, its stored
+    format "bf16" / "mxfp8" / "nvfp4"). Head counts, the vocabulary, the intermediate sizes (and the expert count
+    when expert-parallel) must divide; the input-column slices of row-parallel linears (o_proj, down_proj, w2)
+    must keep whole NVFP4 (16) / MXFP8 (32) groups, because packed bytes and block scales are sliced together
+    without decoding. The one rule set: the loader refuses with it (`check_tp_split`), `plan` reports with it.
     """
     if size == 1:
-        return
-    t = ck.config.text
+        return []
+    t = cfg.text
     problems: list[str] = []
 
     def divides(n: int, what: str) -> None:
@@ -298,9 +316,8 @@ def check_tp_split(ck: Checkpoint, size: int, expert_parallel: bool) -> None:
                   "mlp.down_proj": t.dense_intermediate_size // size,
                   "shared_experts.down_proj": t.shared_intermediate_size // size,
                   "w2": None if expert_parallel else t.intermediate_size // size}
-        for prefix, spec in ck.linears.items():
+        for prefix, (spec, fmt) in linear_formats.items():
             key = spec.leaf or next((k for k in widths if spec.module.endswith(k)), None)
-            fmt = ck.formats[prefix].fmt
             group, width = QUANT_GROUP.get(fmt), widths.get(key) if key else None
             if group is None or width is None or width % group == 0:
                 continue
@@ -309,8 +326,22 @@ def check_tp_split(ck: Checkpoint, size: int, expert_parallel: bool) -> None:
                        f"quantization group of {group}")
             if problem not in problems:
                 problems.append(problem)
+    return problems
+
+
+def tp_split_hint(problems: list[str], expert_parallel: bool) -> str:
+    """What to do about `tp_split_problems`: fewer ranks, or expert parallelism when routed experts are at fault."""
+    routed = any("routed experts" in p or ".experts.*." in p for p in problems)
+    return "use fewer ranks" + (" or expert parallelism for the routed experts"
+                                if routed and not expert_parallel else "")
+
+
+def check_tp_split(ck: Checkpoint, size: int, expert_parallel: bool) -> None:
+    """Refuse a checkpoint that cannot be split over `size` ranks, listing every reason (`tp_split_problems`).
+
+    `ck` is an opened checkpoint (headers only: call this before reading weights)."""
+    formats = {prefix: (spec, ck.formats[prefix].fmt) for prefix, spec in ck.linears.items() if prefix in ck.formats}
+    problems = tp_split_problems(ck.config, formats, size, expert_parallel)
     if problems:
-        routed = any("routed experts" in p or ".experts.*." in p for p in problems)
-        hint = " or expert parallelism for the routed experts" if routed and not expert_parallel else ""
-        raise ConfigError(f"{ck.path}: cannot split this checkpoint over {size} tensor-parallel ranks; use "
-                          f"fewer ranks{hint}:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise ConfigError(f"{ck.path}: cannot split this checkpoint over {size} tensor-parallel ranks; "
+                          f"{tp_split_hint(problems, expert_parallel)}:\n" + "\n".join(f"  - {p}" for p in problems))

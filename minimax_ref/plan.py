@@ -34,7 +34,10 @@ kept outside weights and KV on a 96 GB card at TP2 (95.59 GiB * 0.92 - 76.17 GiB
 KV = 4.96 GiB: activations at the default batched-token budget, sampler, CUDA graphs, NCCL and
 allocator overhead). Images add their encoder-cache bytes (tokens * hidden * 2 per image) to the
 reserve. `max_model_len_fits` is true when one sequence of `--max-model-len` tokens fits the pool
-and the model's position limit, and the image tokens fit in it.
+and the model's position limit, and the image tokens fit in it. `runs` is false, `problems` says why and
+the command exits 1 when the deployment cannot run: the loader's tensor-parallel split rules refuse `--tp`
+(`parallel.tp_split_problems`, one rule set for both), the weights alone exceed the card's budget, or a
+`--max-model-len` sequence does not fit.
 
 Image token budget: one image at `max_pixels` (preprocessor_config.json, default 451,584) becomes
 `max_pixels // (patch_size * merge_size)^2` tokens (576) plus the start/end-of-image tokens.
@@ -204,6 +207,8 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
     pool = max(0, int(usable // per_token) // page * page)
     need = max_model_len * per_token
     fits = (usable >= need and max_model_len <= t.max_position_embeddings and image_budget <= max_model_len)
+    problems = run_problems(cfg, groups, tp=tp, expert_parallel=expert_parallel, weights_per_card=per_card,
+                            budget=budget, usable=usable, fits=fits, max_model_len=max_model_len)
     return {
         "source": source,
         "tp": tp,
@@ -230,7 +235,37 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
         "images": images,
         "image_tokens_per_image": img_tokens,
         "image_token_budget": image_budget,
+        "runs": not problems,
+        "problems": problems,
     }
+
+
+def run_problems(cfg: ModelConfig, groups: list[TensorBytes], *, tp: int, expert_parallel: bool,
+                 weights_per_card: float, budget: float, usable: float, fits: bool, max_model_len: int) -> list[str]:
+    """Why the planned deployment cannot run ([] when it can): the loader's own tensor-parallel split rules
+    (`parallel.tp_split_problems`, with each linear's planned format), weights that exceed the card's budget,
+    and a `max_model_len` sequence that does not fit the KV pool or the position limit."""
+    from .parallel import tp_split_hint, tp_split_problems
+
+    linears, _ = tensor_table(cfg)
+    fmt = {g.name: g.fmt for g in groups}
+    problems = tp_split_problems(cfg, {prefix: (spec, fmt[prefix]) for prefix, spec in linears.items()}, tp,
+                                 expert_parallel)
+    if problems:
+        problems = [f"cannot split over {tp} tensor-parallel ranks ({tp_split_hint(problems, expert_parallel)}): {p}"
+                    for p in problems]
+    if weights_per_card > budget:
+        problems.append(f"weights need {weights_per_card / GIB:.2f} GiB per card, more than the card's "
+                        f"{budget / GIB:.2f} GiB budget (--gpu-memory x --gpu-memory-utilization): use more cards")
+    elif usable <= 0:
+        problems.append(f"weights ({weights_per_card / GIB:.2f} GiB per card) and the activation reserve leave no "
+                        "memory for the KV cache: use more cards or a smaller --activation-reserve")
+    elif not fits:
+        why = (f"exceeds the model's max_position_embeddings={cfg.text.max_position_embeddings}"
+               if max_model_len > cfg.text.max_position_embeddings else "does not fit the KV pool (or its images do not"
+               " fit in it)")
+        problems.append(f"--max-model-len {max_model_len} {why}")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -266,10 +301,13 @@ def run(args: argparse.Namespace) -> int:
                        utilization=args.gpu_memory_utilization, activation_reserve_gib=args.activation_reserve,
                        dtype_bytes=2 if args.dtype == "bfloat16" else 4, expert_parallel=args.expert_parallel,
                        split_vision=args.split_vision, ckpt_dir=args.ckpt_path)
+    status = 0 if plan["runs"] else 1
+    for problem in plan["problems"]:
+        print(f"error: {problem}", file=sys.stderr)
     if args.output_format == "json":
         json.dump(plan, sys.stdout)
         sys.stdout.write("\n")
-        return 0
+        return status
     print(f"weights      {plan['weights_gib_total']:.2f} GiB total, {plan['weights_gib_per_card']:.2f} GiB per "
           f"card at TP{plan['tp']} (sizes from {plan['source']})")
     for fam, f in plan["families"].items():
@@ -284,4 +322,5 @@ def run(args: argparse.Namespace) -> int:
     if plan["images"]:
         print(f"images       {plan['images']} x {plan['image_tokens_per_image']} tokens = "
               f"{plan['image_token_budget']} tokens")
-    return 0
+    print(f"runs         {'yes' if plan['runs'] else 'NO: ' + '; '.join(plan['problems'])}")
+    return status

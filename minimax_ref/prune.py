@@ -40,6 +40,7 @@ import torch
 
 from .checkpoint import TEXT_PREFIX
 from .errors import CheckpointError, ConfigError, InputError
+from .outdir import staged_folder
 
 METHODS = ("weight", "frequency")
 INDEX = "model.safetensors.index.json"
@@ -225,8 +226,18 @@ def write_pruned(src: str | Path, out: str | Path, kept: dict[int, list[int]], m
                  extra: dict | None = None) -> Path:
     """Write the pruned copy of checkpoint `src` to `out` (layout in the module docstring).
 
-    `kept[L]` are the original ids kept in MoE layer L, ascending, the same count in every layer.
+    `kept[L]` are the original ids kept in MoE layer L, ascending, the same count in every layer. The folder is
+    written under a temporary name beside `out` and renamed when complete (`outdir.staged_folder`): a failure, a
+    full disk included, leaves nothing behind.
     """
+    src, out = Path(src), Path(out)
+    _check_out(src, out)
+    with staged_folder(out) as tmp:
+        _write_pruned_into(src, tmp, kept, method, extra)
+    return out
+
+
+def _write_pruned_into(src: Path, out: Path, kept: dict[int, list[int]], method: str, extra: dict | None) -> Path:
     from .checkpoint import open_checkpoint
 
     src, out = Path(src), Path(out)

@@ -335,9 +335,20 @@ def dequant_nvfp4(
             f"position(s), first at index {_first_index(nan)}"
         )
 
-    g2 = _per_lead_global(weight_scale_2, lead, label)
-    block = s.view(torch.float8_e4m3fn).to(torch.float32) * g2  # [*L, N, K/16]
-    values = _e2m1_lookup(unpack_fp4(w)).reshape(*lead, n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    return decode_nvfp4(w, s.view(torch.float8_e4m3fn), _per_lead_global(weight_scale_2, lead, label))
+
+
+def decode_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """`dequant_nvfp4` without its checks (they read the tensors on the host): for tensors checked once at load.
+
+    weight uint8 `[*L, N, K/2]`, weight_scale float8_e4m3fn `[*L, N, K/16]`, weight_scale_2 float32 with one
+    element, or one per leading index (`[*L]`, `[*L, 1]` or `[*L, 1, 1]`). Returns float32 `[*L, N, K]`, the
+    same operations in the same order as `dequant_nvfp4`, so the same bits."""
+    *lead, n, half_k = weight.shape
+    k = 2 * half_k
+    g2 = weight_scale_2.reshape(1, 1) if weight_scale_2.numel() == 1 else weight_scale_2.reshape(*lead, 1, 1)
+    block = weight_scale.to(torch.float32) * g2  # [*L, N, K/16]
+    values = _e2m1_lookup(unpack_fp4(weight)).reshape(*lead, n, k // NVFP4_BLOCK, NVFP4_BLOCK)
     return (values * block.unsqueeze(-1)).reshape(*lead, n, k)
 
 
@@ -400,9 +411,8 @@ def dequant_mxfp8(weight: torch.Tensor, scale: torch.Tensor, *, name: str = "") 
             f"{label}: MXFP8 weight holds E4M3 NaN (byte 0x7f/0xff) at {int(nan.sum())} "
             f"position(s), first at index {_first_index(nan)}"
         )
-    x = decode_e8m0(s, name=name)
-    values = w.view(torch.float8_e4m3fn).to(torch.float32)
-    out = (values.reshape(*expected, MXFP8_BLOCK) * x.unsqueeze(-1)).reshape(w.shape)
+    decode_e8m0(s, name=name)  # refuses code 255
+    out = decode_mxfp8(w.view(torch.float8_e4m3fn), s)
     inf = torch.isinf(out)
     if bool(inf.any()):
         raise QuantFormatError(
@@ -410,6 +420,15 @@ def dequant_mxfp8(weight: torch.Tensor, scale: torch.Tensor, *, name: str = "") 
             f"index {_first_index(inf)}"
         )
     return out
+
+
+def decode_mxfp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`dequant_mxfp8` without its checks: weight float8_e4m3fn `[..., N, K]`, scale uint8 E8M0 `[..., N, K/32]`
+    (codes below 255). Returns float32 `[..., N, K]`, `float(weight) * 2^(code - 127)`, exact."""
+    k = weight.shape[-1]
+    x = _pow2_f32(scale.to(torch.int32) - 127)
+    values = weight.to(torch.float32)
+    return (values.reshape(*weight.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK) * x.unsqueeze(-1)).reshape(weight.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, InputError, MiniMaxRefError
+from .errors import ConfigError, InputError, MiniMaxRefError, NumericsError
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_PREFILL_CHUNK = 2048
@@ -401,6 +401,21 @@ def run(args: argparse.Namespace) -> int:
                                        "clusters"})
     if args.per_trace or args.per_token:
         out["per_trace"] = per_trace_rows(traces, scores, ref_scores, args.per_token)
-    json.dump(out, sys.stdout, ensure_ascii=False)
+    bad = nonfinite_fields(out)
+    if bad:  # JSON has no NaN / Infinity: writing them would make the output unreadable to strict parsers
+        raise NumericsError(f"score: non-finite result(s) in {', '.join(bad[:5])}; the model's log-likelihoods are "
+                            "not finite (check the checkpoint with `minimax-ref inspect`)")
+    json.dump(out, sys.stdout, ensure_ascii=False, allow_nan=False)
     sys.stdout.write("\n")
     return 0
+
+
+def nonfinite_fields(obj: object, path: str = "") -> list[str]:
+    """Dotted paths (list items as [i]) of the NaN / Inf floats inside a JSON-ready value."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [path or "(value)"]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in nonfinite_fields(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in nonfinite_fields(v, f"{path}[{i}]")]
+    return []

@@ -4,7 +4,7 @@ The loop (spec `dspark.md`, "Verification"), for a batch of right-padded prompts
 
 1. Prefill the target with a `Trace` capturing the drafter's target layers; every prompt position
    becomes a context row of the drafter (`drafter.add_context`). The first token is sampled from the
-   last prompt position's logits exactly as `generate.generate_ids` does; it is the first anchor.
+   last prompt position's logits exactly as `decoding.generate_ids` does; it is the first anchor.
 2. Each step, per row: the anchor `a` sits at position t = the row's committed length (the number of
    positions the target has processed and kept). The drafter proposes d_0..d_{k-1} (d_i for position
    t+i+1); the target runs `[a, d_0..d_{k-1}]` at positions t..t+k in ONE forward (each row at its
@@ -18,9 +18,10 @@ The loop (spec `dspark.md`, "Verification"), for a batch of right-padded prompts
    captures of those j+1 positions are the new context rows (the last of them is the row whose logits
    produced the emitted token). The emitted token is the next anchor, at position t+j+1.
 
-Stop tokens, `max_new_tokens` and the maximum length are applied as `generate_ids` does: tokens past
-a stop token or the limits are dropped and the caches keep only what precedes the row's last emitted
-token, so after a run the caches equal those of a plain run over `prompt + generated[:-1]`.
+The argument checks, batch groups, padding, stop tokens, `max_new_tokens` and the maximum length are
+the plain loop's own (`decoding.DecodeJob`, `decoding.DecodeState`): tokens past a stop token or the
+limits are dropped and the caches keep only the row's committed positions (all but its last emitted
+token), so after a run the caches equal those of a plain run over `prompt + generated[:-1]`.
 
 k per step is `num_speculative_tokens` (default: the drafter's block size), lowered near the end so
 no row drafts more tokens than it may still emit; the same k serves the whole batch (finished rows
@@ -29,7 +30,7 @@ confidence threshold verifies, per row, only the drafts before the first one who
 is below it; this changes how many tokens a step may emit, never which (off by default).
 
 Sampling randomness comes from one `torch.Generator` seeded with `seed`: the first token (as
-`generate.sample`), the drafter's samples, then per step a [B, k+1] block of uniforms for the
+`sampling.sample`), the drafter's samples, then per step a [B, k+1] block of uniforms for the
 acceptance rule. Every tensor-parallel rank therefore makes the same decisions.
 """
 
@@ -42,24 +43,23 @@ from typing import Any, Protocol
 
 import torch
 
+from .decoding import (
+    PREFILL_CHUNK,
+    DecodeJob,
+    DecodeState,
+    GenerationStats,
+    Sequence_,
+    TokenCallback,
+    prefill,
+    run_in_groups,
+)
 from .drafter import Draft
 from .errors import InputError
-from .generate import (
-    PREFILL_CHUNK,
-    GenerationStats,
-    SamplingParams,
-    Sequence_,
-    _check_prompts,
-    filtered_probs,
-    pad_prompts,
-    prefill,
-    sample,
-)
 from .model import MiniMaxM3, Trace
+from .sampling import SamplingParams, filtered_probs, sample_inverse_cdf
 
 # (drafts [K], draft_probs [K, V] | None, target_probs [K+1, V], uniforms [K+1]) -> (accepted, token)
 AcceptFn = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor], tuple[int, int]]
-
 
 
 class Drafter(Protocol):
@@ -81,21 +81,6 @@ class Drafter(Protocol):
 
 # ----------------------------------------------------------------------------------------------
 # the acceptance rule (pure functions)
-
-
-def sample_inverse_cdf(probs: torch.Tensor, u: float | torch.Tensor) -> int:
-    """The token i whose interval [cdf[i-1], cdf[i]) of the cumulative distribution contains u.
-
-    probs: [V] non-negative, meant to sum to 1 (no normalisation happens here); u in [0, 1).
-    The cumulative sum is taken in fp64; tokens of probability 0 are never returned. If u is at or
-    past the total mass (rounding), the last token of positive probability is returned.
-    """
-    p = probs.double()
-    cdf = p.cumsum(0)
-    i = int(torch.searchsorted(cdf, torch.tensor([float(u)], dtype=torch.float64, device=cdf.device), right=True))
-    if i >= p.numel():
-        i = int(p.nonzero().max())
-    return i
 
 
 def accept_greedy(drafts: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:
@@ -183,6 +168,15 @@ class SpeculativeStats(GenerationStats):
     def acceptance_rate_per_position(self) -> list[float | None]:
         return [a / p if p else None for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
 
+    def merge(self, other: SpeculativeStats) -> None:  # type: ignore[override]
+        super().merge(other)
+        self.steps += other.steps
+        self.emitted_in_steps += other.emitted_in_steps
+        self.proposed_per_position = [a + b for a, b in zip(self.proposed_per_position, other.proposed_per_position)]
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+
     def as_dict(self) -> dict:
         d = super().as_dict()
         d.update({"num_speculative_tokens": self.num_speculative_tokens, "speculative_steps": self.steps,
@@ -213,7 +207,7 @@ class SpeculativeDecoder:
     accept_fn: the sampling acceptance rule (default `accept_drafts`; tests substitute wrong rules).
 
     After `generate`, `target_cache`, `draft_cache` and `lengths` (committed positions per row) hold
-    the final state, for inspection.
+    the final state of its last batch group, for inspection.
     """
 
     def __init__(self, model: MiniMaxM3, drafter: Drafter, *, num_speculative_tokens: int | None = None,
@@ -237,80 +231,47 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
-                 sampling: SamplingParams | None = None, seed: int = 0, stop_ids: Sequence[int] = (),
+                 sampling: SamplingParams | None = None, seed: int = 0, stop_ids: Sequence[int] | int = (),
                  max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, on_token: Callable[[int, int], None] | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, on_token: TokenCallback | None = None,
                  inputs_embeds: list[torch.Tensor | None] | None = None) -> tuple[list[Sequence_], SpeculativeStats]:
-        """Generate for a batch of token-id prompts; the arguments and results are `generate_ids`'s
-        (sampling: default `SamplingParams()`)."""
-        model, drafter, N = self.model, self.drafter, self.num_speculative_tokens
-        sampling = sampling or SamplingParams()
-        rt = getattr(model, "runtime", None)
-        max_len = max_seq_len or (rt.max_seq_len if rt else 4096)
-        kv_dtype = kv_cache_dtype or (rt.kv_cache_dtype if rt else "auto")
-        if max_new_tokens < 0:
-            raise InputError(f"max_new_tokens={max_new_tokens}: must be >= 0")
-        _check_prompts(prompts, model.text.vocab_size, max_len)
-        device = model.device
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        seqs = [Sequence_(list(map(int, p))) for p in prompts]
-        stats = SpeculativeStats(prompt_tokens=sum(len(p) for p in prompts), num_speculative_tokens=N,
-                                 proposed_per_position=[0] * N, accepted_per_position=[0] * N)
-        B = len(seqs)
-        lengths = [len(s.prompt) for s in seqs]
-        T = max(lengths)
-        budget = min(max_len, T + max_new_tokens)
+        """Generate for a batch of token-id prompts; the arguments, checks, batch groups and results are
+        `decoding.generate_ids`'s (sampling: default `SamplingParams()`)."""
+        job = DecodeJob.make(self.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                             stop_ids=stop_ids, max_seq_len=max_seq_len, kv_cache_dtype=kv_cache_dtype,
+                             prefill_chunk=prefill_chunk, on_token=on_token, inputs_embeds=inputs_embeds)
+        return run_in_groups(job, self._decode)
+
+    def _decode(self, job: DecodeJob) -> tuple[list[Sequence_], SpeculativeStats]:
+        """One group: prefill with context capture, the first token, then draft / verify / accept steps."""
+        model, drafter, N, sampling = self.model, self.drafter, self.num_speculative_tokens, job.sampling
+        state = DecodeState(model, job, SpeculativeStats(num_speculative_tokens=N, proposed_per_position=[0] * N,
+                                                         accepted_per_position=[0] * N))
+        stats, B, device = state.stats, state.batch_size, model.device
         # Verify passes write up to k+1 slots past a row's length; finished rows ride along.
-        slots = budget + N + 1
-        self.target_cache = model.new_cache(B, slots, kv_dtype)
+        slots = state.budget + N + 1
+        self.target_cache = model.new_cache(B, slots, job.kv_cache_dtype)
         self.draft_cache = drafter.new_cache(B, slots)
-        ids, lengths, embeds = pad_prompts(model, seqs, inputs_embeds)
 
         # ---- prefill: every prompt position becomes a context row
         t0 = time.perf_counter()
-        last_logits = prefill(self._forward, ids, lengths, embeds, prefill_chunk)
-        self._rollback(lengths)  # forget the padding of shorter prompts
+        last_logits = prefill(self._forward, state.ids, state.prompt_lengths, state.embeds, job.prefill_chunk)
+        self._rollback(state.committed())  # forget the padding of shorter prompts
         stats.prefill_seconds = time.perf_counter() - t0
 
-        stop = set(int(i) for i in stop_ids)
-        active = [True] * B
-        anchors = torch.zeros(B, dtype=torch.long, device=device)
-
-        def emit(b: int, tokens: list[int]) -> int:
-            """Append tokens to row b until it finishes; returns how many were taken."""
-            s = seqs[b]
-            for n, tok in enumerate(tokens, start=1):
-                s.generated.append(tok)
-                stats.generated_tokens += 1
-                if on_token:
-                    on_token(b, tok)
-                if tok in stop:
-                    s.finish_reason, active[b] = "stop", False
-                elif len(s.prompt) + len(s.generated) >= budget or len(s.generated) >= max_new_tokens:
-                    s.finish_reason, active[b] = "length", False
-                if not active[b]:
-                    return n
-            return len(tokens)
-
         t1 = time.perf_counter()
-        if max_new_tokens > 0:
-            first = sample(last_logits, sampling, gen)
-            for b in range(B):
-                emit(b, [int(first[b])])
-            anchors = first.to(device)
-        else:
-            active = [False] * B
-        while any(active):
+        anchors = torch.zeros(B, dtype=torch.long, device=device)
+        if not state.done:
+            anchors = state.emit_sampled(last_logits).to(device)
+        while not state.done:
             # drafts this step: no more than any active row may still emit minus its own target token
-            room = max(min(max_new_tokens - len(s.generated), budget - len(s.prompt) - len(s.generated))
-                       for s, a in zip(seqs, active) if a)
-            k = min(N, room - 1)
-            t = torch.tensor(lengths, device=device)
+            k = min(N, max(state.room(b) for b in state.active_rows()) - 1)
+            t = torch.tensor(state.committed(), device=device)
             td = _now(device)
             draft = None
             drafts = torch.zeros(B, 0, dtype=torch.long, device=device)
             if k > 0:
-                draft = drafter.draft(model, self.draft_cache, anchors, t, k, sampling, gen)
+                draft = drafter.draft(model, self.draft_cache, anchors, t, k, sampling, state.generator)
                 drafts = draft.tokens
             tv = _now(device)
             pos = t[:, None] + torch.arange(k + 1, device=device)
@@ -328,10 +289,8 @@ class SpeculativeDecoder:
                 argmax = logits.argmax(-1)
             else:
                 p = filtered_probs(logits, sampling)
-                u = torch.rand(B, k + 1, generator=gen)
-            for b in range(B):
-                if not active[b]:
-                    continue
+                u = torch.rand(B, k + 1, generator=state.generator)
+            for b in state.active_rows():
                 n_prop = proposed[b]
                 if sampling.greedy:
                     j, tok = accept_greedy(drafts[b, :n_prop], argmax[b, : n_prop + 1])
@@ -344,18 +303,13 @@ class SpeculativeDecoder:
                     for i in range(n_prop):
                         stats.proposed_per_position[i] += 1
                         stats.accepted_per_position[i] += int(i < j)
-                taken = emit(b, drafts[b, :j].tolist() + [tok])
-                # positions t..t+taken-1 (the anchor and the kept drafts) stay; the last token taken
-                # is the next anchor at position t+taken
-                lengths[b] += taken
-                anchors[b] = seqs[b].generated[-1]
-            self._rollback(lengths)
-        for s in seqs:
-            if s.finish_reason is None:
-                s.finish_reason = "length"
+                # the anchor and the kept drafts stay in the caches; the last token taken is the next anchor
+                state.emit(b, drafts[b, :j].tolist() + [tok])
+                anchors[b] = state.seqs[b].generated[-1]
+            self._rollback(state.committed())
         stats.decode_seconds = time.perf_counter() - t1
-        self.lengths = lengths
-        return seqs, stats
+        self.lengths = state.committed()
+        return state.finish(), stats
 
     def _proposed(self, draft: Draft | None, k: int, B: int) -> list[int]:
         """Drafts each row verifies: k, or fewer when a confidence threshold cuts the row's prefix."""
@@ -367,6 +321,7 @@ class SpeculativeDecoder:
         return first.tolist()
 
     def _rollback(self, lengths: list[int]) -> None:
+        """Forget every slot of row b at or past lengths[b] in both caches."""
         self.target_cache.rollback(lengths)
         self.draft_cache.rollback(lengths)
 

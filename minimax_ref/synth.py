@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .checkpoint import LM_HEAD, TEXT_PREFIX, LinearSpec, TensorSpec, tensor_table
 from .config import ModelConfig, parse_model_config
 from .errors import ConfigError
+from .outdir import check_new_folder, staged_folder
 from .progress import Progress
 from .quant import quantize_mxfp8, quantize_nvfp4
 
@@ -90,10 +91,12 @@ PRESETS: dict[str, Preset] = {
                    tokenizer_vocab=1024, shard_bytes=1 << 20),
     "tiny-vl": Preset(_text_config(1024, 128, 4, 1, 8, 2, 32, 16, 64, 64, 256, 16, 4, 32, 16, 4, 4096),
                       vision=_TINY_VISION, tokenizer_vocab=1024, shard_bytes=1 << 20),
+    # The release-width tokenizers cover all 200,064 ids (unused ones as <|reserved_N|>): random weights sample
+    # from the whole vocabulary, and every sampled id must decode.
     "release": Preset(_text_config(200064, 6144, 60, 3, 64, 4, 128, 64, 3072, 3072, 12288, 128, 4, 128, 128, 16,
-                                   1048576), vision=_RELEASE_VISION, tokenizer_vocab=4096, shard_bytes=4 << 30),
+                                   1048576), vision=_RELEASE_VISION, tokenizer_vocab=200064, shard_bytes=4 << 30),
     "pruned-80": Preset(_text_config(200064, 6144, 60, 3, 64, 4, 128, 64, 3072, 3072, 12288, 80, 4, 128, 128, 16,
-                                     1048576), vision=_RELEASE_VISION, tokenizer_vocab=4096, shard_bytes=4 << 30),
+                                     1048576), vision=_RELEASE_VISION, tokenizer_vocab=200064, shard_bytes=4 << 30),
 }
 
 
@@ -221,11 +224,15 @@ def _plain_tensor(spec: TensorSpec, seed: int, H: int) -> torch.Tensor:
     return _randn(shape, fan_in**-0.5, seed, name).bfloat16()
 
 
-def _linear_weight(spec: LinearSpec, seed: int) -> torch.Tensor:
+def _linear_std(spec: LinearSpec) -> float:
     std = spec.in_features**-0.5
     if spec.prefix.endswith(("o_proj", "down_proj", "w2")):
         std *= 0.5  # keep the residual stream from growing layer over layer
-    return _randn((spec.out_features, spec.in_features), std, seed, spec.prefix)
+    return std
+
+
+def _linear_weight(spec: LinearSpec, seed: int) -> torch.Tensor:
+    return _randn((spec.out_features, spec.in_features), _linear_std(spec), seed, spec.prefix)
 
 
 def _linear_tensors(spec: LinearSpec, fmt: str, seed: int, linears: dict[str, LinearSpec]) -> dict[str, torch.Tensor]:
@@ -257,26 +264,102 @@ def iter_tensors(cfg: ModelConfig, fmt: str, seed: int) -> Iterator[tuple[str, t
         yield from _linear_tensors(spec, fmt, seed, linears).items()
 
 
-def plan_tensors(cfg: ModelConfig, fmt: str) -> tuple[int, int]:
-    """(tensor count, bytes) a synthetic checkpoint of `fmt` would have, without generating it."""
+# Tensors above this many elements are generated and written in row blocks (the release's embedding and LM head:
+# 1.2 G elements, 4.9 GB as fp32 before rounding), so writing never holds one whole.
+STREAM_ELEMENTS = 1 << 24
+
+
+def _randn_rows(shape: tuple[int, int], std: float, seed: int, name: str) -> Iterator[torch.Tensor]:
+    """`_randn(shape, std, seed, name)` in row blocks of about STREAM_ELEMENTS elements: the same values (one
+    generator drawn in order; block sizes are whole rows of a multiple of 16 elements, the CPU sampler's group)."""
+    n, k = shape
+    g = _gen(seed, name)
+    rows = max(1, STREAM_ELEMENTS // k)
+    for r0 in range(0, n, rows):
+        yield torch.randn((min(rows, n - r0), k), generator=g) * std
+
+
+def _pieces(cfg: ModelConfig, fmt: str, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_tensors`, with tensors of more than STREAM_ELEMENTS elements (embedding, bf16 linears) as
+    consecutive row blocks of the same name (the same bytes once concatenated)."""
     linears, plain = tensor_table(cfg)
-    count, nbytes = 0, 0
+    H = cfg.text.hidden_size
     for spec in plain.values():
-        n = 1
-        for d in spec.shape:
-            n *= d
-        count += 1
-        nbytes += n * (4 if spec.family == "router" else 2)
+        if spec.family == "embedding" and math.prod(spec.shape) > STREAM_ELEMENTS and spec.shape[1] % 16 == 0:
+            yield from ((spec.name, b.bfloat16()) for b in _randn_rows(spec.shape, 1.0, seed, spec.name))
+        else:
+            yield spec.name, _plain_tensor(spec, seed, H)
     for spec in linears.values():
-        N, K = spec.out_features, spec.in_features
+        big = spec.out_features * spec.in_features > STREAM_ELEMENTS and spec.in_features % 16 == 0
+        if big and linear_format(spec, fmt) == "bf16":
+            yield from ((spec.prefix + ".weight", b.bfloat16())
+                        for b in _randn_rows((spec.out_features, spec.in_features), _linear_std(spec), seed,
+                                             spec.prefix))
+        else:
+            yield from _linear_tensors(spec, fmt, seed, linears).items()
+
+
+def planned_tensors(cfg: ModelConfig, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every tensor of a synthetic checkpoint of `fmt`, in `iter_tensors`'
+    order, without generating any."""
+    linears, plain = tensor_table(cfg)
+    out = [(spec.name, "F32" if spec.family == "router" else "BF16", spec.shape) for spec in plain.values()]
+    for spec in linears.values():
+        p, N, K = spec.prefix, spec.out_features, spec.in_features
         f = linear_format(spec, fmt)
         if f == "bf16":
-            count, nbytes = count + 1, nbytes + 2 * N * K
+            out.append((p + ".weight", "BF16", (N, K)))
         elif f == "mxfp8":
-            count, nbytes = count + 2, nbytes + N * K + N * K // 32
+            out += [(p + ".weight", "F8_E4M3", (N, K)), (p + ".weight_scale_inv", "U8", (N, K // 32))]
         else:
-            count, nbytes = count + 4, nbytes + N * K // 2 + N * K // 16 + 8
-    return count, nbytes
+            out += [(p + ".weight", "U8", (N, K // 2)), (p + ".weight_scale", "F8_E4M3", (N, K // 16)),
+                    (p + ".weight_scale_2", "F32", ()), (p + ".input_scale", "F32", ())]
+    return out
+
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8",
+              torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.int64: "I64"}
+_ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1, "I32": 4, "I64": 8}
+
+
+def plan_tensors(cfg: ModelConfig, fmt: str) -> tuple[int, int]:
+    """(tensor count, bytes) a synthetic checkpoint of `fmt` would have, without generating it."""
+    entries = planned_tensors(cfg, fmt)
+    return len(entries), sum(math.prod(shape) * _ST_BYTES[dtype] for _, dtype, shape in entries)
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
+                      pieces: Iterator[tuple[str, torch.Tensor]], on_bytes=None) -> None:
+    """Write a safetensors file (format: 8-byte little-endian header length, JSON header padded with spaces to
+    8 bytes, then the tensors' bytes in `entries` order) whose header is made from `entries` before any data
+    exists, and whose data is taken from `pieces`: (name, tensor) pairs in the same order, a tensor possibly in
+    several consecutive row blocks. Each piece is written and dropped, so memory stays at one piece. The file is
+    created with the process's umask like any other file. Raises ValueError when the pieces disagree with the
+    entries (a name, dtype or byte count)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in entries:
+        n = math.prod(shape) * _ST_BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)))
+        fh.write(blob)
+        for name, dtype, shape in entries:
+            need = math.prod(shape) * _ST_BYTES[dtype]
+            while need > 0:
+                got_name, t = next(pieces)
+                if got_name != name or _ST_DTYPES.get(t.dtype) != dtype:
+                    raise ValueError(f"write_safetensors: got {got_name} ({t.dtype}), expected {name} ({dtype})")
+                data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                fh.write(data.data)
+                need -= data.size
+                if on_bytes:
+                    on_bytes(data.size)
+            if need:
+                raise ValueError(f"write_safetensors: {name} got {-need} bytes more than its shape {list(shape)}")
 
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *, experts: int | None = None,
@@ -284,73 +367,67 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *
                      overrides: dict | None = None, progress: bool = False, drafter: bool = False) -> Path:
     """Write a synthetic checkpoint folder and return its path.
 
+    `out` must not exist or be empty, and its disk must have room for the checkpoint (InputError otherwise,
+    before anything is written). The folder is written under a temporary name beside `out` and renamed when
+    complete, so a failure (a full disk: InputError) leaves nothing behind. Tensors are generated and written
+    one at a time (`write_safetensors`): memory stays far below the output's size.
     drafter: also write a DSpark drafter in `dspark/` (`write_drafter`) at the target's shapes.
     """
     from .tokenizer import write_test_tokenizer
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     p = PRESETS.get(preset)
     if p is None:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    special = write_test_tokenizer(out, p.tokenizer_vocab, seed=seed)
-    raw = build_config(preset, fmt, experts, layers, special, overrides)
-    cfg = parse_model_config(raw)
+    # the special ids only place tokens; the config's shapes do not depend on them
+    cfg = parse_model_config(build_config(preset, fmt, experts, layers, None, overrides))
     if p.tokenizer_vocab > cfg.text.vocab_size:
         raise ConfigError(f"tokenizer vocabulary {p.tokenizer_vocab} exceeds vocab_size {cfg.text.vocab_size}")
+    entries = planned_tensors(cfg, fmt)
+    total_bytes = sum(math.prod(shape) * _ST_BYTES[dtype] for _, dtype, shape in entries)
+    check_new_folder(out, total_bytes)
+    with staged_folder(out) as tmp:
+        _write_checkpoint_files(tmp, cfg, p, preset, fmt, experts, layers, seed, overrides, entries, total_bytes,
+                                shard_bytes or p.shard_bytes, progress, drafter, write_test_tokenizer)
+    return out
+
+
+def _write_checkpoint_files(out: Path, cfg: ModelConfig, p: Preset, preset: str, fmt: str, experts, layers,
+                            seed: int, overrides, entries, total_bytes: int, limit: int, progress: bool,
+                            drafter: bool, write_test_tokenizer) -> None:
+    special = write_test_tokenizer(out, p.tokenizer_vocab, seed=seed)
+    raw = build_config(preset, fmt, experts, layers, special, overrides)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"bos_token_id": special.get("bod"), "eos_token_id": [special["turn_end"]], "do_sample": True,
            "temperature": 1.0, "top_p": 0.95, "top_k": 40, "transformers_version": "5.23.0"}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
-    limit = shard_bytes or p.shard_bytes
-    total_count, total_bytes = plan_tensors(cfg, fmt)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    weight_map: dict[str, str] = {}
-    size, written, n_shards_written = 0, 0, 0
-    # Shard names need the final count; write to temporary names and rename at the end.
-    tmp_names: list[str] = []
-
-    def flush() -> None:
-        nonlocal size, n_shards_written
-        if not shards[-1]:
-            return
-        n_shards_written += 1
-        name = f"shard-{n_shards_written:05d}.tmp"
-        save_file(shards[-1], str(out / name), metadata={"format": "pt"})
-        tmp_names.append(name)
-        for t in shards[-1]:
-            weight_map[t] = name
-        shards[-1] = {}
-        size = 0
-
-    bar = Progress(f"writing {out.name}", total_bytes) if progress else None
-    for name, tensor in iter_tensors(cfg, fmt, seed):
-        nb = tensor.numel() * tensor.element_size()
+    # shards: consecutive runs of tensors up to `limit` bytes (a tensor larger than the limit gets its own)
+    shards: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        nb = math.prod(entry[2]) * _ST_BYTES[entry[1]]
         if size and size + nb > limit:
-            flush()
-        shards[-1][name] = tensor.contiguous()
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
         size += nb
-        written += nb
-        if bar:
-            bar.update(nb)
-    flush()
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    bar = Progress(f"writing {out.name}", total_bytes) if progress else None
+    pieces = _pieces(cfg, fmt, seed)
+    for name, shard in zip(names, shards):
+        write_safetensors(out / name, shard, pieces, bar.update if bar else None)
+    if next(pieces, None) is not None:
+        raise ValueError("synth: more tensors were generated than planned")
     if bar:
         bar.close()
-    n = len(tmp_names)
-    final = {tmp: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, tmp in enumerate(tmp_names)}
-    for old in out.glob("model-*.safetensors"):
-        old.unlink()
-    for tmp, fin in final.items():
-        (out / tmp).rename(out / fin)
-    index = {"metadata": {"total_size": written},
-             "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}
+    weight_map = {entry[0]: name for name, shard in zip(names, shards) for entry in shard}
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    assert len(weight_map) == total_count, (len(weight_map), total_count)
     if drafter:
-        write_drafter(out / "dspark", cfg, seed, noise_token_id=special["dspark_noise"],
-                      shard_bytes=shard_bytes or p.shard_bytes, progress=progress)
-    return out
+        write_drafter(out / "dspark", cfg, seed, noise_token_id=special["dspark_noise"], shard_bytes=limit,
+                      progress=progress)
 
 
 def drafter_config_json(target: ModelConfig, *, num_layers: int | None = None, block_size: int | None = None,
@@ -445,7 +522,8 @@ def write_drafter(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, *, shard
         nonlocal shard, size
         if shard:
             tmp_names.append(f"shard-{len(tmp_names) + 1:05d}.tmp")
-            save_file(shard, str(out / tmp_names[-1]), metadata={"format": "pt"})
+            entries = [(k, _ST_DTYPES[t.dtype], tuple(t.shape)) for k, t in shard.items()]
+            write_safetensors(out / tmp_names[-1], entries, iter(shard.items()))
             weight_map.update(dict.fromkeys(shard, tmp_names[-1]))
             shard, size = {}, 0
 

@@ -382,14 +382,21 @@ def _dspark_noise_id(folder: Path, vocab: int) -> int | None:
     return None if value is None else _check_id(value, vocab, f"{path}: dspark_noise_token_id")
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load the tokenizer of a checkpoint folder (or of the folder holding the given file).
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Load the tokenizer of a checkpoint folder (or of the folder holding the given file); None: the embedded
+    default checkpoint's (`embedded.default_checkpoint`, what `load_model(None)` loads).
 
     Reads `tokenizer.json` (else `tokenizer.model`), `tokenizer_config.json`, and when present
     `generation_config.json`, `chat_template.jinja` and `dspark/config.json`. `eos_token_ids` are
     generation_config's `eos_token_id`, then tokenizer_config's `eos_token`, then the turn-end token
     (each once). Raises CheckpointError naming the file for missing or bad files.
     """
+    if path is None:
+        from .embedded import default_checkpoint
+
+        path = default_checkpoint()
+    if not isinstance(path, (str, Path)):
+        raise InputError(f"load_tokenizer: path must be a folder (str or Path) or None, got {type(path).__name__}")
     folder = Path(path)
     if folder.is_file():
         folder = folder.parent

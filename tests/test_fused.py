@@ -1,7 +1,7 @@
 """The fused dequantize-and-multiply of packed weights (`FastPaths(matmul="fused")`, issue 9), on CPU (C++ kernels),
 and on CUDA (Triton kernels) in the cases marked `gpu`: `python -m pytest -q tests/test_fused.py -m gpu`.
 
-Contract under test (`packed.packed_matmul`): y[m, n] = dtype(sum_k fp32(x[m, k]) * fp32(w_hat[n, k])) with
+Contract under test (`fast.packed.packed_matmul`): y[m, n] = dtype(sum_k fp32(x[m, k]) * fp32(w_hat[n, k])) with
 w_hat = `quant.dequant_*(...).to(dtype)` bit for bit, fp32 products and an fp32 sum in any order. Checks:
 
 * bits: x = rows of the identity makes every output a decoded weight element (a sum of one product and
@@ -23,34 +23,33 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 from test_packed import IDS, REPO, _bench, _HostSyncs, _rel, two_ranks  # noqa: F401 (two_ranks: the TP=2 fixture)
 
-import minimax_ref.packed as packed_mod
+import minimax_ref.fast.packed as packed_mod
 from minimax_ref.errors import ConfigError
-from minimax_ref.fast import FastPaths
-from minimax_ref.generate import SamplingParams, generate_ids
-from minimax_ref.loader import load_model, load_synthetic
-from minimax_ref.packed import (
+from minimax_ref.fast import FastPaths, Kernels, apply
+from minimax_ref.fast.packed import (
     FUSED_INDUCTOR_OPTIONS,
     FUSED_ROWS,
-    PackedWeight,
     decoded_planes,
     e2m1_value,
     packed_matmul,
-    packed_matmul_fused,
     packed_matmul_reference,
-    packed_weights,
     round_to_bf16_bits,
 )
+from minimax_ref.generate import SamplingParams, generate_ids
+from minimax_ref.loader import load_model, load_synthetic
+from minimax_ref.packed import PackedWeight, packed_weights
 from minimax_ref.parallel import World
 from minimax_ref.quant import E2M1_MAGNITUDES, dequant_mxfp8, dequant_nvfp4
 
 U = 2.0**-24  # fp32 unit roundoff
+KERNELS = Kernels()  # the compiled functions of these tests
+packed_matmul_fused = KERNELS.matmul
 # The compiled kernels are C++ on the CPU and Triton on CUDA: the `gpu` cases check the latter where a GPU is.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -296,30 +295,36 @@ def test_mxfp8_word_planes_are_the_decoded_weight():
         K = w.shape[-1]
         read = packed_matmul(torch.eye(K).to(bf16), "mxfp8", w, s, None, bf16, torch.tensor([1]), True, words=True)
         assert torch.equal(read[0].T.float(), decoded_planes("mxfp8", w, s, None, bf16)[0].flatten(-2)[1])
-    x = torch.randn(2, 3, 256).to(bf16)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 3, 256, generator=gen).to(bf16)
     for xx in (x, x.float()):
         assert torch.equal(torch.stack(packed_mod.activation_word_planes("mxfp8", xx), -1).flatten(-3), x.float())
     w, s = _mxfp8(3, 8, 256, exponents=(110, 125))
     ids = torch.tensor([[2, 0], [1, 2]])
-    rows = torch.randn(2, 2, 1, 256)
-    for dtype in (bf16, torch.float32):
+    rows = torch.randn(2, 2, 1, 256, generator=gen)
+    # the two products differ only in the fp32 summation order, then each rounds once to the output dtype: at
+    # most K * 2^-24 of sum |x| |w| apart before the rounding, one output ulp (2^-8 bf16, 2^-24 fp32) after it
+    W = PackedWeight("mxfp8", w, s, dtype=torch.float32).decode()[ids]  # [2, 2, N, K]
+    magnitude = rows.abs() @ W.abs().transpose(-1, -2)  # [2, 2, 1, N]
+    for dtype, ulp in ((bf16, 2.0**-8), (torch.float32, 2.0**-24)):
         by_words = packed_matmul(rows.to(dtype), "mxfp8", w, s, None, dtype, ids, True, words=True)
         by_bytes = packed_matmul(rows.to(dtype), "mxfp8", w, s, None, dtype, ids, True)
         assert by_words.shape == (2, 2, 1, 8)
-        assert torch.allclose(by_words.float(), by_bytes.float(), rtol=1e-2 if dtype == bf16 else 1e-5, atol=1e-6)
+        bound = ulp * by_bytes.float().abs() + 256 * 2.0**-24 * magnitude
+        assert ((by_words.float() - by_bytes.float()).abs() <= bound).all(), dtype
     nan = w.clone()
     nan.view(torch.uint8)[0, 0, 5] = 0xFF
     assert packed_mod.has_e4m3_nan(nan)
+    words = FastPaths(matmul="fused", fused_rows=1, mxfp8_words=True)
     weight = PackedWeight("mxfp8", nan, s, dtype=bf16)
-    weight.set_words(True)
-    assert not weight.words
-    weight.fused_tokens = 1
+    apply(weight, words)
+    assert not weight.words and weight.fused_tokens == 1
     assert torch.isnan(weight.matmul(torch.ones(3, 1, 256, dtype=bf16))[0]).any()
     clean = PackedWeight("mxfp8", w, s, dtype=bf16)
-    clean.set_words(True)
+    apply(clean, words)
     assert clean.words
-    clean.weight.view(torch.uint8)[0, 0, 5] = 0x7F  # filled in place: checked again
-    clean.check_range()
+    clean.weight.view(torch.uint8)[0, 0, 5] = 0x7F  # filled in place: checked again when the paths are applied
+    apply(clean, words)
     assert not clean.words
 
 
@@ -327,24 +332,25 @@ def test_packed_weight_uses_the_cheaper_planes_only_in_range(monkeypatch):
     """A PackedWeight checks its scales once; the fused matmul then takes the cheaper planes, with the same result."""
     inside = PackedWeight("nvfp4", *_normal_nvfp4(1, 16, 64, 1e-4, 1e-2), dtype=torch.bfloat16)
     outside = PackedWeight("nvfp4", *_normal_nvfp4(1, 16, 64, 2.0**-127, 2.0**-120), dtype=torch.bfloat16)
+    for pw in (inside, outside):
+        apply(pw, FastPaths(matmul="fused"))
     assert inside.normal_range and not outside.normal_range
     calls = []
     real = packed_mod.normal_range_planes
     monkeypatch.setattr(packed_mod, "normal_range_planes", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(packed_mod, "_fused", packed_matmul)  # eager: the planes are called where they are used
+    monkeypatch.setattr(Kernels, "fused", lambda self: packed_matmul)  # eager: the planes are called where used
     x = torch.randn(1, 64).to(torch.bfloat16)
     for pw, used in ((inside, 1), (outside, 0)):
         calls.clear()
-        pw.fused_tokens = 8
         got = pw.matmul(x[None].expand(1, 1, 64), torch.tensor([0]))
         assert len(calls) == used
         assert torch.equal(got, packed_matmul(x[None], "nvfp4", *pw.parts(), torch.bfloat16, torch.tensor([0])))
 
 
 def test_contract_broadcast_is_einsum():
-    """`msa.contract`'s broadcast form (what compiled layers run) computes the attention cores' einsums: exactly, on
-    integer-valued float64 operands."""
-    from minimax_ref.msa import contract
+    """`fast.attention.contract`'s broadcast form (what compiled layers run) computes the attention cores' einsums:
+    exactly, on integer-valued float64 operands."""
+    from minimax_ref.fast.attention import contract
 
     g = torch.Generator().manual_seed(0)
     for eq, sa, sb in [("bhgtd,bhld->bhgtl", (2, 3, 4, 5, 8), (2, 3, 7, 8)),
@@ -556,14 +562,15 @@ def test_packed_weight_routes_only_small_calls_to_the_fused_matmul(monkeypatch):
     w, s, g = _nvfp4(1, 16, 64)
     pw = PackedWeight("nvfp4", w[0], s[0], g[0], dtype=torch.float32)
     seen = []
-    monkeypatch.setattr(packed_mod, "packed_matmul_fused", lambda x, *a, rows_per_pass, normal_range, words:
+    monkeypatch.setattr(Kernels, "matmul", lambda self, x, *a, rows_per_pass, normal_range, words:
                         seen.append(x.shape) or packed_matmul(x, *a, normal_range=normal_range, words=words))
     x = torch.randn(2, 3, 64)
     want = torch.nn.functional.linear(x, pw.decode())
-    assert torch.equal(pw.linear(x), want) and seen == []  # off
-    pw.fused_tokens = 6
-    assert _rel(pw.linear(x), want) < 1e-6 and seen == [(6, 64)]  # [2, 3] tokens flattened to 6 rows
-    pw.fused_tokens = 5
+    apply(pw, FastPaths(decode="fast"))
+    assert pw.fused_tokens == 0 and torch.equal(pw.linear(x), want) and seen == []  # off
+    apply(pw, FastPaths(matmul="fused", fused_rows=6))
+    assert pw.fused_tokens == 6 and _rel(pw.linear(x), want) < 1e-6 and seen == [(6, 64)]  # [2, 3] tokens: 6 rows
+    apply(pw, FastPaths(matmul="fused", fused_rows=5))
     assert torch.equal(pw.linear(x), want) and len(seen) == 1  # 6 rows > 5: decoded
 
 
@@ -597,9 +604,9 @@ def test_fused_model_equals_reference_at_batch_1(nvfp4_ckpt, device):
     sampling = SamplingParams(temperature=0)
     prompt = [IDS[0, :70].tolist()]
     want_tokens = generate_ids(model, prompt, max_new_tokens=4, sampling=sampling)[0][0].generated  # reference
-    model.set_fast(True)  # the fast paths without the fused matmul: the logits differ by the switch alone
+    apply(model, True)  # the fast paths without the fused matmul: the logits differ by the switch alone
     want = _cached_run(model, 1, 3)
-    model.set_fast("fused")
+    apply(model, "fused")
     assert {pw.fused_tokens for _, pw in packed_weights(model)} == {FUSED_ROWS}
     got = _cached_run(model, 1, 3)
     assert torch.equal(got[:, :70], want[:, :70])  # the prefill took the reference path
@@ -611,7 +618,7 @@ def test_fused_model_equals_reference_at_batch_4(nvfp4_ckpt):
     """Decode at batch 4: linears with four rows, and every local expert on every token (T*k >= E)."""
     model = load_model(nvfp4_ckpt, dtype=torch.float32, weights="packed", fast=True)
     want = _cached_run(model, 4, 2)
-    model.set_fast("fused")
+    apply(model, "fused")
     got = _cached_run(model, 4, 2)
     assert 0 < _rel(got, want) < 1e-5
     assert torch.equal(got[:, 70:].argmax(-1), want[:, 70:].argmax(-1))
@@ -620,10 +627,10 @@ def test_fused_model_equals_reference_at_batch_4(nvfp4_ckpt):
 def test_fused_decode_step_does_not_synchronise(nvfp4_ckpt, monkeypatch):
     """The fused path's operations, run eagerly (a dispatch mode sees no compiled code), read nothing back
     to the host: a decode step's only host read is the embedding's token-id range check."""
-    monkeypatch.setattr(packed_mod, "_fused", packed_matmul)  # the uncompiled function in place of the compiled one
+    monkeypatch.setattr(Kernels, "fused", lambda self: packed_matmul)  # the uncompiled function, not the compiled one
     calls = []
-    real = packed_mod.packed_matmul_fused
-    monkeypatch.setattr(packed_mod, "packed_matmul_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = Kernels.matmul
+    monkeypatch.setattr(Kernels, "matmul", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     model = load_model(nvfp4_ckpt, dtype=torch.bfloat16, weights="packed", fast="fused")
     for batch in (1, 4):  # gathered experts; every local expert
         cache = model.new_cache(batch, 96, "fp8")
@@ -641,7 +648,7 @@ def test_fused_decode_step_does_not_synchronise(nvfp4_ckpt, monkeypatch):
 def _task_fused(world: World, dtype: str) -> dict:
     model = load_synthetic("tiny", dtype=getattr(torch, dtype), tp=world, fast=True)
     want = _cached_run(model, 1, 2)
-    model.set_fast("fused")
+    apply(model, "fused")
     return {"err": _rel(_cached_run(model, 1, 2), want), "logits": want}
 
 
@@ -658,7 +665,7 @@ def test_tp2_fused_equals_reference(two_ranks):  # noqa: F811 (the imported fixt
 def _task_words(world: World) -> dict:
     model = load_synthetic("tiny", dtype=torch.bfloat16, tp=world, fast="fused")
     want = _cached_run(model, 1, 2).float()
-    model.set_fast(replace(FastPaths.of("fused"), nvfp4_words=True, mxfp8_words=True))
+    apply(model, replace(FastPaths.of("fused"), nvfp4_words=True, mxfp8_words=True))
     got = _cached_run(model, 1, 2).float()
     return {"words": sorted({pw.words for _, pw in packed_weights(model)}), "err": _rel(got, want),
             "prefill_equal": torch.equal(got[:, :70], want[:, :70])}
@@ -716,11 +723,11 @@ def test_words_switches_choose_the_weights_read_as_words(nvfp4_ckpt):
     either way agree to bf16 rounding of fp32 sums in another order."""
     model = load_model(nvfp4_ckpt, dtype=torch.bfloat16, weights="packed")
     fused = FastPaths.of("fused")
-    model.set_fast(fused)
+    apply(model, fused)
     want = _cached_run(model, 1, 2).float()
 
     def read_as_words(fast: FastPaths) -> set[str]:
-        model.set_fast(fast)
+        apply(model, fast)
         return {name for name, pw in packed_weights(model) if pw.words}
 
     names = {name: pw.fmt for name, pw in packed_weights(model)}
@@ -762,16 +769,16 @@ def test_compiled_layers_equal_reference(nvfp4_ckpt, device):
     sampling = SamplingParams(temperature=0)
     prompt = [IDS[0, :70].tolist()]
     want_tokens = generate_ids(model, prompt, max_new_tokens=4, sampling=sampling)[0][0].generated  # reference
-    model.set_fast(EAGER_COMPILED)  # the same fast paths, run eagerly
+    apply(model, EAGER_COMPILED)  # the same fast paths, run eagerly
     want = _cached_run(model, 1, 3)
-    model.set_fast("compiled")
+    apply(model, "compiled")
     graphs = counters["stats"]["unique_graphs"]
     got = _cached_run(model, 1, 3)
     assert counters["stats"]["unique_graphs"] - graphs == _layer_kinds(model) == 2
     assert torch.equal(got[:, :70], want[:, :70])
     assert _rel(got, want) < 1e-5
     assert generate_ids(model, prompt, max_new_tokens=4, sampling=sampling)[0][0].generated == want_tokens
-    # generation sizes its cache in buckets (fast.CACHE_BUCKET): another prompt length compiles nothing new
+    # the model twin sizes caches in buckets (fast.CACHE_BUCKET): another prompt length compiles nothing new
     graphs = counters["stats"]["unique_graphs"]
     generate_ids(model, [IDS[0, :50].tolist()], max_new_tokens=7, sampling=sampling)
     assert counters["stats"]["unique_graphs"] == graphs
@@ -781,11 +788,12 @@ def test_compiled_layers_step_aside_for_traces_and_masks(nvfp4_ckpt, monkeypatch
     """A decode step with a trace or an expert mask runs the layers eagerly (those read values on the host), with
     the same fast paths' exact result run eagerly; an ordinary step takes the compiled layers. (The compiled function is
     replaced by a counting eager one: this test is about the dispatch, not the compiler.)"""
-    from minimax_ref.model import Trace, _run_layer
+    from minimax_ref.fast.compiled import run_layer
+    from minimax_ref.model import Trace
 
     model = load_model(nvfp4_ckpt, dtype=torch.float32, weights="packed", fast="compiled")
     calls = []
-    monkeypatch.setattr(model, "_compiled_layer", lambda *a: calls.append(1) or _run_layer(*a))
+    monkeypatch.setattr(model, "compiled", lambda *a: calls.append(1) or run_layer(*a))
     cache = model.new_cache(1, 96)
     with torch.no_grad():
         model(IDS[:1, :70], positions=torch.arange(70)[None], cache=cache)
@@ -799,7 +807,7 @@ def test_compiled_layers_step_aside_for_traces_and_masks(nvfp4_ckpt, monkeypatch
         moe.gate.expert_mask = torch.arange(moe.experts.num_experts) % 2 == 0
         masked = model(IDS[:1, 70:71], **step)
         assert not calls
-        model.set_fast(EAGER_COMPILED)
+        apply(model, EAGER_COMPILED)
         assert torch.equal(masked, model(IDS[:1, 70:71], **step))
 
 
@@ -807,13 +815,10 @@ def test_compiled_layers_step_aside_for_traces_and_masks(nvfp4_ckpt, monkeypatch
 @pytest.mark.parametrize("fast", ["fused", "compiled"])
 def test_decode_step_captures_in_a_cuda_graph(nvfp4_ckpt, fast):
     """The fused decode step, and the compiled one (bf16, fp8 cache), compiled in the untimed warm-up steps, are
-    captured in a CUDA graph (the benchmarks' GraphStep); the replay gives the same fast paths' logits run eagerly
+    captured in a CUDA graph (`fast.graph.GraphStep`); the replay gives the same fast paths' logits run eagerly
     (fused: the same kernels, to fp32 rounding; compiled: layers fused differently, to bf16 rounding, same argmax)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from common import GraphStep
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    from minimax_ref.fast.graph import GraphStep
+
     model = load_model(nvfp4_ckpt, dtype=torch.bfloat16, weights="packed", device="cuda", fast=fast)
     cache = model.new_cache(1, 96, "fp8")
     ids = IDS[:1].cuda()
@@ -823,7 +828,7 @@ def test_decode_step_captures_in_a_cuda_graph(nvfp4_ckpt, fast):
         graph = GraphStep(model, cache, ids[:, 70:71], pos)
         replayed = graph.step(ids[:, 70:71], pos).clone()
         if fast == "compiled":
-            model.set_fast(EAGER_COMPILED)
+            apply(model, EAGER_COMPILED)
         eager = model(ids[:, 70:71], positions=pos, cache=cache)[:, -1]
     assert _rel(replayed, eager) < (1e-6 if fast == "fused" else 2e-2)
     assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
@@ -832,7 +837,7 @@ def test_decode_step_captures_in_a_cuda_graph(nvfp4_ckpt, fast):
 def _task_compiled(world: World) -> dict:
     model = load_synthetic("tiny", dtype=torch.float32, tp=world, fast=EAGER_COMPILED)
     want = _cached_run(model, 1, 2)
-    model.set_fast("compiled")
+    apply(model, "compiled")
     return {"err": _rel(_cached_run(model, 1, 2), want), "logits": want}
 
 
@@ -848,11 +853,12 @@ def test_tp2_compiled_layers_equal_eager(two_ranks):  # noqa: F811 (the imported
 
 
 def test_materialize_is_the_identity():
-    """`fast.materialize` returns x eagerly (the same tensor); compiled, x's values with x's strides through the
-    operator's copy, and, once its inductor lowering is registered, through no operator call at all (x stored once)."""
+    """`fast.compiled.materialize` returns x eagerly (the same tensor); compiled, x's values with x's strides
+    through the operator's copy, and, once its inductor lowering is registered, through no operator call at all (x
+    stored once)."""
     from torch._inductor.utils import run_and_get_code
 
-    from minimax_ref.fast import materialize, register_materialize_lowering
+    from minimax_ref.fast.compiled import materialize, register_materialize_lowering
 
     x = torch.randn(3, 4).t()
     assert materialize(x) is x

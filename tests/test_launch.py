@@ -1,4 +1,4 @@
-"""Fixed launch configurations of the compiled layers' large reductions (`launch.py`, issue 9).
+"""Fixed launch configurations of the compiled layers' large reductions (`fast/launch.py`).
 
 On CPU: the configuration's validation and text form, the `FastPaths` switch, which reductions the rule fixes, and
 what inductor's hook hands the kernel. On CUDA (marked `gpu`): the Triton kernels inductor generates for a packed
@@ -16,12 +16,13 @@ import sympy
 import torch
 
 from minimax_ref.errors import ConfigError
-from minimax_ref.fast import FastPaths
-from minimax_ref.launch import (
+from minimax_ref.fast import FastPaths, apply
+from minimax_ref.fast.launch import (
     DECODE_REDUCTIONS,
     MIN_OUTPUTS,
     MIN_REDUCED,
     PRODUCT_KINDS,
+    TUNED,
     ReductionConfig,
     ReductionConfigs,
     _choices_class,
@@ -29,6 +30,7 @@ from minimax_ref.launch import (
     compiled_with_fixed_reductions,
     fixes,
     kind_of,
+    tuned_for,
 )
 
 gpu = pytest.mark.gpu
@@ -49,7 +51,7 @@ def test_reduction_config_text_and_validation():
 
 
 def test_fast_paths_layer_reductions():
-    assert FastPaths.of("compiled").layer_reductions == DECODE_REDUCTIONS
+    assert FastPaths.of("compiled").layer_reductions == "auto"  # the table's entry for the model's GPU and torch
     c1, c2 = ReductionConfig(1, 512, 4), ReductionConfig(8, 512, 1)
     everywhere = ReductionConfigs(nvfp4=c1, mxfp8=c1, nvfp4_pair=c1, mxfp8_pair=c1, nvfp4_words=c1, mxfp8_words=c1,
                                   nvfp4_pair_words=c1, mxfp8_pair_words=c1, other=DECODE_REDUCTIONS.other)
@@ -63,6 +65,22 @@ def test_fast_paths_layer_reductions():
     assert FastPaths.of({"layer_reductions": None}).layer_reductions is None
     with pytest.raises(ConfigError, match="layer_reductions=3.5"):
         FastPaths(layer_reductions=3.5)
+
+
+def test_launch_configurations_are_a_table_with_an_untuned_fallback(monkeypatch):
+    """The fixed configurations are data keyed by GPU name and torch version; any other GPU, torch version or a CPU
+    gets None (inductor's own tuning), and "auto" resolves to the table's entry when the paths are applied."""
+    assert TUNED[("NVIDIA H200", "2.11")] == DECODE_REDUCTIONS
+    assert tuned_for("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert tuned_for("cuda:0") == DECODE_REDUCTIONS
+    monkeypatch.setattr(torch, "__version__", "2.12.0")
+    assert tuned_for("cuda:0") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    assert tuned_for("cuda:0") is None
 
 
 def test_reduction_configs_text_per_kind():
@@ -164,7 +182,7 @@ def test_kinds_read_from_inductor_graphs():
     products fused into one kernel (gate and up), an MXFP8 product read as bytes or words, and a plain fp32
     reduction."""
 
-    from minimax_ref.packed import FUSED_INDUCTOR_OPTIONS, packed_matmul
+    from minimax_ref.fast.packed import FUSED_INDUCTOR_OPTIONS, packed_matmul
     from minimax_ref.quant import quantize_mxfp8, quantize_nvfp4
 
     choices = _choices_class()(DECODE_REDUCTIONS)
@@ -319,7 +337,7 @@ def test_release_width_compiled_layers_with_fixed_reductions():
     single, pair = ReductionConfig(1, 128, 4), ReductionConfig(1, 256, 2)
     mx_single, mx_pair = ReductionConfig(2, 512, 4), ReductionConfig(1, 256, 8)
     configs = ReductionConfigs(nvfp4=single, mxfp8=mx_single, nvfp4_pair=pair, mxfp8_pair=mx_pair, other=None)
-    model.set_fast(replace(bytes_, layer_reductions=configs))
+    apply(model, replace(bytes_, layer_reductions=configs))
     with _Launched() as launched:
         got = _prefill_and_decode(model)
 
@@ -362,7 +380,7 @@ def test_release_width_compiled_layers_read_packed_words():
     got = launched.configs(fixed=True)
     assert set(words.values()) <= got and (1, 512, 8) not in got, got  # every product read as words, with its kind's
     torch._dynamo.reset()
-    model.set_fast(replace(fast, nvfp4_words=False, mxfp8_words=False))
+    apply(model, replace(fast, nvfp4_words=False, mxfp8_words=False))
     by_bytes = _prefill_and_decode(model)
     assert torch.equal(by_words[:, :296], by_bytes[:, :296])
     rel = float((by_words[:, 296:] - by_bytes[:, 296:]).abs().max() / by_bytes[:, 296:].abs().max())

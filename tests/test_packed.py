@@ -26,10 +26,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minimax_ref.attention import causal_attention, causal_attention_sdpa
+from minimax_ref.attention import causal_attention
 from minimax_ref.checkpoint import DENSE, NVFP4, open_checkpoint
 from minimax_ref.errors import ConfigError
-from minimax_ref.fast import FastPaths
+from minimax_ref.fast import FastPaths, Kernels, apply
+from minimax_ref.fast.attention import causal_attention_sdpa
+from minimax_ref.fast.attention import gather_block_attention as fast_gather_block_attention
+from minimax_ref.fast.attention import msa_attention as fast_msa_attention
+from minimax_ref.fast.moe import FastExperts
+from minimax_ref.fast.packed import decode_fast
 from minimax_ref.generate import SamplingParams, generate_ids
 from minimax_ref.loader import load_model, load_synthetic
 from minimax_ref.moe import Experts, Routing, route
@@ -37,8 +42,6 @@ from minimax_ref.msa import gather_block_attention, msa_attention
 from minimax_ref.packed import (
     PackedWeight,
     check_packed,
-    decode_compiled,
-    decode_fast,
     decode_reference,
     dequantize,
     model_nbytes,
@@ -101,7 +104,7 @@ def test_nvfp4_decoders_equal_quant_on_every_byte(dtype):
     pw = PackedWeight(NVFP4, weight, scale, g2, dtype=dtype)
     assert pw.shape == want.shape
     for mode in ("reference", "fast"):
-        pw.mode = mode
+        apply(pw, {"decode": mode})
         assert torch.equal(pw.decode(), want)
         assert torch.equal(pw[1], want[1])  # one expert
         ids = torch.tensor([2, 0, 2])  # a gathered batch, repeats allowed
@@ -120,7 +123,7 @@ def test_mxfp8_decoders_equal_quant_on_every_byte(dtype):
     assert torch.equal(decode_reference("mxfp8", weight, scale).to(dtype), want)
     assert torch.equal(decode_fast("mxfp8", weight, scale, None, dtype), want)
     pw = PackedWeight("mxfp8", weight, scale, dtype=dtype)
-    pw.mode = "fast"
+    apply(pw, {"decode": "fast"})
     assert torch.equal(pw.decode(torch.tensor([1, 1, 0])), want[[1, 1, 0]])
 
 
@@ -128,10 +131,11 @@ def test_mxfp8_decoders_equal_quant_on_every_byte(dtype):
 def test_compiled_decoder_equals_quant():
     """torch.compile of the reference decoder (compiles for a while on CPU: slow)."""
     weight, scale, g2 = _nvfp4_operands()
-    assert torch.equal(decode_compiled(NVFP4, weight, scale, g2, torch.bfloat16),
+    kernels = Kernels()
+    assert torch.equal(kernels.decode(NVFP4, weight, scale, g2, torch.bfloat16),
                        dequant_nvfp4(weight, scale, g2).to(torch.bfloat16))
     w8, s8 = _mxfp8_operands()
-    assert torch.equal(decode_compiled("mxfp8", w8, s8, None, torch.bfloat16), dequant_mxfp8(w8, s8).to(torch.bfloat16))
+    assert torch.equal(kernels.decode("mxfp8", w8, s8, None, torch.bfloat16), dequant_mxfp8(w8, s8).to(torch.bfloat16))
 
 
 def test_packed_weight_rejects_mismatched_globals():
@@ -161,7 +165,7 @@ def test_packed_model_is_bit_identical_to_dequant(checkpoints, fmt, dtype):
     assert packed.layers[0].self_attn.q_proj.weight is None
     want = _logits(dequant)
     assert torch.equal(_logits(packed), want)
-    packed.set_fast({"decode": "fast"})  # the two-pass decoder gives the same bits
+    apply(packed, {"decode": "fast"})  # the two-pass decoder gives the same bits
     assert torch.equal(_logits(packed), want)
     assert _greedy(packed) == _greedy(dequant)
     # decoding every packed weight once gives the dequant model's parameters
@@ -305,7 +309,7 @@ def test_sync_free_experts_equal_reference(tokens, ep_rank):
     x = torch.randn(tokens, 64, generator=g)
     r = route(x, torch.randn(16, 64, generator=g), None, 4)
     want = ex(x, r)
-    ex.fast = FastPaths(moe=True)
+    apply(ex, FastPaths(moe=True))
     got = ex(x, r)
     assert _rel(got, want) < 1e-6
     assert torch.allclose(got, ex.forward_sync_free(x, Routing(r.expert_ids, r.weights, r.logits)))
@@ -322,10 +326,9 @@ def test_sync_free_token_threshold_selects_the_path_and_keeps_gradients():
     gate = torch.randn(16, 64, generator=g, requires_grad=True)
     grads = []
     for fast in (FastPaths(), FastPaths(moe=True), FastPaths(moe=True, sync_free_tokens=1 << 20)):
-        ex.fast = fast
+        apply(ex, fast)
         called = []
-        orig = ex.forward_sync_free
-        ex.forward_sync_free = lambda *a, _o=orig, _c=called: _c.append(1) or _o(*a)
+        ex.forward_sync_free = lambda *a, _c=called: _c.append(1) or FastExperts.forward_sync_free(ex, *a)
         y = ex(x, route(x, gate, None, 4))
         del ex.forward_sync_free
         assert bool(called) == (fast.sync_free_tokens >= 200)
@@ -344,7 +347,10 @@ def test_sync_free_experts_on_packed_weights_equal_reference(checkpoints):
     for T in (1, 2, 8):
         x = torch.randn(T, model.text.hidden_size, generator=g)
         r = model.layers[1].block_sparse_moe.gate(x)
-        assert _rel(ex.forward_sync_free(x, r), ex(x, r)) < 1e-6
+        want = ex(x, r)
+        apply(ex, FastPaths(moe=True))
+        assert _rel(ex.forward_sync_free(x, r), want) < 1e-6
+        apply(ex, FastPaths())
 
 
 def test_sdpa_attention_cores_equal_reference():
@@ -356,12 +362,12 @@ def test_sdpa_attention_cores_equal_reference():
     assert _rel(causal_attention_sdpa(q, k, v, pos, D**-0.5, 1 << 12), causal_attention(q, k, v, pos, D**-0.5)) < 1e-6
     iq, ik = torch.randn(B, T, Hkv, 16, generator=g), torch.randn(B, L, 16, generator=g)
     ref, blocks = msa_attention(q, k, v, iq, ik, pos, D**-0.5, 16, 3, 1, 0)
-    fast, fast_blocks = msa_attention(q, k, v, iq, ik, pos, D**-0.5, 16, 3, 1, 0, load=lambda t: t, sdpa=True)
+    fast, fast_blocks = fast_msa_attention(q, k, v, iq, ik, pos, D**-0.5, 16, 3, 1, 0, load=lambda t: t, sdpa=True)
     assert torch.equal(blocks, fast_blocks) and _rel(fast, ref) < 1e-6
     # fp8 storage: gathering then converting equals converting the whole cache first
     k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
     whole = gather_block_attention(q, k8.float(), v8.float(), blocks, pos, 16, D**-0.5)
-    gathered = gather_block_attention(q, k8, v8, blocks, pos, 16, D**-0.5, load=lambda t: t.float())
+    gathered = fast_gather_block_attention(q, k8, v8, blocks, pos, 16, D**-0.5, load=lambda t: t.float())
     assert torch.equal(whole, gathered)
 
 
@@ -380,12 +386,12 @@ def test_fast_model_equals_reference(checkpoints, kv_cache_dtype):
         return torch.cat(out, dim=1)
 
     want = run()
-    model.set_fast(True)
+    apply(model, True)
     assert model.fast == FastPaths("fast", True, True, True)
     # fp8 storage: an fp32-rounding difference before the store can move a key by one E4M3 step
     assert _rel(run(), want) < (1e-5 if kv_cache_dtype == "auto" else 1e-3)
     fast_tokens = _greedy(model)
-    model.set_fast(False)
+    apply(model, False)
     assert fast_tokens == _greedy(model)
 
 
@@ -419,7 +425,7 @@ def test_fast_decode_step_does_not_synchronise(checkpoints):
         with guard:
             model(IDS[:, 70:71].repeat(2, 1), positions=torch.tensor([[70], [71], [72], [73]]), cache=cache)
         assert guard.seen == ["aten._local_scalar_dense.default"], guard.seen  # embed's range check
-        model.set_fast(False)
+        apply(model, False)
         guard = _HostSyncs()
         with guard:
             model(IDS[:, 70:71].repeat(2, 1), positions=torch.tensor([[70], [71], [72], [73]]), cache=cache)
@@ -483,7 +489,7 @@ def _task_packed_vs_dequant(world: World, path: str | None, dtype: str, expert_p
         dequant = load_model(path, dtype=dt, tp=world, expert_parallel=expert_parallel)
     a, b = _logits(packed), _logits(dequant)
     greedy = _greedy(packed)
-    packed.set_fast(True)
+    apply(packed, True)
     fast = _logits(packed)
     return {"equal": torch.equal(a, b), "logits": a, "greedy": greedy, "dequant_greedy": _greedy(dequant),
             "fast_err": _rel(fast, a), "memory": packed.load_stats["memory_bytes"],

@@ -65,9 +65,9 @@ from examples.nano.tokenizer import train_tokenizer
 from minimax_ref.attention import Attention
 from minimax_ref.checkpoint import tensor_table
 from minimax_ref.config import parse_model_config
-from minimax_ref.fast import FastPaths
+from minimax_ref.fast import FastPaths, apply
 from minimax_ref.linear import Linear
-from minimax_ref.model import MiniMaxM3, Trace
+from minimax_ref.model import MiniMaxM3, Numerics, Trace
 from minimax_ref.moe import Experts, Router
 from minimax_ref.msa import index_scores
 from minimax_ref.norm import RMSNorm
@@ -198,11 +198,14 @@ def copy_tokenizer(ckpt: Path, out_dir: Path) -> dict[str, int]:
     import shutil
 
     from examples.nano.tokenizer import TOKENIZER_FILES
+    from minimax_ref import chat
     from minimax_ref.tokenizer import SPECIAL_TOKEN_TEXTS
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copyfile(Path(ckpt) / name, out_dir / name)
+    # The run renders its data with the project's (release-exact) format, whatever template --init shipped.
+    (out_dir / "chat_template.jinja").write_text(chat.CHAT_TEMPLATE, encoding="utf-8")
     tok = load_tokenizer(out_dir)
     return {name: tok.token_to_id(text) for name, text in SPECIAL_TOKEN_TEXTS.items()}
 
@@ -675,7 +678,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     # 2. model
     raw = nx.raw_config(size.text, size.vision, special, fmt="nvfp4")
     cfg = parse_model_config(raw)
-    model = MiniMaxM3(cfg)
+    model = MiniMaxM3(cfg, numerics=Numerics(attention_chunk_elements=args.attn_chunk))
     init_weights(model, args.seed)
     if args.init is not None:
         load_init(model, args.init, reinit_vision=args.reinit_vision)
@@ -695,10 +698,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     indexer_ids = {id(p) for n, p in model.named_parameters() if ".index_" in n}
     lm_params = [p for p in params if id(p) not in indexer_ids]
     indexer_params = [p for p in params if id(p) in indexer_ids]
-    for layer in model.layers:
-        layer.self_attn.chunk_elements = args.attn_chunk
     if args.moe == "dense":  # 4x the expert FLOPs of top-4 of 16, but a nano model is bound by kernel launches
-        model.set_fast(FastPaths(moe=True, sync_free_tokens=1 << 40))
+        apply(model, FastPaths(moe=True, sync_free_tokens=1 << 40))
     if args.checkpoint_layers:
         from torch.utils.checkpoint import checkpoint
 
@@ -812,7 +813,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     # 4. calibration and export
     calib = [next(batches) for _ in range(args.calib_batches)]
-    model.set_fast(False)  # calibration records each expert's own inputs: the grouped reference path
+    apply(model, False)  # calibration records each expert's own inputs: the grouped reference path
     with parametrize.cached() if qat else contextlib.nullcontext():
         scales = calibrate_input_scales(model, calib, device, amp)
     disable_qat(model)

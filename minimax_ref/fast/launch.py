@@ -1,18 +1,16 @@
-"""Fixed launch configurations for the long Triton reductions of the compiled decode layers.
+"""Launch configurations of the compiled decode layers' long Triton reductions, as data.
 
 At batch 1 every product with a weight is a reduction over the weight's rows: one output per row, the row's K
 elements summed. Inductor compiles each into a Triton reduction whose launch configuration (XBLOCK outputs per
 program, R0_BLOCK elements per step of the loop over K, warps) coordinate-descent tuning picks by timing the kernel
-alone, accepting any move that measures 0.1 % faster. On an H200 (torch 2.11) that search stopped at a different
-configuration from one compile to the next, up to 2x slower in the decode step than one row per program, 256
-elements a step and 8 warps (BENCHMARKS.md, `benchmarks/launch_configs.py`). `FixedReductions` gives every such
-reduction a configuration chosen beforehand for its kind (`KINDS`: over one or over two packed weights, of either
-format, or over no packed weight, as attention's value sums are; `DECODE_REDUCTIONS`), so a decode step's matmul
-kernels are the same in every compile and run, and are not tuned at all (a kind whose configuration is None, and the
-smaller kernels, still are).
+alone; that search can stop at a different configuration from one compile to the next. `FixedReductions` gives every
+such reduction a configuration chosen beforehand for its kind (`KINDS`: over one or over two packed weights, of either
+format, read as bytes or as int32 words, or over no packed weight, as attention's value sums are), so a decode step's
+matmul kernels are the same in every compile and run.
 
-The configuration changes only the order of the fp32 sums, never what is summed: each output is the same function,
-equal to fp32 rounding (`tests/test_fused.py` compares the compiled layers with the reference on CPU and GPU).
+The configurations are a table keyed by GPU name and torch version (`TUNED`, `tuned_for`); on any other GPU or torch
+version the kernels keep inductor's own tuning. The configuration changes only the order of the fp32 sums, never what
+is summed (`tests/test_launch.py`, `tests/test_fused.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -66,7 +64,7 @@ class ReductionConfig:
 # The kinds of reduction `FixedReductions` tells apart, in the order of `ReductionConfigs`' fields: products over one
 # packed weight of each format, over two or more (the fused gate + up projections: two accumulators per output), the
 # same four reading the packed bytes as int32 words (`FastPaths.nvfp4_words`, `mxfp8_words`: a reduced index then
-# holds four bytes, and the best step differs: MXFP8's 8,512,1 over bytes took 20x as long over words on an H200),
+# holds four bytes, so the best step differs),
 # and the large reductions that read no packed weight (in a decode step: attention's sums of cached values).
 PRODUCT_KINDS = ("nvfp4", "mxfp8", "nvfp4_pair", "mxfp8_pair")
 KINDS = (*PRODUCT_KINDS, *(f"{kind}_words" for kind in PRODUCT_KINDS), "other")
@@ -144,25 +142,31 @@ class ReductionConfigs:
         return "/".join(f"{kind}={one(getattr(self, kind))}" for kind in KINDS)
 
 
-# The decode step's configurations, one per kind, from relaunching each kernel of a release-width decode step in place
-# with 24 configurations (`benchmarks/launch_configs.py --what layers`, BENCHMARKS.md, sessions 7 and 8): one output
-# row per program for NVFP4 (128 bytes a step and 4 warps over one weight, 256 and 2 warps over two); for MXFP8 over
-# one weight, 8 rows per one-warp program and 512 elements a step (the fused gate + up, with two accumulators per
-# row, spills registers with it and keeps 1,256,8); 8 outputs per program for attention's value sums, whose cached
-# rows are read coalesced across the outputs. Measured on an H200 in one run (60 layers, batch 1): 25.6 ms a step with
-# 1,256,8 for every product over packed weights, 21.5 ms with these. Over int32 words (each reduced index 4 bytes),
-# from whole 60-layer steps (`benchmarks/profile_decode.py`, session 9): NVFP4 keeps its configurations (in words;
-# shorter steps were slower), as does MXFP8's gate + up (29.2 us a layer over bytes, 21.3 over words); MXFP8 over one
-# weight is slower as words whatever the configuration tried (q_proj, o_proj and the shared expert's down projection:
-# 23.6 + 29.0 + 12.0 us over bytes at 8,512,1; over words 32.4 + 39.2 + 15.9 at 8,128,1, 38.9 + 44.5 + 18.3 at
-# 4,128,2, 33.0 + 33.1 + 17.8 at 1,256,4, 500 + 521 + 286 at 8,512,1, which spills), so `fast="compiled"` reads
-# only the gate + up as words (`FastPaths.mxfp8_words="gate_up"`) and the kind keeps the least slow configuration.
+# The tuned configurations of an H200 with torch 2.11, one per kind (`benchmarks/launch_configs.py --what layers`
+# relaunches each kernel of a release-width decode step with each candidate; `benchmarks/profile_decode.py` times whole
+# steps). NVFP4: one output row per program; MXFP8 over one weight: 8 rows per one-warp program, 512 elements a step
+# (the fused gate + up, two accumulators per row, keeps 1,256,8: it would spill registers); attention's value sums:
+# 8 outputs per program, whose cached rows are read coalesced across the outputs.
 DECODE_REDUCTIONS = ReductionConfigs(nvfp4=ReductionConfig(1, 128, 4), mxfp8=ReductionConfig(8, 512, 1),
                                      nvfp4_pair=ReductionConfig(1, 256, 2), mxfp8_pair=ReductionConfig(1, 256, 8),
                                      nvfp4_words=ReductionConfig(1, 128, 4), mxfp8_words=ReductionConfig(1, 256, 4),
                                      nvfp4_pair_words=ReductionConfig(1, 256, 2),
                                      mxfp8_pair_words=ReductionConfig(1, 256, 8),
                                      other=ReductionConfig(8, 256, 4))
+# GPU name (`torch.cuda.get_device_name`) and torch major.minor -> the tuned configurations.
+TUNED: dict[tuple[str, str], ReductionConfigs] = {("NVIDIA H200", "2.11"): DECODE_REDUCTIONS}
+
+
+def tuned_for(device: torch.device | str) -> ReductionConfigs | None:
+    """The `TUNED` configurations of `device`'s GPU and this torch, or None (inductor's own tuning: other GPUs, other
+    torch versions, CPUs)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    version = ".".join(torch.__version__.split(".")[:2])
+    return TUNED.get((torch.cuda.get_device_name(device), version))
+
+
 # Fixed reductions have at least this many outputs and reduced elements (bytes of the packed weight's row, for NVFP4's
 # packed pairs and for rows read as int32 words alike): the products with packed weights (hundreds to thousands of
 # rows of thousands of elements) and attention's value sums (thousands of outputs over thousands of keys). Smaller ones
@@ -210,12 +214,12 @@ def _choices_class():
             self.configs = configs
 
         def uuid(self) -> str:  # part of inductor's cache key
-            return f"minimax_ref.launch.FixedReductions({self.configs.text()})"
+            return f"minimax_ref.fast.launch.FixedReductions({self.configs.text()})"
 
         def dtype_of(self, buffer: str) -> torch.dtype | None:
             """The dtype of a buffer or graph input of the graph being compiled (None: not one); for an alias that
             reinterprets a tensor's bytes (`aten.view.dtype`: NVFP4's codes or MXFP8's elements read as int32
-            words, `packed.nvfp4_word_planes`, `packed.mxfp8_word_planes`), the dtype of that tensor."""
+            words, `fast.packed.nvfp4_word_planes`, `fast.packed.mxfp8_word_planes`), the dtype of that tensor."""
             try:
                 dtype = V.graph.get_dtype(buffer)
                 origins = list(getattr(V.graph.get_buffer(buffer), "origins", None) or ())

@@ -1,0 +1,16 @@
+"""The fast paths: twins of the reference modules that compute the same functions faster (static-shape,
+synchronisation-free decode steps, fused packed matmuls, compiled decoder layers, CUDA graphs), installed on a built
+model by one call, `apply(model, FastPaths(...))`, and removed by `apply(model, FastPaths())`.
+
+The reference modules never import this package; `load_model(fast=...)` imports it only when a fast path is asked
+for. Modules: `paths` (the switches), `attention`, `moe`, `packed` (the twins), `compiled` (the compiled decoder
+layer), `launch` (launch configurations, as data), `graph` (a decode step captured in a CUDA graph), `model`
+(the model twin and `apply`).
+"""
+
+from .model import FastMiniMaxM3, apply, paths_of
+from .packed import FUSED_ROWS, Kernels
+from .paths import CACHE_BUCKET, REFERENCE, SYNC_FREE_TOKENS, FastPaths
+
+__all__ = ["FastPaths", "REFERENCE", "apply", "paths_of", "FastMiniMaxM3", "Kernels", "FUSED_ROWS", "CACHE_BUCKET",
+           "SYNC_FREE_TOKENS"]

@@ -1,0 +1,197 @@
+"""The attention twin (`FastAttention`, installed by `fast.apply`): the same function as `attention.Attention`,
+equal to fp32 rounding, with
+
+* `static_kv` (through the model twin's `kv_len`): attention over the whole cache in decode steps (static shapes,
+  no host synchronisation; later slots are future keys, masked);
+* `sdpa`: the fp32 attention core through `F.scaled_dot_product_attention`, and MSA gathers its selected blocks
+  from the cache's storage and converts only those (an fp8 cache is never converted whole);
+* in a compiled region (`FastPaths.compile_layers`): the contractions as broadcast products (`contract`), block
+  selection by unsorted top-k (nothing in a compiled decode step reads the order of the ids; only the order of the
+  fp32 sums changes), and the queries and softmax probabilities stored once (`compiled.materialize`).
+
+The pieces that are not different (masks, block scores, gathering, chunk sizes) are msa.py's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import Attention
+from ..cache import LayerCache
+from ..msa import CHUNK_ELEMENTS, block_scores, gather_blocks, mask_future, query_chunk
+from .compiled import materialize
+
+
+def contract(equation: str, a: torch.Tensor, b: torch.Tensor, broadcast: bool | None = None) -> torch.Tensor:
+    """`torch.einsum(equation, a, b)` for the attention cores' two-operand contractions ("ab,cb->ac" style: one
+    output order, any letters summed). Exact contract: what einsum computes, the sums in the operands' dtype
+    (fp32 here) in an unspecified order.
+
+    broadcast (default: inside a `torch.compile`d region): written as the broadcast product of the operands summed
+    over the contracted letters. Inductor compiles that into one reduction that reads both operands where they
+    lie (converting an fp8 cache on the fly) and spreads a long sum over the GPU, where an einsum becomes a cuBLAS
+    call on materialised fp32 copies whose kernels for a one-query decode step do not split the keys. Eagerly the
+    broadcast product would be a large temporary, so einsum it is.
+    """
+    if broadcast is None:
+        broadcast = torch.compiler.is_compiling()
+    if not broadcast:
+        return torch.einsum(equation, a, b)
+    inputs, out = equation.replace(" ", "").split("->")
+    left, right = inputs.split(",")
+    summed = [c for c in dict.fromkeys(left + right) if c not in out]
+    order = list(out) + summed
+
+    def aligned(t: torch.Tensor, letters: str) -> torch.Tensor:  # t's dims in `order`, size 1 where it has none
+        present = [c for c in order if c in letters]
+        t = t.permute(*[letters.index(c) for c in present])
+        return t.reshape([t.shape[present.index(c)] if c in letters else 1 for c in order])
+
+    return (aligned(a, left) * aligned(b, right)).sum(dim=list(range(len(out), len(order))))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                     chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """`attention.causal_attention` with `contract` and the probabilities stored once when compiled."""
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    kf = k.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    vf = v.float().permute(0, 2, 1, 3)
+    k_pos = torch.arange(L, device=q.device)
+    chunk = max(1, chunk_elements // (B * Hq * L))
+    outs = []
+    for s0 in range(0, T, chunk):
+        sl = slice(s0, s0 + chunk)
+        qc = q[:, sl].float()
+        t = qc.shape[1]
+        qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, t, D]
+        s = contract("bhgtd,bhld->bhgtl", qg, kf) * scale
+        future = k_pos[None, None, None, None, :] > q_pos[:, None, None, sl, None]
+        p = materialize(torch.softmax(s.masked_fill(future, float("-inf")), dim=-1))
+        o = contract("bhgtl,bhld->bhgtd", p, vf)
+        outs.append(o.permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
+    return torch.cat(outs, dim=1)
+
+
+def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                          chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """`attention.causal_attention` through `F.scaled_dot_product_attention` in fp32: the G query heads of a kv
+    head are folded into the query length, so no kv head is repeated. Same chunking of queries."""
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    kf = k.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    vf = v.float().permute(0, 2, 1, 3)
+    k_pos = torch.arange(L, device=q.device)
+    chunk = max(1, chunk_elements // (B * Hq * L))
+    outs = []
+    for s0 in range(0, T, chunk):
+        sl = slice(s0, s0 + chunk)
+        qc = q[:, sl].float()
+        t = qc.shape[1]
+        qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * t, D)
+        seen = k_pos[None, None, :] <= q_pos[:, sl, None]  # [B, t, L]
+        mask = seen[:, None, None].expand(B, 1, G, t, L).reshape(B, 1, G * t, L)
+        o = F.scaled_dot_product_attention(qg, kf, vf, attn_mask=mask, scale=scale)  # [B, Hkv, G*t, D]
+        outs.append(o.view(B, Hkv, G, t, D).permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
+    return torch.cat(outs, dim=1)
+
+
+def select_blocks(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
+                  local_blocks: int, init_blocks: int) -> torch.Tensor:
+    """`msa.index_scores` then `msa.select_blocks`, with `contract` and, compiled, unsorted top-k."""
+    scores = mask_future(contract("bthd,bld->bhtl", iq.float(), ik.float()), q_pos)
+    block = block_scores(scores, q_pos, block_size, local_blocks, init_blocks)
+    vals, ids = block.topk(min(topk_blocks, block.shape[-1]), dim=-1, sorted=not torch.compiler.is_compiling())
+    return ids.masked_fill(vals == float("-inf"), -1)
+
+
+def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                           q_pos: torch.Tensor, block_size: int, scale: float, *,
+                           load: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                           sdpa: bool = False) -> torch.Tensor:
+    """`msa.gather_block_attention`. `load`: k, v are a cache's stored tensors and `load` converts the gathered
+    ones to the compute dtype. `sdpa`: the core through `F.scaled_dot_product_attention` in fp32; else `contract`
+    with the probabilities stored once when compiled."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    k_sel, v_sel, valid = gather_blocks(k, v, blocks, q_pos, block_size)
+    if load is not None:
+        k_sel, v_sel = load(k_sel), load(v_sel)
+    k_sel, v_sel = k_sel.float(), v_sel.float()
+    if sdpa:
+        # one SDPA batch entry per (sequence, kv head, query): its G query heads over its kb*bs keys
+        N, S = B * Hkv * T, blocks.shape[-1] * block_size
+        qs = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(N, 1, G, D)
+        o = F.scaled_dot_product_attention(qs, k_sel.reshape(N, 1, S, D), v_sel.reshape(N, 1, S, D),
+                                           attn_mask=valid.reshape(N, 1, 1, S), scale=scale)
+        return o.view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    qg = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    s = contract("bhgtd,bhtkld->bhgtkl", qg, k_sel) * scale
+    s = s.masked_fill(~valid[:, :, None], float("-inf"))
+    p = materialize(torch.softmax(s.flatten(-2), dim=-1).view_as(s))
+    o = contract("bhgtkl,bhtkld->bhgtd", p, v_sel)  # [B, Hkv, G, T, D]
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
+def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
+                  q_pos: torch.Tensor, scale: float, block_size: int, topk_blocks: int, local_blocks: int,
+                  init_blocks: int, chunk_elements: int = CHUNK_ELEMENTS, *,
+                  load: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  sdpa: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`msa.msa_attention` with this module's pieces (same chunks of queries)."""
+    chunk = query_chunk(q, k, iq, block_size, topk_blocks, chunk_elements)
+    outs, sels = [], []
+    for s0 in range(0, q.shape[1], chunk):
+        sl = slice(s0, s0 + chunk)
+        blocks = select_blocks(iq[:, sl], ik, q_pos[:, sl], block_size, topk_blocks, local_blocks, init_blocks)
+        outs.append(gather_block_attention(q[:, sl], k, v, blocks, q_pos[:, sl], block_size, scale, load=load,
+                                           sdpa=sdpa))
+        sels.append(blocks)
+    return torch.cat(outs, dim=1), torch.cat(sels, dim=2)
+
+
+class FastAttention(Attention):
+    """`Attention` with the fast paths `paths` (a `FastPaths`, set by `fast.apply`). Same parameters."""
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerCache | None = None, trace: dict | None = None, kv_len: int | None = None) -> torch.Tensor:
+        if trace is not None and trace.get("capture"):  # golden bundles record the reference core's operands
+            return super().forward(x, pos, cos, sin, cache, trace, kv_len)
+        B, T, _ = x.shape
+        sdpa = self.paths.sdpa
+        q, k, v = self.qkv(x, cos, sin)
+        q = materialize(q)  # compiled: computed once, not once per key
+        iq = ik = None
+        if self.sparse:
+            iq, ik = self.index_qk(x, cos, sin)
+            iq = materialize(iq)
+        load = None
+        if cache is not None:
+            length = kv_len if kv_len is not None else int(pos.max()) + 1
+            cache.write(k, v, pos)
+            if self.sparse and sdpa:  # gather blocks from storage, convert only those
+                k, v = cache.stored_keys_values(length)
+                load = cache.load
+            else:
+                k, v = cache.keys_values(length)
+            if self.sparse:
+                cache.write_index(ik, pos)
+                ik = cache.index_keys(length)
+        blocks = None
+        if self.sparse:
+            sp = self.geometry
+            o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
+                                      sp.local_blocks, sp.init_blocks, self.chunk_for(trace), load=load, sdpa=sdpa)
+        elif sdpa:
+            o = causal_attention_sdpa(q, k, v, pos, self.scale, self.chunk_for(trace))
+        else:
+            o = causal_attention(q, k, v, pos, self.scale, self.chunk_for(trace))
+        if trace is not None:
+            self.record(trace, q, k, v, iq, ik, pos, o, blocks)
+        return self.o_proj(o.to(x.dtype).reshape(B, T, -1))

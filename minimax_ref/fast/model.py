@@ -1,0 +1,128 @@
+"""`apply(model, paths)`: install the fast twins on a built model, or restore the reference.
+
+Each twin is a subclass of its reference module that overrides only how it computes (forward or a helper), so
+parameter and buffer names, `state_dict` and the loaded tensors are unchanged; `apply` swaps the module's class in
+place and gives it the `FastPaths` it reads (`paths`). `apply(model, FastPaths())` swaps every module back to its
+reference class and removes what the twins were given.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention import Attention
+from ..cache import KVCache
+from ..mlp import MLP
+from ..model import DecoderLayer, MiniMaxM3, Trace
+from ..moe import Experts, Router
+from ..norm import RMSNorm
+from ..packed import PackedWeight
+from .attention import FastAttention
+from .compiled import CompiledLayers, StoredNorm, run_layer
+from .launch import tuned_for
+from .moe import FastExperts, FastMLP, FastRouter
+from .packed import FastPackedWeight, Kernels
+from .paths import CACHE_BUCKET, REFERENCE, FastPaths
+
+
+class FastMiniMaxM3(MiniMaxM3):
+    """`MiniMaxM3` with the fast paths `fast` (a `FastPaths`): attention over the whole cache in decode steps
+    (`static_kv`), the decoder layers compiled in decode steps (`compile_layers`), and, with compiled layers, KV
+    caches sized in multiples of `CACHE_BUCKET` slots (each cache length is a compiled graph of its own)."""
+
+    fast: FastPaths
+    compiled: CompiledLayers | None
+
+    def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+               trace: Trace | None = None) -> torch.Tensor:
+        cos, sin = self.rope(positions)
+        kv_len = None
+        if cache is not None:
+            # static_kv (decode steps only; a prefill chunk attends over what it needs): the whole cache
+            static = self.fast.static_kv and positions.shape[1] <= self.fast.sync_free_tokens
+            kv_len = cache.max_seq_len if static else int(positions.max()) + 1
+        run = self.compiled if self.compiles_step(positions, cache, trace) else run_layer
+        for i, layer in enumerate(self.layers):
+            x = run(layer, x, positions, cos, sin, None if cache is None else cache.layer(i), trace, kv_len)
+        return x
+
+    def compiles_step(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None) -> bool:
+        """Whether this call runs its layers compiled: a decode step (one token per sequence: each shape is a graph
+        of its own, so prompts are not compiled) with a cache and no trace, no activation emulation and no expert
+        mask (those synchronise with the host)."""
+        if self.compiled is None or cache is None or trace is not None or positions.shape[1] != 1:
+            return False
+        for layer in self.layers:
+            if layer.self_attn.q_proj.emulate_act_quant:
+                return False
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None and (moe.gate.expert_mask is not None or moe.experts.emulate_act_quant):
+                return False
+        return True
+
+    def checked(self, logits: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None) -> torch.Tensor:
+        # sync-free decode steps read nothing back to the host; the non-finite check is a host read
+        if positions.shape[1] <= self.fast.sync_free_tokens:
+            return logits
+        return super().checked(logits, x, positions, cache)
+
+    def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None) -> KVCache:
+        if self.compiled is not None:
+            rounded = -(-max_seq_len // CACHE_BUCKET) * CACHE_BUCKET
+            runtime = getattr(self, "runtime", None)
+            limit = max(max_seq_len, runtime.max_seq_len if runtime is not None else self.text.max_position_embeddings)
+            max_seq_len = min(rounded, limit)
+        return super().new_cache(batch_size, max_seq_len, kv_cache_dtype)
+
+
+# reference class -> its twin; swapped only on modules of exactly the reference class
+TWINS: dict[type, type] = {Attention: FastAttention, Experts: FastExperts, Router: FastRouter, MLP: FastMLP,
+                           PackedWeight: FastPackedWeight, MiniMaxM3: FastMiniMaxM3}
+REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
+# what `apply` gives the twins, removed when the reference is restored
+_GIVEN = ("paths", "fast", "compiled", "kernels", "mode", "fused_tokens", "fused_rows", "normal_range", "words")
+
+
+def paths_of(model: nn.Module) -> FastPaths:
+    """The fast paths in force on `model` (`REFERENCE` when none are installed)."""
+    return getattr(model, "fast", REFERENCE)
+
+
+def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) -> FastPaths:
+    """Install the fast paths `paths` (`FastPaths.of`: True = every eager fast path, "compiled", a dict, a
+    FastPaths...) on `model` (a `MiniMaxM3`, or any module holding reference modules: an `Experts`, a
+    `PackedWeight`), in place; `FastPaths()` (or False) restores the reference modules. Returns the paths in force.
+    Reads each packed weight's scales on the host once (`FastPackedWeight.configure`)."""
+    paths = FastPaths.of(paths)
+    kernels = getattr(model, "kernels", None) or Kernels()  # kept across re-applies: its compiled functions
+    _restore(model)
+    if not paths.any:
+        return paths
+    stored = {id(norm) for m in model.modules() if isinstance(m, DecoderLayer)
+              for norm in (m.input_layernorm, m.post_attention_layernorm)}
+    for name, m in model.named_modules():
+        twin = TWINS.get(type(m))
+        if type(m) is RMSNorm and id(m) in stored:
+            m.__class__ = StoredNorm
+        elif twin is not None:
+            m.__class__ = twin
+            m.paths = paths
+        if isinstance(m, FastPackedWeight):
+            m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt))
+    if isinstance(model, FastMiniMaxM3):
+        model.fast, model.kernels = paths, kernels
+        reductions = tuned_for(model.device) if paths.layer_reductions == "auto" else paths.layer_reductions
+        model.compiled = CompiledLayers(reductions) if paths.compile_layers else None
+    return paths
+
+
+def _restore(model: nn.Module) -> None:
+    for m in model.modules():
+        ref = REFERENCES.get(type(m))
+        if ref is None:
+            continue
+        m.__class__ = ref
+        for attr in _GIVEN:
+            m.__dict__.pop(attr, None)

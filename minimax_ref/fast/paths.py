@@ -1,0 +1,141 @@
+"""`FastPaths`: which fast paths are on. All off (`FastPaths()`) is the reference engine; each switch replaces
+one reference computation by a twin that computes the same function (tests/test_packed.py, test_fused.py and
+test_launch.py compare each with the reference).
+
+* `decode="fast"`: packed-weight decoding by a two-pass decoder (`fast.packed.decode_fast`). Bit-identical.
+* `decode="compile"`: the reference decoder through `torch.compile` (one fused kernel). Bit-identical.
+* `moe=True`: the routed experts of small batches (up to `sync_free_tokens` tokens) by batched matmuls over the
+  chosen experts, with no host synchronisation and static shapes (`fast.moe.FastExperts`). Equal to fp32 rounding.
+* `static_kv=True`: in decode steps (up to `sync_free_tokens` tokens per sequence), attention over the whole
+  cache (static shapes, no host synchronisation; later slots are masked as future keys). Equal to fp32 rounding.
+* `sdpa=True`: the fp32 attention core through `F.scaled_dot_product_attention`, and MSA gathers its selected key
+  blocks from the cache's storage before converting them (`fast.attention`). Equal to fp32 rounding.
+* `matmul="fused"`: products with packed weights in calls of up to `fused_tokens` = min(`sync_free_tokens`,
+  `fused_rows`) tokens by a compiled dequantize-and-multiply that reads the packed bytes and scales and never
+  writes the decoded weight (`fast.packed.Kernels.matmul`; compiled on first use: warm up before capturing a
+  CUDA graph). The same decoded bits; the sum is fp32 in another order. `nvfp4_words` / `mxfp8_words`: the fused
+  products read the packed bytes as int32 words (`mxfp8_words="gate_up"`: only the gate and up projections).
+* `compile_layers=True`: in decode steps (one token per sequence, with a cache and no trace), each decoder layer
+  runs through `torch.compile` (`fast.compiled.CompiledLayers`), one graph per kind of layer and batch size, in which
+  inductor fuses the norms, RoPE, cache writes, routing and activations around the matmuls. Needs `moe` and
+  `static_kv`. `layer_reductions`: the launch configurations of its large reductions (`fast.launch`).
+
+With `moe` and `static_kv` (and no trace, no activation emulation) a decode step has no host synchronisation and
+fixed shapes, so it can be captured in a CUDA graph (`fast.graph.GraphStep`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ..errors import ConfigError
+from .launch import ReductionConfigs
+from .packed import FUSED_ROWS
+
+DECODE_MODES = ("reference", "fast", "compile")
+MATMUL_MODES = ("reference", "fused")
+# Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
+# cache (decode steps); larger calls (prefill) group tokens by expert, which needs the per-expert counts
+# on the host, and attend over the filled slots only.
+SYNC_FREE_TOKENS = 64
+# With compiled layers, `FastMiniMaxM3.new_cache` sizes the KV cache in multiples of this many slots: each cache
+# length is a compiled graph of its own (static shapes), so prompts of different lengths would otherwise each compile
+# anew; the extra slots are future keys, masked.
+CACHE_BUCKET = 1024
+
+
+# The projections that `mxfp8_words="gate_up"` reads as words: the two whose products a compiled layer fuses into
+# one kernel (the dense MLPs' and the shared expert's; the routed experts' are NVFP4).
+GATE_UP = frozenset({"gate_proj", "up_proj"})
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """Which fast paths are on (see the module docstring). `FastPaths()` is the reference."""
+
+    decode: str = "reference"
+    moe: bool = False
+    static_kv: bool = False
+    sdpa: bool = False
+    # calls of up to this many tokens take the `moe` / `static_kv` / `matmul` paths; training raises it so that
+    # every expert runs densely on every token (a few large matmuls instead of a loop over experts)
+    sync_free_tokens: int = SYNC_FREE_TOKENS
+    matmul: str = "reference"
+    # rows of the input per pass of the fused matmul over a weight (`fast.packed.Kernels.matmul`)
+    fused_rows: int = FUSED_ROWS
+    # the fused products read the packed bytes as int32 words (`fast.packed.nvfp4_word_planes`, `mxfp8_word_planes`)
+    nvfp4_words: bool = False
+    mxfp8_words: bool | str = False  # or "gate_up": only the gate and up projections (`reads_words`)
+    compile_layers: bool = False
+    # launch configurations of the compiled layers' large reductions over packed weights: "auto" (the table's
+    # entry for the model's GPU and this torch, `launch.tuned_for`), None (tuned per compile) or fixed ones
+    layer_reductions: ReductionConfigs | str | None = "auto"
+
+    def __post_init__(self) -> None:
+        if self.layer_reductions != "auto":
+            object.__setattr__(self, "layer_reductions", ReductionConfigs.of(self.layer_reductions))
+        if self.decode not in DECODE_MODES:
+            raise ConfigError(f"fast paths: decode={self.decode!r}: choose one of {list(DECODE_MODES)}")
+        if self.matmul not in MATMUL_MODES:
+            raise ConfigError(f"fast paths: matmul={self.matmul!r}: choose one of {list(MATMUL_MODES)}")
+        if self.fused_rows < 1:
+            raise ConfigError(f"fast paths: fused_rows={self.fused_rows}: give a positive row count")
+        if self.compile_layers and not (self.moe and self.static_kv):
+            raise ConfigError("fast paths: compile_layers needs moe=True and static_kv=True (a compiled decode step "
+                              "must have static shapes and no host synchronisation)")
+        if self.sync_free_tokens < 1:
+            raise ConfigError(f"fast paths: sync_free_tokens={self.sync_free_tokens}: give a positive token count")
+        if self.mxfp8_words not in (False, True, "gate_up"):
+            raise ConfigError(f"fast paths: mxfp8_words={self.mxfp8_words!r}: give True, False or \"gate_up\" (only "
+                              "the gate and up projections)")
+
+    def reads_words(self, name: str, fmt: str) -> bool:
+        """Whether the packed weight `name` (a module path, e.g. `layers.3.mlp.gate_proj.packed`) of format `fmt`
+        is read as int32 words (`nvfp4_words`, `mxfp8_words`)."""
+        if fmt == "nvfp4":
+            return self.nvfp4_words
+        if self.mxfp8_words == "gate_up":
+            return not GATE_UP.isdisjoint(name.split("."))
+        return self.mxfp8_words
+
+    @classmethod
+    def of(cls, fast: bool | str | dict | FastPaths | None) -> FastPaths:
+        """`load_model`'s `fast` argument: False/None/"off" (reference), True/"on" (every fast path, eager decode),
+        "compile" (every fast path, compiled decode), "fused" (every fast path, eager decode, and the fused
+        packed matmul for a few tokens), "compiled" ("fused" with compiled decoder layers in decode steps, the
+        einsum attention core, which compiles better than fp32 SDPA), a dict of switches, or a FastPaths."""
+        if isinstance(fast, FastPaths):
+            return fast
+        if fast is None or fast is False or fast == "off":
+            return cls()
+        if fast is True or fast == "on":
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=True)
+        if fast == "compile":
+            return cls(decode="compile", moe=True, static_kv=True, sdpa=True)
+        if fast == "fused":
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, matmul="fused")
+        if fast == "compiled":
+            # sdpa off: the fp32 SDPA kernel does not split the keys of a one-query step over the GPU; the compiled
+            # einsum core does
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=False, matmul="fused", compile_layers=True,
+                       nvfp4_words=True, mxfp8_words="gate_up")
+        if isinstance(fast, dict):
+            names = {f.name for f in fields(cls)}
+            unknown = sorted(set(fast) - names)
+            if unknown:
+                raise ConfigError(f"fast paths: unknown switches {unknown}; known: {sorted(names)}")
+            return cls(**fast)
+        raise ConfigError(f"fast={fast!r}: give True, False, 'compile', 'fused', 'compiled', a dict of switches or "
+                          "a FastPaths")
+
+    @property
+    def any(self) -> bool:
+        return self != FastPaths()
+
+    @property
+    def fused_tokens(self) -> int:
+        """Calls with up to this many tokens multiply packed weights fused (`PackedWeight.fused_tokens`; 0: none)."""
+        return min(self.sync_free_tokens, self.fused_rows) if self.matmul == "fused" else 0
+
+
+REFERENCE = FastPaths()

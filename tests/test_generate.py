@@ -1,0 +1,253 @@
+"""Generation layers: the shared decode state, seeded sampling against a hand-written loop, batch groups in
+both loops, and the argument checks of the public generation functions (a string is one prompt; wrong
+types are InputErrors naming the argument)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import minimax_ref as mr
+from minimax_ref.decoding import DecodeJob, DecodeState, GenerationStats, generate_ids
+from minimax_ref.drafter import load_drafter
+from minimax_ref.errors import InputError
+from minimax_ref.loader import load_model
+from minimax_ref.sampling import SamplingParams
+from minimax_ref.speculative import speculative_generate_ids
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def spec_ckpt(ckpt_factory):
+    return ckpt_factory("tiny", "nvfp4", drafter=True)
+
+
+@pytest.fixture(scope="module")
+def model(spec_ckpt):
+    return load_model(spec_ckpt, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tok(spec_ckpt):
+    return mr.load_tokenizer(spec_ckpt)
+
+
+def _prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(sum(lengths))
+    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+def _fake_model(max_batch_size: int | None = None):
+    """What the decode state reads of a model (no runtime settings unless a batch limit is given)."""
+    rt = None if max_batch_size is None else SimpleNamespace(max_seq_len=64, kv_cache_dtype="auto",
+                                                            max_batch_size=max_batch_size)
+    return SimpleNamespace(text=SimpleNamespace(vocab_size=100), device=torch.device("cpu"), runtime=rt)
+
+
+# ---------------------------------------------------------------------------------------------- decode state
+
+
+def test_decode_state_pads_emits_and_stops():
+    seen = []
+    job = DecodeJob.make(_fake_model(), [[1, 2, 3], [4]], max_new_tokens=4, stop_ids=9, max_seq_len=6,
+                         on_token=lambda row, t: seen.append((row, t)))
+    state = DecodeState(_fake_model(), job, GenerationStats())
+    assert state.ids.tolist() == [[1, 2, 3], [4, 0, 0]] and state.embeds is None
+    assert state.budget == 6  # min(max_seq_len 6, longest prompt 3 + 4 new tokens)
+    assert state.committed() == [3, 1] and state.room(0) == 3 and state.room(1) == 4
+    # row 0 reaches the budget (3 + 3 = 6 positions) after 3 tokens; the 4th is dropped
+    assert state.emit(0, [5, 6, 7, 8]) == 3
+    # row 1 stops at the stop token, which is kept; what follows is dropped
+    assert state.emit(1, [5, 9, 7]) == 2
+    assert state.done and state.stats.generated_tokens == 5 and state.stats.prompt_tokens == 4
+    assert seen == [(0, 5), (0, 6), (0, 7), (1, 5), (1, 9)]
+    # committed: the prompt and every emitted token but the last (fed next)
+    assert state.committed() == [3 + 2, 1 + 1]
+    seqs = state.finish()
+    assert [(s.generated, s.finish_reason) for s in seqs] == [([5, 6, 7], "length"), ([5, 9], "stop")]
+
+
+def test_decode_state_max_new_tokens():
+    job = DecodeJob.make(_fake_model(), [[1, 2]], max_new_tokens=2, max_seq_len=50)
+    state = DecodeState(_fake_model(), job, GenerationStats())
+    assert state.emit(0, [3]) == 1 and not state.done and state.room(0) == 1
+    assert state.emit(0, [4, 5]) == 1 and state.done
+    assert state.finish()[0].finish_reason == "length"
+    none = DecodeState(_fake_model(), DecodeJob.make(_fake_model(), [[1]], max_new_tokens=0), GenerationStats())
+    assert none.done and [(s.generated, s.finish_reason) for s in none.finish()] == [([], "length")]
+
+
+def test_jobs_split_into_seeded_groups():
+    seen = []
+    job = DecodeJob.make(_fake_model(max_batch_size=2), [[1], [2], [3], [4], [5]], seed=10,
+                         on_token=lambda row, t: seen.append(row))
+    groups = job.groups()
+    assert [g.prompts for g in groups] == [[[1], [2]], [[3], [4]], [[5]]]
+    assert [g.seed for g in groups] == [10, 12, 14]
+    groups[1].on_token(1, 0)
+    groups[2].on_token(0, 0)
+    assert seen == [3, 4]  # rows are reported in the whole call's numbering
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def _reference_probs(logits: torch.Tensor, t: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The sampling contract written out for one row: temperature, the k largest, then the smallest
+    most-likely set reaching top_p."""
+    z = logits.float() / t
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    keep[z.argsort(descending=True)[:top_k]] = True
+    p = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)
+    order = p.argsort(descending=True)
+    mass, nucleus = 0.0, []
+    for i in order.tolist():
+        nucleus.append(i)
+        mass += float(p[i])
+        if mass >= top_p:
+            break
+    q = torch.zeros_like(p)
+    q[nucleus] = p[nucleus]
+    return q / q.sum()
+
+
+def test_seeded_sampling_equals_a_hand_written_loop(model):
+    """Each token is one torch.multinomial draw, from a generator seeded with `seed`, of the filtered
+    distribution of the full forward's last logits."""
+    prompt, seed, n = _prompts(23)[0], 5, 10
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)
+    seqs, _ = generate_ids(model, [prompt], max_new_tokens=n, sampling=params, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]))[0, -1]
+            probs = _reference_probs(logits, 0.8, 20, 0.9)
+            ids.append(int(torch.multinomial(probs[None], 1, generator=g)))
+    assert seqs[0].generated == ids[len(prompt):]
+
+
+# ---------------------------------------------------------------------------------------------- batch groups
+
+
+def test_both_loops_run_large_batches_in_groups(spec_ckpt):
+    grouped = load_model(spec_ckpt, dtype=torch.float32, max_batch_size=2)
+    drafter = load_drafter(spec_ckpt / "dspark", grouped)
+    prompts = _prompts(30, 12, 50, 7, 21)
+    plain, _ = generate_ids(grouped, prompts, max_new_tokens=8, sampling=GREEDY)
+    spec, stats = speculative_generate_ids(grouped, drafter, prompts, max_new_tokens=8, sampling=GREEDY)
+    assert [s.generated for s in spec] == [s.generated for s in plain]
+    alone = [speculative_generate_ids(grouped, drafter, prompts[g:g + 2], max_new_tokens=8, sampling=GREEDY,
+                                      seed=g)[1] for g in (0, 2, 4)]
+    assert stats.prompt_tokens == sum(map(len, prompts)) == sum(a.prompt_tokens for a in alone)
+    assert stats.steps == sum(a.steps for a in alone) and stats.decode_steps == sum(a.decode_steps for a in alone)
+    assert stats.proposed_per_position == [sum(col) for col in zip(*(a.proposed_per_position for a in alone))]
+    assert stats.as_dict()["num_speculative_tokens"] == drafter.block_size
+
+
+# ---------------------------------------------------------------------------------------------- argument checks
+
+
+def test_a_string_is_one_prompt(model, tok):
+    kw = {"max_new_tokens": 4, "temperature": 0}
+    one = mr.generate(model, tok, "What is 2+2?", **kw)
+    listed = mr.generate(model, tok, ["What is 2+2?"], **kw)
+    assert len(one) == 1 and one[0].token_ids == listed[0].token_ids
+    assert one[0].prompt_token_ids == tok.encode("What is 2+2?")
+
+
+@pytest.mark.parametrize(("prompts", "kw", "needle"), [
+    ([5, 6, 7], {}, "prompts: got one flat list of token ids; pass a list of prompts: \\[ids\\]"),
+    ([{"role": "user", "content": "hi"}], {"chat": True}, "prompts: got one flat list of chat messages"),
+    (None, {}, "prompts: expected a string or a list of prompts, got NoneType"),
+    (b"hello", {}, "prompts: got bytes"),
+    (["fine", 3.5], {}, r"prompts\[1\]: expected a string, a list of token ids, got float"),
+    ([["not", "a", "message"]], {"chat": True}, "prompt 0: a chat prompt is .* item 0 is str"),
+])
+def test_generate_refuses_wrong_prompt_types(model, tok, prompts, kw, needle):
+    with pytest.raises(InputError, match=needle):
+        mr.generate(model, tok, prompts, max_new_tokens=2, **kw)
+
+
+def test_generate_stop_ids_and_images_arguments(model, tok):
+    kw = {"max_new_tokens": 6, "temperature": 0}
+    free = mr.generate(model, tok, "Hello", stop_ids=[], **kw)[0]
+    stop = free.token_ids[2]
+    first = free.token_ids.index(stop)
+    one = mr.generate(model, tok, "Hello", stop_ids=stop, **kw)[0]  # a single id is one stop id
+    assert one.token_ids == free.token_ids[:first + 1] and one.finish_reason == "stop"
+    assert mr.generate(model, tok, "Hello", stop_ids=[stop], **kw)[0].token_ids == one.token_ids
+    with pytest.raises(InputError, match="stop_ids: expected a token id or a list of token ids, got str"):
+        mr.generate(model, tok, "Hello", stop_ids="abc", **kw)
+    with pytest.raises(InputError, match="stop_ids: 'a' \\(str\\) is not an integer token id"):
+        mr.generate(model, tok, "Hello", stop_ids=["a"], **kw)
+    with pytest.raises(InputError, match="stop_ids: expected a token id or a list of token ids, got float"):
+        mr.generate(model, tok, "Hello", stop_ids=2.0, **kw)
+    with pytest.raises(InputError, match="images: give a list with one entry per prompt .* got PosixPath"):
+        mr.generate(model, tok, "Hello", images=Path("cat.png"), **kw)
+    with pytest.raises(InputError, match="images: give one entry per prompt .* got 2 entries for 1 prompts"):
+        mr.generate(model, tok, "Hello", images=["a.png", "b.png"], **kw)
+    with pytest.raises(InputError, match=r"images\[0\] is a tensor"):
+        mr.generate(model, tok, ["a", "b"], images=[torch.zeros(4, 8), torch.tensor([[1, 2, 2]])], **kw)
+
+
+@pytest.mark.parametrize(("prompts", "kw", "needle"), [
+    ("hello", {}, "prompts: got text; this function takes token ids"),
+    ([1, 2, 3], {}, "prompts: got one flat list of token ids"),
+    ([[1, 2.5, 3]], {}, r"prompts\[0\]: item 1 is 2.5 \(float\), not an integer token id"),
+    ([[1, True]], {}, r"prompts\[0\]: item 1 is True \(bool\)"),
+    (torch.tensor([1.0, 2.0]), {}, "a tensor of prompts must be 2-d integer token ids"),
+    ([[1, 2]], {"max_new_tokens": "5"}, "max_new_tokens='5': must be an integer >= 0"),
+    ([[1, 2]], {"max_new_tokens": -1}, "max_new_tokens=-1: must be an integer >= 0"),
+    ([[1, 2]], {"seed": "x"}, "seed='x': must be an integer"),
+    ([[1, 2]], {"stop_ids": "ab"}, "stop_ids: expected a token id or a list of token ids, got str"),
+    ([[1, 2]], {"stop_ids": [1, None]}, "stop_ids: None \\(NoneType\\) is not an integer token id"),
+    ([[1, 2]], {"inputs_embeds": [torch.zeros(3, 64)]}, r"inputs_embeds\[0\]: expected a \[2, hidden\] tensor"),
+    ([[1, 2]], {"sampling": 0.5}, "sampling: expected a SamplingParams, got float"),
+])
+def test_token_id_loops_refuse_wrong_arguments(model, spec_ckpt, prompts, kw, needle):
+    with pytest.raises(InputError, match=needle):
+        generate_ids(model, prompts, **kw)
+    drafter = load_drafter(spec_ckpt / "dspark", model)
+    with pytest.raises(InputError, match=needle):
+        speculative_generate_ids(model, drafter, prompts, **kw)
+
+
+def test_token_id_prompts_as_a_tensor_and_a_single_stop_id(model):
+    prompts = _prompts(9, 9)
+    ref, _ = generate_ids(model, prompts, max_new_tokens=5, sampling=GREEDY)
+    out, _ = generate_ids(model, torch.tensor(prompts), max_new_tokens=5, sampling=GREEDY)
+    assert [s.generated for s in out] == [s.generated for s in ref]
+    stop = ref[0].generated[1]
+    one, _ = generate_ids(model, prompts, max_new_tokens=5, sampling=GREEDY, stop_ids=stop)
+    listed, _ = generate_ids(model, prompts, max_new_tokens=5, sampling=GREEDY, stop_ids=[stop])
+    assert [s.generated for s in one] == [s.generated for s in listed]
+    assert one[0].finish_reason == "stop" and one[0].generated[-1] == stop
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"temperature": "hot"}, "temperature='hot': must be a number >= 0"),
+    ({"temperature": None}, "temperature=None"),
+    ({"temperature": float("nan")}, "temperature=nan"),
+    ({"top_p": "0.5"}, "top_p='0.5': must be a number in \\(0, 1\\]"),
+    ({"top_k": 2.0}, "top_k=2.0: must be an integer >= 0"),
+    ({"top_k": True}, "top_k=True"),
+])
+def test_sampling_params_refuse_wrong_types(kw, needle):
+    with pytest.raises(InputError, match=needle):
+        SamplingParams(**kw)
+
+
+def test_streamed_text_follows_its_row(model, tok):
+    """Two identical prompts stream into their own rows (the rows are told apart by position, not value)."""
+    pieces: dict[int, str] = {0: "", 1: ""}
+
+    def on_text(row: int, text: str) -> None:
+        pieces[row] += text
+
+    out = mr.generate(model, tok, ["Same", "Same"], max_new_tokens=6, temperature=0, stop_ids=[], on_text=on_text)
+    assert [pieces[0], pieces[1]] == [r.text for r in out]

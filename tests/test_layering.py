@@ -1,0 +1,152 @@
+"""Two layers, one direction: the reference modules import nothing from the fast path (`minimax_ref.fast`), running
+with the fast paths off never imports it, and `fast.apply` installs and removes the twins without changing the
+model's parameters."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1] / "minimax_ref"
+REFERENCE_MODULES = ("config", "quant", "checkpoint", "loader", "model", "attention", "msa", "moe", "mlp", "linear",
+                     "norm", "rope", "cache", "vision", "parallel", "generate", "speculative", "drafter", "packed",
+                     "golden")
+# what only the fast path may call: the compiled-region switch and its store-once operator
+FAST_ONLY = ("is_compiling", "materialize", "_dynamo", "_inductor")
+
+
+def _imported(module: str, top_level_only: bool = False) -> set[str]:
+    """Dotted names of the `minimax_ref` modules that `minimax_ref.<module>` imports anywhere (module level or in a
+    function, TYPE_CHECKING blocks included; only at module level with `top_level_only`), read with `ast`."""
+    tree = ast.parse((ROOT / f"{module}.py").read_text())
+    out = set()
+    for node in (tree.body if top_level_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("minimax_ref")}
+        elif isinstance(node, ast.ImportFrom):
+            base = "minimax_ref" if node.level else ""
+            target = ".".join(p for p in (base, node.module or "") if p)
+            if target.startswith("minimax_ref"):
+                out.add(target)
+                out |= {f"{target}.{a.name}" for a in node.names}
+    return out
+
+
+def test_reference_modules_import_nothing_from_the_fast_path():
+    """Not at all; the loader only inside `_load`, when `load_model(fast=...)` asks for fast paths (its lazy import
+    is what the subprocess test below checks)."""
+    for module in REFERENCE_MODULES:
+        fast = sorted(name for name in _imported(module, top_level_only=module == "loader")
+                      if name == "minimax_ref.fast" or name.startswith("minimax_ref.fast."))
+        assert not fast, f"minimax_ref/{module}.py imports {fast}"
+
+
+def test_reference_modules_have_no_compiled_region_switches():
+    for module in REFERENCE_MODULES:
+        if module == "loader":  # its one lazy `from .fast import` is checked by the subprocess test below
+            continue
+        names = {n.attr if isinstance(n, ast.Attribute) else n.id
+                 for n in ast.walk(ast.parse((ROOT / f"{module}.py").read_text()))
+                 if isinstance(n, (ast.Attribute, ast.Name))}
+        found = [w for w in FAST_ONLY if w in names]
+        assert not found, f"minimax_ref/{module}.py uses {found}"
+
+
+def test_running_with_fast_off_never_imports_the_fast_package():
+    code = """
+import sys, torch
+import minimax_ref
+from minimax_ref.embedded import default_checkpoint
+model = minimax_ref.load_model(default_checkpoint(), dtype=torch.float32, fast="off")
+cache = model.new_cache(1, 8)
+model(torch.tensor([[1, 2, 3]]), cache=cache, positions=torch.arange(3)[None])
+model(torch.tensor([[4]]), cache=cache, positions=torch.tensor([[3]]))
+model(torch.tensor([[1, 2, 3]]))
+loaded = sorted(m for m in sys.modules if m == "minimax_ref.fast" or m.startswith("minimax_ref.fast."))
+print("FAST:", loaded)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "FAST: []" in run.stdout, run.stdout
+
+
+def test_apply_swaps_classes_and_restores_the_reference(tiny_nvfp4):
+    from minimax_ref.attention import Attention
+    from minimax_ref.fast import REFERENCE, FastPaths, apply, paths_of
+    from minimax_ref.loader import load_model
+    from minimax_ref.model import MiniMaxM3
+    from minimax_ref.moe import Experts
+    from minimax_ref.packed import PackedWeight
+
+    model = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed")
+    keys = list(model.state_dict())
+    classes = {name: type(m) for name, m in model.named_modules()}
+    assert paths_of(model) == REFERENCE
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    want = model(ids)
+
+    paths = apply(model, True)
+    assert paths == FastPaths.of(True) and paths_of(model) == paths
+    assert list(model.state_dict()) == keys  # the twins keep every parameter and buffer name
+    swapped = {name for name, m in model.named_modules() if type(m) is not classes[name]}
+    assert any(isinstance(model.get_submodule(n), Attention) for n in swapped)
+    assert any(isinstance(model.get_submodule(n), Experts) for n in swapped)
+    assert any(isinstance(model.get_submodule(n), PackedWeight) for n in swapped)
+    assert isinstance(model, MiniMaxM3) and type(model) is not MiniMaxM3
+    torch.testing.assert_close(model(ids), want, rtol=1e-4, atol=1e-4)
+
+    apply(model, FastPaths())
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert not hasattr(model, "fast") and paths_of(model) == REFERENCE
+    assert not any(hasattr(m, "paths") for m in model.modules())
+    assert torch.equal(model(ids), want)
+
+
+def test_numerics_and_formats_are_fixed_at_construction(tiny_nvfp4):
+    """`MiniMaxM3(config, numerics=, formats=)`: each linear's and expert stack's on-disk format and the activation
+    emulation are set as the model is built; the loader passes the checkpoint's, so nothing is written afterwards."""
+    import pytest
+
+    from minimax_ref.checkpoint import open_checkpoint
+    from minimax_ref.errors import ConfigError
+    from minimax_ref.linear import Linear
+    from minimax_ref.loader import load_model
+    from minimax_ref.model import MiniMaxM3, Numerics
+    from minimax_ref.moe import Experts
+
+    ck = open_checkpoint(tiny_nvfp4)
+    formats = {spec.module: ck.formats[prefix].fmt for prefix, spec in ck.linears.items()}
+    with torch.device("meta"):
+        built = MiniMaxM3(ck.config, numerics=Numerics("emulate", attention_chunk_elements=1 << 20), formats=formats)
+        plain = MiniMaxM3(ck.config)
+    ck.close()
+    assert built.act_quant == "emulate" and plain.act_quant == "none"
+    assert {layer.self_attn.chunk_elements for layer in built.layers} == {1 << 20}
+    packed = {name: m.act_format for name, m in built.named_modules() if isinstance(m, (Linear, Experts))
+              and m.act_format is not None}
+    assert packed and all(formats[name] == fmt for name, fmt in packed.items())
+    assert all(m.emulate_act_quant == (m.act_format is not None) for m in built.modules() if hasattr(m, "act_format"))
+    assert not any(m.emulate_act_quant for m in plain.modules() if hasattr(m, "act_format"))
+
+    loaded = load_model(tiny_nvfp4, dtype=torch.float32, act_quant="emulate", kv_cache_dtype="fp8")
+    assert loaded.numerics == Numerics("emulate", kv_cache_dtype="fp8")
+    assert {n: m.act_format for n, m in loaded.named_modules() if hasattr(m, "act_format") and m.act_format} == packed
+    assert loaded.new_cache(1, 8).fp8  # the cache's storage defaults to the numerics'
+    with pytest.raises(ConfigError, match="act_quant='w4a4'"):
+        Numerics("w4a4")
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp4'"):
+        Numerics(kv_cache_dtype="fp4")
+
+
+def test_golden_captures_through_the_trace_not_by_patching():
+    """golden.py records the attention cores through `Trace.attention` (and module hooks): it assigns no attribute of
+    another module (no monkeypatched `causal_attention` / `msa_attention`)."""
+    tree = ast.parse((ROOT / "golden.py").read_text())
+    patched = [ast.unparse(t) for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               if isinstance(t, ast.Attribute) and t.attr in ("causal_attention", "msa_attention")]
+    assert not patched, patched

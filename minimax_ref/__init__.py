@@ -5,6 +5,7 @@
     logits = model(input_ids)                  # [B, S] -> fp32 [B, S, vocab]
     tok = mr.load_tokenizer(path)                                     # path=None: the embedded default's
     results = mr.generate(model, tok, ["Hello"], max_new_tokens=32)
+    scores = mr.score(model, tok, [("The capital of France is", " Paris.")])   # per-token NLL + summary
 
 The public names are imported on first use (PEP 562), so `import minimax_ref` and the `minimax-ref`
 program start without importing torch: a Ctrl-C in the first seconds reaches the CLI's handler.
@@ -30,14 +31,16 @@ _EXPORTS = {
     "QuantFormatError": "errors", "NumericsError": "errors",
     "GenerationResult": "generate", "SamplingParams": "generate", "generate": "generate", "generate_ids": "generate",
     "load_model": "loader",
-    "MiniMaxM3": "model", "Trace": "model",
+    "Interventions": "model", "MiniMaxM3": "model", "Trace": "model",
+    "Scores": "score", "score": "score",
     "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }
 
 __all__ = [
     "load_model", "load_tokenizer", "load_drafter", "DSparkDrafter", "generate", "generate_ids", "parse_output",
     "open_checkpoint",
-    "load_model_config", "MiniMaxM3", "Trace", "Tokenizer", "SamplingParams", "GenerationResult",
+    "load_model_config", "MiniMaxM3", "Trace", "Interventions", "score", "Scores", "Tokenizer", "SamplingParams",
+    "GenerationResult",
     "ModelConfig", "TextConfig", "VisionConfig", "RuntimeConfig",
     "MiniMaxRefError", "ConfigError", "CheckpointError", "QuantFormatError", "InputError", "NumericsError",
 ]
@@ -57,8 +60,8 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """Importing a submodule binds it on its package; `generate` is both a submodule and the public
-    function, and the public name must stay the function (as `mr.generate(...)` promises)."""
+    """Importing a submodule binds it on its package; `generate` and `score` are both submodules and public
+    functions, and the public name must stay the function (as `mr.generate(...)` promises)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
@@ -77,5 +80,6 @@ if TYPE_CHECKING:
     from .errors import CheckpointError, ConfigError, InputError, MiniMaxRefError, NumericsError, QuantFormatError
     from .generate import GenerationResult, SamplingParams, generate, generate_ids
     from .loader import load_model
-    from .model import MiniMaxM3, Trace
+    from .model import Interventions, MiniMaxM3, Trace
+    from .score import Scores, score
     from .tokenizer import Tokenizer, load_tokenizer

@@ -21,7 +21,7 @@ from torch import nn
 from .cache import LayerCache
 from .config import TextConfig
 from .linear import Linear
-from .msa import CHUNK_ELEMENTS, msa_attention
+from .msa import CHUNK_ELEMENTS, gather_block_attention, msa_attention
 from .norm import RMSNorm
 from .parallel import ColumnParallelLinear, RowParallelLinear, World
 from .rope import apply_rope
@@ -114,7 +114,9 @@ class Attention(nn.Module):
         `KVCache.layer`), this call's K/V are written at `pos` and the keys are slots [0, kv_len); kv_len defaults
         to max(pos) + 1 (which reads pos on the host: the model passes it once for all layers).
         `trace` (a dict) receives the MSA block ids ("blocks"); with trace["capture"] set, also the attention
-        core's operands and result ("core": `record`), and the core runs in one query chunk (`chunk_for`).
+        core's operands and result ("core": `record`), and the core runs in one query chunk (`chunk_for`);
+        trace["force_blocks"] [B, kv_heads, T, kb] (-1 = empty), on MSA layers, is the selection used instead of
+        the indexer's.
         """
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
@@ -126,7 +128,11 @@ class Attention(nn.Module):
             if self.sparse:
                 cache.write_index(ik, pos)
                 ik = cache.index_keys(length)
-        if self.sparse:
+        if self.sparse and trace is not None and "force_blocks" in trace:
+            # an intervention (`model.Interventions.msa_blocks`): the given selection replaces the indexer's
+            blocks = trace["force_blocks"]
+            o = gather_block_attention(q, k, v, blocks, pos, self.geometry.block_size, self.scale)
+        elif self.sparse:
             sp = self.geometry
             o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
                                       sp.local_blocks, sp.init_blocks, self.chunk_for(trace))

@@ -170,6 +170,22 @@ class ModelConfig:
     quantization: dict | None  # the raw `quantization_config`, interpreted by checkpoint.py
     raw: dict = field(repr=False, compare=False, default_factory=dict)
 
+    def __repr__(self) -> str:
+        # short: the per-layer lists as counts, the quantization config (hundreds of per-module entries in the
+        # release) as its method and size; `raw` and the full fields stay available as attributes
+        t = self.text
+        scalars = ", ".join(f"{f}={getattr(t, f)!r}" for f in t.__dataclass_fields__
+                            if f not in ("sparse_layers", "moe_layers", "sparse"))
+        text = (f"TextConfig({scalars}, sparse_layers={sum(t.sparse_layers)}/{len(t.sparse_layers)}, "
+                f"moe_layers={sum(t.moe_layers)}/{len(t.moe_layers)}, sparse={t.sparse!r})")
+        quant = None
+        if isinstance(self.quantization, dict):
+            quant = "{" + ", ".join(f"{k!r}: <{len(v)} entries>" if isinstance(v, (list, dict)) else f"{k!r}: {v!r}"
+                                    for k, v in self.quantization.items()) + "}"
+        return (f"ModelConfig(text={text}, vision={self.vision!r}, image_token_id={self.image_token_id!r}, "
+                f"video_token_id={self.video_token_id!r}, projector_hidden_size={self.projector_hidden_size!r}, "
+                f"quantization={quant})")
+
     @property
     def merged_hidden_size(self) -> int:
         assert self.vision is not None

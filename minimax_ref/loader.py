@@ -232,7 +232,7 @@ def _nb(ck: Checkpoint, name: str) -> int:
     return _nbytes(ck.tensors[name])
 
 
-def load_model(path: str | Path | None, *, device: str | torch.device = "cpu",
+def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.bfloat16, act_quant: str = "none", weights: str = "dequant",
                tp=None, expert_parallel: bool = False, fast: bool | str | dict | None = False,
                synthetic: str | None = None, **runtime) -> MiniMaxM3:
@@ -303,8 +303,12 @@ def load_synthetic(preset: str, *, format: str = "nvfp4", experts: int | None = 
     def build() -> MiniMaxM3:
         ck = SyntheticCheckpoint(preset, format, experts=experts, layers=layers, overrides=overrides, seed=seed,
                                  device=device)
-        return _load(ck, world, expert_parallel, torch.device(device), dtype, act_quant, weights, fast, runtime,
-                     validate=False)
+        model = _load(ck, world, expert_parallel, torch.device(device), dtype, act_quant, weights, fast, runtime,
+                      validate=False)
+        # what regenerates the same tensors (golden re-reads the packed operands from it)
+        model.synthetic = {"preset": preset, "fmt": format, "experts": experts, "layers": layers,
+                           "overrides": overrides, "seed": seed}
+        return model
 
     return _on_every_rank(world, build, f"materialising synthetic {preset}")
 

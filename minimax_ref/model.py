@@ -11,7 +11,8 @@ dropped), so the name table in checkpoint.py is short.
 Calling the model on input ids [B, S] runs the plain full forward at positions 0..S-1 and returns
 fp32 logits [B, S, V]. Cached prefill/decode pass `cache` and `positions`; research hooks pass a
 `Trace` to receive per-layer hidden states, router decisions, MSA block selections and (for golden
-bundles) the attention cores' operands.
+bundles) the attention cores' operands, and `Interventions` to edit the forward at its hook points
+(expert masks and scales, MSA block selections, the residual stream after attention and after each layer).
 
 Tensor parallelism: built with a `parallel.World` of N ranks, every rank runs this same code on its
 slices (parallel.py lists the splits); the residual stream is replicated, attention and FFN blocks
@@ -21,7 +22,7 @@ so every rank holds the same full fp32 logits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -67,18 +68,116 @@ class Numerics:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {list(KV_CACHE_DTYPES)}")
 
 
+Edit = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Interventions:
+    """Edits a forward applies at its hook points (`model(ids, interventions=...)`, or `Trace(interventions=...)`).
+
+    Hook points, per decoder layer L (`DecoderLayer.forward`):
+      h = x + attn(norm(x))            msa_blocks[L] replaces the MSA block selection inside attn;
+                                       attention_residual[L] replaces h ("the residual after attention")
+      routing = router(norm(h))        expert_mask[L] removes experts from the choice
+      y = moe(norm(h), routing)        expert_scale[L] multiplies chosen experts' outputs
+      out = h + y                      residual[L] replaces out ("the residual after the FFN", the layer's output)
+
+    expert_mask[L]: bool [E], False = never routed (the router picks the top k among the kept experts and
+        normalises their weights among themselves: what a checkpoint pruned of those experts computes).
+    expert_scale[L]: {expert id: factor}; the factor multiplies that expert's fp32 routing weight where it is
+        chosen, so its contribution to the sum (0 zeroes it; the other experts' weights are unchanged, unlike
+        a mask).
+    residual[L], attention_residual[L]: a tensor [B, T, H] used in place of the stream, or a function of the
+        stream returning its replacement (same shape).
+    msa_blocks[L]: on an MSA layer, the key blocks each query attends to, int [B, kv_heads, T, kb] (-1 = empty
+        slot, any kb), in place of the indexer's top-k (`Trace.blocks` has the indexer's, in this form). Each
+        query still sees only keys at or before its position; every row needs a block holding one of those.
+        Under tensor parallelism, this rank's kv heads (as `Trace.blocks`).
+    Nothing else in the forward's arithmetic changes. With none given, the forward runs unchanged.
+    """
+
+    expert_mask: dict[int, torch.Tensor] = field(default_factory=dict)
+    expert_scale: dict[int, dict[int, float]] = field(default_factory=dict)
+    residual: dict[int, Edit] = field(default_factory=dict)
+    attention_residual: dict[int, Edit] = field(default_factory=dict)
+    msa_blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def check(self, model: MiniMaxM3) -> None:
+        """Refuse edits naming layers or experts the model does not have (InputError)."""
+        n, E = model.text.num_hidden_layers, model.text.num_local_experts
+        moe = {i for i in range(n) if model.text.moe_layers[i]}
+        for name in ("expert_mask", "expert_scale", "residual", "attention_residual", "msa_blocks"):
+            for L in getattr(self, name):
+                if not isinstance(L, int) or not 0 <= L < n:
+                    raise InputError(f"interventions.{name}: layer {L!r} is not a layer index in [0, {n})")
+                if name.startswith("expert") and L not in moe:
+                    raise InputError(f"interventions.{name}: layer {L} has a dense MLP, not experts "
+                                     f"(MoE layers: {sorted(moe)[:8]}{'...' if len(moe) > 8 else ''})")
+                if name == "msa_blocks" and not model.text.sparse_layers[L]:
+                    raise InputError(f"interventions.msa_blocks: layer {L} has dense attention, no block selection")
+        for L, mask in self.expert_mask.items():
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (E,):
+                got = (mask.dtype, tuple(mask.shape)) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise InputError(f"interventions.expert_mask[{L}] must be a bool tensor [{E}], got {got}")
+            if int(mask.sum()) < model.text.num_experts_per_tok:
+                raise InputError(f"interventions.expert_mask[{L}] keeps {int(mask.sum())} experts; routing "
+                                 f"chooses {model.text.num_experts_per_tok} per token")
+        for L, scales in self.expert_scale.items():
+            bad = [e for e in scales if not isinstance(e, int) or not 0 <= e < E]
+            if bad:
+                raise InputError(f"interventions.expert_scale[{L}]: expert ids {bad[:5]} are not in [0, {E})")
+
+    def blocks_for(self, layer: int, pos: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
+        """`msa_blocks[layer]` checked against the call (queries at `pos` [B, T], `kv_heads` heads) -> long, on
+        pos's device."""
+        blocks = self.msa_blocks[layer]
+        where = f"interventions.msa_blocks[{layer}]"
+        B, T = pos.shape
+        if not isinstance(blocks, torch.Tensor) or blocks.dtype.is_floating_point or blocks.dtype == torch.bool \
+                or blocks.dim() != 4 or tuple(blocks.shape[:3]) != (B, kv_heads, T):
+            got = (blocks.dtype, tuple(blocks.shape)) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+            raise InputError(f"{where} must be an integer tensor [{B}, {kv_heads}, {T}, kb], got {got}")
+        blocks = blocks.to(pos.device, torch.long)
+        last = (pos // block_size)[:, None, :, None]  # the query's own block: later ones hold only future keys
+        if bool(((blocks < -1) | (blocks > last)).any()):
+            raise InputError(f"{where}: block ids must be -1 (empty) or a block at or before the query's own "
+                             f"(block = position // {block_size})")
+        if not bool((blocks >= 0).any(-1).all()):
+            raise InputError(f"{where}: every query needs at least one block (its own, position // {block_size}, "
+                             "always has a key it may see)")
+        return blocks
+
+    @staticmethod
+    def apply(edit: Edit, stream: torch.Tensor, where: str) -> torch.Tensor:
+        """The stream replaced by `edit` (a tensor of the stream's shape, or a function of the stream)."""
+        new = edit(stream) if callable(edit) else edit
+        if not isinstance(new, torch.Tensor) or new.shape != stream.shape:
+            got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+            raise InputError(f"interventions.{where}: the replacement is {got}, the stream is {tuple(stream.shape)}")
+        return new.to(stream.dtype)
+
+
 @dataclass
 class Trace:
     """What a forward pass records, per layer index, for research and kernel tests.
 
     hidden_states[L]: the residual stream after layer L, [B, T, H] (only layers in `layers`, all when
         `layers` is None; `hidden_states[-1]`-style access is by layer index, not position).
-    routing[L]: MoE decision of layer L for the B*T flattened tokens (`moe.Routing`).
+    attention_output[L], ffn_output[L]: with `components`, what layer L's attention and FFN (MLP or MoE)
+        add to the stream, [B, T, H] each (same layers as `hidden_states`).
+    routing[L]: MoE decision of layer L for the B*T flattened tokens, row-major over [B, T] (`moe.Routing`;
+        `routed(L)` gives it shaped [B, T, k], `expert_counts(L)` counts the tokens `mask` keeps).
     blocks[L]: MSA block ids of layer L, [B, kv_heads, T, kb] (-1 = empty slot); under tensor
         parallelism, this rank's kv heads only.
     attention[L]: for the layers in `attention_layers`, the attention core's operands and result as it
         was called (`Attention.record`: q, k, v, q_pos, o, and on MSA layers iq, ik, blocks; the scale,
         geometry and chunk size). What golden bundles are made of.
+    shape: (B, T) of the last forward. mask: [B, T] bool, True at real tokens (None: all real); set by the
+        caller, or by `minimax_ref.score` for its right-padded batch.
+    interventions: edits applied during the forward (`Interventions`).
+
+    Each forward records into the trace the layers it runs, replacing what an earlier forward recorded for
+    those layers; `reset()` clears every record (the settings stay).
     """
 
     layers: set[int] | None = None
@@ -87,12 +186,65 @@ class Trace:
     blocks: dict[int, torch.Tensor] = field(default_factory=dict)
     attention_layers: set[int] = field(default_factory=set)
     attention: dict[int, dict] = field(default_factory=dict)
+    components: bool = False
+    attention_output: dict[int, torch.Tensor] = field(default_factory=dict)
+    ffn_output: dict[int, torch.Tensor] = field(default_factory=dict)
+    shape: tuple[int, int] | None = None
+    mask: torch.Tensor | None = None
+    interventions: Interventions | None = None
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
 
+    def reset(self) -> None:
+        """Clear every record (hidden states, routing, blocks, attention, components, shape, mask)."""
+        for d in (self.hidden_states, self.routing, self.blocks, self.attention, self.attention_output,
+                  self.ffn_output):
+            d.clear()
+        self.shape = self.mask = None
+
+    def begin(self, model: MiniMaxM3, x: torch.Tensor) -> None:
+        """Called by the model before its layers run on x [B, T, H]: refuses layer indices the model does not
+        have (InputError) and notes the shape."""
+        n = model.text.num_hidden_layers
+        for name in ("layers", "attention_layers"):
+            bad = sorted(L for L in (getattr(self, name) or ()) if not isinstance(L, int) or not 0 <= L < n)
+            if bad:
+                raise InputError(f"Trace({name}=...): {bad[:5]} are not layer indices of this model (0..{n - 1})")
+        if self.interventions is not None:
+            self.interventions.check(model)
+        if self.mask is not None and tuple(self.mask.shape) != tuple(x.shape[:2]):
+            raise InputError(f"Trace.mask is {tuple(self.mask.shape)}, the batch is {tuple(x.shape[:2])}")
+        self.shape = (int(x.shape[0]), int(x.shape[1]))
+
+    def routed(self, layer: int) -> Routing:
+        """Layer `layer`'s routing shaped [B, T, k] (expert ids, weights) and [B, T, E] (logits)."""
+        if layer not in self.routing:
+            raise InputError(f"the trace holds no routing for layer {layer} (it has {sorted(self.routing)}; "
+                             "dense-MLP layers route nothing)")
+        r, (B, T) = self.routing[layer], self.shape
+        return Routing(r.expert_ids.view(B, T, -1), r.weights.view(B, T, -1), r.logits.view(B, T, -1))
+
+    def expert_counts(self, layer: int) -> torch.Tensor:
+        """long [E]: how many tokens chose each expert in `layer`, over the tokens `mask` keeps (padding excluded)."""
+        r = self.routed(layer)
+        ids = r.expert_ids if self.mask is None else r.expert_ids[self.mask.to(r.expert_ids.device)]
+        return torch.bincount(ids.reshape(-1), minlength=r.logits.shape[-1])
+
+    def logit_lens(self, model: MiniMaxM3, layers: set[int] | None = None) -> dict[int, torch.Tensor]:
+        """fp32 logits [B, T, V] of each recorded residual stream (`hidden_states[L]` through the final norm and
+        LM head, `MiniMaxM3.logits`): what the model would predict if it stopped after layer L."""
+        keys = sorted(self.hidden_states if layers is None else layers)
+        missing = [L for L in keys if L not in self.hidden_states]
+        if missing:
+            raise InputError(f"logit_lens: layers {missing[:5]} were not recorded (Trace(layers=...) decides which)")
+        return {L: model.logits(self.hidden_states[L]) for L in keys}
+
 
 class DecoderLayer(nn.Module):
+    """One decoder layer: `input_layernorm`, `self_attn`, `post_attention_layernorm`, then `block_sparse_moe` (MoE
+    layers) or `mlp` (dense layers), each block added to the residual stream."""
+
     def __init__(self, cfg: TextConfig, layer: int, world: World, expert_parallel: bool = False,
                  chunk_elements: int = CHUNK_ELEMENTS):
         super().__init__()
@@ -112,16 +264,34 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None, trace: Trace | None, kv_len: int | None = None) -> torch.Tensor:
-        """The layer on x [B, T, H]; `cache` is this layer's part of the KV cache (`KVCache.layer`)."""
+        """The layer on the residual stream x [B, T, H] (compute dtype) -> [B, T, H].
+
+        pos [B, T]: absolute positions; cos, sin fp32 [B, T, rotary_dim] (`MiniMaxM3.rope`); cache: this layer's
+        part of the KV cache (`KVCache.layer`) or None; kv_len: cached slots [0, kv_len) to attend over. trace:
+        receives this layer's records and supplies its interventions (`Trace`, `Interventions`: the hook points).
+        """
         rec = None if trace is None else {"capture": self.layer in trace.attention_layers}
-        h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, rec, kv_len)
+        iv = None if trace is None else trace.interventions
+        if iv is not None and self.layer in iv.msa_blocks:
+            rec["force_blocks"] = iv.blocks_for(self.layer, pos, self.self_attn.n_kv,
+                                                self.self_attn.geometry.block_size)
+        a = self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, rec, kv_len)
+        h = x + a
+        if iv is not None and self.layer in iv.attention_residual:
+            h = iv.apply(iv.attention_residual[self.layer], h, f"attention_residual[{self.layer}]")
         if hasattr(self, "block_sparse_moe"):
             routing: list | None = [] if trace is not None else None
-            out = h + self.block_sparse_moe(self.post_attention_layernorm(h), routing)
+            mask = scale = None
+            if iv is not None:
+                mask, scale = iv.expert_mask.get(self.layer), iv.expert_scale.get(self.layer)
+            f = self.block_sparse_moe(self.post_attention_layernorm(h), routing, mask, scale)
             if routing:
                 trace.routing[self.layer] = routing[0]
         else:
-            out = h + self.mlp(self.post_attention_layernorm(h))
+            f = self.mlp(self.post_attention_layernorm(h))
+        out = h + f
+        if iv is not None and self.layer in iv.residual:
+            out = iv.apply(iv.residual[self.layer], out, f"residual[{self.layer}]")
         if trace is not None:
             if "blocks" in rec:
                 trace.blocks[self.layer] = rec["blocks"]
@@ -129,6 +299,9 @@ class DecoderLayer(nn.Module):
                 trace.attention[self.layer] = rec["core"]
             if trace.wants(self.layer):
                 trace.hidden_states[self.layer] = out
+                if trace.components:
+                    trace.attention_output[self.layer] = a
+                    trace.ffn_output[self.layer] = f
         return out
 
 
@@ -193,6 +366,8 @@ class MiniMaxM3(nn.Module):
                trace: Trace | None = None) -> torch.Tensor:
         """Run the decoder layers on embeddings x [B, T, H] at positions [B, T]; returns the residual
         stream before the final norm."""
+        if trace is not None:
+            trace.begin(self, x)
         cos, sin = self.rope(positions)
         # cached keys are slots [0, kv_len), read on the host once here rather than in every layer
         kv_len = None if cache is None else int(positions.max()) + 1
@@ -211,10 +386,14 @@ class MiniMaxM3(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, trace: Trace | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None,
+                interventions: Interventions | None = None) -> torch.Tensor:
         """Logits fp32 [B, T, V] for `input_ids` [B, T].
 
-        positions: [B, T] absolute positions (default 0..T-1); with `cache`, K/V are written there.
+        positions: [B, T] absolute positions (default 0..T-1, then T may not exceed `max_seq_len`: the runtime's
+            when loaded with one, else the config's max_position_embeddings); with `cache`, K/V are written there.
+        trace: receives per-layer records (`Trace`). interventions: edits at the hook points (`Interventions`;
+            the same as `trace.interventions`, give one or the other).
         inputs_embeds: replaces the embedding lookup (used for images).
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -224,17 +403,39 @@ class MiniMaxM3(nn.Module):
             raise InputError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         B, T = input_ids.shape
         if positions is None:
+            limit = self.max_seq_len
+            if T > limit:
+                raise InputError(f"input_ids has {T} positions, more than max_seq_len {limit}; shorten the input "
+                                 "or load the model with a larger max_seq_len")
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         elif cache is None and not torch.equal(positions, torch.arange(T, device=positions.device).expand(B, T)):
             raise InputError("positions other than 0..T-1 need a KV cache (keys live at their positions)")
+        if interventions is not None:
+            if trace is not None and trace.interventions is not None and trace.interventions is not interventions:
+                raise InputError("interventions given both as an argument and on the trace: give one")
+            trace = trace or Trace(layers=set())
+            trace.interventions = interventions
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        return self.checked(self.logits(self.hidden(x, positions, cache, trace)), x, positions, cache)
+        logits = self.logits(self.hidden(x, positions, cache, trace))
+        return self.checked(logits, x, positions, cache, None if trace is None else trace.interventions)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence a forward accepts: the runtime's `max_seq_len` when loaded with one, else the config's
+        `max_position_embeddings`."""
+        runtime = getattr(self, "runtime", None)
+        return runtime.max_seq_len if runtime is not None else self.text.max_position_embeddings
 
     def checked(self, logits: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None) -> torch.Tensor:
+                cache: KVCache | None, interventions: Interventions | None = None) -> torch.Tensor:
         """`logits`, refused with a `NumericsError` naming the layer where NaN / Inf first appear (finite.py).
-        x, positions, cache: the forward's embeddings and arguments, to re-run it on failure."""
-        return finite_logits(self, logits, x, lambda tr: self.hidden(x, positions, cache, tr), Trace)
+        x, positions, cache, interventions: the forward's embeddings and arguments, to re-run it on failure."""
+
+        def rerun(tr: Trace) -> torch.Tensor:
+            tr.interventions = interventions
+            return self.hidden(x, positions, cache, tr)
+
+        return finite_logits(self, logits, x, rerun, Trace)
 
     def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None) -> KVCache:
         """A KV cache for this rank: its kv heads only (all of them with one process); kv_cache_dtype "auto" or

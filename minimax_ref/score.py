@@ -234,14 +234,37 @@ def prefill_chunks(model, seqs: Sequence[Sequence[int]], *, batch_size: int = DE
         del cache
 
 
+def check_traces(model, traces: Sequence[ScoreTrace]) -> None:
+    """Refuse, with an InputError naming the trace, what cannot be scored on `model`: a completion start outside
+    [1, len) (the first completion token needs a prompt token before it, and there must be one), token ids
+    outside the vocabulary, a trace longer than the model's `max_seq_len`."""
+    V, limit = model.text.vocab_size, model.max_seq_len
+    if not traces:
+        raise InputError("no traces to score")
+    for i, t in enumerate(traces):
+        where = f"trace {i}" + (f" (line {t.line})" if t.line else "")
+        n = len(t.input_ids)
+        if isinstance(t.completion_start, bool) or not isinstance(t.completion_start, int) \
+                or not 1 <= t.completion_start < n:
+            raise InputError(f"{where}: completion_start={t.completion_start!r} must be in [1, {n}) for {n} "
+                             "input_ids (at least one prompt token and one completion token)")
+        bad = [x for x in t.input_ids if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < V]
+        if bad:
+            raise InputError(f"{where}: token ids {bad[:5]} are outside the vocabulary [0, {V})")
+        if n > limit:
+            raise InputError(f"{where}: {n} tokens, more than the model's max_seq_len {limit}")
+
+
 @torch.no_grad()
 def score_traces(model, traces: Sequence[ScoreTrace], *, batch_size: int = DEFAULT_BATCH_SIZE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_cache_dtype: str | None = None) -> list[TraceScore]:
     """NLL and argmax at every completion position of every trace (same order as `traces`).
 
     Position t of a trace (t >= completion_start) is predicted by the logits at t-1; the last
-    token is never a query, so each trace is prefilled without it.
+    token is never a query, so each trace is prefilled without it. Traces are checked first
+    (`check_traces`).
     """
+    check_traces(model, traces)
     nll: list[list[torch.Tensor]] = [[] for _ in traces]
     arg: list[list[torch.Tensor]] = [[] for _ in traces]
     seqs = [t.input_ids[:-1] for t in traces]
@@ -264,6 +287,79 @@ def score_traces(model, traces: Sequence[ScoreTrace], *, batch_size: int = DEFAU
                 nll[i].append(-logp.gather(-1, tgt[:, None])[:, 0].double().cpu())
                 arg[i].append(logits.argmax(-1).cpu())
     return [TraceScore(torch.cat(n), torch.cat(a)) for n, a in zip(nll, arg)]
+
+
+@dataclass
+class Scores:
+    """What `score` returns: the traces as scored (token ids, completion start), each one's per-token NLL and
+    argmax (`TraceScore`, in the order given), and `summary` (`nll_summary`: tokens, total_nll,
+    nll_per_token, perplexity)."""
+
+    traces: list[ScoreTrace]
+    per_trace: list[TraceScore]
+    summary: dict
+
+    def drift(self, reference: Scores) -> dict:
+        """`drift_stats` of these scores against `reference`'s (the same pairs scored by another model)."""
+        return drift_stats(self.per_trace, reference.per_trace)
+
+
+def score(model, tok, pairs: Sequence[object], chat: bool = False, trace=None, *,
+          batch_size: int = DEFAULT_BATCH_SIZE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Scores:
+    """Per-token NLL of completions under `model` (`minimax_ref.score`, also `mr.score`).
+
+    pairs: each a (prompt, completion) pair of strings, or a dict in the traces-file form (`{"prompt",
+        "completion"}` or `{"input_ids", "completion_start"}`, optional "id"); the module docstring says how text
+        becomes tokens (raw, or with `chat` the chat template). tok: the model's tokenizer (None when every pair
+        is given as ids). Every pair is checked as the CLI checks a traces file: an InputError names the pair.
+    trace: a `model.Trace` to record the forward into. The pairs then run as one right-padded batch [B, T] in the
+        given order through a plain forward (no KV cache, no chunking; right padding is exact), `trace.mask`
+        marks the real tokens and the trace is reset first. Without a trace, scoring runs the chunked,
+        batched, cached prefill of `score_traces`.
+    """
+    if isinstance(pairs, (str, bytes, dict)) or not isinstance(pairs, Sequence):
+        raise InputError(f"pairs must be a list of (prompt, completion) pairs or trace dicts, got "
+                         f"{type(pairs).__name__}")
+    V, limit = model.text.vocab_size, model.max_seq_len
+    traces = []
+    for i, pair in enumerate(pairs):
+        obj = pair
+        if isinstance(pair, (tuple, list)):
+            if len(pair) != 2:
+                raise InputError(f"pairs[{i}]: expected (prompt, completion), got {len(pair)} items")
+            obj = {"prompt": pair[0], "completion": pair[1]}
+        try:
+            t = parse_trace(obj, tok, chat=chat, vocab_size=V, max_len=limit)
+        except InputError as e:
+            raise InputError(f"pairs[{i}]: {e}") from None
+        traces.append(ScoreTrace(0, t.input_ids, t.completion_start, t.id))
+    if trace is None:
+        per = score_traces(model, traces, batch_size=batch_size, prefill_chunk=prefill_chunk)
+    else:
+        per = _score_traced(model, traces, trace)
+    return Scores(traces, per, nll_summary(per))
+
+
+@torch.no_grad()
+def _score_traced(model, traces: Sequence[ScoreTrace], trace) -> list[TraceScore]:
+    """`score` with a trace: one right-padded batch through the plain forward, recorded into `trace`."""
+    check_traces(model, traces)
+    B, T = len(traces), max(len(t.input_ids) for t in traces)
+    ids = torch.zeros(B, T, dtype=torch.long, device=model.device)
+    mask = torch.zeros(B, T, dtype=torch.bool, device=model.device)
+    for b, t in enumerate(traces):
+        ids[b, : len(t.input_ids)] = torch.tensor(t.input_ids, dtype=torch.long)
+        mask[b, : len(t.input_ids)] = True
+    trace.reset()
+    trace.mask = mask
+    logits = model(ids, trace=trace)
+    out = []
+    for b, t in enumerate(traces):
+        n, s = len(t.input_ids), t.completion_start
+        rows = logits[b, s - 1: n - 1]
+        nll = -torch.log_softmax(rows, dim=-1).gather(-1, ids[b, s:n, None])[:, 0]
+        out.append(TraceScore(nll.double().cpu(), rows.argmax(-1).cpu()))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- statistics

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from minimax_ref.cli import main
 from minimax_ref.errors import InputError
-from minimax_ref.golden import OPS, export_golden, parse_layers, parse_ops, replay_bundle
+from minimax_ref.golden import OPS, entry_tensors, export_golden, parse_layers, parse_ops, replay_bundle
 from minimax_ref.loader import load_model
 
 PAGE = 8
@@ -89,9 +89,16 @@ def test_manifest_describes_files(bundle, manifest, tiny_nvfp4, prompts):
     assert set(manifest["recompute"]) >= set(OPS)
     for e in manifest["entries"]:
         with safe_open(str(bundle / e["file"]), framework="pt") as f:
-            assert set(f.keys()) == set(e["tensors"])
+            own = {n for n, m in e["tensors"].items() if "stored" not in m}
+            assert set(f.keys()) == own
             for name, meta in e["tensors"].items():
-                t = f.get_tensor(name)
+                if "stored" in meta:  # packed operands: in the layer's weights file, once per bundle
+                    assert meta["role"] == "weight"
+                    assert meta["stored"]["file"] == f"weights/layer{e['layer']:03d}.safetensors"
+                    with safe_open(str(bundle / meta["stored"]["file"]), framework="pt") as w:
+                        t = w.get_tensor(meta["stored"]["key"])
+                else:
+                    t = f.get_tensor(name)
                 assert list(t.shape) == meta["shape"] and str(t.dtype) == "torch." + meta["dtype"]
     layers_of = {op: sorted({e["layer"] for e in manifest["entries"] if e["op"] == op}) for op in OPS}
     assert layers_of["attention"] == [0] and layers_of["msa"] == layers_of["moe"] == [1, 2, 3]
@@ -106,7 +113,7 @@ def test_packed_operands_are_the_checkpoint_bytes(bundle, manifest, tiny_nvfp4):
             return f.get_tensor(name)
 
     e = next(e for e in manifest["entries"] if e["op"] == "nvfp4_linear" and e["layer"] == 2)
-    t = load_file(str(bundle / e["file"]))
+    t = entry_tensors(bundle, e)
     prefix = f"language_model.model.layers.2.block_sparse_moe.experts.{e['params']['expert']}.w1"
     assert t["w1.weight"].dtype == torch.uint8 and torch.equal(t["w1.weight"], raw(prefix + ".weight"))
     assert torch.equal(t["w1.weight_scale"].view(torch.uint8), raw(prefix + ".weight_scale").view(torch.uint8))
@@ -118,7 +125,7 @@ def test_packed_operands_are_the_checkpoint_bytes(bundle, manifest, tiny_nvfp4):
     assert e["params"]["tokens"] == (r["expert_ids"] == e["params"]["expert"]).any(-1).nonzero().flatten().tolist()
     m = next(x for x in manifest["entries"] if x["op"] == "mxfp8_linear" and x["layer"] == 0)
     assert m["params"]["linear"].endswith("self_attn.q_proj")
-    tm = load_file(str(bundle / m["file"]))
+    tm = entry_tensors(bundle, m)
     assert torch.equal(tm["w.weight_scale"], raw(m["params"]["linear"] + ".weight_scale_inv"))
 
 

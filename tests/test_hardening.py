@@ -6,6 +6,7 @@ Each test reproduces one reported failure through the public entry points (the C
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import shutil
@@ -549,7 +550,8 @@ def test_generation_with_nan_weights_is_an_error_not_garbage(tiny_nvfp4, capsys,
 
 
 def test_score_never_writes_nan_into_json(tiny_nvfp4, tmp_path, capsys, monkeypatch):
-    import minimax_ref.score as score
+    # the module (`import minimax_ref.score as score` binds `mr.score`, the public function of the same name)
+    score = importlib.import_module("minimax_ref.score")
 
     traces = tmp_path / "traces.jsonl"
     traces.write_text(json.dumps({"prompt": "The weather", "completion": " is fine today"}) + "\n")

@@ -161,7 +161,8 @@ class FastAttention(Attention):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None, trace: dict | None = None, kv_len: int | None = None) -> torch.Tensor:
-        if trace is not None and trace.get("capture"):  # golden bundles record the reference core's operands
+        # golden bundles record the reference core's operands; forced MSA blocks (an intervention) run there too
+        if trace is not None and (trace.get("capture") or "force_blocks" in trace):
             return super().forward(x, pos, cos, sin, cache, trace, kv_len)
         B, T, _ = x.shape
         sdpa = self.paths.sdpa

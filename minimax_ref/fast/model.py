@@ -14,7 +14,7 @@ from torch import nn
 from ..attention import Attention
 from ..cache import KVCache
 from ..mlp import MLP
-from ..model import DecoderLayer, MiniMaxM3, Trace
+from ..model import DecoderLayer, Interventions, MiniMaxM3, Trace
 from ..moe import Experts, Router
 from ..norm import RMSNorm
 from ..packed import PackedWeight
@@ -36,6 +36,8 @@ class FastMiniMaxM3(MiniMaxM3):
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                trace: Trace | None = None) -> torch.Tensor:
+        if trace is not None:
+            trace.begin(self, x)
         cos, sin = self.rope(positions)
         kv_len = None
         if cache is not None:
@@ -49,8 +51,8 @@ class FastMiniMaxM3(MiniMaxM3):
 
     def compiles_step(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None) -> bool:
         """Whether this call runs its layers compiled: a decode step (one token per sequence: each shape is a graph
-        of its own, so prompts are not compiled) with a cache and no trace, no activation emulation and no expert
-        mask (those synchronise with the host)."""
+        of its own, so prompts are not compiled) with a cache and no trace (so no interventions), no activation
+        emulation and no expert mask (those synchronise with the host)."""
         if self.compiled is None or cache is None or trace is not None or positions.shape[1] != 1:
             return False
         for layer in self.layers:
@@ -62,11 +64,11 @@ class FastMiniMaxM3(MiniMaxM3):
         return True
 
     def checked(self, logits: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None) -> torch.Tensor:
+                cache: KVCache | None, interventions: Interventions | None = None) -> torch.Tensor:
         # sync-free decode steps read nothing back to the host; the non-finite check is a host read
         if positions.shape[1] <= self.fast.sync_free_tokens:
             return logits
-        return super().checked(logits, x, positions, cache)
+        return super().checked(logits, x, positions, cache, interventions)
 
     def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None) -> KVCache:
         if self.compiled is not None:

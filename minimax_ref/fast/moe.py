@@ -20,9 +20,9 @@ from .compiled import materialize
 
 
 class FastRouter(Router):
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
         logits, scores, choice = router_scores(x, self.weight, self.e_score_correction_bias, self.top_k,
-                                               self.expert_mask)
+                                               self.mask_with(mask))
         ids = torch.topk(choice, self.top_k, dim=-1, sorted=not torch.compiler.is_compiling()).indices
         return routing_of(logits, scores, ids)
 

@@ -1,0 +1,371 @@
+"""The research API: interventions against independent computations (a pruned checkpoint, the layer recomputed by
+hand, another input's stream), the Trace's shapes, padding mask, range checks and logit lens, `mr.score` and its
+input checks, the short config repr and the sequence-length limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import minimax_ref as mr
+from minimax_ref.errors import InputError
+from minimax_ref.fast import apply
+from minimax_ref.loader import load_model
+from minimax_ref.mlp import swiglu_oai
+from minimax_ref.model import Interventions, Trace
+from minimax_ref.prune import write_pruned
+from minimax_ref.score import ScoreTrace, score_traces
+
+MOE_LAYERS = (1, 2, 3)  # the tiny preset: layer 0 dense, 1..3 MoE with 16 experts, top 4
+KEPT = list(range(0, 16, 2))
+
+
+def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 1000, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_nvfp4):
+    return load_model(tiny_nvfp4, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pruned_model(tiny_nvfp4, tmp_path_factory):
+    out = tmp_path_factory.mktemp("research-pruned") / "p"
+    return load_model(write_pruned(tiny_nvfp4, out, {L: KEPT for L in MOE_LAYERS}, "test"), dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------ interventions
+
+
+@torch.no_grad()
+def test_expert_mask_equals_the_pruned_checkpoint(model, pruned_model):
+    mask = torch.zeros(16, dtype=torch.bool)
+    mask[KEPT] = True
+    ids = _ids(80, seed=1, batch=2)  # past the 4 x 16-token MSA budget: the sparse path too
+    masked = model(ids, interventions=Interventions(expert_mask={L: mask for L in MOE_LAYERS}))
+    torch.testing.assert_close(masked, pruned_model(ids), rtol=0, atol=1e-5)
+    assert not torch.allclose(masked, model(ids), atol=1e-3)  # the mask changed something
+    # and routing never picks a masked expert
+    tr = Trace(interventions=Interventions(expert_mask={2: mask}))
+    model(ids, trace=tr)
+    assert bool(mask[tr.routing[2].expert_ids].all())
+
+
+def _layer_by_hand(layer, x: torch.Tensor, scale: dict[int, float], model) -> torch.Tensor:
+    """Decoder layer on x [B, T, H] with each expert's output scaled, from its parts: the routing recomputed
+    from the router's weights, each chosen expert's SwiGLU from its stacked weights, summed per token."""
+    T = x.shape[1]
+    pos = torch.arange(T).expand(x.shape[0], T)
+    cos, sin = model.rope(pos)
+    h = x + layer.self_attn(layer.input_layernorm(x), pos, cos, sin, None, None, None)
+    moe = layer.block_sparse_moe
+    flat = layer.post_attention_layernorm(h).reshape(-1, h.shape[-1])
+    probs = torch.sigmoid(flat.float() @ moe.gate.weight.float().T)
+    chosen = torch.topk(probs + moe.gate.e_score_correction_bias, moe.gate.top_k, dim=-1).indices
+    w = probs.gather(-1, chosen)
+    w = w / w.sum(-1, keepdim=True)
+    ex = moe.experts
+    y = torch.zeros(flat.shape, dtype=torch.float64)
+    for t in range(flat.shape[0]):
+        for j in range(chosen.shape[1]):
+            e = int(chosen[t, j])
+            g, u = ex.weight("w1", e) @ flat[t], ex.weight("w3", e) @ flat[t]
+            out = ex.weight("w2", e) @ swiglu_oai(g, u, ex.alpha, ex.limit)
+            y[t] += float(w[t, j]) * scale.get(e, 1.0) * out.double()
+    y = moe.scaling * y + moe.shared_experts(flat).double()
+    return h + y.float().reshape(h.shape)
+
+
+@pytest.mark.parametrize("factor", [0.0, 2.5])
+@torch.no_grad()
+def test_expert_scale_equals_the_layer_by_hand(model, factor):
+    ids = _ids(12, seed=2)
+    tr = Trace(interventions=Interventions(expert_scale={2: {3: factor, 7: factor}}))
+    model(ids, trace=tr)
+    expected = _layer_by_hand(model.layers[2], tr.hidden_states[1], {3: factor, 7: factor}, model)
+    torch.testing.assert_close(tr.hidden_states[2], expected, rtol=1e-5, atol=1e-5)
+    assert {3, 7} & set(tr.routing[2].expert_ids.flatten().tolist())  # the edit had something to act on
+
+
+@torch.no_grad()
+def test_scale_one_and_no_interventions_change_nothing(model):
+    ids = _ids(20, seed=3)
+    plain = model(ids)
+    assert torch.equal(model(ids, interventions=Interventions()), plain)
+    assert torch.equal(model(ids, interventions=Interventions(expert_scale={1: {0: 1.0}})), plain)
+
+
+@torch.no_grad()
+def test_residual_replacement_is_the_other_inputs_stream(model):
+    a, b = _ids(30, seed=4), _ids(30, seed=5)
+    tb = Trace(components=True)
+    logits_b = model(b, trace=tb)
+    # every later layer reads only layer 1's output: replacing it with b's makes the whole run b's
+    out = model(a, interventions=Interventions(residual={1: tb.hidden_states[1]}))
+    assert torch.equal(out, logits_b)
+    # the residual after attention: b's (layer 1's input plus its attention output) gives b's run as well
+    h_b = tb.hidden_states[0] + tb.attention_output[1]
+    out = model(a, interventions=Interventions(attention_residual={1: h_b}))
+    torch.testing.assert_close(out, logits_b, rtol=0, atol=1e-5)
+    # a function of the stream: the identity changes nothing, and it sees the stream
+    seen = []
+    out = model(a, interventions=Interventions(residual={2: lambda h: seen.append(h.shape) or h}))
+    assert torch.equal(out, model(a)) and seen == [torch.Size([1, 30, model.text.hidden_size])]
+
+
+@torch.no_grad()
+def test_components_sum_to_the_stream(model):
+    tr = Trace(components=True)
+    model(_ids(10, seed=6), trace=tr)
+    for L in range(1, 4):
+        torch.testing.assert_close(tr.hidden_states[L],
+                                   tr.hidden_states[L - 1] + tr.attention_output[L] + tr.ffn_output[L])
+
+
+@torch.no_grad()
+def test_fast_twins_apply_the_same_interventions(tiny_nvfp4):
+    m = load_model(tiny_nvfp4, dtype=torch.float32)
+    mask = torch.ones(16, dtype=torch.bool)
+    mask[:5] = False
+    ids = _ids(3, seed=7, batch=2)  # a few tokens: the sync-free expert path
+    iv = Interventions(expert_mask={1: mask}, expert_scale={3: {2: 0.0}},
+                       msa_blocks={2: torch.zeros(2, 2, 3, 1, dtype=torch.long)})  # FastAttention defers to these
+    ref = m(ids, interventions=iv)
+    apply(m, True)
+    try:
+        torch.testing.assert_close(m(ids, interventions=iv), ref, rtol=1e-5, atol=1e-5)
+    finally:
+        apply(m, False)
+
+
+@pytest.mark.parametrize("iv,needle", [
+    (Interventions(expert_mask={0: torch.ones(16, dtype=torch.bool)}), "dense MLP"),
+    (Interventions(expert_mask={9: torch.ones(16, dtype=torch.bool)}), "not a layer index"),
+    (Interventions(expert_mask={1: torch.ones(15, dtype=torch.bool)}), "bool tensor [16]"),
+    (Interventions(expert_mask={1: torch.arange(16) < 3}), "keeps 3 experts"),
+    (Interventions(expert_scale={1: {16: 0.0}}), "not in [0, 16)"),
+    (Interventions(residual={1: torch.zeros(1, 3, 4)}), "the replacement is (1, 3, 4)"),
+])
+def test_bad_interventions_are_input_errors(model, iv, needle):
+    with pytest.raises(InputError, match="interventions") as e:
+        model(_ids(5), interventions=iv)
+    assert needle in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ Trace
+
+
+@torch.no_grad()
+def test_routing_shaped_and_counts_skip_padding(model, tiny_nvfp4):
+    pairs = [{"input_ids": _ids(n, seed=n)[0].tolist(), "completion_start": 2} for n in (9, 20, 14)]
+    tr = Trace()
+    mr.score(model, None, pairs, trace=tr)
+    assert tr.shape == (3, 20)
+    assert tr.mask.sum(1).tolist() == [9, 20, 14]
+    r = tr.routed(2)
+    assert r.expert_ids.shape == (3, 20, 4) and r.weights.shape == (3, 20, 4) and r.logits.shape == (3, 20, 16)
+    assert torch.equal(r.expert_ids.reshape(-1, 4), tr.routing[2].expert_ids)  # row-major over [B, T]
+    # independently: each sequence alone (no padding), its routing counted
+    expected = torch.zeros(16, dtype=torch.long)
+    for p in pairs:
+        alone = Trace(layers=set())
+        model(torch.tensor([p["input_ids"]]), trace=alone)
+        expected += torch.bincount(alone.routing[2].expert_ids.flatten(), minlength=16)
+    assert torch.equal(tr.expert_counts(2), expected)
+    assert int(tr.expert_counts(2).sum()) == 43 * 4
+
+
+def test_trace_layers_are_range_checked(model):
+    with pytest.raises(InputError, match=r"Trace\(layers=...\): \[99\]"):
+        model(_ids(4), trace=Trace(layers={99}))
+    with pytest.raises(InputError, match="attention_layers"):
+        model(_ids(4), trace=Trace(attention_layers={-1}))
+
+
+@torch.no_grad()
+def test_logit_lens_and_reset(model):
+    ids = _ids(16, seed=8)
+    tr = Trace()
+    logits = model(ids, trace=tr)
+    lens = tr.logit_lens(model)
+    assert sorted(lens) == [0, 1, 2, 3]
+    assert torch.equal(lens[3], logits)  # the last layer's lens is the model's output
+    h = tr.hidden_states[1]
+    expected = F.linear(model.norm(h), model.lm_head.weight).float()
+    torch.testing.assert_close(lens[1], expected)
+    with pytest.raises(InputError, match="not recorded"):
+        Trace(layers={1}).logit_lens(model, {1})
+    tr.reset()
+    assert not tr.hidden_states and not tr.routing and tr.shape is None
+    assert tr.layers is None  # settings stay
+
+
+@torch.no_grad()
+def test_longer_than_max_seq_len_is_refused(tiny_nvfp4):
+    m = load_model(tiny_nvfp4, dtype=torch.float32, max_seq_len=16)
+    assert m.max_seq_len == 16
+    m(_ids(16))
+    with pytest.raises(InputError, match="17 positions, more than max_seq_len 16"):
+        m(_ids(17))
+
+
+# ------------------------------------------------------------------------------------------ score
+
+
+def test_score_is_the_public_function():
+    import minimax_ref.score as score_module  # binds the function: the public name wins
+
+    assert callable(mr.score) and mr.score is score_module
+    assert mr.score.__module__ == "minimax_ref.score"
+
+
+@pytest.mark.parametrize("trace,needle", [
+    (ScoreTrace(line=0, input_ids=(1, 2, 3), completion_start=0), "completion_start=0 must be in [1, 3)"),
+    (ScoreTrace(line=0, input_ids=(1, 2, 3), completion_start=3), "completion_start=3 must be in [1, 3)"),
+    (ScoreTrace(line=0, input_ids=(1, 99999), completion_start=1), "token ids [99999] are outside"),
+    (ScoreTrace(line=0, input_ids=(-1, 5), completion_start=1), "token ids [-1] are outside"),
+])
+def test_score_traces_checks_like_the_cli(model, trace, needle):
+    with pytest.raises(InputError) as e:
+        score_traces(model, [ScoreTrace(line=0, input_ids=(1, 2, 3), completion_start=1), trace])
+    assert needle in str(e.value) and "trace 1" in str(e.value)
+
+
+@pytest.mark.parametrize("pairs,needle", [
+    ([("Hello", "")], "'completion' is empty"),
+    ([("Hello", " there", "x")], "expected (prompt, completion)"),
+    ([{"input_ids": [1, 2], "completion_start": 2}], "must be in [1, 2)"),
+    ([{"input_ids": [1, 5000], "completion_start": 1}], "outside the vocabulary"),
+    ([{"input_ids": [1, 2], "completion_start": 1, "extra": 0}], "unknown keys"),
+    ("Hello", "pairs must be a list"),
+])
+def test_score_pairs_are_checked(model, pairs, needle):
+    tok = mr.load_tokenizer(None)
+    with pytest.raises(InputError) as e:
+        mr.score(model, tok, pairs)
+    assert needle in str(e.value)
+
+
+@torch.no_grad()
+def test_score_matches_the_full_forward(model):
+    pairs = [{"input_ids": _ids(n, seed=10 + n)[0].tolist(), "completion_start": s} for n, s in ((30, 5), (12, 11))]
+    res = mr.score(model, None, pairs, prefill_chunk=8)
+    traced = mr.score(model, None, pairs, trace=Trace(layers=set()))
+    total = 0.0
+    for p, s, t in zip(pairs, res.per_trace, traced.per_trace):
+        ids = torch.tensor([p["input_ids"]])
+        logp = torch.log_softmax(model(ids)[0], -1)
+        st = p["completion_start"]
+        nll = -logp[st - 1: -1].gather(-1, ids[0, st:, None])[:, 0].double()
+        torch.testing.assert_close(s.nll, nll, rtol=0, atol=1e-4)
+        torch.testing.assert_close(t.nll, nll, rtol=0, atol=1e-4)
+        total += float(nll.sum())
+    assert res.summary["tokens"] == 25 + 1
+    assert res.summary["total_nll"] == pytest.approx(total, abs=1e-3)
+    assert res.drift(res)["drift_1e3"] == 0.0 and res.drift(res)["top1_agreement"] == 1.0
+
+
+def test_config_repr_is_short(model):
+    r = repr(model.config)
+    assert len(r) < 2000 and "entries>" in r and "moe_layers=3/4" in r
+
+
+@torch.no_grad()
+def test_embedded_default_loads_without_arguments():
+    from minimax_ref.embedded import default_checkpoint
+
+    model, tok = mr.load_model(dtype=torch.float32), mr.load_tokenizer()
+    explicit = load_model(default_checkpoint(), dtype=torch.float32)
+    ids = torch.tensor([tok.encode("The capital of France is")])
+    assert torch.equal(model(ids), explicit(ids))
+
+
+def test_readme_research_snippet_runs_verbatim():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("## Research"):]
+    begin = section.index("```python") + len("```python")
+    scope: dict = {}
+    exec(compile(section[begin: section.index("```", begin)], "README.md", "exec"), scope)
+    assert scope["edited"].shape == scope["logits"].shape and not torch.equal(scope["edited"], scope["logits"])
+    assert set(scope["drift"]) >= {"drift_1e3", "drift_stderr_1e3", "top1_agreement"}
+    assert torch.equal(scope["lens"][5], scope["logits"])  # the embedded default has 6 layers
+
+
+@torch.no_grad()
+def test_forcing_the_indexers_own_blocks_changes_nothing(model):
+    ids = _ids(100, seed=11, batch=2)  # past the 4 x 16-token budget: the indexer chooses
+    tr = Trace(layers=set())
+    plain = model(ids, trace=tr)
+    forced = model(ids, interventions=Interventions(msa_blocks=dict(tr.blocks)))
+    assert torch.equal(forced, plain)
+
+
+def _attention_by_hand(attn, x: torch.Tensor, blocks: torch.Tensor, model) -> torch.Tensor:
+    """Layer attention output on its input x [B, T, H] with keys limited to `blocks` [B, Hkv, T, kb]: a dense
+    causal softmax whose mask also drops every key outside the query's blocks."""
+    B, T, _ = x.shape
+    cos, sin = model.rope(torch.arange(T).expand(B, T))
+    q, k, v = attn.qkv(x, cos, sin)  # [B, T, heads, D]
+    bs = attn.geometry.block_size
+    key_block = torch.arange(T) // bs
+    allowed = torch.zeros(B, attn.n_kv, T, T, dtype=torch.bool)
+    for j in range(blocks.shape[-1]):
+        allowed |= (key_block[None, None, None, :] == blocks[..., j, None]) & (blocks[..., j, None] >= 0)
+    allowed &= torch.ones(T, T, dtype=torch.bool).tril()
+    group = attn.n_heads // attn.n_kv
+    allowed = allowed.repeat_interleave(group, dim=1)  # [B, Hq, T, T]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * attn.scale
+    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v.double()).float()
+    return attn.o_proj(o.reshape(B, T, -1))
+
+
+@torch.no_grad()
+def test_forced_blocks_equal_attention_by_hand(model):
+    ids = _ids(70, seed=12)
+    T, L = 70, 2
+    own = (torch.arange(T) // 16)[None, None, :, None].expand(1, model.layers[L].self_attn.n_kv, T, 1)
+    blocks = torch.cat([own, torch.zeros_like(own), torch.full_like(own, -1)], dim=-1)  # own block + block 0
+    tr = Trace(components=True, interventions=Interventions(msa_blocks={L: blocks}))
+    model(ids, trace=tr)
+    layer = model.layers[L]
+    expected = _attention_by_hand(layer.self_attn, layer.input_layernorm(tr.hidden_states[L - 1]), blocks, model)
+    torch.testing.assert_close(tr.attention_output[L], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tr.blocks[L], blocks)
+    # it changed the layer: the indexer picks 4 blocks, not 2
+    plain = Trace(components=True)
+    model(ids, trace=plain)
+    assert not torch.allclose(plain.attention_output[L], tr.attention_output[L], atol=1e-4)
+
+
+@pytest.mark.parametrize("blocks,needle", [  # the tiny preset: 2 kv heads, blocks of 16
+    (torch.zeros(1, 1, 20, 2, dtype=torch.long), "integer tensor [1, 2, 20, kb], got (torch.int64, (1, 1, 20, 2))"),
+    (torch.zeros(1, 2, 20, 2), "integer tensor [1, 2, 20, kb], got (torch.float32"),
+    (torch.ones(1, 2, 20, 2, dtype=torch.long), "at or before the query's own"),
+    (torch.full((1, 2, 20, 2), -1, dtype=torch.long), "at least one block"),
+])
+def test_bad_forced_blocks_are_input_errors(model, blocks, needle):
+    with pytest.raises(InputError, match="msa_blocks") as e:
+        model(_ids(20), interventions=Interventions(msa_blocks={2: blocks}))
+    assert needle in str(e.value)
+    with pytest.raises(InputError, match="layer 0 has dense attention"):
+        model(_ids(20), interventions=Interventions(msa_blocks={0: blocks}))
+
+
+def test_research_example_runs_on_the_embedded_default(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "research.py"
+    out = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    for needle in ("== expert usage per layer", "after layer 5:", "top-1 agreement", "key blocks of 32"):
+        assert needle in out.stdout, needle
+    assert list(tmp_path.glob("msa_blocks_layer*.png"))

@@ -15,6 +15,8 @@ all-reduce is the block's one collective.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -30,6 +32,35 @@ from .rope import apply_rope
 ONE_CHUNK = 1 << 62
 
 
+def gqa_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, chunk_elements: int
+               ) -> tuple[torch.Tensor, torch.Tensor, Iterator[tuple[torch.Tensor, torch.Tensor]]]:
+    """The layout of the dense attention cores: q [B, T, Hq, D] against k, v [B, L, Hkv, D] (slot = position) as
+    fp32 keys and values [B, Hkv, L, D] and the queries in chunks of at most `chunk_elements` scores, each chunk as
+    (qg fp32 [B, Hkv, G, t, D]: query head h = kv head h // G, group member h % G; future bool [B, 1, 1, t, L]: keys
+    at positions > q_pos [B, T]). `merge_heads` turns a chunk's output back into [B, t, Hq, D]."""
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    kf = k.float().permute(0, 2, 1, 3)
+    vf = v.float().permute(0, 2, 1, 3)
+    k_pos = torch.arange(L, device=q.device)
+    chunk = max(1, chunk_elements // (B * Hq * L))
+
+    def chunks() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for s0 in range(0, T, chunk):
+            sl = slice(s0, s0 + chunk)
+            qc = q[:, sl].float()
+            qg = qc.view(B, qc.shape[1], Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)
+            yield qg, k_pos[None, None, None, None, :] > q_pos[:, None, None, sl, None]
+
+    return kf, vf, chunks()
+
+
+def merge_heads(o: torch.Tensor) -> torch.Tensor:
+    """A chunk's output [B, Hkv, G, t, D] as [B, t, Hkv * G, D] (`gqa_chunks`' head order)."""
+    B, Hkv, G, t, D = o.shape
+    return o.permute(0, 3, 1, 2, 4).reshape(B, t, Hkv * G, D)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
                      chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Dense causal GQA: q [B, T, Hq, D] against k, v [B, L, Hkv, D] (slot = position).
@@ -38,24 +69,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     fp32 scores / softmax / sum; returns fp32 [B, T, Hq, D]. Queries in chunks of at most
     `chunk_elements` scores.
     """
-    B, T, Hq, D = q.shape
-    L, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    kf = k.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-    vf = v.float().permute(0, 2, 1, 3)
-    k_pos = torch.arange(L, device=q.device)
-    chunk = max(1, chunk_elements // (B * Hq * L))
+    kf, vf, chunks = gqa_chunks(q, k, v, q_pos, chunk_elements)
     outs = []
-    for s0 in range(0, T, chunk):
-        sl = slice(s0, s0 + chunk)
-        qc = q[:, sl].float()
-        t = qc.shape[1]
-        qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, t, D]
+    for qg, future in chunks:
         s = torch.einsum("bhgtd,bhld->bhgtl", qg, kf) * scale
-        future = k_pos[None, None, None, None, :] > q_pos[:, None, None, sl, None]
         p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
-        o = torch.einsum("bhgtl,bhld->bhgtd", p, vf)
-        outs.append(o.permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
+        outs.append(merge_heads(torch.einsum("bhgtl,bhld->bhgtd", p, vf)))
     return torch.cat(outs, dim=1)
 
 

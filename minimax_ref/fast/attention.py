@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..attention import Attention
+from ..attention import Attention, gqa_chunks, merge_heads
 from ..cache import LayerCache
 from ..msa import CHUNK_ELEMENTS, block_scores, gather_blocks, mask_future, query_chunk
 from .compiled import materialize
@@ -56,24 +56,12 @@ def contract(equation: str, a: torch.Tensor, b: torch.Tensor, broadcast: bool | 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
                      chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """`attention.causal_attention` with `contract` and the probabilities stored once when compiled."""
-    B, T, Hq, D = q.shape
-    L, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    kf = k.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-    vf = v.float().permute(0, 2, 1, 3)
-    k_pos = torch.arange(L, device=q.device)
-    chunk = max(1, chunk_elements // (B * Hq * L))
+    kf, vf, chunks = gqa_chunks(q, k, v, q_pos, chunk_elements)
     outs = []
-    for s0 in range(0, T, chunk):
-        sl = slice(s0, s0 + chunk)
-        qc = q[:, sl].float()
-        t = qc.shape[1]
-        qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, t, D]
+    for qg, future in chunks:
         s = contract("bhgtd,bhld->bhgtl", qg, kf) * scale
-        future = k_pos[None, None, None, None, :] > q_pos[:, None, None, sl, None]
         p = materialize(torch.softmax(s.masked_fill(future, float("-inf")), dim=-1))
-        o = contract("bhgtl,bhld->bhgtd", p, vf)
-        outs.append(o.permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
+        outs.append(merge_heads(contract("bhgtl,bhld->bhgtd", p, vf)))
     return torch.cat(outs, dim=1)
 
 
@@ -81,23 +69,13 @@ def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_p
                           chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """`attention.causal_attention` through `F.scaled_dot_product_attention` in fp32: the G query heads of a kv
     head are folded into the query length, so no kv head is repeated. Same chunking of queries."""
-    B, T, Hq, D = q.shape
-    L, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    kf = k.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-    vf = v.float().permute(0, 2, 1, 3)
-    k_pos = torch.arange(L, device=q.device)
-    chunk = max(1, chunk_elements // (B * Hq * L))
+    kf, vf, chunks = gqa_chunks(q, k, v, q_pos, chunk_elements)
     outs = []
-    for s0 in range(0, T, chunk):
-        sl = slice(s0, s0 + chunk)
-        qc = q[:, sl].float()
-        t = qc.shape[1]
-        qg = qc.view(B, t, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * t, D)
-        seen = k_pos[None, None, :] <= q_pos[:, sl, None]  # [B, t, L]
-        mask = seen[:, None, None].expand(B, 1, G, t, L).reshape(B, 1, G * t, L)
-        o = F.scaled_dot_product_attention(qg, kf, vf, attn_mask=mask, scale=scale)  # [B, Hkv, G*t, D]
-        outs.append(o.view(B, Hkv, G, t, D).permute(0, 3, 1, 2, 4).reshape(B, t, Hq, D))
+    for qg, future in chunks:
+        B, Hkv, G, t, D = qg.shape
+        mask = (~future).expand(B, 1, G, t, future.shape[-1]).reshape(B, 1, G * t, -1)
+        o = F.scaled_dot_product_attention(qg.reshape(B, Hkv, G * t, D), kf, vf, attn_mask=mask, scale=scale)
+        outs.append(merge_heads(o.view(B, Hkv, G, t, D)))
     return torch.cat(outs, dim=1)
 
 

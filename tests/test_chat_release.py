@@ -287,16 +287,8 @@ def test_transformers_renders_the_release_template_the_same(release):
 # ------------------------------------------------------------------------------------------------
 # Checkpoint folders: their own chat_template.jinja renders the release's text on the same table
 # ------------------------------------------------------------------------------------------------
-# SHA-256 of the embedded default's template from before the release-exact format (its model was
-# trained on the older dialect). Retraining and re-exporting the embedded default (examples/nano)
-# replaces it with `CHAT_TEMPLATE`, after which the embedded default is held to the table too.
-PRE_RELEASE_EMBEDDED_TEMPLATE_SHA256 = "54a140c9f179e15e66fa7023c6a36101720efae83d3127f62d69780c9d45f7c0"
-
-
 @pytest.fixture(scope="module", params=["test-tokenizer", "embedded-default"])
 def checkpoint_tokenizer(request, tmp_path_factory):
-    import hashlib
-
     from minimax_ref.embedded import default_checkpoint
     from minimax_ref.tokenizer import load_tokenizer, write_test_tokenizer
 
@@ -305,9 +297,6 @@ def checkpoint_tokenizer(request, tmp_path_factory):
         write_test_tokenizer(folder, 2048)
     else:
         folder = default_checkpoint()
-        source = (folder / "chat_template.jinja").read_bytes()
-        if hashlib.sha256(source).hexdigest() == PRE_RELEASE_EMBEDDED_TEMPLATE_SHA256:
-            pytest.skip("the embedded default still ships its pre-release template (retrain and re-export it)")
     return load_tokenizer(folder)
 
 

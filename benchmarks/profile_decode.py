@@ -2,9 +2,10 @@
 count and device time per step, beside the step's wall time and its HBM roofline, measured in one run.
 
 A synthetic model (`--preset`, `--layers`, `--experts`, NVFP4+MXFP8 packed weights by default) prefills a
-`--prompt-len` prompt, then one decode step of `--batch` sequences with the fast paths `--fast` is captured in a
-CUDA graph (`fast.graph.GraphStep`); `--steps` replays are timed (wall clock, synchronised), then profiled with
-`torch.profiler` (CUPTI records the kernels a graph launches). The JSON line gives:
+`--prompt-len` prompt once, then for each batch size of `--batch` (comma-separated: the prompt's cache replicated) one
+decode step of that many sequences with the fast paths `--fast` is captured in a CUDA graph (`fast.graph.GraphStep`);
+`--steps` replays are timed (wall clock, synchronised), then profiled with `torch.profiler` (CUPTI records the kernels
+a graph launches). One JSON line per batch size and configuration gives:
 
 * `step_ms` (timed replays), `kernel_ms` (sum of kernel time per step), `kernels_per_step`;
 * `roofline`: the bytes a step must read (`common.decode_step_bytes`) over the device-to-device copy bandwidth
@@ -17,6 +18,8 @@ CUDA graph (`fast.graph.GraphStep`); `--steps` replays are timed (wall clock, sy
     python benchmarks/profile_decode.py --preset release --layers 6 --experts 16 --fast compiled --out prof.jsonl
     # two launch configurations of the reductions on the same weights (one compile and capture each):
     python benchmarks/profile_decode.py --layers 60 --reduction-config 1,256,8 --reduction-config tuned --out prof.jsonl
+    # batch 1 and 32 at 60 layers, the grouped kernel of batch > fused_rows off then on (issue 26):
+    python benchmarks/profile_decode.py --layers 60 --batch 1,32 --grouped both --steps 10 --out prof.jsonl
 """
 
 from __future__ import annotations
@@ -55,6 +58,18 @@ from minimax_ref.loader import load_synthetic
 from minimax_ref.synth import PRESETS
 
 FAST = {"on": True, "fused": "fused", "compiled": "compiled"}
+GROUPED = {"default": None, "on": [True], "off": [False], "both": [False, True]}
+
+
+def batch_sizes(text: str) -> list[int]:
+    """A `--batch` argument: comma-separated positive batch sizes."""
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive batch sizes, comma-separated (e.g. 1,32)")
+    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=16, help="routed experts per layer (0 = the preset's)")
     p.add_argument("--fast", default="compiled", choices=sorted(FAST), help="fast paths (default: compiled)")
     p.add_argument("--fused-rows", type=int, default=FUSED_ROWS)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=batch_sizes, default=[1],
+                   help="sequences a step, comma-separated to profile several sizes on one prefill (default: 1)")
     p.add_argument("--prompt-len", type=int, default=8192)
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "auto"])
@@ -82,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mxfp8-words", default="default", type=words_choice(MXFP8_WORDS_CHOICES),
                    help="FastPaths.mxfp8_words: the same for MXFP8's E4M3 bytes; gate_up: only the gate and up "
                    "projections; several, comma-separated: each in turn (default: as --fast sets it)")
+    p.add_argument("--grouped", default="default", choices=sorted(GROUPED),
+                   help="FastPaths.grouped: products of more than --fused-rows rows by the grouped Triton kernel; "
+                   "both: each configuration without, then with (default: as --fast sets it; compiled: on)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p
 
@@ -141,29 +160,33 @@ def run(args: argparse.Namespace, holder: list) -> None:
     ids = torch.randint(0, 100_000, (1, args.prompt_len), generator=torch.Generator(device=device).manual_seed(3),
                         device=device)
     with torch.no_grad():
-        cache = model.new_cache(1, max_len, args.kv_cache_dtype)
-        last = prefill(model, cache, ids, args.prefill_chunk)
-        if args.batch > 1:
-            cache = replicate_cache(model, cache, args.batch, args.kv_cache_dtype)
-        tok = last.argmax(-1, keepdim=True).expand(args.batch, 1).contiguous()
-        pos = torch.full((args.batch, 1), args.prompt_len, dtype=torch.long, device=device)
+        prompt_cache = model.new_cache(1, max_len, args.kv_cache_dtype)
+        last = prefill(model, prompt_cache, ids, args.prefill_chunk)
         # each step writes the same cache slot, so every configuration sees the same state
-        for reductions, nvfp4_words, mxfp8_words in itertools.product(
+        for reductions, nvfp4_words, mxfp8_words, grouped in itertools.product(
                 configs, words_settings(args.nvfp4_words, fast.nvfp4_words),
-                words_settings(args.mxfp8_words, fast.mxfp8_words)):
+                words_settings(args.mxfp8_words, fast.mxfp8_words), GROUPED[args.grouped] or [fast.grouped]):
             torch._dynamo.reset()
             apply(model, replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words,
-                                   mxfp8_words=mxfp8_words))
-            result = profile_step(args, world, model, cache, tok, pos, bw)
-            emit(result, args.out)
-            torch.cuda.empty_cache()
+                                   mxfp8_words=mxfp8_words, grouped=grouped))
+            for batch in args.batch:  # one compile of each layer kind per batch size, kept across the sizes
+                cache = prompt_cache
+                if batch > 1:
+                    cache = replicate_cache(model, prompt_cache, batch, args.kv_cache_dtype)
+                tok = last.argmax(-1, keepdim=True).expand(batch, 1).contiguous()
+                pos = torch.full((batch, 1), args.prompt_len, dtype=torch.long, device=device)
+                result = profile_step(args, world, model, cache, tok, pos, bw)
+                emit(result, args.out)
+                del cache
+                torch.cuda.empty_cache()
 
 
 def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tensor, pos: torch.Tensor,
                  bw: dict) -> dict:
     """Capture `model`'s decode step (its fast paths as set) in a CUDA graph, time and profile its replays."""
     device = tok.device
-    result: dict = {"benchmark": "profile_decode", "command": " ".join(sys.argv), "params": vars(args),
+    batch = tok.shape[0]
+    result: dict = {"benchmark": "profile_decode", "command": " ".join(sys.argv), "params": vars(args), "batch": batch,
                     "torch": torch.__version__, "device_name": torch.cuda.get_device_name(device),
                     "copy_bandwidth": bw, "fast_paths": asdict(model.fast)}
     t0 = time.perf_counter()
@@ -180,7 +203,7 @@ def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tenso
     step_s = (time.perf_counter() - t0) / args.steps
     prof = profile_replays(runner, tok, pos, args.steps)
     del runner
-    need = decode_step_bytes(model, args.batch, args.prompt_len, 1 if args.kv_cache_dtype == "fp8" else 2)
+    need = decode_step_bytes(model, batch, args.prompt_len, 1 if args.kv_cache_dtype == "fp8" else 2)
     roof_s = need["bytes"] / bw["bytes_per_s"]
     kernel_us = sum(prof["micros"].values())
     kinds: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0.0, "us": 0.0})
@@ -194,17 +217,19 @@ def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tenso
         "reduction_config": None if reductions is None else reductions.text(),
         "model": {"layers": model.text.num_hidden_layers, "experts": model.text.num_local_experts,
                   "hidden": model.text.hidden_size},
-        "step_ms": 1e3 * step_s, "tokens_per_s": args.batch / step_s,
+        "step_ms": 1e3 * step_s, "tokens_per_s": batch / step_s,
         "kernel_ms": kernel_us / 1e3, "kernels_per_step": sum(prof["calls"].values()),
         "roofline": {"bytes_per_step": need["bytes"], "by_family": need["by_family"], "step_ms": 1e3 * roof_s,
-                     "tokens_per_s": args.batch / roof_s, "fraction": roof_s / step_s},
+                     "tokens_per_s": batch / roof_s, "fraction": roof_s / step_s},
         "by_kind": {k: {"calls": v["calls"], "us": v["us"]}
                     for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["us"])},
         "top": [{"name": n[:160], "calls": prof["calls"][n], "us": prof["micros"][n]} for n in top],
     })
     words = "".join(f" {fmt} words" + ("" if on is True else f" ({on})")
                     for fmt in ("nvfp4", "mxfp8") if (on := getattr(model.fast, f"{fmt}_words")))
-    log(world, f"[{result['reduction_config']}{words}] step {1e3 * step_s:.2f} ms ({args.batch / step_s:.1f} tok/s), "
+    words += " grouped" if model.fast.grouped else ""
+    log(world, f"[{result['reduction_config']}{words}] batch {batch}: step {1e3 * step_s:.2f} ms "
+               f"({batch / step_s:.1f} tok/s), "
                f"kernels {kernel_us / 1e3:.2f} ms in {result['kernels_per_step']:.0f} launches; roofline "
                f"{1e3 * roof_s:.2f} ms ({100 * roof_s / step_s:.1f} %)")
     return result

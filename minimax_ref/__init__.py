@@ -32,6 +32,7 @@ _EXPORTS = {
     "GenerationResult": "generate", "SamplingParams": "generate", "generate": "generate", "generate_ids": "generate",
     "load_model": "loader",
     "Interventions": "model", "MiniMaxM3": "model", "Trace": "model",
+    "OffloadConfig": "offload",
     "Scores": "score", "score": "score",
     "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }
@@ -39,7 +40,8 @@ _EXPORTS = {
 __all__ = [
     "load_model", "load_tokenizer", "load_drafter", "DSparkDrafter", "generate", "generate_ids", "parse_output",
     "open_checkpoint",
-    "load_model_config", "MiniMaxM3", "Trace", "Interventions", "score", "Scores", "Tokenizer", "SamplingParams",
+    "load_model_config", "MiniMaxM3", "Trace", "Interventions", "OffloadConfig", "score", "Scores", "Tokenizer",
+    "SamplingParams",
     "GenerationResult",
     "ModelConfig", "TextConfig", "VisionConfig", "RuntimeConfig",
     "MiniMaxRefError", "ConfigError", "CheckpointError", "QuantFormatError", "InputError", "NumericsError",
@@ -81,5 +83,6 @@ if TYPE_CHECKING:
     from .generate import GenerationResult, SamplingParams, generate, generate_ids
     from .loader import load_model
     from .model import Interventions, MiniMaxM3, Trace
+    from .offload import OffloadConfig
     from .score import Scores, score
     from .tokenizer import Tokenizer, load_tokenizer

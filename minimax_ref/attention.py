@@ -178,8 +178,11 @@ class Attention(nn.Module):
 
     def chunk_for(self, trace: dict | None) -> int:
         """The attention core's `chunk_elements`: the layer's memory bound, or, for a captured call, one chunk (the
-        engine's chunking only bounds memory, and one call is what a kernel computes)."""
-        return ONE_CHUNK if trace is not None and trace.get("capture") else self.chunk_elements
+        engine's chunking only bounds memory, and one call is what a kernel computes) unless the capture asks for
+        chunks of its own size (trace["capture_chunk"]: long prompts, linear memory)."""
+        if trace is not None and trace.get("capture"):
+            return trace.get("capture_chunk") or ONE_CHUNK
+        return self.chunk_elements
 
     def record(self, trace: dict, q, k, v, iq, ik, pos, o, blocks) -> None:
         """Put the block ids in `trace` and, when it asks (`trace["capture"]`), the attention core's operands and

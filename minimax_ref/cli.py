@@ -39,13 +39,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["dequant", "packed"], default="dequant",
                    help="dequant: decode quantized weights once at load (default); packed: keep NVFP4/MXFP8 "
                         "weights packed in memory and decode them at use (same outputs, packed-size memory)")
-    p.add_argument("--fast", choices=["off", "on", "compile", "fused", "compiled"], default="off",
-                   help="fast paths (minimax_ref/fast/): on = batched experts without host sync, static-shape "
-                        "cached attention, SDPA attention core, two-pass packed decoding; compile = the same with "
-                        "torch.compile'd packed decoding; fused = on, plus decode steps multiply packed weights "
-                        "with a compiled dequantize-and-multiply (with --weights packed); compiled = fused, and each "
-                        "decoder layer of a decode step runs torch.compile'd (compiled on first use, minutes on a GPU) "
-                        "(default: off, the reference)")
+    p.add_argument("--fast", choices=["auto", "off", "on", "compile", "fused", "compiled"], default="auto",
+                   help="fast paths (minimax_ref/fast/): auto = compiled with a CUDA --device, off on a CPU; on = "
+                        "batched experts without host sync, static-shape cached attention, SDPA attention core, "
+                        "two-pass packed decoding; compile = the same with torch.compile'd packed decoding; fused = "
+                        "on, plus decode steps multiply packed weights with a compiled dequantize-and-multiply (with "
+                        "--weights packed); compiled = fused, and each decoder layer of a decode step runs "
+                        "torch.compile'd (compiled on first use, minutes on a GPU) and, on CUDA with triton, batches "
+                        "of more than 8 sequences multiply packed weights with a grouped Triton kernel; every mode "
+                        "but off replays decode steps from CUDA graphs on a GPU (default: auto)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")
     p.add_argument("--max-model-len", type=int, default=4096,
@@ -63,6 +65,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="with --synthetic-weights: number of layers (default: the preset's)")
     p.add_argument("--synthetic-experts", type=int, default=None, metavar="N",
                    help="with --synthetic-weights: routed experts per MoE layer (default: the preset's)")
+    p.add_argument("--offload", choices=["none", "cpu", "disk"], default="none",
+                   help="when the model does not fit --gpu-memory: keep the weights that do not fit packed in host "
+                        "memory (cpu) or in --offload-folder (disk) and stream them to --device layer by layer, only "
+                        "the chosen experts' rows of routed experts (needs --weights packed and the accelerate "
+                        "package: pip install 'minimax-ref[offload]'; same outputs) (default: none)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="with --offload: GiB of --device memory the model may take (resident weights, staging "
+                        "buffers, activations and KV cache); `minimax-ref plan --offload cpu` shows the device map")
+    p.add_argument("--offload-folder", type=Path, default=None, metavar="DIR",
+                   help="with --offload disk: where the streamed weights are written (default: a new folder under "
+                        "the cache folder, removed at exit)")
 
 
 def load_from_args(args: argparse.Namespace, world=None):
@@ -79,13 +92,18 @@ def load_from_args(args: argparse.Namespace, world=None):
     check_device_flag(args.device)
     dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     world = world if world is not None else getattr(args, "world", None)
-    fast = {"off": False, "on": True, "compile": "compile", "fused": "fused", "compiled": "compiled"}[
-        getattr(args, "fast", "off")]
+    fast = fast_mode(getattr(args, "fast", "auto"), args.device)
+    if getattr(args, "offload", "none") != "none" and getattr(args, "fast", "auto") == "auto":
+        # offloaded steps read the router's choice on the host: no compiled layers or CUDA graphs (offload.py);
+        # the reference keeps activation memory predictable within --gpu-memory (--fast on / fused: eager twins)
+        fast = False
     if fast in COMPILE_NOTICES:
         print(f"[fast] --fast {fast}: {COMPILE_NOTICES[fast]}", file=sys.stderr)
     common = dict(device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
                   max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tp=world,
-                  expert_parallel=getattr(args, "expert_parallel", False), fast=fast)
+                  expert_parallel=getattr(args, "expert_parallel", False), fast=fast,
+                  offload=getattr(args, "offload", "none"), gpu_memory=getattr(args, "gpu_memory", None),
+                  offload_folder=getattr(args, "offload_folder", None))
     preset = getattr(args, "synthetic_weights", None)
     if preset is None:
         if getattr(args, "synthetic_layers", None) is not None or getattr(args, "synthetic_experts", None) is not None:
@@ -107,14 +125,37 @@ def load_from_args(args: argparse.Namespace, world=None):
     return model, load_tokenizer(synthetic_tokenizer_dir(model.config.text.vocab_size)), None
 
 
+# The commands that pass --offload to the models they load (`load_from_args`, `score.load_for_args`).
+OFFLOAD_COMMANDS = ("generate", "golden", "score", "prune")
+
+
+def check_offload_command(args: argparse.Namespace) -> None:
+    """Refuse --offload / --gpu-memory / --offload-folder on a command that would load its model without them."""
+    if not hasattr(args, "offload_folder"):  # not a model-loading command (plan has an --offload of its own)
+        return
+    asked = args.offload != "none" or args.offload_folder is not None or args.gpu_memory is not None
+    if asked and args.command not in OFFLOAD_COMMANDS:
+        raise InputError(f"--offload is not available for `minimax-ref {args.command}` yet (it loads its models "
+                         f"itself); commands that offload: {', '.join(OFFLOAD_COMMANDS)}")
+
+
+def fast_mode(flag: str, device: str) -> bool | str:
+    """`load_model`'s `fast` for `--fast flag`: "auto" is the compiled fast paths on a CUDA device (what a GPU user
+    wants by default) and the reference on a CPU (where the reference is the point, and compiling costs more than it
+    saves)."""
+    if flag == "auto":
+        flag = "compiled" if device.startswith("cuda") else "off"
+    return {"off": False, "on": True, "compile": "compile", "fused": "fused", "compiled": "compiled"}[flag]
+
+
 # What each compiling --fast mode compiles, said before the silence it causes.
 COMPILE_NOTICES = {
     "compile": "the packed-weight decoder is compiled by torch.compile on first use (a pause before the first "
                "tokens)",
     "fused": "the dequantize-and-multiply kernels are compiled by torch.compile on first use (a pause before the "
              "first decode step)",
-    "compiled": "every decoder layer of a decode step is compiled by torch.compile on first use: expect a long "
-                "silent pause (minutes on a GPU) before the first tokens",
+    "compiled": "every decoder layer of a decode step is compiled by torch.compile on first use (minutes on a GPU "
+                "at release size; the first decode step says when it starts and how long it took)",
 }
 DEVICE_TYPES = ("cpu", "cuda")  # the devices the kernels and formats (float8, packed bytes) are written for
 
@@ -278,7 +319,8 @@ def _print_result(args: argparse.Namespace, result, streamed: bool, max_new_toke
         print(json.dumps({"tool_call": call}, ensure_ascii=False))
     s = result.stats
     print(f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, prefill {s['prefill_tokens_per_s']:.1f} "
-          f"tok/s, decode {s['decode_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+          f"tok/s, first token {s['time_to_first_token_seconds']:.2f} s, decode {s['decode_tokens_per_s']:.1f} tok/s]",
+          file=sys.stderr)
     _note_cut(args, result, max_new_tokens)
 
 
@@ -708,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     2 for a user error (one `error:` line), 130 on Ctrl-C (at any moment, imports included: no traceback)."""
     try:
         args = build_parser().parse_args(argv)
+        check_offload_command(args)
         return args.run(args)
     except MiniMaxRefError as e:
         print(f"error: {e}", file=sys.stderr)

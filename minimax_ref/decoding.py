@@ -52,11 +52,23 @@ class Sequence_:
 
 @dataclass
 class GenerationStats:
+    """Counts and wall times of one `generate` call (summed over its groups).
+
+    prefill_seconds: the prompts' forward passes. first_token_seconds: from the start of the prefill to the first
+    token chosen (time to first token; the first group's). warmup_seconds: the first decode step of each group,
+    timed apart because on the fast paths it compiles the step and captures it in a CUDA graph.
+    decode_seconds / decode_steps / decode_tokens: the other decode steps and the tokens they chose, which give
+    `decode_tokens_per_s`. Host clocks: every step reads its sampled tokens back, so each is complete when timed.
+    """
+
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    warmup_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
+    decode_tokens: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -64,16 +76,21 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     def merge(self, other: GenerationStats) -> None:
-        """Add the counts and times of another group of the same call."""
-        for f in ("prompt_tokens", "generated_tokens", "prefill_seconds", "decode_seconds", "decode_steps"):
+        """Add the counts and times of another group of the same call (time to first token stays the first's)."""
+        for f in ("prompt_tokens", "generated_tokens", "prefill_seconds", "warmup_seconds", "decode_seconds",
+                  "decode_steps", "decode_tokens"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
-                "prefill_seconds": round(self.prefill_seconds, 6), "decode_seconds": round(self.decode_seconds, 6),
+                "prefill_seconds": round(self.prefill_seconds, 6),
+                "time_to_first_token_seconds": round(self.first_token_seconds, 6),
+                "warmup_seconds": round(self.warmup_seconds, 6),
+                "decode_seconds": round(self.decode_seconds, 6), "decode_steps": self.decode_steps,
+                "decode_tokens": self.decode_tokens,
                 "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 3)}
 
@@ -383,16 +400,22 @@ def _decode(model: MiniMaxM3, job: DecodeJob) -> tuple[list[Sequence_], Generati
     last_logits = prefill(lambda x, pos, emb: model(x, positions=pos, cache=cache, inputs_embeds=emb),
                           state.ids, state.prompt_lengths, state.embeds, job.prefill_chunk)
     stats.prefill_seconds = time.perf_counter() - t0
+    if state.done:  # max_new_tokens 0
+        return state.finish(), stats
+    nxt = state.emit_sampled(last_logits)
+    stats.first_token_seconds = time.perf_counter() - t0
 
-    t1 = time.perf_counter()
     while not state.done:
-        nxt = state.emit_sampled(last_logits)
-        if state.done:
-            break
+        t1, before = time.perf_counter(), stats.generated_tokens
         pos = torch.tensor(state.committed(), device=model.device).clamp(max=state.budget - 1)[:, None]
-        last_logits = model(nxt[:, None], positions=pos, cache=cache)[:, 0]
+        nxt = state.emit_sampled(model.step(nxt[:, None], pos, cache)[:, 0])
+        seconds = time.perf_counter() - t1
+        if stats.decode_steps == 0:
+            stats.warmup_seconds = seconds
+        else:
+            stats.decode_seconds += seconds
+            stats.decode_tokens += stats.generated_tokens - before
         stats.decode_steps += 1
-    stats.decode_seconds = time.perf_counter() - t1
     return state.finish(), stats
 
 

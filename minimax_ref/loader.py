@@ -15,6 +15,9 @@ checkpoint on disk.
 Under tensor parallelism (parallel.py) each module declares which part of the checkpoint's tensor it
 holds and the loader reads only that part from the shards: packed NVFP4/MXFP8 bytes are sliced
 together with their block scales and decoded after slicing, never before.
+
+With `offload="cpu" | "disk"` (offload.py) the weights are loaded group by group through `load_weights(select=...)`,
+each part to where the device map puts it: the device, or host memory / disk, from where it is streamed.
 """
 
 from __future__ import annotations
@@ -103,17 +106,22 @@ def _part_bytes(ck: Checkpoint, names: tuple[str | None, ...], shape: tuple[int,
     return total
 
 
-def _plan(model: MiniMaxM3, ck: Checkpoint) -> tuple[list, list, int]:
+def _plan(model: MiniMaxM3, ck: Checkpoint, select=None) -> tuple[list, list, int]:
     """What this rank reads: plain tensors as (spec, rows), linears as (spec, rows, cols), and the
     bytes that makes. The parts come from the modules (`rows` / `cols` of the parallel layers,
-    `Experts.local_experts` / `slices`): at TP=1 everything, otherwise this rank's slices."""
+    `Experts.local_experts` / `slices`): at TP=1 everything, otherwise this rank's slices. `select`
+    (a predicate on the engine module path, `spec.module`) keeps only some tensors (None: all)."""
     plain, linears, nbytes = [], [], 0
     for spec in ck.plain.values():
+        if select is not None and not select(spec.module):
+            continue
         owner = _module(model, spec.module.rpartition(".")[0]) if "." in spec.module else model
         rows = getattr(owner, "rows", None)  # only the vocabulary-parallel embedding splits a plain tensor
         plain.append((spec, rows))
         nbytes += _part_bytes(ck, (spec.name,), ck.tensors[spec.name].shape, rows, None)
     for prefix, spec in ck.linears.items():
+        if select is not None and not select(spec.module):
+            continue
         if spec.expert is None:
             lin = _module(model, spec.module)
             rows, cols = lin.rows, lin.cols
@@ -130,16 +138,18 @@ def _plan(model: MiniMaxM3, ck: Checkpoint) -> tuple[list, list, int]:
 
 
 def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtype: torch.dtype,
-                 weights: str = "dequant", validate: bool = True) -> dict[str, int]:
+                 weights: str = "dequant", validate: bool = True, select=None) -> dict[str, int]:
     """Load into `model` the part of every tensor of `ck` that the model holds (all of it with one
     process; this rank's slices under tensor parallelism, read from the shards without reading the
     rest). Returns the bytes read from disk per module family.
 
     weights: "dequant" decodes quantized linears now; "packed" keeps them as `PackedWeight`s (checked
     with the decoder's checks when `validate`, which synthetic checkpoints skip: they are valid by
-    construction)."""
+    construction). select: a predicate on engine module paths (`spec.module`): load only those tensors,
+    leaving the rest as they are (offload.py loads a model group by group, each group to where it lives;
+    a layer's routed experts must be selected together, since they are stacked)."""
     problems: list[str] = []
-    plain, linears, total = _plan(model, ck)
+    plain, linears, total = _plan(model, ck, select)
     bar = Progress(f"loading {ck.path.name}", total)
     read: dict[str, int] = {}
 
@@ -153,7 +163,7 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
         keep_fp32 = spec.family in ("norm", "router")
         _set(model, spec.module, t.float() if keep_fp32 else t.to(dtype))
         account(spec.family, t.numel() * t.element_size())
-    if ck.config.text.tie_word_embeddings:
+    if ck.config.text.tie_word_embeddings and (select is None or select("embed_tokens.weight")):
         model.lm_head._parameters["weight"] = model.embed_tokens.weight
 
     # linears; routed experts are stacked per layer into [E_local, out, in] (decoded or packed)
@@ -222,7 +232,7 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
             _set(model, f"{module}.{leaf}", stacked)
         setattr(experts, f"{leaf}_input_scale", expert_scales[(module, leaf)])
 
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    missing = [n for n, p in model.named_parameters() if p.is_meta and (select is None or select(n))]
     if missing:
         raise CheckpointError(f"{ck.path}: parameters left without weights", missing)
     return read
@@ -235,7 +245,8 @@ def _nb(ck: Checkpoint, name: str) -> int:
 def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.bfloat16, act_quant: str = "none", weights: str = "dequant",
                tp=None, expert_parallel: bool = False, fast: bool | str | dict | None = False,
-               synthetic: str | None = None, **runtime) -> MiniMaxM3:
+               synthetic: str | None = None, offload="none", gpu_memory: float | None = None,
+               offload_folder: str | Path | None = None, **runtime) -> MiniMaxM3:
     """Load a checkpoint folder into a ready `MiniMaxM3` in eval mode.
 
     device: where weights live and compute runs. dtype: torch.float32 (the golden mode: every weight
@@ -255,6 +266,12 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     every rank raises (the failing rank its own error, the others `parallel.RankFailedError`).
     expert_parallel: with tp, hold whole routed experts (E / TP per rank) instead of a slice of each.
 
+    offload: "none" (default), "cpu" or "disk" (or an `offload.OffloadConfig`): weights that do not fit `gpu_memory`
+    GiB on `device` stay packed in host memory or in `offload_folder` (default: a new folder under the cache, removed
+    with the model) and are streamed to the device layer by layer, only the chosen experts' rows of a routed expert
+    stack (offload.py; the device map is `plan.propose_device_map`'s). Needs weights="packed", one process and the
+    `offload` extra (accelerate); the outputs are the resident packed model's, bit for bit.
+
     path None: the embedded default checkpoint (`embedded.default_checkpoint`; `load_tokenizer(None)` is its
     tokenizer).
     synthetic: instead of `path` (pass None), a `synth` preset materialised in device memory:
@@ -265,18 +282,20 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
         if path is not None:
             raise ConfigError("load_model: give a checkpoint path or synthetic=PRESET, not both")
         return load_synthetic(synthetic, device=device, dtype=dtype, act_quant=act_quant, weights=weights, tp=tp,
-                              expert_parallel=expert_parallel, fast=fast, **runtime)
+                              expert_parallel=expert_parallel, fast=fast, offload=offload, gpu_memory=gpu_memory,
+                              offload_folder=offload_folder, **runtime)
     if path is None:  # the embedded default, as the CLI without --ckpt-path
         from .embedded import default_checkpoint
 
         path = default_checkpoint()
     resolve_device(device)
     world = World.of(tp, device)
+    offload = _offload_config(offload, gpu_memory, offload_folder)
 
     def build() -> MiniMaxM3:
         ck = open_checkpoint(Path(path))  # headers only
         return _load(ck, world, expert_parallel, torch.device(device), dtype, act_quant, weights, fast, runtime,
-                     validate=True)
+                     validate=True, offload=offload)
 
     return _on_every_rank(world, build, f"loading {path}")
 
@@ -285,6 +304,7 @@ def load_synthetic(preset: str, *, format: str = "nvfp4", experts: int | None = 
                    overrides: dict | None = None, seed: int = 0, device: str | torch.device = "cpu",
                    dtype: torch.dtype | str = torch.bfloat16, act_quant: str = "none", weights: str = "packed",
                    tp=None, expert_parallel: bool = False, fast: bool | str | dict | None = False,
+                   offload="none", gpu_memory: float | None = None, offload_folder: str | Path | None = None,
                    **runtime) -> MiniMaxM3:
     """A model of `synth` preset `preset` ("tiny", "tiny-vl", "release", "pruned-80") with random weights
     in checkpoint format `format` ("nvfp4": NVFP4 experts + MXFP8 elsewhere, "mxfp8", "bf16"),
@@ -299,18 +319,28 @@ def load_synthetic(preset: str, *, format: str = "nvfp4", experts: int | None = 
 
     resolve_device(device)
     world = World.of(tp, device)
+    offload = _offload_config(offload, gpu_memory, offload_folder)
 
     def build() -> MiniMaxM3:
         ck = SyntheticCheckpoint(preset, format, experts=experts, layers=layers, overrides=overrides, seed=seed,
                                  device=device)
         model = _load(ck, world, expert_parallel, torch.device(device), dtype, act_quant, weights, fast, runtime,
-                      validate=False)
+                      validate=False, offload=offload)
         # what regenerates the same tensors (golden re-reads the packed operands from it)
         model.synthetic = {"preset": preset, "fmt": format, "experts": experts, "layers": layers,
                            "overrides": overrides, "seed": seed}
         return model
 
     return _on_every_rank(world, build, f"materialising synthetic {preset}")
+
+
+def _offload_config(offload, gpu_memory, offload_folder):
+    """`offload.OffloadConfig.of(...)`, importing offload.py only when offloading is asked for (None: not)."""
+    if offload in (None, "none") and gpu_memory is None and offload_folder is None:
+        return None
+    from .offload import OffloadConfig
+
+    return OffloadConfig.of(offload, gpu_memory, offload_folder)
 
 
 def _on_every_rank(world: World, build, what: str) -> MiniMaxM3:
@@ -325,7 +355,7 @@ def _on_every_rank(world: World, build, what: str) -> MiniMaxM3:
 
 
 def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.device, dtype: torch.dtype | str,
-          act_quant: str, weights: str, fast, runtime: dict, validate: bool) -> MiniMaxM3:
+          act_quant: str, weights: str, fast, runtime: dict, validate: bool, offload=None) -> MiniMaxM3:
     """load_model on one rank, without communication."""
     dtype = resolve_dtype(dtype)
     if act_quant not in ACT_QUANT_MODES:
@@ -347,7 +377,15 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
     formats = {spec.module: ck.formats[prefix].fmt for prefix, spec in ck.linears.items()}
     with torch.device("meta"):
         model = MiniMaxM3(cfg, world, expert_parallel, numerics=numerics, formats=formats)
-    by_family = load_weights(model, ck, device=device, dtype=dtype, weights=weights, validate=validate)
+    if offload is not None:  # group by group, each part where the device map puts it (offload.py)
+        from .offload import load_offloaded
+
+        by_family = load_offloaded(model, ck, offload, load_weights, device=device, dtype=dtype, weights=weights,
+                                   validate=validate, fast=fast, tp_size=world.size, expert_parallel=expert_parallel,
+                                   runtime=rt)
+        fast = None  # installed by load_offloaded, while the streamed weights are present
+    else:
+        by_family = load_weights(model, ck, device=device, dtype=dtype, weights=weights, validate=validate)
     ck.close()
     model.eval()
     model.runtime = rt
@@ -363,4 +401,8 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
                         "checkpoint_bytes": sum(ck.family_bytes().values()), "memory_bytes": model_nbytes(model),
                         "tp_rank": world.rank, "tp_size": world.size, "expert_parallel": expert_parallel,
                         "seconds": time.perf_counter() - t0}
+    if offload is not None:
+        from .offload import offload_stats
+
+        model.load_stats.update(offload_stats(model))
     return model

@@ -171,7 +171,8 @@ class Trace:
         parallelism, this rank's kv heads only.
     attention[L]: for the layers in `attention_layers`, the attention core's operands and result as it
         was called (`Attention.record`: q, k, v, q_pos, o, and on MSA layers iq, ik, blocks; the scale,
-        geometry and chunk size). What golden bundles are made of.
+        geometry and chunk size). What golden bundles are made of. A captured core runs in one query chunk, or
+        with `attention_chunk_elements` in the engine's query chunks of that size (long prompts: linear memory).
     shape: (B, T) of the last forward. mask: [B, T] bool, True at real tokens (None: all real); set by the
         caller, or by `minimax_ref.score` for its right-padded batch.
     interventions: edits applied during the forward (`Interventions`).
@@ -186,6 +187,7 @@ class Trace:
     blocks: dict[int, torch.Tensor] = field(default_factory=dict)
     attention_layers: set[int] = field(default_factory=set)
     attention: dict[int, dict] = field(default_factory=dict)
+    attention_chunk_elements: int | None = None  # captured cores run in chunks of this size (None: one chunk)
     components: bool = False
     attention_output: dict[int, torch.Tensor] = field(default_factory=dict)
     ffn_output: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -270,7 +272,8 @@ class DecoderLayer(nn.Module):
         part of the KV cache (`KVCache.layer`) or None; kv_len: cached slots [0, kv_len) to attend over. trace:
         receives this layer's records and supplies its interventions (`Trace`, `Interventions`: the hook points).
         """
-        rec = None if trace is None else {"capture": self.layer in trace.attention_layers}
+        rec = None if trace is None else {"capture": self.layer in trace.attention_layers,
+                                          "capture_chunk": trace.attention_chunk_elements}
         iv = None if trace is None else trace.interventions
         if iv is not None and self.layer in iv.msa_blocks:
             rec["force_blocks"] = iv.blocks_for(self.layer, pos, self.self_attn.n_kv,
@@ -418,6 +421,12 @@ class MiniMaxM3(nn.Module):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         logits = self.logits(self.hidden(x, positions, cache, trace))
         return self.checked(logits, x, positions, cache, None if trace is None else trace.interventions)
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decode step: logits fp32 [B, T, V] of `ids` [B, T] at `positions` [B, T], their K/V written to
+        `cache`. The same as `forward` with a cache; the decode loops call this so that the fast model can replay
+        the step from a CUDA graph (its logits are then valid until the next step)."""
+        return self(ids, positions=positions, cache=cache)
 
     @property
     def max_seq_len(self) -> int:

@@ -41,6 +41,17 @@ the command exits 1 when the deployment cannot run: the loader's tensor-parallel
 
 Image token budget: one image at `max_pixels` (preprocessor_config.json, default 451,584) becomes
 `max_pixels // (patch_size * merge_size)^2` tokens (576) plus the start/end-of-image tokens.
+
+Offload (`--offload cpu|disk`, one card): the device map an offloaded load uses (offload.py, the same functions).
+Each decoder layer is two units, its layer part and its routed expert stacks; the embedding, final norm, LM head,
+routers and vision tower are always resident (`unit_of`); sizes are GPU bytes (`offload_units`: packed as stored,
+bf16 tensors in the compute dtype, norms and routers in fp32). The budget is `--gpu-memory` itself (no utilization
+factor): resident units + staging buffers + a reserve of `--activation-reserve` plus the KV cache of `--batch`
+sequences of `--max-model-len` tokens. `propose_device_map` keeps every layer part before any expert stack (a layer
+part saves all its bytes per step, an expert stack about k/E of them), in layer order, first fit, after reserving the
+staging buffers. Bytes moved per step at batch B: every streamed layer part plus, per streamed stack,
+`E (1 - (1 - k/E)^B)` experts' bytes (`expected_distinct_experts`); the printed roofline is
+`tok/s = B / (bytes per step / --h2d-gbps)`.
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ from pathlib import Path
 
 from .checkpoint import QuantScheme, tensor_table
 from .config import ModelConfig, load_model_config
-from .errors import InputError
+from .errors import InputError, MiniMaxRefError
 
 GIB = 1 << 30
 DEFAULT_UTILIZATION = 0.92
@@ -290,6 +301,15 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                    help="whole routed experts per card (ceil(E/TP)) instead of TP-sliced experts")
     p.add_argument("--split-vision", action="store_true",
                    help="divide the vision tower and projectors over the cards (vLLM) instead of replicating")
+    p.add_argument("--offload", choices=list(OFFLOAD_MODES), default="none",
+                   help="propose the device map of an offloaded run on one card (--tp 1): which layers and expert "
+                        "stacks stay on the GPU within --gpu-memory, and the bytes moved per token (default: none)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="with --offload: sequences decoded together (bytes moved per step at 1 and at this batch, "
+                        "KV cache for this many sequences of --max-model-len) (default: 1)")
+    p.add_argument("--h2d-gbps", type=float, default=DEFAULT_H2D_GBPS,
+                   help=f"with --offload: host-to-device GB/s assumed for the roofline (default: {DEFAULT_H2D_GBPS}, "
+                        "PCIe Gen5 x16 from pinned memory; benchmarks/offload.py measures it)")
     p.add_argument("--output-format", choices=["text", "json"], default="text")
 
 
@@ -301,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
                        utilization=args.gpu_memory_utilization, activation_reserve_gib=args.activation_reserve,
                        dtype_bytes=2 if args.dtype == "bfloat16" else 4, expert_parallel=args.expert_parallel,
                        split_vision=args.split_vision, ckpt_dir=args.ckpt_path)
+    if args.offload != "none":
+        return run_offload(args, cfg, plan)
     status = 0 if plan["runs"] else 1
     for problem in plan["problems"]:
         print(f"error: {problem}", file=sys.stderr)
@@ -323,4 +345,296 @@ def run(args: argparse.Namespace) -> int:
         print(f"images       {plan['images']} x {plan['image_tokens_per_image']} tokens = "
               f"{plan['image_token_budget']} tokens")
     print(f"runs         {'yes' if plan['runs'] else 'NO: ' + '; '.join(plan['problems'])}")
+    return status
+
+
+# ---------------------------------------------------------------------------------------------- offload
+#
+# With `--offload cpu|disk` (offload.py) the weights that do not fit `--gpu-memory` stay packed in host memory or
+# on disk and are streamed to the GPU as each layer runs. The plan below is the device map both `minimax-ref plan`
+# and the loader use (one rule, `propose_device_map`), from the same byte counts (`offload_units`).
+
+OFFLOAD_MODES = ("none", "cpu", "disk")
+DEFAULT_H2D_GBPS = 50.0  # assumed host-to-device rate for the printed roofline: PCIe Gen5 x16, pinned memory
+
+
+def unit_of(path: str) -> tuple[str, int | None]:
+    """The offload unit of the tensor or module at engine path `path` ("layers.3.self_attn.q_proj", ...):
+    ("experts", L) for the routed expert stacks of decoder layer L, ("layer", L) for the rest of layer L except its
+    router, ("resident", None) for what always stays on the GPU: the embedding, final norm and LM head (every token
+    needs them), every router (small, and it must run before the experts' weights are fetched: the choice decides
+    which experts move), the experts' per-expert NVFP4 `input_scale` vectors, and the vision tower and projector."""
+    if not path.startswith("layers."):
+        return "resident", None
+    parts = path.split(".")
+    layer = int(parts[1])
+    if len(parts) > 3 and parts[2] == "block_sparse_moe":
+        if parts[3] == "gate":
+            return "resident", None
+        if parts[3] == "experts":
+            return ("resident", None) if len(parts) > 4 and parts[4].endswith("_input_scale") else ("experts", layer)
+    return "layer", layer
+
+
+@dataclass(frozen=True)
+class OffloadUnit:
+    """What streams as one piece: `kind` "layer" (decoder layer `layer` without its router and routed experts:
+    norms, attention, indexer, shared expert or dense MLP) or "experts" (its routed expert stacks, of which a step
+    moves only the chosen experts' rows). `nbytes`: bytes in GPU memory (packed linears at their packed size, other
+    tensors in the compute dtype, norms in fp32); `num_experts`: experts in an "experts" stack (0 otherwise)."""
+
+    name: str
+    kind: str
+    layer: int
+    nbytes: int
+    num_experts: int = 0
+
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes of one expert's rows of the stacks (w1, w2, w3 with their scales)."""
+        return self.nbytes / self.num_experts if self.num_experts else 0.0
+
+
+def id_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ids as half-open runs of consecutive ids: [0, 1, 2, 5, 7, 8] -> [(0, 3), (5, 6), (7, 9)] (the
+    streamer copies one run of experts at a time; the plan prints layer ranges)."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def fmt_bytes(n: float, up: bool = False) -> str:
+    """A byte count for messages: GiB with 3 decimals from 1 GiB up, else MiB with 1; rounded down, or up with `up`
+    (a minimum shown rounded up is enough)."""
+    unit, name, digits = (GIB, "GiB", 1000) if n >= GIB else (2**20, "MiB", 10)
+    v = (math.ceil if up else math.floor)(n / unit * digits) / digits
+    return f"{v:.{len(str(digits)) - 1}f} {name}"
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of distinct experts chosen by `tokens` tokens that each choose `top_k` of `num_experts`,
+    when every token's choice is uniform and independent: `E * (1 - (1 - k/E)^tokens)` (an expert is missed by one
+    token with probability C(E-1, k) / C(E, k) = (E - k) / E). Real routing is skewed, so it moves fewer."""
+    if num_experts <= 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    """Which units stay on the GPU (`resident`) and which stream (`streamed`), with the GPU bytes each use takes.
+
+    resident_bytes: the always-resident tensors (`unit_of`) plus the resident units. staging_bytes: GPU buffers of
+    the streamed units: two of the largest streamed layer units (the one running and the next, prefetched) and one
+    layer's full expert stacks (the chosen experts' rows are copied into it, at their places, so the expert code
+    runs unchanged). reserve_bytes: activations and KV cache. gpu_bytes = the three: what the run needs at most,
+    within budget_bytes."""
+
+    units: tuple[OffloadUnit, ...]
+    resident: tuple[str, ...]
+    streamed: tuple[str, ...]
+    resident_bytes: int
+    staging_bytes: int
+    reserve_bytes: int
+    budget_bytes: int
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.resident_bytes + self.staging_bytes + self.reserve_bytes
+
+    def streamed_units(self) -> list[OffloadUnit]:
+        names = set(self.streamed)
+        return [u for u in self.units if u.name in names]
+
+    def bytes_per_step(self, tokens: int, top_k: int) -> float:
+        """Host-to-device bytes of one forward over `tokens` tokens (a decode step of batch B: tokens = B): every
+        streamed layer unit whole, and from each streamed expert stack the expected distinct chosen experts
+        (`expected_distinct_experts`) times the bytes of one expert."""
+        total = 0.0
+        for u in self.streamed_units():
+            if u.kind == "layer":
+                total += u.nbytes
+            else:
+                total += expected_distinct_experts(u.num_experts, top_k, tokens) * u.expert_bytes
+        return total
+
+
+def propose_device_map(units: list[OffloadUnit], always_bytes: int, budget_bytes: int,
+                       reserve_bytes: int) -> DeviceMap:
+    """The device map for a GPU budget (decided here; weights.md "Offload").
+
+    Everything is resident when it all fits. Otherwise units are made resident by the bytes they save per step for
+    each byte they hold: a layer unit saves all its bytes every step, an expert stack only the chosen experts' share
+    (k / E at batch 1), so every layer unit comes before any expert stack; within a kind, in layer order (first fit).
+    Staging is reserved first: one layer's expert stacks when any stack streams, and two of the largest layer units
+    (running + prefetched) when any layer unit streams. Raises ConfigError naming the smallest budget that runs when
+    the always-resident tensors, the reserve and the staging buffers do not fit."""
+    from .errors import ConfigError
+
+    layers = [u for u in units if u.kind == "layer"]
+    experts = [u for u in units if u.kind == "experts"]
+    everything = always_bytes + reserve_bytes + sum(u.nbytes for u in units)
+    if everything <= budget_bytes:
+        return DeviceMap(tuple(units), tuple(u.name for u in units), (), always_bytes + sum(u.nbytes for u in units),
+                         0, reserve_bytes, budget_bytes)
+    exp_stage = max((u.nbytes for u in experts), default=0)
+    sum_layers = sum(u.nbytes for u in layers)
+    layer_stage = min(2 * max((u.nbytes for u in layers), default=0), sum_layers)
+    minimum = always_bytes + reserve_bytes + exp_stage + layer_stage
+    if budget_bytes < minimum:
+        raise ConfigError(f"--gpu-memory {fmt_bytes(budget_bytes)} is less than the {fmt_bytes(minimum, up=True)} "
+                          f"this model needs with offloading: {fmt_bytes(always_bytes)} always on the GPU "
+                          f"(embedding, LM head, norms, routers), {fmt_bytes(reserve_bytes)} reserve (activations and "
+                          f"KV cache) and {fmt_bytes(exp_stage + layer_stage)} of staging buffers for streamed layers "
+                          "and experts")
+    avail = budget_bytes - always_bytes - reserve_bytes
+    resident: list[OffloadUnit] = []
+    if avail >= sum_layers + exp_stage:  # every layer unit fits: expert stacks fill what is left
+        resident += layers
+        avail -= sum_layers + exp_stage
+        staging = exp_stage
+        candidates = experts
+    else:
+        avail -= exp_stage + layer_stage
+        staging = exp_stage + layer_stage
+        candidates = layers
+    for u in candidates:
+        if u.nbytes <= avail:
+            resident.append(u)
+            avail -= u.nbytes
+    kept = {u.name for u in resident}
+    return DeviceMap(tuple(units), tuple(u.name for u in units if u.name in kept),
+                     tuple(u.name for u in units if u.name not in kept),
+                     always_bytes + sum(u.nbytes for u in resident), staging, reserve_bytes, budget_bytes)
+
+
+def offload_units(cfg: ModelConfig, *, dtype_bytes: int = 2, ckpt_dir: Path | None = None
+                  ) -> tuple[int, list[OffloadUnit]]:
+    """(always-resident bytes, units in layer order) of a TP=1 model, in GPU-memory bytes: packed NVFP4 / MXFP8
+    linears at their stored size, bf16 linears and plain tensors in the compute dtype (`dtype_bytes`), norms and
+    routers in fp32 (as the loader keeps them). Sizes from `tensor_groups` (the shards' headers when present)."""
+    linears, plain = tensor_table(cfg)
+    module_of = {p: s.module for p, s in linears.items()} | {n: s.module for n, s in plain.items()}
+    groups, _ = tensor_groups(cfg, 1, ckpt_dir=ckpt_dir)
+    always = 0
+    per_unit: dict[tuple[str, int], int] = {}
+    for g in groups:
+        size = g.split + g.replicated
+        if g.name in plain:
+            stored = 4 if g.fmt in ("f32", "float32") else 2
+            size = size // stored * (4 if g.family in ("norm", "router") else dtype_bytes)
+        elif g.fmt == "bf16":
+            size = size * dtype_bytes // 2
+        kind, layer = unit_of(module_of[g.name])
+        if kind == "resident":
+            always += size
+        else:
+            per_unit[(kind, layer)] = per_unit.get((kind, layer), 0) + size
+    E = cfg.text.num_local_experts
+    units = [OffloadUnit(f"layers.{L}" if kind == "layer" else f"layers.{L}.experts", kind, L, n,
+                         E if kind == "experts" else 0)
+             for (kind, L), n in sorted(per_unit.items(), key=lambda kv: (kv[0][1], kv[0][0] == "experts"))]
+    return always, units
+
+
+def plan_offload(cfg: ModelConfig, *, gpu_memory_gib: float, offload: str, max_model_len: int, batch: int = 1,
+                 kv_cache_dtype: str = "auto", dtype_bytes: int = 2,
+                 activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB, h2d_gbps: float = DEFAULT_H2D_GBPS,
+                 ckpt_dir: Path | None = None) -> dict:
+    """The offload proposal as a JSON-ready dict: the device map for `gpu_memory_gib` (the whole budget: resident
+    weights, staging buffers, and a reserve of `activation_reserve_gib` plus the KV cache of `batch` sequences of
+    `max_model_len` tokens), the bytes moved per decode step and per token at batch 1 and at `batch`, and the PCIe
+    roofline `tok/s = B / (bytes_per_step(B) / h2d)` at an assumed host-to-device rate `h2d_gbps` (GB/s, 1e9)."""
+    if offload not in OFFLOAD_MODES or offload == "none":
+        raise InputError(f"--offload {offload!r}: choose cpu or disk for an offload plan")
+    if batch < 1 or h2d_gbps <= 0 or gpu_memory_gib <= 0:
+        raise InputError("--batch must be >= 1, --h2d-gbps and --gpu-memory > 0")
+    always, units = offload_units(cfg, dtype_bytes=dtype_bytes, ckpt_dir=ckpt_dir)
+    kv = kv_bytes_per_token(cfg, 1, kv_cache_dtype, dtype_bytes) * max_model_len * batch
+    reserve = int(activation_reserve_gib * GIB) + kv
+    problems: list[str] = []
+    try:
+        dm = propose_device_map(units, always, int(gpu_memory_gib * GIB), reserve)
+    except MiniMaxRefError as e:
+        problems.append(str(e))
+        dm = None
+    k = cfg.text.num_experts_per_tok
+    out = {"offload": offload, "gpu_memory_gib": gpu_memory_gib, "always_resident_bytes": always,
+           "reserve_bytes": reserve, "kv_bytes": kv, "units": len(units),
+           "weights_bytes": always + sum(u.nbytes for u in units), "problems": problems, "runs": not problems}
+    if dm is None:
+        return out
+    h2d = h2d_gbps * 1e9
+    steps = {}
+    for b in sorted({1, batch}):
+        step = dm.bytes_per_step(b, k)
+        steps[str(b)] = {"bytes_per_step": step, "bytes_per_token": step / b,
+                         "distinct_experts_per_layer": expected_distinct_experts(cfg.text.num_local_experts, k, b),
+                         "roofline_tok_s": (b / (step / h2d)) if step else None}
+    layers_res = [u.layer for u in units if u.kind == "layer" and u.name in dm.resident]
+    experts_res = [u.layer for u in units if u.kind == "experts" and u.name in dm.resident]
+    out.update({
+        "resident_layers": layers_res,
+        "resident_expert_layers": experts_res,
+        "streamed_layers": [u.layer for u in dm.streamed_units() if u.kind == "layer"],
+        "streamed_expert_layers": [u.layer for u in dm.streamed_units() if u.kind == "experts"],
+        "resident_bytes": dm.resident_bytes, "staging_bytes": dm.staging_bytes, "gpu_bytes": dm.gpu_bytes,
+        "streamed_bytes": sum(u.nbytes for u in dm.streamed_units()),
+        "h2d_gbps_assumed": h2d_gbps, "per_batch": steps,
+        "roofline": "tok/s = B / (bytes_per_step(B) / H2D bytes/s); bytes_per_step(B) = sum(streamed layer units) + "
+                    "sum over streamed expert stacks of E * (1 - (1 - k/E)^B) * bytes per expert",
+    })
+    return out
+
+
+def run_offload(args: argparse.Namespace, cfg: ModelConfig, plan: dict) -> int:
+    """`minimax-ref plan --offload cpu|disk`: the weights, then the device map and bytes moved (`plan_offload`). The
+    budget is --gpu-memory itself (the loader's `gpu_memory`; --gpu-memory-utilization does not apply)."""
+    if args.tp != 1:
+        raise InputError(f"--offload {args.offload} runs on one card: give --tp 1 (got --tp {args.tp})")
+    off = plan_offload(cfg, gpu_memory_gib=args.gpu_memory, offload=args.offload, max_model_len=args.max_model_len,
+                       batch=args.batch, kv_cache_dtype=args.kv_cache_dtype,
+                       dtype_bytes=2 if args.dtype == "bfloat16" else 4, activation_reserve_gib=args.activation_reserve,
+                       h2d_gbps=args.h2d_gbps, ckpt_dir=args.ckpt_path)
+    if args.max_model_len > cfg.text.max_position_embeddings:
+        off["problems"].append(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings="
+                               f"{cfg.text.max_position_embeddings}")
+    off["runs"] = not off["problems"]
+    for problem in off["problems"]:
+        print(f"error: {problem}", file=sys.stderr)
+    status = 0 if off["runs"] else 1
+    if args.output_format == "json":
+        json.dump({**plan, "offload_plan": off, "runs": off["runs"], "problems": off["problems"]}, sys.stdout)
+        sys.stdout.write("\n")
+        return status
+    print(f"weights      {off['weights_bytes'] / GIB:.2f} GiB in GPU memory at TP1 (sizes from {plan['source']}; "
+          f"packed linears as stored, the rest in {args.dtype})")
+    print(f"offload      {args.offload}: budget {args.gpu_memory:g} GiB = resident weights + staging + reserve "
+          f"({off['reserve_bytes'] / GIB:.2f} GiB: activations {args.activation_reserve:g} GiB, KV cache "
+          f"{off['kv_bytes'] / GIB:.2f} GiB for {args.batch} x {args.max_model_len:,} tokens)")
+    if not off["runs"]:
+        print(f"runs         NO: {'; '.join(off['problems'])}")
+        return status
+
+    def spans(layers: list[int]) -> str:
+        return ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in id_runs(layers)) or "none"
+
+    print("device map   on the GPU: embedding, LM head, norms, routers, vision; "
+          f"layers {spans(off['resident_layers'])}; expert stacks of layers {spans(off['resident_expert_layers'])}")
+    print(f"             streamed: layers {spans(off['streamed_layers'])}; expert stacks of layers "
+          f"{spans(off['streamed_expert_layers'])} ({off['streamed_bytes'] / GIB:.2f} GiB off the GPU)")
+    print(f"GPU memory   {off['resident_bytes'] / GIB:.2f} GiB resident + {off['staging_bytes'] / GIB:.2f} GiB "
+          f"staging + {off['reserve_bytes'] / GIB:.2f} GiB reserve = {off['gpu_bytes'] / GIB:.2f} GiB")
+    for b, row in off["per_batch"].items():
+        roof = "no streaming" if row["roofline_tok_s"] is None else f"{row['roofline_tok_s']:.1f} tok/s"
+        print(f"batch {b:<6} {row['bytes_per_step'] / 1e9:.3f} GB moved per step, "
+              f"{row['bytes_per_token'] / 1e9:.3f} GB per token ({row['distinct_experts_per_layer']:.1f} distinct "
+              "experts per streamed stack); PCIe "
+              f"roofline at {args.h2d_gbps:g} GB/s: {roof}")
+    print(f"roofline     {off['roofline']}")
+    print("runs         yes")
     return status

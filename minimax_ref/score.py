@@ -439,12 +439,17 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                    help=f"positions per prefill step through the KV cache (default: {DEFAULT_PREFILL_CHUNK})")
 
 
-def load_for_args(path: Path, args: argparse.Namespace):
-    """Load one checkpoint with the standard model flags."""
+def load_for_args(path: Path, args: argparse.Namespace, role: str = "model"):
+    """Load one checkpoint with the standard model flags, offloaded with --offload / --gpu-memory when given.
+    `role` ("model", "reference") names the model's own subfolder of --offload-folder: score loads two models, and
+    an offload folder holds one."""
     from .loader import load_model, resolve_dtype
 
+    folder = getattr(args, "offload_folder", None)
     return load_model(path, device=args.device, dtype=resolve_dtype(args.dtype, args.device), act_quant=args.act_quant,
-                      weights=args.weights, max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
+                      weights=args.weights, max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+                      offload=getattr(args, "offload", "none"), gpu_memory=getattr(args, "gpu_memory", None),
+                      offload_folder=None if folder is None else Path(folder) / role)
 
 
 def load_traces_for_args(path: Path, ckpt: Path, args: argparse.Namespace) -> list[ScoreTrace]:
@@ -486,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
     out: dict = {"ckpt_path": str(ckpt), "traces": len(traces), **nll_summary(scores)}
     ref_scores = None
     if args.reference is not None:
-        ref = load_for_args(args.reference, args)
+        ref = load_for_args(args.reference, args, role="reference")
         ref_scores = score_traces(ref, traces, **kw)
         free(ref)
         ref = None

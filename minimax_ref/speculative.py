@@ -259,10 +259,11 @@ class SpeculativeDecoder:
         self._rollback(state.committed())  # forget the padding of shorter prompts
         stats.prefill_seconds = time.perf_counter() - t0
 
-        t1 = time.perf_counter()
         anchors = torch.zeros(B, dtype=torch.long, device=device)
         if not state.done:
             anchors = state.emit_sampled(last_logits).to(device)
+        stats.first_token_seconds = time.perf_counter() - t0
+        t1, before = time.perf_counter(), stats.generated_tokens
         while not state.done:
             # drafts this step: no more than any active row may still emit minus its own target token
             k = min(N, max(state.room(b) for b in state.active_rows()) - 1)
@@ -308,6 +309,7 @@ class SpeculativeDecoder:
                 anchors[b] = state.seqs[b].generated[-1]
             self._rollback(state.committed())
         stats.decode_seconds = time.perf_counter() - t1
+        stats.decode_tokens = stats.generated_tokens - before
         self.lengths = state.committed()
         return state.finish(), stats
 

@@ -400,7 +400,8 @@ def test_ctrl_c_at_any_moment_exits_130_without_traceback(tiny_nvfp4):
         assert proc.stderr.readline() == "started\n"
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)  # stdin still open: closing it first could end the session by EOF before the signal
+        _, err = proc.communicate()
         # 130, or a death by SIGINT (which shells report as 130) before Python installs its handler
         assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in err, (delay, err)
 

@@ -129,3 +129,87 @@ def test_bad_plan_inputs():
         plan_memory(cfg, tp=0, gpu_memory_gib=80, max_model_len=1024)
     with pytest.raises(InputError, match="--gpu-memory"):
         plan_memory(cfg, tp=2, gpu_memory_gib=-1, max_model_len=1024)
+
+
+# ---------------------------------------------------------------------------------------------- offload
+
+MIB = 2**20
+
+
+def _units():
+    from minimax_ref.plan import OffloadUnit
+
+    def layer(L, mib):
+        return OffloadUnit(f"layers.{L}", "layer", L, mib * MIB)
+
+    def stack(L):
+        return OffloadUnit(f"layers.{L}.experts", "experts", L, 400 * MIB, 8)
+
+    return [layer(0, 100), stack(0), layer(1, 100), stack(1), layer(2, 10), stack(2), layer(3, 10), layer(4, 10)]
+
+
+def test_device_map_by_hand():
+    """propose_device_map's rule on units worked by hand (MiB): layers 100, 100, 10, 10, 10 (sum 230), three expert
+    stacks of 400 (8 experts each), 30 always resident, 20 reserve: 1480 in all."""
+    from minimax_ref.errors import ConfigError
+    from minimax_ref.plan import propose_device_map
+
+    units = _units()
+    everything = propose_device_map(units, 30 * MIB, 1480 * MIB, 20 * MIB)
+    assert everything.streamed == () and everything.staging_bytes == 0 and everything.gpu_bytes == 1480 * MIB
+    # 1479: every layer part fits with one stack of staging (1429 - 230 - 400 = 799): stack 0 resident, 1 and 2 stream
+    a = propose_device_map(units, 30 * MIB, 1479 * MIB, 20 * MIB)
+    assert a.streamed == ("layers.1.experts", "layers.2.experts")
+    assert (a.resident_bytes, a.staging_bytes, a.gpu_bytes) == (660 * MIB, 400 * MIB, 1080 * MIB)
+    # 675: 625 left < 230 + 400; staging 400 + 2 x 100 leaves 25: layers 2 and 3 (first fit), nothing else
+    b = propose_device_map(units, 30 * MIB, 675 * MIB, 20 * MIB)
+    assert b.resident == ("layers.2", "layers.3")
+    assert (b.resident_bytes, b.staging_bytes, b.gpu_bytes) == (50 * MIB, 600 * MIB, 670 * MIB)
+    # bytes per step: streamed layer parts 100 + 100 + 10, and per stack the distinct experts x 50 MiB
+    assert b.bytes_per_step(1, 2) == pytest.approx((210 + 3 * 2 * 50) * MIB)
+    assert b.bytes_per_step(4, 2) == pytest.approx((210 + 3 * 8 * (1 - (6 / 8) ** 4) * 50) * MIB)
+    with pytest.raises(ConfigError, match=r"less than the 650.0 MiB"):  # 30 + 20 + 400 + 2 x 100
+        propose_device_map(units, 30 * MIB, 649 * MIB, 20 * MIB)
+
+
+def test_expected_distinct_experts_by_enumeration():
+    """E (1 - (1 - k/E)^B) equals the mean number of distinct experts over every way 3 tokens choose 2 of 5."""
+    from itertools import combinations, product
+
+    from minimax_ref.plan import expected_distinct_experts
+
+    choices = list(combinations(range(5), 2))
+    counts = [len(set().union(*c)) for c in product(choices, repeat=3)]
+    assert expected_distinct_experts(5, 2, 3) == pytest.approx(sum(counts) / len(counts), rel=1e-12)
+    assert expected_distinct_experts(80, 4, 1) == pytest.approx(4)
+
+
+def test_cli_offload_plan_pruned80(capsys, tmp_path):
+    """`plan --offload cpu` on the 80-expert build at 120 GiB: every layer part resident, the tail's expert stacks
+    streamed; a stack is 80 x 3 NVFP4 [3072, 6144] (+ 8 bytes of fp32 scalars each); bytes per step by hand."""
+    (tmp_path / "config.json").write_text(json.dumps(build_config("pruned-80", "nvfp4")))
+    args = ["plan", "--ckpt-path", str(tmp_path), "--tp", "1", "--gpu-memory", "120", "--max-model-len", "4096",
+            "--kv-cache-dtype", "fp8", "--offload", "cpu", "--batch", "32"]
+    assert main(args + ["--output-format", "json"]) == 0
+    off = json.loads(capsys.readouterr().out)["offload_plan"]
+    norms_bf16 = 2 * (H + LAYERS * 2 * H + LAYERS * 2 * D + MOE * 2 * DI)
+    assert off["weights_bytes"] == pytest.approx(hand_per_card(80, 1) + norms_bf16, abs=2)  # norms held in fp32
+    assert off["resident_layers"] == list(range(LAYERS)) and off["streamed_layers"] == []
+    streamed = off["streamed_expert_layers"]
+    assert streamed == list(range(60 - len(streamed), 60)) and 0 < len(streamed) < MOE  # the last layers stream
+    expert = 3 * (nv(I, H) + 8)
+    assert off["staging_bytes"] == pytest.approx(80 * expert)
+    kv = (LAYERS * 2 * KV * D + MOE * DI) * 4096 * 32
+    assert off["reserve_bytes"] == 5 * GIB + kv
+    assert off["gpu_bytes"] <= 120 * GIB < off["gpu_bytes"] + 80 * expert  # one more stack would not fit
+    b1, b32 = off["per_batch"]["1"], off["per_batch"]["32"]
+    assert b1["bytes_per_token"] == pytest.approx(len(streamed) * 4 * expert)
+    assert b32["bytes_per_step"] == pytest.approx(len(streamed) * 80 * (1 - (1 - 4 / 80) ** 32) * expert)
+    assert b1["roofline_tok_s"] == pytest.approx(50e9 / b1["bytes_per_step"])
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert f"expert stacks of layers {streamed[0]}-59" in text and "PCIe roofline at 50 GB/s" in text
+    assert main(args[:4] + ["2"] + args[5:]) == 2  # --tp 2
+    assert "--tp 1" in capsys.readouterr().err
+    assert main(args[:6] + ["1"] + args[7:]) == 1  # 1 GiB: refused, exit 1 with the reason
+    assert "less than the" in capsys.readouterr().err

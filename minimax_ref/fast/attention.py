@@ -5,6 +5,10 @@ equal to fp32 rounding, with
   no host synchronisation; later slots are future keys, masked);
 * `sdpa`: the fp32 attention core through `F.scaled_dot_product_attention`, and MSA gathers its selected blocks
   from the cache's storage and converts only those (an fp8 cache is never converted whole);
+* `prefill_attention="flex"` (or `"flex_tf32x3"`): calls of more than `sync_free_tokens` tokens (prefill) on CUDA
+  attend through block-sparse `flex_attention` (`fast.msa_prefill.FlexPrefill`, given by `fast.apply` as
+  `prefill_kernels`): MSA layers over exactly their selected key blocks, dense layers causally, one fused kernel per
+  query chunk;
 * in a compiled region (`FastPaths.compile_layers`): the contractions as broadcast products (`contract`), block
   selection by unsorted top-k (nothing in a compiled decode step reads the order of the ids; only the order of the
   fp32 sums changes), and the queries and softmax probabilities stored once (`compiled.materialize`).
@@ -144,6 +148,9 @@ class FastAttention(Attention):
             return super().forward(x, pos, cos, sin, cache, trace, kv_len)
         B, T, _ = x.shape
         sdpa = self.paths.sdpa
+        flex = (self.paths.prefill_attention != "reference" and T > self.paths.sync_free_tokens
+                and self.prefill_kernels.handles(x.device))
+        precision = "tf32x3" if self.paths.prefill_attention == "flex_tf32x3" else "ieee"
         q, k, v = self.qkv(x, cos, sin)
         q = materialize(q)  # compiled: computed once, not once per key
         iq = ik = None
@@ -154,7 +161,7 @@ class FastAttention(Attention):
         if cache is not None:
             length = kv_len if kv_len is not None else int(pos.max()) + 1
             cache.write(k, v, pos)
-            if self.sparse and sdpa:  # gather blocks from storage, convert only those
+            if self.sparse and sdpa and not flex:  # gather blocks from storage, convert only those
                 k, v = cache.stored_keys_values(length)
                 load = cache.load
             else:
@@ -163,7 +170,13 @@ class FastAttention(Attention):
                 cache.write_index(ik, pos)
                 ik = cache.index_keys(length)
         blocks = None
-        if self.sparse:
+        if flex and self.sparse:
+            sp = self.geometry
+            o, blocks = self.prefill_kernels.msa(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
+                                                 sp.local_blocks, sp.init_blocks, self.chunk_for(trace), precision)
+        elif flex:
+            o = self.prefill_kernels.causal(q, k, v, pos, self.scale, self.chunk_for(trace), precision)
+        elif self.sparse:
             sp = self.geometry
             o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
                                       sp.local_blocks, sp.init_blocks, self.chunk_for(trace), load=load, sdpa=sdpa)

@@ -20,8 +20,10 @@ from ..norm import RMSNorm
 from ..packed import PackedWeight
 from .attention import FastAttention
 from .compiled import CompiledLayers, StoredNorm, run_layer
+from .graph import CapturedSteps
 from .launch import tuned_for
 from .moe import FastExperts, FastMLP, FastRouter
+from .msa_prefill import FlexPrefill
 from .packed import FastPackedWeight, Kernels
 from .paths import CACHE_BUCKET, REFERENCE, FastPaths
 
@@ -33,6 +35,7 @@ class FastMiniMaxM3(MiniMaxM3):
 
     fast: FastPaths
     compiled: CompiledLayers | None
+    captured: CapturedSteps | None  # the CUDA graphs of the current cache's decode steps (`graph`)
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                trace: Trace | None = None) -> torch.Tensor:
@@ -53,7 +56,15 @@ class FastMiniMaxM3(MiniMaxM3):
         """Whether this call runs its layers compiled: a decode step (one token per sequence: each shape is a graph
         of its own, so prompts are not compiled) with a cache and no trace (so no interventions), no activation
         emulation and no expert mask (those synchronise with the host)."""
-        if self.compiled is None or cache is None or trace is not None or positions.shape[1] != 1:
+        if self.compiled is None or positions.shape[1] != 1:
+            return False
+        return self.sync_free(positions, cache, trace)
+
+    def sync_free(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None) -> bool:
+        """Whether a call with a cache runs without host synchronisation and with static shapes (what a CUDA graph
+        can capture): at most `sync_free_tokens` tokens per sequence, no trace (interventions), no activation
+        emulation and no expert mask."""
+        if cache is None or trace is not None or positions.shape[1] > self.fast.sync_free_tokens:
             return False
         for layer in self.layers:
             if layer.self_attn.q_proj.emulate_act_quant:
@@ -63,6 +74,18 @@ class FastMiniMaxM3(MiniMaxM3):
                 return False
         return True
 
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """`MiniMaxM3.step`; with `graph` on CUDA, replayed from the step's CUDA graph (`CapturedSteps`, captured on
+        the first step of each shape on each cache). The logits are the graph's output buffer: read them before the
+        next step."""
+        if not (self.fast.graph and ids.is_cuda and self.sync_free(positions, cache, None)):
+            return super().step(ids, positions, cache)
+        captured = getattr(self, "captured", None)
+        if captured is None or not captured.holds(cache):
+            # a new cache: the previous one's graphs (and the memory they hold) go
+            self.captured = captured = CapturedSteps(cache, self.__dict__.setdefault("captured_shapes", set()))
+        return captured.step(self, ids, positions)
+
     def checked(self, logits: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None, interventions: Interventions | None = None) -> torch.Tensor:
         # sync-free decode steps read nothing back to the host; the non-finite check is a host read
@@ -71,6 +94,8 @@ class FastMiniMaxM3(MiniMaxM3):
         return super().checked(logits, x, positions, cache, interventions)
 
     def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None) -> KVCache:
+        # the captured steps keep the previous cache alive: free both before allocating the next one
+        self.captured = None
         if self.compiled is not None:
             rounded = -(-max_seq_len // CACHE_BUCKET) * CACHE_BUCKET
             runtime = getattr(self, "runtime", None)
@@ -84,7 +109,8 @@ TWINS: dict[type, type] = {Attention: FastAttention, Experts: FastExperts, Route
                            PackedWeight: FastPackedWeight, MiniMaxM3: FastMiniMaxM3}
 REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
 # what `apply` gives the twins, removed when the reference is restored
-_GIVEN = ("paths", "fast", "compiled", "kernels", "mode", "fused_tokens", "fused_rows", "normal_range", "words")
+_GIVEN = ("paths", "fast", "compiled", "kernels", "prefill_kernels", "mode", "fused_tokens", "fused_rows",
+          "normal_range", "words", "grouped_tokens", "grouped_launch", "captured", "captured_shapes")
 
 
 def paths_of(model: nn.Module) -> FastPaths:
@@ -99,6 +125,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
     Reads each packed weight's scales on the host once (`FastPackedWeight.configure`)."""
     paths = FastPaths.of(paths)
     kernels = getattr(model, "kernels", None) or Kernels()  # kept across re-applies: its compiled functions
+    prefill_kernels = getattr(model, "prefill_kernels", None) or FlexPrefill()  # the same
     _restore(model)
     if not paths.any:
         return paths
@@ -111,10 +138,13 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
         elif twin is not None:
             m.__class__ = twin
             m.paths = paths
+            if twin is FastAttention:
+                m.prefill_kernels = prefill_kernels
         if isinstance(m, FastPackedWeight):
-            m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt))
+            m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
+                        paths.grouped_tokens)
     if isinstance(model, FastMiniMaxM3):
-        model.fast, model.kernels = paths, kernels
+        model.fast, model.kernels, model.prefill_kernels = paths, kernels, prefill_kernels
         reductions = tuned_for(model.device) if paths.layer_reductions == "auto" else paths.layer_reductions
         model.compiled = CompiledLayers(reductions) if paths.compile_layers else None
     return paths

@@ -488,7 +488,9 @@ class FastPackedWeight(PackedWeight):
     """`PackedWeight` with the fast decoders (`fast.apply` swaps the class and calls `configure`; parameter and
     buffer names are unchanged). `decode` through `mode` ("reference", "fast", "compile": the same bits);
     `linear(x)` / `matmul(x, index)` fused (`Kernels.matmul`, equal to fp32 rounding) for inputs of at most
-    `fused_tokens` rows (0: never), `fused_rows` rows per pass, the packed bytes read as int32 words when `words`."""
+    `fused_tokens` rows (0: never), `fused_rows` rows per pass, the packed bytes read as int32 words when `words`;
+    inputs of more rows, up to `grouped_tokens` (0: never), through the grouped Triton kernel (`fast.grouped`, equal
+    to fp32 rounding) where it applies (`takes_grouped`)."""
 
     mode: str
     fused_tokens: int
@@ -496,14 +498,38 @@ class FastPackedWeight(PackedWeight):
     normal_range: bool
     words: bool
     kernels: Kernels
+    grouped_tokens: int = 0
+    grouped_launch: tuple  # (fast.grouped.Tiles, K splits), chosen at configuration
 
-    def configure(self, kernels: Kernels, mode: str, fused_tokens: int, fused_rows: int, words: bool) -> None:
+    def configure(self, kernels: Kernels, mode: str, fused_tokens: int, fused_rows: int, words: bool,
+                  grouped_tokens: int = 0) -> None:
         """Set the decoders; reads the scales (and, for MXFP8 words, the bytes) on the host once."""
         self.kernels, self.mode = kernels, mode
         self.fused_tokens, self.fused_rows = fused_tokens, fused_rows
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
         # an MXFP8 weight holding an E4M3 NaN byte keeps the byte planes, which read it as NaN
-        self.words = words and (self.fmt == NVFP4 or not has_e4m3_nan(self.weight))
+        no_nan = self.fmt == NVFP4 or not has_e4m3_nan(self.weight)
+        self.words = words and no_nan
+        self.grouped_tokens = 0
+        if grouped_tokens > 0 and self.normal_range and no_nan and self.dtype == torch.bfloat16:
+            from . import grouped  # imports triton: only when the grouped path is asked for
+
+            if grouped.AVAILABLE and grouped.supports(self.fmt, self.shape[-1]):
+                self.grouped_tokens = min(grouped_tokens, grouped.MAX_ROWS)
+                # chosen here, not while a compiled region is traced (it reads device properties)
+                entries = self.weight.shape[0] if self.weight.dim() == 3 else 1
+                self.grouped_launch = grouped.launch_for(self.fmt, entries, *self.shape[-2:], self.device)
+
+    def takes_grouped(self, x: torch.Tensor, rows: int) -> bool:
+        """Whether a product of `rows` rows of `x` goes through the grouped kernel: more rows than the fused matmul
+        takes and at most `grouped_tokens`, a bf16 x, on CUDA (or under the Triton interpreter). The weight's side
+        (scales in the normal range, no E4M3 NaN, bf16 compute dtype, K a multiple of 32) was checked by
+        `configure`."""
+        if not self.fused_tokens < rows <= self.grouped_tokens or x.dtype != torch.bfloat16:
+            return False
+        from . import grouped
+
+        return grouped.runs_on(x.device)
 
     def decode(self, index: int | torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         w, s, g = self.parts(index)
@@ -520,14 +546,37 @@ class FastPackedWeight(PackedWeight):
             y = self.kernels.matmul(x.reshape(rows, x.shape[-1]), self.fmt, *self.parts(), self.dtype,
                                     rows_per_pass=self.fused_rows, normal_range=self.normal_range, words=self.words)
             return y.reshape(*x.shape[:-1], y.shape[-1])
+        if self.takes_grouped(x, rows):
+            from .grouped import packed_matmul_grouped
+
+            tiles, split = self.grouped_launch
+            y = packed_matmul_grouped(x.reshape(rows, x.shape[-1]), self.fmt, *self.parts(), tiles=tiles,
+                                      split=split)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.decode())
 
-    def matmul(self, x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, index: torch.Tensor | None = None,
+               active: torch.Tensor | None = None) -> torch.Tensor:
+        """`PackedWeight.matmul`; `active` (int32 `[E]`, only with index None): a hint that the entries flagged 0
+        are not needed, whose rows the grouped kernel then leaves at zero without reading them (other paths compute
+        them)."""
         if 0 < x.shape[-2] <= self.fused_tokens:
             return self.kernels.matmul(x, self.fmt, *self.parts(), self.dtype, index, self.fused_rows,
                                        self.normal_range, self.words)
+        if index is None and self._grouped_operand(x) and self.takes_grouped(x, x.shape[-2]):
+            from .grouped import packed_matmul_grouped
+
+            tiles, split = self.grouped_launch
+            return packed_matmul_grouped(x, self.fmt, *self.parts(), active=active, tiles=tiles, split=split)
         return torch.matmul(x, self.decode(index).transpose(-1, -2))
+
+    def _grouped_operand(self, x: torch.Tensor) -> bool:
+        """Whether x's shape is one the grouped kernel takes against this weight: `[M, K]`, or `[E, M, K]` against
+        a stack of E entries."""
+        stack = self.weight.dim() == 3
+        return x.dim() == 2 or (x.dim() == 3 and stack and x.shape[0] == self.weight.shape[0])
 
     def extra_repr(self) -> str:
         fused = f", fused_tokens={self.fused_tokens}" if self.fused_tokens else ""
-        return f"{super().extra_repr()}, decode={self.mode}{fused}"
+        grouped = f", grouped_tokens={self.grouped_tokens}" if self.grouped_tokens else ""
+        return f"{super().extra_repr()}, decode={self.mode}{fused}{grouped}"

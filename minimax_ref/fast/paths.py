@@ -15,13 +15,27 @@ test_launch.py compare each with the reference).
   writes the decoded weight (`fast.packed.Kernels.matmul`; compiled on first use: warm up before capturing a
   CUDA graph). The same decoded bits; the sum is fp32 in another order. `nvfp4_words` / `mxfp8_words`: the fused
   products read the packed bytes as int32 words (`mxfp8_words="gate_up"`: only the gate and up projections).
+* `prefill_attention="flex"`: on CUDA, calls of more than `sync_free_tokens` tokens (prefill) attend through
+  block-sparse `flex_attention`, compiled on first use (`fast.msa_prefill.FlexPrefill`): each MSA query token reads
+  exactly its selected key blocks, dense layers only the causal blocks; fp32 (no TF32), no [Q, K] tensor. Equal to
+  fp32 rounding. `"flex_tf32x3"`: the same on the tensor cores, products as three TF32 products (about 2^-21
+  relative per product; exact for bf16-valued queries and keys). Other devices keep the gathering path. Opt-in
+  (no preset turns it on): at 8K tokens on an H200 it prefills slower than the gathering path.
+* `grouped=True`: on CUDA with triton, products with packed weights of more rows than `fused_tokens`, up to
+  `sync_free_tokens` (batch > 1 decode steps), by one Triton kernel that decodes each weight tile once in registers
+  (the same bf16 bits) and multiplies it by all the rows on the tensor cores, fp32 sums (`fast.grouped`); the routed
+  experts read only the experts some token chose (`fast.moe.FastExperts.forward_grouped`). Equal to fp32 rounding.
+  For weights whose scales are in the normal range (`fast.packed.scales_in_normal_range`: real checkpoints) and a
+  bf16 compute dtype; elsewhere, and without triton, the other paths.
 * `compile_layers=True`: in decode steps (one token per sequence, with a cache and no trace), each decoder layer
   runs through `torch.compile` (`fast.compiled.CompiledLayers`), one graph per kind of layer and batch size, in which
   inductor fuses the norms, RoPE, cache writes, routing and activations around the matmuls. Needs `moe` and
   `static_kv`. `layer_reductions`: the launch configurations of its large reductions (`fast.launch`).
 
-With `moe` and `static_kv` (and no trace, no activation emulation) a decode step has no host synchronisation and
-fixed shapes, so it can be captured in a CUDA graph (`fast.graph.GraphStep`).
+* `graph=True`: decode steps on CUDA (`MiniMaxM3.step`, which `generate` calls) are captured in a CUDA graph per
+  KV cache and step shape and replayed (`fast.graph.CapturedSteps`): with `moe` and `static_kv` (and no trace, no
+  activation emulation, no expert mask) a decode step has no host synchronisation and fixed shapes. The replay
+  computes what the same fast paths compute eagerly.
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ from .launch import ReductionConfigs
 from .packed import FUSED_ROWS
 
 DECODE_MODES = ("reference", "fast", "compile")
+PREFILL_ATTENTION_MODES = ("reference", "flex", "flex_tf32x3")
 MATMUL_MODES = ("reference", "fused")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
 # cache (decode steps); larger calls (prefill) group tokens by expert, which needs the per-expert counts
@@ -70,6 +85,13 @@ class FastPaths:
     # launch configurations of the compiled layers' large reductions over packed weights: "auto" (the table's
     # entry for the model's GPU and this torch, `launch.tuned_for`), None (tuned per compile) or fixed ones
     layer_reductions: ReductionConfigs | str | None = "auto"
+    # "flex" / "flex_tf32x3": block-sparse flex_attention in prefill calls on CUDA (`fast.msa_prefill`)
+    prefill_attention: str = "reference"
+    # products of more than `fused_tokens` and up to `sync_free_tokens` rows through the grouped Triton kernel
+    grouped: bool = False
+    # decode steps (`MiniMaxM3.step`) on CUDA captured in a CUDA graph per KV cache and shape, then replayed
+    # (`fast.graph.CapturedSteps`); needs `moe` and `static_kv` (no host synchronisation, static shapes)
+    graph: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_reductions != "auto":
@@ -78,11 +100,17 @@ class FastPaths:
             raise ConfigError(f"fast paths: decode={self.decode!r}: choose one of {list(DECODE_MODES)}")
         if self.matmul not in MATMUL_MODES:
             raise ConfigError(f"fast paths: matmul={self.matmul!r}: choose one of {list(MATMUL_MODES)}")
+        if self.prefill_attention not in PREFILL_ATTENTION_MODES:
+            raise ConfigError(f"fast paths: prefill_attention={self.prefill_attention!r}: choose one of "
+                              f"{list(PREFILL_ATTENTION_MODES)}")
         if self.fused_rows < 1:
             raise ConfigError(f"fast paths: fused_rows={self.fused_rows}: give a positive row count")
         if self.compile_layers and not (self.moe and self.static_kv):
             raise ConfigError("fast paths: compile_layers needs moe=True and static_kv=True (a compiled decode step "
                               "must have static shapes and no host synchronisation)")
+        if self.graph and not (self.moe and self.static_kv):
+            raise ConfigError("fast paths: graph needs moe=True and static_kv=True (a captured step must have static "
+                              "shapes and no host synchronisation)")
         if self.sync_free_tokens < 1:
             raise ConfigError(f"fast paths: sync_free_tokens={self.sync_free_tokens}: give a positive token count")
         if self.mxfp8_words not in (False, True, "gate_up"):
@@ -103,22 +131,24 @@ class FastPaths:
         """`load_model`'s `fast` argument: False/None/"off" (reference), True/"on" (every fast path, eager decode),
         "compile" (every fast path, compiled decode), "fused" (every fast path, eager decode, and the fused
         packed matmul for a few tokens), "compiled" ("fused" with compiled decoder layers in decode steps, the
-        einsum attention core, which compiles better than fp32 SDPA), a dict of switches, or a FastPaths."""
+        einsum attention core, which compiles better than fp32 SDPA, and the grouped kernel for batches of more than
+        `fused_rows`; prefill attention stays the `on` path, faster than `prefill_attention="flex"` on an H200 at
+        8K tokens, see BENCHMARKS.md), a dict of switches, or a FastPaths."""
         if isinstance(fast, FastPaths):
             return fast
         if fast is None or fast is False or fast == "off":
             return cls()
         if fast is True or fast == "on":
-            return cls(decode="fast", moe=True, static_kv=True, sdpa=True)
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, graph=True)
         if fast == "compile":
-            return cls(decode="compile", moe=True, static_kv=True, sdpa=True)
+            return cls(decode="compile", moe=True, static_kv=True, sdpa=True, graph=True)
         if fast == "fused":
-            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, matmul="fused")
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, matmul="fused", graph=True)
         if fast == "compiled":
             # sdpa off: the fp32 SDPA kernel does not split the keys of a one-query step over the GPU; the compiled
             # einsum core does
             return cls(decode="fast", moe=True, static_kv=True, sdpa=False, matmul="fused", compile_layers=True,
-                       nvfp4_words=True, mxfp8_words="gate_up")
+                       nvfp4_words=True, mxfp8_words="gate_up", grouped=True, graph=True)
         if isinstance(fast, dict):
             names = {f.name for f in fields(cls)}
             unknown = sorted(set(fast) - names)
@@ -136,6 +166,11 @@ class FastPaths:
     def fused_tokens(self) -> int:
         """Calls with up to this many tokens multiply packed weights fused (`PackedWeight.fused_tokens`; 0: none)."""
         return min(self.sync_free_tokens, self.fused_rows) if self.matmul == "fused" else 0
+
+    @property
+    def grouped_tokens(self) -> int:
+        """Calls with more rows than `fused_tokens` and up to this many go through the grouped kernel (0: none)."""
+        return self.sync_free_tokens if self.grouped else 0
 
 
 REFERENCE = FastPaths()

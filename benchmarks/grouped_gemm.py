@@ -1,0 +1,147 @@
+"""The grouped dequantize-and-multiply (`fast.grouped.packed_matmul_grouped`, `FastPaths(grouped=True)`) at the
+release's shapes and a batch-decode row count, against what it replaces at more than `fused_rows` rows: decoding the
+weight to bf16, then cuBLAS (`decode_then_matmul`, `decode_fast` then `torch.matmul`), and cuBLAS on a weight decoded
+beforehand (`cublas_bf16`, 3.6x the bytes for NVFP4; no decoding). Each figure is microseconds per product (a CUDA
+graph of 10 products, replayed) with the packed bytes read per second and the fraction of the weight-read roofline
+(packed bytes and scales over the device-to-device copy bandwidth measured in the same run). Every product is first
+checked against `fast.packed.packed_matmul_reference`.
+
+`--sweep` times every launch configuration of `--sweep-tiles` on each shape and prints, per format, the one with the
+least total time as an entry for `fast.grouped.TUNED`. `--tiles` times one configuration.
+
+    # 1 x H200 (about a minute; the first launch of each configuration compiles it):
+    python benchmarks/grouped_gemm.py --rows 32 --out grouped_gemm.jsonl
+    python benchmarks/grouped_gemm.py --rows 32 --sweep --out grouped_sweep.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from common import GIB, BenchmarkError, copy_bandwidth, emit, main_guard
+
+from minimax_ref.fast.packed import decode_fast, packed_matmul_reference
+
+# (name, format, entries of the stack (0: a linear), N, K): the release's products at TP1, 16 experts a layer (all of
+# them chosen at batch 32: 128 (token, slot) pairs)
+SHAPES = [("16 routed experts w1", "nvfp4", 16, 3072, 6144), ("16 routed experts w2", "nvfp4", 16, 6144, 3072),
+          ("q_proj", "mxfp8", 0, 8192, 6144), ("k_proj", "mxfp8", 0, 512, 6144), ("o_proj", "mxfp8", 0, 6144, 8192),
+          ("shared gate_proj", "mxfp8", 0, 3072, 6144), ("shared down_proj", "mxfp8", 0, 6144, 3072),
+          ("dense gate_proj", "mxfp8", 0, 12288, 6144), ("dense down_proj", "mxfp8", 0, 6144, 12288)]
+# Configurations that compile for sm_90 without register spills at 16 and 32 rows, both formats (ptxas -v)
+SWEEP = ["128,64,8,4", "128,64,8,3", "128,128,8,3", "128,128,8,4", "64,64,4,4", "128,32,4,4", "64,128,4,4",
+         "256,128,8,3"]
+
+
+def operands(fmt: str, experts: int, n: int, k: int, device: torch.device):
+    """Random packed weights with realistic scales (block scales near 1e-3 to 1e-2, as real checkpoints have)."""
+    lead = (experts,) if experts else ()
+    if fmt == "nvfp4":
+        weight = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=device)
+        scale = (torch.rand(*lead, n, k // 16, device=device) * 2 + 0.1).to(torch.float8_e4m3fn)
+        g = torch.rand(experts, device=device) * 1e-2 + 1e-3 if experts else torch.tensor(3e-3, device=device)
+        return weight, scale, g
+    weight = torch.randn(*lead, n, k, device=device).to(torch.float8_e4m3fn)
+    return weight, torch.randint(110, 125, (*lead, n, k // 32), dtype=torch.uint8, device=device), None
+
+
+def per_call_s(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (10 * iters)
+
+
+def measure(shape: tuple, rows: int, iters: int, bw: float, configs: list, device: torch.device,
+            baselines: bool) -> dict:
+    """One shape (`SHAPES`): microseconds, packed bytes per second and roofline fraction per variant."""
+    from minimax_ref.fast.grouped import packed_matmul_grouped
+
+    name, fmt, experts, n, k = shape
+    w, s, g = operands(fmt, experts, n, k, device)
+    x = torch.randn(rows, k, device=device).to(torch.bfloat16)
+    nbytes = w.numel() * w.element_size() + s.numel() * s.element_size()
+    want = packed_matmul_reference(x, fmt, w, s, g, torch.bfloat16).float()
+    case: dict = {"name": name, "format": fmt, "experts": experts, "N": n, "K": k, "rows": rows,
+                  "packed_bytes": nbytes, "roofline_us": 1e6 * nbytes / bw}
+    variants = {f"grouped {c.text() if c else 'default'}": (lambda c=c: packed_matmul_grouped(x, fmt, w, s, g, tiles=c))
+                for c in configs}
+    if baselines:
+        dense = decode_fast(fmt, w, s, g, torch.bfloat16)
+        variants["cublas_bf16"] = lambda: torch.matmul(x, dense.transpose(-1, -2))
+        variants["decode_then_matmul"] = lambda: torch.matmul(x, decode_fast(fmt, w, s, g, torch.bfloat16)
+                                                              .transpose(-1, -2))
+    for vname, fn in variants.items():
+        err = float((fn().float() - want).abs().max() / want.abs().max())
+        if err > 1e-2:
+            raise BenchmarkError(f"{name} {vname}: relative error {err:.3g} against decode-then-matmul")
+        t = per_call_s(fn, iters)
+        case[vname] = {"us": 1e6 * t, "packed_bytes_per_s": nbytes / t, "roofline_fraction": nbytes / bw / t,
+                       "rel_err": err}
+    print(f"{name:22s} roof {case['roofline_us']:7.1f} us  " + "  ".join(
+        f"{v} {case[v]['us']:.1f} us ({100 * case[v]['roofline_fraction']:.0f} %)" for v in variants),
+        file=sys.stderr, flush=True)
+    return case
+
+
+def run(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise BenchmarkError("grouped_gemm.py measures CUDA kernels: run it on a machine with a GPU")
+    from minimax_ref.fast import grouped
+
+    if not grouped.AVAILABLE:
+        raise BenchmarkError("grouped_gemm.py needs triton (pip install triton)")
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device, 2 * GIB)["bytes_per_s"]
+    if args.sweep:
+        configs = [grouped.Tiles.parse(t) for t in args.sweep_tiles.split(";")]
+    else:
+        configs = [grouped.Tiles.parse(args.tiles) if args.tiles else None]
+    cases = [measure(shape, args.rows, args.iters, bw, configs, device, not args.sweep) for shape in SHAPES]
+    out: dict = {"benchmark": "grouped_gemm", "command": " ".join(sys.argv), "torch": torch.__version__,
+                 "triton": grouped.triton.__version__, "device_name": torch.cuda.get_device_name(device),
+                 "copy_bandwidth_bytes_per_s": bw, "rows": args.rows, "cases": cases}
+    if args.sweep:
+        totals: dict[str, dict[str, float]] = defaultdict(dict)
+        for case in cases:
+            for c in configs:
+                v = f"grouped {c.text()}"
+                totals[case["format"]][c.text()] = totals[case["format"]].get(c.text(), 0.0) + case[v]["us"]
+        best = {fmt: min(t, key=t.get) for fmt, t in totals.items()}
+        out["sweep_totals_us"], out["best"] = totals, best
+        key = (torch.cuda.get_device_name(device), grouped._major_minor(torch.__version__),
+               grouped._major_minor(grouped.triton.__version__))
+        entry = ", ".join(f'"{fmt}": Tiles({", ".join(t.split(","))})' for fmt, t in best.items())
+        print(f"fast.grouped.TUNED entry:\n    {key!r}: {{{entry}}},", file=sys.stderr, flush=True)
+    emit(out, args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", type=int, default=32, help="rows of x (tokens of a decode step; default: 32)")
+    p.add_argument("--iters", type=int, default=30, help="graph replays timed (default: 30)")
+    p.add_argument("--tiles", default=None, metavar="BN,BK,WARPS,STAGES",
+                   help="one launch configuration of the grouped kernel (default: fast.grouped.tiles_for)")
+    p.add_argument("--sweep", action="store_true", help="time every configuration of --sweep-tiles instead")
+    p.add_argument("--sweep-tiles", default=";".join(SWEEP), help="configurations to sweep, ';'-separated")
+    p.add_argument("--out", default=None, help="also append the JSON line to this file")
+    args = p.parse_args(argv)
+    return main_guard(lambda: run(args), [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""Products of packed weights with a few dozen rows (batch > 1 decode steps) by one Triton kernel that decodes each
+weight tile once, in registers, and multiplies it by every row with tensor cores (`FastPaths.grouped`).
+
+At batch B > `fused_rows` a decode step's products with packed weights went through `F.linear(x, decode())`: the
+whole weight decoded to bf16 and written (2 bytes an element), then read again by the GEMM, about eight times the
+packed bytes (NVFP4). Here one program per (weight entry, tile of `block_n` output columns, split of K) loads the
+tile's packed bytes as int32 words (8 NVFP4 or 4 MXFP8 elements a load) and its block scales, decodes them to bf16
+exactly as `quant.decode_nvfp4` / `decode_mxfp8` followed by `.to(bfloat16)` do (one plane per nibble or byte of the
+words, interleaved back into K order with `tl.join`), and accumulates `tl.dot(w_tile, x_tile^T)` in fp32 for all M
+rows at once. Computed transposed (y^T = W x^T): the weight's rows fill the tensor core's large dimension and the few
+tokens its small one. Compiled for sm_90 the loop spends about 10 instructions a decoded element (SASS), so the
+decoding on the CUDA cores, not the tensor cores, bounds it below the copy bandwidth for NVFP4.
+
+* `packed_matmul_grouped(x, fmt, weight, ...)`: x `[M, K]` (or `[E, M, K]`, one per entry) against a packed linear
+  `[N, K]` or a stack `[E, N, K]` (the routed experts), M <= `MAX_ROWS`. With `active` (int32 `[E]`), entries whose
+  flag is 0 are not read at all and their output rows are zeros: the experts no token chose cost nothing, without a
+  host synchronisation and with static shapes (a grouped GEMM over the selected experts, each multiplied by all M
+  rows, since at these sizes the tensor cores idle while the weight bytes stream in).
+* Decoded bits: the decoding needs the weight's scales in the normal range (`packed.scales_in_normal_range`: every
+  fp32 intermediate is then a normal number or a placed subnormal that a plain multiply keeps) and, for MXFP8, no
+  E4M3 NaN byte; `FastPackedWeight` checks both at configuration and keeps its other paths otherwise.
+* Registered as the operator `minimax_ref::packed_matmul_grouped` (`torch.library.triton_op`), so `torch.compile`
+  (the compiled decoder layers) launches the kernel as it is, and a CUDA graph captures it (no host read).
+* Launch configurations (`Tiles`) are data: `TUNED`, keyed by GPU name, torch and triton versions, else `DEFAULT`.
+
+Under `TRITON_INTERPRET=1` the kernel runs on CPU tensors (the tests): the interpreter's bf16 conversion truncates and
+its `tl.dot` does not read bf16, so there (`exact_fp32`) the roundings to bf16 are done on the fp32 bits and the dot
+multiplies bf16 values held in fp32 (exact products, fp32 sums): the same function as the GPU's bf16 tensor-core dot.
+
+This module imports triton lazily-tolerant: where triton is missing `AVAILABLE` is False and nothing registers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint import MXFP8, NVFP4
+from ..errors import ConfigError
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # the CI machine and CPU installs: the grouped path is off
+    triton = None
+
+AVAILABLE = triton is not None
+# Rows of x one launch takes (the kernel's BLOCK_M, a power of two >= 16: tl.dot's smallest dimension). Decode steps
+# have at most `SYNC_FREE_TOKENS` = 64 rows; more rows (prefill) amortise a decoded weight anyway.
+MAX_ROWS = 64
+
+
+# Whether `triton.jit` made the kernels below interpreted (`TRITON_INTERPRET=1` when this module was imported).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreting() -> bool:
+    """Whether the kernels run in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1` at import)."""
+    return _INTERPRET
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the grouped kernel runs on tensors of `device` here: CUDA with triton importable; under the interpreter
+    CPU tensors instead, outside compiled regions (a compiled region cannot trace an interpreted kernel)."""
+    if not AVAILABLE:
+        return False
+    if _INTERPRET:
+        return device.type == "cpu" and not torch.compiler.is_compiling()
+    return device.type == "cuda"
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch configuration of the grouped kernel: `block_n` output columns (weight rows) and `block_k` decoded
+    elements of K per program step (powers of two, at least 32), `num_warps`, `num_stages` (software pipelining of the
+    loads)."""
+
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ConfigError(f"grouped tiles: {name}={v}: give a power of two")
+        if self.block_n < 16 or self.block_k < 32:
+            raise ConfigError(f"grouped tiles: block_n={self.block_n} (>= 16), block_k={self.block_k} (>= 32)")
+
+    @classmethod
+    def parse(cls, text: str) -> Tiles:
+        """`"BLOCK_N,BLOCK_K,NUM_WARPS,NUM_STAGES"`, e.g. `"128,128,8,3"` (the benchmarks' form)."""
+        try:
+            block_n, block_k, num_warps, num_stages = (int(v) for v in text.split(","))
+        except ValueError:
+            raise ConfigError(f"grouped tiles {text!r}: give BLOCK_N,BLOCK_K,NUM_WARPS,NUM_STAGES, e.g. 128,128,8,3") \
+                from None
+        return cls(block_n, block_k, num_warps, num_stages)
+
+    def text(self) -> str:
+        return f"{self.block_n},{self.block_k},{self.num_warps},{self.num_stages}"
+
+
+# Untuned defaults, chosen for H200 without a measurement: 128 weight rows and 64 elements of K a step with 8 warps.
+# Compiled for sm_90 (ptxas -v, 32 rows): 127 registers a thread for either format (two programs an SM), no spills,
+# about 10 instructions a decoded element (SASS of the loop). Only x's tiles go through shared memory (the dot's
+# pipelined operand); the packed words are loaded to registers, so the programs resident on an SM hide their latency.
+DEFAULT = {NVFP4: Tiles(128, 64, 8, 4), MXFP8: Tiles(128, 64, 8, 4)}
+# Measured configurations (benchmarks/grouped_gemm.py --sweep prints entries in this form):
+# (torch.cuda.get_device_name(), torch "major.minor", triton "major.minor") -> {format: Tiles}.
+TUNED: dict[tuple[str, str, str], dict[str, Tiles]] = {}
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def tiles_for(fmt: str, device: torch.device) -> Tiles:
+    """The launch configuration for `fmt` on `device`: `TUNED`'s entry for this GPU and these torch and triton
+    versions, else `DEFAULT`."""
+    if device.type == "cuda" and AVAILABLE:
+        key = (torch.cuda.get_device_name(device), _major_minor(torch.__version__), _major_minor(triton.__version__))
+        entry = TUNED.get(key)
+        if entry is not None and fmt in entry:
+            return entry[fmt]
+    return DEFAULT[fmt]
+
+
+def _fit_block_k(tiles: Tiles, k: int) -> int:
+    """The largest block_k <= `tiles.block_k` that divides K (down to 32; 0: none does)."""
+    bk = tiles.block_k
+    while bk >= 32 and k % bk:
+        bk //= 2
+    return bk if bk >= 32 else 0
+
+
+def supports(fmt: str, k: int) -> bool:
+    """Whether the kernel takes a weight of format `fmt` with K decoded columns (K a multiple of 32)."""
+    return fmt in (NVFP4, MXFP8) and k % 32 == 0
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def launch_for(fmt: str, entries: int, n: int, k: int, device: torch.device) -> tuple[Tiles, int]:
+    """The launch configuration and K splits for a weight of `entries` entries (1: a linear) of `[N, K]` on `device`
+    (`tiles_for`, `split_for` on its SM count). Reads device properties: call it outside compiled regions (a
+    `FastPackedWeight` does at configuration) and pass the result to `packed_matmul_grouped`."""
+    tiles = tiles_for(fmt, device)
+    k_steps = k // _fit_block_k(tiles, k)
+    return tiles, split_for(entries * -(-n // tiles.block_n), k_steps, _sm_count(device))
+
+
+def split_for(programs: int, k_steps: int, sms: int) -> int:
+    """Splits of K so that `programs` (entries times column tiles) times the splits fill the GPU twice over (a dense
+    linear with few column tiles, the k and v projections, would otherwise run on a few SMs); at most one split a
+    K step. The splits' fp32 partial sums are added afterwards (`packed_matmul_grouped`)."""
+    want = -(-2 * sms // max(programs, 1))
+    split = max(1, min(k_steps, want))
+    per = -(-k_steps // split)
+    return -(-k_steps // per)  # no empty split
+
+
+if AVAILABLE:
+    # fp32 bit fields the E2M1 and E4M3 codes are placed on (as `fast.packed._e2m1_nibble` / `mxfp8_word_planes`)
+    _SIGN = tl.constexpr(-2147483648)  # bit 31
+    _E2M1_FIELD = tl.constexpr(0x01C00000)  # bits 24..22: E2M1's e e m as exponent bits 24..23, mantissa bit 22
+    _E4M3_FIELD = tl.constexpr(0x07F00000)  # bits 26..20: E4M3's e e e e m m m
+
+    @triton.jit
+    def _bf16_value(v, EXACT_FP32: tl.constexpr):
+        """fp32 `v` rounded to the nearest bf16, ties to even. The GPU's conversion instruction (a bf16 tensor);
+        with EXACT_FP32 (the interpreter, whose conversion truncates) integer operations on the bits
+        (`fast.packed.round_to_bf16_bits`), the bf16 value held in fp32. Same value for every non-NaN v."""
+        if EXACT_FP32:
+            b = v.to(tl.int32, bitcast=True)
+            return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        else:
+            return v.to(tl.bfloat16, fp_downcast_rounding="rtne")
+
+    @triton.jit
+    def _bf16_storable(v, EXACT_FP32: tl.constexpr):
+        """fp32 `v` rounded to the nearest bf16, ties to even, as a bf16 tensor (what a bf16 output stores)."""
+        if EXACT_FP32:
+            b = v.to(tl.int32, bitcast=True)
+            r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            return v.to(tl.bfloat16, fp_downcast_rounding="rtne")
+
+    @triton.jit
+    def _x_operand(ptrs, mask, EXACT_FP32: tl.constexpr):
+        """A tile of bf16 x as the dot's operand: bf16 itself, or with EXACT_FP32 widened to fp32 on the bits
+        (exact)."""
+        x = tl.load(ptrs, mask=mask, other=0.0)
+        if EXACT_FP32:
+            return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x
+
+    @triton.jit
+    def _e4m3_value(code, EXACT_FP32: tl.constexpr):
+        """fp32 value of E4M3 bytes `code` (int32 0..255, not NaN), exactly. On the GPU the conversion instructions
+        (E4M3 pairs to f16 pairs, then f32: both exact); with EXACT_FP32 (the interpreter) the bits placed so that
+        fp32 reads e4m3 * 2^-120 (E4M3 subnormals as fp32 subnormals), times 2^120 (exact)."""
+        if EXACT_FP32:
+            bits = ((code << 24) & _SIGN) | ((code << 20) & _E4M3_FIELD)
+            return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+        else:
+            return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _e4m3_byte(words, scale, B: tl.constexpr, EXACT_FP32: tl.constexpr):
+        """Element 4w + B of each int32 word of E4M3 bytes (its byte B) times its scale, as bf16 (exact in range)."""
+        return _bf16_value(_e4m3_value((words >> (8 * B)) & 0xFF, EXACT_FP32) * scale, EXACT_FP32)
+
+    @triton.jit
+    def _nibble(words, scale, J: tl.constexpr, EXACT_FP32: tl.constexpr):
+        """Element 8w + J of each int32 word of packed NVFP4 bytes (its nibble J: sign bit 4J + 3, e e m bits
+        4J..4J+2) times its block scale times 2^126 (`scale`), rounded to bf16: the nibble placed on the fp32 bits
+        as e2m1 * 2^-126 (sign to bit 31, e e m to bits 24..22: `fast.packed._e2m1_nibble`), so that the one fp32
+        product is the reference's e2m1 * block scale, exactly rounded (for scales in the normal range)."""
+        if 22 - 4 * J >= 0:
+            field = (words << (22 - 4 * J)) & _E2M1_FIELD
+        else:
+            field = (words >> (4 * J - 22)) & _E2M1_FIELD
+        v = (((words << (28 - 4 * J)) & _SIGN) | field).to(tl.float32, bitcast=True) * scale
+        return _bf16_value(v, EXACT_FP32)
+
+    @triton.jit
+    def _broadcast_blocks(s, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, PER: tl.constexpr):
+        """Per-block values `s` [BLOCK_N, BLOCKS] repeated over each block's PER elements: [BLOCK_N, BLOCKS * PER]."""
+        return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCKS, PER)), (BLOCK_N, BLOCKS * PER))
+
+    @triton.jit
+    def _packed_matmul_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, active_ptr, y_ptr,
+        M, N, K_STEPS, STEPS_PER_SPLIT,
+        stride_xe, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ge,
+        stride_ys, stride_ye, stride_ym,
+        NVFP4_FMT: tl.constexpr, HAS_ACTIVE: tl.constexpr, OUT_BF16: tl.constexpr, EXACT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """y[split, e, m, n] = sum over this split's K steps of x[e, m, k] * w_hat[e, n, k] (fp32 accumulation),
+        w_hat the decoded weight in bf16 (`packed_matmul_grouped`). Grid: (column tiles, entries, splits)."""
+        pid_n = tl.program_id(0)
+        e = tl.program_id(1)
+        sid = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        n_ok = offs_n < N
+        m_ok = offs_m < M
+        k_lo = sid * STEPS_PER_SPLIT
+        k_hi = tl.minimum(k_lo + STEPS_PER_SPLIT, K_STEPS)
+        if HAS_ACTIVE:
+            # an entry no row uses reads nothing and writes zeros
+            if tl.load(active_ptr + e) == 0:
+                k_hi = k_lo
+        x_rows = x_ptr + e * stride_xe + offs_m[None, :] * stride_xm  # [1, BLOCK_M]
+        w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+        s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if NVFP4_FMT:
+            WORDS: tl.constexpr = BLOCK_K // 8  # int32 words of packed bytes a step (8 elements each)
+            BLOCKS: tl.constexpr = BLOCK_K // 16  # block scales a step (2 words each)
+            jw = tl.arange(0, WORDS)
+            js = tl.arange(0, BLOCKS)
+            jk = tl.arange(0, BLOCK_K)
+            g = tl.load(g_ptr + e * stride_ge)
+            for ks in range(k_lo, k_hi):
+                words = tl.load(w_rows + ks * WORDS + jw[None, :], mask=n_ok[:, None], other=0)  # [BN, WORDS]
+                sc = tl.load(s_rows + ks * BLOCKS + js[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+                # the reference's block scale fp32(e4m3) * global (one rounding), then times 2^126 (exact: |s| < 4)
+                block = (_e4m3_value(sc, EXACT_FP32) * g) * 8.507059173023462e37  # 2^126
+                scale = _broadcast_blocks(block, BLOCK_N, BLOCKS, 2)  # [BN, WORDS]: each word's block scale
+                # nibble j of word w is element 8w + j: the eight planes interleaved back into K order (tl.join adds
+                # an innermost axis: join(join(join(p0, p4), join(p2, p6)), ...) puts p_j at offset j)
+                even = tl.join(tl.join(_nibble(words, scale, 0, EXACT_FP32), _nibble(words, scale, 4, EXACT_FP32)),
+                               tl.join(_nibble(words, scale, 2, EXACT_FP32), _nibble(words, scale, 6, EXACT_FP32)))
+                odd = tl.join(tl.join(_nibble(words, scale, 1, EXACT_FP32), _nibble(words, scale, 5, EXACT_FP32)),
+                              tl.join(_nibble(words, scale, 3, EXACT_FP32), _nibble(words, scale, 7, EXACT_FP32)))
+                w = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+                xt = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
+                if EXACT_FP32:
+                    acc = tl.dot(w, xt, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, xt, acc)
+        else:
+            WORDS8: tl.constexpr = BLOCK_K // 4  # int32 words of E4M3 bytes a step (4 elements each)
+            BLOCKS8: tl.constexpr = BLOCK_K // 32  # E8M0 scales a step (8 words each)
+            jw8 = tl.arange(0, WORDS8)
+            js8 = tl.arange(0, BLOCKS8)
+            jk = tl.arange(0, BLOCK_K)
+            for ks in range(k_lo, k_hi):
+                words = tl.load(w_rows + ks * WORDS8 + jw8[None, :], mask=n_ok[:, None], other=0)  # [BN, WORDS8]
+                sc = tl.load(s_rows + ks * BLOCKS8 + js8[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+                # E8M0 code c -> 2^(c - 127) on the bits (c >= 1 in the normal range), for each word
+                scale = _broadcast_blocks((sc << 23).to(tl.float32, bitcast=True), BLOCK_N, BLOCKS8, 8)
+                # byte i of word w is element 4w + i: exact products (an E4M3 value times a power of two in range has
+                # at most 4 significant bits), interleaved back into K order as NVFP4's planes are
+                w = tl.reshape(tl.join(tl.join(_e4m3_byte(words, scale, 0, EXACT_FP32),
+                                               _e4m3_byte(words, scale, 2, EXACT_FP32)),
+                                       tl.join(_e4m3_byte(words, scale, 1, EXACT_FP32),
+                                               _e4m3_byte(words, scale, 3, EXACT_FP32))), (BLOCK_N, BLOCK_K))
+                xt = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
+                if EXACT_FP32:
+                    acc = tl.dot(w, xt, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, xt, acc)
+        y_ptrs = y_ptr + sid * stride_ys + e * stride_ye + offs_m[None, :] * stride_ym + offs_n[:, None]
+        mask = n_ok[:, None] & m_ok[None, :]
+        if OUT_BF16:
+            tl.store(y_ptrs, _bf16_storable(acc, EXACT_FP32), mask=mask)
+        else:
+            tl.store(y_ptrs, acc, mask=mask)
+
+    @triton_op("minimax_ref::packed_matmul_grouped", mutates_args=())
+    def _grouped_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
+                    active: torch.Tensor | None, nvfp4: bool, n: int, block_n: int, block_k: int, num_warps: int,
+                    num_stages: int, split: int, exact_fp32: bool) -> torch.Tensor:
+        """The launch (see `packed_matmul_grouped`): x bf16 `[Ex, M, K]` (Ex 1: shared by every entry), weight int32
+        `[E, N, K/8]` (NVFP4's packed bytes as little-endian words) or `[E, N, K/4]` (MXFP8's E4M3 bytes), scale
+        uint8 `[E, N, K/16 or K/32]`, scale_2 fp32 `[E]` or `[1]` (NVFP4's global; unused for MXFP8), active int32
+        `[E]` or None. Returns bf16 `[E, M, N]`."""
+        e, m, k = weight.shape[0], x.shape[1], x.shape[2]
+        k_steps = k // block_k
+        per = -(-k_steps // split)
+        # one split: the kernel rounds to bf16 and stores the result; several: their fp32 partial sums
+        shape = (e, m, n) if split == 1 else (split, e, m, n)
+        out = torch.empty(shape, dtype=torch.bfloat16 if split == 1 else torch.float32, device=x.device)
+        stride_s = 0 if split == 1 else out.stride(0)
+        grid = (triton.cdiv(n, block_n), e, split)
+        wrap_triton(_packed_matmul_kernel)[grid](
+            x, weight, scale, scale_2, weight if active is None else active, out,
+            m, n, k_steps, per,
+            x.stride(0) if x.shape[0] > 1 else 0, x.stride(1), weight.stride(0), weight.stride(1), scale.stride(0),
+            scale.stride(1), 1 if scale_2.numel() > 1 else 0,
+            stride_s, out.stride(-3), out.stride(-2),
+            NVFP4_FMT=nvfp4, HAS_ACTIVE=active is not None, OUT_BF16=split == 1, EXACT_FP32=exact_fp32,
+            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps, num_stages=num_stages)
+        # the splits' fp32 partial sums, added in fp32 and rounded once
+        return out if split == 1 else out.sum(0).to(torch.bfloat16)
+
+
+def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          weight_scale_2: torch.Tensor | None, active: torch.Tensor | None = None,
+                          tiles: Tiles | None = None, split: int | None = None) -> torch.Tensor:
+    """`x @ w_hat^T` for a packed weight, its decoding inside the Triton kernel (one launch).
+
+    x: bf16 `[M, K]` (shared by every entry) or `[E, M, K]` (one per entry), 1 <= M <= `MAX_ROWS`. weight,
+    weight_scale, weight_scale_2: a packed linear `[N, K]` or stack `[E, N, K]` as in `packed.decode_reference`
+    (NVFP4's global `()` or `[E]`), whose scales pass `scales_in_normal_range` and, MXFP8, with no E4M3 NaN byte (the
+    caller checks both once). active: None, or int32 `[E]`: entries flagged 0 are not read and give zero rows.
+    Returns bf16 `[M, N]` for a linear with a 2-D x, else `[E, M, N]`:
+
+        y[e, m, n] = bf16( sum_k x[e, m, k] * w_hat[e, n, k] )
+
+    with `w_hat = decode_reference(...).to(bfloat16)` bit for bit, every product exact in fp32 (two bf16 values), the
+    sum accumulated in fp32 in an unspecified order (tensor-core blocks, K splits added at the end) and rounded once
+    to bf16. Tensor cores may align the addends of a block by truncation, so the bound the tests use is that of fp32
+    summation with twice the unit roundoff: |y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final rounding.
+
+    tiles: the launch configuration (default `tiles_for`); split: splits of K (default `split_for` on this GPU's SM
+    count). Static in the shapes: no host synchronisation, capturable in a CUDA graph, and `torch.compile` launches
+    it as an opaque Triton kernel.
+    """
+    if not AVAILABLE:
+        raise RuntimeError("packed_matmul_grouped needs triton")
+    linear = weight.dim() == 2
+    if linear:
+        weight, weight_scale = weight.unsqueeze(0), weight_scale.unsqueeze(0)
+    xs = x.unsqueeze(0) if x.dim() == 2 else x
+    e, n = weight.shape[0], weight.shape[1]
+    m, k = xs.shape[1], xs.shape[2]
+    if x.dtype != torch.bfloat16 or not 1 <= m <= MAX_ROWS or not supports(fmt, k) or xs.shape[0] not in (1, e):
+        raise ValueError(f"packed_matmul_grouped: x {list(x.shape)} {x.dtype} against {fmt} {list(weight.shape)}")
+    tiles = tiles or tiles_for(fmt, x.device)
+    block_k = _fit_block_k(tiles, k)
+    k_steps = k // block_k
+    if split is None:
+        split = split_for(e * triton.cdiv(n, tiles.block_n), k_steps, _sm_count(x.device))
+    split = max(1, min(split, k_steps))
+    split = -(-k_steps // -(-k_steps // split))  # no empty split
+    nvfp4 = fmt == NVFP4
+    if nvfp4:
+        g = weight_scale_2.reshape(-1).to(torch.float32)
+    else:
+        g = weight_scale.new_ones(1, dtype=torch.float32)  # unused by the MXFP8 kernel
+    y = torch.ops.minimax_ref.packed_matmul_grouped(
+        # the packed bytes as int32 words, 8 (NVFP4) or 4 (MXFP8) elements a load (little-endian: byte i of a word is
+        # its bits 8i..8i+7)
+        xs.contiguous(), weight.view(torch.int32), weight_scale.view(torch.uint8), g,
+        None if active is None else active.to(torch.int32), nvfp4, n, tiles.block_n, block_k, tiles.num_warps,
+        tiles.num_stages, split, _INTERPRET)
+    return y[0] if linear and x.dim() == 2 else y

@@ -1,0 +1,115 @@
+"""The decode loop's step (`MiniMaxM3.step`), its CUDA-graph twin (`FastPaths(graph=True)`), the generation stats
+and the CLI's `--fast auto`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from minimax_ref.cli import fast_mode, main
+from minimax_ref.decoding import GenerationStats, generate_ids
+from minimax_ref.fast import FastPaths, apply
+from minimax_ref.loader import load_model
+from minimax_ref.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 2, 7, 11, 3], [4, 8, 1]]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_step_is_the_cached_forward(tiny_nvfp4):
+    model = load_model(tiny_nvfp4, dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[0]])
+    pos = torch.arange(6)[None]
+    with torch.no_grad():
+        want = model(ids, positions=pos, cache=model.new_cache(1, 16))
+        got = model.step(ids, pos, model.new_cache(1, 16))
+    assert torch.equal(got, want)
+
+
+def test_stats_time_the_first_step_apart(tiny_nvfp4):
+    """The first decode step (compile and capture on the fast paths) is `warmup_seconds`; the decode rate counts
+    only the tokens of the other steps: with no stop token, every row emits one token from the prefill, one from
+    the warm-up step and one from each timed step."""
+    model = load_model(tiny_nvfp4, dtype=torch.float32)
+    seqs, stats = generate_ids(model, PROMPTS, max_new_tokens=5, sampling=GREEDY)
+    assert [len(s.generated) for s in seqs] == [5, 5]
+    assert stats.decode_steps == 4 and stats.decode_tokens == 2 * 3
+    assert stats.generated_tokens == 10
+    assert 0 < stats.prefill_seconds <= stats.first_token_seconds
+    assert stats.warmup_seconds > 0 and stats.decode_seconds > 0
+    assert stats.decode_tokens_per_s == pytest.approx(6 / stats.decode_seconds)
+    row = stats.as_dict()
+    for key in ("time_to_first_token_seconds", "warmup_seconds", "decode_tokens", "prefill_tokens_per_s",
+                "decode_tokens_per_s"):
+        assert key in row
+
+
+def test_stats_of_groups_add_up():
+    a = GenerationStats(prompt_tokens=3, generated_tokens=4, first_token_seconds=0.5, warmup_seconds=1.0,
+                        decode_seconds=2.0, decode_steps=3, decode_tokens=2)
+    b = GenerationStats(prompt_tokens=1, generated_tokens=2, first_token_seconds=0.7, warmup_seconds=0.25,
+                        decode_seconds=1.0, decode_steps=1, decode_tokens=1)
+    a.merge(b)
+    assert (a.prompt_tokens, a.generated_tokens, a.decode_steps, a.decode_tokens) == (4, 6, 4, 3)
+    assert (a.first_token_seconds, a.warmup_seconds, a.decode_seconds) == (0.5, 1.25, 3.0)
+    assert a.decode_tokens_per_s == 1.0
+
+
+def test_no_new_tokens_means_no_step(tiny_nvfp4):
+    model = load_model(tiny_nvfp4, dtype=torch.float32)
+    seqs, stats = generate_ids(model, PROMPTS, max_new_tokens=0)
+    assert [s.generated for s in seqs] == [[], []] and stats.decode_steps == 0 and stats.generated_tokens == 0
+
+
+def test_graph_switch_is_inert_off_cuda(tiny_nvfp4):
+    """On a CPU the graph switch changes nothing: the step runs eagerly, no graph is kept."""
+    model = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", fast="on")
+    assert model.fast.graph
+    seqs, _ = generate_ids(model, PROMPTS, max_new_tokens=4, sampling=GREEDY)
+    assert getattr(model, "captured", None) is None
+    apply(model, FastPaths())
+    assert [s.generated for s in seqs] == [s.generated for s in generate_ids(model, PROMPTS, max_new_tokens=4,
+                                                                              sampling=GREEDY)[0]]
+
+
+def test_graph_needs_static_steps():
+    with pytest.raises(Exception, match="graph needs moe=True and static_kv=True"):
+        FastPaths(graph=True)
+    assert all(FastPaths.of(m).graph for m in ("on", "compile", "fused", "compiled"))
+
+
+def test_fast_auto_is_compiled_on_cuda_only():
+    assert fast_mode("auto", "cuda") == "compiled" and fast_mode("auto", "cuda:1") == "compiled"
+    assert fast_mode("auto", "cpu") is False
+    assert fast_mode("off", "cuda") is False and fast_mode("on", "cpu") is True
+
+
+def test_cli_json_stats(tiny_nvfp4, capsys):
+    assert main(["generate", "--ckpt-path", str(tiny_nvfp4), "--prompt", "hello", "--max-new-tokens", "4",
+                 "--temperature", "0", "--output-format", "json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    stats = row["stats"]
+    assert stats["decode_steps"] == len(row["token_ids"]) - 1
+    assert stats["time_to_first_token_seconds"] >= stats["prefill_seconds"] > 0
+    assert stats["warmup_seconds"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", ["on", "compiled"])
+def test_generate_replays_captured_steps(tiny_nvfp4, fast):
+    """On CUDA, generate's decode steps replay CUDA graphs (one per cache and shape; a new cache recaptures and
+    drops the old graphs) and choose the tokens the same fast paths choose eagerly."""
+    model = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", device="cuda", fast=fast)
+    prompts = PROMPTS + [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    seqs, stats = generate_ids(model, prompts, max_new_tokens=12, sampling=GREEDY)
+    first = model.captured
+    assert first is not None and list(first.graphs) == [(3, 1)] and first.capture_seconds > 0
+    again, _ = generate_ids(model, prompts, max_new_tokens=12, sampling=GREEDY)
+    assert model.captured is not first  # a new cache, captured anew
+    apply(model, replace(FastPaths.of(fast), graph=False))
+    eager, _ = generate_ids(model, prompts, max_new_tokens=12, sampling=GREEDY)
+    assert [s.generated for s in seqs] == [s.generated for s in again] == [s.generated for s in eager]
+    assert stats.warmup_seconds > 0 and stats.decode_tokens > 0

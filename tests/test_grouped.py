@@ -1,0 +1,426 @@
+"""The grouped dequantize-and-multiply of packed weights for batch > 1 decode steps (`FastPaths(grouped=True)`,
+issue 26): `fast.grouped.packed_matmul_grouped`, one Triton kernel that decodes each packed weight tile once in
+registers and multiplies it by all the rows with `tl.dot`.
+
+Where the cases run: `fast.grouped` makes its kernels interpreted or compiled when it is imported, from
+`TRITON_INTERPRET`. The `interp` cases run the kernel in Triton's interpreter on CPU tensors and need the variable for
+the whole run: `TRITON_INTERPRET=1 python -m pytest -q tests/test_grouped.py` (without it they are skipped). The `gpu`
+cases compile it for CUDA: `python -m pytest -q -m gpu tests/test_grouped.py`. Where triton is not importable (CI)
+only the pure-Python cases run (launch configuration data, the split heuristic, the switch).
+
+Contract under test: y[e, m, n] = bf16(sum_k x[e, m, k] * w_hat[e, n, k]) with w_hat =
+`quant.dequant_*(...).to(bfloat16)` bit for bit, products exact in fp32 (two bf16 values), the sum in fp32 in any order
+and rounded once. Checks:
+
+* bits: rows of the identity read every decoded element out exactly (a sum of one product and zeros), so the kernel's
+  decoding is compared with the reference decoder bit for bit (as values: a sum of +-0 products is +0), on every byte
+  value, scales of both signs, zero blocks, at both ends of the normal range (`scales_in_normal_range`);
+* one rounding (interpreter): rows e_k + e_k+1 give bf16(fp32(w_hat[k] + w_hat[k+1])), the decoded bf16 weights added,
+  not their unrounded fp32 values;
+* rounding: against float64 sums of the same decoded weights, |y - exact| <= (1 + 2^-8) gamma_K(2u) sum_k |x w_hat|
+  + 2^-8 |exact|, gamma_K(2u) = 2Ku / (1 - 2Ku), u = 2^-24: fp32 summation in any order with twice the unit roundoff
+  (tensor cores may truncate when they align addends), then one rounding to bf16; with several K splits, per-entry x,
+  partial tiles in N and M, and every row count up to `MAX_ROWS`;
+* flags: inactive entries are zeros and the active ones are the unflagged call's bits;
+* compiled for H200 without a GPU: the kernel as the GPU runs it compiles for sm_90 with triton's own ptxas and
+  spills no register (runs wherever triton is importable and not interpreting);
+* wiring: `FastPackedWeight.linear` / `matmul` and `FastExperts.forward_grouped` take the kernel above `fused_tokens`
+  rows and equal the paths they replace to bf16 rounding; on CUDA, inside `torch.compile(fullgraph=True)`, inside a
+  CUDA graph, and a whole compiled decode step of the tiny model at batch 16.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import tempfile
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_fused import _mxfp8, _normal_nvfp4
+from test_packed import _bench, _rel
+
+import minimax_ref.fast.grouped as grouped
+from minimax_ref.errors import ConfigError
+from minimax_ref.fast import FastPaths, apply
+from minimax_ref.fast.grouped import MAX_ROWS, Tiles, packed_matmul_grouped, split_for, tiles_for
+from minimax_ref.fast.packed import scales_in_normal_range
+from minimax_ref.loader import load_model
+from minimax_ref.packed import PackedWeight, decode_reference
+
+U = 2.0**-24
+BF16 = torch.bfloat16
+INTERP = grouped.interpreting()
+needs_triton = pytest.mark.skipif(not grouped.AVAILABLE, reason="triton is not importable")
+interp = pytest.mark.skipif(not (grouped.AVAILABLE and INTERP),
+                            reason="run with TRITON_INTERPRET=1 (Triton's interpreter on CPU tensors)")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(INTERP or not grouped.AVAILABLE,
+                                           reason="compiled Triton kernels (not under TRITON_INTERPRET=1)")]
+# The kernel's devices: the interpreter on CPU tensors, the compiled kernel on CUDA.
+DEVICES = [pytest.param("cpu", marks=interp), pytest.param("cuda", marks=gpu)]
+SMALL = Tiles(32, 64, 4, 1)  # partial column tiles and several K steps on tiny weights
+WIDE = Tiles(16, 128, 4, 2)  # the narrowest column tiles, two K steps of 128
+
+
+def _interpreter_numpy_compat() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with `int(array)`, which NumPy >= 2.4 refuses for
+    its one-element arrays (a loop bounded by a program id fails). Take the element instead, for this test run."""
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "numpy_compat", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.numpy_compat = True
+    interpreter._patch_lang_tensor = patched
+
+
+if grouped.AVAILABLE and INTERP:
+    _interpreter_numpy_compat()
+
+
+# ---------------------------------------------------------------------------------------------- operands
+
+
+def _operands(fmt: str, E: int, N: int, K: int, case: int = 1, device: str = "cpu"):
+    """A packed stack [E, N, K] whose scales are in the normal range: NVFP4 block scales at the range's low end, in
+    the middle and near its top (case 0, 1, 2); MXFP8 E8M0 codes likewise (products stay finite in bf16)."""
+    if fmt == "nvfp4":
+        lo, hi = ((2.0**-125, 2.0**-100), (1e-4, 1e-2), (0.25, 3.7))[case]
+        w, s, g = _normal_nvfp4(E, N, K, lo, hi, seed=case + 1)
+    else:
+        w, s = _mxfp8(E, N, K, seed=case + 1, exponents=((3, 40), (100, 140), (200, 246))[case])
+        g = None
+    assert scales_in_normal_range(fmt, s, g)
+    return [t if t is None else t.to(device) for t in (w, s, g)]
+
+
+def _decoded(fmt, w, s, g) -> torch.Tensor:
+    return decode_reference(fmt, w, s, g).to(BF16)
+
+
+def _bound_ok(y: torch.Tensor, x: torch.Tensor, w_hat: torch.Tensor) -> tuple[bool, float]:
+    """Whether bf16 y [.., M, N] is within the module docstring's bound of x [.., M, K] @ w_hat^T in float64; returns
+    the worst ratio of error to bound too."""
+    K = x.shape[-1]
+    xd, wd = x.double().cpu(), w_hat.double().cpu()
+    exact = xd @ wd.transpose(-1, -2)
+    mags = xd.abs() @ wd.abs().transpose(-1, -2)
+    gamma = 2 * K * U / (1 - 2 * K * U)
+    bound = (1 + 2.0**-8) * gamma * mags + 2.0**-8 * exact.abs()
+    err = (y.double().cpu() - exact).abs()
+    ratio = float((err / bound.clamp(min=1e-300)).max())
+    return bool((err <= bound).all()), ratio
+
+
+# ---------------------------------------------------------------------------------------------- data (no triton)
+
+
+def test_tiles_and_split_are_data():
+    assert Tiles.parse("64,256,4,2") == Tiles(64, 256, 4, 2) and Tiles(64, 256, 4, 2).text() == "64,256,4,2"
+    for bad in ("64,256,4", "48,128,4,3", "8,128,4,3", "64,16,4,3"):
+        with pytest.raises(ConfigError):
+            Tiles.parse(bad)
+    assert tiles_for("nvfp4", torch.device("cpu")) == grouped.DEFAULT["nvfp4"]
+    assert grouped._fit_block_k(Tiles(block_k=128), 6144) == 128 and grouped._fit_block_k(Tiles(block_k=128), 96) == 32
+    # 16 experts of 24 column tiles fill 132 SMs: no split; one linear of 4 tiles (k/v projections) splits K
+    assert split_for(16 * 24, 48, 132) == 1
+    s = split_for(4, 48, 132)
+    assert 16 <= s <= 48 and 4 * s >= 2 * 132 or s == 48
+    assert split_for(1, 3, 132) == 3 and split_for(1000, 3, 132) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_benchmarks_refuse_a_cpu_machine_and_parse_batch_lists(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = _bench("grouped_gemm.py", ["--rows", "32"], capsys, code=2)
+    assert err.startswith("error: [rank 0]") and "CUDA" in err and "Traceback" not in err
+    err = _bench("profile_decode.py", ["--batch", "1,32", "--grouped", "both"], capsys, code=2)
+    assert err.startswith("error: [rank 0]") and "CUDA" in err
+    assert "positive batch sizes" in _bench("profile_decode.py", ["--batch", "0,32"], capsys, code=2)
+
+
+def test_grouped_switch():
+    assert FastPaths.of("compiled").grouped and FastPaths.of("compiled").grouped_tokens == 64
+    assert not FastPaths.of("fused").grouped and FastPaths.of("fused").grouped_tokens == 0
+    assert FastPaths(grouped=True, sync_free_tokens=32).grouped_tokens == 32
+
+
+# ---------------------------------------------------------------------------------------------- the kernel
+
+
+def _ptxas() -> str | None:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.skipif(not grouped.AVAILABLE or INTERP, reason="compiles the CUDA kernel (triton, not interpreted)")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_kernel_compiles_for_h200_without_spills(fmt):
+    """The kernel as the GPU runs it (EXACT_FP32 off: conversion instructions, bf16 tensor-core dots) compiles for
+    sm_90 on any machine with triton (its ptxas), for the default tiles at 32 rows, flagged and split launches, with
+    no register spills (ptxas -v)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if _ptxas() is None:
+        pytest.skip("triton's ptxas is not installed")
+    kernel = grouped._packed_matmul_kernel
+    tiles = grouped.DEFAULT[fmt]
+    for has_active, out_bf16 in ((True, True), (False, False)):
+        consts = {"NVFP4_FMT": fmt == "nvfp4", "HAS_ACTIVE": has_active, "OUT_BF16": out_bf16, "EXACT_FP32": False,
+                  "BLOCK_M": 32, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k}
+        pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "active_ptr": "*i32",
+                    "y_ptr": "*bf16" if out_bf16 else "*fp32"}
+        signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+        constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
+        out = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+        ptx = out.asm["ptx"]
+        assert "mma" in ptx  # tensor-core products
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ptx")
+            with open(path, "w") as fh:
+                fh.write(ptx)
+            info = subprocess.run([_ptxas(), "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull],
+                                  capture_output=True, text=True, check=True).stderr
+        assert " 0 bytes spill stores" in info, info
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("tiles", [SMALL, WIDE, None], ids=["small", "wide", "default"])
+def test_identity_rows_read_out_the_decoded_weight(device, fmt, tiles):
+    E, N, K = 3, 40, 128
+    for case in range(3):
+        w, s, g = _operands(fmt, E, N, K, case, device)
+        want = _decoded(fmt, w, s, g)  # [E, N, K]
+        eye = torch.eye(K, dtype=BF16, device=device)
+        for k0 in range(0, K, MAX_ROWS):
+            got = packed_matmul_grouped(eye[k0:k0 + MAX_ROWS], fmt, w, s, g, tiles=tiles)  # [E, 64, N]
+            assert torch.equal(got.transpose(-1, -2), want[..., k0:k0 + MAX_ROWS]), (case, k0)
+
+
+@interp
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_pairs_of_rows_add_the_rounded_weights(fmt):
+    E, N, K = 2, 24, 64
+    w, s, g = _operands(fmt, E, N, K, 1)
+    want_w = _decoded(fmt, w, s, g).float()
+    x = (torch.eye(K) + torch.eye(K).roll(1, dims=1))[: K - 1].to(BF16)  # row k: e_k + e_k+1
+    want = (want_w[..., :-1] + want_w[..., 1:]).to(BF16).transpose(-1, -2)  # one fp32 add, one rounding
+    for tiles in (SMALL, WIDE):
+        assert torch.equal(packed_matmul_grouped(x, fmt, w, s, g, tiles=tiles), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_products_are_fp32_sums_of_the_decoded_weight(device, fmt):
+    E, N, K = 3, 40, 256
+    w, s, g = _operands(fmt, E, N, K, 1, device)
+    w_hat = _decoded(fmt, w, s, g)
+    gen = torch.Generator().manual_seed(7)
+    rows = (1, 9, 33, 64) if device == "cuda" else (1, 9, 33)
+    for M in rows:
+        x = torch.randn(M, K, generator=gen).to(BF16).to(device)
+        for split, tiles in ((1, SMALL), (3, SMALL), (2, WIDE)):
+            y = packed_matmul_grouped(x, fmt, w, s, g, tiles=tiles, split=split)
+            assert y.shape == (E, M, N) and y.dtype == BF16
+            ok, ratio = _bound_ok(y, x.expand(E, M, K), w_hat)
+            assert ok, (M, split, ratio)
+    xe = torch.randn(E, 5, K, generator=gen).to(BF16).to(device)  # one x per entry
+    ok, ratio = _bound_ok(packed_matmul_grouped(xe, fmt, w, s, g, tiles=SMALL), xe, w_hat)
+    assert ok, ratio
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_inactive_entries_are_zeros_and_not_changed_otherwise(device, fmt):
+    E, N, K = 4, 40, 128
+    w, s, g = _operands(fmt, E, N, K, 1, device)
+    x = torch.randn(12, K, generator=torch.Generator().manual_seed(3)).to(BF16).to(device)
+    every = packed_matmul_grouped(x, fmt, w, s, g, tiles=SMALL)
+    active = torch.tensor([1, 0, 1, 0], dtype=torch.int32, device=device)
+    some = packed_matmul_grouped(x, fmt, w, s, g, active=active, tiles=SMALL)
+    assert torch.equal(some[[0, 2]], every[[0, 2]]) and not some[[1, 3]].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_one_linear_with_a_scalar_global(device, fmt):
+    N, K = 72, 192  # K: 192 = 3 * 64, so the default block_k of 128 falls back to 64
+    w, s, g = _operands(fmt, 1, N, K, 2 if fmt == "nvfp4" else 1, device)  # MXFP8's top codes overflow sums
+    w, s = w[0], s[0]
+    g = None if g is None else g[0]  # a linear's global is a scalar
+    x = torch.randn(20, K, generator=torch.Generator().manual_seed(4)).to(BF16).to(device)
+    y = packed_matmul_grouped(x, fmt, w, s, g)
+    assert y.shape == (20, N)
+    ok, ratio = _bound_ok(y, x, _decoded(fmt, w, s, g))
+    assert ok, ratio
+
+
+# ---------------------------------------------------------------------------------------------- wiring
+
+
+def _packed_linear(fmt: str, N: int, K: int, device: str) -> PackedWeight:
+    w, s, g = _operands(fmt, 1, N, K, 1, device)
+    return PackedWeight(fmt, w[0], s[0], None if g is None else g[0], dtype=BF16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_weight_takes_the_kernel_above_the_fused_rows(device, monkeypatch):
+    calls = []
+    real = grouped.packed_matmul_grouped
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grouped, "packed_matmul_grouped", spy)
+    for fmt in ("nvfp4", "mxfp8"):
+        pw = _packed_linear(fmt, 48, 128, device)
+        want_w = pw.decode()
+        apply(pw, FastPaths(grouped=True))
+        assert pw.grouped_tokens == 64
+        x = torch.randn(3, 4, 128, generator=torch.Generator().manual_seed(1)).to(BF16).to(device)
+        y = pw.linear(x)  # 12 rows: more than fused_tokens (0 here), so grouped
+        assert calls[-1] == (12, 128) and y.shape == (3, 4, 48)
+        assert _bound_ok(y.reshape(12, 48), x.reshape(12, 128), want_w)[0]
+        assert _rel(y, F.linear(x, want_w)) < 1e-2
+        n = len(calls)
+        pw.linear(torch.zeros(65, 128, dtype=BF16, device=device))  # past grouped_tokens: decode, then multiply
+        assert len(calls) == n
+        apply(pw, FastPaths())
+
+
+@pytest.fixture(scope="module")
+def tiny(ckpt_factory):
+    return ckpt_factory("tiny", "nvfp4")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_experts_read_only_the_chosen_ones(device, tiny, monkeypatch):
+    """`FastExperts.forward_grouped` equals the sync-free path it replaces (decode, then bf16 matmuls) to bf16
+    rounding, and flags exactly the experts some token chose."""
+    model = load_model(tiny, dtype=BF16, weights="packed", device=device)
+    moe = model.layers[1].block_sparse_moe
+    ex = moe.experts
+    x = torch.randn(12, model.text.hidden_size, generator=torch.Generator().manual_seed(5)).to(BF16).to(device)
+    r = moe.gate(x)
+    apply(ex, FastPaths(moe=True))
+    want = ex.forward_sync_free(x, r)
+    flags = []
+    real = grouped.packed_matmul_grouped
+
+    def spy(*args, active=None, **kwargs):
+        flags.append(active)
+        return real(*args, active=active, **kwargs)
+
+    monkeypatch.setattr(grouped, "packed_matmul_grouped", spy)
+    apply(ex, FastPaths(moe=True, grouped=True))
+    got = ex.forward_sync_free(x, r)
+    chosen = torch.zeros(len(ex.local_experts), dtype=torch.int32)
+    chosen[r.expert_ids.flatten().cpu()] = 1
+    assert len(flags) == 3 and all(torch.equal(f.cpu(), chosen) for f in flags)
+    assert _rel(got, want) < 2e-2, _rel(got, want)
+    # a routing that leaves experts out: their rows are never combined
+    r.expert_ids[:] = r.expert_ids[:1]
+    apply(ex, FastPaths(moe=True))
+    want = ex.forward_sync_free(x, r)
+    apply(ex, FastPaths(moe=True, grouped=True))
+    assert _rel(ex.forward_sync_free(x, r), want) < 2e-2
+    apply(ex, FastPaths())
+
+
+@interp
+def test_decode_step_of_a_batch_equals_the_paths_it_replaces(tiny, monkeypatch):
+    """A cached decode step of 12 sequences with every eager fast path, grouped on and off: bf16 rounding apart; every
+    packed product of the step (attention, shared and routed experts, dense MLP) takes the kernel."""
+    model = load_model(tiny, dtype=BF16, weights="packed")
+    calls = []
+    real = grouped.packed_matmul_grouped
+    monkeypatch.setattr(grouped, "packed_matmul_grouped", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    ids = torch.randint(0, 1000, (12, 9), generator=torch.Generator().manual_seed(0))
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            cache = model.new_cache(12, 16)
+            model(ids[:, :8], positions=torch.arange(8).expand(12, -1), cache=cache)
+            return model(ids[:, 8:], positions=torch.full((12, 1), 8), cache=cache)
+
+    apply(model, FastPaths.of("fused"))
+    want = run()
+    assert not calls
+    apply(model, replace(FastPaths.of("fused"), grouped=True))
+    got = run()
+    packed = sum(1 for m in model.modules() if isinstance(m, PackedWeight))
+    assert len(calls) >= packed, (len(calls), packed)  # the decode step's; the prefill (96 rows) decodes
+    assert _rel(got, want) < 2e-2, _rel(got, want)
+    apply(model, False)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERP or not grouped.AVAILABLE, reason="compiled Triton kernels")
+def test_kernel_in_compiled_regions_and_cuda_graphs():
+    """Through `torch.compile(fullgraph=True)` (the operator `minimax_ref::packed_matmul_grouped`) and replayed from a
+    CUDA graph, the kernel gives the eager launch's bits."""
+    pw = _packed_linear("nvfp4", 256, 512, "cuda")
+    apply(pw, FastPaths(grouped=True))
+    x = torch.randn(32, 512, device="cuda").to(BF16)
+    eager = pw.linear(x)
+    compiled = torch.compile(pw.linear, fullgraph=True)(x)
+    assert torch.equal(compiled, eager)
+    static = x.clone()
+    pw.linear(static)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pw.linear(static)
+    static.copy_(x)
+    graph.replay()
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERP or not grouped.AVAILABLE, reason="compiled Triton kernels")
+def test_compiled_decode_step_at_batch_16_equals_reference(tiny):
+    """The tiny model on CUDA: `--fast compiled` (grouped on) decode steps of 16 sequences, captured in a CUDA graph,
+    against the reference engine (bf16 both): logits within bf16 rounding."""
+    from minimax_ref.fast.graph import GraphStep
+
+    model = load_model(tiny, dtype=BF16, weights="packed", device="cuda")
+    B = 16
+    ids = torch.randint(0, 1000, (B, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    pos = torch.full((B, 1), 8, device="cuda")
+
+    def prefilled():
+        cache = model.new_cache(B, 32)
+        with torch.no_grad():
+            model(ids[:, :8], positions=torch.arange(8, device="cuda").expand(B, -1), cache=cache)
+        return cache
+
+    cache = prefilled()
+    with torch.no_grad():
+        want = model(ids[:, 8:9], positions=pos, cache=cache)[:, -1]
+    apply(model, "compiled")
+    assert any(getattr(m, "grouped_tokens", 0) for m in model.modules())
+    cache = prefilled()
+    with torch.no_grad():
+        step = GraphStep(model, cache, ids[:, 8:9], pos)
+        got = step.step(ids[:, 8:9], pos).clone()
+    assert math.isfinite(_rel(got, want)) and _rel(got, want) < 5e-2
+    apply(model, False)
+

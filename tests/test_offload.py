@@ -1,0 +1,278 @@
+"""Offloading (offload.py): an offloaded model, its weights streamed from host memory or disk, computes what the
+resident packed model computes, bit for bit (the resident model is the oracle); the device map and the bytes it moves
+are the plan's (checked by hand in tests/test_plan.py); bad combinations are refused with a message naming the fix."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from minimax_ref.cli import main
+from minimax_ref.config import load_model_config
+from minimax_ref.decoding import generate_ids
+from minimax_ref.errors import ConfigError
+from minimax_ref.loader import load_model, load_synthetic
+from minimax_ref.model import Trace
+from minimax_ref.offload import DiskStore, OffloadConfig, check_offload, id_runs
+from minimax_ref.plan import GIB, kv_bytes_per_token, offload_units
+from minimax_ref.sampling import SamplingParams
+
+pytest.importorskip("accelerate")
+
+RUNTIME = {"max_seq_len": 64, "max_batch_size": 4}
+GREEDY = SamplingParams(temperature=0)
+
+
+def budgets(path) -> dict[str, float]:
+    """GPU budgets (GiB, reserve 0) for the tiny model in fp32: "layers" streams layer parts (and every expert stack),
+    "experts" keeps every layer part and the first expert stack resident and streams the other stacks. Computed from
+    the plan's unit sizes and the rule in plan.propose_device_map's docstring."""
+    cfg = load_model_config(path)
+    always, units = offload_units(cfg, dtype_bytes=4, ckpt_dir=path)
+    kv = kv_bytes_per_token(cfg, 1, "auto", 4) * RUNTIME["max_seq_len"] * RUNTIME["max_batch_size"]
+    layers = [u.nbytes for u in units if u.kind == "layer"]
+    stack = max(u.nbytes for u in units if u.kind == "experts")
+    base = always + kv + stack
+    return {"layers": (base + 2 * max(layers) + min(layers)) / GIB,  # room for the smallest layer part only
+            "experts": (base + sum(layers) + stack) / GIB}
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_nvfp4):
+    return load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", **RUNTIME)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 1000, (3, 24), generator=g)
+
+
+def offloaded(path, mode, which, tmp_path=None, **kw):
+    cfg = OffloadConfig(mode, budgets(path)[which], folder=None if tmp_path is None else tmp_path / "store",
+                        reserve_gib=0.0)
+    return load_model(path, dtype=torch.float32, weights="packed", offload=cfg, **RUNTIME, **kw)
+
+
+EXPECTED = {  # the device maps of the two budgets (tiny: layer 0 dense MLP, layers 1-3 MoE)
+    "layers": (["layers.1"], ["layers.0", "layers.1.experts", "layers.2", "layers.2.experts", "layers.3",
+                              "layers.3.experts"]),
+    "experts": (["layers.0", "layers.1", "layers.1.experts", "layers.2", "layers.3"],
+                ["layers.2.experts", "layers.3.experts"]),
+}
+
+
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+@pytest.mark.parametrize("which", ["layers", "experts"])
+def test_offloaded_equals_resident(tiny_nvfp4, resident, prompts, mode, which, tmp_path):
+    """Logits of a batch-3 prefill and greedy tokens at batch 1 and 3 are the resident model's, bit for bit; only the
+    chosen experts' rows move; after a forward only the last streamed unit of each kind holds its weights."""
+    model = offloaded(tiny_nvfp4, mode, which, tmp_path if mode == "disk" else None)
+    assert (model.load_stats["resident_units"], model.load_stats["streamed_units"]) == EXPECTED[which]
+    s = model.offload
+    assert torch.equal(model(prompts), resident(prompts))
+    one = prompts[:1, :10].tolist()
+    for batch in (one, prompts.tolist()):
+        want, _ = generate_ids(resident, batch, max_new_tokens=6, sampling=GREEDY)
+        got, _ = generate_ids(model, batch, max_new_tokens=6, sampling=GREEDY)
+        assert [q.generated for q in got] == [q.generated for q in want]
+    per_expert = {u.nbytes / u.num_experts for u in s.device_map.units if u.kind == "experts"}.pop()
+    # the plan counts each NVFP4 input scale (4 bytes per projection) with the stack; it stays resident, unmoved
+    assert s.stats.expert_bytes == s.stats.expert_rows * (per_expert - 3 * 4)
+    assert s.stats.expert_rows > 0
+    assert (s.stats.layer_bytes > 0) == (which == "layers")
+    last = {kind: max(u.layer for u in s.units.values() if u.kind == kind) for kind in ("layer", "experts")
+            if any(u.kind == kind for u in s.units.values())}
+    for u in s.units.values():
+        held = [not r.module._parameters.get(r.leaf, r.module._buffers.get(r.leaf)).is_meta for r in u.records]
+        assert held == [u.layer == last[u.kind]] * len(held), u.name
+    if mode == "disk":
+        index = json.loads((tmp_path / "store" / "index.json").read_text())
+        assert set(index) == set(s.store) and isinstance(s.store, DiskStore)
+        assert json.loads((tmp_path / "store" / "device_map.json").read_text())["streamed"] == EXPECTED[which][1]
+
+
+def test_fast_paths_compose(tiny_nvfp4, prompts):
+    """With the eager fast paths on both sides, offloaded equals resident bit for bit: prefill, decode at batch 1
+    (the chosen experts gathered) and at batch 4 (4 x top-4 >= 16 experts: every staged expert multiplied, the rows
+    left from other layers by weight 0)."""
+    ref = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", fast="on", **RUNTIME)
+    model = offloaded(tiny_nvfp4, "cpu", "layers", fast="on")
+    assert type(model.layers[1].block_sparse_moe.experts).__name__ == "FastExperts"
+    assert torch.equal(model(prompts), ref(prompts))
+    four = torch.cat([prompts, prompts[:1].flip(1)]).tolist()
+    for batch in (prompts[:1].tolist(), four):
+        want, _ = generate_ids(ref, batch, max_new_tokens=5, sampling=GREEDY)
+        got, _ = generate_ids(model, batch, max_new_tokens=5, sampling=GREEDY)
+        assert [q.generated for q in got] == [q.generated for q in want]
+
+
+def test_graph_switch_is_turned_off(tiny_nvfp4):
+    """Offloaded decode steps read the router's choice on the host, so they are never captured in a CUDA graph."""
+    from dataclasses import fields
+
+    from minimax_ref.fast import FastPaths
+
+    if "graph" not in {f.name for f in fields(FastPaths)}:
+        pytest.skip("this tree's FastPaths has no graph switch")
+    model = offloaded(tiny_nvfp4, "cpu", "experts", fast=FastPaths(moe=True, static_kv=True, graph=True))
+    assert model.fast.moe and not model.fast.graph
+
+
+@pytest.mark.parametrize("which", ["layers", "experts"])
+def test_synthetic_shared_experts_move_the_same_bytes(which):
+    """load_synthetic with share_streamed_experts: the streamed stacks read one host copy (the first streamed stack's),
+    and each step still moves the chosen rows of every streamed stack; with layer parts streamed too."""
+    kw = dict(dtype=torch.float32, weights="packed", **RUNTIME)
+    full = load_synthetic("tiny", **kw)
+    always, units = offload_units(full.config, dtype_bytes=4)
+    stack = max(u.nbytes for u in units if u.kind == "experts")
+    layers = [u.nbytes for u in units if u.kind == "layer"]
+    kv = kv_bytes_per_token(full.config, 1, "auto", 4) * 64 * 4
+    budget = always + kv + stack + (sum(layers) + stack if which == "experts" else 2 * max(layers) + min(layers))
+    model = load_synthetic("tiny", offload=OffloadConfig("cpu", budget / GIB, reserve_gib=0.0,
+                                                         share_streamed_experts=True), **kw)
+    s = model.offload
+    assert list(s.device_map.streamed) == EXPECTED[which][1]
+    first = min(u.layer for u in s.units.values() if u.kind == "experts")
+    keys = {r.key for u in s.units.values() if u.kind == "experts" for r in u.records}
+    assert all(k.startswith(f"layers.{first}.") for k in keys)  # one host copy of the expert stacks
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1))
+    a, b = Trace(layers={first}), Trace(layers={first})
+    full(ids, trace=a)
+    assert torch.isfinite(model(ids, trace=b)).all()
+    # up to the first streamed stack the model is the resident one
+    assert torch.equal(a.hidden_states[first], b.hidden_states[first])
+    rows = s.stats.expert_rows
+    model(ids)
+    assert s.stats.expert_rows - rows == sum(len(torch.unique(b.routing[u.layer].expert_ids))
+                                             for u in s.units.values() if u.kind == "experts")
+
+
+def test_id_runs():
+    assert id_runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 6), (7, 9)]
+    assert id_runs([]) == [] and id_runs([4]) == [(4, 5)]
+
+
+def test_refused_combinations(tiny_nvfp4, tmp_path, monkeypatch):
+    b = budgets(tiny_nvfp4)["layers"]
+    with pytest.raises(ConfigError, match="--weights packed"):
+        load_model(tiny_nvfp4, dtype=torch.float32, offload="cpu", gpu_memory=b, **RUNTIME)
+    with pytest.raises(ConfigError, match="needs gpu_memory"):
+        load_model(tiny_nvfp4, weights="packed", offload="cpu")
+    with pytest.raises(ConfigError, match="need offload="):
+        load_model(tiny_nvfp4, weights="packed", gpu_memory=10)
+    with pytest.raises(ConfigError, match="choose one of"):
+        load_model(tiny_nvfp4, weights="packed", offload="gpu", gpu_memory=10)
+    with pytest.raises(ConfigError, match="is for offload='disk'"):
+        load_model(tiny_nvfp4, weights="packed", offload="cpu", gpu_memory=10, offload_folder=tmp_path)
+    with pytest.raises(ConfigError, match=r"--gpu-memory .* is less than the .* this model needs"):
+        load_model(tiny_nvfp4, weights="packed", offload="cpu", gpu_memory=1e-4, dtype=torch.float32, **RUNTIME)
+    with pytest.raises(ConfigError, match="--fast compiled"):
+        load_model(tiny_nvfp4, weights="packed", offload="cpu", gpu_memory=b, fast="compiled", **RUNTIME)
+    with pytest.raises(ConfigError, match="synthetic weights only"):
+        load_model(tiny_nvfp4, weights="packed", offload=OffloadConfig("cpu", b, share_streamed_experts=True))
+    cfg = OffloadConfig("cpu", 1.0)
+    with pytest.raises(ConfigError, match="TP=1"):
+        check_offload(cfg, weights="packed", tp_size=2, expert_parallel=False, fast=None, synthetic=False)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "index.json").write_text("{}")
+    with pytest.raises(ConfigError, match="already holds an offload index"):
+        load_model(tiny_nvfp4, weights="packed", offload="disk", gpu_memory=b, offload_folder=used, **RUNTIME)
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"minimax-ref\[offload\]"):
+        load_model(tiny_nvfp4, weights="packed", offload="cpu", gpu_memory=b, **RUNTIME)
+
+
+def test_cli_generate_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys):
+    """`minimax-ref generate --offload disk --gpu-memory ...` prints what the resident run prints; a bad combination is
+    one `error:` line, exit status 2."""
+    common = ["generate", "--ckpt-path", str(tiny_nvfp4), "--weights", "packed", "--prompt", "Hello there",
+              "--max-new-tokens", "5", "--temperature", "0", "--output-format", "json", "--max-model-len", "64"]
+    assert main(common) == 0
+    want = json.loads(capsys.readouterr().out)
+    store = tmp_path / "store"
+    # 5 GiB activation reserve (the default) plus 3 MiB: a few units fit, the rest stream
+    assert main(common + ["--offload", "disk", "--gpu-memory", str(5 + 3 / 1024), "--offload-folder", str(store)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+    assert json.loads((store / "device_map.json").read_text())["streamed"]
+    assert main(common[:-2] + ["--offload", "cpu", "--gpu-memory", "8", "--weights", "dequant"]) == 2
+    assert "--weights packed" in capsys.readouterr().err
+
+
+def test_cli_score_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys):
+    """`minimax-ref score` with a reference, both models offloaded to one --offload-folder (a subfolder each): the
+    per-token scores of the resident run, exactly."""
+    g = torch.Generator().manual_seed(3)
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text("\n".join(json.dumps({"input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(),
+                                            "completion_start": s}) for n, s in ((40, 20), (70, 50))) + "\n")
+    common = ["score", "--ckpt-path", str(tiny_nvfp4), "--reference", str(tiny_nvfp4), "--traces", str(traces),
+              "--weights", "packed", "--dtype", "float32", "--per-token", "--max-model-len", "128"]
+    assert main(common) == 0
+    want = json.loads(capsys.readouterr().out)
+    store = tmp_path / "store"
+    assert main(common + ["--batch-size", "2", "--offload", "disk", "--gpu-memory", str(5 + 4.5 / 1024),
+                          "--offload-folder", str(store)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == want
+    assert {p.name for p in store.iterdir()} == {"model", "reference"}
+    assert json.loads((store / "model" / "device_map.json").read_text())["streamed"]
+
+
+def test_benchmark_runs_on_cpu(capsys):
+    """benchmarks/offload.py with the tiny preset on the CPU: one JSON line, the measured bytes moved per step near the
+    plan's, streamed units, tok/s and the roofline per batch."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offload.py"
+    spec = importlib.util.spec_from_file_location("offload_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--device", "cpu", "--preset", "tiny", "--batches", "1,2", "--steps", "1", "--warmup", "0",
+                      "--h2d-mib", "1", "--h2d-repeats", "1"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
+    assert out["streamed_units"] and [r["batch"] for r in out["results"]] == [1, 2]
+    for r in out["results"]:
+        assert r["tok_s"] > 0 and r["roofline_tok_s"] > 0 and r["bytes_moved_per_step"] > 0
+
+
+def test_golden_bundle_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys):
+    """`minimax-ref golden --offload cpu` writes the tensors the resident run writes (golden outputs of a model that
+    does not fit the device)."""
+    from safetensors.torch import load_file
+
+    common = ["golden", "--ckpt-path", str(tiny_nvfp4), "--prompt", "hello world", "--ops", "moe,nvfp4_linear",
+              "--layers", "2", "--weights", "packed", "--max-model-len", "64", "--dtype", "float32"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--offload", "cpu", "--gpu-memory", str(5 + 3 / 1024)]) == 0
+    capsys.readouterr()
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.safetensors"))
+    assert files
+    for f in files:
+        a, b = load_file(tmp_path / "a" / f), load_file(tmp_path / "b" / f)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), (f, k)
+
+
+def test_cli_prune_offloaded_keeps_the_resident_choice(tiny_nvfp4, tmp_path, capsys):
+    """`minimax-ref prune` on an offloaded model scores the experts from the same routing and keeps the same ones."""
+    g = torch.Generator().manual_seed(5)
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(),
+                                           "completion_start": 1})
+                               for n in (48, 64)) + "\n")
+    common = ["prune", "--ckpt-path", str(tiny_nvfp4), "--keep", "8", "--calibration", str(calib), "--weights",
+              "packed", "--max-model-len", "128", "--batch-size", "2"]
+    assert main(common + ["--out", str(tmp_path / "resident")]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main(common + ["--out", str(tmp_path / "offloaded"), "--offload", "cpu",
+                          "--gpu-memory", str(5 + 4.5 / 1024)]) == 0
+    assert json.loads(capsys.readouterr().out)["kept"] == want["kept"]

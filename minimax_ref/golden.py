@@ -8,12 +8,12 @@ inputs and outputs are written to `{op}/layer{L:03d}_{phase}.safetensors`:
 | op | layers | captured | tensors |
 |---|---|---|---|
 | `rmsnorm` | all | hooks on input_layernorm, post_attention_layernorm | `{norm}.x`, `{norm}.weight`, `{norm}.y` |
-| `mxfp8_linear` | with an MXFP8 linear | forward hook on the layer's first MXFP8 linear | `x`, `w.*` (packed), `y` |
+| `mxfp8_linear` | with an MXFP8 linear | hooks on every MXFP8 linear (an entry each) | `x`, `w.*` (packed), `y` |
 | `attention` | dense attention | the attention core (`Trace.attention`) | `q`, `k`, `v`, `q_pos`, `o`, paged KV |
 | `indexer` | MSA | the MSA call (`Trace.attention`) | `iq`, `ik`, `q_pos`, `scores`, `blocks`, paged index keys |
 | `msa` | MSA | the MSA call (`Trace.attention`) | `q`, `k`, `v`, `iq`, `ik`, `q_pos`, `o`, `blocks`, paged KV |
 | `router` | MoE | hook on `block_sparse_moe.gate` | `x`, `gate_weight`, `bias`, `expert_ids`, `weights`, `logits` |
-| `moe` | MoE | forward hook on `block_sparse_moe` | `x`, `y`, router, shared and used routed experts (packed) |
+| `moe` | MoE | forward hook on `block_sparse_moe` | `x`, `y`, router, shared and used experts (packed; fused gate-up) |
 | `nvfp4_linear` | NVFP4 experts | recomputed from the MoE's input | `x`, `w1.*` (packed), `y`; `h`, `w2.*`, `y2` |
 
 Packed operands are stored once per bundle, in `weights/layer{L:03d}.safetensors` under
@@ -27,8 +27,11 @@ the one most tokens were routed to (ties: lower id); its `x` rows are those toke
 
 Attention is captured through the forward's `Trace` (`Trace.attention_layers`), and a captured call runs in
 one query chunk (`Attention.chunk_for`): the engine's chunking only bounds memory, and one call is what a
-kernel computes. Paged KV views: the
-layer's cache storage (float8_e4m3fn with `--kv-cache-dtype fp8`, else the compute dtype) cut into
+kernel computes. A long prompt (one-call scores past `ONE_CALL_ELEMENTS`, or `chunk_elements=` given) is captured
+in the engine's query chunks instead (`CHUNKED_NOTE`), and entries are written as soon as they are complete (a
+layer's when the next one starts; `BundleWriter`), so an export's memory is linear in the prompt length.
+`fp64=True` / `--fp64` adds each float output evaluated in fp64 (`FP64`). Paged KV views: the layer's cache
+storage (float8_e4m3fn with `--kv-cache-dtype fp8`, else the compute dtype) cut into
 pages of `page_size` tokens: `k_pages`, `v_pages` [P, page_size, kv_heads, D], `index_k_pages`
 [P, page_size, index_dim], `block_table` int32 [B, max_pages] (-1 = no page), `seq_lens` int32 [B]
 (tokens in the cache for that row after the step), `cu_seqlens_q` int32 [B + 1] (varlen offsets of the
@@ -84,6 +87,7 @@ from .errors import InputError
 from .outdir import staged_folder
 
 OPS = ("indexer", "msa", "moe", "nvfp4_linear", "mxfp8_linear", "attention", "router", "rmsnorm")
+ATTENTION_OPS = ("attention", "indexer", "msa")  # captured from the forward's trace, with the step's paged views
 FORMAT = "minimax-ref golden v1"
 MANIFEST = "manifest.json"
 
@@ -105,6 +109,18 @@ RECOMPUTE = {
     "paged": "k[b, p] = (k_pages[block_table[b, p // page_size], p % page_size].float() * kv_scale).to(dtype) "
              "for p < seq_lens[b]; the op recomputed from these keys equals its outputs where q_pos < seq_lens",
 }
+
+
+# Long prompts: a core whose one-call scores would pass ONE_CALL_ELEMENTS is captured in the engine's query chunks
+# of CAPTURE_CHUNK elements (linear memory in the prompt length).
+ONE_CALL_ELEMENTS = 1 << 26
+CAPTURE_CHUNK = 1 << 24
+CHUNKED_NOTE = ("attention cores captured as the engine runs them, in query chunks: dense attention takes "
+                "params.chunk_elements (queries per chunk = max(1, chunk_elements // (B * Hq * L))), MSA and the "
+                "indexer params.query_chunk queries per chunk, each chunk scoring all L keys; outputs are the chunks' "
+                "outputs concatenated along the query axis (the same values a one-call kernel gives within the "
+                "tolerance: every query is independent). The indexer's [B, Hi, T, L] scores are quadratic in T and "
+                "are left out when there is more than one chunk (its blocks are kept)")
 
 
 # ---------------------------------------------------------------------------------------------- numerics contract
@@ -140,6 +156,15 @@ _SWIZZLED = ("{w}.weight_scale_swizzled (single-op bundles): the same scales in 
              "cuBLASLt block-scaled GEMMs, flat, zero-padded to [ceil(N/128)*128, ceil(Kb/4)*4] (Kb scales per row); "
              "tiles of 128 rows x 4 scale columns in row-major tile order; scale (r, c) of a tile at offset "
              "(r % 32) * 16 + (r // 32) * 4 + c")
+_FUSED_LAYOUT = (
+    "{w}.weight / .weight_scale: gate rows then up rows, concatenated along N (not interleaved): rows [0, I) are "
+    "{g}, rows [I, 2I) are {u}, each row's packed bytes and block scales as in the separate operands (vLLM's "
+    "w13_weight [E, 2I, K/2] / CUTLASS grouped GEMM order; FlashInfer's CUTLASS MoE takes the halves swapped, up "
+    "first). NVFP4 {w}.weight_scale_2 and {w}.input_scale are fp32 [2]: entry 0 applies to rows [0, I), entry 1 to "
+    "rows [I, 2I) (vLLM's w13_weight_scale_2 [E, 2]). The release writes max(w1, w3) to both, so they are equal "
+    "there; when they differ, one global scale cannot serve both halves: scale each half of the output by its own "
+    "entry in the epilogue (vLLM takes entry 0 for both and warns; that is not this operand). Stored once per "
+    "bundle, beside the separate operands")
 _PAGED_LAYOUT = ("k_pages, v_pages [P, page_size, kv_heads, D] and index_k_pages [P, page_size, index_dim] in the "
                  "cache's storage dtype; block_table int32 [B, max_pages] (page id of each row's j-th page, -1 = none, "
                  "ids a seeded permutation); seq_lens int32 [B]: tokens cached for the row after the step; slot s of "
@@ -183,6 +208,9 @@ CONTRACTS = {
         "accumulation": "one dot product over K per output (reference: CPU BLAS order); any order is within tolerance",
         "rounding": {m: f"{r}; {_ACT}" for m, r in _LINEAR_ROUNDING.items()},
         "layouts": {"x": "[T, K]", "y": "[T, N]", "w.*": _MXFP8_LAYOUT.format(w="w"),
+                    "params.linear": "model-driven bundles: one entry per MXFP8 linear of the layer (q/k/v/o, index "
+                                     "q/k, dense MLP gate/up/down, shared expert gate/up/down), its checkpoint prefix; "
+                                     "the file name ends in its path within the layer",
                     "w.weight_scale_swizzled": _SWIZZLED.format(w="w")},
     },
     "nvfp4_linear": {
@@ -240,17 +268,20 @@ CONTRACTS = {
                                  "bf16; the routed sum and scaling in fp32; y = bf16(routed * scaling + shared)"},
         "layouts": {"x, y": "[T, hidden]", "experts.{e}.w1 / w3 / w2.*": _NVFP4_LAYOUT.format(w="experts.{e}.wN")
                     + " (or MXFP8 / bf16: params.formats)", "shared.*": "params.formats gives each one's format",
+                    "experts.{e}.w13.*": _FUSED_LAYOUT.format(w="experts.{e}.w13", g="w1 (gate)", u="w3 (up)"),
+                    "shared.gate_up.*": _FUSED_LAYOUT.format(w="shared.gate_up", g="gate_proj", u="up_proj"),
                     "params.used_experts": "the routed experts stored (ascending original id)"},
     },
 }
 
 
-def contract(op: str, dtype: str) -> dict:
-    """The numerics contract of `op` for a bundle computed in `dtype` ("float32" / "bfloat16")."""
+def contract(op: str, dtype: str, fp64: bool = False) -> dict:
+    """The numerics contract of `op` for a bundle computed in `dtype` ("float32" / "bfloat16"); fp64: with the
+    text of its fp64 outputs (what they keep of the reference's rounding points)."""
     c = CONTRACTS[op]
     rounding = c["rounding"].get(dtype, c["rounding"]["float32"])
     tol = {k: {"rtol": r, "atol_rms": a} for k, (r, a) in TOLERANCE[op].items()}
-    return {**c, "rounding": rounding, "tolerance": tol}
+    return {**c, "rounding": rounding, "tolerance": tol, **({"fp64": FP64[op]} if fp64 else {})}
 
 
 def tolerance(op: str, name: str, t: torch.Tensor) -> dict:
@@ -290,10 +321,11 @@ def weights_file(layer: int) -> str:
     return f"weights/layer{layer:03d}.safetensors"
 
 
-def tensor_meta(e: Entry, name: str, t: torch.Tensor) -> dict:
+def tensor_meta(e: Entry, name: str, t: torch.Tensor, file: str | None = None) -> dict:
+    """The manifest row of `e`'s tensor `name`; a packed operand's names the weights file it is stored in."""
     meta = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "role": e.roles[name]}
     if name in e.shared:
-        meta["stored"] = {"file": weights_file(e.layer), "key": e.shared[name]}
+        meta["stored"] = {"file": file or weights_file(e.layer), "key": e.shared[name]}
     return meta
 
 
@@ -326,17 +358,22 @@ class Entry:
     roles: dict[str, str] = field(default_factory=dict)
 
     shared: dict[str, str] = field(default_factory=dict)
+    tag: str = ""  # which instance, when a layer holds several (mxfp8_linear: the linear's path in the layer)
 
     def put(self, name: str, t: torch.Tensor, role: str, shared: str | None = None) -> None:
-        """Record tensor `name`; `shared`: its key in the layer's weights file (stored once per bundle)."""
-        self.tensors[name] = t.detach().clone().contiguous().cpu()
+        """Record tensor `name` (a copy: captured activations may be views of buffers the forward reuses);
+        `shared`: its key in the layer's weights file (stored once per bundle; packed operands are fresh tensors,
+        read from the checkpoint, and are not copied)."""
+        t = t.detach()
+        self.tensors[name] = (t if shared is not None else t.clone()).contiguous().cpu()
         self.roles[name] = role
         if shared is not None:
             self.shared[name] = shared
 
     @property
     def file(self) -> str:
-        return f"{self.op}/layer{self.layer:03d}_{self.phase}.safetensors"
+        tag = f".{self.tag}" if self.tag else ""
+        return f"{self.op}/layer{self.layer:03d}_{self.phase}{tag}.safetensors"
 
 
 # ---------------------------------------------------------------------------------------------- operands
@@ -349,6 +386,13 @@ def put_linear(e: Entry, ck: Checkpoint, prefix: str, key: str) -> str:
     for name, t in ops.items():
         e.put(name, t, "weight", shared=prefix + name[len(key):])
     return fmt
+
+
+def put_fused(e: Entry, gate: str, up: str, key: str, fmt: str, prefix: str | None) -> None:
+    """Put the fused gate-up operand `key.*` (`fuse_gate_up`) of `e`'s operands `gate.*`, `up.*`; stored once per
+    bundle under `prefix.*` when given (model-driven bundles), else in the entry's file."""
+    for name, t in fuse_gate_up(e.tensors, gate, up, key, fmt).items():
+        e.put(name, t, "weight", shared=None if prefix is None else prefix + name[len(key):])
 
 
 def linear_operands(ck: Checkpoint, prefix: str, key: str) -> tuple[dict[str, torch.Tensor], str]:
@@ -379,12 +423,183 @@ def decode_operand(t: dict[str, torch.Tensor], key: str, fmt: str, dtype: torch.
     return w.to(dtype)
 
 
+def fuse_gate_up(t: dict[str, torch.Tensor], gate: str, up: str, key: str, fmt: str) -> dict[str, torch.Tensor]:
+    """The fused gate-up operand `key.*` of packed operands `gate.*` [I, K] and `up.*` [I, K], as vLLM's
+    `w13_*` and CUTLASS grouped GEMMs take it: `key.weight` [2I, ...] = gate rows then up rows (concatenated
+    along N, not interleaved), `key.weight_scale` likewise; NVFP4 global scales cannot be shared when they
+    differ, so `key.weight_scale_2` and `key.input_scale` are fp32 [2]: entry 0 applies to rows [0, I) (gate),
+    entry 1 to rows [I, 2I) (up) (vLLM's `w13_weight_scale_2 [E, 2]` order)."""
+    out = {f"{key}.weight": torch.cat([t[f"{gate}.weight"], t[f"{up}.weight"]])}
+    if fmt in (NVFP4, MXFP8):
+        out[f"{key}.weight_scale"] = torch.cat([t[f"{gate}.weight_scale"], t[f"{up}.weight_scale"]])
+    for leaf in ("weight_scale_2", "input_scale"):
+        if fmt == NVFP4 and f"{gate}.{leaf}" in t:
+            out[f"{key}.{leaf}"] = torch.stack([t[f"{gate}.{leaf}"].reshape(()).float(),
+                                                t[f"{up}.{leaf}"].reshape(()).float()])
+    return out
+
+
+def decode_fused(t: dict[str, torch.Tensor], key: str, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """The fused gate-up weight `key` [2I, K] decoded as `decode_operand` decodes each half (NVFP4: row half j
+    with weight_scale_2[j])."""
+    if fmt != NVFP4:
+        return decode_operand(t, key, fmt, dtype)
+    n = t[f"{key}.weight"].shape[0] // 2
+    halves = []
+    for j, rows in enumerate((slice(0, n), slice(n, 2 * n))):
+        half = {f"{key}.weight": t[f"{key}.weight"][rows], f"{key}.weight_scale": t[f"{key}.weight_scale"][rows],
+                f"{key}.weight_scale_2": t[f"{key}.weight_scale_2"][j]}
+        halves.append(decode_operand(half, key, fmt, dtype))
+    return torch.cat(halves)
+
+
 def _act(x: torch.Tensor, fmt: str, t: dict[str, torch.Tensor], key: str, emulate: bool) -> torch.Tensor:
     from .linear import emulate_activation_quant
 
     if not emulate or fmt == DENSE:
         return x
     return emulate_activation_quant(x, fmt, t.get(f"{key}.input_scale"))
+
+
+# ---------------------------------------------------------------------------------------------- fp64 references
+
+# What the optional fp64 outputs (`fp64=True`, `--fp64`; tensors `{output}.fp64`, role "fp64") keep of the
+# reference's rounding points, per op: the format-defined roundings stay, the implementation's go.
+FP64 = {
+    "rmsnorm": "y in fp64 from x (as stored) and weight; no rounding to the compute dtype",
+    "router": "logits = x @ gate_weight^T in fp64, weights = normalised sigmoid(logits) of the reference's "
+              "expert_ids in fp64 (the selection is the reference's: integer outputs have no fp64 version)",
+    "mxfp8_linear": "W decoded exactly (e4m3 * 2^(e - 127)) in fp64, not rounded to the compute dtype; the GEMM "
+                    "input is x as stored (with act_quant = emulate: the activation quantization kept, computed "
+                    "as the reference does); y = x @ W^T accumulated in fp64",
+    "nvfp4_linear": "W = e2m1 * e4m3 scale * weight_scale_2 in fp64 (the fp32 rounding of scale * weight_scale_2 "
+                    "and the rounding of W to the compute dtype dropped); the GEMM input is x (or h) as stored "
+                    "(activation quantization kept with act_quant = emulate); accumulation in fp64",
+    "moe": "the reference's expert choice; routing weights, each expert's gate / up GEMMs, SwiGLU-OAI (its clamp "
+           "kept), down GEMM, routed sum, scaling and shared expert all in fp64 with weights decoded as "
+           "nvfp4_linear's fp64 version; with act_quant = emulate the activation quantization of x and h is kept "
+           "(h rounded to fp32, then quantized as the reference does)",
+    "attention": "scores, softmax and value sum in fp64 from q, k, v as stored",
+    "indexer": "scores = iq . ik in fp64 (-inf at future keys); blocks have no fp64 version",
+    "msa": "attention over the reference's selected blocks in fp64 from q, k, v as stored",
+}
+
+
+def _decode64(t: dict[str, torch.Tensor], key: str, fmt: str) -> torch.Tensor:
+    """A packed operand's weight in fp64, exactly as the format defines it (NVFP4: e2m1 * scale exact in fp32,
+    times weight_scale_2 in fp64; a fused operand's halves with their own weight_scale_2)."""
+    from .quant import dequant_nvfp4
+
+    if fmt != NVFP4:
+        return decode_operand(t, key, fmt, torch.float32).double()
+    w = dequant_nvfp4(t[f"{key}.weight"], t[f"{key}.weight_scale"], 1.0, name=key).double()
+    ws2 = t[f"{key}.weight_scale_2"].double().reshape(-1)
+    if ws2.numel() == 2:  # fused gate-up: rows [0, I) and [I, 2I)
+        return w * ws2.repeat_interleave(w.shape[0] // 2)[:, None]
+    return w * ws2[0]
+
+
+def _swiglu64(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1.0) * (gate * torch.sigmoid(alpha * gate))
+
+
+def _attention64(q, k, v, q_pos, scale, allowed=None) -> torch.Tensor:
+    """fp64 GQA attention of q [B, T, Hq, D] over k, v [B, L, Hkv, D], keys <= q_pos; `allowed(sl)` ->
+    bool [B, Hkv, t, L] restricts further (MSA blocks). One query at a time keeps memory linear."""
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    kf = k.double().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    vf = v.double().permute(0, 2, 1, 3)
+    out = torch.empty(B, T, Hq, D, dtype=torch.float64)
+    k_pos = torch.arange(L)
+    for t0 in range(T):
+        qg = q[:, t0].double().view(B, Hkv, G, D)
+        s = torch.einsum("bhgd,bhld->bhgl", qg, kf) * scale
+        keep = (k_pos[None, :] <= q_pos[:, t0, None])[:, None, None, :]
+        if allowed is not None:
+            keep = keep & allowed(t0)[:, :, None, :]
+        p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+        out[:, t0] = torch.einsum("bhgl,bhld->bhgd", p, vf).reshape(B, Hq, D)
+    return out
+
+
+def fp64_outputs(op: str, t: dict[str, torch.Tensor], p: dict, emulate: bool) -> dict[str, torch.Tensor]:
+    """The fp64 version (`FP64`) of each float output of an entry with tensors `t` and params `p`."""
+    out: dict[str, torch.Tensor] = {}
+    if op == "rmsnorm":
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if f"{norm}.x" in t:
+                x = t[f"{norm}.x"].double()
+                y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + p["eps"])
+                out[f"{norm}.y"] = y * (1.0 + t[f"{norm}.weight"].double())
+    elif op == "router":
+        logits = t["x"].double() @ t["gate_weight"].double().T
+        chosen = torch.sigmoid(logits).gather(-1, t["expert_ids"].long())
+        out.update(logits=logits, weights=chosen / chosen.sum(-1, keepdim=True))
+    elif op in ("mxfp8_linear", "nvfp4_linear"):
+        fmt, key = (p["format"], "w") if op == "mxfp8_linear" else (NVFP4, "w1")
+        out["y"] = _act(t["x"], fmt, t, key, emulate).double() @ _decode64(t, key, fmt).T
+        if "y2" in t:
+            out["y2"] = _act(t["h"], NVFP4, t, "w2", emulate).double() @ _decode64(t, "w2", NVFP4).T
+        if "x_hat" in t:
+            out["x_hat"] = t["x_hat"].double()
+    elif op == "moe":
+        out["y"] = _moe64(t, p, emulate)
+    elif op == "attention":
+        out["o"] = _attention64(t["q"], t["k"], t["v"], t["q_pos"], p["scale"])
+    elif op == "indexer":
+        from .msa import mask_future
+
+        if "scores" in t:
+            out["scores"] = mask_future(torch.einsum("bthd,bld->bhtl", t["iq"].double(), t["ik"].double()),
+                                        t["q_pos"])
+    elif op == "msa":
+        blocks, bs, L = t["blocks"], p["block_size"], t["k"].shape[1]
+        key_block = torch.arange(L) // bs
+
+        def allowed(t0: int) -> torch.Tensor:  # [B, Hkv, 1, L]
+            return (key_block[None, None, :, None] == blocks[:, :, t0, None, :]).any(-1)
+
+        out["o"] = _attention64(t["q"], t["k"], t["v"], t["q_pos"], p["scale"], allowed)
+    return out
+
+
+def _moe64(t: dict[str, torch.Tensor], p: dict, emulate: bool) -> torch.Tensor:
+    from .moe import route
+
+    x = t["x"]
+    fmts = p["formats"]
+    r = route(x, t["gate_weight"], t.get("bias"), p["top_k"], t.get("expert_mask"))  # the reference's choice
+    logits = x.double() @ t["gate_weight"].double().T
+    chosen = torch.sigmoid(logits).gather(-1, r.expert_ids)
+    weights = chosen / chosen.sum(-1, keepdim=True)
+
+    def lin(a: torch.Tensor, key: str) -> torch.Tensor:
+        fmt = fmts[key]
+        a = _act(a.float() if emulate and fmt != DENSE else a, fmt, t, key, emulate)
+        return a.double() @ _decode64(t, key, fmt).T
+
+    def mlp(a: torch.Tensor, g: str, u: str, d: str) -> torch.Tensor:
+        return lin(_swiglu64(lin(a, g), lin(a, u), p["alpha"], p["limit"]), d)
+
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for e in p["used_experts"]:  # ascending expert id, as the reference
+        rows, slot = (r.expert_ids == e).nonzero(as_tuple=True)
+        if rows.numel():
+            y[rows] += mlp(x[rows], f"experts.{e}.w1", f"experts.{e}.w3", f"experts.{e}.w2") * weights[rows, slot,
+                                                                                                       None]
+    y = y * p["scaling"]
+    if p["shared_expert"]:
+        y = y + mlp(x, "shared.gate_proj", "shared.up_proj", "shared.down_proj")
+    return y
+
+
+def add_fp64(e: Entry, emulate: bool) -> None:
+    """Put the fp64 version of each of `e`'s float outputs (`{name}.fp64`, role "fp64")."""
+    for name, t in fp64_outputs(e.op, e.tensors, e.params, emulate).items():
+        e.put(f"{name}.fp64", t, "fp64")
 
 
 # ---------------------------------------------------------------------------------------------- paging
@@ -430,35 +645,54 @@ def from_pages(pages: torch.Tensor, table: torch.Tensor, seq_lens: Sequence[int]
 # ---------------------------------------------------------------------------------------------- capture
 
 
+class _ReadOnce:
+    """A checkpoint whose tensors are read (or, synthetic, generated) once per export: every phase's entries
+    share them."""
+
+    def __init__(self, ck: Checkpoint):
+        self._ck, self._read = ck, {}
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self._read:
+            self._read[name] = self._ck.read(name)
+        return self._read[name]
+
+    def __getattr__(self, name: str):
+        return getattr(self._ck, name)
+
+
 class _Capture:
     """Module hooks and a `Trace` that record the chosen ops during forwards."""
 
-    def __init__(self, model, ck: Checkpoint, ops: set[str], layers: set[int]):
-        self.model, self.ck, self.ops, self.layers = model, ck, ops, layers
+    def __init__(self, model, ck: Checkpoint, ops: set[str], layers: set[int], chunk: int | None = None):
+        self.model, self.ck, self.ops, self.layers = model, _ReadOnce(ck), ops, layers
+        self.chunk = chunk  # attention cores captured in query chunks of this many elements (None: one chunk)
+        self.writer: BundleWriter | None = None  # given: a layer's finished entries are written when the next starts
         self.entries: dict[tuple[str, int, str], Entry] = {}
         self.phase = ""
         self.handles: list = []
         self.routing: dict[int, object] = {}
         self.emulate = getattr(model, "act_quant", "none") == "emulate"
 
-    def entry(self, op: str, layer: int) -> Entry:
-        key = (op, layer, self.phase)
+    def entry(self, op: str, layer: int, tag: str = "") -> Entry:
+        key = (op, layer, self.phase, tag)
         if key not in self.entries:
-            self.entries[key] = Entry(op, layer, self.phase)
+            self.entries[key] = Entry(op, layer, self.phase, tag=tag)
         return self.entries[key]
 
     # ---- install / remove
     def __enter__(self) -> _Capture:
         for L, layer in enumerate(self.model.layers):
+            self.handles.append(layer.register_forward_pre_hook(self._flush_hook(L)))
             if L not in self.layers:
                 continue
             if "rmsnorm" in self.ops:
                 for norm in ("input_layernorm", "post_attention_layernorm"):
                     self.handles.append(getattr(layer, norm).register_forward_hook(self._norm_hook(L, norm)))
-            if "mxfp8_linear" in self.ops and (found := mxfp8_linear_of(self.ck, L)) is not None:
-                prefix, module = found
-                lin = self.model.get_submodule(module)
-                self.handles.append(lin.register_forward_hook(self._mxfp8_hook(L, prefix)))
+            if "mxfp8_linear" in self.ops:
+                for prefix, module in mxfp8_linears_of(self.ck, L):
+                    lin = self.model.get_submodule(module)
+                    self.handles.append(lin.register_forward_hook(self._mxfp8_hook(L, prefix)))
             if hasattr(layer, "block_sparse_moe"):
                 moe = layer.block_sparse_moe
                 self.handles.append(moe.gate.register_forward_hook(self._router_hook(L)))
@@ -470,8 +704,15 @@ class _Capture:
         chosen."""
         from .model import Trace
 
-        wanted = self.layers if self.ops & {"attention", "indexer", "msa"} else set()
-        return Trace(layers=set(), attention_layers=set(wanted))
+        wanted = self.layers if self.ops & set(ATTENTION_OPS) else set()
+        return Trace(layers=set(), attention_layers=set(wanted), attention_chunk_elements=self.chunk)
+
+    def take(self) -> list[Entry]:
+        """The current phase's entries (listed in bundle order), handed over to be written; the operands read for
+        them are let go."""
+        self.ck._read.clear()
+        keys = sorted((k for k in self.entries if k[2] == self.phase), key=_entry_order)
+        return [self.entries.pop(k) for k in keys]
 
     def record_attention(self, trace) -> None:
         """The attention entries of one forward, from its trace."""
@@ -487,6 +728,16 @@ class _Capture:
         self.handles.clear()
 
     # ---- hooks
+    def _flush_hook(self, L: int):
+        """Before layer L runs: write the finished entries of the layers before it (not the attention ones: those
+        come from the trace after the forward, with the step's paged views)."""
+        def hook(module, args):
+            if self.writer is None:
+                return
+            keys = [k for k in self.entries if k[2] == self.phase and k[1] < L and k[0] not in ATTENTION_OPS]
+            self.writer.add([self.entries.pop(k) for k in sorted(keys, key=_entry_order)])
+        return hook
+
     def _norm_hook(self, L: int, norm: str):
         def hook(module, args, out):
             e = self.entry("rmsnorm", L)
@@ -498,7 +749,7 @@ class _Capture:
 
     def _mxfp8_hook(self, L: int, prefix: str):
         def hook(module, args, out):
-            e = self.entry("mxfp8_linear", L)
+            e = self.entry("mxfp8_linear", L, prefix.removeprefix(f"{TEXT_PREFIX}layers.{L}."))
             e.put("x", args[0], "input")
             fmt = put_linear(e, self.ck, prefix, "w")
             e.put("y", out, "output")
@@ -547,10 +798,14 @@ class _Capture:
         if module.shared_experts is not None:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 formats[f"shared.{proj}"] = put_linear(e, self.ck, f"{base}shared_experts.{proj}", f"shared.{proj}")
+            put_fused(e, "shared.gate_proj", "shared.up_proj", "shared.gate_up", formats["shared.gate_proj"],
+                      f"{base}shared_experts.gate_up")
         for x in used:
             for leaf in ("w1", "w2", "w3"):
                 formats[f"experts.{x}.{leaf}"] = put_linear(e, self.ck, f"{base}experts.{x}.{leaf}",
                                                             f"experts.{x}.{leaf}")
+            put_fused(e, f"experts.{x}.w1", f"experts.{x}.w3", f"experts.{x}.w13", formats[f"experts.{x}.w1"],
+                      f"{base}experts.{x}.w13")
         e.put("y", y, "output")
         e.params.update({"top_k": module.gate.top_k, "scaling": module.scaling, "alpha": module.experts.alpha,
                          "limit": module.experts.limit, "num_experts": int(module.gate.weight.shape[0]),
@@ -600,14 +855,20 @@ class _Capture:
         e.params.update({"scale": core["scale"], "chunk_elements": core["chunk_elements"]})
 
     def _msa(self, L: int, core: dict) -> None:
-        from .msa import index_scores
+        from .attention import ONE_CHUNK
+        from .msa import index_scores, query_chunk
 
         geometry = {name: core[name] for name in ("block_size", "topk_blocks", "local_blocks", "init_blocks")}
+        T = core["q"].shape[1]
+        if core["chunk_elements"] != ONE_CHUNK:  # the engine's query chunks (`msa.msa_attention`)
+            geometry["query_chunk"] = query_chunk(core["q"], core["k"], core["iq"], core["block_size"],
+                                                  core["topk_blocks"], core["chunk_elements"])
         if "indexer" in self.ops:
             e = self.entry("indexer", L)
             for name in ("iq", "ik", "q_pos"):
                 e.put(name, core[name], "input")
-            e.put("scores", index_scores(core["iq"], core["ik"], core["q_pos"]), "output")
+            if geometry.get("query_chunk", T) >= T:  # [B, Hi, T, L] is quadratic: left out of a chunked capture
+                e.put("scores", index_scores(core["iq"], core["ik"], core["q_pos"]), "output")
             e.put("blocks", core["blocks"], "output")
             e.params.update(geometry)
         if "msa" in self.ops:
@@ -624,7 +885,7 @@ class _Capture:
         real queries are q[b, :q_lens[b]] (right padding excluded), packed at cu_seqlens_q[b]."""
         table = block_table(seq_lens, page, seed)
         cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
-        for (op, L, phase), e in self.entries.items():
+        for (op, L, phase, _), e in self.entries.items():
             if phase != self.phase or op not in ("attention", "msa", "indexer"):
                 continue
             e.put("block_table", table, "paged")
@@ -638,18 +899,33 @@ class _Capture:
             e.params["page_size"] = page
 
 
-def mxfp8_linear_of(ck: Checkpoint, layer: int) -> tuple[str, str] | None:
-    """(tensor prefix, engine module path) of the first MXFP8 linear of `layer`, or None."""
+# The linears of a layer that may be MXFP8, in the order their entries are listed (their `tag`s).
+MXFP8_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "self_attn.index_q_proj", "self_attn.index_k_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                 "block_sparse_moe.shared_experts.gate_proj", "block_sparse_moe.shared_experts.up_proj",
+                 "block_sparse_moe.shared_experts.down_proj")
+
+
+def mxfp8_linears_of(ck: Checkpoint, layer: int) -> list[tuple[str, str]]:
+    """(tensor prefix, engine module path) of every MXFP8 linear of `layer`, in `MXFP8_LINEARS` order."""
     p = f"{TEXT_PREFIX}layers.{layer}."
-    order = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "self_attn.index_q_proj", "self_attn.index_k_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-             "block_sparse_moe.shared_experts.gate_proj", "block_sparse_moe.shared_experts.up_proj",
-             "block_sparse_moe.shared_experts.down_proj"]
-    for leaf in order:
+    out = []
+    for leaf in MXFP8_LINEARS:
         f = ck.formats.get(p + leaf)
         if f is not None and f.fmt == MXFP8:
-            return p + leaf, ck.linears[p + leaf].module
-    return None
+            out.append((p + leaf, ck.linears[p + leaf].module))
+    return out
+
+
+def mxfp8_linear_of(ck: Checkpoint, layer: int) -> tuple[str, str] | None:
+    """(tensor prefix, engine module path) of the first MXFP8 linear of `layer`, or None."""
+    found = mxfp8_linears_of(ck, layer)
+    return found[0] if found else None
+
+
+def _entry_order(key: tuple[str, int, str, str]) -> tuple:
+    op, layer, phase, tag = key
+    return OPS.index(op), layer, phase, MXFP8_LINEARS.index(tag) if tag in MXFP8_LINEARS else -1, tag
 
 
 def available_ops(ck: Checkpoint, layer: int) -> set[str]:
@@ -701,11 +977,15 @@ def parse_layers(text: str | None, n_layers: int) -> list[int]:
 @torch.no_grad()
 def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, ops: Sequence[str] = OPS,
                   layers: Sequence[int] | None = None, explicit_ops: bool = False, decode_steps: int = 1,
-                  page_size: int | None = None, seed: int = 0, prompt_texts: Sequence[str] | None = None) -> dict:
+                  page_size: int | None = None, seed: int = 0, prompt_texts: Sequence[str] | None = None,
+                  fp64: bool = False, chunk_elements: int | None = None) -> dict:
     """Run prefill + `decode_steps` greedy decode steps on `prompts` (token ids) and write the bundle.
 
     Ops missing at a chosen layer are skipped; with `explicit_ops`, an op found at none of the chosen
-    layers is an InputError. Returns the manifest.
+    layers is an InputError. fp64: add each float output's fp64 version (`FP64`). chunk_elements: capture the
+    attention cores in the engine's query chunks of this many elements (`CHUNKED_NOTE`); None: one call per core
+    unless that call's scores would exceed `ONE_CALL_ELEMENTS`, then chunks of `CAPTURE_CHUNK`. Entries are
+    written as they are complete (a layer's when the next starts). Returns the manifest.
     """
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -740,26 +1020,11 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
     ids = torch.zeros(B, T, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(list(p), dtype=torch.long, device=device)
-    cache = model.new_cache(B, T + decode_steps, kv_dtype)
+    if chunk_elements is None:  # one chunk while the one-call core stays small; else the engine's query chunks
+        heads = max(text.num_attention_heads, text.sparse.index_heads if any(text.sparse_layers) else 0)
+        chunk_elements = CAPTURE_CHUNK if B * heads * T * (T + decode_steps) > ONE_CALL_ELEMENTS else None
+    emulate = getattr(model, "act_quant", "none") == "emulate"
     decoded: list[list[int]] = [[] for _ in prompts]
-    with _Capture(model, ck, set(ops), set(layers)) as cap:
-        cap.phase = "prefill"
-        trace = cap.trace()
-        logits = model(ids, positions=torch.arange(T, device=device).expand(B, T), cache=cache, trace=trace)
-        cap.record_attention(trace)
-        cap.add_pages(cache, lengths, page, seed, lengths)
-        nxt = torch.stack([logits[b, n - 1].argmax() for b, n in enumerate(lengths)])
-        for step in range(decode_steps):
-            cap.phase = f"decode{step}"
-            for b in range(B):
-                decoded[b].append(int(nxt[b]))
-            pos = torch.tensor([n + step for n in lengths], device=device)[:, None]
-            trace = cap.trace()
-            logits = model(nxt[:, None], positions=pos, cache=cache, trace=trace)
-            cap.record_attention(trace)
-            cap.add_pages(cache, [n + step + 1 for n in lengths], page, seed + step + 1, [1] * B)
-            nxt = logits[:, 0].argmax(-1)
-    entries = [cap.entries[k] for k in sorted(cap.entries, key=lambda k: (OPS.index(k[0]), k[1], k[2]))]
     manifest = {
         "format": FORMAT,
         "checkpoint": str(model.ckpt_path) if model.ckpt_path is not None else None,
@@ -778,44 +1043,114 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
                     for i, p in enumerate(prompts)],
         "decoded_token_ids": decoded,
         "page_size": page,
+        "attention_capture": ({"chunk_elements": chunk_elements, "note": CHUNKED_NOTE} if chunk_elements
+                              else {"chunk_elements": None, "note": "each attention core captured as one call"}),
         "ops": list(ops),
         "layers": layers,
         "recompute": RECOMPUTE,
-        "contracts": {op: contract(op, str(model.dtype).replace("torch.", "")) for op in ops},
+        "contracts": {op: contract(op, str(model.dtype).replace("torch.", ""), fp64) for op in ops},
         "tolerance_rule": TOLERANCE_RULE,
         "weights_files": [],
         "entries": [],
     }
-    write_bundle(out, manifest, entries)
+    device = model.device
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(list(p), dtype=torch.long, device=device)
+    cache = model.new_cache(B, T + decode_steps, kv_dtype)
+    # written under a temporary name and renamed when complete: a failure (a full disk) leaves nothing behind;
+    # each phase's entries are written (and dropped) when the phase is done
+    with staged_folder(out) as tmp, _Capture(model, ck, set(ops), set(layers), chunk_elements) as cap:
+        writer = cap.writer = BundleWriter(tmp, manifest, fp64=fp64, emulate=emulate)
+        cap.phase = "prefill"
+        trace = cap.trace()
+        logits = model(ids, positions=torch.arange(T, device=device).expand(B, T), cache=cache, trace=trace)
+        cap.record_attention(trace)
+        trace.reset()
+        cap.add_pages(cache, lengths, page, seed, lengths)
+        writer.add(cap.take())
+        nxt = torch.stack([logits[b, n - 1].argmax() for b, n in enumerate(lengths)])
+        del logits
+        for step in range(decode_steps):
+            cap.phase = f"decode{step}"
+            for b in range(B):
+                decoded[b].append(int(nxt[b]))
+            pos = torch.tensor([n + step for n in lengths], device=device)[:, None]
+            trace = cap.trace()
+            logits = model(nxt[:, None], positions=pos, cache=cache, trace=trace)
+            cap.record_attention(trace)
+            trace.reset()
+            cap.add_pages(cache, [n + step + 1 for n in lengths], page, seed + step + 1, [1] * B)
+            writer.add(cap.take())
+            nxt = logits[:, 0].argmax(-1)
+        writer.finish()
     return manifest
 
 
-def write_bundle(out: Path, manifest: dict, entries: Sequence[Entry]) -> None:
-    """Write `entries` (their packed operands once per layer under weights/) and `manifest` (its `entries` and
-    `weights_files` filled here) into the new folder `out`."""
-    manifest.setdefault("weights_files", [])
-    # written under a temporary name and renamed when complete: a failure (a full disk) leaves nothing behind
-    with staged_folder(out) as tmp:
-        shared: dict[int, dict[str, torch.Tensor]] = {}
+class BundleWriter:
+    """Writes a bundle's entries into the staging folder `tmp` as they are complete (`add`: each entry's own file,
+    its manifest row, and the packed operands not yet stored; the entries' tensors are then dropped, so a long
+    export holds about one layer's entries at a time), and at the end the manifest (`finish`). Each packed operand is
+    stored once: in `weights/layerNNN.safetensors` when the layer's first phase uses it, in
+    `weights/layerNNN_{phase}.safetensors` when a later phase first does (a routed expert chosen only there)."""
+
+    def __init__(self, tmp: Path, manifest: dict, *, fp64: bool = False, emulate: bool = False):
+        self.tmp, self.manifest, self.fp64, self.emulate = tmp, manifest, fp64, emulate
+        manifest.setdefault("weights_files", [])
+        manifest.setdefault("entries", [])
+        if fp64:
+            manifest["numerics"]["fp64_outputs"] = True
+        self.stored: dict[tuple[int, str], str] = {}  # (layer, key) -> the weights file holding it
+        self.largest = 0  # elements of the largest tensor written
+
+    def add(self, entries: Sequence[Entry]) -> None:
+        new: dict[int, dict[str, torch.Tensor]] = {}
         for e in entries:
             for name, key in e.shared.items():
-                shared.setdefault(e.layer, {})[key] = e.tensors[name]
-        for L, tensors in sorted(shared.items()):
-            rel = weights_file(L)
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(tmp / rel), metadata={"layer": str(L)})
-            manifest["weights_files"].append({"file": rel, "layer": L, "sha256": sha256(tmp / rel)})
+                if (e.layer, key) not in self.stored:
+                    new.setdefault(e.layer, {}).setdefault(key, e.tensors[name])
+        for L, tensors in sorted(new.items()):
+            rel, n = weights_file(L), 0
+            while (self.tmp / rel).exists():
+                n += 1
+                rel = weights_file(L).replace(".safetensors", f"_{entries[0].phase}{f'_{n}' if n > 1 else ''}"
+                                                               ".safetensors")
+            (self.tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(self.tmp / rel), metadata={"layer": str(L)})
+            self.manifest["weights_files"].append({"file": rel, "layer": L, "sha256": sha256(self.tmp / rel)})
+            self.stored.update({(L, key): rel for key in tensors})
+        del new
         for e in entries:
-            path = tmp / e.file
+            if self.fp64:
+                add_fp64(e, self.emulate)
+            path = self.tmp / e.file
             path.parent.mkdir(parents=True, exist_ok=True)
             own = {n: t for n, t in e.tensors.items() if n not in e.shared}
+            self.largest = max([self.largest, *(t.numel() for t in own.values())])
             save_file(own, str(path), metadata={"op": e.op, "layer": str(e.layer), "phase": e.phase})
-            manifest["entries"].append({
-                "file": e.file, "op": e.op, "layer": e.layer, "phase": e.phase, "params": e.params,
+            self.manifest["entries"].append({
+                "file": e.file, "op": e.op, "layer": e.layer, "phase": e.phase, **({"tag": e.tag} if e.tag else {}),
+                "params": e.params,
                 "sha256": sha256(path),
-                "tensors": {n: tensor_meta(e, n, t) for n, t in e.tensors.items()},
+                "tensors": {n: tensor_meta(e, n, t, self.stored.get((e.layer, e.shared.get(n, "")))) for n, t in
+                            e.tensors.items()},
                 "tolerance": {n: tolerance(e.op, n, t) for n, t in e.tensors.items() if e.roles[n] == "output"}})
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            e.tensors = {}  # written: the entry's memory is released
+
+    def finish(self) -> None:
+        self.manifest["entries"].sort(key=lambda m: _entry_order((m["op"], m["layer"], m["phase"], m.get("tag", ""))))
+        (self.tmp / MANIFEST).write_text(json.dumps(self.manifest, indent=1) + "\n")
+
+
+def write_bundle(out: Path, manifest: dict, entries: Sequence[Entry], *, fp64: bool = False,
+                 emulate: bool = False) -> None:
+    """Write `entries` (their packed operands once per layer under weights/) and `manifest` (its `entries` and
+    `weights_files` filled here) into the new folder `out`; fp64: add each entry's fp64 outputs first."""
+    # written under a temporary name and renamed when complete: a failure (a full disk) leaves nothing behind
+    with staged_folder(out) as tmp:
+        w = BundleWriter(tmp, manifest, fp64=fp64, emulate=emulate)
+        w.add(entries)
+        w.finish()
 
 
 # ---------------------------------------------------------------------------------------------- replay
@@ -870,8 +1205,29 @@ def _replay_moe(t: dict, p: dict, dtype: torch.dtype, emulate: bool) -> torch.Te
 Check = tuple[str, torch.Tensor, torch.Tensor]  # (name, recomputed, stored)
 
 
+def _fused_checks(t: dict, p: dict, dtype: torch.dtype) -> list[Check]:
+    """The fused gate-up operands of a moe entry decode to its gate rows then its up rows."""
+    fmts = p["formats"]
+    pairs = [(f"experts.{e}.w13", f"experts.{e}.w1", f"experts.{e}.w3") for e in p["used_experts"]]
+    if p.get("shared_expert"):
+        pairs.append(("shared.gate_up", "shared.gate_proj", "shared.up_proj"))
+    checks = []
+    for key, gate, up in pairs:
+        if f"{key}.weight" in t:
+            sep = torch.cat([decode_operand(t, gate, fmts[gate], dtype), decode_operand(t, up, fmts[up], dtype)])
+            checks.append((f"{key} (fused)", decode_fused(t, key, fmts[gate], dtype), sep))
+    return checks
+
+
 def _replay_entry(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool, kv_scale: float) -> list[Check]:
-    """(check name, recomputed, stored) for every output of one entry."""
+    """(check name, recomputed, stored) for every output of one entry (and its fp64 outputs, when stored)."""
+    checks = _replay_outputs(t, p, op, dtype, emulate, kv_scale)
+    if any(n.endswith(".fp64") for n in t):
+        checks += [(f"{n}.fp64", v, t[f"{n}.fp64"]) for n, v in fp64_outputs(op, t, p, emulate).items()]
+    return checks
+
+
+def _replay_outputs(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool, kv_scale: float) -> list[Check]:
     from .moe import route
     from .norm import gemma_rms_norm
 
@@ -887,6 +1243,7 @@ def _replay_entry(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool, 
                    ("logits", r.logits, t["logits"])]
     elif op == "moe":
         checks.append(("y", _replay_moe(t, p, dtype, emulate), t["y"]))
+        checks += _fused_checks(t, p, dtype)
     elif op == "nvfp4_linear":
         checks.append(("y", _replay_linear(t, "w1", NVFP4, t["x"], dtype, emulate), t["y"]))
         if "y2" in t:  # single-op bundles hold one GEMM
@@ -920,15 +1277,25 @@ def _replay_attention(t: dict, p: dict, op: str, dtype: torch.dtype, kv_scale: f
         o = causal_attention(t["q"], t["k"], t["v"], t["q_pos"], p["scale"], chunk_elements=p["chunk_elements"])
         out.append(cmp("o", o, ref["o"], 1))
         return out
-    scores = index_scores(t["iq"], t["ik"], t["q_pos"])
-    blocks = select_blocks(scores, t["q_pos"], p["block_size"], p["topk_blocks"], p["local_blocks"],
-                           p["init_blocks"])
-    if op == "indexer":
-        out.append(cmp("scores", scores, ref["scores"], 2))
-        out.append(cmp("blocks", blocks, ref["blocks"], 2))
-    else:
-        o = gather_block_attention(t["q"], t["k"], t["v"], blocks, t["q_pos"], p["block_size"], p["scale"])
-        out += [cmp("blocks", blocks, ref["blocks"], 2), cmp("o", o, ref["o"], 1)]
+    T = t["q_pos"].shape[1]
+    chunk = p.get("query_chunk", T)  # a chunked capture: the engine's query chunks, as `msa.msa_attention`
+    scores, blocks, o = [], [], []
+    for s0 in range(0, T, chunk):
+        sl = slice(s0, s0 + chunk)
+        sc = index_scores(t["iq"][:, sl], t["ik"], t["q_pos"][:, sl])
+        blocks.append(select_blocks(sc, t["q_pos"][:, sl], p["block_size"], p["topk_blocks"], p["local_blocks"],
+                                    p["init_blocks"]))
+        if "scores" in ref:
+            scores.append(sc)
+        del sc
+        if op == "msa":
+            o.append(gather_block_attention(t["q"][:, sl], t["k"], t["v"], blocks[-1], t["q_pos"][:, sl],
+                                            p["block_size"], p["scale"]))
+    if op == "indexer" and scores:
+        out.append(cmp("scores", torch.cat(scores, 2), ref["scores"], 2))
+    out.append(cmp("blocks", torch.cat(blocks, 2), ref["blocks"], 2))
+    if op == "msa":
+        out.append(cmp("o", torch.cat(o, 1), ref["o"], 1))
     return out
 
 
@@ -1005,6 +1372,7 @@ class GoldenEntry:
     tolerance: dict[str, dict]
     contract: dict
     numerics: dict
+    fp64: dict[str, torch.Tensor] = field(default_factory=dict)  # output name -> its fp64 version (when exported)
 
     @property
     def id(self) -> str:
@@ -1031,8 +1399,9 @@ def load(path: str | Path, *, ops: Sequence[str] | None = None, verify: bool = T
         roles = {n: m["role"] for n, m in ent["tensors"].items()}
         out.append(GoldenEntry(
             file=ent["file"], op=ent["op"], layer=ent["layer"], phase=ent["phase"], params=ent["params"],
-            inputs={n: v for n, v in t.items() if roles.get(n) != "output"},
+            inputs={n: v for n, v in t.items() if roles.get(n) not in ("output", "fp64")},
             outputs={n: v for n, v in t.items() if roles.get(n) == "output"},
+            fp64={n.removesuffix(".fp64"): v for n, v in t.items() if roles.get(n) == "fp64"},
             tolerance=ent.get("tolerance", {}), contract=manifest.get("contracts", {}).get(ent["op"], {}),
             numerics=manifest["numerics"]))
     return out
@@ -1062,7 +1431,9 @@ def error_sizes(got: torch.Tensor, want: torch.Tensor) -> dict:
 
 @dataclass
 class Comparison:
-    """`compare`'s result: one row per output (name, ok, max_abs, max_rel, max_ulps, atol, rtol)."""
+    """`compare`'s result: one row per output (name, ok, max_abs, max_rel, max_ulps, atol, rtol; with fp64
+    outputs in the bundle also `fp64` and `reference_fp64`: {max_abs, max_rel} of the kernel's and of the
+    reference's output against the fp64 version)."""
 
     entry: str
     kernel_dtype: str
@@ -1077,7 +1448,9 @@ class Comparison:
         for r in self.rows:
             lines.append(f"  {r['name']}: {'ok' if r['ok'] else 'OUT OF TOLERANCE'} max_abs {r['max_abs']:.3g} "
                          f"max_rel {r['max_rel']:.3g} max_ulps {r['max_ulps']:.3g} (atol {r['atol']:.3g}, "
-                         f"rtol {r['rtol']:.3g}, {r['bad']} elements out)")
+                         f"rtol {r['rtol']:.3g}, {r['bad']} elements out)"
+                         + (f"; against fp64: max_abs {r['fp64']['max_abs']:.3g} (the reference's "
+                            f"{r['reference_fp64']['max_abs']:.3g})" if "fp64" in r else ""))
         return "\n".join(lines)
 
 
@@ -1113,7 +1486,12 @@ def compare(entry: GoldenEntry, outputs: dict[str, torch.Tensor] | torch.Tensor,
         if name == "expert_ids" and "logits" in entry.outputs:
             equal |= tied_choice(entry, got)[:, None]  # rows whose choice differs only among exact ties
         bad = int((~equal & ~((g - w).abs() <= atol + rtol * w.abs())).sum())
-        rows.append({"name": name, "ok": bad == 0, "bad": bad, "atol": atol, "rtol": rtol, **sizes})
+        row = {"name": name, "ok": bad == 0, "bad": bad, "atol": atol, "rtol": rtol, **sizes}
+        if name in entry.fp64:  # errors of the kernel and of the reference against the fp64 version
+            for label, t in (("fp64", got), ("reference_fp64", want)):
+                e64 = error_sizes(t, entry.fp64[name])
+                row[label] = {"max_abs": e64["max_abs"], "max_rel": e64["max_rel"]}
+        rows.append(row)
     return Comparison(entry.id, kd, rows)
 
 
@@ -1124,6 +1502,12 @@ def replay_impl(path: str | Path, impl: str, *, ops: Sequence[str] | None = None
     this entry). One row per compared output: file, output, ok, bad, max_abs, max_rel, max_ulps, atol, rtol."""
     import importlib
 
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"--device {device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available here")
     mod_name, _, fn_name = impl.partition(":")
     if not mod_name or not fn_name:
         raise InputError(f"--impl {impl!r}: expected MODULE:FUNCTION, e.g. my_kernels.golden:run")
@@ -1133,7 +1517,7 @@ def replay_impl(path: str | Path, impl: str, *, ops: Sequence[str] | None = None
         raise InputError(f"--impl {impl!r}: cannot import it ({e}); is the module on PYTHONPATH?") from None
     rows = []
     for entry in load(path, ops=ops):
-        entry.inputs = {k: v.to(device) for k, v in entry.inputs.items()}
+        entry.inputs = {k: v.to(dev) for k, v in entry.inputs.items()}  # outputs: compare brings them to the host
         got = fn(entry)
         if got is None:
             continue
@@ -1338,6 +1722,7 @@ def moe_entry(T: int, E: int, H: int, I: int, dtype: torch.dtype, seed: int, edg
             for name, v in nvfp4_operands(n, k, g, None).items():
                 e.put(f"experts.{x_id}.{leaf}.{name.split('.', 1)[1]}", v, "weight")
             formats[f"experts.{x_id}.{leaf}"] = NVFP4
+        put_fused(e, f"experts.{x_id}.w1", f"experts.{x_id}.w3", f"experts.{x_id}.w13", NVFP4, None)
     e.params.update({"top_k": top_k, "scaling": text.routed_scaling_factor, "alpha": text.swiglu_alpha,
                      "limit": text.swiglu_limit, "num_experts": E, "used_experts": list(range(E)),
                      "formats": formats, "shared_expert": False, "shape": {"T": T, "E": E, "H": H, "I": I}})
@@ -1397,7 +1782,7 @@ def msa_entries(C: int, B: int, dtype: torch.dtype, seed: int, page: int | None)
 
 def export_op(op: str, out: str | Path, *, shape: str | None = None, context: int | None = None,
               batch: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0, edge: str | None = None,
-              page_size: int | None = None) -> dict:
+              page_size: int | None = None, fp64: bool = False) -> dict:
     """Write the single-op bundle of `op` (module docstring) to the new folder `out`; returns the manifest."""
     if op not in SINGLE_OPS:
         raise InputError(f"--op {op!r}: choose one of {', '.join(SINGLE_OPS)}")
@@ -1434,11 +1819,11 @@ def export_op(op: str, out: str | Path, *, shape: str | None = None, context: in
         "numerics": {"dtype": dt, "act_quant": "none", "kv_cache_dtype": "auto", "kv_scale": 1.0},
         "seeds": {"operands": seed, "page_permutation": seed},
         "ops": sorted({e.op for e in entries}),
-        "contracts": {e.op: contract(e.op, dt) for e in entries},
+        "contracts": {e.op: contract(e.op, dt, fp64) for e in entries},
         "tolerance_rule": TOLERANCE_RULE,
         "entries": [],
     }
-    write_bundle(out, manifest, entries)
+    write_bundle(out, manifest, entries, fp64=fp64)
     return manifest
 
 
@@ -1473,6 +1858,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default=None, help="with --op: the op's dimensions, comma-separated")
     p.add_argument("--context", type=int, default=None, help="with --op msa_decode: cached tokens per row")
     p.add_argument("--batch", type=int, default=1, help="with --op msa_decode: rows (default: 1)")
+    p.add_argument("--fp64", action="store_true", help="also store each float output evaluated in fp64 from the "
+                   "same decoded operands (format-defined roundings kept; the manifest's contracts say which)")
     p.add_argument("--edge", default=None, help="with --op: an edge case (nvfp4_linear: subnormal-scales, "
                    "zero-scales; router: ties; moe: clamp)")
 
@@ -1500,7 +1887,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--op needs --out")
         m = export_op(args.op, args.out, shape=args.shape, context=args.context, batch=args.batch,
                       dtype=getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32, seed=args.seed,
-                      edge=args.edge, page_size=args.page_size)
+                      edge=args.edge, page_size=args.page_size, fp64=args.fp64)
         files = [args.out / e["file"] for e in m["entries"]]
         json.dump({"out": str(args.out), "op": args.op, "files": len(files),
                    "bytes": sum(f.stat().st_size for f in files)}, sys.stdout)
@@ -1522,7 +1909,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [encode_prompt(tok, p, chat=args.chat) for p in args.prompt]
     manifest = export_golden(model, prompts, args.out, ops=ops, layers=layers, explicit_ops=explicit,
                              decode_steps=args.decode_steps, page_size=args.page_size, seed=args.seed,
-                             prompt_texts=args.prompt)
+                             prompt_texts=args.prompt, fp64=args.fp64)
     json.dump({"out": str(args.out), "files": len(manifest["entries"]),
                "ops": sorted({e["op"] for e in manifest["entries"]}), "layers": manifest["layers"]}, sys.stdout)
     sys.stdout.write("\n")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -153,9 +154,12 @@ def test_weights_are_stored_once(manifest, bundle):
     for e in manifest["entries"]:
         with safe_open(str(bundle / e["file"]), framework="pt") as f:
             assert not any(e["tensors"][n]["role"] == "weight" for n in f.keys()), e["file"]
-    per_layer = {w["layer"]: w["file"] for w in manifest["weights_files"]}
+    files = {w["file"] for w in manifest["weights_files"]}
+    assert all(f"weights/layer{w['layer']:03d}" in w["file"] for w in manifest["weights_files"])
+    keys = [k for f in files for k in safe_open(str(bundle / f), framework="pt").keys()]
+    assert len(keys) == len(set(keys))  # no operand in two files
     for file, key in set(stored):
-        assert file in per_layer.values()
+        assert file in files
         with safe_open(str(bundle / file), framework="pt") as f:
             assert key in f.keys()
     # moe at layer 1 in every phase points at the same bytes
@@ -320,3 +324,298 @@ def test_varlen_query_offsets(bundle, manifest):
         assert cu == [0, want[0], want[0] + want[1]], (e["file"], cu)
         done = 0 if e["phase"] == "prefill" else int(e["phase"].removeprefix("decode")) + 1
         assert t["seq_lens"].tolist() == [70 + done, 23 + done]
+
+
+# ------------------------------------------------------------------------------------ every MXFP8 linear
+
+
+def _checkpoint_mxfp8_linears(ckpt) -> dict[int, set[str]]:
+    """Per layer, the linears stored as MXFP8 (float8_e4m3fn weight with a uint8 block scale), read from the
+    checkpoint's safetensors headers."""
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    out: dict[int, set[str]] = {}
+    for name, file in index.items():
+        m = re.fullmatch(r"language_model\.model\.layers\.(\d+)\.(.+)\.weight", name)
+        if not m or ".experts." in name:
+            continue
+        with safe_open(str(ckpt / file), framework="pt") as f:
+            if f.get_slice(name).get_dtype() == "F8_E4M3":
+                out.setdefault(int(m.group(1)), set()).add(m.group(2))
+    return out
+
+
+def test_every_mxfp8_linear_is_captured(bundle, manifest, tiny_nvfp4):
+    np_gemm = _example_module()
+    want = _checkpoint_mxfp8_linears(tiny_nvfp4)
+    entries = [e for e in manifest["entries"] if e["op"] == "mxfp8_linear"]
+    for phase in ("prefill", "decode0", "decode1"):
+        got: dict[int, set[str]] = {}
+        for e in entries:
+            if e["phase"] == phase:
+                got.setdefault(e["layer"], set()).add(e["tag"])
+        assert got == want, phase
+    assert any("shared_experts" in t for ts in want.values() for t in ts)
+    assert any("index_q_proj" in t for ts in want.values() for t in ts)
+    assert any(t.startswith("mlp.") for ts in want.values() for t in ts)
+    for e in golden.load(bundle, ops=["mxfp8_linear"]):
+        assert e.params["linear"].endswith(e.file.split(".", 1)[1].removesuffix(".safetensors"))
+        t = e.inputs
+        w = np_gemm.e4m3(t["w.weight"].view(torch.uint8).numpy())
+        w = w * np.repeat(np.exp2(t["w.weight_scale"].numpy().astype(np.float32) - 127), 32, axis=1)
+        y = t["x"].double().numpy() @ w.astype(np.float64).T  # numpy, fp64
+        r = golden.compare(e, {"y": torch.from_numpy(y).float()})
+        assert r.ok, str(r)
+    # stored once: the shared expert's operands of the moe entry and of its mxfp8_linear entries are one key
+    moe = next(e for e in manifest["entries"] if e["op"] == "moe" and e["layer"] == 1 and e["phase"] == "prefill")
+    lin = next(e for e in entries if e["layer"] == 1 and e["tag"] == "block_sparse_moe.shared_experts.gate_proj")
+    assert moe["tensors"]["shared.gate_proj.weight"]["stored"] == lin["tensors"]["w.weight"]["stored"]
+    with safe_open(str(bundle / "weights" / "layer001.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    assert len(keys) == len(set(keys))
+
+
+def test_replay_checks_every_mxfp8_linear(bundle, manifest):
+    files = {e["file"] for e in manifest["entries"] if e["op"] == "mxfp8_linear"}
+    results = golden.replay_bundle(bundle)
+    checked = {r["file"] for r in results if r["check"] == "y" and r["ok"]}
+    assert files <= checked
+
+
+# ------------------------------------------------------------------------------------ fused gate-up operand
+
+
+def _nvfp4_np(weight, scale, ws2_per_row) -> np.ndarray:
+    """fp64 [N, K] from the layout alone: e2m1 * e4m3 scale * the row's weight_scale_2."""
+    np_gemm = _example_module()
+    return np_gemm.unscaled_weight(weight, scale).astype(np.float64) * np.asarray(ws2_per_row, np.float64)[:, None]
+
+
+def test_fused_gate_up_equals_the_separate_products(capsys, tmp_path):
+    out = tmp_path / "moe"
+    assert main(["golden", "--op", "moe", "--shape", "6,4,64,32", "--out", str(out)]) == 0
+    capsys.readouterr()
+    [e] = golden.load(out)
+    t = e.inputs
+    x = t["x"].double().numpy()
+    m = json.loads((out / "manifest.json").read_text())
+    assert "gate rows then up rows" in json.dumps(m["contracts"]["moe"]["layouts"])
+    for x_id in range(4):
+        p = f"experts.{x_id}."
+        w13 = t[p + "w13.weight"]
+        assert tuple(w13.shape) == (64, 32) and tuple(t[p + "w13.weight_scale"].shape) == (64, 4)
+        assert torch.equal(w13[:32], t[p + "w1.weight"]) and torch.equal(w13[32:], t[p + "w3.weight"])
+        ws2 = t[p + "w13.weight_scale_2"]
+        assert ws2.tolist() == [float(t[p + "w1.weight_scale_2"]), float(t[p + "w3.weight_scale_2"])]
+        assert ws2[0] != ws2[1]  # the global scales differ: one shared scale could not hold both
+        scale13 = t[p + "w13.weight_scale"].view(torch.uint8).numpy()
+        fused = x @ _nvfp4_np(w13.numpy(), scale13, np.repeat(ws2.double().numpy(), 32)).T
+        gate = x @ _nvfp4_np(t[p + "w1.weight"].numpy(), t[p + "w1.weight_scale"].view(torch.uint8).numpy(),
+                             [float(t[p + "w1.weight_scale_2"])] * 32).T
+        up = x @ _nvfp4_np(t[p + "w3.weight"].numpy(), t[p + "w3.weight_scale"].view(torch.uint8).numpy(),
+                           [float(t[p + "w3.weight_scale_2"])] * 32).T
+        np.testing.assert_allclose(fused, np.concatenate([gate, up], axis=1), rtol=1e-12, atol=1e-12)
+        # one global scale for both halves (vLLM's w13_weight_scale_2[:, 0]) is not the same operand
+        shared = x @ _nvfp4_np(w13.numpy(), scale13, np.repeat(float(ws2[0]), 64)).T
+        assert not np.allclose(shared[:, 32:], up, rtol=1e-3)
+
+
+def test_fused_operands_in_model_driven_bundles(bundle, manifest):
+    moe = [e for e in manifest["entries"] if e["op"] == "moe"]
+    for ent in moe:
+        for x_id in ent["params"]["used_experts"]:
+            meta = ent["tensors"][f"experts.{x_id}.w13.weight"]
+            assert meta["stored"]["key"].endswith(f"block_sparse_moe.experts.{x_id}.w13.weight")
+        assert "shared.gate_up.weight" in ent["tensors"]
+    e = next(e for e in golden.load(bundle, ops=["moe"]) if e.phase == "prefill")
+    x_id = e.params["used_experts"][0]
+    p = f"experts.{x_id}."
+    n = e.inputs[p + "w1.weight"].shape[0]
+    assert torch.equal(e.inputs[p + "w13.weight"], torch.cat([e.inputs[p + "w1.weight"], e.inputs[p + "w3.weight"]]))
+    assert tuple(e.inputs[p + "w13.weight_scale_2"].shape) == (2,) and e.inputs[p + "w13.weight"].shape[0] == 2 * n
+    fused = {r["check"] for r in golden.replay_bundle(bundle) if r["check"].endswith("(fused)") and r["ok"]}
+    assert f"{p}w13 (fused)" in fused and "shared.gate_up (fused)" in fused
+
+
+# ------------------------------------------------------------------------------------ fp64 reference outputs
+
+
+def test_fp64_outputs_of_a_single_op_bundle(capsys, tmp_path):
+    out = tmp_path / "b"
+    assert main(["golden", "--op", "nvfp4_linear", "--shape", "5,64,128", "--fp64", "--out", str(out)]) == 0
+    capsys.readouterr()
+    [e] = golden.load(out)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["numerics"]["fp64_outputs"] is True and "fp64" in m["contracts"]["nvfp4_linear"]
+    assert set(e.fp64) == {"y"} and e.fp64["y"].dtype == torch.float64 and "y.fp64" not in e.inputs
+    t = e.inputs
+    w = _nvfp4_np(t["w1.weight"].numpy(), t["w1.weight_scale"].view(torch.uint8).numpy(),
+                  [float(t["w1.weight_scale_2"])] * 64)
+    want = t["x"].double().numpy() @ w.T
+    np.testing.assert_allclose(e.fp64["y"].numpy(), want, rtol=1e-12, atol=1e-12)
+    r = golden.compare(e, {"y": e.fp64["y"].float()})
+    assert r.ok and r.rows[0]["fp64"]["max_abs"] < r.rows[0]["reference_fp64"]["max_abs"] + 1e-30
+    assert r.rows[0]["reference_fp64"]["max_abs"] <= r.rows[0]["atol"]  # the fp32 reference is within tolerance
+    assert "against fp64" in str(r)
+    assert main(["golden", "--replay", str(out)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert {r["check"] for r in res["results"]} == {"y", "y.fp64"}
+
+
+def test_fp64_outputs_of_a_model_driven_bundle(tmp_path):
+    model = load_synthetic("tiny", dtype=torch.bfloat16)
+    m = golden.export_golden(model, _prompts(30), tmp_path / "b", decode_steps=0, layers=[0, 1], fp64=True,
+                             ops=["rmsnorm", "router", "moe", "attention", "msa", "indexer", "mxfp8_linear"])
+    assert m["numerics"]["fp64_outputs"] is True
+    for op in m["ops"]:
+        assert m["contracts"][op]["fp64"] == golden.FP64[op]
+    results = golden.replay_bundle(tmp_path / "b")
+    assert results and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    for e in golden.load(tmp_path / "b"):
+        floats = {n for n, v in e.outputs.items() if v.is_floating_point()}
+        assert set(e.fp64) == floats, e.id
+        r = golden.compare(e, dict(e.outputs), kernel_dtype="bfloat16")
+        for row in r.rows:
+            if row["name"] in e.fp64:  # the bf16 reference is within its stated bf16 tolerance of fp64
+                ref = e.outputs[row["name"]].double()
+                err = (ref - e.fp64[row["name"]]).abs().nan_to_num(0.0)
+                assert bool((err <= row["atol"] + row["rtol"] * ref.abs()).all()), (e.id, row)
+    # rmsnorm in fp64, by hand
+    e = next(e for e in golden.load(tmp_path / "b", ops=["rmsnorm"]))
+    x = e.inputs["input_layernorm.x"].double()
+    w = e.inputs["input_layernorm.weight"].double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + e.params["eps"]) * (1 + w)
+    assert torch.allclose(e.fp64["input_layernorm.y"], y, rtol=1e-13, atol=0)
+
+
+# ------------------------------------------------------------------------------------ long prompts: chunks
+
+
+def _largest_captured(manifest) -> int:
+    return max(int(np.prod(m["shape"])) for e in manifest["entries"] for m in e["tensors"].values()
+               if m["role"] != "weight")
+
+
+def test_chunked_capture_grows_linearly(tmp_path):
+    model = load_synthetic("tiny", dtype=torch.float32)
+    sizes = {}
+    for T in (96, 192):
+        out = tmp_path / f"t{T}"
+        m = golden.export_golden(model, _prompts(T), out, decode_steps=1, chunk_elements=4096,
+                                 ops=["attention", "indexer", "msa"], layers=[0, 1])
+        assert m["attention_capture"]["chunk_elements"] == 4096
+        sizes[T] = _largest_captured(m)
+        pre = {e["op"]: e for e in m["entries"] if e["phase"] == "prefill"}
+        assert "scores" not in pre["indexer"]["tensors"]  # [B, Hi, T, L]: quadratic, left out
+        assert pre["msa"]["params"]["query_chunk"] < T
+        dec = next(e for e in m["entries"] if e["op"] == "indexer" and e["phase"] == "decode0")
+        assert "scores" in dec["tensors"]  # one query: linear
+        results = golden.replay_bundle(out)
+        assert results and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    assert sizes[192] == 2 * sizes[96]  # linear in T
+    # a one-call capture holds the quadratic scores
+    m = golden.export_golden(model, _prompts(192), tmp_path / "one", decode_steps=0, ops=["indexer"], layers=[1])
+    assert m["attention_capture"]["chunk_elements"] is None and _largest_captured(m) >= 192 * 192
+
+
+def test_entries_are_written_layer_by_layer(tmp_path, monkeypatch):
+    """A layer's entries are written when the next layer starts, so capture holds about one layer at a time."""
+    calls = []
+    add = golden.BundleWriter.add
+
+    def spy(self, entries):
+        calls.append(sorted({(e.phase, e.layer, e.op in golden.ATTENTION_OPS) for e in entries}))
+        return add(self, entries)
+
+    monkeypatch.setattr(golden.BundleWriter, "add", spy)
+    model = load_synthetic("tiny", dtype=torch.float32)
+    golden.export_golden(model, _prompts(20), tmp_path / "b", decode_steps=0, ops=["rmsnorm", "moe", "msa"])
+    prefill = [c for c in calls if c]
+    assert prefill[:3] == [[("prefill", 0, False)], [("prefill", 1, False)], [("prefill", 2, False)]]
+    assert ("prefill", 3, False) in prefill[3] and ("prefill", 3, True) in prefill[3]  # the last, with attention
+
+
+SLOW_4K = r"""
+import json, resource, sys
+import torch
+from minimax_ref import golden
+from minimax_ref.config import parse_model_config
+from minimax_ref.loader import load_synthetic
+from minimax_ref.plan import plan_memory
+from minimax_ref.synth import build_config
+T, out = int(sys.argv[1]), sys.argv[2]
+kw = dict(experts=8, layers=2, overrides={"vocab_size": 8192, "moe_layer_freq": [0, 1], "sparse_attention_freq": [0, 1],
+                                          "sparse_disable_index_value": [0, 1]})
+cfg = parse_model_config(build_config("release", "nvfp4", **kw), where="release")
+plan = plan_memory(cfg, tp=1, gpu_memory_gib=1000, max_model_len=T + 1, dtype_bytes=2)
+model = load_synthetic("release", dtype=torch.bfloat16, max_seq_len=T + 1, **kw)
+ids = torch.randint(0, 8192, (T,), generator=torch.Generator().manual_seed(0)).tolist()
+m = golden.export_golden(model, [ids], out, decode_steps=1)
+print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "predicted": plan["weights_bytes_per_card"] + plan["kv_gib_for_max_model_len"] * 2**30
+                  + plan["activation_reserve_gib"] * 2**30, "capture": m["attention_capture"]["chunk_elements"]}))
+"""
+MARGIN = 1 << 30  # the interpreter, torch and the synthetic generator's temporaries
+
+
+@pytest.mark.slow
+def test_4k_release_width_export_within_the_plan(tmp_path):
+    """4K tokens at release widths (hidden 6144, 64 heads, experts 3072 wide; 2 layers: one dense, one MSA + MoE;
+    8 experts; vocabulary 8192) exported from --synthetic-weights in bfloat16: the peak RSS stays within `plan`'s
+    weights + KV + activation reserve for that configuration, plus MARGIN. (bfloat16 because `plan` counts the
+    weights at their checkpoint sizes: in float32 the engine holds the bf16 tensors widened, 4.6 GB here against
+    plan's 2.7 GB.) weights.md ("Golden bundles", long prompts) gives the measured numbers."""
+    proc = subprocess.run([sys.executable, "-c", SLOW_4K, "4096", str(tmp_path / "b")], capture_output=True,
+                          text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["capture"] == golden.CAPTURE_CHUNK
+    assert r["peak_rss"] <= r["predicted"] + MARGIN, r
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    pre = {e["op"]: e for e in m["entries"] if e["phase"] == "prefill" and e["layer"] == 1}
+    assert pre["msa"]["params"]["query_chunk"] < 4096 and "scores" not in pre["indexer"]["tensors"]
+    assert pre["msa"]["tensors"]["o"]["shape"] == [1, 4096, 64, 128]
+
+
+# ------------------------------------------------------------------------------------ --replay --impl --device
+
+
+def test_replay_impl_moves_inputs_to_the_device(capsys, tmp_path, monkeypatch):
+    out = tmp_path / "b"
+    assert main(["golden", "--op", "nvfp4_linear", "--shape", "4,32,64", "--out", str(out)]) == 0
+    capsys.readouterr()
+    seen = []
+    mod = type(sys)("device_probe")
+
+    def run(entry):
+        seen.append({k: v.device.type for k, v in entry.inputs.items()})
+        return {"y": entry.outputs["y"].to(entry.inputs["x"].device)}
+
+    mod.run = run
+    monkeypatch.setitem(sys.modules, "device_probe", mod)
+    assert main(["golden", "--replay", str(out), "--impl", "device_probe:run", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["failures"] == []
+    assert seen and all(d == "cpu" for s in seen for d in s.values())
+    calls = []
+    monkeypatch.setattr(golden, "load", lambda *a, **k: calls.append(k) or [])
+    golden.replay_impl(out, "device_probe:run", device="meta")
+    assert calls  # the device reaches the loop; a bad one is refused before any entry runs
+    with pytest.raises(InputError, match="--device"):
+        golden.replay_impl(out, "device_probe:run", device="nonsense")
+
+
+@pytest.mark.gpu
+def test_replay_impl_on_cuda(capsys, tmp_path, monkeypatch):
+    out = tmp_path / "b"
+    assert main(["golden", "--op", "nvfp4_linear", "--shape", "4,32,64", "--out", str(out)]) == 0
+    capsys.readouterr()
+    mod = type(sys)("cuda_probe")
+
+    def run(entry):
+        assert all(v.device.type == "cuda" for v in entry.inputs.values())
+        return {"y": entry.outputs["y"].cuda()}  # outputs on the device are brought back to compare
+
+    mod.run = run
+    monkeypatch.setitem(sys.modules, "cuda_probe", mod)
+    assert main(["golden", "--replay", str(out), "--impl", "cuda_probe:run", "--device", "cuda"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["failures"] == [] and res["results"][0]["max_abs"] == 0.0

@@ -1,11 +1,13 @@
 """`minimax-ref plan`: per-card weight memory at tensor parallelism N and the KV-cache pool, from
 `config.json` alone.
 
-Weights. Every tensor of `checkpoint.tensor_table(cfg)` is counted in its on-disk format: the
-format of each linear is the one `quantization_config` implies (`NVFP4`, `MXFP8`, or unquantized
-BF16; a single-algorithm MXFP8 config means MXFP8 for every linear it does not exclude), and plain
-tensors are BF16 except the router (gate and selection bias), which the release stores in FP32.
-When the shards are present their headers are used instead (exact dtypes and formats).
+Weights. Every tensor of `checkpoint.tensor_table(cfg)` is counted as the engine holds it after loading
+(`loaded_groups`): with `--weights packed` (the default, what a deployment keeps) each NVFP4 / MXFP8 linear in
+its on-disk format, the format `quantization_config` implies (`NVFP4`, `MXFP8`, or unquantized BF16; a
+single-algorithm MXFP8 config means MXFP8 for every linear it does not exclude); with `--weights dequant`
+decoded to `--dtype` (NVFP4 linears keep their fp32 input_scale). BF16 linears and plain tensors are held in
+`--dtype`, norms and the router (gate and selection bias) in FP32. When the shards are present their headers
+give the stored formats (exact dtypes).
 
 | format | bytes of a linear [N, K] |
 |---|---|
@@ -155,6 +157,33 @@ def tensor_groups(cfg: ModelConfig, tp: int, *, ckpt_dir: Path | None = None, ex
     return out, ("headers" if headers is not None else "config")
 
 
+WEIGHTS_MODES = ("packed", "dequant")
+
+
+def loaded_groups(cfg: ModelConfig, groups: list[TensorBytes], *, weights: str = "packed",
+                  dtype_bytes: int = 2) -> list[TensorBytes]:
+    """`groups` at their size in the engine's memory rather than on disk: NVFP4 / MXFP8 linears as stored with
+    `weights="packed"`, decoded to the compute dtype (`dtype_bytes` an element, plus NVFP4's fp32 input_scale) with
+    `weights="dequant"`; bf16
+    linears and plain tensors in the compute dtype; norms and routers in fp32 (as the loader keeps them)."""
+    if weights not in WEIGHTS_MODES:
+        raise InputError(f"--weights {weights!r}: choose one of {list(WEIGHTS_MODES)}")
+    linears, plain = tensor_table(cfg)
+    out = []
+    for g in groups:
+        split, rep = g.split, g.replicated
+        if g.name in plain:
+            stored = 4 if g.fmt in ("f32", "float32") else 2
+            scale = 4 if g.family in ("norm", "router") else dtype_bytes
+            split, rep = split // stored * scale, rep // stored * scale
+        elif g.fmt == "bf16" or weights == "dequant":
+            spec = linears[g.name]
+            # a decoded NVFP4 linear keeps its fp32 input_scale (activation-quantization emulation needs it)
+            split, rep = spec.out_features * spec.in_features * dtype_bytes, 4 if g.fmt == "nvfp4" else 0
+        out.append(TensorBytes(g.name, g.family, g.fmt, split, rep, g.divisor))
+    return out
+
+
 def kv_bytes_per_token(cfg: ModelConfig, tp: int, kv_cache_dtype: str, dtype_bytes: int = 2) -> int:
     """KV-cache bytes one token occupies on one card (K + V of every layer, index keys of MSA layers)."""
     t = cfg.text
@@ -183,7 +212,8 @@ def image_tokens_per_image(cfg: ModelConfig, ckpt_dir: Path | None) -> int:
 def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_len: int,
                 kv_cache_dtype: str = "auto", images: int = 0, utilization: float = DEFAULT_UTILIZATION,
                 activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB, dtype_bytes: int = 2,
-                expert_parallel: bool = False, split_vision: bool = False, ckpt_dir: Path | None = None) -> dict:
+                expert_parallel: bool = False, split_vision: bool = False, ckpt_dir: Path | None = None,
+                weights: str = "packed") -> dict:
     """The memory plan as a JSON-ready dict (fields described in the module docstring)."""
     if tp < 1:
         raise InputError(f"--tp {tp} must be >= 1")
@@ -197,6 +227,7 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
     t = cfg.text
     groups, source = tensor_groups(cfg, tp, ckpt_dir=ckpt_dir, expert_parallel=expert_parallel,
                                    split_vision=split_vision)
+    groups = loaded_groups(cfg, groups, weights=weights, dtype_bytes=dtype_bytes)
     families: dict[str, dict] = {}
     for g in groups:
         f = families.setdefault(g.family, {"formats": set(), "bytes_total": 0, "bytes_per_card": 0.0})
@@ -222,6 +253,7 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
                             budget=budget, usable=usable, fits=fits, max_model_len=max_model_len)
     return {
         "source": source,
+        "weights": weights,
         "tp": tp,
         "expert_parallel": expert_parallel,
         "split_vision": split_vision,
@@ -291,7 +323,11 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="auto: the compute dtype; fp8: 1 byte per element (KV and index keys)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="compute dtype, sizes the auto KV cache and activations (default: bfloat16)")
+                   help="compute dtype: sizes the bf16 tensors, decoded weights, the auto KV cache and activations "
+                        "(default: bfloat16)")
+    p.add_argument("--weights", choices=list(WEIGHTS_MODES), default="packed",
+                   help="as `generate --weights`: packed (NVFP4 / MXFP8 linears as stored, what a deployment keeps; "
+                        "default) or dequant (decoded to --dtype at load)")
     p.add_argument("--images", type=int, default=0, help="images per prompt (default: 0)")
     p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
                    help=f"fraction of the card to use (default: {DEFAULT_UTILIZATION})")
@@ -320,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
                        kv_cache_dtype=args.kv_cache_dtype, images=args.images,
                        utilization=args.gpu_memory_utilization, activation_reserve_gib=args.activation_reserve,
                        dtype_bytes=2 if args.dtype == "bfloat16" else 4, expert_parallel=args.expert_parallel,
-                       split_vision=args.split_vision, ckpt_dir=args.ckpt_path)
+                       split_vision=args.split_vision, ckpt_dir=args.ckpt_path, weights=args.weights)
     if args.offload != "none":
         return run_offload(args, cfg, plan)
     status = 0 if plan["runs"] else 1
@@ -522,13 +558,8 @@ def offload_units(cfg: ModelConfig, *, dtype_bytes: int = 2, ckpt_dir: Path | No
     groups, _ = tensor_groups(cfg, 1, ckpt_dir=ckpt_dir)
     always = 0
     per_unit: dict[tuple[str, int], int] = {}
-    for g in groups:
+    for g in loaded_groups(cfg, groups, weights="packed", dtype_bytes=dtype_bytes):
         size = g.split + g.replicated
-        if g.name in plain:
-            stored = 4 if g.fmt in ("f32", "float32") else 2
-            size = size // stored * (4 if g.family in ("norm", "router") else dtype_bytes)
-        elif g.fmt == "bf16":
-            size = size * dtype_bytes // 2
         kind, layer = unit_of(module_of[g.name])
         if kind == "resident":
             always += size

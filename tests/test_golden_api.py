@@ -542,12 +542,13 @@ from minimax_ref.config import parse_model_config
 from minimax_ref.loader import load_synthetic
 from minimax_ref.plan import plan_memory
 from minimax_ref.synth import build_config
-T, out = int(sys.argv[1]), sys.argv[2]
+T, out, dtype = int(sys.argv[1]), sys.argv[2], getattr(torch, sys.argv[3])
 kw = dict(experts=8, layers=2, overrides={"vocab_size": 8192, "moe_layer_freq": [0, 1], "sparse_attention_freq": [0, 1],
                                           "sparse_disable_index_value": [0, 1]})
 cfg = parse_model_config(build_config("release", "nvfp4", **kw), where="release")
-plan = plan_memory(cfg, tp=1, gpu_memory_gib=1000, max_model_len=T + 1, dtype_bytes=2)
-model = load_synthetic("release", dtype=torch.bfloat16, max_seq_len=T + 1, **kw)
+plan = plan_memory(cfg, tp=1, gpu_memory_gib=1000, max_model_len=T + 1, dtype_bytes=torch.finfo(dtype).bits // 8,
+                   weights="dequant")
+model = load_synthetic("release", dtype=dtype, max_seq_len=T + 1, weights="dequant", **kw)
 ids = torch.randint(0, 8192, (T,), generator=torch.Generator().manual_seed(0)).tolist()
 m = golden.export_golden(model, [ids], out, decode_steps=1)
 print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -558,13 +559,13 @@ MARGIN = 1 << 30  # the interpreter, torch and the synthetic generator's tempora
 
 
 @pytest.mark.slow
-def test_4k_release_width_export_within_the_plan(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_4k_release_width_export_within_the_plan(tmp_path, dtype):
     """4K tokens at release widths (hidden 6144, 64 heads, experts 3072 wide; 2 layers: one dense, one MSA + MoE;
-    8 experts; vocabulary 8192) exported from --synthetic-weights in bfloat16: the peak RSS stays within `plan`'s
-    weights + KV + activation reserve for that configuration, plus MARGIN. (bfloat16 because `plan` counts the
-    weights at their checkpoint sizes: in float32 the engine holds the bf16 tensors widened, 4.6 GB here against
-    plan's 2.7 GB.) weights.md ("Golden bundles", long prompts) gives the measured numbers."""
-    proc = subprocess.run([sys.executable, "-c", SLOW_4K, "4096", str(tmp_path / "b")], capture_output=True,
+    8 experts; vocabulary 8192) exported from --synthetic-weights (decoded weights, in bfloat16 and in float32, the
+    golden mode): the peak RSS stays within `plan --weights dequant --dtype ...`'s weights + KV + activation reserve
+    for that configuration, plus MARGIN. weights.md ("Golden bundles", long prompts) gives the measured numbers."""
+    proc = subprocess.run([sys.executable, "-c", SLOW_4K, "4096", str(tmp_path / "b"), dtype], capture_output=True,
                           text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -596,7 +597,7 @@ def test_replay_impl_moves_inputs_to_the_device(capsys, tmp_path, monkeypatch):
     assert json.loads(capsys.readouterr().out)["failures"] == []
     assert seen and all(d == "cpu" for s in seen for d in s.values())
     calls = []
-    monkeypatch.setattr(golden, "load", lambda *a, **k: calls.append(k) or [])
+    monkeypatch.setattr(golden.api, "load", lambda *a, **k: calls.append(k) or [])
     golden.replay_impl(out, "device_probe:run", device="meta")
     assert calls  # the device reaches the loop; a bad one is refused before any entry runs
     with pytest.raises(InputError, match="--device"):

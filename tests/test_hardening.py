@@ -690,9 +690,9 @@ def test_prune_disk_full_leaves_nothing_and_says_so(tiny_nvfp4, tmp_path, capsys
 
 
 def test_golden_disk_full_leaves_nothing_and_says_so(tiny_nvfp4, tmp_path, capsys, monkeypatch):
-    import minimax_ref.golden as golden
+    from minimax_ref.golden import bundle
 
-    monkeypatch.setattr(golden, "save_file", _disk_full)
+    monkeypatch.setattr(bundle, "save_file", _disk_full)
     code, _, err = run(["golden", "--ckpt-path", str(tiny_nvfp4), "--prompt", "Hello golden", "--ops", "rmsnorm",
                         "--layers", "0", "--out", str(tmp_path / "b")], capsys)
     assert code == 2 and "no space left" in _one_error_line(err)

@@ -19,12 +19,18 @@ REFERENCE_MODULES = ("config", "quant", "checkpoint", "loader", "model", "attent
 FAST_ONLY = ("is_compiling", "materialize", "_dynamo", "_inductor")
 
 
+def _trees(module: str) -> list[ast.Module]:
+    """The parsed source of `minimax_ref.<module>`: its file, or every file of its package."""
+    files = [ROOT / f"{module}.py"] if (ROOT / f"{module}.py").exists() else sorted((ROOT / module).glob("*.py"))
+    assert files, module
+    return [ast.parse(f.read_text()) for f in files]
+
+
 def _imported(module: str, top_level_only: bool = False) -> set[str]:
     """Dotted names of the `minimax_ref` modules that `minimax_ref.<module>` imports anywhere (module level or in a
     function, TYPE_CHECKING blocks included; only at module level with `top_level_only`), read with `ast`."""
-    tree = ast.parse((ROOT / f"{module}.py").read_text())
     out = set()
-    for node in (tree.body if top_level_only else ast.walk(tree)):
+    for node in (n for tree in _trees(module) for n in (tree.body if top_level_only else ast.walk(tree))):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("minimax_ref")}
         elif isinstance(node, ast.ImportFrom):
@@ -42,7 +48,7 @@ def test_reference_modules_import_nothing_from_the_fast_path():
     for module in REFERENCE_MODULES:
         fast = sorted(name for name in _imported(module, top_level_only=module == "loader")
                       if name == "minimax_ref.fast" or name.startswith("minimax_ref.fast."))
-        assert not fast, f"minimax_ref/{module}.py imports {fast}"
+        assert not fast, f"minimax_ref.{module} imports {fast}"
 
 
 def test_reference_modules_have_no_compiled_region_switches():
@@ -50,10 +56,9 @@ def test_reference_modules_have_no_compiled_region_switches():
         if module == "loader":  # its one lazy `from .fast import` is checked by the subprocess test below
             continue
         names = {n.attr if isinstance(n, ast.Attribute) else n.id
-                 for n in ast.walk(ast.parse((ROOT / f"{module}.py").read_text()))
-                 if isinstance(n, (ast.Attribute, ast.Name))}
+                 for tree in _trees(module) for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
         found = [w for w in FAST_ONLY if w in names]
-        assert not found, f"minimax_ref/{module}.py uses {found}"
+        assert not found, f"minimax_ref.{module} uses {found}"
 
 
 def test_running_with_fast_off_never_imports_the_fast_package():
@@ -143,10 +148,12 @@ def test_numerics_and_formats_are_fixed_at_construction(tiny_nvfp4):
 
 
 def test_golden_captures_through_the_trace_not_by_patching():
-    """golden.py records the attention cores through `Trace.attention` (and module hooks): it assigns no attribute of
-    another module (no monkeypatched `causal_attention` / `msa_attention`)."""
-    tree = ast.parse((ROOT / "golden.py").read_text())
-    patched = [ast.unparse(t) for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
+    """The golden package records the attention cores through `Trace.attention` (and module hooks): it assigns no
+    attribute of another module (no monkeypatched `causal_attention` / `msa_attention`)."""
+    files = sorted((ROOT / "golden").glob("*.py"))
+    assert files
+    patched = [ast.unparse(t) for f in files for node in ast.walk(ast.parse(f.read_text()))
+               if isinstance(node, (ast.Assign, ast.AugAssign))
                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
                if isinstance(t, ast.Attribute) and t.attr in ("causal_attention", "msa_attention")]
     assert not patched, patched

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from minimax_ref.cli import main
 from minimax_ref.config import parse_model_config
@@ -37,7 +38,7 @@ def hand_per_card(experts: int, tp: int) -> float:
     dense = DENSE * 3 * mx(F, H) / tp
     routed = MOE * experts * 3 * (nv(I, H) / tp + 8)  # + fp32 weight_scale_2 and input_scale, replicated
     emb_head = 2 * V * H * 2 / tp
-    norms = 2 * (H + LAYERS * 2 * H + LAYERS * 2 * D + MOE * 2 * DI)
+    norms = 4 * (H + LAYERS * 2 * H + LAYERS * 2 * D + MOE * 2 * DI)  # fp32 in memory, as the loader keeps them
     router = MOE * (experts * H + experts) * 4
     W, WI, P = 1280, 5120, 6144
     vision = 2 * (W * 3 * 2 * 14 * 14 + 2 * W
@@ -192,8 +193,7 @@ def test_cli_offload_plan_pruned80(capsys, tmp_path):
             "--kv-cache-dtype", "fp8", "--offload", "cpu", "--batch", "32"]
     assert main(args + ["--output-format", "json"]) == 0
     off = json.loads(capsys.readouterr().out)["offload_plan"]
-    norms_bf16 = 2 * (H + LAYERS * 2 * H + LAYERS * 2 * D + MOE * 2 * DI)
-    assert off["weights_bytes"] == pytest.approx(hand_per_card(80, 1) + norms_bf16, abs=2)  # norms held in fp32
+    assert off["weights_bytes"] == pytest.approx(hand_per_card(80, 1), abs=2)
     assert off["resident_layers"] == list(range(LAYERS)) and off["streamed_layers"] == []
     streamed = off["streamed_expert_layers"]
     assert streamed == list(range(60 - len(streamed), 60)) and 0 < len(streamed) < MOE  # the last layers stream
@@ -213,3 +213,22 @@ def test_cli_offload_plan_pruned80(capsys, tmp_path):
     assert "--tp 1" in capsys.readouterr().err
     assert main(args[:6] + ["1"] + args[7:]) == 1  # 1 GiB: refused, exit 1 with the reason
     assert "less than the" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("weights, dtype", [("packed", torch.bfloat16), ("dequant", torch.bfloat16),
+                                            ("dequant", torch.float32), ("packed", torch.float32)])
+def test_weights_per_card_equal_a_loaded_model(tiny_nvfp4, weights, dtype):
+    """The plan's weight bytes are what the engine holds after loading, counted tensor by tensor on a loaded
+    model (parameters and buffers, packed bytes and scales included), for both weight modes and compute dtypes."""
+    from minimax_ref.loader import load_model
+
+    model = load_model(tiny_nvfp4, dtype=dtype, weights=weights)
+    seen, held = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            held += t.numel() * t.element_size()
+    cfg = parse_model_config(json.loads((tiny_nvfp4 / "config.json").read_text()))
+    plan = plan_memory(cfg, tp=1, gpu_memory_gib=CARD_GIB, max_model_len=64, weights=weights,
+                       dtype_bytes=torch.finfo(dtype).bits // 8, ckpt_dir=tiny_nvfp4)
+    assert plan["weights_bytes_per_card"] == held

@@ -1,0 +1,189 @@
+"""The test API: `load` gives `GoldenEntry`s, `compare` applies the manifest's tolerance and reports error sizes,
+`replay_impl` runs a user's kernel over a bundle, `parametrize` is a pytest mark over a bundle's entries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from .bundle import entry_tensors, read_bundle_manifest
+from .contract import error_sizes, sha256
+
+
+@dataclass
+class GoldenEntry:
+    """One entry of a bundle, as `load` gives it: `inputs` (the op's operands, packed weights included),
+    `outputs` (the reference's results), `params`, the op's numerics `contract` and per-output `tolerance`."""
+
+    file: str
+    op: str
+    layer: int
+    phase: str
+    params: dict
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    tolerance: dict[str, dict]
+    contract: dict
+    numerics: dict
+    fp64: dict[str, torch.Tensor] = field(default_factory=dict)  # output name -> its fp64 version (when exported)
+
+    @property
+    def id(self) -> str:
+        return self.file.removesuffix(".safetensors")
+
+
+def load(path: str | Path, *, ops: Sequence[str] | None = None, verify: bool = True) -> list[GoldenEntry]:
+    """The entries of golden bundle `path` (only those of `ops` when given). verify: check every file's sha256
+    against the manifest (an InputError names the files that differ)."""
+    path = Path(path)
+    manifest = read_bundle_manifest(path)
+    if verify:
+        files = [(w["file"], w.get("sha256")) for w in manifest.get("weights_files", [])]
+        files += [(e["file"], e.get("sha256")) for e in manifest["entries"]]
+        bad = [f for f, h in files if h is not None and sha256(path / f) != h]
+        if bad:
+            raise InputError(f"{path}: {len(bad)} files differ from the manifest's sha256 ({', '.join(bad[:5])}); "
+                             "export the bundle again, or load(verify=False) to read them anyway")
+    out = []
+    for ent in manifest["entries"]:
+        if ops is not None and ent["op"] not in ops:
+            continue
+        t = entry_tensors(path, ent)
+        roles = {n: m["role"] for n, m in ent["tensors"].items()}
+        out.append(GoldenEntry(
+            file=ent["file"], op=ent["op"], layer=ent["layer"], phase=ent["phase"], params=ent["params"],
+            inputs={n: v for n, v in t.items() if roles.get(n) not in ("output", "fp64")},
+            outputs={n: v for n, v in t.items() if roles.get(n) == "output"},
+            fp64={n.removesuffix(".fp64"): v for n, v in t.items() if roles.get(n) == "fp64"},
+            tolerance=ent.get("tolerance", {}), contract=manifest.get("contracts", {}).get(ent["op"], {}),
+            numerics=manifest["numerics"]))
+    return out
+
+
+@dataclass
+class Comparison:
+    """`compare`'s result: one row per output (name, ok, max_abs, max_rel, max_ulps, atol, rtol; with fp64
+    outputs in the bundle also `fp64` and `reference_fp64`: {max_abs, max_rel} of the kernel's and of the
+    reference's output against the fp64 version)."""
+
+    entry: str
+    kernel_dtype: str
+    rows: list[dict]
+
+    @property
+    def ok(self) -> bool:
+        return all(r["ok"] for r in self.rows)
+
+    def __str__(self) -> str:
+        lines = [f"{self.entry} ({self.kernel_dtype} tolerance): {'ok' if self.ok else 'FAILED'}"]
+        for r in self.rows:
+            lines.append(f"  {r['name']}: {'ok' if r['ok'] else 'OUT OF TOLERANCE'} max_abs {r['max_abs']:.3g} "
+                         f"max_rel {r['max_rel']:.3g} max_ulps {r['max_ulps']:.3g} (atol {r['atol']:.3g}, "
+                         f"rtol {r['rtol']:.3g}, {r['bad']} elements out)"
+                         + (f"; against fp64: max_abs {r['fp64']['max_abs']:.3g} (the reference's "
+                            f"{r['reference_fp64']['max_abs']:.3g})" if "fp64" in r else ""))
+        return "\n".join(lines)
+
+
+def compare(entry: GoldenEntry, outputs: dict[str, torch.Tensor] | torch.Tensor, *,
+            kernel_dtype: str | None = None) -> Comparison:
+    """Compare a kernel's `outputs` (a dict by output name, or one tensor for a one-output entry) with the
+    entry's reference under the manifest's tolerance for `kernel_dtype` ("float32" / "bfloat16"; default: the
+    bundle's compute dtype). Outputs the kernel does not give are not compared; a name the entry lacks is an
+    InputError."""
+    kd = kernel_dtype or entry.numerics["dtype"]
+    if kd not in ("float32", "bfloat16"):
+        raise InputError(f"kernel_dtype {kd!r}: choose float32 or bfloat16")
+    if isinstance(outputs, torch.Tensor):
+        if len(entry.outputs) != 1:
+            raise InputError(f"{entry.id} has outputs {sorted(entry.outputs)}: pass a dict by name")
+        outputs = {next(iter(entry.outputs)): outputs}
+    unknown = sorted(set(outputs) - set(entry.outputs))
+    if unknown:
+        raise InputError(f"{entry.id}: no output named {unknown[0]!r} (outputs: {sorted(entry.outputs)})")
+    rows = []
+    for name, got in outputs.items():
+        want = entry.outputs[name]
+        sizes = error_sizes(got, want)
+        tol = entry.tolerance.get(name, {})
+        if tol.get("exact") or not want.is_floating_point():
+            atol = rtol = 0.0
+        else:
+            if kd not in tol:
+                raise InputError(f"{entry.id}: the manifest gives no {kd} tolerance for {name!r}")
+            atol, rtol = tol[kd]["atol"], tol[kd]["rtol"]
+        g, w = got.detach().cpu().double(), want.double()
+        equal = (g == w) | (torch.isnan(g) & torch.isnan(w))
+        if name == "expert_ids" and "logits" in entry.outputs:
+            equal |= tied_choice(entry, got)[:, None]  # rows whose choice differs only among exact ties
+        bad = int((~equal & ~((g - w).abs() <= atol + rtol * w.abs())).sum())
+        row = {"name": name, "ok": bad == 0, "bad": bad, "atol": atol, "rtol": rtol, **sizes}
+        if name in entry.fp64:  # errors of the kernel and of the reference against the fp64 version
+            for label, t in (("fp64", got), ("reference_fp64", want)):
+                e64 = error_sizes(t, entry.fp64[name])
+                row[label] = {"max_abs": e64["max_abs"], "max_rel": e64["max_rel"]}
+        rows.append(row)
+    return Comparison(entry.id, kd, rows)
+
+
+def replay_impl(path: str | Path, impl: str, *, ops: Sequence[str] | None = None, device: str = "cpu",
+                kernel_dtype: str | None = None) -> list[dict]:
+    """Run a user's kernel `impl` ("module:function", importable) on every entry of bundle `path` (of `ops`):
+    function(entry) gets the entry with its inputs on `device` and returns {output name: tensor} (or None: not
+    this entry). One row per compared output: file, output, ok, bad, max_abs, max_rel, max_ulps, atol, rtol."""
+    import importlib
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"--device {device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available here")
+    mod_name, _, fn_name = impl.partition(":")
+    if not mod_name or not fn_name:
+        raise InputError(f"--impl {impl!r}: expected MODULE:FUNCTION, e.g. my_kernels.golden:run")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise InputError(f"--impl {impl!r}: cannot import it ({e}); is the module on PYTHONPATH?") from None
+    rows = []
+    for entry in load(path, ops=ops):
+        entry.inputs = {k: v.to(dev) for k, v in entry.inputs.items()}  # outputs: compare brings them to the host
+        got = fn(entry)
+        if got is None:
+            continue
+        result = compare(entry, got, kernel_dtype=kernel_dtype)
+        rows += [{"file": entry.file, "output": r.pop("name"), **r} for r in result.rows]
+    return rows
+
+
+def tied_choice(entry: GoldenEntry, expert_ids: torch.Tensor) -> torch.Tensor:
+    """bool [T]: row t of a kernel's `expert_ids` chooses experts whose choice values (sigmoid(logits) + bias,
+    fp32) equal, as a multiset, those of the reference's choice: a different resolution of exact ties."""
+    scores = torch.sigmoid(entry.outputs["logits"].float())
+    bias = entry.inputs.get("bias")
+    choice = scores if bias is None else scores + bias.float()
+    ids = expert_ids.detach().cpu().long()
+    if ids.shape != entry.outputs["expert_ids"].shape or bool(((ids < 0) | (ids >= choice.shape[-1])).any()):
+        return torch.zeros(ids.shape[0], dtype=torch.bool)
+    mine = choice.gather(-1, ids).sort(-1).values
+    ref = choice.gather(-1, entry.outputs["expert_ids"].long()).sort(-1).values
+    distinct = torch.tensor([len(set(r.tolist())) == len(r) for r in ids], dtype=torch.bool)
+    return (mine == ref).all(-1) & distinct
+
+
+def parametrize(path: str | Path, *, ops: Sequence[str] | None = None, argname: str = "golden_entry"):
+    """A `pytest.mark.parametrize` over the entries of bundle `path` (ids: `op/layerNNN_phase`):
+
+        @golden.parametrize("bundle/", ops=["nvfp4_linear"])
+        def test_my_gemm(golden_entry):
+            assert golden.compare(golden_entry, {"y": my_gemm(golden_entry.inputs)}).ok
+    """
+    import pytest
+
+    entries = load(path, ops=ops)
+    return pytest.mark.parametrize(argname, entries, ids=[e.id for e in entries])

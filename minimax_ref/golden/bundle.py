@@ -1,0 +1,172 @@
+"""A bundle on disk: `BundleWriter` / `write_bundle` write entries as they complete (each entry's file, its
+manifest row, packed operands stored once), `read_bundle_manifest` checks a bundle is whole, `entry_tensors` reads
+an entry back under its canonical names."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import InputError
+from ..outdir import staged_folder
+from .contract import FORMAT, MANIFEST, MXFP8_LINEARS, OPS, sha256, tolerance
+from .fp64 import add_fp64
+from .operands import Entry
+
+
+def weights_file(layer: int) -> str:
+    """The bundle-relative file that holds layer `layer`'s packed operands, once."""
+    return f"weights/layer{layer:03d}.safetensors"
+
+
+def tensor_meta(e: Entry, name: str, t: torch.Tensor, file: str | None = None) -> dict:
+    """The manifest row of `e`'s tensor `name`; a packed operand's names the weights file it is stored in."""
+    meta = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "role": e.roles[name]}
+    if name in e.shared:
+        meta["stored"] = {"file": file or weights_file(e.layer), "key": e.shared[name]}
+    return meta
+
+
+def entry_order(key: tuple[str, int, str, str]) -> tuple:
+    op, layer, phase, tag = key
+    return OPS.index(op), layer, phase, MXFP8_LINEARS.index(tag) if tag in MXFP8_LINEARS else -1, tag
+
+
+class BundleWriter:
+    """Writes a bundle's entries into the staging folder `tmp` as they are complete (`add`: each entry's own file,
+    its manifest row, and the packed operands not yet stored; the entries' tensors are then dropped, so a long
+    export holds about one layer's entries at a time), and at the end the manifest (`finish`). Each packed operand is
+    stored once: in `weights/layerNNN.safetensors` when the layer's first phase uses it, in
+    `weights/layerNNN_{phase}.safetensors` when a later phase first does (a routed expert chosen only there)."""
+
+    def __init__(self, tmp: Path, manifest: dict, *, fp64: bool = False, emulate: bool = False):
+        self.tmp, self.manifest, self.fp64, self.emulate = tmp, manifest, fp64, emulate
+        manifest.setdefault("weights_files", [])
+        manifest.setdefault("entries", [])
+        if fp64:
+            manifest["numerics"]["fp64_outputs"] = True
+        self.stored: dict[tuple[int, str], str] = {}  # (layer, key) -> the weights file holding it
+        self.largest = 0  # elements of the largest tensor written
+
+    def add(self, entries: Sequence[Entry]) -> None:
+        new: dict[int, dict[str, torch.Tensor]] = {}
+        for e in entries:
+            for name, key in e.shared.items():
+                if (e.layer, key) not in self.stored:
+                    new.setdefault(e.layer, {}).setdefault(key, e.tensors[name])
+        for L, tensors in sorted(new.items()):
+            rel, n = weights_file(L), 0
+            while (self.tmp / rel).exists():
+                n += 1
+                rel = weights_file(L).replace(".safetensors", f"_{entries[0].phase}{f'_{n}' if n > 1 else ''}"
+                                                               ".safetensors")
+            (self.tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(self.tmp / rel), metadata={"layer": str(L)})
+            self.manifest["weights_files"].append({"file": rel, "layer": L, "sha256": sha256(self.tmp / rel)})
+            self.stored.update({(L, key): rel for key in tensors})
+        del new
+        for e in entries:
+            if self.fp64:
+                add_fp64(e, self.emulate)
+            path = self.tmp / e.file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            own = {n: t for n, t in e.tensors.items() if n not in e.shared}
+            self.largest = max([self.largest, *(t.numel() for t in own.values())])
+            save_file(own, str(path), metadata={"op": e.op, "layer": str(e.layer), "phase": e.phase})
+            self.manifest["entries"].append({
+                "file": e.file, "op": e.op, "layer": e.layer, "phase": e.phase, **({"tag": e.tag} if e.tag else {}),
+                "params": e.params,
+                "sha256": sha256(path),
+                "tensors": {n: tensor_meta(e, n, t, self.stored.get((e.layer, e.shared.get(n, "")))) for n, t in
+                            e.tensors.items()},
+                "tolerance": {n: tolerance(e.op, n, t) for n, t in e.tensors.items() if e.roles[n] == "output"}})
+            e.tensors = {}  # written: the entry's memory is released
+
+    def finish(self) -> None:
+        self.manifest["entries"].sort(key=lambda m: entry_order((m["op"], m["layer"], m["phase"], m.get("tag", ""))))
+        (self.tmp / MANIFEST).write_text(json.dumps(self.manifest, indent=1) + "\n")
+
+
+def write_bundle(out: Path, manifest: dict, entries: Sequence[Entry], *, fp64: bool = False,
+                 emulate: bool = False) -> None:
+    """Write `entries` (their packed operands once per layer under weights/) and `manifest` (its `entries` and
+    `weights_files` filled here) into the new folder `out`; fp64: add each entry's fp64 outputs first."""
+    # written under a temporary name and renamed when complete: a failure (a full disk) leaves nothing behind
+    with staged_folder(out) as tmp:
+        w = BundleWriter(tmp, manifest, fp64=fp64, emulate=emulate)
+        w.add(entries)
+        w.finish()
+
+
+def entry_tensors(path: Path, ent: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of manifest entry `ent` of bundle `path`: its own file's and its packed operands from the
+    shared weights file. Fresh (allocator-aligned) copies: safetensors maps tensors at 8-byte offsets, and CPU
+    BLAS takes different code paths (different rounding) for differently aligned small matrices."""
+    tensors = {k: v.clone() for k, v in load_file(str(path / ent["file"])).items()}
+    stored: dict[str, list[tuple[str, str]]] = {}
+    for name, meta in ent.get("tensors", {}).items():
+        if isinstance(meta, dict) and "stored" in meta:
+            stored.setdefault(meta["stored"]["file"], []).append((name, meta["stored"]["key"]))
+    for rel, names in stored.items():
+        shared = load_file(str(path / rel))
+        for name, key in names:
+            if key in shared:
+                tensors[name] = shared[key].clone()
+    return tensors
+
+
+def read_bundle_manifest(path: Path) -> dict:
+    """The manifest of golden bundle `path`, after checking the bundle is whole: the manifest is JSON of this
+    format with numerics and entries, and every entry's file exists and is a complete safetensors file. Every
+    problem found is raised together as one InputError (a damaged bundle must not end in a traceback)."""
+    from ..checkpoint import _read_header
+
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise InputError(f"{path}: no {MANIFEST} (not a golden bundle)")
+    try:
+        manifest = json.loads(mf.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{mf}: not valid JSON ({e}); export the bundle again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise InputError(f"{mf}: format {got!r} is not {FORMAT!r}")
+    problems = []
+    num = manifest.get("numerics")
+    if not isinstance(num, dict) or not all(k in num for k in ("dtype", "act_quant", "kv_scale")):
+        problems.append("'numerics' must hold dtype, act_quant and kv_scale")
+    elif not isinstance(getattr(torch, str(num["dtype"]), None), torch.dtype):
+        problems.append(f"numerics.dtype {num['dtype']!r} is not a torch dtype")
+    entries = manifest.get("entries")
+    if not isinstance(entries, list):
+        problems.append("'entries' must be a list")
+        entries = []
+    for i, ent in enumerate(entries):
+        if not isinstance(ent, dict) or not all(k in ent for k in ("file", "op", "params")):
+            problems.append(f"entries[{i}] must hold file, op and params")
+            continue
+        f = path / str(ent["file"])
+        if not f.is_file():
+            problems.append(f"entries[{i}]: {ent['file']} is missing")
+            continue
+        try:
+            _read_header(f)
+        except (ValueError, json.JSONDecodeError, OSError) as e:
+            problems.append(f"entries[{i}]: {ent['file']} cannot be read ({e})")
+        tensors = ent.get("tensors") if isinstance(ent.get("tensors"), dict) else {}
+        stored = [m["stored"] for m in tensors.values() if isinstance(m, dict) and "stored" in m]
+        if not all(isinstance(st, dict) and isinstance(st.get("file"), str) and isinstance(st.get("key"), str)
+                   for st in stored):
+            problems.append(f"entries[{i}]: a 'stored' reference is not {{file, key}}")
+            continue
+        for rel in sorted({st["file"] for st in stored}):
+            if not (path / rel).is_file():
+                problems.append(f"entries[{i}]: its weights file {rel} is missing")
+    if problems:
+        raise InputError(f"{path}: damaged golden bundle ({len(problems)} problems); export it again:\n"
+                         + "\n".join(f"  - {p}" for p in problems[:20]))
+    return manifest

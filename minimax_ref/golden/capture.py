@@ -1,0 +1,459 @@
+"""Model-driven export (`export_golden`): golden entries captured from a real forward (prefill, then greedy decode
+steps) through hooks and the forward's `Trace`, long prompts in the engine's query chunks (linear memory)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import MXFP8, NVFP4, TEXT_PREFIX, Checkpoint
+from ..errors import InputError
+from ..outdir import staged_folder
+from .bundle import BundleWriter, entry_order
+from .contract import (
+    ATTENTION_OPS,
+    CAPTURE_CHUNK,
+    CHUNKED_NOTE,
+    FORMAT,
+    MXFP8_LINEARS,
+    ONE_CALL_ELEMENTS,
+    OPS,
+    RECOMPUTE,
+    TOLERANCE_RULE,
+    contract,
+    producer,
+)
+from .operands import Entry, block_table, checkpoint_of, put_fused, put_linear, to_pages
+
+
+class _ReadOnce:
+    """A checkpoint whose tensors are read (or, synthetic, generated) once per export: every phase's entries
+    share them."""
+
+    def __init__(self, ck: Checkpoint):
+        self._ck, self._read = ck, {}
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self._read:
+            self._read[name] = self._ck.read(name)
+        return self._read[name]
+
+    def __getattr__(self, name: str):
+        return getattr(self._ck, name)
+
+
+class _Capture:
+    """Module hooks and a `Trace` that record the chosen ops during forwards."""
+
+    def __init__(self, model, ck: Checkpoint, ops: set[str], layers: set[int], chunk: int | None = None):
+        self.model, self.ck, self.ops, self.layers = model, _ReadOnce(ck), ops, layers
+        self.chunk = chunk  # attention cores captured in query chunks of this many elements (None: one chunk)
+        self.writer: BundleWriter | None = None  # given: a layer's finished entries are written when the next starts
+        self.entries: dict[tuple[str, int, str], Entry] = {}
+        self.phase = ""
+        self.handles: list = []
+        self.routing: dict[int, object] = {}
+        self.emulate = getattr(model, "act_quant", "none") == "emulate"
+
+    def entry(self, op: str, layer: int, tag: str = "") -> Entry:
+        key = (op, layer, self.phase, tag)
+        if key not in self.entries:
+            self.entries[key] = Entry(op, layer, self.phase, tag=tag)
+        return self.entries[key]
+
+    # ---- install / remove
+    def __enter__(self) -> _Capture:
+        for L, layer in enumerate(self.model.layers):
+            self.handles.append(layer.register_forward_pre_hook(self._flush_hook(L)))
+            if L not in self.layers:
+                continue
+            if "rmsnorm" in self.ops:
+                for norm in ("input_layernorm", "post_attention_layernorm"):
+                    self.handles.append(getattr(layer, norm).register_forward_hook(self._norm_hook(L, norm)))
+            if "mxfp8_linear" in self.ops:
+                for prefix, module in mxfp8_linears_of(self.ck, L):
+                    lin = self.model.get_submodule(module)
+                    self.handles.append(lin.register_forward_hook(self._mxfp8_hook(L, prefix)))
+            if hasattr(layer, "block_sparse_moe"):
+                moe = layer.block_sparse_moe
+                self.handles.append(moe.gate.register_forward_hook(self._router_hook(L)))
+                self.handles.append(moe.register_forward_hook(self._moe_hook(L)))
+        return self
+
+    def trace(self):
+        """The `Trace` a captured forward takes: the attention cores of the chosen layers, when an attention op is
+        chosen."""
+        from ..model import Trace
+
+        wanted = self.layers if self.ops & set(ATTENTION_OPS) else set()
+        return Trace(layers=set(), attention_layers=set(wanted), attention_chunk_elements=self.chunk)
+
+    def take(self) -> list[Entry]:
+        """The current phase's entries (listed in bundle order), handed over to be written; the operands read for
+        them are let go."""
+        self.ck._read.clear()
+        keys = sorted((k for k in self.entries if k[2] == self.phase), key=entry_order)
+        return [self.entries.pop(k) for k in keys]
+
+    def record_attention(self, trace) -> None:
+        """The attention entries of one forward, from its trace."""
+        for L, core in sorted(trace.attention.items()):
+            if "blocks" in core:
+                self._msa(L, core)
+            else:
+                self._causal(L, core)
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # ---- hooks
+    def _flush_hook(self, L: int):
+        """Before layer L runs: write the finished entries of the layers before it (not the attention ones: those
+        come from the trace after the forward, with the step's paged views)."""
+        def hook(module, args):
+            if self.writer is None:
+                return
+            keys = [k for k in self.entries if k[2] == self.phase and k[1] < L and k[0] not in ATTENTION_OPS]
+            self.writer.add([self.entries.pop(k) for k in sorted(keys, key=entry_order)])
+        return hook
+
+    def _norm_hook(self, L: int, norm: str):
+        def hook(module, args, out):
+            e = self.entry("rmsnorm", L)
+            e.put(f"{norm}.x", args[0], "input")
+            e.put(f"{norm}.weight", module.weight, "input")
+            e.put(f"{norm}.y", out, "output")
+            e.params["eps"] = module.eps
+        return hook
+
+    def _mxfp8_hook(self, L: int, prefix: str):
+        def hook(module, args, out):
+            e = self.entry("mxfp8_linear", L, prefix.removeprefix(f"{TEXT_PREFIX}layers.{L}."))
+            e.put("x", args[0], "input")
+            fmt = put_linear(e, self.ck, prefix, "w")
+            e.put("y", out, "output")
+            e.params.update({"linear": prefix, "format": fmt})
+        return hook
+
+    def _router_hook(self, L: int):
+        def hook(module, args, out):
+            self.routing[L] = out
+            if "router" not in self.ops:
+                return
+            e = self.entry("router", L)
+            e.put("x", args[0], "input")
+            e.put("gate_weight", module.weight, "input")
+            if module.e_score_correction_bias is not None:
+                e.put("bias", module.e_score_correction_bias, "input")
+            if module.expert_mask is not None:
+                e.put("expert_mask", module.expert_mask, "input")
+            e.put("expert_ids", out.expert_ids, "output")
+            e.put("weights", out.weights, "output")
+            e.put("logits", out.logits, "output")
+            e.params["top_k"] = module.top_k
+        return hook
+
+    def _moe_hook(self, L: int):
+        def hook(module, args, out):
+            flat = args[0].reshape(-1, args[0].shape[-1])
+            routing = self.routing.pop(L)
+            if "moe" in self.ops:
+                self._moe_entry(L, module, flat, routing, out.reshape(flat.shape))
+            if "nvfp4_linear" in self.ops:
+                self._nvfp4_entry(L, module, flat, routing)
+        return hook
+
+    def _moe_entry(self, L: int, module, flat, routing, y) -> None:
+        e = self.entry("moe", L)
+        e.put("x", flat, "input")
+        e.put("gate_weight", module.gate.weight, "input")
+        if module.gate.e_score_correction_bias is not None:
+            e.put("bias", module.gate.e_score_correction_bias, "input")
+        if module.gate.expert_mask is not None:
+            e.put("expert_mask", module.gate.expert_mask, "input")
+        used = sorted(set(routing.expert_ids.flatten().tolist()))
+        base = f"{TEXT_PREFIX}layers.{L}.block_sparse_moe."
+        formats = {}
+        if module.shared_experts is not None:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                formats[f"shared.{proj}"] = put_linear(e, self.ck, f"{base}shared_experts.{proj}", f"shared.{proj}")
+            put_fused(e, "shared.gate_proj", "shared.up_proj", "shared.gate_up", formats["shared.gate_proj"],
+                      f"{base}shared_experts.gate_up")
+        for x in used:
+            for leaf in ("w1", "w2", "w3"):
+                formats[f"experts.{x}.{leaf}"] = put_linear(e, self.ck, f"{base}experts.{x}.{leaf}",
+                                                            f"experts.{x}.{leaf}")
+            put_fused(e, f"experts.{x}.w1", f"experts.{x}.w3", f"experts.{x}.w13", formats[f"experts.{x}.w1"],
+                      f"{base}experts.{x}.w13")
+        e.put("y", y, "output")
+        e.params.update({"top_k": module.gate.top_k, "scaling": module.scaling, "alpha": module.experts.alpha,
+                         "limit": module.experts.limit, "num_experts": int(module.gate.weight.shape[0]),
+                         "used_experts": used, "formats": formats,
+                         "shared_expert": module.shared_experts is not None})
+
+    def _nvfp4_entry(self, L: int, module, flat, routing) -> None:
+        from ..linear import emulate_activation_quant
+        from ..mlp import swiglu_oai
+
+        base = f"{TEXT_PREFIX}layers.{L}.block_sparse_moe.experts."
+        if self.ck.formats[f"{base}0.w1"].fmt != NVFP4:
+            return
+        ex = module.experts
+        counts = torch.bincount(routing.expert_ids.flatten().cpu(), minlength=ex.num_experts)
+        x_id = int(torch.argmax(counts))  # first maximum: ties go to the lower id
+        tokens = (routing.expert_ids == x_id).any(-1).nonzero().flatten()
+        x = flat[tokens]
+
+        def act(t, leaf):
+            if not ex.emulate_act_quant:
+                return t
+            return emulate_activation_quant(t, ex.act_format, getattr(ex, f"{leaf}_input_scale")[x_id])
+
+        gate = F.linear(act(x, "w1"), ex.weight("w1", x_id))  # decoded now when the model keeps weights packed
+        up = F.linear(act(x, "w3"), ex.weight("w3", x_id))
+        h = swiglu_oai(gate, up, ex.alpha, ex.limit)
+        e = self.entry("nvfp4_linear", L)
+        e.put("x", x, "input")
+        e.put("h", h, "input")
+        for leaf in ("w1", "w2"):
+            put_linear(e, self.ck, f"{base}{x_id}.{leaf}", leaf)
+        e.put("y", gate, "output")
+        e.put("y2", F.linear(act(h, "w2"), ex.weight("w2", x_id)), "output")
+        if self.emulate:
+            e.put("x_hat", act(x, "w1"), "output")
+        e.params.update({"expert": x_id, "tokens": tokens.tolist(), "format": NVFP4})
+
+    # ---- attention, from the trace
+    def _causal(self, L: int, core: dict) -> None:
+        if "attention" not in self.ops:
+            return
+        e = self.entry("attention", L)
+        for name in ("q", "k", "v", "q_pos"):
+            e.put(name, core[name], "input")
+        e.put("o", core["o"], "output")
+        e.params.update({"scale": core["scale"], "chunk_elements": core["chunk_elements"]})
+
+    def _msa(self, L: int, core: dict) -> None:
+        from ..attention import ONE_CHUNK
+        from ..msa import index_scores, query_chunk
+
+        geometry = {name: core[name] for name in ("block_size", "topk_blocks", "local_blocks", "init_blocks")}
+        T = core["q"].shape[1]
+        if core["chunk_elements"] != ONE_CHUNK:  # the engine's query chunks (`msa.msa_attention`)
+            geometry["query_chunk"] = query_chunk(core["q"], core["k"], core["iq"], core["block_size"],
+                                                  core["topk_blocks"], core["chunk_elements"])
+        if "indexer" in self.ops:
+            e = self.entry("indexer", L)
+            for name in ("iq", "ik", "q_pos"):
+                e.put(name, core[name], "input")
+            if geometry.get("query_chunk", T) >= T:  # [B, Hi, T, L] is quadratic: left out of a chunked capture
+                e.put("scores", index_scores(core["iq"], core["ik"], core["q_pos"]), "output")
+            e.put("blocks", core["blocks"], "output")
+            e.params.update(geometry)
+        if "msa" in self.ops:
+            e = self.entry("msa", L)
+            for name in ("q", "k", "v", "iq", "ik", "q_pos"):
+                e.put(name, core[name], "input")
+            e.put("o", core["o"], "output")
+            e.put("blocks", core["blocks"], "output")
+            e.params.update({**geometry, "scale": core["scale"]})
+
+    # ---- paged views after a step
+    def add_pages(self, cache, seq_lens: list[int], page: int, seed: int, q_lens: list[int]) -> None:
+        """Paged views of the step's cache, and the varlen query offsets: `cu_seqlens_q` int32 [B + 1], row b's
+        real queries are q[b, :q_lens[b]] (right padding excluded), packed at cu_seqlens_q[b]."""
+        table = block_table(seq_lens, page, seed)
+        cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+        for (op, L, phase, _), e in self.entries.items():
+            if phase != self.phase or op not in ("attention", "msa", "indexer"):
+                continue
+            e.put("block_table", table, "paged")
+            e.put("seq_lens", torch.tensor(seq_lens, dtype=torch.int32), "paged")
+            e.put("cu_seqlens_q", cu, "paged")
+            if op in ("attention", "msa"):
+                e.put("k_pages", to_pages(cache.k[L], table, seq_lens, page), "paged")
+                e.put("v_pages", to_pages(cache.v[L], table, seq_lens, page), "paged")
+            if op in ("msa", "indexer"):
+                e.put("index_k_pages", to_pages(cache.index_k[L], table, seq_lens, page), "paged")
+            e.params["page_size"] = page
+
+
+def mxfp8_linears_of(ck: Checkpoint, layer: int) -> list[tuple[str, str]]:
+    """(tensor prefix, engine module path) of every MXFP8 linear of `layer`, in `MXFP8_LINEARS` order."""
+    p = f"{TEXT_PREFIX}layers.{layer}."
+    out = []
+    for leaf in MXFP8_LINEARS:
+        f = ck.formats.get(p + leaf)
+        if f is not None and f.fmt == MXFP8:
+            out.append((p + leaf, ck.linears[p + leaf].module))
+    return out
+
+
+def mxfp8_linear_of(ck: Checkpoint, layer: int) -> tuple[str, str] | None:
+    """(tensor prefix, engine module path) of the first MXFP8 linear of `layer`, or None."""
+    found = mxfp8_linears_of(ck, layer)
+    return found[0] if found else None
+
+
+def available_ops(ck: Checkpoint, layer: int) -> set[str]:
+    """The ops the engine computes at `layer` of checkpoint `ck`."""
+    t = ck.config.text
+    ops = {"rmsnorm"}
+    ops.add("indexer" if t.sparse_layers[layer] else "attention")
+    if t.sparse_layers[layer]:
+        ops.add("msa")
+    if t.moe_layers[layer]:
+        ops.update({"router", "moe"})
+        if ck.formats[f"{TEXT_PREFIX}layers.{layer}.block_sparse_moe.experts.0.w1"].fmt == NVFP4:
+            ops.add("nvfp4_linear")
+    if mxfp8_linear_of(ck, layer) is not None:
+        ops.add("mxfp8_linear")
+    return ops
+
+
+def parse_ops(text: str | None) -> tuple[list[str], bool]:
+    """(ops, explicit) from a comma list (None = all ops, not explicit)."""
+    if text is None:
+        return list(OPS), False
+    ops = [o.strip() for o in text.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad or not ops:
+        raise InputError(f"--ops: unknown op {bad[0] if bad else text!r} (known: {', '.join(OPS)})")
+    return ops, True
+
+
+def parse_layers(text: str | None, n_layers: int) -> list[int]:
+    """Layer indices from a comma list with ranges (`1,3-5`); None or `all` = every layer."""
+    if text is None or text.strip() == "all":
+        return list(range(n_layers))
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            lo, _, hi = part.partition("-")
+            rng = range(int(lo), int(hi or lo) + 1)
+        except ValueError:
+            raise InputError(f"--layers: {part!r} is not a layer index or range") from None
+        bad = [L for L in rng if not 0 <= L < n_layers]
+        if bad or not rng:
+            raise InputError(f"--layers: layer {bad[0] if bad else part} is outside [0, {n_layers})")
+        out.update(rng)
+    return sorted(out)
+
+
+@torch.no_grad()
+def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, ops: Sequence[str] = OPS,
+                  layers: Sequence[int] | None = None, explicit_ops: bool = False, decode_steps: int = 1,
+                  page_size: int | None = None, seed: int = 0, prompt_texts: Sequence[str] | None = None,
+                  fp64: bool = False, chunk_elements: int | None = None) -> dict:
+    """Run prefill + `decode_steps` greedy decode steps on `prompts` (token ids) and write the bundle.
+
+    Ops missing at a chosen layer are skipped; with `explicit_ops`, an op found at none of the chosen
+    layers is an InputError. fp64: add each float output's fp64 version (`FP64`). chunk_elements: capture the
+    attention cores in the engine's query chunks of this many elements (`CHUNKED_NOTE`); None: one call per core
+    unless that call's scores would exceed `ONE_CALL_ELEMENTS`, then chunks of `CAPTURE_CHUNK`. Entries are
+    written as they are complete (a layer's when the next starts). Returns the manifest.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(f"--out {out}: exists and is not an empty folder")
+    world = getattr(model, "world", None)
+    if world is not None and world.size > 1:
+        raise InputError("golden captures whole tensors: load the model in one process (no tensor parallelism)")
+    ck = checkpoint_of(model)
+    text = model.text
+    layers = list(range(text.num_hidden_layers)) if layers is None else list(layers)
+    for op in ops:
+        if op not in OPS:
+            raise InputError(f"--ops: unknown op {op!r} (known: {', '.join(OPS)})")
+        if explicit_ops and not any(op in available_ops(ck, L) for L in layers):
+            kinds = sorted({text.layer_kind(L) for L in layers})
+            raise InputError(f"--ops {op}: no chosen layer computes it (layers {layers} are {', '.join(kinds)})")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InputError("golden needs at least one non-empty prompt")
+    if decode_steps < 0:
+        raise InputError(f"--decode-steps {decode_steps} must be >= 0")
+    page = page_size or text.sparse.block_size
+    if page < 1:
+        raise InputError(f"--page-size {page} must be >= 1")
+    rt = getattr(model, "runtime", None)
+    kv_dtype = rt.kv_cache_dtype if rt else "auto"
+    lengths = [len(p) for p in prompts]
+    B, T = len(prompts), max(lengths)
+    max_len = rt.max_seq_len if rt else T + decode_steps
+    if T + decode_steps > max_len:
+        raise InputError(f"prompt ({T} tokens) + {decode_steps} decode steps exceed --max-model-len {max_len}")
+    device = model.device
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(list(p), dtype=torch.long, device=device)
+    if chunk_elements is None:  # one chunk while the one-call core stays small; else the engine's query chunks
+        heads = max(text.num_attention_heads, text.sparse.index_heads if any(text.sparse_layers) else 0)
+        chunk_elements = CAPTURE_CHUNK if B * heads * T * (T + decode_steps) > ONE_CALL_ELEMENTS else None
+    emulate = getattr(model, "act_quant", "none") == "emulate"
+    decoded: list[list[int]] = [[] for _ in prompts]
+    manifest = {
+        "format": FORMAT,
+        "checkpoint": str(model.ckpt_path) if model.ckpt_path is not None else None,
+        "synthetic": getattr(model, "synthetic", None) if model.ckpt_path is None else None,
+        "producer": producer(),
+        "numerics": {"dtype": str(model.dtype).replace("torch.", ""), "act_quant": getattr(model, "act_quant", "none"),
+                     "kv_cache_dtype": kv_dtype, "kv_scale": 1.0},
+        "seeds": {"page_permutation": seed, "note": "phase i of a bundle uses seed + i (prefill: seed); "
+                  "decoding is greedy, so no sampling seed"},
+        "model": {"hidden_size": text.hidden_size, "num_attention_heads": text.num_attention_heads,
+                  "num_key_value_heads": text.num_key_value_heads, "head_dim": text.head_dim,
+                  "num_local_experts": text.num_local_experts, "num_experts_per_tok": text.num_experts_per_tok,
+                  "rms_norm_eps": text.rms_norm_eps, "msa_block_size": text.sparse.block_size,
+                  "msa_topk_blocks": text.sparse.topk_blocks},
+        "prompts": [{"input_ids": list(map(int, p)), **({"text": prompt_texts[i]} if prompt_texts else {})}
+                    for i, p in enumerate(prompts)],
+        "decoded_token_ids": decoded,
+        "page_size": page,
+        "attention_capture": ({"chunk_elements": chunk_elements, "note": CHUNKED_NOTE} if chunk_elements
+                              else {"chunk_elements": None, "note": "each attention core captured as one call"}),
+        "ops": list(ops),
+        "layers": layers,
+        "recompute": RECOMPUTE,
+        "contracts": {op: contract(op, str(model.dtype).replace("torch.", ""), fp64) for op in ops},
+        "tolerance_rule": TOLERANCE_RULE,
+        "weights_files": [],
+        "entries": [],
+    }
+    device = model.device
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(list(p), dtype=torch.long, device=device)
+    cache = model.new_cache(B, T + decode_steps, kv_dtype)
+    # written under a temporary name and renamed when complete: a failure (a full disk) leaves nothing behind;
+    # each phase's entries are written (and dropped) when the phase is done
+    with staged_folder(out) as tmp, _Capture(model, ck, set(ops), set(layers), chunk_elements) as cap:
+        writer = cap.writer = BundleWriter(tmp, manifest, fp64=fp64, emulate=emulate)
+        cap.phase = "prefill"
+        trace = cap.trace()
+        logits = model(ids, positions=torch.arange(T, device=device).expand(B, T), cache=cache, trace=trace)
+        cap.record_attention(trace)
+        trace.reset()
+        cap.add_pages(cache, lengths, page, seed, lengths)
+        writer.add(cap.take())
+        nxt = torch.stack([logits[b, n - 1].argmax() for b, n in enumerate(lengths)])
+        del logits
+        for step in range(decode_steps):
+            cap.phase = f"decode{step}"
+            for b in range(B):
+                decoded[b].append(int(nxt[b]))
+            pos = torch.tensor([n + step for n in lengths], device=device)[:, None]
+            trace = cap.trace()
+            logits = model(nxt[:, None], positions=pos, cache=cache, trace=trace)
+            cap.record_attention(trace)
+            trace.reset()
+            cap.add_pages(cache, [n + step + 1 for n in lengths], page, seed + step + 1, [1] * B)
+            writer.add(cap.take())
+            nxt = logits[:, 0].argmax(-1)
+        writer.finish()
+    return manifest

@@ -582,6 +582,31 @@ def fake_quant_nvfp4(x: torch.Tensor, input_scale: torch.Tensor | float) -> torc
     return x_hat.reshape(xf.shape).to(x.dtype)
 
 
+def quantize_activation_nvfp4(x: torch.Tensor, input_scale: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NVFP4 activation operand a W4A4 kernel takes, by `fake_quant_nvfp4`'s steps (same blocks, same
+    roundings): `(codes, scales)` with codes uint8 `[..., K/2]` (packed E2M1, even element in the low nibble, as
+    `pack_fp4`) and scales float8_e4m3fn `[..., K/16]` (the block scales `s`). With `g = 1 / input_scale` in
+    fp32, `decode_e2m1(unpack_fp4(codes)) * (scales.float() / g)` is `fake_quant_nvfp4(x, input_scale)` before its
+    final rounding to x.dtype. x must be finite (a kernel's operand has no NaN block)."""
+    xf = _as_f32(x, "quantize_activation_nvfp4")
+    if xf.ndim == 0:
+        raise QuantFormatError("quantize_activation_nvfp4: x must have at least one dimension")
+    k = xf.shape[-1]
+    _check_last_dim(k, NVFP4_BLOCK, "NVFP4", "quantize_activation_nvfp4 input")
+    if not bool(torch.isfinite(xf).all()):
+        raise QuantFormatError("quantize_activation_nvfp4: x holds NaN or Inf")
+    scale = _global_scale_f32(input_scale, "input_scale", "quantize_activation_nvfp4").to(xf.device)
+    g = 1.0 / scale
+    if not bool(scale > 0) or not bool(torch.isfinite(g)):
+        raise QuantFormatError(f"quantize_activation_nvfp4: input_scale must be positive, got {scale.item()!r}")
+    blocks = xf.reshape(*xf.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    s = round_to_e4m3(g * (amax * _FP32_ONE_SIXTH.to(xf.device)))
+    r = torch.where(s == 0, torch.zeros_like(s), 1.0 / (s / g))
+    codes = round_to_e2m1(blocks * r).reshape(xf.shape)
+    return pack_fp4(codes), s.squeeze(-1).to(torch.float8_e4m3fn)
+
+
 def fake_quant_mxfp8(x: torch.Tensor) -> torch.Tensor:
     """Quantize-dequantize activations through MXFP8 with RCEIL scales (FlashInfer/cuBLAS recipe).
 

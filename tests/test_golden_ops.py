@@ -248,3 +248,62 @@ def test_replay_runs_a_users_kernel(capsys, tmp_path, monkeypatch):
     assert bad["output"] == "y" and bad["bad"] > 0 and bad["max_abs"] > bad["atol"]
     assert main(["golden", "--replay", str(out), "--impl", "no_such_module:run"]) == 2
     assert "cannot import it" in capsys.readouterr().err
+
+
+def _x_hat_nvfp4(codes: np.ndarray, scale: np.ndarray, input_scale: float) -> np.ndarray:
+    """The W4A4 input from its operand, written from the contract's layout text: e2m1(codes) * (scale / g),
+    g = fp32(1 / input_scale), in fp32."""
+    M = codes.shape[0]
+    q = _np_gemm().E2M1[np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(M, -1)]
+    g = np.float32(1.0) / np.float32(input_scale)
+    return q * np.repeat(_np_gemm().e4m3(scale) / g, 16, axis=1)
+
+
+@pytest.mark.parametrize("op", ["nvfp4_linear", "mxfp8_linear"])
+def test_activation_codes_of_a_w4a4_w8a8_gemm(capsys, tmp_path, op):
+    """`--act-quant emulate`: the bundle holds the quantized input as a W4A4 / W8A8 kernel takes it (codes and block
+    scales); decoded from the layout text in numpy, it is the fake-quantized input that the reference multiplied
+    (the GEMM of it against the weight decoded in numpy meets the tolerance), and it differs from x."""
+    out = tmp_path / "b"
+    _export(capsys, out, "--op", op, "--shape", "8,256,512", "--act-quant", "emulate")
+    [e] = golden.load(out)
+    t = e.inputs
+    assert "x_codes, x_scale" in " ".join(e.contract["layouts"]) and json.loads(
+        (out / "manifest.json").read_text())["numerics"]["act_quant"] == "emulate"
+    x = t["x"].numpy()
+    if op == "nvfp4_linear":
+        assert t["x_codes"].dtype == torch.uint8 and tuple(t["x_scale"].shape) == (8, 512 // 16)
+        x_hat = _x_hat_nvfp4(t["x_codes"].numpy(), t["x_scale"].view(torch.uint8).numpy(), float(t["w1.input_scale"]))
+        y = _np_gemm().gemm_fp32(x_hat, t["w1.weight"].numpy(), t["w1.weight_scale"].view(torch.uint8).numpy(),
+                                 float(t["w1.weight_scale_2"]))
+    else:
+        assert t["x_codes"].dtype == torch.float8_e4m3fn and tuple(t["x_scale"].shape) == (8, 512 // 32)
+        x_hat = _np_gemm().e4m3(t["x_codes"].view(torch.uint8).numpy()) * np.repeat(
+            np.exp2(t["x_scale"].numpy().astype(np.float32) - 127), 32, axis=1)
+        w = _np_gemm().e4m3(t["w.weight"].view(torch.uint8).numpy()) * np.repeat(
+            np.exp2(t["w.weight_scale"].numpy().astype(np.float32) - 127), 32, axis=1)
+        y = x_hat @ w.T
+    assert np.abs(x_hat - x).max() > 1e-3  # the input really was quantized
+    r = golden.compare(e, {"y": torch.from_numpy(y)})
+    assert r.ok, str(r)
+    assert main(["golden", "--replay", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["mismatches"] == []
+
+
+def test_activation_codes_in_model_driven_bundles(capsys, tiny_nvfp4, tmp_path):
+    """A model exported with --act-quant emulate: every MXFP8 linear entry and the NVFP4 expert entry carry their
+    inputs' codes and scales, consistent with the captured x_hat, and replay checks them bit for bit."""
+    out = tmp_path / "b"
+    assert main(["golden", "--ckpt-path", str(tiny_nvfp4), "--prompt", "codes", "--act-quant", "emulate",
+                 "--ops", "mxfp8_linear,nvfp4_linear", "--out", str(out)]) == 0
+    capsys.readouterr()
+    entries = golden.load(out)
+    assert {e.op for e in entries} == {"mxfp8_linear", "nvfp4_linear"}
+    for e in entries:
+        assert {"x_codes", "x_scale"} <= set(e.inputs), e.id
+    nv = next(e for e in entries if e.op == "nvfp4_linear")
+    t = nv.inputs
+    x_hat = _x_hat_nvfp4(t["x_codes"].numpy(), t["x_scale"].view(torch.uint8).numpy(), float(t["w1.input_scale"]))
+    np.testing.assert_array_equal(x_hat.astype(np.float32), nv.outputs["x_hat"].float().numpy())
+    assert main(["golden", "--replay", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["mismatches"] == []

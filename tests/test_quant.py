@@ -27,6 +27,7 @@ from minimax_ref.quant import (
     fake_quant_mxfp8,
     fake_quant_nvfp4,
     pack_fp4,
+    quantize_activation_nvfp4,
     quantize_mxfp8,
     quantize_nvfp4,
     round_to_e2m1,
@@ -390,6 +391,21 @@ def test_fake_quant_nvfp4_testdata_vectors_bit_exact(vectors):
         expected = f32(case["x_hat"]).reshape(case["shape"])
         got = fake_quant_nvfp4(x, torch.tensor(case["input_scale"], dtype=torch.float32))
         assert bits_equal(got, expected), case["input_scale"]
+
+
+def test_activation_operand_nvfp4_decodes_to_the_testdata_vectors(vectors):
+    """The W4A4 input operand (codes and block scales) decodes, by the layout rule e2m1(code) * (scale / g),
+    g = 1 / input_scale, to the spec's fake-quantized vectors, bit for bit."""
+    for case in vectors["nvfp4_activations"]:
+        x = f32(case["x"]).reshape(case["shape"])
+        codes, scales = quantize_activation_nvfp4(x, case["input_scale"])
+        assert codes.dtype == torch.uint8 and scales.dtype == torch.float8_e4m3fn
+        g = 1.0 / torch.tensor(case["input_scale"], dtype=torch.float32)
+        q = decode_e2m1(unpack_fp4(codes)).reshape(*x.shape[:-1], -1, 16)
+        got = (q * (scales.float() / g).unsqueeze(-1)).reshape(x.shape)
+        assert bits_equal(got, f32(case["x_hat"]).reshape(case["shape"])), case["input_scale"]
+    with pytest.raises(QuantFormatError, match="NaN or Inf"):
+        quantize_activation_nvfp4(torch.tensor([float("nan")] * 16), 1.0)
 
 
 def test_fake_quant_mxfp8_testdata_vectors_bit_exact(vectors):

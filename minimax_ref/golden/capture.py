@@ -26,7 +26,7 @@ from .contract import (
     contract,
     producer,
 )
-from .operands import Entry, block_table, checkpoint_of, put_fused, put_linear, to_pages
+from .operands import Entry, block_table, checkpoint_of, put_activation_codes, put_fused, put_linear, to_pages
 
 
 class _ReadOnce:
@@ -136,6 +136,8 @@ class _Capture:
             e = self.entry("mxfp8_linear", L, prefix.removeprefix(f"{TEXT_PREFIX}layers.{L}."))
             e.put("x", args[0], "input")
             fmt = put_linear(e, self.ck, prefix, "w")
+            if self.emulate and module.emulate_act_quant:
+                put_activation_codes(e, "x", args[0], fmt, None)
             e.put("y", out, "output")
             e.params.update({"linear": prefix, "format": fmt})
         return hook
@@ -224,8 +226,10 @@ class _Capture:
             put_linear(e, self.ck, f"{base}{x_id}.{leaf}", leaf)
         e.put("y", gate, "output")
         e.put("y2", F.linear(act(h, "w2"), ex.weight("w2", x_id)), "output")
-        if self.emulate:
+        if self.emulate and ex.emulate_act_quant:
             e.put("x_hat", act(x, "w1"), "output")
+            put_activation_codes(e, "x", x, NVFP4, ex.w1_input_scale[x_id])
+            put_activation_codes(e, "h", h, NVFP4, ex.w2_input_scale[x_id])
         e.params.update({"expert": x_id, "tokens": tokens.tolist(), "format": NVFP4})
 
     # ---- attention, from the trace

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--op needs --out")
         m = export_op(args.op, args.out, shape=args.shape, context=args.context, batch=args.batch,
                       dtype=getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32, seed=args.seed,
-                      edge=args.edge, page_size=args.page_size, fp64=args.fp64)
+                      edge=args.edge, page_size=args.page_size, fp64=args.fp64, act_quant=args.act_quant)
         files = [args.out / e["file"] for e in m["entries"]]
         json.dump({"out": str(args.out), "op": args.op, "files": len(files),
                    "bytes": sum(f.stat().st_size for f in files)}, sys.stdout)

@@ -93,6 +93,17 @@ _MXFP8_LAYOUT = ("{w}.weight float8_e4m3fn [N, K]; {w}.weight_scale uint8 E8M0 [
                  "the block's factor is 2^(code - 127), code 255 = NaN")
 
 
+ACT_CODES_LAYOUT = {
+    "nvfp4": "{x}_codes uint8 [M, K/2], {x}_scale float8_e4m3fn [M, K/16] (with numerics.act_quant = 'emulate'): "
+             "the quantized GEMM input a W4A4 kernel takes, packed like the weight (element k in byte k//2, even k "
+             "in the low nibble); with g = fp32(1 / input_scale) of the linear, x_hat = e2m1({x}_codes) * "
+             "(float({x}_scale) / g) in fp32, the fake-quantized input the reference multiplies",
+    "mxfp8": "{x}_codes float8_e4m3fn [M, K], {x}_scale uint8 E8M0 [M, K/32] (with numerics.act_quant = "
+             "'emulate'): the quantized GEMM input a W8A8 kernel takes; x_hat = {x}_codes * 2^({x}_scale - 127), "
+             "the fake-quantized input the reference multiplies",
+}
+
+
 _SWIZZLED = ("{w}.weight_scale_swizzled (single-op bundles): the same scales in the 128x4-tile layout of CUTLASS / "
              "cuBLASLt block-scaled GEMMs, flat, zero-padded to [ceil(N/128)*128, ceil(Kb/4)*4] (Kb scales per row); "
              "tiles of 128 rows x 4 scale columns in row-major tile order; scale (r, c) of a tile at offset "
@@ -157,6 +168,7 @@ CONTRACTS = {
         "accumulation": "one dot product over K per output (reference: CPU BLAS order); any order is within tolerance",
         "rounding": {m: f"{r}; {_ACT}" for m, r in _LINEAR_ROUNDING.items()},
         "layouts": {"x": "[T, K]", "y": "[T, N]", "w.*": _MXFP8_LAYOUT.format(w="w"),
+                    "x_codes, x_scale": ACT_CODES_LAYOUT["mxfp8"].format(x="x"),
                     "params.linear": "model-driven bundles: one entry per MXFP8 linear of the layer (q/k/v/o, index "
                                      "q/k, dense MLP gate/up/down, shared expert gate/up/down), its checkpoint prefix; "
                                      "the file name ends in its path within the layer",
@@ -170,7 +182,8 @@ CONTRACTS = {
         "rounding": {m: f"{r}; {_ACT}" for m, r in _LINEAR_ROUNDING.items()},
         "layouts": {"x": "[T, hidden], the expert's tokens ascending", "h": "[T, intermediate]", "y": "[T, I]",
                     "y2": "[T, hidden]", "w1.*, w2.*": _NVFP4_LAYOUT.format(w="w1 / w2"),
-                    "w1.weight_scale_swizzled": _SWIZZLED.format(w="w1")},
+                    "w1.weight_scale_swizzled": _SWIZZLED.format(w="w1"),
+                    "x_codes, x_scale, h_codes, h_scale": ACT_CODES_LAYOUT["nvfp4"].format(x="x / h")},
     },
     "attention": {
         "formula": "dense causal GQA: query head h reads kv head h // (Hq / Hkv); s = (q . k) * scale for keys at "
@@ -312,7 +325,13 @@ def error_sizes(got: torch.Tensor, want: torch.Tensor) -> dict:
     err = torch.where(equal, torch.zeros_like(g), (g - w).abs().nan_to_num(nan=float("inf")))
     nz = w != 0
     rel = torch.where(nz & ~equal, err / w.abs().clamp(min=torch.finfo(torch.float64).tiny), torch.zeros_like(err))
-    if want.is_floating_point():
+    if want.is_floating_point() and want.element_size() == 1:  # float8 (activation codes): no nextafter there
+        fi = torch.finfo(want.dtype)
+        a = w.abs()
+        ulp = torch.where(a >= fi.tiny, torch.exp2(torch.floor(torch.log2(a.clamp(min=fi.tiny)))) * fi.eps,
+                          torch.full_like(a, fi.tiny * fi.eps))
+        ulps = torch.where(equal, torch.zeros_like(err), err / ulp)
+    elif want.is_floating_point():
         a = want.detach().cpu().abs()
         ulp = (torch.nextafter(a, torch.full_like(a, float("inf"))) - a).double()
         ulps = torch.where(equal, torch.zeros_like(err), err / ulp)

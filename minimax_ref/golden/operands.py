@@ -75,6 +75,26 @@ def put_fused(e: Entry, gate: str, up: str, key: str, fmt: str, prefix: str | No
         e.put(name, t, "weight", shared=None if prefix is None else prefix + name[len(key):])
 
 
+def activation_codes(x: torch.Tensor, fmt: str, input_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The quantized GEMM input a W4A4 / W8A8 kernel takes for the activation x (the `emulate` path's x_hat in
+    codes): `codes` and `scale` (contract.ACT_CODES_LAYOUT), {} for a bf16 linear."""
+    from ..quant import quantize_activation_nvfp4, quantize_mxfp8
+
+    if fmt == NVFP4:
+        codes, scale = quantize_activation_nvfp4(x, input_scale if input_scale is not None else 1.0)
+    elif fmt == MXFP8:
+        codes, scale = quantize_mxfp8(x)
+    else:
+        return {}
+    return {"codes": codes, "scale": scale}
+
+
+def put_activation_codes(e: Entry, name: str, x: torch.Tensor, fmt: str, input_scale: torch.Tensor | None) -> None:
+    """Put `{name}_codes` and `{name}_scale` (`activation_codes`) as inputs of `e`."""
+    for part, t in activation_codes(x, fmt, input_scale).items():
+        e.put(f"{name}_{part}", t, "input")
+
+
 def linear_operands(ck: Checkpoint, prefix: str, key: str) -> tuple[dict[str, torch.Tensor], str]:
     """A linear's stored tensors under canonical names `{key}.weight/.weight_scale/.weight_scale_2/
     .input_scale` (global scales in the ModelOpt meaning), and its format."""

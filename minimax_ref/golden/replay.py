@@ -13,7 +13,7 @@ from ..errors import InputError
 from .bundle import entry_tensors, read_bundle_manifest
 from .contract import error_sizes, same
 from .fp64 import fp64_outputs
-from .operands import decode_fused, decode_operand, from_pages, quantized_input
+from .operands import activation_codes, decode_fused, decode_operand, from_pages, quantized_input
 
 
 def replay_linear(t: dict, key: str, fmt: str, x: torch.Tensor, dtype: torch.dtype, emulate: bool) -> torch.Tensor:
@@ -82,6 +82,17 @@ def _replay_entry(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool, 
     return checks
 
 
+def _code_checks(t: dict, inputs: dict[str, str], fmt: str) -> list[Check]:
+    """The stored activation codes and scales of each input (`{name}_codes`, `{name}_scale`, present with
+    act_quant="emulate") against the input quantized again with its linear's input scale."""
+    checks: list[Check] = []
+    for name, key in inputs.items():
+        if f"{name}_codes" in t:
+            again = activation_codes(t[name], fmt, t.get(f"{key}.input_scale"))
+            checks += [(f"{name}_{part}", again[part], t[f"{name}_{part}"]) for part in ("codes", "scale")]
+    return checks
+
+
 def _replay_outputs(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool, kv_scale: float) -> list[Check]:
     from ..moe import route
     from ..norm import gemma_rms_norm
@@ -105,8 +116,10 @@ def _replay_outputs(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool
             checks.append(("y2", replay_linear(t, "w2", NVFP4, t["h"], dtype, emulate), t["y2"]))
         if "x_hat" in t:
             checks.append(("x_hat", quantized_input(t["x"], NVFP4, t, "w1", True), t["x_hat"]))
+        checks += _code_checks(t, {"x": "w1", "h": "w2"}, NVFP4)
     elif op == "mxfp8_linear":
         checks.append(("y", replay_linear(t, "w", p["format"], t["x"], dtype, emulate), t["y"]))
+        checks += _code_checks(t, {"x": "w"}, p["format"])
     elif op in ("attention", "indexer", "msa"):
         checks += _replay_attention(t, p, op, dtype, kv_scale, t, "")
         if "block_table" in t:

@@ -12,7 +12,7 @@ from ..checkpoint import MXFP8, NVFP4
 from ..errors import InputError
 from .bundle import write_bundle
 from .contract import FORMAT, TOLERANCE_RULE, contract, producer
-from .operands import Entry, block_table, put_fused, to_pages
+from .operands import Entry, block_table, put_activation_codes, put_fused, to_pages
 from .replay import replay_linear, replay_moe
 
 SINGLE_OPS = ("nvfp4_linear", "mxfp8_linear", "router", "moe", "msa_decode")
@@ -95,7 +95,10 @@ def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float8_e4m3fn) if scales.dtype == torch.float8_e4m3fn else out
 
 
-def linear_entry(op: str, M: int, N: int, K: int, dtype: torch.dtype, seed: int, edge: str | None) -> Entry:
+def linear_entry(op: str, M: int, N: int, K: int, dtype: torch.dtype, seed: int, edge: str | None,
+                 emulate: bool = False) -> Entry:
+    """One GEMM of random operands; with `emulate` (act_quant="emulate") the input is fake-quantized as a W4A4 /
+    W8A8 kernel sees it, and its codes and block scales are inputs too (`x_codes`, `x_scale`)."""
     g = _gen(seed)
     fmt, key = (NVFP4, "w1") if op == "nvfp4_linear" else (MXFP8, "w")
     t = nvfp4_operands(N, K, g, edge) if fmt == NVFP4 else mxfp8_operands(N, K, g)
@@ -105,7 +108,9 @@ def linear_entry(op: str, M: int, N: int, K: int, dtype: torch.dtype, seed: int,
     for name, v in t.items():
         e.put(name, v, "weight")
     e.put(f"{key}.weight_scale_swizzled", swizzle_scales(t[f"{key}.weight_scale"]), "weight")
-    e.put("y", replay_linear({**t}, key, fmt, x, dtype, False), "output")
+    if emulate:
+        put_activation_codes(e, "x", x, fmt, t.get(f"{key}.input_scale"))
+    e.put("y", replay_linear({**t}, key, fmt, x, dtype, emulate), "output")
     e.params.update({"format": fmt, "shape": {"M": M, "N": N, "K": K}, "linear": "random"})
     return e
 
@@ -217,10 +222,15 @@ def msa_entries(C: int, B: int, dtype: torch.dtype, seed: int, page: int | None)
 
 def export_op(op: str, out: str | Path, *, shape: str | None = None, context: int | None = None,
               batch: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0, edge: str | None = None,
-              page_size: int | None = None, fp64: bool = False) -> dict:
-    """Write the single-op bundle of `op` (module docstring) to the new folder `out`; returns the manifest."""
+              page_size: int | None = None, fp64: bool = False, act_quant: str = "none") -> dict:
+    """Write the single-op bundle of `op` (module docstring) to the new folder `out`; returns the manifest.
+    act_quant "emulate" (the linear ops): the GEMM input fake-quantized, its codes and scales stored."""
     if op not in SINGLE_OPS:
         raise InputError(f"--op {op!r}: choose one of {', '.join(SINGLE_OPS)}")
+    if act_quant not in ("none", "emulate"):
+        raise InputError(f"--act-quant {act_quant!r}: choose none or emulate")
+    if act_quant == "emulate" and op not in ("nvfp4_linear", "mxfp8_linear"):
+        raise InputError(f"--act-quant emulate applies to --op nvfp4_linear and mxfp8_linear, not {op}")
     if edge is not None and edge not in EDGES[op]:
         raise InputError(f"--edge {edge!r} does not apply to --op {op} (its edges: {', '.join(EDGES[op]) or 'none'})")
     if dtype not in (torch.float32, torch.bfloat16):
@@ -230,7 +240,8 @@ def export_op(op: str, out: str | Path, *, shape: str | None = None, context: in
         raise InputError(f"--out {out}: exists and is not an empty folder")
     text = release_text()
     if op in ("nvfp4_linear", "mxfp8_linear"):
-        entries = [linear_entry(op, *parse_shape(shape, ("M", "N", "K")), dtype, seed, edge)]
+        M, N, K = parse_shape(shape, ("M", "N", "K"))
+        entries = [linear_entry(op, M, N, K, dtype, seed, edge, act_quant == "emulate")]
     elif op == "router":
         dims = parse_shape(shape, ("T", "E", "H"), optional=1)
         T, E, H = (*dims, text.hidden_size) if len(dims) == 2 else dims
@@ -251,7 +262,7 @@ def export_op(op: str, out: str | Path, *, shape: str | None = None, context: in
         "checkpoint": None,
         "single_op": {"op": op, "shape": shape, "context": context, "batch": batch, "edge": edge, "seed": seed},
         "producer": producer(),
-        "numerics": {"dtype": dt, "act_quant": "none", "kv_cache_dtype": "auto", "kv_scale": 1.0},
+        "numerics": {"dtype": dt, "act_quant": act_quant, "kv_cache_dtype": "auto", "kv_scale": 1.0},
         "seeds": {"operands": seed, "page_permutation": seed},
         "ops": sorted({e.op for e in entries}),
         "contracts": {e.op: contract(e.op, dt, fp64) for e in entries},

@@ -745,10 +745,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def import_torch_holding_ctrl_c() -> None:
+    """Import torch with Ctrl-C held back until the import is done, then honoured (KeyboardInterrupt): a
+    KeyboardInterrupt raised inside torch's C++ extension initialisation ends the process with a C++ `terminate`
+    (SIGABRT, no exit status 130)."""
+    import signal
+    import threading
+
+    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+        import torch  # noqa: F401
+
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and previous is not signal.SIG_IGN:
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `minimax-ref` program: 0 on success, 1 when a command reports problems (inspect, plan, batch lines),
     2 for a user error (one `error:` line), 130 on Ctrl-C (at any moment, imports included: no traceback)."""
     try:
+        import_torch_holding_ctrl_c()  # the command modules import it; Ctrl-C inside it must not abort
         args = build_parser().parse_args(argv)
         check_offload_command(args)
         return args.run(args)

@@ -393,7 +393,9 @@ def test_ctrl_c_at_any_moment_exits_130_without_traceback(tiny_nvfp4):
     # past the first delay (a Ctrl-C inside interpreter start-up is Python's, before any code of ours runs).
     entry = ("import sys; sys.stderr.write('started\\n'); sys.stderr.flush(); from minimax_ref.cli import main; "
              "sys.exit(main())")
-    for delay in (0.3, 1.5, 5.0):  # while importing, loading, waiting at the prompt (stdin stays open)
+    # while importing torch (held back until the import ends: a KeyboardInterrupt inside torch's C++ initialisation
+    # would abort the process), importing the rest, loading, waiting at the prompt (stdin stays open)
+    for delay in (0.05, 0.15, 0.3, 1.5, 5.0):
         proc = subprocess.Popen([sys.executable, "-c", entry, "generate", "--ckpt-path", str(tiny_nvfp4),
                                  "--interactive"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
@@ -697,3 +699,28 @@ def test_golden_disk_full_leaves_nothing_and_says_so(tiny_nvfp4, tmp_path, capsy
                         "--layers", "0", "--out", str(tmp_path / "b")], capsys)
     assert code == 2 and "no space left" in _one_error_line(err)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_during_the_torch_import_is_held_until_it_ends():
+    """A Ctrl-C that arrives while torch is being imported (sent here from an import hook, at the moment torch's
+    import starts) is delivered as KeyboardInterrupt once torch is whole, not inside its C++ initialisation."""
+    import subprocess
+    import sys
+
+    code = """
+import os, signal, sys
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+from minimax_ref.cli import import_torch_holding_ctrl_c
+try:
+    import_torch_holding_ctrl_c()
+except KeyboardInterrupt:
+    print("interrupt after import:", hasattr(sys.modules.get("torch"), "tensor"))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "interrupt after import: True", (r.returncode, r.stderr[-2000:])

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections import defaultdict
 
 import torch
 from common import GIB, BenchmarkError, copy_bandwidth, emit, main_guard
+from fused_matmul import operands, per_call_s
 
 from minimax_ref.fast.packed import decode_fast, packed_matmul_reference
 
@@ -35,35 +35,6 @@ SHAPES = [("16 routed experts w1", "nvfp4", 16, 3072, 6144), ("16 routed experts
 # Configurations that compile for sm_90 without register spills at 16 and 32 rows, both formats (ptxas -v)
 SWEEP = ["128,64,8,4", "128,64,8,3", "128,128,8,3", "128,128,8,4", "64,64,4,4", "128,32,4,4", "64,128,4,4",
          "256,128,8,3"]
-
-
-def operands(fmt: str, experts: int, n: int, k: int, device: torch.device):
-    """Random packed weights with realistic scales (block scales near 1e-3 to 1e-2, as real checkpoints have)."""
-    lead = (experts,) if experts else ()
-    if fmt == "nvfp4":
-        weight = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=device)
-        scale = (torch.rand(*lead, n, k // 16, device=device) * 2 + 0.1).to(torch.float8_e4m3fn)
-        g = torch.rand(experts, device=device) * 1e-2 + 1e-3 if experts else torch.tensor(3e-3, device=device)
-        return weight, scale, g
-    weight = torch.randn(*lead, n, k, device=device).to(torch.float8_e4m3fn)
-    return weight, torch.randint(110, 125, (*lead, n, k // 32), dtype=torch.uint8, device=device), None
-
-
-def per_call_s(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (10 * iters)
 
 
 def measure(shape: tuple, rows: int, iters: int, bw: float, configs: list, device: torch.device,

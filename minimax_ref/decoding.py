@@ -369,19 +369,22 @@ def pad_prompts(model: MiniMaxM3, prompts: Sequence[Sequence[int]], inputs_embed
     return ids, embeds
 
 
-def prefill(forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor], ids: torch.Tensor,
-            lengths: Sequence[int], embeds: torch.Tensor | None, chunk: int) -> torch.Tensor:
-    """Run `forward(ids_chunk, positions, embeds_chunk) -> logits` over the padded prompts in chunks of
-    `chunk` positions; return each row's logits at its last prompt token, [B, V] fp32."""
+def prefill(forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor],
+            ids: torch.Tensor, lengths: Sequence[int], embeds: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """Run `forward(ids_chunk, positions, embeds_chunk, logit_index) -> logits [B, 1, V]` over the padded prompts in
+    chunks of `chunk` positions, asking each chunk for one position per row (`MiniMaxM3.forward`'s `logit_index`:
+    the row's last prompt token where it lies in the chunk); return each row's logits at its last prompt token,
+    [B, V] fp32."""
     B, T = ids.shape
     last: list[torch.Tensor | None] = [None] * B
     for s0 in range(0, T, chunk):
         s1 = min(T, s0 + chunk)
         pos = torch.arange(s0, s1, device=ids.device).expand(B, -1)
-        logits = forward(ids[:, s0:s1], pos, None if embeds is None else embeds[:, s0:s1])
+        index = torch.tensor([min(max(n - 1 - s0, 0), s1 - s0 - 1) for n in lengths], device=ids.device)
+        logits = forward(ids[:, s0:s1], pos, None if embeds is None else embeds[:, s0:s1], index)
         for b in range(B):
             if s0 <= lengths[b] - 1 < s1:
-                last[b] = logits[b, lengths[b] - 1 - s0]
+                last[b] = logits[b, 0]
     return torch.stack(last)
 
 
@@ -397,7 +400,8 @@ def _decode(model: MiniMaxM3, job: DecodeJob) -> tuple[list[Sequence_], Generati
     cache = model.new_cache(state.batch_size, state.budget, job.kv_cache_dtype)
 
     t0 = time.perf_counter()
-    last_logits = prefill(lambda x, pos, emb: model(x, positions=pos, cache=cache, inputs_embeds=emb),
+    last_logits = prefill(lambda x, pos, emb, index: model(x, positions=pos, cache=cache, inputs_embeds=emb,
+                                                           logit_index=index),
                           state.ids, state.prompt_lengths, state.embeds, job.prefill_chunk)
     stats.prefill_seconds = time.perf_counter() - t0
     if state.done:  # max_new_tokens 0

@@ -390,7 +390,8 @@ class MiniMaxM3(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, trace: Trace | None = None,
                 inputs_embeds: torch.Tensor | None = None,
-                interventions: Interventions | None = None) -> torch.Tensor:
+                interventions: Interventions | None = None,
+                logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """Logits fp32 [B, T, V] for `input_ids` [B, T].
 
         positions: [B, T] absolute positions (default 0..T-1, then T may not exceed `max_seq_len`: the runtime's
@@ -398,6 +399,9 @@ class MiniMaxM3(nn.Module):
         trace: receives per-layer records (`Trace`). interventions: edits at the hook points (`Interventions`;
             the same as `trace.interventions`, give one or the other).
         inputs_embeds: replaces the embedding lookup (used for images).
+        logit_index: LongTensor [B] of one position per row (0..T-1): only those positions go through the final norm
+            and the LM head, and the logits are [B, 1, V] (a prefill needs each row's last prompt token only; the
+            LM head over every position of a long prompt costs as much as several layers).
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -419,7 +423,13 @@ class MiniMaxM3(nn.Module):
             trace = trace or Trace(layers=set())
             trace.interventions = interventions
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        logits = self.logits(self.hidden(x, positions, cache, trace))
+        h = self.hidden(x, positions, cache, trace)
+        if logit_index is not None:
+            if not isinstance(logit_index, torch.Tensor) or tuple(logit_index.shape) != (B,) or not (
+                    0 <= int(logit_index.min()) and int(logit_index.max()) < T):
+                raise InputError(f"logit_index must be a LongTensor [{B}] of positions in 0..{T - 1}")
+            h = h.gather(1, logit_index.to(h.device).view(B, 1, 1).expand(B, 1, h.shape[-1]))
+        logits = self.logits(h)
         return self.checked(logits, x, positions, cache, None if trace is None else trace.interventions)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -222,10 +222,12 @@ class SpeculativeDecoder:
         self.accept_fn = accept_fn
         self.target_cache = self.draft_cache = self.lengths = None
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, embeds: torch.Tensor | None = None,
+                 logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """A target forward at positions `pos` that also writes the drafter's context rows."""
         trace = Trace(layers=self.drafter.capture_layer_ids)
-        logits = self.model(ids, positions=pos, cache=self.target_cache, trace=trace, inputs_embeds=embeds)
+        logits = self.model(ids, positions=pos, cache=self.target_cache, trace=trace, inputs_embeds=embeds,
+                            logit_index=logit_index)
         self.drafter.add_context(self.model, self.draft_cache, trace, pos)
         return logits
 

@@ -11,6 +11,7 @@ import torch
 
 from minimax_ref.cli import fast_mode, main
 from minimax_ref.decoding import GenerationStats, generate_ids
+from minimax_ref.errors import InputError
 from minimax_ref.fast import FastPaths, apply
 from minimax_ref.loader import load_model
 from minimax_ref.sampling import SamplingParams
@@ -113,3 +114,32 @@ def test_generate_replays_captured_steps(tiny_nvfp4, fast):
     eager, _ = generate_ids(model, prompts, max_new_tokens=12, sampling=GREEDY)
     assert [s.generated for s in seqs] == [s.generated for s in again] == [s.generated for s in eager]
     assert stats.warmup_seconds > 0 and stats.decode_tokens > 0
+
+
+def test_logit_index_is_the_full_logits_at_those_positions(tiny_nvfp4):
+    model = load_model(tiny_nvfp4, dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
+    index = torch.tensor([5, 2])
+    with torch.no_grad():
+        full = model(ids)
+        some = model(ids, logit_index=index)
+    assert some.shape == (2, 1, full.shape[-1])
+    # the same values up to fp32 rounding (the LM head's matmul runs over other shapes)
+    assert torch.allclose(some[:, 0], full[torch.arange(2), index], rtol=0, atol=1e-5)
+    for bad in (torch.tensor([6, 0]), torch.tensor([0]), torch.tensor([-1, 0])):
+        with pytest.raises(InputError, match="logit_index"):
+            model(ids, logit_index=bad)
+
+
+def test_prefill_runs_the_lm_head_on_one_position_per_row(tiny_nvfp4, monkeypatch):
+    """generate's prefill (in chunks, prompts of different lengths) sends one position per row through the LM
+    head, never [B, T, V]; the tokens are those of a full-logits prefill."""
+    model = load_model(tiny_nvfp4, dtype=torch.float32)
+    prompts = [list(range(1, 40)), list(range(3, 20))]
+    want, _ = generate_ids(model, prompts, max_new_tokens=4, sampling=GREEDY, prefill_chunk=16)
+    rows = []
+    lm_head = model.lm_head.forward
+    monkeypatch.setattr(model.lm_head, "forward", lambda h: rows.append(h.shape[1]) or lm_head(h))
+    got, _ = generate_ids(model, prompts, max_new_tokens=4, sampling=GREEDY, prefill_chunk=16)
+    assert [s.generated for s in got] == [s.generated for s in want]
+    assert rows and max(rows) == 1

@@ -405,8 +405,11 @@ class ToyTarget:
     def new_cache(self, batch_size, max_len, kv_cache_dtype="auto"):
         return _ToyCache()
 
-    def __call__(self, ids, *, positions=None, cache=None, trace=None, inputs_embeds=None):
-        return self.table[ids]
+    def __call__(self, ids, *, positions=None, cache=None, trace=None, inputs_embeds=None, logit_index=None):
+        logits = self.table[ids]
+        if logit_index is not None:  # MiniMaxM3.forward's contract: one position per row
+            logits = logits[torch.arange(ids.shape[0]), logit_index][:, None]
+        return logits
 
 
 class ToyDrafter:

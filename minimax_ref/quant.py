@@ -558,28 +558,37 @@ def fake_quant_nvfp4(x: torch.Tensor, input_scale: torch.Tensor | float) -> torc
     Raises:
         QuantFormatError: K not a multiple of 16, or input_scale not positive and finite.
     """
-    xf = _as_f32(x, "fake_quant_nvfp4")
-    if xf.ndim == 0:
-        raise QuantFormatError("fake_quant_nvfp4: x must have at least one dimension")
-    k = xf.shape[-1]
-    _check_last_dim(k, NVFP4_BLOCK, "NVFP4", "fake_quant_nvfp4 input")
-    scale = _global_scale_f32(input_scale, "input_scale", "fake_quant_nvfp4").to(xf.device)
-    g = 1.0 / scale
-    if not bool(scale > 0) or not bool(torch.isfinite(g)):
-        raise QuantFormatError(f"fake_quant_nvfp4: input_scale must be positive, got {scale.item()!r}")
-
-    blocks = xf.reshape(*xf.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    nan_block = torch.isnan(amax)
+    xf, blocks, g = _nvfp4_activation_blocks(x, input_scale, "fake_quant_nvfp4")
+    nan_block = torch.isnan(blocks.abs().amax(-1, keepdim=True))
     blocks = torch.where(nan_block, torch.zeros_like(blocks), blocks)
-    amax = torch.where(nan_block, torch.zeros_like(amax), amax)
-
-    s = round_to_e4m3(g * (amax * _FP32_ONE_SIXTH.to(xf.device)))
-    r = torch.where(s == 0, torch.zeros_like(s), 1.0 / (s / g))
-    q = _e2m1_lookup(round_to_e2m1(blocks * r))
-    x_hat = q * (s / g)
+    codes, s = _nvfp4_activation_codes(blocks, g)
+    x_hat = _e2m1_lookup(codes) * (s / g)
     x_hat = torch.where(nan_block, torch.full_like(x_hat, float("nan")), x_hat)
     return x_hat.reshape(xf.shape).to(x.dtype)
+
+
+def _nvfp4_activation_blocks(x: torch.Tensor, input_scale: torch.Tensor | float, label: str
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x as fp32, its blocks of 16 [..., K/16, 16], g = 1 / input_scale in fp32), with the arguments checked."""
+    xf = _as_f32(x, label)
+    if xf.ndim == 0:
+        raise QuantFormatError(f"{label}: x must have at least one dimension")
+    k = xf.shape[-1]
+    _check_last_dim(k, NVFP4_BLOCK, "NVFP4", f"{label} input")
+    scale = _global_scale_f32(input_scale, "input_scale", label).to(xf.device)
+    g = 1.0 / scale
+    if not bool(scale > 0) or not bool(torch.isfinite(g)):
+        raise QuantFormatError(f"{label}: input_scale must be positive, got {scale.item()!r}")
+    return xf, xf.reshape(*xf.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK), g
+
+
+def _nvfp4_activation_codes(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 codes [..., 16] and fp32 block scales s [..., 1] (E4M3 values) of finite fp32 blocks: the steps of
+    `fake_quant_nvfp4`'s docstring up to q."""
+    amax = blocks.abs().amax(-1, keepdim=True)
+    s = round_to_e4m3(g * (amax * _FP32_ONE_SIXTH.to(blocks.device)))
+    r = torch.where(s == 0, torch.zeros_like(s), 1.0 / (s / g))
+    return round_to_e2m1(blocks * r), s
 
 
 def quantize_activation_nvfp4(x: torch.Tensor, input_scale: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -588,23 +597,11 @@ def quantize_activation_nvfp4(x: torch.Tensor, input_scale: torch.Tensor | float
     `pack_fp4`) and scales float8_e4m3fn `[..., K/16]` (the block scales `s`). With `g = 1 / input_scale` in
     fp32, `decode_e2m1(unpack_fp4(codes)) * (scales.float() / g)` is `fake_quant_nvfp4(x, input_scale)` before its
     final rounding to x.dtype. x must be finite (a kernel's operand has no NaN block)."""
-    xf = _as_f32(x, "quantize_activation_nvfp4")
-    if xf.ndim == 0:
-        raise QuantFormatError("quantize_activation_nvfp4: x must have at least one dimension")
-    k = xf.shape[-1]
-    _check_last_dim(k, NVFP4_BLOCK, "NVFP4", "quantize_activation_nvfp4 input")
+    xf, blocks, g = _nvfp4_activation_blocks(x, input_scale, "quantize_activation_nvfp4")
     if not bool(torch.isfinite(xf).all()):
         raise QuantFormatError("quantize_activation_nvfp4: x holds NaN or Inf")
-    scale = _global_scale_f32(input_scale, "input_scale", "quantize_activation_nvfp4").to(xf.device)
-    g = 1.0 / scale
-    if not bool(scale > 0) or not bool(torch.isfinite(g)):
-        raise QuantFormatError(f"quantize_activation_nvfp4: input_scale must be positive, got {scale.item()!r}")
-    blocks = xf.reshape(*xf.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    s = round_to_e4m3(g * (amax * _FP32_ONE_SIXTH.to(xf.device)))
-    r = torch.where(s == 0, torch.zeros_like(s), 1.0 / (s / g))
-    codes = round_to_e2m1(blocks * r).reshape(xf.shape)
-    return pack_fp4(codes), s.squeeze(-1).to(torch.float8_e4m3fn)
+    codes, s = _nvfp4_activation_codes(blocks, g)
+    return pack_fp4(codes.reshape(xf.shape)), s.squeeze(-1).to(torch.float8_e4m3fn)
 
 
 def fake_quant_mxfp8(x: torch.Tensor) -> torch.Tensor:

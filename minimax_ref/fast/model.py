@@ -36,6 +36,7 @@ class FastMiniMaxM3(MiniMaxM3):
     fast: FastPaths
     compiled: CompiledLayers | None
     captured: CapturedSteps | None  # the CUDA graphs of the current cache's decode steps (`graph`)
+    captured_shapes: set  # the step shapes compiled so far (their first capture is announced)
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                trace: Trace | None = None) -> torch.Tensor:
@@ -80,10 +81,10 @@ class FastMiniMaxM3(MiniMaxM3):
         next step."""
         if not (self.fast.graph and ids.is_cuda and self.sync_free(positions, cache, None)):
             return super().step(ids, positions, cache)
-        captured = getattr(self, "captured", None)
+        captured = self.captured
         if captured is None or not captured.holds(cache):
             # a new cache: the previous one's graphs (and the memory they hold) go
-            self.captured = captured = CapturedSteps(cache, self.__dict__.setdefault("captured_shapes", set()))
+            self.captured = captured = CapturedSteps(cache, self.captured_shapes)
         return captured.step(self, ids, positions)
 
     def checked(self, logits: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
@@ -147,6 +148,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
         model.fast, model.kernels, model.prefill_kernels = paths, kernels, prefill_kernels
         reductions = tuned_for(model.device) if paths.layer_reductions == "auto" else paths.layer_reductions
         model.compiled = CompiledLayers(reductions) if paths.compile_layers else None
+        model.captured, model.captured_shapes = None, set()
     return paths
 
 

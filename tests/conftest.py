@@ -48,3 +48,9 @@ def tiny_nvfp4(ckpt_factory):
 @pytest.fixture(scope="session")
 def tiny_bf16(ckpt_factory):
     return ckpt_factory("tiny", "bf16")
+
+
+@pytest.fixture(scope="session")
+def spec_ckpt(ckpt_factory):
+    """The tiny NVFP4 checkpoint with a DSpark drafter in dspark/."""
+    return ckpt_factory("tiny", "nvfp4", drafter=True)

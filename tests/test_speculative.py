@@ -38,11 +38,6 @@ GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.fixture(scope="module")
-def spec_ckpt(ckpt_factory):
-    return ckpt_factory("tiny", "nvfp4", drafter=True)
-
-
-@pytest.fixture(scope="module")
 def model(spec_ckpt):
     return load_model(spec_ckpt, dtype=torch.float32)
 

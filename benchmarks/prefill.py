@@ -44,8 +44,8 @@ from minimax_ref.loader import load_synthetic
 from minimax_ref.synth import PRESETS
 
 ON = FastPaths.of(True)
-VARIANTS = {"reference": FastPaths(), "on": ON, "flex": replace(ON, prefill_attention="flex"),
-            "flex_tf32x3": replace(ON, prefill_attention="flex_tf32x3")}
+VARIANTS = {"reference": FastPaths(), "on": ON, "compiled": FastPaths.of("compiled"),
+            "flex": replace(ON, prefill_attention="flex"), "flex_tf32x3": replace(ON, prefill_attention="flex_tf32x3")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +65,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="timed prefills per system after the warm-up (default: 2)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="transformers attention")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one prefill per variant (CUDA): time per kernel kind, top kernels")
+    p.add_argument("--top", type=int, default=15, help="kernels listed by --profile (default: 15)")
     p.add_argument("--out", default=None)
     return p
+
+
+def profile_prefill(device: torch.device, fn, top: int) -> dict:
+    """Device milliseconds of one call of `fn` per kernel kind and for the `top` kernels (CUPTI)."""
+    from profile_decode import kernel_kind
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    micros: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            micros[e.name] = micros.get(e.name, 0.0) + e.device_time_total
+            calls[e.name] = calls.get(e.name, 0) + 1
+    kinds: dict[str, float] = {}
+    for name, us in micros.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us / 1e3
+    ranked = sorted(micros.items(), key=lambda kv: -kv[1])[:top]
+    return {"device_ms": round(sum(micros.values()) / 1e3, 2),
+            "kinds_ms": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [{"kernel": n[:120], "ms": round(us / 1e3, 2), "calls": calls[n]} for n, us in ranked]}
 
 
 def _timed(device: torch.device, fn, repeats: int) -> tuple[object, float, float, float | None]:
@@ -148,6 +174,10 @@ def run(args: argparse.Namespace, holder: list) -> None:
                 continue
             systems[name] = {"fast_paths": asdict(paths), "warmup_s": warmup, "seconds": secs,
                              "tokens_per_s": args.prompt_len / secs, "peak_gib": peak}
+            if args.profile and device.type == "cuda":
+                systems[name]["profile"] = profile_prefill(
+                    device, lambda: prefill(model, cache, ids, args.prefill_chunk), args.top)
+                log(world, f"ours {name} profile: {systems[name]['profile']}")
             logits[name] = last.float().cpu()
             log(world, f"ours {name}: {args.prompt_len / secs:,.0f} tokens/s (warm-up {warmup:.1f} s)")
     cache = None  # freed before transformers loads

@@ -15,6 +15,33 @@ from minimax_ref.synth import write_checkpoint
 torch.set_num_threads(1)
 
 
+def _interpreter_numpy_compat() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with `int(array)`, which NumPy >= 2.4 refuses for
+    its one-element arrays (a loop bounded by a kernel argument or program id fails). Take the element instead, for
+    this test run (the Triton kernels' tests under `TRITON_INTERPRET=1`)."""
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "numpy_compat", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.numpy_compat = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        _interpreter_numpy_compat()
+
+
 def pytest_collection_modifyitems(config, items):
     run_slow = os.environ.get("MINIMAX_REF_SLOW") == "1"
     has_gpu = torch.cuda.is_available()

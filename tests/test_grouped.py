@@ -65,25 +65,6 @@ SMALL = Tiles(32, 64, 4, 1)  # partial column tiles and several K steps on tiny 
 WIDE = Tiles(16, 128, 4, 2)  # the narrowest column tiles, two K steps of 128
 
 
-def _interpreter_numpy_compat() -> None:
-    """Triton 3.6's interpreter turns a scalar into a Python int with `int(array)`, which NumPy >= 2.4 refuses for
-    its one-element arrays (a loop bounded by a program id fails). Take the element instead, for this test run."""
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "numpy_compat", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.numpy_compat = True
-    interpreter._patch_lang_tensor = patched
-
-
-if grouped.AVAILABLE and INTERP:
-    _interpreter_numpy_compat()
 
 
 # ---------------------------------------------------------------------------------------------- operands

@@ -179,10 +179,11 @@ def test_fast_model_with_flex_prefill_equals_reference(tiny, monkeypatch):
 
 
 def test_switch_values_presets_and_cpu_fallback(tiny):
-    """No preset turns flex on (opt-in); unknown values are refused. On CPU, without the test-only
-    unfused form, the switch keeps the gathering path (bit-identical to the same paths without it)."""
-    assert FastPaths.of("compiled").prefill_attention == "reference"  # opt-in: slower than `on` at 8K (H200)
-    assert {FastPaths.of(m).prefill_attention for m in (True, "compile", "fused", False)} == {"reference"}
+    """No preset turns flex on (opt-in: every preset prefills with the Triton kernel); unknown values are refused. On
+    CPU, without the test-only unfused form, the switch keeps the gathering path (bit-identical to the same paths
+    without it)."""
+    assert {FastPaths.of(m).prefill_attention for m in (True, "compile", "fused", "compiled")} == {"triton"}
+    assert FastPaths.of(False).prefill_attention == "reference"
     with pytest.raises(ConfigError, match="prefill_attention='dense': choose one of"):
         FastPaths(prefill_attention="dense")
     assert not FlexPrefill().handles(torch.device("cpu")) and FlexPrefill().handles(torch.device("cuda"))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..attention import Attention, gqa_chunks, merge_heads
 from ..cache import LayerCache
 from ..msa import CHUNK_ELEMENTS, block_scores, gather_blocks, mask_future, query_chunk
+from . import prefill_attention
 from .compiled import materialize
 
 
@@ -92,6 +93,16 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block
     return ids.masked_fill(vals == float("-inf"), -1)
 
 
+def select_blocks_chunked(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
+                          local_blocks: int, init_blocks: int, chunk_elements: int) -> torch.Tensor:
+    """`select_blocks` for all queries, in chunks whose index scores [B, Hi, t, L] stay within `chunk_elements`:
+    block ids [B, Hi, T, kb]."""
+    B, T, Hi = iq.shape[:3]
+    chunk = max(1, chunk_elements // (B * Hi * ik.shape[1]))
+    return torch.cat([select_blocks(iq[:, s:s + chunk], ik, q_pos[:, s:s + chunk], block_size, topk_blocks,
+                                    local_blocks, init_blocks) for s in range(0, T, chunk)], dim=2)
+
+
 def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
                            q_pos: torch.Tensor, block_size: int, scale: float, *,
                            load: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -147,8 +158,12 @@ class FastAttention(Attention):
         if trace is not None and (trace.get("capture") or "force_blocks" in trace):
             return super().forward(x, pos, cos, sin, cache, trace, kv_len)
         B, T, _ = x.shape
+        prefill = T > self.paths.sync_free_tokens
         sdpa = self.paths.sdpa
-        flex = (self.paths.prefill_attention != "reference" and T > self.paths.sync_free_tokens
+        stored = cache.k.dtype if cache is not None else x.dtype
+        kernel = (prefill and self.paths.prefill_attention == "triton"
+                  and prefill_attention.handles(x.device, x.dtype, stored, self.head_dim))
+        flex = (prefill and self.paths.prefill_attention.startswith("flex")
                 and self.prefill_kernels.handles(x.device))
         precision = "tf32x3" if self.paths.prefill_attention == "flex_tf32x3" else "ieee"
         q, k, v = self.qkv(x, cos, sin)
@@ -158,10 +173,14 @@ class FastAttention(Attention):
             iq, ik = self.index_qk(x, cos, sin)
             iq = materialize(iq)
         load = None
+        kv_scale = 1.0
         if cache is not None:
             length = kv_len if kv_len is not None else int(pos.max()) + 1
             cache.write(k, v, pos)
-            if self.sparse and sdpa and not flex:  # gather blocks from storage, convert only those
+            if kernel:  # the kernel reads the cache as stored and converts in registers
+                k, v = cache.stored_keys_values(length)
+                kv_scale = cache.scale
+            elif self.sparse and sdpa and not flex:  # gather blocks from storage, convert only those
                 k, v = cache.stored_keys_values(length)
                 load = cache.load
             else:
@@ -170,14 +189,19 @@ class FastAttention(Attention):
                 cache.write_index(ik, pos)
                 ik = cache.index_keys(length)
         blocks = None
-        if flex and self.sparse:
-            sp = self.geometry
+        sp = self.geometry if self.sparse else None
+        if kernel and self.sparse:
+            blocks = select_blocks_chunked(iq, ik, pos, sp.block_size, sp.topk_blocks, sp.local_blocks,
+                                           sp.init_blocks, self.chunk_for(trace))
+            o = prefill_attention.prefill_attention(q, k, v, pos, self.scale, blocks, sp.block_size, kv_scale)
+        elif kernel:
+            o = prefill_attention.prefill_attention(q, k, v, pos, self.scale, kv_scale=kv_scale)
+        elif flex and self.sparse:
             o, blocks = self.prefill_kernels.msa(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
                                                  sp.local_blocks, sp.init_blocks, self.chunk_for(trace), precision)
         elif flex:
             o = self.prefill_kernels.causal(q, k, v, pos, self.scale, self.chunk_for(trace), precision)
         elif self.sparse:
-            sp = self.geometry
             o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
                                       sp.local_blocks, sp.init_blocks, self.chunk_for(trace), load=load, sdpa=sdpa)
         elif sdpa:

@@ -15,6 +15,11 @@ test_launch.py compare each with the reference).
   writes the decoded weight (`fast.packed.Kernels.matmul`; compiled on first use: warm up before capturing a
   CUDA graph). The same decoded bits; the sum is fp32 in another order. `nvfp4_words` / `mxfp8_words`: the fused
   products read the packed bytes as int32 words (`mxfp8_words="gate_up"`: only the gate and up projections).
+* `prefill_attention="triton"` (every preset): calls of more than `sync_free_tokens` tokens (prefill) of a bf16
+  model on CUDA attend through one Triton kernel (`fast.prefill_attention`): block-sparse flash attention on the tensor
+  cores that reads each query's selected key blocks (dense layers: its causal keys) from the cache as stored. Scores
+  exact products summed in fp32; probabilities split into two bf16 parts for the value sum (2^-18 relative). Equal
+  to fp32 rounding plus that split (tests/test_prefill_attention.py). Elsewhere (fp32 models, CPU) the gathering path.
 * `prefill_attention="flex"`: on CUDA, calls of more than `sync_free_tokens` tokens (prefill) attend through
   block-sparse `flex_attention`, compiled on first use (`fast.msa_prefill.FlexPrefill`): each MSA query token reads
   exactly its selected key blocks, dense layers only the causal blocks; fp32 (no TF32), no [Q, K] tensor. Equal to
@@ -47,7 +52,7 @@ from .launch import ReductionConfigs
 from .packed import FUSED_ROWS
 
 DECODE_MODES = ("reference", "fast", "compile")
-PREFILL_ATTENTION_MODES = ("reference", "flex", "flex_tf32x3")
+PREFILL_ATTENTION_MODES = ("reference", "triton", "flex", "flex_tf32x3")
 MATMUL_MODES = ("reference", "fused")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
 # cache (decode steps); larger calls (prefill) group tokens by expert, which needs the per-expert counts
@@ -85,7 +90,8 @@ class FastPaths:
     # launch configurations of the compiled layers' large reductions over packed weights: "auto" (the table's
     # entry for the model's GPU and this torch, `launch.tuned_for`), None (tuned per compile) or fixed ones
     layer_reductions: ReductionConfigs | str | None = "auto"
-    # "flex" / "flex_tf32x3": block-sparse flex_attention in prefill calls on CUDA (`fast.msa_prefill`)
+    # "triton": the block-sparse prefill kernel (`fast.prefill_attention`); "flex" / "flex_tf32x3": block-sparse
+    # flex_attention (`fast.msa_prefill`); both in prefill calls on CUDA
     prefill_attention: str = "reference"
     # products of more than `fused_tokens` and up to `sync_free_tokens` rows through the grouped Triton kernel
     grouped: bool = False
@@ -131,24 +137,25 @@ class FastPaths:
         """`load_model`'s `fast` argument: False/None/"off" (reference), True/"on" (every fast path, eager decode),
         "compile" (every fast path, compiled decode), "fused" (every fast path, eager decode, and the fused
         packed matmul for a few tokens), "compiled" ("fused" with compiled decoder layers in decode steps, the
-        einsum attention core, which compiles better than fp32 SDPA, and the grouped kernel for batches of more than
-        `fused_rows`; prefill attention stays the `on` path, faster than `prefill_attention="flex"` on an H200 at
-        8K tokens, see BENCHMARKS.md), a dict of switches, or a FastPaths."""
+        einsum attention core in decode steps, which compiles better than fp32 SDPA, and the grouped kernel for
+        batches of more than `fused_rows`), a dict of switches, or a FastPaths. Every preset prefills with the Triton
+        attention kernel where it runs (`prefill_attention="triton"`); flex stays opt-in (slower on an H200)."""
         if isinstance(fast, FastPaths):
             return fast
         if fast is None or fast is False or fast == "off":
             return cls()
         if fast is True or fast == "on":
-            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, graph=True)
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, prefill_attention="triton", graph=True)
         if fast == "compile":
-            return cls(decode="compile", moe=True, static_kv=True, sdpa=True, graph=True)
+            return cls(decode="compile", moe=True, static_kv=True, sdpa=True, prefill_attention="triton", graph=True)
         if fast == "fused":
-            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, matmul="fused", graph=True)
+            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, matmul="fused", prefill_attention="triton",
+                       graph=True)
         if fast == "compiled":
             # sdpa off: the fp32 SDPA kernel does not split the keys of a one-query step over the GPU; the compiled
             # einsum core does
             return cls(decode="fast", moe=True, static_kv=True, sdpa=False, matmul="fused", compile_layers=True,
-                       nvfp4_words=True, mxfp8_words="gate_up", grouped=True, graph=True)
+                       nvfp4_words=True, mxfp8_words="gate_up", grouped=True, prefill_attention="triton", graph=True)
         if isinstance(fast, dict):
             names = {f.name for f in fields(cls)}
             unknown = sorted(set(fast) - names)

@@ -59,6 +59,7 @@ from minimax_ref.synth import PRESETS
 
 FAST = {"on": True, "fused": "fused", "compiled": "compiled"}
 GROUPED = {"default": None, "on": [True], "off": [False], "both": [False, True]}
+DECODE_ATTENTION = {"default": None, "reference": ["reference"], "triton": ["triton"], "both": ["reference", "triton"]}
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -101,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grouped", default="default", choices=sorted(GROUPED),
                    help="FastPaths.grouped: products of more than --fused-rows rows by the grouped Triton kernel; "
                    "both: each configuration without, then with (default: as --fast sets it; compiled: on)")
+    p.add_argument("--decode-attention", default="default", choices=sorted(DECODE_ATTENTION),
+                   help="FastPaths.decode_attention: the decode step's attention by the Triton kernel or the compiled\n"
+                   "gathering path; both: each in turn (default: as --fast sets it; compiled: triton)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p
 
@@ -163,12 +167,13 @@ def run(args: argparse.Namespace, holder: list) -> None:
         prompt_cache = model.new_cache(1, max_len, args.kv_cache_dtype)
         last = prefill(model, prompt_cache, ids, args.prefill_chunk)
         # each step writes the same cache slot, so every configuration sees the same state
-        for reductions, nvfp4_words, mxfp8_words, grouped in itertools.product(
+        for reductions, nvfp4_words, mxfp8_words, grouped, attention in itertools.product(
                 configs, words_settings(args.nvfp4_words, fast.nvfp4_words),
-                words_settings(args.mxfp8_words, fast.mxfp8_words), GROUPED[args.grouped] or [fast.grouped]):
+                words_settings(args.mxfp8_words, fast.mxfp8_words), GROUPED[args.grouped] or [fast.grouped],
+                DECODE_ATTENTION[args.decode_attention] or [fast.decode_attention]):
             torch._dynamo.reset()
             apply(model, replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words,
-                                   mxfp8_words=mxfp8_words, grouped=grouped))
+                                   mxfp8_words=mxfp8_words, grouped=grouped, decode_attention=attention))
             for batch in args.batch:  # one compile of each layer kind per batch size, kept across the sizes
                 cache = prompt_cache
                 if batch > 1:
@@ -228,6 +233,7 @@ def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tenso
     words = "".join(f" {fmt} words" + ("" if on is True else f" ({on})")
                     for fmt in ("nvfp4", "mxfp8") if (on := getattr(model.fast, f"{fmt}_words")))
     words += " grouped" if model.fast.grouped else ""
+    words += f" attention={model.fast.decode_attention}"
     log(world, f"[{result['reduction_config']}{words}] batch {batch}: step {1e3 * step_s:.2f} ms "
                f"({batch / step_s:.1f} tok/s), "
                f"kernels {kernel_us / 1e3:.2f} ms in {result['kernels_per_step']:.0f} launches; roofline "

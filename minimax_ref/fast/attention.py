@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..attention import Attention, gqa_chunks, merge_heads
 from ..cache import LayerCache
 from ..msa import CHUNK_ELEMENTS, block_scores, gather_blocks, mask_future, query_chunk
-from . import prefill_attention
+from . import attention_kernel
 from .compiled import materialize
 
 
@@ -159,12 +159,11 @@ class FastAttention(Attention):
             return super().forward(x, pos, cos, sin, cache, trace, kv_len)
         B, T, _ = x.shape
         prefill = T > self.paths.sync_free_tokens
+        mode = self.paths.prefill_attention if prefill else self.paths.decode_attention
         sdpa = self.paths.sdpa
         stored = cache.k.dtype if cache is not None else x.dtype
-        kernel = (prefill and self.paths.prefill_attention == "triton"
-                  and prefill_attention.handles(x.device, x.dtype, stored, self.head_dim))
-        flex = (prefill and self.paths.prefill_attention.startswith("flex")
-                and self.prefill_kernels.handles(x.device))
+        kernel = mode == "triton" and attention_kernel.handles(x.device, x.dtype, stored, self.head_dim)
+        flex = prefill and mode.startswith("flex") and self.prefill_kernels.handles(x.device)
         precision = "tf32x3" if self.paths.prefill_attention == "flex_tf32x3" else "ieee"
         q, k, v = self.qkv(x, cos, sin)
         q = materialize(q)  # compiled: computed once, not once per key
@@ -193,9 +192,10 @@ class FastAttention(Attention):
         if kernel and self.sparse:
             blocks = select_blocks_chunked(iq, ik, pos, sp.block_size, sp.topk_blocks, sp.local_blocks,
                                            sp.init_blocks, self.chunk_for(trace))
-            o = prefill_attention.prefill_attention(q, k, v, pos, self.scale, blocks, sp.block_size, kv_scale)
+            o = attention_kernel.block_attention(q, k, v, pos, self.scale, blocks, sp.block_size, kv_scale,
+                                                 self.sm_count)
         elif kernel:
-            o = prefill_attention.prefill_attention(q, k, v, pos, self.scale, kv_scale=kv_scale)
+            o = attention_kernel.block_attention(q, k, v, pos, self.scale, kv_scale=kv_scale, sms=self.sm_count)
         elif flex and self.sparse:
             o, blocks = self.prefill_kernels.msa(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
                                                  sp.local_blocks, sp.init_blocks, self.chunk_for(trace), precision)

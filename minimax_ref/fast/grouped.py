@@ -146,7 +146,8 @@ def supports(fmt: str, k: int) -> bool:
 _SMS: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA `device` (1 elsewhere), read once per device."""
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -161,7 +162,7 @@ def launch_for(fmt: str, entries: int, n: int, k: int, device: torch.device) -> 
     `FastPackedWeight` does at configuration) and pass the result to `packed_matmul_grouped`."""
     tiles = tiles_for(fmt, device)
     k_steps = k // _fit_block_k(tiles, k)
-    return tiles, split_for(entries * -(-n // tiles.block_n), k_steps, _sm_count(device))
+    return tiles, split_for(entries * -(-n // tiles.block_n), k_steps, sm_count(device))
 
 
 def split_for(programs: int, k_steps: int, sms: int) -> int:
@@ -392,7 +393,7 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     block_k = _fit_block_k(tiles, k)
     k_steps = k // block_k
     if split is None:
-        split = split_for(e * triton.cdiv(n, tiles.block_n), k_steps, _sm_count(x.device))
+        split = split_for(e * triton.cdiv(n, tiles.block_n), k_steps, sm_count(x.device))
     split = max(1, min(split, k_steps))
     split = -(-k_steps // -(-k_steps // split))  # no empty split
     nvfp4 = fmt == NVFP4

@@ -21,6 +21,7 @@ from ..packed import PackedWeight
 from .attention import FastAttention
 from .compiled import CompiledLayers, StoredNorm, run_layer
 from .graph import CapturedSteps
+from .grouped import sm_count
 from .launch import tuned_for
 from .moe import FastExperts, FastMLP, FastRouter
 from .msa_prefill import FlexPrefill
@@ -111,7 +112,7 @@ TWINS: dict[type, type] = {Attention: FastAttention, Experts: FastExperts, Route
 REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
 # what `apply` gives the twins, removed when the reference is restored
 _GIVEN = ("paths", "fast", "compiled", "kernels", "prefill_kernels", "mode", "fused_tokens", "fused_rows",
-          "normal_range", "words", "grouped_tokens", "grouped_launch", "captured", "captured_shapes")
+          "normal_range", "words", "grouped_tokens", "grouped_launch", "captured", "captured_shapes", "sm_count")
 
 
 def paths_of(model: nn.Module) -> FastPaths:
@@ -141,6 +142,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
             m.paths = paths
             if twin is FastAttention:
                 m.prefill_kernels = prefill_kernels
+                m.sm_count = sm_count(_device_of(m))
         if isinstance(m, FastPackedWeight):
             m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
                         paths.grouped_tokens)
@@ -150,6 +152,15 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
         model.compiled = CompiledLayers(reductions) if paths.compile_layers else None
         model.captured, model.captured_shapes = None, set()
     return paths
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    """The device of a module's first tensor (parameter or buffer: packed weights are buffers)."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
 
 
 def _restore(model: nn.Module) -> None:

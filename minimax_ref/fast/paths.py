@@ -16,10 +16,13 @@ test_launch.py compare each with the reference).
   CUDA graph). The same decoded bits; the sum is fp32 in another order. `nvfp4_words` / `mxfp8_words`: the fused
   products read the packed bytes as int32 words (`mxfp8_words="gate_up"`: only the gate and up projections).
 * `prefill_attention="triton"` (every preset): calls of more than `sync_free_tokens` tokens (prefill) of a bf16
-  model on CUDA attend through one Triton kernel (`fast.prefill_attention`): block-sparse flash attention on the tensor
+  model on CUDA attend through one Triton kernel (`fast.attention_kernel`): block-sparse flash attention on the tensor
   cores that reads each query's selected key blocks (dense layers: its causal keys) from the cache as stored. Scores
   exact products summed in fp32; probabilities split into two bf16 parts for the value sum (2^-18 relative). Equal
-  to fp32 rounding plus that split (tests/test_prefill_attention.py). Elsewhere (fp32 models, CPU) the gathering path.
+  to fp32 rounding plus that split (tests/test_attention_kernel.py). Elsewhere (fp32 models, CPU) the gathering path.
+* `decode_attention="triton"` (the `compiled` preset): decode steps (up to `sync_free_tokens` tokens a sequence) attend
+  through the same kernel, inside compiled layers and CUDA graphs, each program's keys split over the GPU and the
+  splits merged by their softmax denominators (fp32). The same contract.
 * `prefill_attention="flex"`: on CUDA, calls of more than `sync_free_tokens` tokens (prefill) attend through
   block-sparse `flex_attention`, compiled on first use (`fast.msa_prefill.FlexPrefill`): each MSA query token reads
   exactly its selected key blocks, dense layers only the causal blocks; fp32 (no TF32), no [Q, K] tensor. Equal to
@@ -53,6 +56,7 @@ from .packed import FUSED_ROWS
 
 DECODE_MODES = ("reference", "fast", "compile")
 PREFILL_ATTENTION_MODES = ("reference", "triton", "flex", "flex_tf32x3")
+DECODE_ATTENTION_MODES = ("reference", "triton")
 MATMUL_MODES = ("reference", "fused")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
 # cache (decode steps); larger calls (prefill) group tokens by expert, which needs the per-expert counts
@@ -90,9 +94,12 @@ class FastPaths:
     # launch configurations of the compiled layers' large reductions over packed weights: "auto" (the table's
     # entry for the model's GPU and this torch, `launch.tuned_for`), None (tuned per compile) or fixed ones
     layer_reductions: ReductionConfigs | str | None = "auto"
-    # "triton": the block-sparse prefill kernel (`fast.prefill_attention`); "flex" / "flex_tf32x3": block-sparse
+    # "triton": the block-sparse attention kernel (`fast.attention_kernel`); "flex" / "flex_tf32x3": block-sparse
     # flex_attention (`fast.msa_prefill`); both in prefill calls on CUDA
     prefill_attention: str = "reference"
+    # "triton": decode-sized calls (up to `sync_free_tokens` tokens) through the attention kernel too, its keys split
+    # over the GPU (`fast.attention_kernel`)
+    decode_attention: str = "reference"
     # products of more than `fused_tokens` and up to `sync_free_tokens` rows through the grouped Triton kernel
     grouped: bool = False
     # decode steps (`MiniMaxM3.step`) on CUDA captured in a CUDA graph per KV cache and shape, then replayed
@@ -109,6 +116,9 @@ class FastPaths:
         if self.prefill_attention not in PREFILL_ATTENTION_MODES:
             raise ConfigError(f"fast paths: prefill_attention={self.prefill_attention!r}: choose one of "
                               f"{list(PREFILL_ATTENTION_MODES)}")
+        if self.decode_attention not in DECODE_ATTENTION_MODES:
+            raise ConfigError(f"fast paths: decode_attention={self.decode_attention!r}: choose one of "
+                              f"{list(DECODE_ATTENTION_MODES)}")
         if self.fused_rows < 1:
             raise ConfigError(f"fast paths: fused_rows={self.fused_rows}: give a positive row count")
         if self.compile_layers and not (self.moe and self.static_kv):
@@ -155,7 +165,8 @@ class FastPaths:
             # sdpa off: the fp32 SDPA kernel does not split the keys of a one-query step over the GPU; the compiled
             # einsum core does
             return cls(decode="fast", moe=True, static_kv=True, sdpa=False, matmul="fused", compile_layers=True,
-                       nvfp4_words=True, mxfp8_words="gate_up", grouped=True, prefill_attention="triton", graph=True)
+                       nvfp4_words=True, mxfp8_words="gate_up", grouped=True, prefill_attention="triton",
+                       decode_attention="triton", graph=True)
         if isinstance(fast, dict):
             names = {f.name for f in fields(cls)}
             unknown = sorted(set(fast) - names)

@@ -1,16 +1,18 @@
-"""The prefill attention kernel (`fast.prefill_attention`, `FastPaths(prefill_attention="triton")`, issue 26).
+"""The attention kernel (`fast.attention_kernel`; `FastPaths(prefill_attention="triton")` in every preset,
+`decode_attention="triton"` in `compiled`; issue 26).
 
-Contract under test: `prefill_attention` computes `msa.gather_block_attention` (a block selection given) and
+Contract under test: `block_attention` computes `msa.gather_block_attention` (a block selection given) and
 `attention.causal_attention` (none) for bf16 queries over keys and values as a cache stores them (bf16, or fp8 read
 as `LayerCache.load` reads it), within fp32 rounding plus the stated split of the probabilities (2^-18 relative):
 |o - o_ref| <= 2e-5 of max |o_ref|, against the reference cores computing in fp32 on the same bf16 values. Geometries
 beyond the release's: groups that are not powers of two, head dims and block sizes that are not, blocks of fewer
 keys than a tensor-core tile, empty selection slots, selected blocks past a query, chunked prefill (queries after
-cached keys), two sequences at different positions.
+cached keys), two sequences at different positions, keys split over programs and merged (decode steps).
 
 The kernel runs in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1 python -m pytest -q
-tests/test_prefill_attention.py`; skipped otherwise) and compiled on CUDA (`-m gpu`). A model test checks that a bf16
-model's prefill takes the kernel and agrees with the gathering path (to bf16 rounding, and expert flips at ties).
+tests/test_attention_kernel.py`; skipped otherwise) and compiled on CUDA (`-m gpu`). Model tests check that a bf16
+model's prefill and decode steps take the kernel (on CUDA inside compiled layers and CUDA graphs) and agree with the
+gathering path (to bf16 rounding, and expert flips at ties).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from minimax_ref.attention import causal_attention
 from minimax_ref.cache import store_kv
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.fast import prefill_attention as pa
+from minimax_ref.fast import attention_kernel as pa
 from minimax_ref.fast.grouped import AVAILABLE, interpreting
 from minimax_ref.msa import gather_block_attention
 
@@ -73,17 +75,30 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sms", [1, 1000], ids=["whole", "split"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
-def test_kernel_equals_the_reference_cores(name, fp8, device):
+def test_kernel_equals_the_reference_cores(name, fp8, sms, device):
+    """`sms` 1: one program per query tile reads all its keys; 1000: the keys are split as far as they go (one block
+    or key tile per program) and merged."""
     q, ks, vs, k, v, pos, blocks, bs, scale = _operands(GEOMETRIES[name], fp8, device)
-    dense = pa.prefill_attention(q, ks, vs, pos, scale)
+    dense = pa.block_attention(q, ks, vs, pos, scale, sms=sms)
     assert dense.dtype == torch.float32 and dense.shape == q.shape
     assert _rel(dense, causal_attention(q, k, v, pos, scale)) < BOUND
-    sparse = pa.prefill_attention(q, ks, vs, pos, scale, blocks, bs)
+    sparse = pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=sms)
     assert _rel(sparse, gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
     # the selection matters: another selection gives another result
     assert _rel(sparse, dense) > 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_shaped_calls(device):
+    """One query per sequence over a long cache (a decode step), split over the keys: equal to the cores."""
+    q, ks, vs, k, v, pos, blocks, bs, scale = _operands((3, 1, 300, 16, 2, 64, 32, 4), True, device, seed=5)
+    assert pa.splits_for(3 * 2, 4, 132) == 4 and pa.splits_for(3 * 2, 100, 2) == 1
+    assert _rel(pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=132),
+                gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
+    assert _rel(pa.block_attention(q, ks, vs, pos, scale, sms=132), causal_attention(q, k, v, pos, scale)) < BOUND
 
 
 @pytest.mark.gpu
@@ -92,9 +107,15 @@ def test_kernel_equals_the_reference_cores(name, fp8, device):
 def test_kernel_at_release_geometry(fp8):
     """G = 16, 128-channel heads, blocks of 128, top-16, 1,024 queries after 1,024 cached keys."""
     q, ks, vs, k, v, pos, blocks, bs, scale = _operands((1, 1024, 1024, 64, 4, 128, 128, 16), fp8, "cuda", seed=1)
-    assert _rel(pa.prefill_attention(q, ks, vs, pos, scale, blocks, bs),
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert _rel(pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=sms),
                 gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
-    assert _rel(pa.prefill_attention(q, ks, vs, pos, scale), causal_attention(q, k, v, pos, scale)) < BOUND
+    assert _rel(pa.block_attention(q, ks, vs, pos, scale, sms=sms), causal_attention(q, k, v, pos, scale)) < BOUND
+    # a decode step of 32 sequences at 8K
+    q, ks, vs, k, v, pos, blocks, bs, scale = _operands((32, 1, 8191, 64, 4, 128, 128, 16), fp8, "cuda", seed=2)
+    assert _rel(pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=sms),
+                gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
+    assert _rel(pa.block_attention(q, ks, vs, pos, scale, sms=sms), causal_attention(q, k, v, pos, scale)) < BOUND
 
 
 def test_where_the_kernel_runs():
@@ -128,13 +149,45 @@ def test_model_prefill_takes_the_kernel(tiny_nvfp4, device, monkeypatch):
     apply(model, replace(FastPaths.of(True), prefill_attention="reference"))
     want = run()
     calls = []
-    original = pa.prefill_attention
-    monkeypatch.setattr(pa, "prefill_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = pa.block_attention
+    monkeypatch.setattr(pa, "block_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     apply(model, True)
     got = run()
     assert len(calls) == len(model.layers)  # the 70-token call; the 20-token one is a decode-sized call
+    _agree(got, want)
+    calls.clear()
+    apply(model, replace(FastPaths.of(True), decode_attention="triton"))
+    got = run()
+    assert len(calls) == 2 * len(model.layers)  # both calls
+    _agree(got, want)
+
+
+def _agree(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Logits of two bf16 runs whose attention differs by fp32 rounding."""
     # bf16 activations: an fp32-rounding difference in an attention output can round to another bf16 value, which
     # moves a logit by a bf16 step, or at a near tie flips a token's experts (a large change at that position)
     per_position = (got.float() - want.float()).abs().amax(-1) / want.float().abs().amax()
     assert per_position.median() < 1e-2
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERP or not AVAILABLE, reason="compiled Triton kernels")
+def test_compiled_decode_steps_take_the_kernel(tiny_nvfp4):
+    """`compiled` on CUDA: decode steps in compiled layers replayed from CUDA graphs attend through the kernel and
+    generate the tokens of the same preset with the compiled gathering path."""
+    from minimax_ref.decoding import generate_ids
+    from minimax_ref.loader import load_model
+    from minimax_ref.sampling import SamplingParams
+
+    model = load_model(tiny_nvfp4, dtype=torch.bfloat16, weights="packed", device="cuda", kv_cache_dtype="fp8")
+    prompts = [list(range(3, 90)), list(range(5, 40))]
+    greedy = SamplingParams(temperature=0)
+    apply(model, replace(FastPaths.of("compiled"), decode_attention="reference"))
+    want = [s.generated for s in generate_ids(model, prompts, max_new_tokens=12, sampling=greedy)[0]]
+    apply(model, "compiled")
+    assert model.fast.decode_attention == "triton"
+    got = [s.generated for s in generate_ids(model, prompts, max_new_tokens=12, sampling=greedy)[0]]
+    assert model.captured is not None and model.captured.graphs
+    agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    assert agree >= 0.9 * sum(len(w) for w in want)

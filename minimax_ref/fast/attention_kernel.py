@@ -53,6 +53,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _dense_tokens(group: int, queries: int) -> int:
+    """Query tokens per program on dense layers: `DENSE_ROWS` rows, fewer for calls of fewer tokens (decode)."""
+    return max(1, min(DENSE_ROWS // _pow2(group), _pow2(queries)))
+
+
 if AVAILABLE:
     _bf16_value = grouped._bf16_value
     _e4m3_value = grouped._e4m3_value
@@ -97,19 +102,23 @@ if AVAILABLE:
         return m_new, l_i, acc
 
     @triton.jit
-    def _prefill_attention_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, blocks_ptr,
-        T, L, KB, BS, scale_log2, kv_scale,
+    def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, pos_ptr, blocks_ptr,
+        T, L, KB, BS, PER_SPLIT, scale_log2, kv_scale,
         stride_qb, stride_qt, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
-        stride_ob, stride_ot, stride_oh, stride_pb, stride_pt, stride_bb, stride_bh, stride_bt,
+        stride_os, stride_ob, stride_ot, stride_oh, stride_ls, stride_lb, stride_lt, stride_pb, stride_pt,
+        stride_bb, stride_bh, stride_bt,
         G: tl.constexpr, GP: tl.constexpr, TOKENS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        KEYS: tl.constexpr, SPARSE: tl.constexpr, KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr,
+        KEYS: tl.constexpr, SPLITS: tl.constexpr, SPARSE: tl.constexpr, KV_FP8: tl.constexpr,
+        EXACT_FP32: tl.constexpr,
     ):
-        """o[b, t, h*G + g] over the keys of kv head h that query token t reads (`prefill_attention`).
-        Grid: (token tiles, kv heads, sequences). Rows: TOKENS tokens times GP >= G heads (rows g >= G idle)."""
+        """o[s, b, t, h*G + g] over split s of the keys of kv head h that query token t reads (`block_attention`),
+        and with SPLITS > 1 the split's log2-sum-exp lse[s, b, t, h*G + g]. Grid: (token tiles, kv heads,
+        sequences x splits). Rows: TOKENS tokens times GP >= G heads (rows g >= G idle)."""
         pid_t = tl.program_id(0)
         h = tl.program_id(1)
-        b = tl.program_id(2)
+        b = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
         ROWS: tl.constexpr = TOKENS * GP
         r = tl.arange(0, ROWS)
         tok = pid_t * TOKENS + r // GP
@@ -127,9 +136,9 @@ if AVAILABLE:
         acc = tl.zeros((ROWS, DP), dtype=tl.float32)
         n = tl.arange(0, KEYS)
         if SPARSE:
-            # TOKENS == 1: the token's own selection; an empty slot (-1) reads nothing
+            # TOKENS == 1: the token's own selection (this split's slots of it); an empty slot (-1) reads nothing
             sel = blocks_ptr + b * stride_bb + h * stride_bh + pid_t * stride_bt
-            for j in range(0, KB):
+            for j in range(split * PER_SPLIT, tl.minimum(split * PER_SPLIT + PER_SPLIT, KB)):
                 blk = tl.load(sel + j)
                 if blk >= 0:
                     kpos = blk * BS + n
@@ -137,66 +146,109 @@ if AVAILABLE:
                     m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, qpos,
                                             m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, KV_FP8, EXACT_FP32)
         else:
-            # the tile's last key: its tokens' largest position
+            # the key tiles up to the tile's last query (its tokens' largest position), this split's share of them
             last = tl.load(pos_ptr + b * stride_pb + pid_t * TOKENS * stride_pt)
             for i in tl.static_range(1, TOKENS):
                 t_i = pid_t * TOKENS + i
                 last = tl.maximum(last, tl.load(pos_ptr + b * stride_pb + t_i * stride_pt, mask=t_i < T, other=0))
-            for j in range(0, tl.minimum(last, L - 1) // KEYS + 1):
+            tiles = tl.minimum(last, L - 1) // KEYS + 1
+            per = (tiles + SPLITS - 1) // SPLITS
+            for j in range(split * per, tl.minimum(split * per + per, tiles)):
                 kpos = j * KEYS + n
                 k_ok = kpos < L
                 m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, qpos,
                                         m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, KV_FP8, EXACT_FP32)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_rows = o_ptr + b * stride_ob + tok[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh
+        o_rows = o_ptr + split * stride_os + b * stride_ob + tok[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh
         tl.store(o_rows + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        if SPLITS > 1:
+            # a split that read no key weighs nothing in the merge
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + split * stride_ls + b * stride_lb + tok * stride_lt + h * G + g, lse, mask=row_ok)
+
+    # An opaque operator (not `triton_op`): inductor calls it as it is from a compiled layer, and it launches the
+    # kernel through Triton's own compilation, the one the eager calls and the tests use.
+    @torch.library.custom_op("minimax_ref::block_attention", mutates_args=())
+    def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                      blocks: torch.Tensor | None, block_size: int, scale: float, kv_scale: float, splits: int,
+                      exact_fp32: bool) -> torch.Tensor:
+        """The launch (see `block_attention`); k, v as stored (fp8 as uint8), blocks int32 or None."""
+        B, T, Hq, D = q.shape
+        L, Hkv = k.shape[1], k.shape[2]
+        G = Hq // Hkv
+        sparse = blocks is not None
+        tokens = 1 if sparse else _dense_tokens(G, T)
+        gp = max(_pow2(G), MIN_TILE // tokens)
+        keys = max(MIN_TILE, _pow2(block_size)) if sparse else DENSE_KEYS
+        kb = blocks.shape[-1] if sparse else 0
+        sel = blocks if sparse else q_pos  # unread when dense
+        out = torch.empty(*((splits,) if splits > 1 else ()), B, T, Hq, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, B, T, Hq, dtype=torch.float32, device=q.device) if splits > 1 else q_pos  # unread
+        per = (0,) if splits == 1 else (out.stride(0),)
+        grid = (triton.cdiv(T, tokens), Hkv, B * splits)
+        lse_strides = lse.stride()[:3] if splits > 1 else (0, 0, 0)
+        sel_strides = sel.stride()[:3] if sparse else (0, 0, 0)
+        _attention_kernel[grid](
+            q, k, v, out, lse, q_pos, sel,
+            T, L, kb, max(block_size, 1), -(-kb // splits), scale * LOG2E, kv_scale,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *per, *out.stride()[-4:-1], *lse_strides,
+            *q_pos.stride(), *sel_strides,
+            G=G, GP=gp, TOKENS=tokens, D=D, DP=max(MIN_TILE, _pow2(D)), KEYS=keys, SPLITS=splits, SPARSE=sparse,
+            KV_FP8=k.dtype == torch.uint8, EXACT_FP32=exact_fp32, num_warps=4 if tokens * gp <= 32 else 8,
+            num_stages=2)
+        if splits == 1:
+            return out
+        # the splits merged: each split's normalised sum weighted by its share of the softmax denominator
+        weight = torch.exp2(lse - lse.amax(0))
+        return (out * weight[..., None]).sum(0) / weight.sum(0)[..., None]
+
+    @_attention_op.register_fake
+    def _(q, k, v, q_pos, blocks, block_size, scale, kv_scale, splits, exact_fp32):
+        return q.new_empty(q.shape, dtype=torch.float32)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                      blocks: torch.Tensor | None = None, block_size: int = 0, kv_scale: float = 1.0) -> torch.Tensor:
+def splits_for(programs: int, max_splits: int, sms: int) -> int:
+    """Splits of each program's keys so that `programs` times the splits fill `sms` SMs twice over (a decode step
+    has one program per sequence and kv head: a few dozen), at most `max_splits`; 1 when the programs alone do."""
+    return max(1, min(max_splits, -(-2 * sms // max(programs, 1))))
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                    blocks: torch.Tensor | None = None, block_size: int = 0, kv_scale: float = 1.0,
+                    sms: int = 1) -> torch.Tensor:
     """Attention of bf16 queries q [B, T, Hq, D] at positions q_pos [B, T] over keys and values k, v [B, L, Hkv, D]
     as a cache stores them (slot = position; bf16, or float8_e4m3fn read as bf16(fp32(x) * kv_scale)).
 
     blocks None: dense causal attention (`attention.causal_attention`). blocks [B, Hkv, T, kb] (-1 = empty slot):
     each query token reads only the keys of its kv head's selected blocks of `block_size` slots, at or before its
     position (`msa.gather_block_attention`). Returns fp32 [B, T, Hq, D]; the numerics are the module docstring's.
+
+    sms: the GPU's SM count: when the (sequence, kv head, query tile) programs are too few to fill it (decode
+    steps), each program's keys are split (`splits_for`) and the splits' partial results merged by their softmax
+    denominators (fp32). Static in the shapes, no host synchronisation: it runs in compiled layers and CUDA graphs
+    (a registered operator).
     """
     B, T, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    GP = max(_pow2(G), 1)
-    sparse = blocks is not None
-    if sparse:
-        tokens, keys = 1, max(MIN_TILE, _pow2(block_size))
-        GP = max(GP, MIN_TILE)
+    if blocks is not None:
         blocks = blocks.to(torch.int32)
-        kb = blocks.shape[-1]
+        programs, most = B * Hkv * T, blocks.shape[-1]
     else:
-        tokens, keys = max(1, DENSE_ROWS // GP), DENSE_KEYS
-        blocks = q_pos  # unread
-        kb = 0
-    fp8 = k.dtype == torch.float8_e4m3fn
-    if fp8:
+        programs, most = B * Hkv * -(-T // _dense_tokens(Hq // Hkv, T)), -(-L // DENSE_KEYS)
+    if k.dtype == torch.float8_e4m3fn:
         k, v = k.view(torch.uint8), v.view(torch.uint8)
-    out = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
-    exact = interpreting()
-    grid = (triton.cdiv(T, tokens), Hkv, B)
-    _prefill_attention_kernel[grid](
-        q, k, v, out, q_pos, blocks,
-        T, L, kb, max(block_size, 1), scale * LOG2E, kv_scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), out.stride(0), out.stride(1), out.stride(2), q_pos.stride(0), q_pos.stride(1),
-        blocks.stride(0), blocks.stride(1) if sparse else 0, blocks.stride(2) if sparse else 0,
-        G=G, GP=GP, TOKENS=tokens, D=D, DP=max(MIN_TILE, _pow2(D)), KEYS=keys, SPARSE=sparse, KV_FP8=fp8,
-        EXACT_FP32=exact, num_warps=4 if sparse else 8, num_stages=2)
-    return out
+    return torch.ops.minimax_ref.block_attention(q, k, v, q_pos, blocks, block_size, scale, kv_scale,
+                                                 splits_for(programs, most, sms), interpreting())
 
 
 def handles(device: torch.device, dtype: torch.dtype, stored: torch.dtype, head_dim: int) -> bool:
-    """Whether `prefill_attention` runs here: a bf16 model whose keys are stored as bf16 or fp8, heads of at most 256
-    channels, on CUDA with triton (or CPU tensors under the interpreter)."""
+    """Whether `block_attention` runs here: a bf16 model whose keys are stored as bf16 or fp8, heads of at most 256
+    channels, on CUDA with triton (or CPU tensors under the interpreter, outside compiled regions: those cannot trace
+    an interpreted kernel)."""
     if not AVAILABLE or dtype != torch.bfloat16 or stored not in (torch.bfloat16, torch.float8_e4m3fn):
         return False
     if head_dim > 256:
         return False
-    return device.type == ("cpu" if interpreting() else "cuda")
+    if interpreting():
+        return device.type == "cpu" and not torch.compiler.is_compiling()
+    return device.type == "cuda"

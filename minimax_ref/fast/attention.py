@@ -5,6 +5,9 @@ equal to fp32 rounding, with
   no host synchronisation; later slots are future keys, masked);
 * `sdpa`: the fp32 attention core through `F.scaled_dot_product_attention`, and MSA gathers its selected blocks
   from the cache's storage and converts only those (an fp8 cache is never converted whole);
+* `prefill_attention="triton"` (prefill calls: more than `sync_free_tokens` tokens) and `decode_attention="triton"`
+  (decode-sized calls), for a bf16 model on CUDA: the block-sparse attention kernel (`fast.attention_kernel`) over the
+  cache as stored, the MSA selection by `select_blocks_chunked`;
 * `prefill_attention="flex"` (or `"flex_tf32x3"`): calls of more than `sync_free_tokens` tokens (prefill) on CUDA
   attend through block-sparse `flex_attention` (`fast.msa_prefill.FlexPrefill`, given by `fast.apply` as
   `prefill_kernels`): MSA layers over exactly their selected key blocks, dense layers causally, one fused kernel per

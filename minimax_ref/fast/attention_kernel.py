@@ -1,6 +1,7 @@
-"""Prefill attention by one Triton kernel (`FastPaths(prefill_attention="triton")`): block-sparse flash attention
-on the tensor cores, the same function as `msa.msa_attention` on MSA layers and `attention.causal_attention` on
-dense layers for a bf16 model, within the rounding stated below.
+"""The attention kernel: block-sparse flash attention on the tensor cores, one Triton kernel for prefill calls
+(`FastPaths(prefill_attention="triton")`, every preset) and decode steps (`decode_attention="triton"`, `compiled`),
+the same function as `msa.msa_attention` on MSA layers and `attention.causal_attention` on dense layers for a bf16
+model, within the rounding stated below.
 
 The reference gathers each query's selected key blocks into memory, converts them to fp32 and runs a softmax over
 them (for an 8K prompt at release widths that is gigabytes of copies per layer). Here one program keeps a tile of
@@ -10,8 +11,10 @@ registers as `LayerCache.load` converts), with an online softmax:
 * MSA layers: one program per (sequence, kv head, query token): the token's G query heads (one kv head's group) as
   the rows of a tile, its selected blocks (`blocks` [B, Hkv, T, kb] from the indexer, -1 = empty slot) as the key
   tiles, masked at the token's position. No union over neighbouring tokens: each reads exactly its selection.
-* Dense layers: one program per (sequence, kv head, `DENSE_ROWS` / G tokens): every key tile up to the last query's
-  position, masked causally.
+* Dense layers: one program per (sequence, kv head, `DENSE_ROWS` / G tokens, fewer for short calls): every key tile
+  up to the last query's position, masked causally.
+* Decode steps have a few dozen such programs, too few for the GPU: each program's keys are then split over several
+  programs (`splits_for`, flash-decoding) and their normalised sums merged by their softmax denominators (fp32).
 
 Numerics (the contract the tests check against the reference, which computes in fp32 on bf16-valued operands):
 * scores: q . k with bf16 queries and keys (exact in fp32: a product of two bf16 values fits), summed in fp32 on
@@ -24,7 +27,9 @@ Numerics (the contract the tests check against the reference, which computes in 
 The caller selects the blocks (`fast.attention.select_blocks_chunked`: msa.py's rule, the same ids); memory stays
 linear in the context (no [Q, K] tensor).
 
-`handles` says where it runs: CUDA with triton, a bf16 model, keys stored as bf16 or fp8. Under
+`block_attention` launches it through an opaque registered operator (`minimax_ref::block_attention`): a compiled
+decoder layer calls it as it is, and a CUDA graph captures it (static shapes, no host read). `handles` says where it
+runs: CUDA with triton, a bf16 model, keys stored as bf16 or fp8. Under
 `TRITON_INTERPRET=1` (the tests on a CPU) the kernel runs on CPU tensors, with `fast.grouped`'s exact-fp32 forms of
 the bf16 roundings and dots.
 """

@@ -5,7 +5,7 @@
     # needs `minimax_m3_vl` (5.23; the machine's 5.17 may not have it: carry the 5.23 wheel on PYTHONPATH,
     # else its column is recorded as an error):
     PYTHONPATH=$PWD python3 benchmarks/prefill.py --out prefill.jsonl
-    # CPU dry run (flex's unfused form on CPU; the fused kernel is CUDA's):
+    # CPU dry run (the attention kernel is CUDA's: on a CPU `on` and `compiled` keep the gathering path):
     python benchmarks/prefill.py --device cpu --preset tiny --layers 0 --experts 0 --prompt-len 200
 
 The model: `--preset release --layers 6 --experts 16` (3 dense layers, 3 MSA + MoE layers, release widths: hidden
@@ -13,18 +13,18 @@ The model: `--preset release --layers 6 --experts 16` (3 dense layers, 3 MSA + M
 (`--weights dequant`: the tensors transformers gets), bf16 KV cache. Each variant of minimax-ref runs on the same
 loaded model (`fast.apply` between variants):
 * `reference`: the reference engine (`FastPaths()`: MSA gathers its selected key blocks per query chunk);
-* `on`: `--fast on` (batched experts, fp32 SDPA cores, MSA gathering from the cache): the prefill of
-  BENCHMARKS.md's 0.26x;
-* `flex`: `on` with `prefill_attention="flex"`: MSA and dense layers as block-sparse `flex_attention`, compiled,
-  fp32 products (`fast.msa_prefill`);
-* `flex_tf32x3`: the same kernel with its products as three TF32 tensor-core products each (about 2^-21 relative).
+* `gathering`: `--fast on` with the attention kernel off (`prefill_attention="reference"`: fp32 SDPA cores, MSA
+  gathering its blocks from the cache);
+* `on`: `--fast on` (batched experts, and with triton on CUDA the attention kernel, `fast.attention_kernel`);
+* `compiled`: `--fast compiled`, the GPU default (its prefill: `on`'s paths with fused packed products unused).
 `transformers`: `MiniMaxM3VLForCausalLM` built from the same decoded weights (vs_transformers.build_transformers),
 bf16, SDPA attention (on MSA layers with a [B, heads, S, S] mask of the indexer's selected blocks, so every layer
 costs dense attention).
 
-Each system: one warm-up prefill of the whole prompt (it compiles flex: its seconds are reported as `warmup_s`),
-then `--repeats` timed prefills, the best kept; only the last position goes through the LM head. Agreement: each
-variant's last logits against `reference` (and transformers'), relative max error and argmax.
+Each system: one warm-up prefill of the whole prompt (its seconds are reported as `warmup_s`), then `--repeats`
+timed prefills, the best kept; only the last position goes through the LM head. Agreement: each variant's last
+logits against `reference` (and transformers'), relative max error and argmax. `--profile` adds each variant's
+device time per kernel kind and its top kernels.
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ import torch
 from common import BenchmarkError, emit, init_world, log, main_guard, peak_gib, prefill, reset_peak, sync
 
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.fast.msa_prefill import FlexPrefill
 from minimax_ref.loader import load_synthetic
 from minimax_ref.synth import PRESETS
 
 ON = FastPaths.of(True)
-VARIANTS = {"reference": FastPaths(), "on": ON, "compiled": FastPaths.of("compiled"),
-            "flex": replace(ON, prefill_attention="flex"), "flex_tf32x3": replace(ON, prefill_attention="flex_tf32x3")}
+VARIANTS = {"reference": FastPaths(), "gathering": replace(ON, prefill_attention="reference"), "on": ON,
+           "compiled": FastPaths.of("compiled")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=8192)
     p.add_argument("--prefill-chunk", type=int, default=8192, help="ours: tokens per prefill call (default: 8192)")
     p.add_argument("--attention-chunk-elements", type=int, default=1 << 26)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--variants", default="reference,on,compiled",
+                   help=f"comma list of {', '.join(VARIANTS)} (default: reference,on,compiled)")
     p.add_argument("--repeats", type=int, default=2, help="timed prefills per system after the warm-up (default: 2)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="transformers attention")
@@ -148,14 +148,10 @@ def run(args: argparse.Namespace, holder: list) -> None:
 
     log(world, f"loading {args.preset} layers={args.layers} experts={args.experts} weights={args.weights}")
     model = load_synthetic(args.preset, weights=args.weights, **common)
-    if device.type != "cuda":
-        # the fused kernel is CUDA's; on CPU the flex variants run flex's unfused form (the tests' path)
-        model.prefill_kernels = FlexPrefill(unfused_on_cpu=True)
     t = model.text
     result["model"] = {"layers": t.num_hidden_layers, "sparse_layers": sum(t.sparse_layers), "experts":
                        t.num_local_experts, "hidden": t.hidden_size, "heads": t.num_attention_heads,
-                       "kv_heads": t.num_key_value_heads, "weights_gib": model.load_stats["memory_bytes"] / 2**30,
-                       "flex_form": "compiled (Triton)" if device.type == "cuda" else "unfused (CPU)"}
+                       "kv_heads": t.num_key_value_heads, "weights_gib": model.load_stats["memory_bytes"] / 2**30}
     cache = model.new_cache(1, args.prompt_len)
     systems: dict = {}
     logits: dict = {}
@@ -167,7 +163,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
                 last, warmup, secs, peak = _timed(device, lambda: prefill(model, cache, ids, args.prefill_chunk),
                                                   args.repeats)
             except Exception as e:  # a variant that fails (a kernel that does not build) must not hide the others
-                if isinstance(e, torch.OutOfMemoryError) or name in ("reference", "on"):
+                if isinstance(e, torch.OutOfMemoryError) or name == "reference":
                     raise
                 systems[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
                 log(world, f"ours {name} failed: {systems[name]['error']}")
@@ -211,10 +207,10 @@ def run(args: argparse.Namespace, holder: list) -> None:
     for name, lg in logits.items():
         if name != "reference" and "reference" in logits:
             agreement[f"{name}_vs_reference"] = _agreement(lg, logits["reference"])
-        if name.startswith("flex") and "transformers" in logits:
+        if name not in ("reference", "transformers") and "transformers" in logits:
             agreement[f"{name}_vs_transformers"] = _agreement(lg, logits["transformers"])
     speed = {name: s["tokens_per_s"] for name, s in systems.items() if "tokens_per_s" in s}
-    # each variant of ours over transformers and over the variants before it (`on` over `reference`, flex over both)
+    # each variant of ours over transformers and over the variants before it (`on` over `reference`, ...)
     order = {"transformers": -1} | {name: i for i, name in enumerate(VARIANTS)}
     ratios = {f"{name}_over_{base}": speed[name] / speed[base] for name in variants
               for base in ("transformers", "on", "reference")

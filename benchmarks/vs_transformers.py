@@ -23,8 +23,8 @@ into B rows (transformers: `batch_repeat_interleave`). Agreement: the prefill's 
 greedy tokens of batch 1, ours_dequant against transformers (bf16 both: close, not equal) and
 ours_packed against ours_dequant (bit-identical by contract).
 
-`--prefill-attention flex` runs both systems' prefill attention as block-sparse flex_attention
-(`FastPaths(prefill_attention="flex")`; benchmarks/prefill.py compares the attention paths alone).
+`--prefill-attention reference` runs ours' prefill with the fp32 gathering path instead of the attention kernel
+(`FastPaths(prefill_attention=...)`; benchmarks/prefill.py compares the attention paths alone).
 
 `--fast fused` (or the variants `fused`, `fused-graph`) runs ours_packed's decode steps with the fused
 dequantize-and-multiply of packed weights (`FastPaths(matmul="fused")`; ours_dequant has no packed weights,
@@ -101,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-transformers", action="store_true", help="measure minimax-ref only")
     p.add_argument("--fast", default="on", choices=["on", "fused"],
                    help="ours: the fast paths (on), or with the fused packed matmul for decode steps (default: on)")
-    p.add_argument("--prefill-attention", default="reference", choices=["reference", "flex", "flex_tf32x3"],
-                   help="ours: prefill attention (FastPaths.prefill_attention; default: reference = gathered MSA\n"
-                        "blocks; flex: block-sparse flex_attention on CUDA, compiled in the warm-up)")
+    p.add_argument("--prefill-attention", default="triton", choices=["triton", "reference"],
+                   help="ours: prefill attention (FastPaths.prefill_attention; default: triton, the attention kernel;\n"
+                        "reference: fp32 cores over the gathered MSA blocks)")
     p.add_argument("--fused-rows", type=int, default=FUSED_ROWS,
                    help=f"fused matmul: rows of the input per pass over a weight (default: {FUSED_ROWS})")
     p.add_argument("--budget-s", type=float, default=40.0, help="stop a decode run early after this (default: 40)")

@@ -118,6 +118,34 @@ def test_kernel_at_release_geometry(fp8):
     assert _rel(pa.block_attention(q, ks, vs, pos, scale, sms=sms), causal_attention(q, k, v, pos, scale)) < BOUND
 
 
+def test_switches_and_presets():
+    """Every preset prefills through the kernel; decode steps only in `compiled`; unknown values are refused."""
+    from minimax_ref.errors import ConfigError
+
+    assert {FastPaths.of(m).prefill_attention for m in (True, "compile", "fused", "compiled")} == {"triton"}
+    assert FastPaths.of(False).prefill_attention == FastPaths.of(False).decode_attention == "reference"
+    assert FastPaths.of("compiled").decode_attention == "triton"
+    assert {FastPaths.of(m).decode_attention for m in (True, "compile", "fused")} == {"reference"}
+    with pytest.raises(ConfigError, match="prefill_attention='flex': choose one of"):
+        FastPaths(prefill_attention="flex")
+    with pytest.raises(ConfigError, match="decode_attention='dense': choose one of"):
+        FastPaths(decode_attention="dense")
+
+
+def test_prefill_benchmark_dry_run(capsys, monkeypatch):
+    """benchmarks/prefill.py on CPU (tiny preset): every variant runs and is compared with the reference."""
+    from test_packed import _bench
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = _bench("prefill.py", ["--device", "cpu", "--preset", "tiny", "--layers", "0", "--experts", "0",
+                                "--prompt-len", "80", "--variants", "reference,gathering,on", "--repeats", "1",
+                                "--skip-transformers"], capsys)
+    assert out["systems"]["on"]["fast_paths"]["prefill_attention"] == "triton"
+    assert out["systems"]["gathering"]["fast_paths"]["prefill_attention"] == "reference"
+    assert all(out["agreement"][f"{v}_vs_reference"]["argmax_equal"] for v in ("gathering", "on"))
+    assert {"gathering_over_reference", "on_over_reference"} <= set(out["speedups"])
+
+
 def test_where_the_kernel_runs():
     """bf16 models with bf16 or fp8 storage only; fp32 models keep the gathering path; a CPU only under the
     interpreter, CUDA only compiled."""

@@ -4,8 +4,9 @@ model by one call, `apply(model, FastPaths(...))`, and removed by `apply(model, 
 
 The reference modules never import this package; `load_model(fast=...)` imports it only when a fast path is asked
 for. Modules: `paths` (the switches), `attention`, `moe`, `packed` (the twins), `compiled` (the compiled decoder
-layer), `launch` (launch configurations, as data), `graph` (a decode step captured in a CUDA graph), `model`
-(the model twin and `apply`).
+layer), `launch` (launch configurations, as data), `graph` (a decode step captured in a CUDA graph), `grouped`
+(the Triton kernel of packed products of a few dozen rows), `attention_kernel` (the Triton block-sparse attention of
+prefill and decode steps), `model` (the model twin and `apply`).
 """
 
 from .model import FastMiniMaxM3, apply, paths_of

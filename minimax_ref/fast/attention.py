@@ -8,10 +8,6 @@ equal to fp32 rounding, with
 * `prefill_attention="triton"` (prefill calls: more than `sync_free_tokens` tokens) and `decode_attention="triton"`
   (decode-sized calls), for a bf16 model on CUDA: the block-sparse attention kernel (`fast.attention_kernel`) over the
   cache as stored, the MSA selection by `select_blocks_chunked`;
-* `prefill_attention="flex"` (or `"flex_tf32x3"`): calls of more than `sync_free_tokens` tokens (prefill) on CUDA
-  attend through block-sparse `flex_attention` (`fast.msa_prefill.FlexPrefill`, given by `fast.apply` as
-  `prefill_kernels`): MSA layers over exactly their selected key blocks, dense layers causally, one fused kernel per
-  query chunk;
 * in a compiled region (`FastPaths.compile_layers`): the contractions as broadcast products (`contract`), block
   selection by unsorted top-k (nothing in a compiled decode step reads the order of the ids; only the order of the
   fp32 sums changes), and the queries and softmax probabilities stored once (`compiled.materialize`).
@@ -166,8 +162,6 @@ class FastAttention(Attention):
         sdpa = self.paths.sdpa
         stored = cache.k.dtype if cache is not None else x.dtype
         kernel = mode == "triton" and attention_kernel.handles(x.device, x.dtype, stored, self.head_dim)
-        flex = prefill and mode.startswith("flex") and self.prefill_kernels.handles(x.device)
-        precision = "tf32x3" if self.paths.prefill_attention == "flex_tf32x3" else "ieee"
         q, k, v = self.qkv(x, cos, sin)
         q = materialize(q)  # compiled: computed once, not once per key
         iq = ik = None
@@ -182,7 +176,7 @@ class FastAttention(Attention):
             if kernel:  # the kernel reads the cache as stored and converts in registers
                 k, v = cache.stored_keys_values(length)
                 kv_scale = cache.scale
-            elif self.sparse and sdpa and not flex:  # gather blocks from storage, convert only those
+            elif self.sparse and sdpa:  # gather blocks from storage, convert only those
                 k, v = cache.stored_keys_values(length)
                 load = cache.load
             else:
@@ -199,11 +193,6 @@ class FastAttention(Attention):
                                                  self.sm_count)
         elif kernel:
             o = attention_kernel.block_attention(q, k, v, pos, self.scale, kv_scale=kv_scale, sms=self.sm_count)
-        elif flex and self.sparse:
-            o, blocks = self.prefill_kernels.msa(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
-                                                 sp.local_blocks, sp.init_blocks, self.chunk_for(trace), precision)
-        elif flex:
-            o = self.prefill_kernels.causal(q, k, v, pos, self.scale, self.chunk_for(trace), precision)
         elif self.sparse:
             o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
                                       sp.local_blocks, sp.init_blocks, self.chunk_for(trace), load=load, sdpa=sdpa)

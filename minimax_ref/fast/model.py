@@ -24,7 +24,6 @@ from .graph import CapturedSteps
 from .grouped import sm_count
 from .launch import tuned_for
 from .moe import FastExperts, FastMLP, FastRouter
-from .msa_prefill import FlexPrefill
 from .packed import FastPackedWeight, Kernels
 from .paths import CACHE_BUCKET, REFERENCE, FastPaths
 
@@ -111,7 +110,7 @@ TWINS: dict[type, type] = {Attention: FastAttention, Experts: FastExperts, Route
                            PackedWeight: FastPackedWeight, MiniMaxM3: FastMiniMaxM3}
 REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
 # what `apply` gives the twins, removed when the reference is restored
-_GIVEN = ("paths", "fast", "compiled", "kernels", "prefill_kernels", "mode", "fused_tokens", "fused_rows",
+_GIVEN = ("paths", "fast", "compiled", "kernels", "mode", "fused_tokens", "fused_rows",
           "normal_range", "words", "grouped_tokens", "grouped_launch", "captured", "captured_shapes", "sm_count")
 
 
@@ -127,7 +126,6 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
     Reads each packed weight's scales on the host once (`FastPackedWeight.configure`)."""
     paths = FastPaths.of(paths)
     kernels = getattr(model, "kernels", None) or Kernels()  # kept across re-applies: its compiled functions
-    prefill_kernels = getattr(model, "prefill_kernels", None) or FlexPrefill()  # the same
     _restore(model)
     if not paths.any:
         return paths
@@ -141,13 +139,12 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
             m.__class__ = twin
             m.paths = paths
             if twin is FastAttention:
-                m.prefill_kernels = prefill_kernels
                 m.sm_count = sm_count(_device_of(m))
         if isinstance(m, FastPackedWeight):
             m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
                         paths.grouped_tokens)
     if isinstance(model, FastMiniMaxM3):
-        model.fast, model.kernels, model.prefill_kernels = paths, kernels, prefill_kernels
+        model.fast, model.kernels = paths, kernels
         reductions = tuned_for(model.device) if paths.layer_reductions == "auto" else paths.layer_reductions
         model.compiled = CompiledLayers(reductions) if paths.compile_layers else None
         model.captured, model.captured_shapes = None, set()

@@ -23,12 +23,6 @@ test_launch.py compare each with the reference).
 * `decode_attention="triton"` (the `compiled` preset): decode steps (up to `sync_free_tokens` tokens a sequence) attend
   through the same kernel, inside compiled layers and CUDA graphs, each program's keys split over the GPU and the
   splits merged by their softmax denominators (fp32). The same contract.
-* `prefill_attention="flex"`: on CUDA, calls of more than `sync_free_tokens` tokens (prefill) attend through
-  block-sparse `flex_attention`, compiled on first use (`fast.msa_prefill.FlexPrefill`): each MSA query token reads
-  exactly its selected key blocks, dense layers only the causal blocks; fp32 (no TF32), no [Q, K] tensor. Equal to
-  fp32 rounding. `"flex_tf32x3"`: the same on the tensor cores, products as three TF32 products (about 2^-21
-  relative per product; exact for bf16-valued queries and keys). Other devices keep the gathering path. Opt-in
-  (no preset turns it on): at 8K tokens on an H200 it prefills slower than the gathering path.
 * `grouped=True`: on CUDA with triton, products with packed weights of more rows than `fused_tokens`, up to
   `sync_free_tokens` (batch > 1 decode steps), by one Triton kernel that decodes each weight tile once in registers
   (the same bf16 bits) and multiplies it by all the rows on the tensor cores, fp32 sums (`fast.grouped`); the routed
@@ -55,8 +49,7 @@ from .launch import ReductionConfigs
 from .packed import FUSED_ROWS
 
 DECODE_MODES = ("reference", "fast", "compile")
-PREFILL_ATTENTION_MODES = ("reference", "triton", "flex", "flex_tf32x3")
-DECODE_ATTENTION_MODES = ("reference", "triton")
+ATTENTION_MODES = ("reference", "triton")
 MATMUL_MODES = ("reference", "fused")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
 # cache (decode steps); larger calls (prefill) group tokens by expert, which needs the per-expert counts
@@ -94,8 +87,7 @@ class FastPaths:
     # launch configurations of the compiled layers' large reductions over packed weights: "auto" (the table's
     # entry for the model's GPU and this torch, `launch.tuned_for`), None (tuned per compile) or fixed ones
     layer_reductions: ReductionConfigs | str | None = "auto"
-    # "triton": the block-sparse attention kernel (`fast.attention_kernel`); "flex" / "flex_tf32x3": block-sparse
-    # flex_attention (`fast.msa_prefill`); both in prefill calls on CUDA
+    # "triton": prefill calls through the block-sparse attention kernel (`fast.attention_kernel`)
     prefill_attention: str = "reference"
     # "triton": decode-sized calls (up to `sync_free_tokens` tokens) through the attention kernel too, its keys split
     # over the GPU (`fast.attention_kernel`)
@@ -113,12 +105,12 @@ class FastPaths:
             raise ConfigError(f"fast paths: decode={self.decode!r}: choose one of {list(DECODE_MODES)}")
         if self.matmul not in MATMUL_MODES:
             raise ConfigError(f"fast paths: matmul={self.matmul!r}: choose one of {list(MATMUL_MODES)}")
-        if self.prefill_attention not in PREFILL_ATTENTION_MODES:
+        if self.prefill_attention not in ATTENTION_MODES:
             raise ConfigError(f"fast paths: prefill_attention={self.prefill_attention!r}: choose one of "
-                              f"{list(PREFILL_ATTENTION_MODES)}")
-        if self.decode_attention not in DECODE_ATTENTION_MODES:
+                              f"{list(ATTENTION_MODES)}")
+        if self.decode_attention not in ATTENTION_MODES:
             raise ConfigError(f"fast paths: decode_attention={self.decode_attention!r}: choose one of "
-                              f"{list(DECODE_ATTENTION_MODES)}")
+                              f"{list(ATTENTION_MODES)}")
         if self.fused_rows < 1:
             raise ConfigError(f"fast paths: fused_rows={self.fused_rows}: give a positive row count")
         if self.compile_layers and not (self.moe and self.static_kv):
@@ -149,7 +141,7 @@ class FastPaths:
         packed matmul for a few tokens), "compiled" ("fused" with compiled decoder layers in decode steps, the
         einsum attention core in decode steps, which compiles better than fp32 SDPA, and the grouped kernel for
         batches of more than `fused_rows`), a dict of switches, or a FastPaths. Every preset prefills with the Triton
-        attention kernel where it runs (`prefill_attention="triton"`); flex stays opt-in (slower on an H200)."""
+        attention kernel where it runs (`prefill_attention="triton"`)."""
         if isinstance(fast, FastPaths):
             return fast
         if fast is None or fast is False or fast == "off":

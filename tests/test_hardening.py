@@ -707,8 +707,10 @@ def test_ctrl_c_during_the_torch_import_is_held_until_it_ends():
     import subprocess
     import sys
 
+    # the child restores Python's Ctrl-C handler: a parent started in the background passes SIGINT down ignored
     code = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 class Interrupt:
     def find_spec(self, name, path=None, target=None):
         if name == "torch":

@@ -1,6 +1,6 @@
 """`FastPaths`: which fast paths are on. All off (`FastPaths()`) is the reference engine; each switch replaces
-one reference computation by a twin that computes the same function (tests/test_packed.py, test_fused.py and
-test_launch.py compare each with the reference).
+one reference computation by a twin that computes the same function (tests/test_packed.py, test_fused.py,
+test_launch.py, test_grouped.py and test_attention_kernel.py compare each with the reference).
 
 * `decode="fast"`: packed-weight decoding by a two-pass decoder (`fast.packed.decode_fast`). Bit-identical.
 * `decode="compile"`: the reference decoder through `torch.compile` (one fused kernel). Bit-identical.

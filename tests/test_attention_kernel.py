@@ -118,6 +118,32 @@ def test_kernel_at_release_geometry(fp8):
     assert _rel(pa.block_attention(q, ks, vs, pos, scale, sms=sms), causal_attention(q, k, v, pos, scale)) < BOUND
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERP or not AVAILABLE, reason="compiled Triton kernels")
+def test_memory_is_the_output_alone_at_131k():
+    """2,048 queries at the end of a 131,072-slot fp8 cache: the kernel allocates its fp32 output and the int32
+    copy of the selection, nothing that grows with the context (no [Q, K] scores, no gathered keys)."""
+    T, L, Hq, Hkv, D, bs, kb = 2048, 131072, 64, 4, 128, 128, 16
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(1, T, Hq, D, device="cuda", generator=g).bfloat16()
+    ks = torch.randn(1, L, Hkv, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    vs = torch.randn(1, L, Hkv, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    pos = torch.arange(L - T, L, device="cuda")[None]
+    blocks = torch.randint(0, L // bs, (1, Hkv, T, kb), device="cuda", generator=g)
+    blocks[..., 0] = (pos // bs)[:, None]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out_bytes = T * Hq * D * 4
+    for args in ((blocks, bs), ()):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        o = pa.block_attention(q, ks, vs, pos, D**-0.5, *args, sms=sms)
+        torch.cuda.synchronize()
+        assert torch.isfinite(o).all()
+        assert torch.cuda.max_memory_allocated() - base <= out_bytes + blocks.numel() * 4 + (1 << 20)
+        del o
+
+
 def test_switches_and_presets():
     """Every preset prefills through the kernel; decode steps only in `compiled`; unknown values are refused."""
     from minimax_ref.errors import ConfigError

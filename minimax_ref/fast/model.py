@@ -139,7 +139,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
             m.__class__ = twin
             m.paths = paths
             if twin is FastAttention:
-                m.sm_count = sm_count(_device_of(m))
+                m.sm_count = sm_count(m.q_norm.weight.device)
         if isinstance(m, FastPackedWeight):
             m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
                         paths.grouped_tokens)
@@ -149,15 +149,6 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
         model.compiled = CompiledLayers(reductions) if paths.compile_layers else None
         model.captured, model.captured_shapes = None, set()
     return paths
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    """The device of a module's first tensor (parameter or buffer: packed weights are buffers)."""
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
-    return torch.device("cpu")
 
 
 def _restore(model: nn.Module) -> None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..checkpoint import MXFP8, NVFP4
 from ..packed import PackedWeight, decode_reference
 from ..quant import E2M1_MAGNITUDES, MXFP8_BLOCK, NVFP4_BLOCK, _pow2_f32
+from . import grouped
 
 # Rows of x per pass of the fused matmul over a weight: each pass decodes every weight element once and feeds
 # one fp32 accumulator per row, so more rows mean fewer passes (less weight traffic) but more registers.
@@ -512,8 +513,6 @@ class FastPackedWeight(PackedWeight):
         self.words = words and no_nan
         self.grouped_tokens = 0
         if grouped_tokens > 0 and self.normal_range and no_nan and self.dtype == torch.bfloat16:
-            from . import grouped  # imports triton: only when the grouped path is asked for
-
             if grouped.AVAILABLE and grouped.supports(self.fmt, self.shape[-1]):
                 self.grouped_tokens = min(grouped_tokens, grouped.MAX_ROWS)
                 # chosen here, not while a compiled region is traced (it reads device properties)
@@ -527,8 +526,6 @@ class FastPackedWeight(PackedWeight):
         `configure`."""
         if not self.fused_tokens < rows <= self.grouped_tokens or x.dtype != torch.bfloat16:
             return False
-        from . import grouped
-
         return grouped.runs_on(x.device)
 
     def decode(self, index: int | torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -547,11 +544,9 @@ class FastPackedWeight(PackedWeight):
                                     rows_per_pass=self.fused_rows, normal_range=self.normal_range, words=self.words)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         if self.takes_grouped(x, rows):
-            from .grouped import packed_matmul_grouped
-
             tiles, split = self.grouped_launch
-            y = packed_matmul_grouped(x.reshape(rows, x.shape[-1]), self.fmt, *self.parts(), tiles=tiles,
-                                      split=split)
+            y = grouped.packed_matmul_grouped(x.reshape(rows, x.shape[-1]), self.fmt, *self.parts(), tiles=tiles,
+                                              split=split)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.decode())
 
@@ -564,10 +559,8 @@ class FastPackedWeight(PackedWeight):
             return self.kernels.matmul(x, self.fmt, *self.parts(), self.dtype, index, self.fused_rows,
                                        self.normal_range, self.words)
         if index is None and self._grouped_operand(x) and self.takes_grouped(x, x.shape[-2]):
-            from .grouped import packed_matmul_grouped
-
             tiles, split = self.grouped_launch
-            return packed_matmul_grouped(x, self.fmt, *self.parts(), active=active, tiles=tiles, split=split)
+            return grouped.packed_matmul_grouped(x, self.fmt, *self.parts(), active=active, tiles=tiles, split=split)
         return torch.matmul(x, self.decode(index).transpose(-1, -2))
 
     def _grouped_operand(self, x: torch.Tensor) -> bool:

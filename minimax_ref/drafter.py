@@ -7,12 +7,13 @@ own: it uses the target's. Everything below is per `dspark.md`; where that page 
 choice is marked "decided here" and listed again in `weights.md`.
 
 Context. For every position the target processes (prefill and each verify pass), the residual stream
-after the target layers `dspark_target_layer_ids` is captured (`model.Trace`; no second forward) and
-concatenated: `aux [N, len(ids) * H]`. Context rows `c = hidden_norm(fc(aux))` go, per draft layer,
-into a draft KV cache as `K = RoPE(k_norm(k_proj(c)))`, `V = v_proj(c)` at their positions (no
-input_layernorm on context rows). Which capture of the target's *last* layer feeds the drafter is
-an open point (before or after the target's final norm): `capture_final_norm` (default False, the
-residual stream before the final norm, as the public MiniMax port does).
+after the target layers `dspark_target_layer_ids` is captured (`model.Trace` in the prefill,
+`MiniMaxM3.step_with_hidden` in verify steps; no second forward) and concatenated: `aux [N, len(ids) * H]`.
+Context rows `c = hidden_norm(fc(aux))` go, per draft layer, into a draft KV cache as
+`K = RoPE(k_norm(k_proj(c)))`, `V = v_proj(c)` at their positions (no input_layernorm on context rows).
+Which capture of the target's *last* layer feeds the drafter is an open point (before or after the target's
+final norm): `capture_final_norm` (default False, the residual stream before the final norm, as the public
+MiniMax port does).
 
 Block. The anchor `a` (the last emitted token, not yet run through the target) sits at position t;
 the block `[a, noise x (B-1)]` at positions t..t+B-1 is embedded with the target's embedding and run
@@ -44,7 +45,7 @@ are replicated; every rank computes the same drafts from the same seed.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -75,7 +76,7 @@ from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .sampling import SamplingParams, draw, filtered_probs
 
 if TYPE_CHECKING:
-    from .model import MiniMaxM3, Trace
+    from .model import MiniMaxM3
 
 PREFIX = "language_model.model.dspark."
 ARCHITECTURE = "DSparkMiniMaxDraftModel"
@@ -349,7 +350,7 @@ class DSparkDrafter(nn.Module):
 
     @property
     def capture_layer_ids(self) -> set[int]:
-        """Target layers whose residual stream the drafter reads (pass as `Trace(layers=...)`)."""
+        """Target layers whose residual stream the drafter reads (`Trace(layers=...)`, `step_with_hidden`)."""
         return set(self.config.target_layer_ids)
 
     @property
@@ -369,21 +370,24 @@ class DSparkDrafter(nn.Module):
         inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta, positions.device)
         return rope_cos_sin(positions, inv_freq)
 
-    def context_features(self, target: MiniMaxM3, trace: Trace) -> torch.Tensor:
-        """aux [B, T, len(ids) * H]: the captured residual streams of `target_layer_ids`, in that order."""
+    def context_features(self, target: MiniMaxM3, hidden: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """aux [B, T, len(ids) * H]: the target's residual streams after `target_layer_ids` (`hidden`: {layer:
+        [B, T, H]}, e.g. `Trace.hidden_states` or `MiniMaxM3.step_with_hidden`'s), in that order."""
         parts = []
         for layer in self.config.target_layer_ids:
-            h = trace.hidden_states[layer]
+            h = hidden[layer]
             if self.capture_final_norm and layer == self.target_num_layers - 1:
                 h = target.norm(h)
             parts.append(h.to(self.dtype))
         return torch.cat(parts, dim=-1)
 
     @torch.no_grad()
-    def add_context(self, target: MiniMaxM3, cache: DraftCache, trace: Trace, positions: torch.Tensor) -> None:
-        """Write the context rows of every position a target forward processed (its `trace`, captured
-        with `Trace(layers=self.capture_layer_ids)`) at `positions` [B, T] into every layer's cache."""
-        c = self.hidden_norm(self.fc(self.context_features(target, trace)))
+    def add_context(self, target: MiniMaxM3, cache: DraftCache, hidden: Mapping[int, torch.Tensor],
+                    positions: torch.Tensor) -> None:
+        """Write the context rows of every position a target forward processed at `positions` [B, T] into every
+        layer's cache; `hidden`: that forward's residual streams after `capture_layer_ids` ({layer: [B, T, H]}:
+        `Trace(layers=self.capture_layer_ids).hidden_states`, or what `MiniMaxM3.step_with_hidden` returns)."""
+        c = self.hidden_norm(self.fc(self.context_features(target, hidden)))
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(c, cos, sin)

@@ -22,7 +22,7 @@ so every rank holds the same full fp32 logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -157,6 +157,13 @@ class Interventions:
         return new.to(stream.dtype)
 
 
+def check_layer_ids(layers: Iterable, n: int, what: str) -> None:
+    """Refuse (InputError, naming the argument `what`) entries of `layers` that are not layer indices 0..n-1."""
+    bad = [L for L in layers if isinstance(L, bool) or not isinstance(L, int) or not 0 <= L < n]
+    if bad:
+        raise InputError(f"{what}: {bad[:5]} are not layer indices of this model (0..{n - 1})")
+
+
 @dataclass
 class Trace:
     """What a forward pass records, per layer index, for research and kernel tests.
@@ -208,11 +215,8 @@ class Trace:
     def begin(self, model: MiniMaxM3, x: torch.Tensor) -> None:
         """Called by the model before its layers run on x [B, T, H]: refuses layer indices the model does not
         have (InputError) and notes the shape."""
-        n = model.text.num_hidden_layers
         for name in ("layers", "attention_layers"):
-            bad = sorted(L for L in (getattr(self, name) or ()) if not isinstance(L, int) or not 0 <= L < n)
-            if bad:
-                raise InputError(f"Trace({name}=...): {bad[:5]} are not layer indices of this model (0..{n - 1})")
+            check_layer_ids(getattr(self, name) or (), model.text.num_hidden_layers, f"Trace({name}=...)")
         if self.interventions is not None:
             self.interventions.check(model)
         if self.mask is not None and tuple(self.mask.shape) != tuple(x.shape[:2]):
@@ -437,6 +441,18 @@ class MiniMaxM3(nn.Module):
         `cache`. The same as `forward` with a cache; the decode loops call this so that the fast model can replay
         the step from a CUDA graph (its logits are then valid until the next step)."""
         return self(ids, positions=positions, cache=cache)
+
+    def step_with_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                         layers: Iterable[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`step`, also returning the residual stream after each layer in `layers`: (logits fp32 [B, T, V],
+        {layer: [B, T, H]}), the same tensors as `Trace(layers=layers).hidden_states`. What speculative
+        verification calls (the drafter reads those layers); the fast model replays it from a CUDA graph, whose
+        outputs are valid until the next step."""
+        layers = list(layers)
+        check_layer_ids(layers, self.text.num_hidden_layers, "step_with_hidden(layers=...)")
+        trace = Trace(layers=set(layers))
+        logits = self(ids, positions=positions, cache=cache, trace=trace)
+        return logits, {layer: trace.hidden_states[layer] for layer in sorted(trace.layers)}
 
     @property
     def max_seq_len(self) -> int:

@@ -7,8 +7,9 @@ The loop (spec `dspark.md`, "Verification"), for a batch of right-padded prompts
    last prompt position's logits exactly as `decoding.generate_ids` does; it is the first anchor.
 2. Each step, per row: the anchor `a` sits at position t = the row's committed length (the number of
    positions the target has processed and kept). The drafter proposes d_0..d_{k-1} (d_i for position
-   t+i+1); the target runs `[a, d_0..d_{k-1}]` at positions t..t+k in ONE forward (each row at its
-   own positions) and returns the logits of all k+1 positions, capturing the drafter's layers again.
+   t+i+1); the target runs `[a, d_0..d_{k-1}]` at positions t..t+k in ONE step (each row at its
+   own positions, `MiniMaxM3.step_with_hidden`: on the GPU fast paths replayed from a CUDA graph) and
+   returns the logits of all k+1 positions and the drafter's layers' residual streams.
 3. Acceptance per row (`accept_greedy` / `accept_drafts`): j drafts are accepted and one more token is
    emitted (the correction at the first rejection, or the bonus token when all k are accepted), so a
    step emits j+1 tokens. Greedy output is token-identical to plain greedy decoding; sampled output
@@ -37,7 +38,7 @@ acceptance rule. Every tensor-parallel rank therefore makes the same decisions.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,13 +67,15 @@ class Drafter(Protocol):
     """What the loop needs from a drafter (`drafter.DSparkDrafter` is the real one; tests use toys)."""
 
     block_size: int  # most drafts one pass can propose
-    capture_layer_ids: set[int]  # target layers the target forward must capture (`Trace(layers=...)`)
+    capture_layer_ids: set[int]  # target layers whose residual streams the drafter reads
 
     def new_cache(self, batch_size: int, max_len: int) -> Any:
         """A context cache with `rollback(lengths)`."""
 
-    def add_context(self, target: MiniMaxM3, cache: Any, trace: Trace, positions: torch.Tensor) -> None:
-        """Turn a target forward's captures at `positions` [B, T] into context rows."""
+    def add_context(self, target: MiniMaxM3, cache: Any, hidden: Mapping[int, torch.Tensor],
+                    positions: torch.Tensor) -> None:
+        """Turn a target forward's residual streams after `capture_layer_ids` ({layer: [B, T, H]}) at `positions`
+        [B, T] into context rows."""
 
     def draft(self, target: MiniMaxM3, cache: Any, anchors: torch.Tensor, positions: torch.Tensor, num_tokens: int,
               sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
@@ -149,7 +152,8 @@ class SpeculativeStats(GenerationStats):
     acceptance_rate_per_position[i]: fraction of the steps that proposed draft i in which draft i was
         accepted (unconditional on the earlier positions, as vLLM reports it).
     draft_seconds: drafter passes plus context-row projection of the verify captures;
-    verify_seconds: the target's verify forwards (both inside decode_seconds).
+    verify_seconds: the target's verify steps (both inside decode_seconds: the first step, which on the fast
+    paths captures the verify step in a CUDA graph, is `warmup_seconds`).
     """
 
     num_speculative_tokens: int = 0
@@ -228,7 +232,7 @@ class SpeculativeDecoder:
         trace = Trace(layers=self.drafter.capture_layer_ids)
         logits = self.model(ids, positions=pos, cache=self.target_cache, trace=trace, inputs_embeds=embeds,
                             logit_index=logit_index)
-        self.drafter.add_context(self.model, self.draft_cache, trace, pos)
+        self.drafter.add_context(self.model, self.draft_cache, trace.hidden_states, pos)
         return logits
 
     @torch.no_grad()
@@ -265,8 +269,8 @@ class SpeculativeDecoder:
         if not state.done:
             anchors = state.emit_sampled(last_logits).to(device)
         stats.first_token_seconds = time.perf_counter() - t0
-        t1, before = time.perf_counter(), stats.generated_tokens
         while not state.done:
+            t1, before = time.perf_counter(), stats.generated_tokens
             # drafts this step: no more than any active row may still emit minus its own target token
             k = min(N, max(state.room(b) for b in state.active_rows()) - 1)
             t = torch.tensor(state.committed(), device=device)
@@ -279,13 +283,10 @@ class SpeculativeDecoder:
             tv = _now(device)
             pos = t[:, None] + torch.arange(k + 1, device=device)
             verify_ids = torch.cat((anchors[:, None], drafts), dim=1)
-            trace = Trace(layers=drafter.capture_layer_ids)
-            logits = model(verify_ids, positions=pos, cache=self.target_cache, trace=trace)
+            logits, hidden = model.step_with_hidden(verify_ids, pos, self.target_cache, drafter.capture_layer_ids)
             tc = _now(device)
-            drafter.add_context(model, self.draft_cache, trace, pos)
-            stats.draft_seconds += (tv - td) + (_now(device) - tc)
-            stats.verify_seconds += tc - tv
-            stats.decode_steps += 1
+            drafter.add_context(model, self.draft_cache, hidden, pos)
+            draft_seconds, verify_seconds = (tv - td) + (_now(device) - tc), tc - tv
 
             proposed = self._proposed(draft, k, B)
             if sampling.greedy:
@@ -310,8 +311,15 @@ class SpeculativeDecoder:
                 state.emit(b, drafts[b, :j].tolist() + [tok])
                 anchors[b] = state.seqs[b].generated[-1]
             self._rollback(state.committed())
-        stats.decode_seconds = time.perf_counter() - t1
-        stats.decode_tokens = stats.generated_tokens - before
+            seconds = time.perf_counter() - t1
+            if stats.decode_steps == 0:  # on the fast paths the first step captures the verify step
+                stats.warmup_seconds = seconds
+            else:
+                stats.decode_seconds += seconds
+                stats.decode_tokens += stats.generated_tokens - before
+                stats.draft_seconds += draft_seconds
+                stats.verify_seconds += verify_seconds
+            stats.decode_steps += 1
         self.lengths = state.committed()
         return state.finish(), stats
 

@@ -358,9 +358,11 @@ def test_decode_step_of_a_batch_equals_the_paths_it_replaces(tiny, monkeypatch):
 @pytest.mark.skipif(INTERP or not grouped.AVAILABLE, reason="compiled Triton kernels")
 def test_kernel_in_compiled_regions_and_cuda_graphs():
     """Through `torch.compile(fullgraph=True)` (the operator `minimax_ref::packed_matmul_grouped`) and replayed from a
-    CUDA graph, the kernel gives the eager launch's bits."""
+    CUDA graph, the kernel gives the eager launch's bits, with K split (the splits' partial sums are added by a kernel
+    of their own, in the same order in both)."""
     pw = _packed_linear("nvfp4", 256, 512, "cuda")
     apply(pw, FastPaths(grouped=True))
+    assert pw.grouped_launch[1] > 1  # a few column tiles: K splits to fill the GPU
     x = torch.randn(32, 512, device="cuda").to(BF16)
     eager = pw.linear(x)
     compiled = torch.compile(pw.linear, fullgraph=True)(x)

@@ -164,7 +164,7 @@ def test_caches_after_rollback_equal_a_plain_run(model, drafter):
         pos = torch.arange(L)[None]
         trace = Trace(layers=drafter.capture_layer_ids)
         model(torch.tensor([(s.prompt + s.generated)[:L]]), positions=pos, cache=plain, trace=trace)
-        drafter.add_context(model, dplain, trace, pos)
+        drafter.add_context(model, dplain, trace.hidden_states, pos)
         pairs = [(dec.target_cache.k, plain.k), (dec.target_cache.v, plain.v), (dec.draft_cache.k, dplain.k),
                  (dec.draft_cache.v, dplain.v),
                  ([x for x in dec.target_cache.index_k if x is not None], [x for x in plain.index_k if x is not None])]
@@ -173,6 +173,99 @@ def test_caches_after_rollback_equal_a_plain_run(model, drafter):
             for got, want in zip(got_layers, want_layers):
                 torch.testing.assert_close(got[b, :L], want[0, :L], atol=1e-4, rtol=1e-4)
                 assert not got[b, L:].any(), "slots past the accepted length must be rolled back (zero)"
+
+
+# ---------------------------------------------------------------------------------------------- the verify step
+
+
+def test_step_with_hidden_is_the_traced_forward(model, drafter):
+    """The reference `step_with_hidden` returns the logits of the cached forward and the trace's residual streams."""
+    ids = torch.tensor([_prompts(9)[0]])
+    pos = torch.arange(9)[None]
+    layers = sorted(drafter.capture_layer_ids)
+    trace = Trace(layers=set(layers))
+    with torch.no_grad():
+        want = model(ids, positions=pos, cache=model.new_cache(1, 16), trace=trace)
+        logits, hidden = model.step_with_hidden(ids, pos, model.new_cache(1, 16), layers)
+    assert torch.equal(logits, want) and list(hidden) == layers
+    for layer in layers:
+        assert torch.equal(hidden[layer], trace.hidden_states[layer])
+    n = model.text.num_hidden_layers
+    for bad in ([n], [-1], [True], ["0"]):
+        with pytest.raises(InputError, match=r"step_with_hidden\(layers=...\).*not layer indices"):
+            model.step_with_hidden(ids, pos, model.new_cache(1, 16), bad)
+
+
+@pytest.fixture(scope="module")
+def fast_target(spec_ckpt):
+    return load_model(spec_ckpt, dtype=torch.float32, weights="packed", fast="on")
+
+
+def test_fast_verify_step_keeps_the_reference_hidden_states(model, fast_target, drafter):
+    """The fast twin's synchronisation-free verify step (no trace: what a CUDA graph records) keeps the residual
+    streams the reference traces, to fp32 rounding, after a prefill: k+1 = 5 tokens a row at each row's positions."""
+    prompts = _prompts(40, 70)
+    layers = sorted(drafter.capture_layer_ids)
+    ids = torch.zeros(2, 75, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p)
+    ids[0, 40:45] = torch.tensor(_prompts(5)[0])
+    ids[1, 70:75] = torch.tensor(_prompts(6)[0][:5])
+    pos = torch.tensor([[40], [70]]) + torch.arange(5)
+    got = {}
+    for name, target in (("reference", model), ("fast", fast_target)):
+        cache = target.new_cache(2, 80)
+        with torch.no_grad():
+            target(ids[:, :70], positions=torch.arange(70).expand(2, -1), cache=cache)
+            cache.rollback([40, 70])
+            got[name] = target.step_with_hidden(ids.gather(1, pos), pos, cache, layers)
+    assert fast_target.sync_free(pos, cache, None)
+    torch.testing.assert_close(got["fast"][0], got["reference"][0], atol=1e-4, rtol=1e-4)
+    assert list(got["fast"][1]) == layers
+    for layer in layers:
+        torch.testing.assert_close(got["fast"][1][layer], got["reference"][1][layer], atol=1e-4, rtol=1e-4)
+    with pytest.raises(InputError, match="not layer indices"):
+        fast_target.step_with_hidden(ids.gather(1, pos), pos, cache, [model.text.num_hidden_layers])
+
+
+def test_fast_paths_speculative_greedy_is_plain_greedy(model, fast_target, spec_ckpt):
+    """DSpark on the fast paths (verify steps through `sync_free_step`) emits plain greedy decoding's tokens."""
+    prompts = _prompts(40, 70, 3)
+    ref, _ = generate_ids(model, prompts, max_new_tokens=24, sampling=GREEDY)
+    out, stats = speculative_generate_ids(fast_target, load_drafter(spec_ckpt / "dspark", fast_target), prompts,
+                                          max_new_tokens=24, sampling=GREEDY)
+    _same_output(ref, out)
+    assert stats.warmup_seconds > 0 and stats.decode_steps > 1 and stats.decode_tokens > 0
+
+
+def test_a_step_of_more_tokens_than_the_sync_free_experts_take_is_not_captured(fast_target):
+    """The routed experts run without host synchronisation for up to `sync_free_tokens` tokens in all (batch x
+    tokens a row): a step of more (a large batch, a long verify) runs eagerly, never in a CUDA graph."""
+    n = fast_target.fast.sync_free_tokens
+    cache = fast_target.new_cache(n + 1, 16)
+    assert fast_target.sync_free(torch.zeros(n, 1, dtype=torch.long), cache, None)
+    assert not fast_target.sync_free(torch.zeros(n + 1, 1, dtype=torch.long), cache, None)
+    assert not fast_target.sync_free(torch.zeros(2, n // 2 + 1, dtype=torch.long), cache, None)
+
+
+@pytest.mark.gpu
+def test_verify_steps_replay_captured_graphs(spec_ckpt):
+    """On CUDA with `--fast compiled`, DSpark's verify steps replay CUDA graphs keyed by shape and kept layers, and
+    emit the tokens of the same fast paths run eagerly (graph off)."""
+    from dataclasses import replace
+
+    from minimax_ref.fast import FastPaths, apply
+
+    target = load_model(spec_ckpt, dtype=torch.bfloat16, weights="packed", device="cuda", fast="compiled")
+    drafter = load_drafter(spec_ckpt / "dspark", target)
+    prompts = _prompts(40, 70)
+    out, stats = speculative_generate_ids(target, drafter, prompts, max_new_tokens=24, sampling=GREEDY)
+    layers = tuple(sorted(drafter.capture_layer_ids))
+    keys = list(target.captured.graphs)
+    assert ((2, drafter.block_size + 1), layers) in keys and stats.warmup_seconds > 0
+    apply(target, replace(FastPaths.of("compiled"), graph=False))
+    eager, _ = speculative_generate_ids(target, drafter, prompts, max_new_tokens=24, sampling=GREEDY)
+    _same_output(eager, out)
 
 
 # ---------------------------------------------------------------------------------------------- drafter
@@ -406,6 +499,9 @@ class ToyTarget:
             logits = logits[torch.arange(ids.shape[0]), logit_index][:, None]
         return logits
 
+    def step_with_hidden(self, ids, positions, cache, layers):
+        return self(ids, positions=positions, cache=cache), {}
+
 
 class ToyDrafter:
     """Drafts from a different Markov chain (sampled from q after the same filtering, or greedy)."""
@@ -419,7 +515,7 @@ class ToyDrafter:
     def new_cache(self, batch_size, max_len):
         return _ToyCache()
 
-    def add_context(self, target, cache, trace, positions) -> None:
+    def add_context(self, target, cache, hidden, positions) -> None:
         pass
 
     def draft(self, target, cache, anchors, positions, num_tokens, sampling, generator) -> Draft:

@@ -134,7 +134,7 @@ def drafter_loss(drafter: DSparkDrafter, target: MiniMaxM3, batch: dict[str, Any
         greedy = target(ids, inputs_embeds=x, trace=trace).argmax(-1)  # token the target writes at p + 1
     rows, ts = sample_anchors(labels, per_row, generator)
     rows, ts = rows.to(device), ts.to(device)
-    c = drafter.hidden_norm(drafter.fc(drafter.context_features(target, trace)))  # [B, T, H]
+    c = drafter.hidden_norm(drafter.fc(drafter.context_features(target, trace.hidden_states)))  # [B, T, H]
     ctx_pos = torch.arange(T, device=device)
     cos_c, sin_c = drafter._rope(ctx_pos.expand(B, T))
     q_pos = ts[:, None] + torch.arange(Bk, device=device)

@@ -4,8 +4,8 @@
 `static_kv` (no host synchronisation, static shapes) a decode step can be recorded; with compiled layers or the fused
 matmul, after warm-up steps have compiled them.
 
-`CapturedSteps`: what `FastMiniMaxM3.step` replays with `FastPaths(graph=True)`: the graphs of one KV cache, one per
-step shape (batch, tokens per row), captured on that shape's first step.
+`CapturedSteps`: what `FastMiniMaxM3.step` and `step_with_hidden` replay with `FastPaths(graph=True)`: the graphs of
+one KV cache, one per step shape (batch, tokens per row) and kept layers, captured on that shape's first step.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from ..cache import KVCache
 
 
 class GraphStep:
-    """One decode step of `model` on `cache` captured in a CUDA graph. `step(ids, pos)` copies the inputs into the
-    captured buffers, replays, and returns the captured logits of the last position [B, V]; `step_all` returns those
-    of every position [B, T, V]. Both are overwritten by the next replay.
+    """One decode step of `model` (a fast model, `FastMiniMaxM3.sync_free_step`) on `cache` captured in a CUDA graph.
+    `step(ids, pos)` copies the inputs into the captured buffers, replays, and returns the captured logits of the last
+    position [B, V]; `step_all` returns those of every position [B, T, V], and `hidden` the residual stream after each
+    layer in `layers` ({layer: [B, T, H]}). All are overwritten by the next replay.
 
     The warm-up and the capture run the step on `ids0` at `pos0`: they write K/V there, the same values the first
     replay (on the same inputs) writes again. The graph addresses the cache's buffers, so it keeps the cache."""
 
-    def __init__(self, model, cache: KVCache, ids0: torch.Tensor, pos0: torch.Tensor):
+    def __init__(self, model, cache: KVCache, ids0: torch.Tensor, pos0: torch.Tensor, layers: tuple[int, ...] = ()):
         self.cache = cache
         self.ids, self.pos = ids0.clone(), pos0.clone()
         device = ids0.device
@@ -35,12 +36,12 @@ class GraphStep:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up off the capture: allocator pools, cuBLAS handles, NCCL, compiles
             for _ in range(2):
-                model(self.ids, positions=self.pos, cache=cache)
+                model.sync_free_step(self.ids, self.pos, cache, layers)
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.all_logits = model(self.ids, positions=self.pos, cache=cache)
+            self.all_logits, self.hidden = model.sync_free_step(self.ids, self.pos, cache, layers)
         self.logits = self.all_logits[:, -1]
 
     def replay(self, ids: torch.Tensor, pos: torch.Tensor) -> None:
@@ -58,15 +59,15 @@ class GraphStep:
 
 
 class CapturedSteps:
-    """The CUDA graphs of the decode steps on one KV cache, one per step shape [B, T], each captured on its first
-    step. The graphs keep the cache alive (they address its buffers); a new cache gets a new `CapturedSteps`, and
-    dropping this one frees the graphs, their memory pool and the cache. `seen` (shared across caches, owned by the
-    model) holds the shapes already compiled, so only the first capture of a shape, which compiles, is announced on
-    `stream`."""
+    """The CUDA graphs of the decode steps on one KV cache, one per step shape [B, T] and kept layers, each captured on
+    its first step. The graphs keep the cache alive (they address its buffers); a new cache gets a new
+    `CapturedSteps`, and dropping this one frees the graphs, their memory pool and the cache. `seen` (shared across
+    caches, owned by the model) holds the shapes already captured, so only the first capture of a shape (which, for
+    compiled layers, compiles) is announced on `stream`."""
 
     def __init__(self, cache: KVCache, seen: set, stream=None):
         self.cache = weakref.ref(cache)  # strong references only through the graphs
-        self.graphs: dict[tuple[int, ...], GraphStep] = {}
+        self.graphs: dict[tuple, GraphStep] = {}
         self.seen = seen
         self.stream = stream or sys.stderr
         self.capture_seconds = 0.0
@@ -74,24 +75,28 @@ class CapturedSteps:
     def holds(self, cache: KVCache) -> bool:
         return self.cache() is cache
 
-    def step(self, model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] of the step `model(ids, positions=positions, cache=<this cache>)`, replayed from its
-        graph (captured now if this shape has none yet). Valid until the next step."""
+    def step(self, model, ids: torch.Tensor, positions: torch.Tensor,
+             layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(logits [B, T, V], {layer: [B, T, H]}) of `model.sync_free_step(ids, positions, <this cache>, layers)`,
+        replayed from its graph (captured now if this shape and these layers have none yet). Valid until the next
+        step."""
         shape = tuple(ids.shape)
-        graph = self.graphs.get(shape)
+        key = shape if not layers else (shape, layers)  # plain steps keyed by their shape alone
+        graph = self.graphs.get(key)
         if graph is None:
             cache = self.cache()
-            key = (shape, cache.max_seq_len, cache.fp8)
-            first = key not in self.seen
+            seen = (key, cache.max_seq_len, cache.fp8)
+            first = seen not in self.seen
             if first:
+                what = "compiling and capturing it" if model.compiles_step(positions, cache, None) else "capturing it"
                 print(f"[fast] first decode step of {shape[0]} sequence(s) x {shape[1]} token(s), cache of "
-                      f"{cache.max_seq_len} slots: compiling and capturing it in a CUDA graph...",
-                      file=self.stream, flush=True)
+                      f"{cache.max_seq_len} slots: {what} in a CUDA graph...", file=self.stream, flush=True)
             t0 = time.perf_counter()
-            graph = self.graphs[shape] = GraphStep(model, cache, ids, positions)
+            graph = self.graphs[key] = GraphStep(model, cache, ids, positions, layers)
             seconds = time.perf_counter() - t0
             self.capture_seconds += seconds
-            self.seen.add(key)
+            self.seen.add(seen)
             if first:
-                print(f"[fast] decode step compiled and captured in {seconds:.1f} s", file=self.stream, flush=True)
-        return graph.step_all(ids, positions)
+                print(f"[fast] decode step captured in {seconds:.1f} s", file=self.stream, flush=True)
+        graph.replay(ids, positions)
+        return graph.all_logits, graph.hidden

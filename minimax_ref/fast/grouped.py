@@ -328,6 +328,19 @@ if AVAILABLE:
         else:
             tl.store(y_ptrs, acc, mask=mask)
 
+    @triton.jit
+    def _sum_splits_kernel(parts_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                           EXACT_FP32: tl.constexpr):
+        """out[i] = bf16((parts[0, i] + parts[1, i]) + ... + parts[SPLIT - 1, i]): the K splits' fp32 partial sums
+        added in split order in fp32 and rounded once (nearest, ties to even). A kernel of its own, not a `sum`, so
+        that eager calls and compiled regions add in the same order (inductor would reorder a reduction)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < numel
+        acc = tl.load(parts_ptr + offs, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(parts_ptr + s * numel + offs, mask=ok, other=0.0)
+        tl.store(out_ptr + offs, _bf16_storable(acc, EXACT_FP32), mask=ok)
+
     @triton_op("minimax_ref::packed_matmul_grouped", mutates_args=())
     def _grouped_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
                     active: torch.Tensor | None, nvfp4: bool, n: int, block_n: int, block_k: int, num_warps: int,
@@ -353,8 +366,12 @@ if AVAILABLE:
             NVFP4_FMT=nvfp4, HAS_ACTIVE=active is not None, OUT_BF16=split == 1, EXACT_FP32=exact_fp32,
             BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=num_warps, num_stages=num_stages)
-        # the splits' fp32 partial sums, added in fp32 and rounded once
-        return out if split == 1 else out.sum(0).to(torch.bfloat16)
+        if split == 1:
+            return out
+        y = torch.empty((e, m, n), dtype=torch.bfloat16, device=x.device)
+        wrap_triton(_sum_splits_kernel)[(triton.cdiv(y.numel(), 1024),)](out, y, y.numel(), SPLIT=split, BLOCK=1024,
+                                                                          EXACT_FP32=exact_fp32)
+        return y
 
 
 def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -371,9 +388,10 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
         y[e, m, n] = bf16( sum_k x[e, m, k] * w_hat[e, n, k] )
 
     with `w_hat = decode_reference(...).to(bfloat16)` bit for bit, every product exact in fp32 (two bf16 values), the
-    sum accumulated in fp32 in an unspecified order (tensor-core blocks, K splits added at the end) and rounded once
-    to bf16. Tensor cores may align the addends of a block by truncation, so the bound the tests use is that of fp32
-    summation with twice the unit roundoff: |y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final rounding.
+    sum accumulated in fp32 in an unspecified order (tensor-core blocks, then the K splits added in split order by a
+    second kernel) and rounded once to bf16; eager calls and compiled regions give the same bits. Tensor cores may
+    align the addends of a block by truncation, so the bound the tests use is that of fp32 summation with twice the
+    unit roundoff: |y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final rounding.
 
     tiles: the launch configuration (default `tiles_for`); split: splits of K (default `split_for` on this GPU's SM
     count). Static in the shapes: no host synchronisation, capturable in a CUDA graph, and `torch.compile` launches

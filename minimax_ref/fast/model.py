@@ -14,7 +14,7 @@ from torch import nn
 from ..attention import Attention
 from ..cache import KVCache
 from ..mlp import MLP
-from ..model import DecoderLayer, Interventions, MiniMaxM3, Trace
+from ..model import DecoderLayer, Interventions, MiniMaxM3, Trace, check_layer_ids
 from ..moe import Experts, Router
 from ..norm import RMSNorm
 from ..packed import PackedWeight
@@ -39,7 +39,9 @@ class FastMiniMaxM3(MiniMaxM3):
     captured_shapes: set  # the step shapes compiled so far (their first capture is announced)
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-               trace: Trace | None = None) -> torch.Tensor:
+               trace: Trace | None = None, kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """`MiniMaxM3.hidden`; `kept` (a dict whose keys are layer indices) receives the residual stream after each
+        of those layers without a trace, so the call stays compiled and capturable."""
         if trace is not None:
             trace.begin(self, x)
         cos, sin = self.rope(positions)
@@ -51,6 +53,8 @@ class FastMiniMaxM3(MiniMaxM3):
         run = self.compiled if self.compiles_step(positions, cache, trace) else run_layer
         for i, layer in enumerate(self.layers):
             x = run(layer, x, positions, cos, sin, None if cache is None else cache.layer(i), trace, kv_len)
+            if kept is not None and i in kept:
+                kept[i] = x
         return x
 
     def compiles_step(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None) -> bool:
@@ -63,9 +67,10 @@ class FastMiniMaxM3(MiniMaxM3):
 
     def sync_free(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None) -> bool:
         """Whether a call with a cache runs without host synchronisation and with static shapes (what a CUDA graph
-        can capture): at most `sync_free_tokens` tokens per sequence, no trace (interventions), no activation
-        emulation and no expert mask."""
-        if cache is None or trace is not None or positions.shape[1] > self.fast.sync_free_tokens:
+        can capture): at most `sync_free_tokens` tokens in all (batch x tokens per sequence), no trace
+        (interventions), no activation emulation and no expert mask."""
+        # the routed experts take their synchronisation-free path for up to `sync_free_tokens` tokens in all
+        if cache is None or trace is not None or positions.numel() > self.fast.sync_free_tokens:
             return False
         for layer in self.layers:
             if layer.self_attn.q_proj.emulate_act_quant:
@@ -79,13 +84,40 @@ class FastMiniMaxM3(MiniMaxM3):
         """`MiniMaxM3.step`; with `graph` on CUDA, replayed from the step's CUDA graph (`CapturedSteps`, captured on
         the first step of each shape on each cache). The logits are the graph's output buffer: read them before the
         next step."""
-        if not (self.fast.graph and ids.is_cuda and self.sync_free(positions, cache, None)):
+        if not self.replays(ids, positions, cache):
             return super().step(ids, positions, cache)
-        captured = self.captured
-        if captured is None or not captured.holds(cache):
-            # a new cache: the previous one's graphs (and the memory they hold) go
-            self.captured = captured = CapturedSteps(cache, self.captured_shapes)
-        return captured.step(self, ids, positions)
+        return self.captured_for(cache).step(self, ids, positions, ())[0]
+
+    def step_with_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                         layers) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`MiniMaxM3.step_with_hidden`; a synchronisation-free step keeps the layers' residual streams without a
+        trace (`sync_free_step`), and with `graph` on CUDA replays from a CUDA graph whose outputs include them."""
+        layers = list(layers)
+        check_layer_ids(layers, self.text.num_hidden_layers, "step_with_hidden(layers=...)")
+        layers = tuple(sorted(set(layers)))
+        if self.replays(ids, positions, cache):
+            return self.captured_for(cache).step(self, ids, positions, layers)
+        if self.sync_free(positions, cache, None):
+            return self.sync_free_step(ids, positions, cache, layers)
+        return super().step_with_hidden(ids, positions, cache, layers)
+
+    def sync_free_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A step with no host synchronisation (what `CapturedSteps` records; `sync_free` must hold): logits fp32
+        [B, T, V] and the residual stream after each of `layers`, without `forward`'s argument checks."""
+        kept = dict.fromkeys(layers)
+        h = self.hidden(self.embed(ids), positions, cache, kept=kept)
+        return self.logits(h), kept
+
+    def replays(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> bool:
+        """Whether a step is replayed from a CUDA graph: `graph` on, on CUDA, and `sync_free`."""
+        return self.fast.graph and ids.is_cuda and self.sync_free(positions, cache, None)
+
+    def captured_for(self, cache: KVCache) -> CapturedSteps:
+        """The captured steps of `cache`; a new cache drops the previous one's graphs (and the memory they hold)."""
+        if self.captured is None or not self.captured.holds(cache):
+            self.captured = CapturedSteps(cache, self.captured_shapes)
+        return self.captured
 
     def checked(self, logits: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None, interventions: Interventions | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from common import GIB, BenchmarkError, copy_bandwidth, decode_step_bytes, emit, main_guard, replicate_cache
@@ -29,13 +30,28 @@ from minimax_ref.sampling import SamplingParams
 from minimax_ref.synth import PRESETS
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_args(p: argparse.ArgumentParser, prompt_len: int) -> None:
+    """The synthetic model's arguments (shared with speculative_decode.py)."""
     p.add_argument("--preset", default="release", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--fast", default="compiled", choices=["on", "fused", "compiled"])
-    p.add_argument("--prompt-len", type=int, default=8192)
+    p.add_argument("--prompt-len", type=int, default=prompt_len)
+
+
+def load_model(args: argparse.Namespace, max_seq_len: int):
+    """The synthetic model of `add_model_args`' arguments on a CUDA `--device`: NVFP4+MXFP8 packed, bf16, fp8 KV."""
+    if not args.device.startswith("cuda") or not torch.cuda.is_available():
+        raise BenchmarkError(f"{Path(sys.argv[0]).name} measures CUDA-graph replays: give a CUDA --device on a GPU "
+                             "machine")
+    return load_synthetic(args.preset, format="nvfp4", layers=args.layers or None, experts=args.experts or None,
+                          device=torch.device(args.device), dtype=torch.bfloat16, weights="packed",
+                          kv_cache_dtype="fp8", max_seq_len=max_seq_len, fast=args.fast)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p, 8192)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generate makes (default: 64)")
     p.add_argument("--steps", type=int, default=50, help="bare replays timed (default: 50)")
     p.add_argument("--batch", type=int, default=32, help="sequences of the batched step (0: skip; default: 32)")
@@ -46,12 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
-    if not args.device.startswith("cuda") or not torch.cuda.is_available():
-        raise BenchmarkError("generate_decode.py measures CUDA-graph replays: give a CUDA --device on a GPU machine")
-    device = torch.device(args.device)
-    model = load_synthetic(args.preset, format="nvfp4", layers=args.layers or None, experts=args.experts or None,
-                           device=device, dtype=torch.bfloat16, weights="packed", kv_cache_dtype="fp8",
-                           max_seq_len=args.prompt_len + args.new_tokens + 1, fast=args.fast)
+    model = load_model(args, args.prompt_len + args.new_tokens + 1)
+    device = model.device
     seeded = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.text.vocab_size, (args.prompt_len,), generator=seeded)
     print(f"generating {args.new_tokens} tokens after a {args.prompt_len}-token prompt", file=sys.stderr, flush=True)

@@ -29,22 +29,17 @@ from pathlib import Path
 
 import torch
 from common import BenchmarkError, emit, main_guard
-from generate_decode import replay_time
+from generate_decode import add_model_args, load_model, replay_time
 
 from minimax_ref.drafter import load_drafter
-from minimax_ref.loader import load_synthetic
 from minimax_ref.sampling import SamplingParams
 from minimax_ref.speculative import speculative_generate_ids
-from minimax_ref.synth import PRESETS, write_drafter
+from minimax_ref.synth import write_drafter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="release", choices=sorted(PRESETS))
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--fast", default="compiled", choices=["on", "fused", "compiled"])
-    p.add_argument("--prompt-len", type=int, default=1024)
+    add_model_args(p, 1024)
     p.add_argument("--new-tokens", type=int, default=48, help="tokens the speculative loop makes (default: 48)")
     p.add_argument("--steps", type=int, default=30, help="replays and eager steps timed (default: 30)")
     p.add_argument("--device", default="cuda")
@@ -67,12 +62,8 @@ def eager_time(model, graph, layers: tuple[int, ...], steps: int) -> float:
 
 
 def run(args: argparse.Namespace) -> None:
-    if not args.device.startswith("cuda") or not torch.cuda.is_available():
-        raise BenchmarkError("speculative_decode.py measures CUDA-graph replays: give a CUDA --device on a GPU machine")
-    device = torch.device(args.device)
-    model = load_synthetic(args.preset, format="nvfp4", layers=args.layers or None, experts=args.experts or None,
-                           device=device, dtype=torch.bfloat16, weights="packed", kv_cache_dtype="fp8",
-                           max_seq_len=args.prompt_len + args.new_tokens + 64, fast=args.fast)
+    model = load_model(args, args.prompt_len + args.new_tokens + 64)
+    device = model.device
     with tempfile.TemporaryDirectory() as tmp:
         print("writing a random drafter at the target's shapes", file=sys.stderr, flush=True)
         write_drafter(Path(tmp) / "dspark", model.config, seed=0)

@@ -24,9 +24,11 @@ the plain loop's own (`decoding.DecodeJob`, `decoding.DecodeState`): tokens past
 limits are dropped and the caches keep only the row's committed positions (all but its last emitted
 token), so after a run the caches equal those of a plain run over `prompt + generated[:-1]`.
 
-k per step is `num_speculative_tokens` (default: the drafter's block size), lowered near the end so
-no row drafts more tokens than it may still emit; the same k serves the whole batch (finished rows
-ride along, as in `generate_ids`, and are rolled back to their frozen length). An optional
+Every step drafts and verifies k = `num_speculative_tokens` (default: the drafter's block size) for
+the whole batch, so every verify step has one shape (on the GPU fast paths: one CUDA graph). Near the
+end a row verifies only as many drafts as it may still emit minus one (its own target token); the
+others are rolled back with the rejected ones. Finished rows ride along, as in `generate_ids`, and
+are rolled back to their frozen length. An optional
 confidence threshold verifies, per row, only the drafts before the first one whose confidence score
 is below it; this changes how many tokens a step may emit, never which (off by default).
 
@@ -145,7 +147,8 @@ def accept_drafts(drafts: torch.Tensor, draft_probs: torch.Tensor | None, target
 
 @dataclass
 class SpeculativeStats(GenerationStats):
-    """GenerationStats plus acceptance. A "step" is one (row, verify pass) with k >= 1 drafts.
+    """GenerationStats plus acceptance. A "step" is one (row, verify pass) in which the row may still take a
+    draft (it may emit at least two more tokens).
 
     mean_accepted_length: tokens emitted per step before stop/length truncation (accepted drafts + the
         target's own token), in [1, k+1].
@@ -271,37 +274,34 @@ class SpeculativeDecoder:
         stats.first_token_seconds = time.perf_counter() - t0
         while not state.done:
             t1, before = time.perf_counter(), stats.generated_tokens
-            # drafts this step: no more than any active row may still emit minus its own target token
-            k = min(N, max(state.room(b) for b in state.active_rows()) - 1)
             t = torch.tensor(state.committed(), device=device)
             td = _now(device)
-            draft = None
-            drafts = torch.zeros(B, 0, dtype=torch.long, device=device)
-            if k > 0:
-                draft = drafter.draft(model, self.draft_cache, anchors, t, k, sampling, state.generator)
-                drafts = draft.tokens
+            draft = drafter.draft(model, self.draft_cache, anchors, t, N, sampling, state.generator)
+            drafts = draft.tokens
             tv = _now(device)
-            pos = t[:, None] + torch.arange(k + 1, device=device)
+            pos = t[:, None] + torch.arange(N + 1, device=device)
             verify_ids = torch.cat((anchors[:, None], drafts), dim=1)
             logits, hidden = model.step_with_hidden(verify_ids, pos, self.target_cache, drafter.capture_layer_ids)
             tc = _now(device)
             drafter.add_context(model, self.draft_cache, hidden, pos)
             draft_seconds, verify_seconds = (tv - td) + (_now(device) - tc), tc - tv
 
-            proposed = self._proposed(draft, k, B)
+            proposed = self._proposed(draft, N, B)
             if sampling.greedy:
                 argmax = logits.argmax(-1)
             else:
                 p = filtered_probs(logits, sampling)
-                u = torch.rand(B, k + 1, generator=state.generator)
+                u = torch.rand(B, N + 1, generator=state.generator)
             for b in state.active_rows():
-                n_prop = proposed[b]
+                # no more drafts than the row may still emit besides its own target token
+                room = state.room(b) - 1
+                n_prop = min(proposed[b], room)
                 if sampling.greedy:
                     j, tok = accept_greedy(drafts[b, :n_prop], argmax[b, : n_prop + 1])
                 else:
-                    q = None if draft is None or draft.probs is None else draft.probs[b, :n_prop]
+                    q = None if draft.probs is None else draft.probs[b, :n_prop]
                     j, tok = self.accept_fn(drafts[b, :n_prop], q, p[b, : n_prop + 1], u[b, : n_prop + 1])
-                if k > 0:
+                if room > 0:
                     stats.steps += 1
                     stats.emitted_in_steps += j + 1
                     for i in range(n_prop):
@@ -323,9 +323,9 @@ class SpeculativeDecoder:
         self.lengths = state.committed()
         return state.finish(), stats
 
-    def _proposed(self, draft: Draft | None, k: int, B: int) -> list[int]:
+    def _proposed(self, draft: Draft, k: int, B: int) -> list[int]:
         """Drafts each row verifies: k, or fewer when a confidence threshold cuts the row's prefix."""
-        if draft is None or self.confidence_threshold is None or draft.confidence is None:
+        if self.confidence_threshold is None or draft.confidence is None:
             return [k] * B
         low = draft.confidence[:, :k] < self.confidence_threshold
         # the first low-confidence position, or k when there is none

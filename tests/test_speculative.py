@@ -238,6 +238,27 @@ def test_fast_paths_speculative_greedy_is_plain_greedy(model, fast_target, spec_
     assert stats.warmup_seconds > 0 and stats.decode_steps > 1 and stats.decode_tokens > 0
 
 
+def test_every_verify_step_has_one_shape(model, drafter, monkeypatch):
+    """Every verify step runs k+1 tokens a row, also near the end (a captured step is one CUDA graph): rows that may
+    emit fewer tokens verify fewer drafts, and the output is still plain greedy decoding's."""
+    shapes = []
+    real = model.step_with_hidden
+
+    def spy(ids, positions, cache, layers):
+        shapes.append(tuple(ids.shape))
+        return real(ids, positions, cache, layers)
+
+    monkeypatch.setattr(model, "step_with_hidden", spy)
+    prompts = _prompts(40, 12)
+    ref, _ = generate_ids(model, prompts, max_new_tokens=9, sampling=GREEDY)
+    out, stats = speculative_generate_ids(model, drafter, prompts, max_new_tokens=9, sampling=GREEDY,
+                                          num_speculative_tokens=3)
+    _same_output(ref, out)
+    assert len(shapes) >= 4 and set(shapes) == {(2, 4)}
+    # the last step of a row that may emit one more token proposes no draft and is not a speculative step
+    assert stats.steps < 2 * len(shapes)
+
+
 def test_a_step_of_more_tokens_than_the_sync_free_experts_take_is_not_captured(fast_target):
     """The routed experts run without host synchronisation for up to `sync_free_tokens` tokens in all (batch x
     tokens a row): a step of more (a large batch, a long verify) runs eagerly, never in a CUDA graph."""

@@ -238,6 +238,49 @@ def test_fast_paths_speculative_greedy_is_plain_greedy(model, fast_target, spec_
     assert stats.warmup_seconds > 0 and stats.decode_steps > 1 and stats.decode_tokens > 0
 
 
+def test_compiled_verify_steps_equal_the_eager_fast_paths(model, spec_ckpt):
+    """With `--fast compiled` the verify steps (k+1 tokens a row) run compiled layers: the same logits and kept
+    residual streams as the same fast paths run eagerly (fp32 rounding), and the loop emits plain greedy decoding's
+    tokens. A call of k+1 tokens that is not a step (a prefill chunk) stays eager."""
+    from dataclasses import replace
+
+    from minimax_ref.fast import FastPaths, apply
+
+    target = load_model(spec_ckpt, dtype=torch.float32, weights="packed", fast="compiled")
+    drafter = load_drafter(spec_ckpt / "dspark", target)
+    layers = sorted(drafter.capture_layer_ids)
+    ids = torch.tensor([_prompts(45)[0]] * 2)
+    pos = torch.tensor([[40], [38]]) + torch.arange(5)
+
+    def verify() -> tuple[torch.Tensor, dict]:
+        cache = target.new_cache(2, 64)
+        with torch.no_grad():
+            target(ids[:, :40], positions=torch.arange(40).expand(2, -1), cache=cache)
+            cache.rollback([40, 38])
+            return target.step_with_hidden(ids.gather(1, pos.clamp(max=44)), pos, cache, layers)
+
+    compiled_calls = []
+    real = target.compiled
+    target.compiled = lambda *a: compiled_calls.append(1) or real(*a)
+    got_logits, got_hidden = verify()
+    assert len(compiled_calls) == target.text.num_hidden_layers
+    compiled_calls.clear()
+    with torch.no_grad():  # the same shape through `forward`: not a step, not compiled
+        target(ids[:, :5], positions=torch.arange(5).expand(2, -1), cache=target.new_cache(2, 64))
+    assert not compiled_calls
+    apply(target, replace(FastPaths.of("compiled"), compile_layers=False))
+    want_logits, want_hidden = verify()
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    for layer in layers:
+        torch.testing.assert_close(got_hidden[layer], want_hidden[layer], atol=1e-5, rtol=1e-5)
+    apply(target, "compiled")
+    prompts = _prompts(40, 70)
+    ref, _ = generate_ids(model, prompts, max_new_tokens=12, sampling=GREEDY)
+    out, _ = speculative_generate_ids(target, load_drafter(spec_ckpt / "dspark", target), prompts, max_new_tokens=12,
+                                      sampling=GREEDY)
+    _same_output(ref, out)
+
+
 def test_every_verify_step_has_one_shape(model, drafter, monkeypatch):
     """Every verify step runs k+1 tokens a row, also near the end (a captured step is one CUDA graph): rows that may
     emit fewer tokens verify fewer drafts, and the output is still plain greedy decoding's."""

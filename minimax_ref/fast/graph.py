@@ -88,7 +88,8 @@ class CapturedSteps:
             seen = (key, cache.max_seq_len, cache.fp8)
             first = seen not in self.seen
             if first:
-                what = "compiling and capturing it" if model.compiles_step(positions, cache, None) else "capturing it"
+                compiles = model.compiles_step(positions, cache, None, step=True)
+                what = "compiling and capturing it" if compiles else "capturing it"
                 print(f"[fast] first decode step of {shape[0]} sequence(s) x {shape[1]} token(s), cache of "
                       f"{cache.max_seq_len} slots: {what} in a CUDA graph...", file=self.stream, flush=True)
             t0 = time.perf_counter()

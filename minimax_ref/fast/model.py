@@ -50,18 +50,20 @@ class FastMiniMaxM3(MiniMaxM3):
             # static_kv (decode steps only; a prefill chunk attends over what it needs): the whole cache
             static = self.fast.static_kv and positions.shape[1] <= self.fast.sync_free_tokens
             kv_len = cache.max_seq_len if static else int(positions.max()) + 1
-        run = self.compiled if self.compiles_step(positions, cache, trace) else run_layer
+        run = self.compiled if self.compiles_step(positions, cache, trace, step=kept is not None) else run_layer
         for i, layer in enumerate(self.layers):
             x = run(layer, x, positions, cos, sin, None if cache is None else cache.layer(i), trace, kv_len)
             if kept is not None and i in kept:
                 kept[i] = x
         return x
 
-    def compiles_step(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None) -> bool:
-        """Whether this call runs its layers compiled: a decode step (one token per sequence: each shape is a graph
-        of its own, so prompts are not compiled) with a cache and no trace (so no interventions), no activation
-        emulation and no expert mask (those synchronise with the host)."""
-        if self.compiled is None or positions.shape[1] != 1:
+    def compiles_step(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None,
+                      step: bool = False) -> bool:
+        """Whether this call runs its layers compiled: a decode step (each shape is a graph of its own, so prompts are
+        not compiled: one token per sequence, or any `step` call, `sync_free_step`, which a verify step of k+1 tokens
+        is) with a cache and no trace (so no interventions), no activation emulation and no expert mask (those
+        synchronise with the host)."""
+        if self.compiled is None or (positions.shape[1] != 1 and not step):
             return False
         return self.sync_free(positions, cache, trace)
 

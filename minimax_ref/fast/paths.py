@@ -29,14 +29,16 @@ test_launch.py, test_grouped.py and test_attention_kernel.py compare each with t
   experts read only the experts some token chose (`fast.moe.FastExperts.forward_grouped`). Equal to fp32 rounding.
   For weights whose scales are in the normal range (`fast.packed.scales_in_normal_range`: real checkpoints) and a
   bf16 compute dtype; elsewhere, and without triton, the other paths.
-* `compile_layers=True`: in decode steps (one token per sequence, with a cache and no trace), each decoder layer
-  runs through `torch.compile` (`fast.compiled.CompiledLayers`), one graph per kind of layer and batch size, in which
-  inductor fuses the norms, RoPE, cache writes, routing and activations around the matmuls. Needs `moe` and
-  `static_kv`. `layer_reductions`: the launch configurations of its large reductions (`fast.launch`).
+* `compile_layers=True`: in decode steps (one token per sequence, and the speculative loop's verify steps of k+1
+  tokens, `MiniMaxM3.step_with_hidden`; with a cache and no trace), each decoder layer runs through `torch.compile`
+  (`fast.compiled.CompiledLayers`), one graph per kind of layer and step shape, in which inductor fuses the norms,
+  RoPE, cache writes, routing and activations around the matmuls. Needs `moe` and `static_kv`. `layer_reductions`:
+  the launch configurations of its large reductions (`fast.launch`).
 
-* `graph=True`: decode steps on CUDA (`MiniMaxM3.step`, which `generate` calls) are captured in a CUDA graph per
-  KV cache and step shape and replayed (`fast.graph.CapturedSteps`): with `moe` and `static_kv` (and no trace, no
-  activation emulation, no expert mask) a decode step has no host synchronisation and fixed shapes. The replay
+* `graph=True`: decode steps on CUDA (`MiniMaxM3.step`, which `generate` calls, and `step_with_hidden`, the
+  speculative loop's verify steps) are captured in a CUDA graph per KV cache and step shape and replayed
+  (`fast.graph.CapturedSteps`): with `moe` and `static_kv` (and no trace, no activation emulation, no expert mask,
+  at most `sync_free_tokens` tokens in all) a decode step has no host synchronisation and fixed shapes. The replay
   computes what the same fast paths compute eagerly.
 """
 

@@ -21,9 +21,10 @@ from ..cache import KVCache
 
 class GraphStep:
     """One decode step of `model` (a fast model, `FastMiniMaxM3.sync_free_step`) on `cache` captured in a CUDA graph.
-    `step(ids, pos)` copies the inputs into the captured buffers, replays, and returns the captured logits of the last
-    position [B, V]; `step_all` returns those of every position [B, T, V], and `hidden` the residual stream after each
-    layer in `layers` ({layer: [B, T, H]}). All are overwritten by the next replay.
+    `replay(ids, pos)` copies the inputs into the captured buffers and replays: `all_logits` then holds the logits of
+    every position [B, T, V] and `hidden` the residual stream after each layer in `layers` ({layer: [B, T, H]});
+    `step(ids, pos)` replays and returns the logits of the last position [B, V]. All are overwritten by the next
+    replay.
 
     The warm-up and the capture run the step on `ids0` at `pos0`: they write K/V there, the same values the first
     replay (on the same inputs) writes again. The graph addresses the cache's buffers, so it keeps the cache."""
@@ -52,10 +53,6 @@ class GraphStep:
     def step(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.replay(ids, pos)
         return self.logits
-
-    def step_all(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        self.replay(ids, pos)
-        return self.all_logits
 
 
 class CapturedSteps:

@@ -3,7 +3,7 @@ and against a plain decode step, measured in one run.
 
 A synthetic target (`--preset`, `--layers`, `--experts`, NVFP4+MXFP8 packed, fp8 KV, `--fast`) and a random DSpark
 drafter at its shapes (`synth.write_drafter` into a temporary folder: the release's drafter for a 60-layer target,
-block 7) run `speculative.speculative_generate_ids` greedily for `--new-tokens` tokens after a `--prompt-len` prompt:
+block 7) run `speculative.SpeculativeDecoder.generate` greedily for `--new-tokens` tokens after a `--prompt-len` prompt:
 the loop `minimax-ref generate --speculative dspark` runs, whose verify steps (`MiniMaxM3.step_with_hidden`: the
 anchor and k drafts, the drafter's layers kept) replay CUDA graphs. A random drafter's drafts are nearly always
 rejected, so the loop's tokens/s is not a speculation figure; the step times are. Then, on the cache the loop left:
@@ -14,8 +14,9 @@ rejected, so the loop's tokens/s is not a speculation figure; the step times are
 * the plain decode step (one token, `MiniMaxM3.step`: compiled and captured on its first call) replayed.
 
 One JSON line: ms per step of each, the graph's speed-up over the launches, the verify step's cost in plain decode steps
-(what a step that emits n tokens must beat), the loop's verify and draft ms per step (its wall time: synchronised),
-and the loop's stats.
+(what a step that emits n tokens must beat), the drafter's pass alone (launched from the host), the loop's verify and
+draft ms per step (its wall time: synchronised), and the loop's stats; `--profile` adds the device time per kernel
+kind of one verify replay and of one drafter pass.
 
     # 1 x H200, release widths, 60 layers, 16 experts, a 1K prompt:
     python benchmarks/speculative_decode.py --layers 60 --experts 16 --prompt-len 1024 --out spec.jsonl
@@ -34,7 +35,7 @@ from generate_decode import add_model_args, load_model, replay_time
 
 from minimax_ref.drafter import load_drafter
 from minimax_ref.sampling import SamplingParams
-from minimax_ref.speculative import speculative_generate_ids
+from minimax_ref.speculative import SpeculativeDecoder
 from minimax_ref.synth import write_drafter
 
 
@@ -43,20 +44,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_model_args(p, 1024)
     p.add_argument("--new-tokens", type=int, default=48, help="tokens the speculative loop makes (default: 48)")
     p.add_argument("--steps", type=int, default=30, help="replays and launched steps timed (default: 30)")
+    p.add_argument("--profile", action="store_true",
+                   help="device ms per kernel kind of one verify replay and of one drafter pass (CUDA)")
+    p.add_argument("--top", type=int, default=12, help="kernels listed by --profile (default: 12)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     return p.parse_args(argv)
 
 
 def launched_time(model, graph, layers: tuple[int, ...], steps: int) -> float:
-    """ms per run of the step `graph` recorded (its inputs, cache and kept layers) launched from the host, over `steps`
-    runs after one, timed with CUDA events: the launches are on the host's clock, so this is what the graph saves."""
+    """ms per run of the step `graph` recorded (its inputs, cache and kept layers) launched from the host (what the
+    graph saves: the launches are on the host's clock)."""
+    return launched_time_of(lambda: model.sync_free_step(graph.ids, graph.pos, graph.cache, layers), steps)
+
+
+def launched_time_of(fn, steps: int) -> float:
+    """ms per call of `fn` launched from the host, over `steps` calls after one, timed with CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.no_grad():
-        model.sync_free_step(graph.ids, graph.pos, graph.cache, layers)
+        fn()
         start.record()
         for _ in range(steps):
-            model.sync_free_step(graph.ids, graph.pos, graph.cache, layers)
+            fn()
         end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / steps
@@ -73,8 +82,9 @@ def run(args: argparse.Namespace) -> None:
     prompt = torch.randint(0, model.config.text.vocab_size, (args.prompt_len,), generator=seeded)
     print(f"speculative generation of {args.new_tokens} tokens after a {args.prompt_len}-token prompt",
           file=sys.stderr, flush=True)
-    _, stats = speculative_generate_ids(model, drafter, [prompt.tolist()], max_new_tokens=args.new_tokens,
-                                        sampling=SamplingParams(temperature=0.0))
+    greedy = SamplingParams(temperature=0.0)
+    decoder = SpeculativeDecoder(model, drafter)
+    seqs, stats = decoder.generate([prompt.tolist()], max_new_tokens=args.new_tokens, sampling=greedy)
     layers = tuple(sorted(drafter.capture_layer_ids))
     T = drafter.block_size + 1
     captured = getattr(model, "captured", None)
@@ -91,6 +101,14 @@ def run(args: argparse.Namespace) -> None:
     with torch.no_grad():
         model.step(ids, pos, verify.cache)
     plain_ms = replay_time(model.captured.graphs[(1, 1)], args.steps)
+    # the drafter's pass alone, after the loop's last step: its anchor is the last token, at the committed length
+    anchors = torch.tensor([seqs[0].generated[-1]], device=device)
+    t = torch.tensor(decoder.lengths, device=device)
+
+    def draft() -> None:
+        drafter.draft(model, decoder.draft_cache, anchors, t, drafter.block_size, greedy, None)
+
+    draft_ms = launched_time_of(draft, args.steps)
     result = {"bench": "speculative_decode", "preset": args.preset, "layers": len(model.layers),
               "experts": args.experts, "fast": args.fast, "prompt_len": args.prompt_len,
               "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
@@ -98,9 +116,15 @@ def run(args: argparse.Namespace) -> None:
               "verify_replay_ms": round(verify_ms, 3), "verify_launched_ms": round(launched_ms, 3),
               "graph_speedup": round(launched_ms / verify_ms, 3), "plain_step_ms": round(plain_ms, 3),
               "verify_in_plain_steps": round(verify_ms / plain_ms, 3),
+              "draft_ms": round(draft_ms, 3),
               "loop_verify_ms_per_step": round(1e3 * stats.verify_seconds / timed_steps, 3),
               "loop_draft_ms_per_step": round(1e3 * stats.draft_seconds / timed_steps, 3),
               "stats": stats.as_dict()}
+    if args.profile:
+        from prefill import profile_prefill
+
+        result["profile_verify_replay"] = profile_prefill(device, lambda: verify.graph.replay(), args.top)
+        result["profile_draft"] = profile_prefill(device, draft, args.top)
     emit(result, args.out)
 
 

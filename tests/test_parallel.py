@@ -322,3 +322,24 @@ def test_speculative_decoding_under_tp_equals_plain_greedy(ranks, ckpt_factory):
     for status, value in outs:
         assert status == "ok", value
         assert value == [s.generated for s in plain]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("extra", [[], ["--expert-parallel"]], ids=["tp2", "tp2-expert-parallel"])
+def test_examples_generate_on_two_gpus_equals_one(checkpoints, extra):
+    """The README's two-GPU command (`torchrun --nproc-per-node 2 examples/generate.py`: NCCL, each rank on its GPU,
+    the GPU default fast paths: compiled layers and CUDA graphs) emits one GPU's greedy tokens."""
+    path = checkpoints["tiny-nvfp4"]
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    one = subprocess.run([sys.executable, *_generate_cmd(path)], cwd=REPO, env={**env, "CUDA_VISIBLE_DEVICES": "0"},
+                         capture_output=True, text=True, timeout=6 * TIMEOUT_S)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          *_generate_cmd(path), *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=6 * TIMEOUT_S)
+    assert two.returncode == 0, two.stderr
+    lines = two.stdout.strip().splitlines()
+    assert len(lines) == 1, two.stdout  # rank 1 prints nothing
+    assert json.loads(lines[0])["token_ids"] == json.loads(one.stdout.strip().splitlines()[-1])["token_ids"]
+    assert "[fast]" in one.stderr and "[fast]" in two.stderr  # the default on a GPU: compiled and captured steps

@@ -196,9 +196,9 @@ def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k
 
     q, k_blk, v_blk: the block's queries [B, T, Hq, D] and keys/values [B, T, Hkv, D]; every query sees
     every block key (non-causal). k_ctx, v_ctx [B, L, Hkv, D]: context rows at absolute positions
-    `ctx_pos` [L]; query i of row b (at position q_pos[b, i]) sees context key l iff
-    `ctx_pos[l] < ctx_len[b]` (a committed position) and `ctx_pos[l] >= q_pos[b, i] - (window - 1)`.
-    Query head h reads kv head h // (Hq / Hkv).
+    `ctx_pos` [L] (the same for every row) or [B, L]; query i of row b (at position q_pos[b, i]) sees
+    context key l iff `ctx_pos[b, l] < ctx_len[b]` (a committed position) and
+    `ctx_pos[b, l] >= q_pos[b, i] - (window - 1)`. Query head h reads kv head h // (Hq / Hkv).
     """
     B, T, Hq, D = q.shape
     Hkv = k_blk.shape[2]
@@ -207,8 +207,8 @@ def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k
     vals = torch.cat((v_ctx, v_blk), dim=1).float().permute(0, 2, 1, 3)
     qg = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     scores = torch.einsum("bhgtd,bhld->bhgtl", qg, keys) * scale
-    visible_ctx = (ctx_pos[None, None, :] < ctx_len[:, None, None]) & (
-        ctx_pos[None, None, :] >= q_pos[:, :, None] - (window - 1))  # [B, T, L]
+    ctx = ctx_pos.expand(B, -1)[:, None, :]  # [B, 1, L]
+    visible_ctx = (ctx < ctx_len[:, None, None]) & (ctx >= q_pos[:, :, None] - (window - 1))  # [B, T, L]
     visible = torch.cat((visible_ctx, visible_ctx.new_ones(B, T, T)), dim=-1)
     p = torch.softmax(scores.masked_fill(~visible[:, None, None], float("-inf")), dim=-1)
     out = torch.einsum("bhgtl,bhld->bhgtd", p, vals)
@@ -551,8 +551,8 @@ def load_drafter(path: str | Path, target: MiniMaxM3, *, capture_final_norm: boo
 
     MXFP8 linears are decoded exactly to fp32 (`quant.dequant_mxfp8`) and cast once. act_quant:
     "none" or "emulate" (fake-quantize the MXFP8 linears' inputs); default: the target's setting.
-    capture_final_norm: see `DSparkDrafter`. Raises CheckpointError (every problem together) or
-    ConfigError.
+    capture_final_norm: see `DSparkDrafter`. A target with fast paths gives them to the drafter
+    (`fast.drafter.FastDSparkDrafter`). Raises CheckpointError (every problem together) or ConfigError.
     """
     from .linear import set_activation_formats
 
@@ -580,6 +580,7 @@ def load_drafter(path: str | Path, target: MiniMaxM3, *, capture_final_norm: boo
         raise CheckpointError(f"{path}: {len(problems)} drafter tensors cannot be decoded", problems)
     drafter.load_state_dict(state, strict=True, assign=True)
     drafter.source_path = Path(path)
+    target.share_paths(drafter)
     return drafter.eval()
 
 

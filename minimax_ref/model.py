@@ -454,6 +454,10 @@ class MiniMaxM3(nn.Module):
         logits = self(ids, positions=positions, cache=cache, trace=trace)
         return logits, {layer: trace.hidden_states[layer] for layer in sorted(trace.layers)}
 
+    def share_paths(self, module: nn.Module) -> None:
+        """Give `module`, which runs beside this model (the DSpark drafter, `drafter.load_drafter`), the way this
+        model computes: the reference has nothing to give; the fast model installs its fast paths on it."""
+
     @property
     def max_seq_len(self) -> int:
         """Longest sequence a forward accepts: the runtime's `max_seq_len` when loaded with one, else the config's

@@ -314,8 +314,9 @@ def test_a_step_of_more_tokens_than_the_sync_free_experts_take_is_not_captured(f
 
 @pytest.mark.gpu
 def test_verify_steps_replay_captured_graphs(spec_ckpt):
-    """On CUDA with `--fast compiled`, DSpark's verify steps replay CUDA graphs keyed by shape and kept layers, and
-    emit the tokens of the same fast paths run eagerly (graph off)."""
+    """On CUDA with `--fast compiled`, DSpark's verify steps replay CUDA graphs keyed by shape and kept layers, the
+    drafter's greedy passes graphs of their own, and both emit the tokens of the same fast paths launched op by op
+    (graph off)."""
     from dataclasses import replace
 
     from minimax_ref.fast import FastPaths, apply
@@ -327,12 +328,40 @@ def test_verify_steps_replay_captured_graphs(spec_ckpt):
     layers = tuple(sorted(drafter.capture_layer_ids))
     keys = list(target.captured.graphs)
     assert ((2, drafter.block_size + 1), layers) in keys and stats.warmup_seconds > 0
+    assert list(drafter.captured.passes) == [(2, drafter.block_size)]
     apply(target, replace(FastPaths.of("compiled"), graph=False))
+    target.share_paths(drafter)
+    assert not drafter.paths.graph
     eager, _ = speculative_generate_ids(target, drafter, prompts, max_new_tokens=24, sampling=GREEDY)
     _same_output(eager, out)
 
 
 # ---------------------------------------------------------------------------------------------- drafter
+
+
+def test_fast_drafter_pass_equals_the_reference(model, drafter, fast_target, spec_ckpt):
+    """The drafter twin (a target with fast paths gives them to its drafter) gathers each row's window with a static
+    shape: the same block hidden states and greedy drafts as the reference's host-read slice, for rows at different
+    positions (no context yet, a window cut at position 0, a full window)."""
+    from minimax_ref.fast.drafter import FastDSparkDrafter
+
+    fast = load_drafter(spec_ckpt / "dspark", fast_target)
+    assert isinstance(fast, FastDSparkDrafter) and not isinstance(drafter, FastDSparkDrafter)
+    W = drafter.config.sliding_window
+    t = torch.tensor([0, 5, W - 2, 2 * W + 9])
+    cache = drafter.new_cache(4, 3 * W)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(len(cache.k)):
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+    cache.rollback(t.tolist())
+    anchors = torch.tensor([7, 11, 13, 17])
+    with torch.no_grad():
+        want, got = (d.block_hidden(model, cache, anchors, t) for d in (drafter, fast))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    a = drafter.draft(model, cache, anchors, t, drafter.block_size, GREEDY, None)
+    b = fast.draft(model, cache, anchors, t, drafter.block_size, GREEDY, None)
+    assert torch.equal(a.tokens, b.tokens)
 
 
 def test_sliding_window_edge(model, drafter):

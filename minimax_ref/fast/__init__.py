@@ -2,11 +2,12 @@
 synchronisation-free decode steps, fused packed matmuls, compiled decoder layers, CUDA graphs), installed on a built
 model by one call, `apply(model, FastPaths(...))`, and removed by `apply(model, FastPaths())`.
 
-The reference modules never import this package; `load_model(fast=...)` imports it only when a fast path is asked
-for. Modules: `paths` (the switches), `attention`, `moe`, `packed` (the twins), `compiled` (the compiled decoder
-layer), `launch` (launch configurations, as data), `graph` (a decode step captured in a CUDA graph), `grouped`
-(the Triton kernel of packed products of a few dozen rows), `attention_kernel` (the Triton block-sparse attention of
-prefill and decode steps), `model` (the model twin and `apply`).
+The reference modules never import this package; `load_model(fast=...)` imports it only when a fast path is asked for,
+and a drafter loaded for a fast model takes the model's paths (`MiniMaxM3.share_paths`). Modules: `paths` (the
+switches), `attention`, `moe`, `packed` (the twins), `compiled` (the compiled decoder layer), `launch` (launch
+configurations, as data), `graph` (a decode step captured in a CUDA graph), `grouped` (the Triton kernel of packed
+products of a few dozen rows), `attention_kernel` (the Triton block-sparse attention of prefill and decode steps),
+`drafter` (the DSpark drafter's twin: its pass with static shapes, captured), `model` (the model twin and `apply`).
 """
 
 from .model import FastMiniMaxM3, apply, paths_of

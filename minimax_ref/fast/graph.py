@@ -1,8 +1,10 @@
 """Decode steps captured in CUDA graphs.
 
+`record`: a call with no host synchronisation and static shapes, captured after warm-up calls (which compile what
+compiles on first use: compiled layers, the fused matmul).
+
 `GraphStep`: one decode step of a model on one KV cache, recorded once and replayed. With the fast paths `moe` and
-`static_kv` (no host synchronisation, static shapes) a decode step can be recorded; with compiled layers or the fused
-matmul, after warm-up steps have compiled them.
+`static_kv` (no host synchronisation, static shapes) a decode step can be recorded.
 
 `CapturedSteps`: what `FastMiniMaxM3.step` and `step_with_hidden` replay with `FastPaths(graph=True)`: the graphs of
 one KV cache, one per step shape (batch, tokens per row) and kept layers, captured on that shape's first step.
@@ -19,6 +21,23 @@ import torch
 from ..cache import KVCache
 
 
+def record(fn, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`fn()` (no host synchronisation, static shapes) captured in a CUDA graph: two warm-up calls on a side stream
+    first (allocator pools, library handles, NCCL, compiles), then the capture. Returns the graph and what the
+    captured call returned: the buffers each replay rewrites."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 class GraphStep:
     """One decode step of `model` (a fast model, `FastMiniMaxM3.sync_free_step`) on `cache` captured in a CUDA graph.
     `replay(ids, pos)` copies the inputs into the captured buffers and replays: `all_logits` then holds the logits of
@@ -32,17 +51,8 @@ class GraphStep:
     def __init__(self, model, cache: KVCache, ids0: torch.Tensor, pos0: torch.Tensor, layers: tuple[int, ...] = ()):
         self.cache = cache
         self.ids, self.pos = ids0.clone(), pos0.clone()
-        device = ids0.device
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up off the capture: allocator pools, cuBLAS handles, NCCL, compiles
-            for _ in range(2):
-                model.sync_free_step(self.ids, self.pos, cache, layers)
-        torch.cuda.current_stream(device).wait_stream(side)
-        torch.cuda.synchronize(device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.all_logits, self.hidden = model.sync_free_step(self.ids, self.pos, cache, layers)
+        self.graph, (self.all_logits, self.hidden) = record(
+            lambda: model.sync_free_step(self.ids, self.pos, cache, layers), ids0.device)
         self.logits = self.all_logits[:, -1]
 
     def replay(self, ids: torch.Tensor, pos: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..attention import Attention
 from ..cache import KVCache
+from ..drafter import DSparkDrafter
 from ..mlp import MLP
 from ..model import DecoderLayer, Interventions, MiniMaxM3, Trace, check_layer_ids
 from ..moe import Experts, Router
@@ -20,6 +21,7 @@ from ..norm import RMSNorm
 from ..packed import PackedWeight
 from .attention import FastAttention
 from .compiled import CompiledLayers, StoredNorm, run_layer
+from .drafter import FastDSparkDrafter
 from .graph import CapturedSteps
 from .grouped import sm_count
 from .launch import tuned_for
@@ -121,6 +123,9 @@ class FastMiniMaxM3(MiniMaxM3):
             self.captured = CapturedSteps(cache, self.captured_shapes)
         return self.captured
 
+    def share_paths(self, module: nn.Module) -> None:
+        apply(module, self.fast)
+
     def checked(self, logits: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None, interventions: Interventions | None = None) -> torch.Tensor:
         # sync-free decode steps read nothing back to the host; the non-finite check is a host read
@@ -141,7 +146,7 @@ class FastMiniMaxM3(MiniMaxM3):
 
 # reference class -> its twin; swapped only on modules of exactly the reference class
 TWINS: dict[type, type] = {Attention: FastAttention, Experts: FastExperts, Router: FastRouter, MLP: FastMLP,
-                           PackedWeight: FastPackedWeight, MiniMaxM3: FastMiniMaxM3}
+                           PackedWeight: FastPackedWeight, MiniMaxM3: FastMiniMaxM3, DSparkDrafter: FastDSparkDrafter}
 REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
 # what `apply` gives the twins, removed when the reference is restored
 _GIVEN = ("paths", "fast", "compiled", "kernels", "mode", "fused_tokens", "fused_rows",
@@ -155,9 +160,9 @@ def paths_of(model: nn.Module) -> FastPaths:
 
 def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) -> FastPaths:
     """Install the fast paths `paths` (`FastPaths.of`: True = every eager fast path, "compiled", a dict, a
-    FastPaths...) on `model` (a `MiniMaxM3`, or any module holding reference modules: an `Experts`, a
-    `PackedWeight`), in place; `FastPaths()` (or False) restores the reference modules. Returns the paths in force.
-    Reads each packed weight's scales on the host once (`FastPackedWeight.configure`)."""
+    FastPaths...) on `model` (a `MiniMaxM3`, a `DSparkDrafter`, or any module holding reference modules: an
+    `Experts`, a `PackedWeight`), in place; `FastPaths()` (or False) restores the reference modules. Returns the
+    paths in force. Reads each packed weight's scales on the host once (`FastPackedWeight.configure`)."""
     paths = FastPaths.of(paths)
     kernels = getattr(model, "kernels", None) or Kernels()  # kept across re-applies: its compiled functions
     _restore(model)

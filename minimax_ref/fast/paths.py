@@ -39,7 +39,8 @@ test_launch.py, test_grouped.py and test_attention_kernel.py compare each with t
   speculative loop's verify steps) are captured in a CUDA graph per KV cache and step shape and replayed
   (`fast.graph.CapturedSteps`): with `moe` and `static_kv` (and no trace, no activation emulation, no expert mask,
   at most `sync_free_tokens` tokens in all) a decode step has no host synchronisation and fixed shapes. The replay
-  computes what the same fast paths compute eagerly.
+  computes what the same fast paths compute eagerly. The DSpark drafter's greedy passes are captured too
+  (`fast.drafter`: each row's context window gathered with a static shape).
 """
 
 from __future__ import annotations

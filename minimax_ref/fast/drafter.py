@@ -39,6 +39,7 @@ class CapturedDrafts:
 class FastDSparkDrafter(DSparkDrafter):
     """`DSparkDrafter` with the fast paths `paths` (a `FastPaths`, set by `fast.apply`). Same parameters."""
 
+    @torch.no_grad()
     def block_hidden(self, target: MiniMaxM3, cache: DraftCache, anchors: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
         B, Bk, W = anchors.shape[0], self.block_size, self.config.sliding_window
@@ -56,6 +57,7 @@ class FastDSparkDrafter(DSparkDrafter):
             x = layer(x, q_pos, cos, sin, cache.k[i][rows, slots], cache.v[i][rows, slots], ctx_pos, positions)
         return self.final_norm(x)
 
+    @torch.no_grad()
     def draft(self, target: MiniMaxM3, cache: DraftCache, anchors: torch.Tensor, positions: torch.Tensor,
               num_tokens: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         if not (self.paths.graph and sampling.greedy and anchors.is_cuda and 1 <= num_tokens <= self.block_size):

@@ -116,6 +116,19 @@ def test_generate_replays_captured_steps(tiny_nvfp4, fast):
     assert stats.warmup_seconds > 0 and stats.decode_tokens > 0
 
 
+@pytest.mark.gpu
+def test_a_batch_past_the_sync_free_limit_decodes_without_graphs(tiny_nvfp4):
+    """65 sequences (more tokens a step than the experts' synchronisation-free path takes): the steps are not captured
+    (their experts read counts on the host) and choose the reference's tokens."""
+    model = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", device="cuda", fast="on", max_batch_size=65)
+    prompts = [[(7 * i + j) % 900 + 1 for j in range(5)] for i in range(65)]
+    seqs, _ = generate_ids(model, prompts, max_new_tokens=3, sampling=GREEDY)
+    assert model.captured is None or not model.captured.graphs
+    apply(model, FastPaths())
+    want, _ = generate_ids(model, prompts, max_new_tokens=3, sampling=GREEDY)
+    assert [s.generated for s in seqs] == [s.generated for s in want]
+
+
 def test_logit_index_is_the_full_logits_at_those_positions(tiny_nvfp4):
     model = load_model(tiny_nvfp4, dtype=torch.float32)
     ids = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])

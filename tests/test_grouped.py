@@ -46,7 +46,7 @@ from test_packed import _bench, _rel
 import minimax_ref.fast.grouped as grouped
 from minimax_ref.errors import ConfigError
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.fast.grouped import MAX_ROWS, Tiles, packed_matmul_grouped, split_for, tiles_for
+from minimax_ref.fast.grouped import MAX_ROWS, Tiles, decode_grouped, packed_matmul_grouped, split_for, tiles_for
 from minimax_ref.fast.packed import scales_in_normal_range
 from minimax_ref.loader import load_model
 from minimax_ref.packed import PackedWeight, decode_reference
@@ -193,6 +193,22 @@ def test_identity_rows_read_out_the_decoded_weight(device, fmt, tiles):
             assert torch.equal(got.transpose(-1, -2), want[..., k0:k0 + MAX_ROWS]), (case, k0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("tiles", [SMALL, WIDE, None], ids=["small", "wide", "default"])
+def test_decoder_writes_the_reference_bits(device, fmt, tiles):
+    """`decode_grouped` (the same tile decoding, written out) is `decode_reference(...).to(bf16)` bit for bit: stacks
+    at the normal range's low end, middle and top, partial column tiles, and a linear with a scalar global whose K
+    (192) the default block_k does not divide."""
+    for case in range(3):
+        w, s, g = _operands(fmt, 3, 40, 128, case, device)
+        assert torch.equal(decode_grouped(fmt, w, s, g, tiles=tiles), _decoded(fmt, w, s, g)), case
+    w, s, g = _operands(fmt, 1, 72, 192, 1, device)
+    w, s, g = w[0], s[0], None if g is None else g[0]
+    got = decode_grouped(fmt, w, s, g, tiles=tiles)
+    assert got.shape == (72, 192) and torch.equal(got, _decoded(fmt, w, s, g))
+
+
 @interp
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 def test_pairs_of_rows_add_the_rounded_weights(fmt):
@@ -257,6 +273,28 @@ def test_one_linear_with_a_scalar_global(device, fmt):
 def _packed_linear(fmt: str, N: int, K: int, device: str) -> PackedWeight:
     w, s, g = _operands(fmt, 1, N, K, 1, device)
     return PackedWeight(fmt, w[0], s[0], None if g is None else g[0], dtype=BF16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_decode_mode_decodes_through_the_kernel(device, monkeypatch):
+    """`FastPaths(decode="triton")`: a bf16 weight decodes through `decode_grouped` (whole, one expert, gathered
+    experts) with the reference's bits; an fp32 decode takes the two-pass decoder."""
+    calls = []
+    real = grouped.decode_grouped
+    monkeypatch.setattr(grouped, "decode_grouped", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    for fmt in ("nvfp4", "mxfp8"):
+        w, s, g = _operands(fmt, 4, 40, 128, 1, device)
+        pw = PackedWeight(fmt, w, s, g, dtype=BF16)
+        want = pw.decode()
+        apply(pw, FastPaths(decode="triton"))
+        assert pw.decode_tiles is not None
+        index = torch.tensor([3, 1], device=device)
+        assert torch.equal(pw.decode(), want) and torch.equal(pw.decode(2), want[2])
+        assert torch.equal(pw.decode(index), want[index])
+        assert len(calls) == 3
+        assert torch.equal(pw.decode(dtype=torch.float32), decode_reference(fmt, w, s, g)) and len(calls) == 3
+        calls.clear()
+    assert FastPaths.of("compiled").decode == "triton"
 
 
 @pytest.mark.parametrize("device", DEVICES)

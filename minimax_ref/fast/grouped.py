@@ -247,6 +247,46 @@ if AVAILABLE:
         return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCKS, PER)), (BLOCK_N, BLOCKS * PER))
 
     @triton.jit
+    def _nvfp4_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EXACT_FP32: tl.constexpr):
+        """Step `ks` of a packed NVFP4 weight decoded: [BLOCK_N, BLOCK_K] bf16 (with EXACT_FP32, bf16 values held in
+        fp32). w_rows, s_rows: the tile's rows of int32 words and of E4M3 block scales; g: the global scale."""
+        WORDS: tl.constexpr = BLOCK_K // 8  # int32 words of packed bytes a step (8 elements each)
+        BLOCKS: tl.constexpr = BLOCK_K // 16  # block scales a step (2 words each)
+        jw = tl.arange(0, WORDS)
+        js = tl.arange(0, BLOCKS)
+        words = tl.load(w_rows + ks * WORDS + jw[None, :], mask=n_ok[:, None], other=0)  # [BN, WORDS]
+        sc = tl.load(s_rows + ks * BLOCKS + js[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        # the reference's block scale fp32(e4m3) * global (one rounding), then times 2^126 (exact: |s| < 4)
+        block = (_e4m3_value(sc, EXACT_FP32) * g) * 8.507059173023462e37  # 2^126
+        scale = _broadcast_blocks(block, BLOCK_N, BLOCKS, 2)  # [BN, WORDS]: each word's block scale
+        # nibble j of word w is element 8w + j: the eight planes interleaved back into K order (tl.join adds an
+        # innermost axis: join(join(join(p0, p4), join(p2, p6)), ...) puts p_j at offset j)
+        even = tl.join(tl.join(_nibble(words, scale, 0, EXACT_FP32), _nibble(words, scale, 4, EXACT_FP32)),
+                       tl.join(_nibble(words, scale, 2, EXACT_FP32), _nibble(words, scale, 6, EXACT_FP32)))
+        odd = tl.join(tl.join(_nibble(words, scale, 1, EXACT_FP32), _nibble(words, scale, 5, EXACT_FP32)),
+                      tl.join(_nibble(words, scale, 3, EXACT_FP32), _nibble(words, scale, 7, EXACT_FP32)))
+        return tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+
+    @triton.jit
+    def _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_FP32: tl.constexpr):
+        """Step `ks` of a packed MXFP8 weight decoded, as `_nvfp4_tile` (E8M0 scales, no global)."""
+        WORDS8: tl.constexpr = BLOCK_K // 4  # int32 words of E4M3 bytes a step (4 elements each)
+        BLOCKS8: tl.constexpr = BLOCK_K // 32  # E8M0 scales a step (8 words each)
+        jw8 = tl.arange(0, WORDS8)
+        js8 = tl.arange(0, BLOCKS8)
+        words = tl.load(w_rows + ks * WORDS8 + jw8[None, :], mask=n_ok[:, None], other=0)  # [BN, WORDS8]
+        sc = tl.load(s_rows + ks * BLOCKS8 + js8[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        # E8M0 code c -> 2^(c - 127) on the bits (c >= 1 in the normal range), for each word
+        scale = _broadcast_blocks((sc << 23).to(tl.float32, bitcast=True), BLOCK_N, BLOCKS8, 8)
+        # byte i of word w is element 4w + i: exact products (an E4M3 value times a power of two in range has at most
+        # 4 significant bits), interleaved back into K order as NVFP4's planes are
+        return tl.reshape(tl.join(tl.join(_e4m3_byte(words, scale, 0, EXACT_FP32),
+                                          _e4m3_byte(words, scale, 2, EXACT_FP32)),
+                                  tl.join(_e4m3_byte(words, scale, 1, EXACT_FP32),
+                                          _e4m3_byte(words, scale, 3, EXACT_FP32))), (BLOCK_N, BLOCK_K))
+
+    @triton.jit
     def _packed_matmul_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, active_ptr, y_ptr,
         M, N, K_STEPS, STEPS_PER_SPLIT,
@@ -273,49 +313,20 @@ if AVAILABLE:
         x_rows = x_ptr + e * stride_xe + offs_m[None, :] * stride_xm  # [1, BLOCK_M]
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
         s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
+        jk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if NVFP4_FMT:
-            WORDS: tl.constexpr = BLOCK_K // 8  # int32 words of packed bytes a step (8 elements each)
-            BLOCKS: tl.constexpr = BLOCK_K // 16  # block scales a step (2 words each)
-            jw = tl.arange(0, WORDS)
-            js = tl.arange(0, BLOCKS)
-            jk = tl.arange(0, BLOCK_K)
             g = tl.load(g_ptr + e * stride_ge)
             for ks in range(k_lo, k_hi):
-                words = tl.load(w_rows + ks * WORDS + jw[None, :], mask=n_ok[:, None], other=0)  # [BN, WORDS]
-                sc = tl.load(s_rows + ks * BLOCKS + js[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-                # the reference's block scale fp32(e4m3) * global (one rounding), then times 2^126 (exact: |s| < 4)
-                block = (_e4m3_value(sc, EXACT_FP32) * g) * 8.507059173023462e37  # 2^126
-                scale = _broadcast_blocks(block, BLOCK_N, BLOCKS, 2)  # [BN, WORDS]: each word's block scale
-                # nibble j of word w is element 8w + j: the eight planes interleaved back into K order (tl.join adds
-                # an innermost axis: join(join(join(p0, p4), join(p2, p6)), ...) puts p_j at offset j)
-                even = tl.join(tl.join(_nibble(words, scale, 0, EXACT_FP32), _nibble(words, scale, 4, EXACT_FP32)),
-                               tl.join(_nibble(words, scale, 2, EXACT_FP32), _nibble(words, scale, 6, EXACT_FP32)))
-                odd = tl.join(tl.join(_nibble(words, scale, 1, EXACT_FP32), _nibble(words, scale, 5, EXACT_FP32)),
-                              tl.join(_nibble(words, scale, 3, EXACT_FP32), _nibble(words, scale, 7, EXACT_FP32)))
-                w = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+                w = _nvfp4_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
                 xt = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
                 if EXACT_FP32:
                     acc = tl.dot(w, xt, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(w, xt, acc)
         else:
-            WORDS8: tl.constexpr = BLOCK_K // 4  # int32 words of E4M3 bytes a step (4 elements each)
-            BLOCKS8: tl.constexpr = BLOCK_K // 32  # E8M0 scales a step (8 words each)
-            jw8 = tl.arange(0, WORDS8)
-            js8 = tl.arange(0, BLOCKS8)
-            jk = tl.arange(0, BLOCK_K)
             for ks in range(k_lo, k_hi):
-                words = tl.load(w_rows + ks * WORDS8 + jw8[None, :], mask=n_ok[:, None], other=0)  # [BN, WORDS8]
-                sc = tl.load(s_rows + ks * BLOCKS8 + js8[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-                # E8M0 code c -> 2^(c - 127) on the bits (c >= 1 in the normal range), for each word
-                scale = _broadcast_blocks((sc << 23).to(tl.float32, bitcast=True), BLOCK_N, BLOCKS8, 8)
-                # byte i of word w is element 4w + i: exact products (an E4M3 value times a power of two in range has
-                # at most 4 significant bits), interleaved back into K order as NVFP4's planes are
-                w = tl.reshape(tl.join(tl.join(_e4m3_byte(words, scale, 0, EXACT_FP32),
-                                               _e4m3_byte(words, scale, 2, EXACT_FP32)),
-                                       tl.join(_e4m3_byte(words, scale, 1, EXACT_FP32),
-                                               _e4m3_byte(words, scale, 3, EXACT_FP32))), (BLOCK_N, BLOCK_K))
+                w = _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
                 xt = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
                 if EXACT_FP32:
                     acc = tl.dot(w, xt, acc, input_precision="ieee")
@@ -327,6 +338,29 @@ if AVAILABLE:
             tl.store(y_ptrs, _bf16_storable(acc, EXACT_FP32), mask=mask)
         else:
             tl.store(y_ptrs, acc, mask=mask)
+
+    @triton.jit
+    def _decode_kernel(w_ptr, s_ptr, g_ptr, y_ptr, N, stride_we, stride_wn, stride_se, stride_sn, stride_ge,
+                       stride_ye, stride_yn, NVFP4_FMT: tl.constexpr, EXACT_FP32: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[e, n, k] = w_hat[e, n, k] in bf16, one tile a program. Grid: (column tiles, entries, K steps)."""
+        pid_n = tl.program_id(0)
+        e = tl.program_id(1)
+        ks = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
+        s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
+        if NVFP4_FMT:
+            w = _nvfp4_tile(w_rows, s_rows, tl.load(g_ptr + e * stride_ge), ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+        else:
+            w = _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+        offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+        y_ptrs = y_ptr + e * stride_ye + offs_n[:, None] * stride_yn + offs_k[None, :]
+        if EXACT_FP32:  # bf16 values held in fp32: their bits
+            tl.store(y_ptrs, _bf16_storable(w, EXACT_FP32), mask=n_ok[:, None])
+        else:
+            tl.store(y_ptrs, w, mask=n_ok[:, None])
 
     @triton.jit
     def _sum_splits_kernel(parts_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
@@ -372,6 +406,48 @@ if AVAILABLE:
         wrap_triton(_sum_splits_kernel)[(triton.cdiv(y.numel(), 1024),)](out, y, y.numel(), SPLIT=split, BLOCK=1024,
                                                                           EXACT_FP32=exact_fp32)
         return y
+
+
+if AVAILABLE:
+    @triton_op("minimax_ref::decode_grouped", mutates_args=())
+    def _decode_op(words: torch.Tensor, scale: torch.Tensor, g: torch.Tensor, k: int, nvfp4: bool, block_n: int,
+                   block_k: int, num_warps: int, exact_fp32: bool) -> torch.Tensor:
+        """The launch (see `decode_grouped`): words int32 `[E, N, K/8 or K/4]`, scale uint8, g fp32 `[E]` or `[1]`.
+        Returns bf16 `[E, N, K]`."""
+        e, n = words.shape[0], words.shape[1]
+        y = torch.empty((e, n, k), dtype=torch.bfloat16, device=words.device)
+        grid = (triton.cdiv(n, block_n), e, k // block_k)
+        wrap_triton(_decode_kernel)[grid](
+            words, scale, g, y, n, words.stride(0), words.stride(1), scale.stride(0), scale.stride(1),
+            1 if g.numel() > 1 else 0, y.stride(0), y.stride(1),
+            NVFP4_FMT=nvfp4, EXACT_FP32=exact_fp32, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        return y
+
+
+def decode_grouped(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   weight_scale_2: torch.Tensor | None, tiles: Tiles | None = None) -> torch.Tensor:
+    """`decode_reference(fmt, weight, weight_scale, weight_scale_2).to(bfloat16)`, bit for bit, by one Triton kernel
+    that reads the packed bytes and scales once and writes the bf16 weight once (the tile decoding of
+    `packed_matmul_grouped`). weight, weight_scale, weight_scale_2: a packed linear `[N, K]` or stack `[E, N, K]` whose
+    scales pass `scales_in_normal_range` and, MXFP8, with no E4M3 NaN byte (the caller checks both once), K a multiple
+    of 32. Returns bf16 `[N, K]` or `[E, N, K]`. Static in the shapes (no host synchronisation)."""
+    if not AVAILABLE:
+        raise RuntimeError("decode_grouped needs triton")
+    linear = weight.dim() == 2
+    if linear:
+        weight, weight_scale = weight.unsqueeze(0), weight_scale.unsqueeze(0)
+    nvfp4 = fmt == NVFP4
+    k = weight.shape[2] * (2 if nvfp4 else 1)
+    if not supports(fmt, k):
+        raise ValueError(f"decode_grouped: {fmt} {list(weight.shape)}")
+    tiles = tiles or tiles_for(fmt, weight.device)
+    block_k = _fit_block_k(tiles, k)
+    words = weight.view(torch.int32)
+    scale = weight_scale.view(torch.uint8)
+    g = weight_scale_2.reshape(-1).to(torch.float32) if nvfp4 else scale.new_ones(1, dtype=torch.float32)
+    y = torch.ops.minimax_ref.decode_grouped(words, scale, g, k, nvfp4, tiles.block_n, block_k, tiles.num_warps,
+                                             _INTERPRET)
+    return y[0] if linear else y
 
 
 def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,

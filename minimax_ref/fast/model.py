@@ -150,7 +150,8 @@ TWINS: dict[type, type] = {Attention: FastAttention, Experts: FastExperts, Route
 REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
 # what `apply` gives the twins, removed when the reference is restored
 _GIVEN = ("paths", "fast", "compiled", "kernels", "mode", "fused_tokens", "fused_rows",
-          "normal_range", "words", "grouped_tokens", "grouped_launch", "captured", "captured_shapes", "sm_count")
+          "normal_range", "words", "grouped_tokens", "grouped_launch", "decode_tiles", "captured", "captured_shapes",
+          "sm_count")
 
 
 def paths_of(model: nn.Module) -> FastPaths:

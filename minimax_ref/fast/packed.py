@@ -487,7 +487,8 @@ class Kernels:
 
 class FastPackedWeight(PackedWeight):
     """`PackedWeight` with the fast decoders (`fast.apply` swaps the class and calls `configure`; parameter and
-    buffer names are unchanged). `decode` through `mode` ("reference", "fast", "compile": the same bits);
+    buffer names are unchanged). `decode` through `mode` ("reference", "fast", "compile", "triton": the same bits;
+    "triton" by `fast.grouped.decode_grouped` where its tile decoding applies, else as "fast");
     `linear(x)` / `matmul(x, index)` fused (`Kernels.matmul`, equal to fp32 rounding) for inputs of at most
     `fused_tokens` rows (0: never), `fused_rows` rows per pass, the packed bytes read as int32 words when `words`;
     inputs of more rows, up to `grouped_tokens` (0: never), through the grouped Triton kernel (`fast.grouped`, equal
@@ -501,6 +502,7 @@ class FastPackedWeight(PackedWeight):
     kernels: Kernels
     grouped_tokens: int = 0
     grouped_launch: tuple  # (fast.grouped.Tiles, K splits), chosen at configuration
+    decode_tiles: object = None  # decode="triton" where the kernel decodes this weight: its launch (`grouped.Tiles`)
 
     def configure(self, kernels: Kernels, mode: str, fused_tokens: int, fused_rows: int, words: bool,
                   grouped_tokens: int = 0) -> None:
@@ -512,12 +514,15 @@ class FastPackedWeight(PackedWeight):
         no_nan = self.fmt == NVFP4 or not has_e4m3_nan(self.weight)
         self.words = words and no_nan
         self.grouped_tokens = 0
-        if grouped_tokens > 0 and self.normal_range and no_nan and self.dtype == torch.bfloat16:
-            if grouped.AVAILABLE and grouped.supports(self.fmt, self.shape[-1]):
-                self.grouped_tokens = min(grouped_tokens, grouped.MAX_ROWS)
-                # chosen here, not while a compiled region is traced (it reads device properties)
-                entries = self.weight.shape[0] if self.weight.dim() == 3 else 1
-                self.grouped_launch = grouped.launch_for(self.fmt, entries, *self.shape[-2:], self.device)
+        # the Triton kernels' tile decoding gives the reference's bf16 bits for scales in the normal range
+        kernel_decodes = (self.normal_range and no_nan and self.dtype == torch.bfloat16 and grouped.AVAILABLE
+                          and grouped.supports(self.fmt, self.shape[-1]))
+        if grouped_tokens > 0 and kernel_decodes:
+            self.grouped_tokens = min(grouped_tokens, grouped.MAX_ROWS)
+            # chosen here, not while a compiled region is traced (it reads device properties)
+            entries = self.weight.shape[0] if self.weight.dim() == 3 else 1
+            self.grouped_launch = grouped.launch_for(self.fmt, entries, *self.shape[-2:], self.device)
+        self.decode_tiles = grouped.tiles_for(self.fmt, self.device) if mode == "triton" and kernel_decodes else None
 
     def takes_grouped(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a product of `rows` rows of `x` goes through the grouped kernel: more rows than the fused matmul
@@ -531,7 +536,9 @@ class FastPackedWeight(PackedWeight):
     def decode(self, index: int | torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         w, s, g = self.parts(index)
         dtype = dtype or self.dtype
-        if self.mode == "fast":
+        if self.decode_tiles is not None and dtype == torch.bfloat16 and w.dim() <= 3 and grouped.runs_on(w.device):
+            return grouped.decode_grouped(self.fmt, w, s, g, tiles=self.decode_tiles)
+        if self.mode in ("fast", "triton"):
             return decode_fast(self.fmt, w, s, g, dtype)
         if self.mode == "compile":
             return self.kernels.decode(self.fmt, w, s, g, dtype)

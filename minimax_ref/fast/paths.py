@@ -4,6 +4,10 @@ test_launch.py, test_grouped.py and test_attention_kernel.py compare each with t
 
 * `decode="fast"`: packed-weight decoding by a two-pass decoder (`fast.packed.decode_fast`). Bit-identical.
 * `decode="compile"`: the reference decoder through `torch.compile` (one fused kernel). Bit-identical.
+* `decode="triton"` (the `compiled` preset): on CUDA with triton, bf16 weights whose scales are in the normal range
+  are decoded by one Triton kernel that reads the packed bytes once and writes the bf16 weight once
+  (`fast.grouped.decode_grouped`, the grouped kernel's tile decoding); elsewhere as "fast". Bit-identical. What
+  prefill's products with packed weights decode.
 * `moe=True`: the routed experts of small batches (up to `sync_free_tokens` tokens) by batched matmuls over the
   chosen experts, with no host synchronisation and static shapes (`fast.moe.FastExperts`). Equal to fp32 rounding.
 * `static_kv=True`: in decode steps (up to `sync_free_tokens` tokens per sequence), attention over the whole
@@ -51,7 +55,7 @@ from ..errors import ConfigError
 from .launch import ReductionConfigs
 from .packed import FUSED_ROWS
 
-DECODE_MODES = ("reference", "fast", "compile")
+DECODE_MODES = ("reference", "fast", "compile", "triton")
 ATTENTION_MODES = ("reference", "triton")
 MATMUL_MODES = ("reference", "fused")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
@@ -159,7 +163,7 @@ class FastPaths:
         if fast == "compiled":
             # sdpa off: the fp32 SDPA kernel does not split the keys of a one-query step over the GPU; the compiled
             # einsum core does
-            return cls(decode="fast", moe=True, static_kv=True, sdpa=False, matmul="fused", compile_layers=True,
+            return cls(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", compile_layers=True,
                        nvfp4_words=True, mxfp8_words="gate_up", grouped=True, prefill_attention="triton",
                        decode_attention="triton", graph=True)
         if isinstance(fast, dict):

@@ -179,6 +179,34 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
         assert " 0 bytes spill stores" in info, info
 
 
+@needs_triton
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_decoder_compiles_for_h200_without_spills(fmt):
+    """The decoder kernel (`decode_grouped`) as the GPU runs it compiles for sm_90 with the default tiles and no
+    register spills (ptxas -v)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if _ptxas() is None:
+        pytest.skip("triton's ptxas is not installed")
+    kernel = grouped._decode_kernel
+    tiles = grouped.DEFAULT[fmt]
+    consts = {"NVFP4_FMT": fmt == "nvfp4", "EXACT_FP32": False, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k}
+    pointers = {"w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "y_ptr": "*bf16"}
+    signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+    constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
+    out = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.num_warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as fh:
+            fh.write(out.asm["ptx"])
+        info = subprocess.run([_ptxas(), "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    assert " 0 bytes spill stores" in info, info
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 @pytest.mark.parametrize("tiles", [SMALL, WIDE, None], ids=["small", "wide", "default"])

@@ -247,16 +247,22 @@ if AVAILABLE:
         return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCKS, PER)), (BLOCK_N, BLOCKS * PER))
 
     @triton.jit
+    def _step_words(w_rows, s_rows, ks, n_ok, WORDS: tl.constexpr, BLOCKS: tl.constexpr):
+        """K step `ks` of a tile: its int32 words of packed bytes [BLOCK_N, WORDS] and its block scale codes as int32
+        [BLOCK_N, BLOCKS] (rows past N read as zeros)."""
+        jw = tl.arange(0, WORDS)
+        js = tl.arange(0, BLOCKS)
+        words = tl.load(w_rows + ks * WORDS + jw[None, :], mask=n_ok[:, None], other=0)
+        sc = tl.load(s_rows + ks * BLOCKS + js[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        return words, sc
+
+    @triton.jit
     def _nvfp4_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EXACT_FP32: tl.constexpr):
         """Step `ks` of a packed NVFP4 weight decoded: [BLOCK_N, BLOCK_K] bf16 (with EXACT_FP32, bf16 values held in
         fp32). w_rows, s_rows: the tile's rows of int32 words and of E4M3 block scales; g: the global scale."""
-        WORDS: tl.constexpr = BLOCK_K // 8  # int32 words of packed bytes a step (8 elements each)
         BLOCKS: tl.constexpr = BLOCK_K // 16  # block scales a step (2 words each)
-        jw = tl.arange(0, WORDS)
-        js = tl.arange(0, BLOCKS)
-        words = tl.load(w_rows + ks * WORDS + jw[None, :], mask=n_ok[:, None], other=0)  # [BN, WORDS]
-        sc = tl.load(s_rows + ks * BLOCKS + js[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        words, sc = _step_words(w_rows, s_rows, ks, n_ok, BLOCK_K // 8, BLOCKS)  # 8 elements a word
         # the reference's block scale fp32(e4m3) * global (one rounding), then times 2^126 (exact: |s| < 4)
         block = (_e4m3_value(sc, EXACT_FP32) * g) * 8.507059173023462e37  # 2^126
         scale = _broadcast_blocks(block, BLOCK_N, BLOCKS, 2)  # [BN, WORDS]: each word's block scale
@@ -271,12 +277,8 @@ if AVAILABLE:
     @triton.jit
     def _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_FP32: tl.constexpr):
         """Step `ks` of a packed MXFP8 weight decoded, as `_nvfp4_tile` (E8M0 scales, no global)."""
-        WORDS8: tl.constexpr = BLOCK_K // 4  # int32 words of E4M3 bytes a step (4 elements each)
         BLOCKS8: tl.constexpr = BLOCK_K // 32  # E8M0 scales a step (8 words each)
-        jw8 = tl.arange(0, WORDS8)
-        js8 = tl.arange(0, BLOCKS8)
-        words = tl.load(w_rows + ks * WORDS8 + jw8[None, :], mask=n_ok[:, None], other=0)  # [BN, WORDS8]
-        sc = tl.load(s_rows + ks * BLOCKS8 + js8[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        words, sc = _step_words(w_rows, s_rows, ks, n_ok, BLOCK_K // 4, BLOCKS8)  # 4 E4M3 bytes a word
         # E8M0 code c -> 2^(c - 127) on the bits (c >= 1 in the normal range), for each word
         scale = _broadcast_blocks((sc << 23).to(tl.float32, bitcast=True), BLOCK_N, BLOCKS8, 8)
         # byte i of word w is element 4w + i: exact products (an E4M3 value times a power of two in range has at most
@@ -315,23 +317,17 @@ if AVAILABLE:
         s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
         jk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if NVFP4_FMT:
-            g = tl.load(g_ptr + e * stride_ge)
-            for ks in range(k_lo, k_hi):
+        g = tl.load(g_ptr + e * stride_ge)  # NVFP4's global (MXFP8: an unread one)
+        for ks in range(k_lo, k_hi):
+            if NVFP4_FMT:
                 w = _nvfp4_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
-                xt = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
-                if EXACT_FP32:
-                    acc = tl.dot(w, xt, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, xt, acc)
-        else:
-            for ks in range(k_lo, k_hi):
+            else:
                 w = _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
-                xt = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
-                if EXACT_FP32:
-                    acc = tl.dot(w, xt, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, xt, acc)
+            xt = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
+            if EXACT_FP32:
+                acc = tl.dot(w, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc)
         y_ptrs = y_ptr + sid * stride_ys + e * stride_ye + offs_m[None, :] * stride_ym + offs_n[:, None]
         mask = n_ok[:, None] & m_ok[None, :]
         if OUT_BF16:

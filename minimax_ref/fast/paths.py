@@ -146,8 +146,8 @@ class FastPaths:
         """`load_model`'s `fast` argument: False/None/"off" (reference), True/"on" (every fast path, eager decode),
         "compile" (every fast path, compiled decode), "fused" (every fast path, eager decode, and the fused
         packed matmul for a few tokens), "compiled" ("fused" with compiled decoder layers in decode steps, the
-        einsum attention core in decode steps, which compiles better than fp32 SDPA, and the grouped kernel for
-        batches of more than `fused_rows`), a dict of switches, or a FastPaths. Every preset prefills with the Triton
+        attention kernel in decode steps, the grouped kernel for batches of more than `fused_rows` and the Triton
+        decoder for prefill), a dict of switches, or a FastPaths. Every preset prefills with the Triton
         attention kernel where it runs (`prefill_attention="triton"`)."""
         if isinstance(fast, FastPaths):
             return fast

@@ -429,21 +429,31 @@ def decode_grouped(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
     of 32. Returns bf16 `[N, K]` or `[E, N, K]`. Static in the shapes (no host synchronisation)."""
     if not AVAILABLE:
         raise RuntimeError("decode_grouped needs triton")
-    linear = weight.dim() == 2
-    if linear:
-        weight, weight_scale = weight.unsqueeze(0), weight_scale.unsqueeze(0)
+    linear, words, scale, g = _packed_operands(fmt, weight, weight_scale, weight_scale_2)
     nvfp4 = fmt == NVFP4
-    k = weight.shape[2] * (2 if nvfp4 else 1)
+    k = weight.shape[-1] * (2 if nvfp4 else 1)
     if not supports(fmt, k):
         raise ValueError(f"decode_grouped: {fmt} {list(weight.shape)}")
     tiles = tiles or tiles_for(fmt, weight.device)
-    block_k = _fit_block_k(tiles, k)
-    words = weight.view(torch.int32)
-    scale = weight_scale.view(torch.uint8)
-    g = weight_scale_2.reshape(-1).to(torch.float32) if nvfp4 else scale.new_ones(1, dtype=torch.float32)
-    y = torch.ops.minimax_ref.decode_grouped(words, scale, g, k, nvfp4, tiles.block_n, block_k, tiles.num_warps,
-                                             _INTERPRET)
+    y = torch.ops.minimax_ref.decode_grouped(words, scale, g, k, nvfp4, tiles.block_n, _fit_block_k(tiles, k),
+                                             tiles.num_warps, _INTERPRET)
     return y[0] if linear else y
+
+
+def _packed_operands(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     weight_scale_2: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed linear `[N, K]` or stack `[E, N, K]` as the kernels read it: (whether a linear, the packed bytes as
+    int32 words `[E, N, K/8 or K/4]` (8 NVFP4 or 4 MXFP8 elements a load; little-endian: byte i of a word is its bits
+    8i..8i+7), the block scale codes uint8 `[E, N, K/16 or K/32]`, the global scale fp32 `[E]` or `[1]` (MXFP8: an
+    unread one))."""
+    linear = weight.dim() == 2
+    if linear:
+        weight, weight_scale = weight.unsqueeze(0), weight_scale.unsqueeze(0)
+    if fmt == NVFP4:
+        g = weight_scale_2.reshape(-1).to(torch.float32)
+    else:
+        g = torch.ones(1, dtype=torch.float32, device=weight.device)
+    return linear, weight.view(torch.int32), weight_scale.view(torch.uint8), g
 
 
 def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -471,11 +481,9 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     """
     if not AVAILABLE:
         raise RuntimeError("packed_matmul_grouped needs triton")
-    linear = weight.dim() == 2
-    if linear:
-        weight, weight_scale = weight.unsqueeze(0), weight_scale.unsqueeze(0)
+    linear, words, scale, g = _packed_operands(fmt, weight, weight_scale, weight_scale_2)
     xs = x.unsqueeze(0) if x.dim() == 2 else x
-    e, n = weight.shape[0], weight.shape[1]
+    e, n = words.shape[0], words.shape[1]
     m, k = xs.shape[1], xs.shape[2]
     if x.dtype != torch.bfloat16 or not 1 <= m <= MAX_ROWS or not supports(fmt, k) or xs.shape[0] not in (1, e):
         raise ValueError(f"packed_matmul_grouped: x {list(x.shape)} {x.dtype} against {fmt} {list(weight.shape)}")
@@ -486,15 +494,7 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
         split = split_for(e * triton.cdiv(n, tiles.block_n), k_steps, sm_count(x.device))
     split = max(1, min(split, k_steps))
     split = -(-k_steps // -(-k_steps // split))  # no empty split
-    nvfp4 = fmt == NVFP4
-    if nvfp4:
-        g = weight_scale_2.reshape(-1).to(torch.float32)
-    else:
-        g = weight_scale.new_ones(1, dtype=torch.float32)  # unused by the MXFP8 kernel
     y = torch.ops.minimax_ref.packed_matmul_grouped(
-        # the packed bytes as int32 words, 8 (NVFP4) or 4 (MXFP8) elements a load (little-endian: byte i of a word is
-        # its bits 8i..8i+7)
-        xs.contiguous(), weight.view(torch.int32), weight_scale.view(torch.uint8), g,
-        None if active is None else active.to(torch.int32), nvfp4, n, tiles.block_n, block_k, tiles.num_warps,
-        tiles.num_stages, split, _INTERPRET)
+        xs.contiguous(), words, scale, g, None if active is None else active.to(torch.int32), fmt == NVFP4, n,
+        tiles.block_n, block_k, tiles.num_warps, tiles.num_stages, split, _INTERPRET)
     return y[0] if linear and x.dim() == 2 else y

@@ -502,7 +502,7 @@ class FastPackedWeight(PackedWeight):
     kernels: Kernels
     grouped_tokens: int = 0
     grouped_launch: tuple  # (fast.grouped.Tiles, K splits), chosen at configuration
-    decode_tiles: object = None  # decode="triton" where the kernel decodes this weight: its launch (`grouped.Tiles`)
+    decode_tiles: grouped.Tiles | None = None  # decode="triton" where the kernel decodes this weight: its launch
 
     def configure(self, kernels: Kernels, mode: str, fused_tokens: int, fused_rows: int, words: bool,
                   grouped_tokens: int = 0) -> None:

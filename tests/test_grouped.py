@@ -417,6 +417,38 @@ def test_decode_step_of_a_batch_equals_the_paths_it_replaces(tiny, monkeypatch):
     apply(model, False)
 
 
+@interp
+def test_compiled_preset_multiplies_verify_steps_by_the_kernel(tiny, monkeypatch):
+    """With `--fast compiled`'s thresholds (the fused matmul for one row, the kernel from two), every packed product
+    of a verify-sized step (one sequence, 8 tokens) takes the kernel, and the step equals the eager paths' to bf16
+    rounding."""
+    model = load_model(tiny, dtype=BF16, weights="packed")
+    calls = []
+    real = grouped.packed_matmul_grouped
+    monkeypatch.setattr(grouped, "packed_matmul_grouped", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(3))
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            cache = model.new_cache(1, 16)
+            model(ids[:, :4], positions=torch.arange(4)[None], cache=cache)
+            calls.clear()
+            return model(ids[:, 4:], positions=torch.arange(4, 12)[None], cache=cache)
+
+    apply(model, FastPaths.of("on"))
+    want = run()
+    assert not calls
+    compiled = FastPaths.of("compiled")
+    assert (compiled.fused_tokens, compiled.grouped_tokens) == (1, 64)
+    # eager layers and cached attention of the preset: the products' routing is what is under test
+    apply(model, replace(compiled, compile_layers=False, graph=False, decode_attention="reference"))
+    got = run()
+    packed = sum(1 for m in model.modules() if isinstance(m, PackedWeight))
+    assert len(calls) >= packed and all(shape[-2] == 8 for shape in calls), (len(calls), packed)
+    assert _rel(got, want) < 2e-2, _rel(got, want)
+    apply(model, False)
+
+
 # ---------------------------------------------------------------------------------------------- CUDA only
 
 

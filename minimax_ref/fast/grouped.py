@@ -1,7 +1,8 @@
-"""Products of packed weights with a few dozen rows (batch > 1 decode steps) by one Triton kernel that decodes each
-weight tile once, in registers, and multiplies it by every row with tensor cores (`FastPaths.grouped`).
+"""Products of packed weights with 2 to 64 rows (batch > 1 decode steps, speculative verify steps) by one Triton
+kernel that decodes each weight tile once, in registers, and multiplies it by every row with tensor cores
+(`FastPaths.grouped`).
 
-At batch B > `fused_rows` a decode step's products with packed weights went through `F.linear(x, decode())`: the
+Without it, a batch's or verify step's products with packed weights go through `F.linear(x, decode())`: the
 whole weight decoded to bf16 and written (2 bytes an element), then read again by the GEMM, about eight times the
 packed bytes (NVFP4). Here one program per (weight entry, tile of `block_n` output columns, split of K) loads the
 tile's packed bytes as int32 words (8 NVFP4 or 4 MXFP8 elements a load) and its block scales, decodes them to bf16

@@ -145,10 +145,11 @@ class FastPaths:
     def of(cls, fast: bool | str | dict | FastPaths | None) -> FastPaths:
         """`load_model`'s `fast` argument: False/None/"off" (reference), True/"on" (every fast path, eager decode),
         "compile" (every fast path, compiled decode), "fused" (every fast path, eager decode, and the fused
-        packed matmul for a few tokens), "compiled" ("fused" with compiled decoder layers in decode steps, the
-        attention kernel in decode steps, the grouped kernel for batches of more than `fused_rows` and the Triton
-        decoder for prefill), a dict of switches, or a FastPaths. Every preset prefills with the Triton
-        attention kernel where it runs (`prefill_attention="triton"`)."""
+        packed matmul for a few tokens), "compiled" ("fused" for one-row products, with compiled decoder layers
+        in decode steps, the attention kernel in decode steps, the grouped kernel for products of 2 to
+        `sync_free_tokens` rows (batches, verify steps) and the Triton decoder for prefill), a dict of switches, or
+        a FastPaths. Every preset prefills with the Triton attention kernel where it runs
+        (`prefill_attention="triton"`)."""
         if isinstance(fast, FastPaths):
             return fast
         if fast is None or fast is False or fast == "off":
@@ -162,10 +163,12 @@ class FastPaths:
                        graph=True)
         if fast == "compiled":
             # sdpa off: the fp32 SDPA kernel does not split the keys of a one-query step over the GPU; the compiled
-            # einsum core does
-            return cls(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", compile_layers=True,
-                       nvfp4_words=True, mxfp8_words="gate_up", grouped=True, prefill_attention="triton",
-                       decode_attention="triton", graph=True)
+            # einsum core does. fused_rows=1: the fused matmul reads a weight once per row (the routed experts once
+            # per token and choice) on the CUDA cores; from two rows on (batches, verify steps) the grouped kernel
+            # reads each chosen tile once for all rows and multiplies on the tensor cores
+            return cls(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", fused_rows=1,
+                       compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True,
+                       prefill_attention="triton", decode_attention="triton", graph=True)
         if isinstance(fast, dict):
             names = {f.name for f in fields(cls)}
             unknown = sorted(set(fast) - names)

@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_ref.cache import KVCache  # noqa: E402
 from minimax_ref.errors import MiniMaxRefError  # noqa: E402
-from minimax_ref.fast import Kernels, paths_of  # noqa: E402
+from minimax_ref.fast import FastPaths, Kernels, paths_of  # noqa: E402
 from minimax_ref.fast.graph import GraphStep  # noqa: E402
 from minimax_ref.fast.launch import KINDS, ReductionConfigs  # noqa: E402
 from minimax_ref.fast.packed import packed_matmul_reference  # noqa: E402
@@ -89,6 +89,24 @@ def reduction_config(text: str | None) -> ReductionConfigs | str | None:
     if text is None or text == "default":
         return "auto"
     return None if text == "tuned" else ReductionConfigs.parse(text)
+
+
+FUSED_ROWS_HELP = ("fused matmul: rows of the input per pass over a weight (default: each preset's own: compiled 1, "
+                   "fused 8)")
+
+
+def fused_rows_arg(text: str) -> int:
+    """`--fused-rows`: a positive row count."""
+    rows = int(text)
+    if rows < 1:
+        raise argparse.ArgumentTypeError(f"--fused-rows {text}: give a positive row count")
+    return rows
+
+
+def with_fused_rows(paths: FastPaths, rows: int | None) -> FastPaths:
+    """`paths` with `--fused-rows` when given; None keeps the preset's own (`compiled` hands products of two rows
+    and more to the grouped kernel)."""
+    return paths if rows is None else replace(paths, fused_rows=rows)
 
 
 def log(world: World, *parts) -> None:

@@ -33,6 +33,7 @@ from dataclasses import asdict, replace
 
 import torch
 from common import (
+    FUSED_ROWS_HELP,
     GIB,
     MXFP8_WORDS_CHOICES,
     REDUCTION_CONFIG_HELP,
@@ -41,6 +42,7 @@ from common import (
     copy_bandwidth,
     decode_step_bytes,
     emit,
+    fused_rows_arg,
     init_world,
     log,
     main_guard,
@@ -48,11 +50,12 @@ from common import (
     reduction_config,
     replicate_cache,
     sync,
+    with_fused_rows,
     words_choice,
     words_settings,
 )
 
-from minimax_ref.fast import FUSED_ROWS, FastPaths, apply
+from minimax_ref.fast import FastPaths, apply
 from minimax_ref.fast.graph import GraphStep
 from minimax_ref.loader import load_synthetic
 from minimax_ref.synth import PRESETS
@@ -80,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=6, help="layers (0 = the preset's)")
     p.add_argument("--experts", type=int, default=16, help="routed experts per layer (0 = the preset's)")
     p.add_argument("--fast", default="compiled", choices=sorted(FAST), help="fast paths (default: compiled)")
-    p.add_argument("--fused-rows", type=int, default=FUSED_ROWS)
+    p.add_argument("--fused-rows", type=fused_rows_arg, default=None, help=FUSED_ROWS_HELP)
     p.add_argument("--batch", type=batch_sizes, default=[1],
                    help="sequences a step, comma-separated to profile several sizes on one prefill (default: 1)")
     p.add_argument("--prompt-len", type=int, default=8192)
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
         raise BenchmarkError("profile_decode.py profiles CUDA-graph replays on one GPU: run it with python on a "
                              "machine with CUDA")
     configs = [reduction_config(text) for text in args.reduction_config or [None]]
-    fast = replace(FastPaths.of(FAST[args.fast]), fused_rows=args.fused_rows, layer_reductions=configs[0])
+    fast = replace(with_fused_rows(FastPaths.of(FAST[args.fast]), args.fused_rows), layer_reductions=configs[0])
     max_len = args.prompt_len + 8
     bw = copy_bandwidth(device, int(args.bw_gib * GIB))
     log(world, f"materialising {args.preset} layers={args.layers} experts={args.experts} ({args.format})")

@@ -46,6 +46,7 @@ from dataclasses import asdict, replace
 
 import torch
 from common import (
+    FUSED_ROWS_HELP,
     GIB,
     BenchmarkError,
     active_linear_elements_per_token,
@@ -55,6 +56,7 @@ from common import (
     decode,
     decode_step_bytes,
     emit,
+    fused_rows_arg,
     init_world,
     log,
     main_guard,
@@ -65,6 +67,7 @@ from common import (
     replicate_cache,
     reset_peak,
     sync,
+    with_fused_rows,
 )
 
 from minimax_ref.fast import FUSED_ROWS, FastPaths, apply
@@ -77,13 +80,13 @@ VARIANTS = ("eager", "graph", "compile-graph", "fused", "fused-graph", "compiled
 FAST = {"on": True, "compile": "compile", "fused": "fused", "compiled": "compiled"}
 
 
-def variant_fast(variant: str, fast: FastPaths, fused_rows: int) -> FastPaths:
+def variant_fast(variant: str, fast: FastPaths, fused_rows: int | None) -> FastPaths:
     """The fast paths a variant runs with: `--fast` for eager/graph, else the variant's own."""
     own = {"reference": False, "compile-graph": "compile", "fused": "fused", "fused-graph": "fused",
            "compiled": "compiled", "compiled-graph": "compiled"}
     if variant not in own:
         return fast
-    return replace(FastPaths.of(own[variant]), fused_rows=fused_rows)
+    return with_fused_rows(FastPaths.of(own[variant]), fused_rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast", default="on", choices=sorted(FAST),
                    help="fast paths for eager/graph variants: on (eager packed decode), compile (compiled packed\n"
                         "decode) or fused (the fused packed matmul for decode steps) (default: on)")
-    p.add_argument("--fused-rows", type=int, default=FUSED_ROWS,
-                   help=f"fused matmul: rows of the input per pass over a weight (default: {FUSED_ROWS})")
+    p.add_argument("--fused-rows", type=fused_rows_arg, default=None, help=FUSED_ROWS_HELP)
     p.add_argument("--expert-parallel", action="store_true", help="whole experts per rank instead of TP slices")
     p.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"], help="default: fp8 (as the seed)")
     p.add_argument("--prompt-len", type=int, default=8192, help="prefill length (default: 8192)")
@@ -139,10 +141,9 @@ def run(args: argparse.Namespace, holder: list) -> None:
                              f"--decode-tokens {args.decode_tokens} = {need} tokens: raise it or shorten the run")
     if min(batches) < 1 or args.prompt_len < 1 or args.decode_tokens < 1:
         raise BenchmarkError("--batches, --prompt-len and --decode-tokens must be >= 1")
-    if args.fused_rows < 1:
-        raise BenchmarkError("--fused-rows must be >= 1")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    fast = replace(FastPaths.of(FAST[args.fast]), fused_rows=args.fused_rows)
+    fast = with_fused_rows(FastPaths.of(FAST[args.fast]), args.fused_rows)
+    fused_rows = args.fused_rows or FUSED_ROWS  # the `fused` preset's passes: its check and traffic estimate
     fused = [v for v in variants if variant_fast(v, fast, args.fused_rows).matmul == "fused"]
     if fused and (args.weights != "packed" or args.format == "bf16"):
         raise BenchmarkError(f"variants {fused} use the fused packed matmul: it needs --weights packed and an "
@@ -178,11 +179,11 @@ def run(args: argparse.Namespace, holder: list) -> None:
         if not any(True for _ in packed_weights(model)):
             raise BenchmarkError("the fused matmul was asked for but the model holds no packed weights")
         log(world, "compiling and checking the fused packed matmul")
-        apply(model, replace(FastPaths.of("fused"), fused_rows=args.fused_rows))
+        apply(model, replace(FastPaths.of("fused"), fused_rows=fused_rows))
         error = None
         try:
             with torch.no_grad():
-                result["fused_check"] = check_fused_matmul(model, batches, args.fused_rows)
+                result["fused_check"] = check_fused_matmul(model, batches, fused_rows)
         except Exception as e:  # every rank must learn of a failure, or the others would wait in a collective
             error = e
         world.agree(error, "checking the fused packed matmul")
@@ -265,7 +266,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
             if "tokens_per_s" in got:
                 roof[str(B)][f"fraction_{variant}"] = got["tokens_per_s"] * step_s / B
     result["roofline"] = roof
-    result["packed_traffic"] = {str(B): packed_weight_traffic(model, B, args.fused_rows) for B in batches}
+    result["packed_traffic"] = {str(B): packed_weight_traffic(model, B, fused_rows) for B in batches}
     result["summary"] = {
         "weights_gib_per_card": [r["weights_bytes"] / GIB for r in ranks],
         "plan_weights_gib_per_card": plan["weights_gib_per_card"],

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 from common import (
+    FUSED_ROWS_HELP,
     GIB,
     BenchmarkError,
     check_fused_matmul,
@@ -58,6 +59,7 @@ from common import (
     decode,
     decode_step_bytes,
     emit,
+    fused_rows_arg,
     init_world,
     log,
     main_guard,
@@ -67,9 +69,10 @@ from common import (
     replicate_cache,
     reset_peak,
     sync,
+    with_fused_rows,
 )
 
-from minimax_ref.fast import FUSED_ROWS, FastPaths, apply
+from minimax_ref.fast import FastPaths, apply
 from minimax_ref.loader import load_synthetic
 from minimax_ref.synth import PRESETS
 
@@ -104,8 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-attention", default="triton", choices=["triton", "reference"],
                    help="ours: prefill attention (FastPaths.prefill_attention; default: triton, the attention kernel;\n"
                         "reference: fp32 cores over the gathered MSA blocks)")
-    p.add_argument("--fused-rows", type=int, default=FUSED_ROWS,
-                   help=f"fused matmul: rows of the input per pass over a weight (default: {FUSED_ROWS})")
+    p.add_argument("--fused-rows", type=fused_rows_arg, default=None, help=FUSED_ROWS_HELP)
     p.add_argument("--budget-s", type=float, default=40.0, help="stop a decode run early after this (default: 40)")
     p.add_argument("--bw-gib", type=float, default=4.0)
     p.add_argument("--out", default=None)
@@ -262,12 +264,10 @@ def run(args: argparse.Namespace, holder: list) -> None:
     max_len = args.max_model_len or need
     if max_len < need:
         raise BenchmarkError(f"--max-model-len {max_len} cannot hold --prompt-len + --decode-tokens = {need}")
-    if args.fused_rows < 1:
-        raise BenchmarkError("--fused-rows must be >= 1")
-    fast = replace(FastPaths.of(True if args.fast == "on" else "fused"), fused_rows=args.fused_rows,
+    fast = replace(with_fused_rows(FastPaths.of(True if args.fast == "on" else "fused"), args.fused_rows),
                    prefill_attention=args.prefill_attention)
-    fused = replace(FastPaths.of("fused"), fused_rows=args.fused_rows)
-    compiled = replace(FastPaths.of("compiled"), fused_rows=args.fused_rows)
+    fused = with_fused_rows(FastPaths.of("fused"), args.fused_rows)
+    compiled = with_fused_rows(FastPaths.of("compiled"), args.fused_rows)
     fasts = {v: fused if v.startswith("fused") else compiled if v.startswith("compiled") else fast for v in variants}
     hf_error = None
     if not args.skip_transformers:
@@ -300,9 +300,9 @@ def run(args: argparse.Namespace, holder: list) -> None:
         log(world, "compiling and checking the fused packed matmul")
         apply(packed, fused)
         with torch.no_grad():
-            result["fused_check"] = check_fused_matmul(packed, batches, args.fused_rows)
+            result["fused_check"] = check_fused_matmul(packed, batches, fused.fused_rows)
         log(world, f"fused matmul checked in {result['fused_check']['seconds']:.1f} s")
-    result["packed_traffic"] = {str(B): packed_weight_traffic(packed, B, args.fused_rows) for B in batches}
+    result["packed_traffic"] = {str(B): packed_weight_traffic(packed, B, fused.fused_rows) for B in batches}
     systems["ours_packed"] = measure_ours("ours_packed", packed, ids, args, device, batches, variants, max_len, kv_elem,
                                           fasts)
     del packed

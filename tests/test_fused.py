@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import re
+import runpy
+import sys
 from dataclasses import replace
 
 import pytest
@@ -703,7 +705,22 @@ def test_benchmark_refuses_fused_without_packed_weights(capsys, monkeypatch):
                  capsys, code=2)
     assert "needs --weights packed" in err
     err = _bench("tp2_packed.py", ["--device", "cpu", "--preset", "tiny", "--fused-rows", "0"], capsys, code=2)
-    assert "--fused-rows must be >= 1" in err
+    assert "--fused-rows 0: give a positive row count" in err
+
+
+def test_benchmarks_keep_each_presets_fused_rows():
+    """Without --fused-rows a benchmark's variant runs its preset as users get it (`compiled`: the grouped kernel
+    from two rows); with it, the given rows."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        tp2 = runpy.run_path(str(REPO / "benchmarks" / "tp2_packed.py"), run_name="tp2_packed")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    on = FastPaths.of("on")
+    assert tp2["variant_fast"]("compiled-graph", on, None) == FastPaths.of("compiled")
+    assert tp2["variant_fast"]("compiled-graph", on, None).fused_tokens == 1
+    assert tp2["variant_fast"]("fused", on, None).fused_tokens == 8
+    assert tp2["variant_fast"]("compiled", on, 4).fused_rows == 4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

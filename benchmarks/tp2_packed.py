@@ -2,7 +2,8 @@
 """The 80-expert build at its real shapes, tensor-parallel, packed weights, synthetic values: prefill and
 decode speed, memory per card, and the HBM roofline of the decode step, in one run.
 
-    # 2 x H200 (about 8-12 minutes with the defaults; see --decode-tokens / --budget-s to shorten):
+    # 2 x H200, the fast paths a GPU user gets (`--fast compiled`, decode steps replayed from CUDA graphs; about
+    # 8-12 minutes with the defaults, see --decode-tokens / --budget-s to shorten):
     torchrun --nproc-per-node 2 benchmarks/tp2_packed.py --out tp2.jsonl
     # CPU dry run (gloo):
     torchrun --nproc-per-node 2 benchmarks/tp2_packed.py --device cpu --preset tiny --prompt-len 200 \\
@@ -99,9 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--weights", default="packed", choices=["packed", "dequant"], help="default: packed")
-    p.add_argument("--fast", default="on", choices=sorted(FAST),
-                   help="fast paths for eager/graph variants: on (eager packed decode), compile (compiled packed\n"
-                        "decode) or fused (the fused packed matmul for decode steps) (default: on)")
+    p.add_argument("--fast", default="auto", choices=["auto", *sorted(FAST)],
+                   help="fast paths of the prefill and the eager/graph variants: on (eager packed decode), compile\n"
+                        "(compiled packed decode), fused (the fused packed matmul for decode steps) or compiled\n"
+                        "(compiled decoder layers, the grouped and Triton kernels); auto (default): compiled on CUDA\n"
+                        "with packed NVFP4/MXFP8 weights, as `minimax-ref --fast auto`, else on")
     p.add_argument("--fused-rows", type=fused_rows_arg, default=None, help=FUSED_ROWS_HELP)
     p.add_argument("--expert-parallel", action="store_true", help="whole experts per rank instead of TP slices")
     p.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"], help="default: fp8 (as the seed)")
@@ -109,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=512, help="greedy tokens per decode run (default: 512)")
     p.add_argument("--batches", default="1,32", help="decode batch sizes (default: 1,32)")
     p.add_argument("--variants", default=None,
-                   help=f"comma list of {','.join(VARIANTS)} (default: eager,graph on CUDA, eager on CPU)")
+                   help=f"comma list of {','.join(VARIANTS)} (default: graph on CUDA, eager on CPU)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="KV cache length (default: prompt-len + decode-tokens); must hold both")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill forward (default: 8192)")
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
     world, device = init_world(args.device, args.dist_timeout)
     holder.append(world)
     batches = [int(b) for b in args.batches.split(",") if b]
-    variants = (args.variants or ("eager,graph" if device.type == "cuda" else "eager")).split(",")
+    variants = (args.variants or ("graph" if device.type == "cuda" else "eager")).split(",")
     for v in variants:
         if v not in VARIANTS:
             raise BenchmarkError(f"--variants {v!r}: choose from {list(VARIANTS)}")
@@ -142,6 +145,9 @@ def run(args: argparse.Namespace, holder: list) -> None:
     if min(batches) < 1 or args.prompt_len < 1 or args.decode_tokens < 1:
         raise BenchmarkError("--batches, --prompt-len and --decode-tokens must be >= 1")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    if args.fast == "auto":
+        packed = args.weights == "packed" and args.format != "bf16"
+        args.fast = "compiled" if device.type == "cuda" and packed else "on"
     fast = with_fused_rows(FastPaths.of(FAST[args.fast]), args.fused_rows)
     fused_rows = args.fused_rows or FUSED_ROWS  # the `fused` preset's passes: its check and traffic estimate
     fused = [v for v in variants if variant_fast(v, fast, args.fused_rows).matmul == "fused"]

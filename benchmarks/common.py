@@ -37,16 +37,16 @@ import torch.distributed as dist
 # goes on the path before the package is imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minimax_ref.cache import KVCache  # noqa: E402
 from minimax_ref.errors import MiniMaxRefError  # noqa: E402
 from minimax_ref.fast import FastPaths, Kernels, paths_of  # noqa: E402
 from minimax_ref.fast.graph import GraphStep  # noqa: E402
 from minimax_ref.fast.launch import KINDS, ReductionConfigs  # noqa: E402
 from minimax_ref.fast.packed import packed_matmul_reference  # noqa: E402
-from minimax_ref.linear import Linear  # noqa: E402
-from minimax_ref.moe import Experts  # noqa: E402
-from minimax_ref.packed import PackedWeight  # noqa: E402
-from minimax_ref.parallel import World  # noqa: E402
+from minimax_ref.model.cache import KVCache  # noqa: E402
+from minimax_ref.model.linear import Linear  # noqa: E402
+from minimax_ref.model.moe import Experts  # noqa: E402
+from minimax_ref.model.parallel import World  # noqa: E402
+from minimax_ref.weights.packed import PackedWeight  # noqa: E402
 
 GIB = 1 << 30
 

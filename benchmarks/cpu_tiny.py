@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from oracle import hf_text_model  # noqa: E402
 
 from minimax_ref.fast import apply  # noqa: E402
-from minimax_ref.loader import load_model  # noqa: E402
-from minimax_ref.synth import write_checkpoint  # noqa: E402
+from minimax_ref.weights.loader import load_model  # noqa: E402
+from minimax_ref.weights.synth import write_checkpoint  # noqa: E402
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minimax_ref.loader import load_synthetic
+from minimax_ref.weights.loader import load_synthetic
 
 
 class OpCounter(TorchDispatchMode):

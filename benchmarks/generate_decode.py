@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from common import GIB, BenchmarkError, copy_bandwidth, decode_step_bytes, emit, main_guard, replicate_cache
 
-from minimax_ref.decoding import generate_ids
-from minimax_ref.loader import load_synthetic
-from minimax_ref.sampling import SamplingParams
-from minimax_ref.synth import PRESETS
+from minimax_ref.generation.decoding import generate_ids
+from minimax_ref.generation.sampling import SamplingParams
+from minimax_ref.weights.loader import load_synthetic
+from minimax_ref.weights.synth import PRESETS
 
 
 def add_model_args(p: argparse.ArgumentParser, prompt_len: int) -> None:

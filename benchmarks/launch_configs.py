@@ -69,7 +69,7 @@ from minimax_ref.fast.packed import (
     packed_matmul,
     packed_matmul_reference,
 )
-from minimax_ref.loader import load_synthetic
+from minimax_ref.weights.loader import load_synthetic
 
 # (XBLOCK, R0_BLOCK, num_warps): outputs per program, reduced elements per loop step, warps
 WEIGHT_CONFIGS = [c for c in itertools.product([1, 2], [256, 512, 1024, 2048, 4096], [4, 8, 16])

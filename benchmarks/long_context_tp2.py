@@ -40,9 +40,9 @@ from common import (
     sync,
 )
 
-from minimax_ref.loader import load_synthetic
-from minimax_ref.plan import DEFAULT_ACTIVATION_RESERVE_GIB, DEFAULT_UTILIZATION, plan_memory
-from minimax_ref.synth import PRESETS
+from minimax_ref.research.plan import DEFAULT_ACTIVATION_RESERVE_GIB, DEFAULT_UTILIZATION, plan_memory
+from minimax_ref.weights.loader import load_synthetic
+from minimax_ref.weights.synth import PRESETS
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,9 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_ref.errors import MiniMaxRefError  # noqa: E402
-from minimax_ref.loader import load_synthetic, resolve_dtype  # noqa: E402
-from minimax_ref.offload import OffloadConfig  # noqa: E402
-from minimax_ref.plan import GIB, offload_units  # noqa: E402
+from minimax_ref.research.plan import GIB, offload_units  # noqa: E402
+from minimax_ref.weights.loader import load_synthetic, resolve_dtype  # noqa: E402
+from minimax_ref.weights.offload import OffloadConfig  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    from minimax_ref.config import parse_model_config
-    from minimax_ref.plan import kv_bytes_per_token
-    from minimax_ref.synth import build_config
+    from minimax_ref.model.config import parse_model_config
+    from minimax_ref.research.plan import kv_bytes_per_token
+    from minimax_ref.weights.synth import build_config
 
     cfg = parse_model_config(build_config(args.preset, args.format, args.experts, args.layers))
     dtype_bytes = torch.empty((), dtype=dtype).element_size()

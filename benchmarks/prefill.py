@@ -39,8 +39,8 @@ import torch
 from common import BenchmarkError, emit, init_world, log, main_guard, peak_gib, prefill, reset_peak, sync
 
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.loader import load_synthetic
-from minimax_ref.synth import PRESETS
+from minimax_ref.weights.loader import load_synthetic
+from minimax_ref.weights.synth import PRESETS
 
 ON = FastPaths.of(True)
 VARIANTS = {"reference": FastPaths(), "gathering": replace(ON, prefill_attention="reference"), "on": ON,

@@ -57,8 +57,8 @@ from common import (
 
 from minimax_ref.fast import FastPaths, apply
 from minimax_ref.fast.graph import GraphStep
-from minimax_ref.loader import load_synthetic
-from minimax_ref.synth import PRESETS
+from minimax_ref.weights.loader import load_synthetic
+from minimax_ref.weights.synth import PRESETS
 
 FAST = {"on": True, "fused": "fused", "compiled": "compiled"}
 GROUPED = {"default": None, "on": [True], "off": [False], "both": [False, True]}

@@ -33,10 +33,10 @@ import torch
 from common import BenchmarkError, emit, main_guard
 from generate_decode import add_model_args, load_model, replay_time
 
-from minimax_ref.drafter import load_drafter
-from minimax_ref.sampling import SamplingParams
-from minimax_ref.speculative import SpeculativeDecoder
-from minimax_ref.synth import write_drafter
+from minimax_ref.generation.drafter import load_drafter
+from minimax_ref.generation.sampling import SamplingParams
+from minimax_ref.generation.speculative import SpeculativeDecoder
+from minimax_ref.weights.synth import write_drafter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -72,10 +72,10 @@ from common import (
 )
 
 from minimax_ref.fast import FUSED_ROWS, FastPaths, apply
-from minimax_ref.loader import load_synthetic
-from minimax_ref.packed import packed_weights
-from minimax_ref.plan import plan_memory
-from minimax_ref.synth import PRESETS
+from minimax_ref.research.plan import plan_memory
+from minimax_ref.weights.loader import load_synthetic
+from minimax_ref.weights.packed import packed_weights
+from minimax_ref.weights.synth import PRESETS
 
 VARIANTS = ("eager", "graph", "compile-graph", "fused", "fused-graph", "compiled", "compiled-graph", "reference")
 FAST = {"on": True, "compile": "compile", "fused": "fused", "compiled": "compiled"}

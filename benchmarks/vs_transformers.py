@@ -73,8 +73,8 @@ from common import (
 )
 
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.loader import load_synthetic
-from minimax_ref.synth import PRESETS
+from minimax_ref.weights.loader import load_synthetic
+from minimax_ref.weights.synth import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 

@@ -34,10 +34,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minimax_ref.cli import build_generate_parser, check_device_flag, run_generate
+from minimax_ref.cli.main import build_generate_parser, check_device_flag, run_generate
 from minimax_ref.errors import MiniMaxRefError
-from minimax_ref.loader import resolve_device
-from minimax_ref.parallel import World, is_peer_failure
+from minimax_ref.model.parallel import World, is_peer_failure
+from minimax_ref.weights.loader import resolve_device
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,28 +13,29 @@ program start without importing torch: a Ctrl-C in the first seconds reaches the
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 __version__ = "0.1.0"
 
 # public name -> the module defining it
 _EXPORTS = {
-    "parse_output": "chat",
-    "open_checkpoint": "checkpoint",
-    "ModelConfig": "config", "RuntimeConfig": "config", "TextConfig": "config", "VisionConfig": "config",
-    "load_model_config": "config",
-    "DSparkDrafter": "drafter", "load_drafter": "drafter",
+    "parse_output": "generation.chat",
+    "open_checkpoint": "weights.checkpoint",
+    "ModelConfig": "model.config", "RuntimeConfig": "model.config", "TextConfig": "model.config",
+    "VisionConfig": "model.config", "load_model_config": "model.config",
+    "DSparkDrafter": "generation.drafter", "load_drafter": "generation.drafter",
     "CheckpointError": "errors", "ConfigError": "errors", "InputError": "errors", "MiniMaxRefError": "errors",
     "QuantFormatError": "errors", "NumericsError": "errors",
-    "GenerationResult": "generate", "SamplingParams": "generate", "generate": "generate", "generate_ids": "generate",
-    "load_model": "loader",
-    "Interventions": "model", "MiniMaxM3": "model", "Trace": "model",
-    "OffloadConfig": "offload",
-    "Scores": "score", "score": "score",
-    "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+    "GenerationResult": "generation.generate", "SamplingParams": "generation.generate",
+    "generate": "generation.generate", "generate_ids": "generation.generate",
+    "load_model": "weights.loader",
+    "MiniMaxM3": "model.decoder",
+    "Interventions": "model.decoder", "Trace": "model.decoder",
+    "OffloadConfig": "weights.offload",
+    "Scores": "research.score", "score": "research.score",
+    "Tokenizer": "generation.tokenizer", "load_tokenizer": "generation.tokenizer",
 }
 
 __all__ = [
@@ -48,41 +49,31 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'minimax_ref' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(_importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted({*__all__, "__version__"})
 
 
-class _Package(types.ModuleType):
-    """Importing a submodule binds it on its package; `generate` and `score` are both submodules and public
-    functions, and the public name must stay the function (as `mr.generate(...)` promises)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
-            return
-        super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
-
-
-if TYPE_CHECKING:
-    from .chat import parse_output
-    from .checkpoint import open_checkpoint
-    from .config import ModelConfig, RuntimeConfig, TextConfig, VisionConfig, load_model_config
-    from .drafter import DSparkDrafter, load_drafter
+if _TYPE_CHECKING:
     from .errors import CheckpointError, ConfigError, InputError, MiniMaxRefError, NumericsError, QuantFormatError
-    from .generate import GenerationResult, SamplingParams, generate, generate_ids
-    from .loader import load_model
-    from .model import Interventions, MiniMaxM3, Trace
-    from .offload import OffloadConfig
-    from .score import Scores, score
-    from .tokenizer import Tokenizer, load_tokenizer
+    from .generation.chat import parse_output
+    from .generation.drafter import DSparkDrafter, load_drafter
+    from .generation.generate import GenerationResult, SamplingParams, generate, generate_ids
+    from .generation.tokenizer import Tokenizer, load_tokenizer
+    from .model.config import ModelConfig, RuntimeConfig, TextConfig, VisionConfig, load_model_config
+    from .model.decoder import MiniMaxM3
+    from .research.score import Scores, score
+    from .research.trace import Interventions, Trace
+    from .weights.checkpoint import open_checkpoint
+    from .weights.loader import load_model
+    from .weights.offload import OffloadConfig

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from minimax_ref.synth import write_checkpoint
+from minimax_ref.weights.synth import write_checkpoint
 
 # One intra-op thread: the test models are tiny, and on a shared 2-core machine OpenMP barriers
 # between busy threads cost far more than a second thread gains (and results stay thread-count

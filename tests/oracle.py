@@ -95,7 +95,7 @@ def hf_vl_model(model, attn_impl: str = "eager"):
     mapping."""
     from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig
 
-    from minimax_ref.vision import PROJECTOR_RELEASE_NAMES, VISION_PREFIX
+    from minimax_ref.model.vision import PROJECTOR_RELEASE_NAMES, VISION_PREFIX
 
     raw = model.config.raw
     keys = ("text_config", "vision_config", "image_token_index", "video_token_index", "projector_hidden_size")

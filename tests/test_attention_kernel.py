@@ -22,12 +22,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minimax_ref.attention import causal_attention
-from minimax_ref.cache import store_kv
 from minimax_ref.fast import FastPaths, apply
 from minimax_ref.fast import attention_kernel as pa
 from minimax_ref.fast.grouped import AVAILABLE, interpreting
-from minimax_ref.msa import gather_block_attention
+from minimax_ref.model.attention import causal_attention
+from minimax_ref.model.cache import store_kv
+from minimax_ref.model.msa import gather_block_attention
 
 INTERP = AVAILABLE and interpreting()
 interp = pytest.mark.skipif(not INTERP, reason="run with TRITON_INTERPRET=1 (Triton's interpreter on CPU tensors)")
@@ -195,7 +195,7 @@ def test_where_the_kernel_runs():
 def test_model_prefill_takes_the_kernel(tiny_nvfp4, device, monkeypatch):
     """A bf16 model with the `on` preset: prompts longer than `sync_free_tokens` prefill through the kernel (every
     layer), and its logits match the same preset with the gathering path, which computes the same function."""
-    from minimax_ref.loader import load_model
+    from minimax_ref.weights.loader import load_model
 
     model = load_model(tiny_nvfp4, dtype=torch.bfloat16, weights="packed", device=device)
     ids = torch.randint(0, 1000, (2, 90), generator=torch.Generator().manual_seed(4)).to(device)
@@ -237,9 +237,9 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_compiled_decode_steps_take_the_kernel(tiny_nvfp4):
     """`compiled` on CUDA: decode steps in compiled layers replayed from CUDA graphs attend through the kernel and
     generate the tokens of the same preset with the compiled gathering path."""
-    from minimax_ref.decoding import generate_ids
-    from minimax_ref.loader import load_model
-    from minimax_ref.sampling import SamplingParams
+    from minimax_ref.generation.decoding import generate_ids
+    from minimax_ref.generation.sampling import SamplingParams
+    from minimax_ref.weights.loader import load_model
 
     model = load_model(tiny_nvfp4, dtype=torch.bfloat16, weights="packed", device="cuda", kv_cache_dtype="fp8")
     prompts = [list(range(3, 90)), list(range(5, 40))]

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minimax_ref.chat import (
+from minimax_ref.errors import InputError
+from minimax_ref.generation.chat import (
     CHAT_TEMPLATE,
     EVAL_SAMPLING,
     RECOMMENDED_SAMPLING,
@@ -23,8 +24,7 @@ from minimax_ref.chat import (
     render_tool_call,
     render_tool_calls,
 )
-from minimax_ref.errors import InputError
-from minimax_ref.tokenizer import StreamDecoder, load_tokenizer, write_test_tokenizer
+from minimax_ref.generation.tokenizer import StreamDecoder, load_tokenizer, write_test_tokenizer
 
 NS = "]<]minimax[>["
 

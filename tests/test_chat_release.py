@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from minimax_ref import chat
-from minimax_ref.chat import CHAT_TEMPLATE, render_chat, render_chat_template
 from minimax_ref.errors import InputError
+from minimax_ref.generation import chat
+from minimax_ref.generation.chat import CHAT_TEMPLATE, render_chat, render_chat_template
 
 # CI has ../shared beside the clone; resolved from the repository root, never an absolute path.
 RELEASE_TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "testdata" / "release_chat_template.jinja"
@@ -289,8 +289,8 @@ def test_transformers_renders_the_release_template_the_same(release):
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["test-tokenizer", "embedded-default"])
 def checkpoint_tokenizer(request, tmp_path_factory):
-    from minimax_ref.embedded import default_checkpoint
-    from minimax_ref.tokenizer import load_tokenizer, write_test_tokenizer
+    from minimax_ref.generation.tokenizer import load_tokenizer, write_test_tokenizer
+    from minimax_ref.weights.embedded import default_checkpoint
 
     if request.param == "test-tokenizer":
         folder = tmp_path_factory.mktemp("tok")

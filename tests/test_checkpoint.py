@@ -14,12 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from minimax_ref.checkpoint import check_scales, open_checkpoint
-from minimax_ref.cli import main
-from minimax_ref.config import parse_model_config
+from minimax_ref.cli.main import main
 from minimax_ref.errors import CheckpointError, ConfigError
-from minimax_ref.loader import load_model
-from minimax_ref.synth import build_config, plan_tensors, write_checkpoint
+from minimax_ref.model.config import parse_model_config
+from minimax_ref.weights.checkpoint import check_scales, open_checkpoint
+from minimax_ref.weights.loader import load_model
+from minimax_ref.weights.synth import build_config, plan_tensors, write_checkpoint
 
 LAYER1 = "language_model.model.layers.1."
 
@@ -356,7 +356,7 @@ def test_release_tensor_count_matches_the_release():
 def test_synth_weights_are_not_degenerate(tiny_bf16):
     model = load_model(tiny_bf16, dtype=torch.float32)
     assert model.norm.weight.abs().max() > 0.05, "norm offsets are not all zero"
-    from minimax_ref.model import Trace
+    from minimax_ref.model.decoder import Trace
 
     trace = Trace(layers=set())
     ids = torch.randint(0, 1000, (1, 120), generator=torch.Generator().manual_seed(0))

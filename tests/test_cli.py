@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from minimax_ref.cli import main
+from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
-from minimax_ref.generate import SamplingParams, generate_ids
-from minimax_ref.loader import load_model
+from minimax_ref.generation.generate import SamplingParams, generate_ids
+from minimax_ref.weights.loader import load_model
 
 
 def run(args, capsys):
@@ -123,7 +123,7 @@ def test_tools_file_with_a_bad_schema(tiny_nvfp4, tmp_path, capsys):
 
 
 def test_interactive_session_with_history_and_reset(tiny_nvfp4):
-    cmd = [sys.executable, "-m", "minimax_ref.cli", "generate", "--ckpt-path", str(tiny_nvfp4), "--interactive",
+    cmd = [sys.executable, "-m", "minimax_ref.cli.main", "generate", "--ckpt-path", str(tiny_nvfp4), "--interactive",
            "--max-new-tokens", "3", "--temperature", "0", "--hide-reasoning"]
     proc = subprocess.run(cmd, input="Hello there\nAnd again\n/reset\nFresh start\n/exit\n", capture_output=True,
                           text=True, timeout=300)
@@ -137,7 +137,7 @@ def test_interactive_with_an_image_keeps_it_in_the_first_turn(ckpt_factory, tmp_
 
     png = tmp_path / "red.png"
     Image.new("RGB", (60, 40), (200, 10, 10)).save(png)
-    cmd = [sys.executable, "-m", "minimax_ref.cli", "generate", "--ckpt-path", str(ckpt_factory("tiny-vl", "nvfp4")),
+    cmd = [sys.executable, "-m", "minimax_ref.cli.main", "generate", "--ckpt-path", str(ckpt_factory("tiny-vl", "nvfp4")),
            "--interactive", "--image", str(png), "--max-new-tokens", "2", "--temperature", "0"]
     proc = subprocess.run(cmd, input="What is this?\nAnd now?\n/exit\n", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "error" not in proc.stderr, proc.stderr

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minimax_ref.cli import fast_mode, main
-from minimax_ref.decoding import GenerationStats, generate_ids
+from minimax_ref.cli.main import fast_mode, main
 from minimax_ref.errors import InputError
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.loader import load_model
-from minimax_ref.sampling import SamplingParams
+from minimax_ref.generation.decoding import GenerationStats, generate_ids
+from minimax_ref.generation.sampling import SamplingParams
+from minimax_ref.weights.loader import load_model
 
 PROMPTS = [[5, 9, 2, 7, 11, 3], [4, 8, 1]]
 GREEDY = SamplingParams(temperature=0.0)

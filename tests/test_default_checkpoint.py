@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from minimax_ref.checkpoint import MXFP8, NVFP4, open_checkpoint
-from minimax_ref.cli import main
-from minimax_ref.config import load_model_config
-from minimax_ref.embedded import DEFAULT_CHECKPOINT, default_checkpoint
+from minimax_ref.cli.main import main
+from minimax_ref.model.config import load_model_config
+from minimax_ref.weights.checkpoint import MXFP8, NVFP4, open_checkpoint
+from minimax_ref.weights.embedded import DEFAULT_CHECKPOINT, default_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "examples" / "nano" / "tools.json"
@@ -68,7 +68,7 @@ def test_seed_check_image_of_427(capsys, tmp_path):
 
 def test_main_job_runs_on_the_default_without_writing_a_cache(tmp_path):
     env = {"MINIMAX_REF_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, "-m", "minimax_ref.cli", "generate", "--chat", "--prompt", "Hello, MiniMax",
+    cmd = [sys.executable, "-m", "minimax_ref.cli.main", "generate", "--chat", "--prompt", "Hello, MiniMax",
            "--max-new-tokens", "40", "--output-format", "json", "--seed", "0"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -89,7 +89,7 @@ def test_streamed_text_splits_reasoning_and_drops_the_stop_token(capsys):
 def test_dtype_auto_is_float32_on_cpu_and_bfloat16_on_gpu():
     import torch
 
-    from minimax_ref.loader import resolve_dtype
+    from minimax_ref.weights.loader import resolve_dtype
 
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16

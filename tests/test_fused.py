@@ -43,11 +43,11 @@ from minimax_ref.fast.packed import (
     packed_matmul_reference,
     round_to_bf16_bits,
 )
-from minimax_ref.generate import SamplingParams, generate_ids
-from minimax_ref.loader import load_model, load_synthetic
-from minimax_ref.packed import PackedWeight, packed_weights
-from minimax_ref.parallel import World
-from minimax_ref.quant import E2M1_MAGNITUDES, dequant_mxfp8, dequant_nvfp4
+from minimax_ref.generation.generate import SamplingParams, generate_ids
+from minimax_ref.model.parallel import World
+from minimax_ref.weights.loader import load_model, load_synthetic
+from minimax_ref.weights.packed import PackedWeight, packed_weights
+from minimax_ref.weights.quant import E2M1_MAGNITUDES, dequant_mxfp8, dequant_nvfp4
 
 U = 2.0**-24  # fp32 unit roundoff
 KERNELS = Kernels()  # the compiled functions of these tests
@@ -807,7 +807,7 @@ def test_compiled_layers_step_aside_for_traces_and_masks(nvfp4_ckpt, monkeypatch
     the same fast paths' exact result run eagerly; an ordinary step takes the compiled layers. (The compiled function is
     replaced by a counting eager one: this test is about the dispatch, not the compiler.)"""
     from minimax_ref.fast.compiled import run_layer
-    from minimax_ref.model import Trace
+    from minimax_ref.model.decoder import Trace
 
     model = load_model(nvfp4_ckpt, dtype=torch.float32, weights="packed", fast="compiled")
     calls = []

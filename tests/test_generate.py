@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import minimax_ref as mr
-from minimax_ref.decoding import DecodeJob, DecodeState, GenerationStats, generate_ids
-from minimax_ref.drafter import load_drafter
 from minimax_ref.errors import InputError
-from minimax_ref.loader import load_model
-from minimax_ref.sampling import SamplingParams
-from minimax_ref.speculative import speculative_generate_ids
+from minimax_ref.generation.decoding import DecodeJob, DecodeState, GenerationStats, generate_ids
+from minimax_ref.generation.drafter import load_drafter
+from minimax_ref.generation.sampling import SamplingParams
+from minimax_ref.generation.speculative import speculative_generate_ids
+from minimax_ref.weights.loader import load_model
 
 GREEDY = SamplingParams(temperature=0)
 

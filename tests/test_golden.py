@@ -12,10 +12,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from minimax_ref.cli import main
+from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
 from minimax_ref.golden import OPS, entry_tensors, export_golden, parse_layers, parse_ops, replay_bundle
-from minimax_ref.loader import load_model
+from minimax_ref.weights.loader import load_model
 
 PAGE = 8
 LONG, SHORT = 120, 37  # the long prompt is past the tiny preset's 4 x 16-token MSA budget

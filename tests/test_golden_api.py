@@ -21,9 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from minimax_ref import golden
-from minimax_ref.cli import main
+from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
-from minimax_ref.loader import load_model, load_synthetic
+from minimax_ref.weights.loader import load_model, load_synthetic
 
 ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "examples" / "kernel_test"
@@ -84,7 +84,7 @@ def test_synthetic_weights_from_python(tmp_path, weights):
     results = golden.replay_bundle(tmp_path / "b")
     assert results and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
     # the stored packed operands are the synthetic checkpoint's bytes
-    from minimax_ref.synthetic import SyntheticCheckpoint
+    from minimax_ref.weights.synthetic import SyntheticCheckpoint
 
     ck = SyntheticCheckpoint("tiny", "nvfp4")
     e = next(e for e in golden.load(tmp_path / "b", ops=["nvfp4_linear"]))
@@ -538,10 +538,10 @@ SLOW_4K = r"""
 import json, resource, sys
 import torch
 from minimax_ref import golden
-from minimax_ref.config import parse_model_config
-from minimax_ref.loader import load_synthetic
-from minimax_ref.plan import plan_memory
-from minimax_ref.synth import build_config
+from minimax_ref.model.config import parse_model_config
+from minimax_ref.weights.loader import load_synthetic
+from minimax_ref.research.plan import plan_memory
+from minimax_ref.weights.synth import build_config
 T, out, dtype = int(sys.argv[1]), sys.argv[2], getattr(torch, sys.argv[3])
 kw = dict(experts=8, layers=2, overrides={"vocab_size": 8192, "moe_layer_freq": [0, 1], "sparse_attention_freq": [0, 1],
                                           "sparse_disable_index_value": [0, 1]})

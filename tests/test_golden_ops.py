@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minimax_ref import golden
-from minimax_ref.cli import main
+from minimax_ref.cli.main import main
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "kernel_test" / "nvfp4_gemm.py"
 M, N, K = 8, 3072, 6144  # release widths: routed expert w1 is [3072, 6144]
@@ -217,7 +217,7 @@ def test_moe_with_the_swiglu_clamp_active(capsys, tmp_path):
     y_noclamp, _ = _moe_numpy(t, p, clamp=False)
     assert not golden.compare(e, {"y": torch.from_numpy(y_noclamp)}).ok  # a kernel without the clamp fails
     # grouped-GEMM metadata: tokens grouped by expert, ascending, offsets into that list
-    from minimax_ref.moe import route
+    from minimax_ref.model.moe import route
 
     ids = route(t["x"], t["gate_weight"], t["bias"], p["top_k"]).expert_ids
     off, sorted_ids = t["expert_offsets"].tolist(), t["sorted_token_ids"].tolist()

@@ -48,8 +48,8 @@ from minimax_ref.errors import ConfigError
 from minimax_ref.fast import FastPaths, apply
 from minimax_ref.fast.grouped import MAX_ROWS, Tiles, decode_grouped, packed_matmul_grouped, split_for, tiles_for
 from minimax_ref.fast.packed import scales_in_normal_range
-from minimax_ref.loader import load_model
-from minimax_ref.packed import PackedWeight, decode_reference
+from minimax_ref.weights.loader import load_model
+from minimax_ref.weights.packed import PackedWeight, decode_reference
 
 U = 2.0**-24
 BF16 = torch.bfloat16

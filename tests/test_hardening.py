@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minimax_ref.checkpoint import open_checkpoint
-from minimax_ref.cli import main
-from minimax_ref.config import parse_model_config
+from minimax_ref.cli.main import main
 from minimax_ref.errors import CheckpointError, ConfigError
-from minimax_ref.loader import load_model
-from minimax_ref.synth import build_config
+from minimax_ref.model.config import parse_model_config
+from minimax_ref.weights.checkpoint import open_checkpoint
+from minimax_ref.weights.loader import load_model
+from minimax_ref.weights.synth import build_config
 
 
 def run(args, capsys):
@@ -163,8 +163,8 @@ def test_plan_refuses_weights_larger_than_the_card(tmp_path, capsys):
 
 def test_plan_split_rules_are_the_loaders(tiny_nvfp4):
     """plan and the loader share parallel.tp_split_problems: the loader's refusal lists the same problems."""
-    from minimax_ref.parallel import World, check_tp_split, tp_split_problems
-    from minimax_ref.plan import plan_memory
+    from minimax_ref.model.parallel import World, check_tp_split, tp_split_problems
+    from minimax_ref.research.plan import plan_memory
 
     ck = open_checkpoint(tiny_nvfp4)
     with pytest.raises(ConfigError) as e:
@@ -203,7 +203,7 @@ def test_synth_disk_full_leaves_nothing_and_says_so(tmp_path, capsys, monkeypatc
     import errno
     import os
 
-    import minimax_ref.synth as synth
+    import minimax_ref.weights.synth as synth
 
     real = synth.write_safetensors
 
@@ -221,7 +221,7 @@ def test_synth_disk_full_leaves_nothing_and_says_so(tmp_path, capsys, monkeypatc
 def test_synth_shards_follow_the_umask(tmp_path):
     import os
 
-    from minimax_ref.synth import write_checkpoint
+    from minimax_ref.weights.synth import write_checkpoint
 
     old = os.umask(0o022)
     try:
@@ -238,8 +238,8 @@ def test_synth_streams_large_tensors(tmp_path, monkeypatch):
     output (the pruned-80 preset's embedding and LM head are 2.4 GB each), and the bytes are iter_tensors'."""
     from memory import PeakMemory
 
-    import minimax_ref.synth as synth
-    from minimax_ref.config import parse_model_config as parse
+    import minimax_ref.weights.synth as synth
+    from minimax_ref.model.config import parse_model_config as parse
 
     monkeypatch.setattr(synth, "STREAM_ELEMENTS", 1 << 15)
     over = {"vocab_size": 8192}  # embedding and LM head [8192, 128]: 1 M elements, 4 MiB each in fp32
@@ -296,9 +296,9 @@ def test_input_file_missing_is_one_error(capsys, tmp_path):
 
 
 def test_release_width_synthetic_tokenizer_decodes_every_id(tmp_path, monkeypatch):
-    from minimax_ref.cli import synthetic_tokenizer_dir
-    from minimax_ref.synth import PRESETS
-    from minimax_ref.tokenizer import load_tokenizer
+    from minimax_ref.cli.main import synthetic_tokenizer_dir
+    from minimax_ref.generation.tokenizer import load_tokenizer
+    from minimax_ref.weights.synth import PRESETS
 
     monkeypatch.setenv("MINIMAX_REF_CACHE", str(tmp_path))
     vocab = PRESETS["release"].text["vocab_size"]
@@ -315,7 +315,7 @@ def test_wide_vocabulary_synthetic_run_decodes_its_output(tmp_path, monkeypatch,
     must decode them all."""
     import dataclasses
 
-    from minimax_ref import synth
+    from minimax_ref.weights import synth
 
     monkeypatch.setenv("MINIMAX_REF_CACHE", str(tmp_path))
     tiny = synth.PRESETS["tiny"]
@@ -361,7 +361,7 @@ def test_ctrl_c_during_an_interactive_reply_ends_the_reply(tiny_nvfp4, capsys, m
     import builtins
     import importlib
 
-    gen = importlib.import_module("minimax_ref.generate")  # the module (`minimax_ref.generate` is the function)
+    gen = importlib.import_module("minimax_ref.generation.generate")  # the module (`minimax_ref.generation.generate` is the function)
 
     real, calls = gen.generate, []
 
@@ -391,7 +391,7 @@ def test_ctrl_c_at_any_moment_exits_130_without_traceback(tiny_nvfp4):
     # The program as the `minimax-ref` entry point runs it (`sys.exit(main())`), announcing on stderr that the
     # interpreter is up: the delays then count from there, not from a process start that a loaded machine can stretch
     # past the first delay (a Ctrl-C inside interpreter start-up is Python's, before any code of ours runs).
-    entry = ("import sys; sys.stderr.write('started\\n'); sys.stderr.flush(); from minimax_ref.cli import main; "
+    entry = ("import sys; sys.stderr.write('started\\n'); sys.stderr.flush(); from minimax_ref.cli.main import main; "
              "sys.exit(main())")
     # while importing torch (held back until the import ends: a KeyboardInterrupt inside torch's C++ initialisation
     # would abort the process), importing the rest, loading, waiting at the prompt (stdin stays open)
@@ -412,21 +412,21 @@ def test_importing_the_cli_does_not_import_torch():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "import sys, minimax_ref.cli; print('torch' in sys.modules)"],
+    r = subprocess.run([sys.executable, "-c", "import sys, minimax_ref.cli.main; print('torch' in sys.modules)"],
                        capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
 
 
 def test_load_model_none_is_the_embedded_default():
-    from minimax_ref.embedded import default_checkpoint
+    from minimax_ref.weights.embedded import default_checkpoint
 
     model = load_model(None, dtype=torch.float32)
     assert model.ckpt_path == default_checkpoint()
 
 
 def test_load_tokenizer_none_is_the_embedded_default():
-    from minimax_ref.embedded import default_checkpoint
-    from minimax_ref.tokenizer import load_tokenizer
+    from minimax_ref.generation.tokenizer import load_tokenizer
+    from minimax_ref.weights.embedded import default_checkpoint
 
     assert load_tokenizer(None).path == load_tokenizer(default_checkpoint()).path
 
@@ -491,7 +491,7 @@ def test_readme_cpu_torchrun_line_runs_verbatim(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_readme_cuda_torchrun_line_without_cuda_is_one_error(tmp_path):
-    from minimax_ref.embedded import default_checkpoint
+    from minimax_ref.weights.embedded import default_checkpoint
 
     line = _readme_lines("torchrun ")[0].replace("DIR", str(default_checkpoint()))
     r = _torchrun(line, tmp_path)
@@ -542,7 +542,7 @@ def test_forward_names_the_layer_where_nan_first_appears(tiny_nvfp4):
 
 
 def test_generation_with_nan_weights_is_an_error_not_garbage(tiny_nvfp4, capsys, monkeypatch):
-    import minimax_ref.cli as cli
+    import minimax_ref.cli.main as cli
 
     real = cli.load_from_args
 
@@ -559,8 +559,8 @@ def test_generation_with_nan_weights_is_an_error_not_garbage(tiny_nvfp4, capsys,
 
 
 def test_score_never_writes_nan_into_json(tiny_nvfp4, tmp_path, capsys, monkeypatch):
-    # the module (`import minimax_ref.score as score` binds `mr.score`, the public function of the same name)
-    score = importlib.import_module("minimax_ref.score")
+    # the module (`import minimax_ref.research.score as score` binds `mr.score`, the public function of the same name)
+    score = importlib.import_module("minimax_ref.research.score")
 
     traces = tmp_path / "traces.jsonl"
     traces.write_text(json.dumps({"prompt": "The weather", "completion": " is fine today"}) + "\n")
@@ -632,13 +632,13 @@ def test_robustness_table_rows_rerun():
     import subprocess
     import sys
 
-    from minimax_ref.embedded import default_checkpoint
+    from minimax_ref.weights.embedded import default_checkpoint
 
     setup_free = ("$DEFAULT", "/dev/null", "--device mps", "--temperature -1")
     rows = [r for r in _robustness_rows() if any(x in r[0] for x in setup_free)]
     assert len(rows) >= 5
     for command, code, message in rows:
-        argv = [sys.executable, "-m", "minimax_ref.cli", *shlex.split(command)[1:]]
+        argv = [sys.executable, "-m", "minimax_ref.cli.main", *shlex.split(command)[1:]]
         argv = [a.replace("$DEFAULT", str(default_checkpoint())) for a in argv]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         output = (r.stderr + r.stdout).replace(str(default_checkpoint()), "$DEFAULT")
@@ -677,7 +677,7 @@ def _disk_full(*args, **kwargs):
 
 
 def test_prune_disk_full_leaves_nothing_and_says_so(tiny_nvfp4, tmp_path, capsys, monkeypatch):
-    import minimax_ref.prune as prune
+    import minimax_ref.weights.prune as prune
 
     calib = tmp_path / "calib.jsonl"
     calib.write_text(json.dumps({"input_ids": list(range(1, 40)), "completion_start": 1}) + "\n")
@@ -718,7 +718,7 @@ class Interrupt:
             os.kill(os.getpid(), signal.SIGINT)
         return None
 sys.meta_path.insert(0, Interrupt())
-from minimax_ref.cli import import_torch_holding_ctrl_c
+from minimax_ref.cli.main import import_torch_holding_ctrl_c
 try:
     import_torch_holding_ctrl_c()
 except KeyboardInterrupt:

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from minimax_ref.errors import ConfigError, InputError
-from minimax_ref.image import (
+from minimax_ref.generation.image import (
     CLIP_MEAN,
     CLIP_STD,
     ImagePreprocessor,

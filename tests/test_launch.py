@@ -183,7 +183,7 @@ def test_kinds_read_from_inductor_graphs():
     reduction."""
 
     from minimax_ref.fast.packed import FUSED_INDUCTOR_OPTIONS, packed_matmul
-    from minimax_ref.quant import quantize_mxfp8, quantize_nvfp4
+    from minimax_ref.weights.quant import quantize_mxfp8, quantize_nvfp4
 
     choices = _choices_class()(DECODE_REDUCTIONS)
     g = torch.Generator().manual_seed(0)
@@ -301,7 +301,7 @@ def test_compiled_matvec_launches_with_the_fixed_configuration(config, other):
 def _release_width_model(dtype: torch.dtype, fast: FastPaths):
     """Release-like widths at test size on the GPU: hidden 2,048, 3 dense layers and an MSA + MoE layer of 8 experts,
     NVFP4 + MXFP8 packed."""
-    from minimax_ref.loader import load_synthetic
+    from minimax_ref.weights.loader import load_synthetic
 
     overrides = {"vocab_size": 8192, "hidden_size": 2048, "num_attention_heads": 16, "dense_intermediate_size": 4096,
                  "intermediate_size": 2048, "shared_intermediate_size": 2048}

@@ -65,7 +65,7 @@ def test_running_with_fast_off_never_imports_the_fast_package():
     code = """
 import sys, torch
 import minimax_ref
-from minimax_ref.embedded import default_checkpoint
+from minimax_ref.weights.embedded import default_checkpoint
 model = minimax_ref.load_model(default_checkpoint(), dtype=torch.float32, fast="off")
 cache = model.new_cache(1, 8)
 model(torch.tensor([[1, 2, 3]]), cache=cache, positions=torch.arange(3)[None])
@@ -80,12 +80,12 @@ print("FAST:", loaded)
 
 
 def test_apply_swaps_classes_and_restores_the_reference(tiny_nvfp4):
-    from minimax_ref.attention import Attention
     from minimax_ref.fast import REFERENCE, FastPaths, apply, paths_of
-    from minimax_ref.loader import load_model
-    from minimax_ref.model import MiniMaxM3
-    from minimax_ref.moe import Experts
-    from minimax_ref.packed import PackedWeight
+    from minimax_ref.model.attention import Attention
+    from minimax_ref.model.decoder import MiniMaxM3
+    from minimax_ref.model.moe import Experts
+    from minimax_ref.weights.loader import load_model
+    from minimax_ref.weights.packed import PackedWeight
 
     model = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed")
     keys = list(model.state_dict())
@@ -116,12 +116,12 @@ def test_numerics_and_formats_are_fixed_at_construction(tiny_nvfp4):
     emulation are set as the model is built; the loader passes the checkpoint's, so nothing is written afterwards."""
     import pytest
 
-    from minimax_ref.checkpoint import open_checkpoint
     from minimax_ref.errors import ConfigError
-    from minimax_ref.linear import Linear
-    from minimax_ref.loader import load_model
-    from minimax_ref.model import MiniMaxM3, Numerics
-    from minimax_ref.moe import Experts
+    from minimax_ref.model.decoder import MiniMaxM3, Numerics
+    from minimax_ref.model.linear import Linear
+    from minimax_ref.model.moe import Experts
+    from minimax_ref.weights.checkpoint import open_checkpoint
+    from minimax_ref.weights.loader import load_model
 
     ck = open_checkpoint(tiny_nvfp4)
     formats = {spec.module: ck.formats[prefix].fmt for prefix, spec in ck.linears.items()}

@@ -7,9 +7,9 @@ import pytest
 import torch
 from oracle import hf_text_model, relative_max_error
 
-from minimax_ref.generate import SamplingParams, generate_ids
-from minimax_ref.loader import load_model
-from minimax_ref.model import Trace
+from minimax_ref.generation.generate import SamplingParams, generate_ids
+from minimax_ref.model.decoder import Trace
+from minimax_ref.weights.loader import load_model
 
 TOL = 1e-4  # spec: fp32 logits within 1e-4 of the oracle, relative to the logit scale
 
@@ -179,7 +179,7 @@ def test_trace_records_layers_routing_and_blocks(nvfp4_model, nvfp4_oracle):
 
 
 def _rope(model, n):
-    from minimax_ref.rope import rope_cos_sin, rope_inv_freq
+    from minimax_ref.model.rope import rope_cos_sin, rope_inv_freq
 
     return rope_cos_sin(torch.arange(n)[None], rope_inv_freq(model.text.rotary_dim, model.text.rope_theta))
 
@@ -231,7 +231,7 @@ def test_cache_rollback_zeroes_dropped_positions(nvfp4_model):
 
 def test_expert_mask_leaving_too_few_experts_is_refused():
     from minimax_ref.errors import ConfigError
-    from minimax_ref.moe import route
+    from minimax_ref.model.moe import route
 
     x, gate = torch.randn(3, 8), torch.randn(6, 8)
     mask = torch.tensor([True, True, True, False, False, False])

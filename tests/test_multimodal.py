@@ -13,18 +13,18 @@ import torch
 from oracle import hf_vl_model, relative_max_error
 from PIL import Image
 
-from minimax_ref import cli
+from minimax_ref.cli import main as cli
 from minimax_ref.errors import InputError
-from minimax_ref.generate import encode_prompt, generate
-from minimax_ref.loader import load_model
-from minimax_ref.multimodal import (
+from minimax_ref.generation.generate import encode_prompt, generate
+from minimax_ref.generation.multimodal import (
     IMAGE_MARKER,
     embed_with_images,
     forward_with_images,
     load_prompt_images,
 )
-from minimax_ref.tokenizer import load_tokenizer
-from minimax_ref.vision import encode_images
+from minimax_ref.generation.tokenizer import load_tokenizer
+from minimax_ref.model.vision import encode_images
+from minimax_ref.weights.loader import load_model
 
 TOL = 1e-4  # fp32 logits within 1e-4 of the oracle, relative to the logit scale
 

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from examples.nano import data as nd  # noqa: E402
 from examples.nano.tokenizer import train_tokenizer  # noqa: E402
-from minimax_ref import chat  # noqa: E402
-from minimax_ref.tokenizer import load_tokenizer  # noqa: E402
+from minimax_ref.generation import chat  # noqa: E402
+from minimax_ref.generation.tokenizer import load_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_shipped_checkpoints_heldout_items_stay_held_out():
     # items: the seed's split keeps every item it had before the long names were added.
     import json
 
-    from minimax_ref.embedded import default_checkpoint
+    from minimax_ref.weights.embedded import default_checkpoint
 
     raw = json.loads((default_checkpoint() / "nano_run.json").read_text(encoding="utf-8"))["heldout"]
     shipped, now = nd.Heldout.from_json(raw), nd.make_heldout(raw["seed"])

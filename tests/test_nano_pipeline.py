@@ -19,12 +19,12 @@ from examples.nano import data as nd  # noqa: E402
 from examples.nano import export as nx  # noqa: E402
 from examples.nano import train as nt  # noqa: E402
 from examples.nano.tokenizer import train_tokenizer  # noqa: E402
-from minimax_ref import chat  # noqa: E402
-from minimax_ref.config import parse_model_config  # noqa: E402
-from minimax_ref.loader import load_model  # noqa: E402
-from minimax_ref.model import MiniMaxM3, Trace  # noqa: E402
-from minimax_ref.quant import dequant_mxfp8, dequant_nvfp4, quantize_mxfp8, quantize_nvfp4  # noqa: E402
-from minimax_ref.tokenizer import load_tokenizer  # noqa: E402
+from minimax_ref.generation import chat  # noqa: E402
+from minimax_ref.generation.tokenizer import load_tokenizer  # noqa: E402
+from minimax_ref.model.config import parse_model_config  # noqa: E402
+from minimax_ref.model.decoder import MiniMaxM3, Trace  # noqa: E402
+from minimax_ref.weights.loader import load_model  # noqa: E402
+from minimax_ref.weights.quant import dequant_mxfp8, dequant_nvfp4, quantize_mxfp8, quantize_nvfp4  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_export_holds_exactly_what_qat_trains(micro, tmp_path):
 @pytest.mark.slow
 def test_micro_pipeline_end_to_end(tmp_path, capsys):
     from examples.nano import eval as ne
-    from minimax_ref.cli import main as cli_main
+    from minimax_ref.cli.main import main as cli_main
 
     out = tmp_path / "micro"
     nt.main(["--size", "micro", "--device", "cpu", "--steps", "20", "--out", str(out), "--workers", "0",
@@ -203,7 +203,7 @@ def test_vision_pretraining_hands_its_tower_to_train_py(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from examples.nano import pretrain_vision as pv
-    from minimax_ref.embedded import default_checkpoint
+    from minimax_ref.weights.embedded import default_checkpoint
 
     out = tmp_path / "vision"
     pv.main(["--device", "cpu", "--steps", "2", "--batch", "4", "--eval-images", "4", "--log-every", "1",
@@ -231,9 +231,9 @@ def test_drafter_continues_from_an_exported_dspark_folder():
     the fresh drafter; a drafter of another shape is refused with what to do."""
     import minimax_ref as mr
     from examples.nano import train_drafter as td
-    from minimax_ref.config import parse_drafter_config
-    from minimax_ref.drafter import DSparkDrafter, load_drafter
-    from minimax_ref.embedded import default_checkpoint
+    from minimax_ref.generation.drafter import DSparkDrafter, load_drafter
+    from minimax_ref.model.config import parse_drafter_config
+    from minimax_ref.weights.embedded import default_checkpoint
 
     ckpt = default_checkpoint()
     target = mr.load_model(ckpt, dtype=torch.float32)

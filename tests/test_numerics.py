@@ -8,8 +8,8 @@ import pytest
 import torch
 from memory import PeakMemory
 
-from minimax_ref.loader import load_model
-from minimax_ref.msa import msa_attention
+from minimax_ref.model.msa import msa_attention
+from minimax_ref.weights.loader import load_model
 
 
 def ref_fake_nvfp4(x: torch.Tensor, input_scale: float) -> torch.Tensor:

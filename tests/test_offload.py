@@ -10,15 +10,15 @@ import sys
 import pytest
 import torch
 
-from minimax_ref.cli import main
-from minimax_ref.config import load_model_config
-from minimax_ref.decoding import generate_ids
+from minimax_ref.cli.main import main
 from minimax_ref.errors import ConfigError
-from minimax_ref.loader import load_model, load_synthetic
-from minimax_ref.model import Trace
-from minimax_ref.offload import DiskStore, OffloadConfig, check_offload, id_runs
-from minimax_ref.plan import GIB, kv_bytes_per_token, offload_units
-from minimax_ref.sampling import SamplingParams
+from minimax_ref.generation.decoding import generate_ids
+from minimax_ref.generation.sampling import SamplingParams
+from minimax_ref.model.config import load_model_config
+from minimax_ref.model.decoder import Trace
+from minimax_ref.research.plan import GIB, kv_bytes_per_token, offload_units
+from minimax_ref.weights.loader import load_model, load_synthetic
+from minimax_ref.weights.offload import DiskStore, OffloadConfig, check_offload, id_runs
 
 pytest.importorskip("accelerate")
 

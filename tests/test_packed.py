@@ -26,8 +26,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minimax_ref.attention import causal_attention
-from minimax_ref.checkpoint import DENSE, NVFP4, open_checkpoint
 from minimax_ref.errors import ConfigError
 from minimax_ref.fast import FastPaths, Kernels, apply
 from minimax_ref.fast.attention import causal_attention_sdpa
@@ -35,11 +33,14 @@ from minimax_ref.fast.attention import gather_block_attention as fast_gather_blo
 from minimax_ref.fast.attention import msa_attention as fast_msa_attention
 from minimax_ref.fast.moe import FastExperts
 from minimax_ref.fast.packed import decode_fast
-from minimax_ref.generate import SamplingParams, generate_ids
-from minimax_ref.loader import load_model, load_synthetic
-from minimax_ref.moe import Experts, Routing, route
-from minimax_ref.msa import gather_block_attention, msa_attention
-from minimax_ref.packed import (
+from minimax_ref.generation.generate import SamplingParams, generate_ids
+from minimax_ref.model.attention import causal_attention
+from minimax_ref.model.moe import Experts, Routing, route
+from minimax_ref.model.msa import gather_block_attention, msa_attention
+from minimax_ref.model.parallel import World
+from minimax_ref.weights.checkpoint import DENSE, NVFP4, open_checkpoint
+from minimax_ref.weights.loader import load_model, load_synthetic
+from minimax_ref.weights.packed import (
     PackedWeight,
     check_packed,
     decode_reference,
@@ -47,8 +48,7 @@ from minimax_ref.packed import (
     model_nbytes,
     packed_weights,
 )
-from minimax_ref.parallel import World
-from minimax_ref.quant import dequant_mxfp8, dequant_nvfp4
+from minimax_ref.weights.quant import dequant_mxfp8, dequant_nvfp4
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = torch.randint(0, 1000, (2, 80), generator=torch.Generator().manual_seed(0))  # past the MSA budget (64)
@@ -275,7 +275,7 @@ def test_synthetic_magnitudes_follow_synth_rules(fmt):
 
 def test_synthetic_overrides_and_real_shapes_on_meta():
     """The release presets' tensor tables (without generating anything) and the --layers/--experts overrides."""
-    from minimax_ref.synthetic import SyntheticCheckpoint
+    from minimax_ref.weights.synthetic import SyntheticCheckpoint
 
     ck = SyntheticCheckpoint("pruned-80", "nvfp4", layers=5, experts=8)
     t = ck.config.text
@@ -524,7 +524,7 @@ def test_tp2_packed_equals_dequant_and_tp1(two_ranks, checkpoints, name, dtype, 
 
 
 def test_cli_generate_packed_and_synthetic(checkpoints, capsys):
-    from minimax_ref.cli import main
+    from minimax_ref.cli.main import main
 
     base = ["generate", "--prompt", "hello world", "--max-new-tokens", "4", "--temperature", "0", "--dtype",
             "float32", "--output-format", "json"]

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minimax_ref.checkpoint import Checkpoint, open_checkpoint
 from minimax_ref.errors import ConfigError
-from minimax_ref.generate import SamplingParams, generate_ids
-from minimax_ref.loader import load_model
-from minimax_ref.parallel import World, check_tp_split
+from minimax_ref.generation.generate import SamplingParams, generate_ids
+from minimax_ref.model.parallel import World, check_tp_split
+from minimax_ref.weights.checkpoint import Checkpoint, open_checkpoint
+from minimax_ref.weights.loader import load_model
 
 RANKS = 4
 REL_TOL = 1e-5  # fp32 reduction order: partial sums over ranks instead of one matmul
@@ -269,8 +269,8 @@ def _generate_cmd(path: Path) -> list[str]:
 
 
 def _expected_tokens(path: Path) -> list[int]:
-    from minimax_ref.generate import generate
-    from minimax_ref.tokenizer import load_tokenizer
+    from minimax_ref.generation.generate import generate
+    from minimax_ref.generation.tokenizer import load_tokenizer
 
     model = load_model(path, dtype=torch.float32)
     res = generate(model, load_tokenizer(path), ["hello world"], max_new_tokens=NEW_TOKENS, temperature=0)
@@ -302,8 +302,8 @@ def test_examples_generate_under_torchrun(checkpoints):
 
 
 def _task_speculative(world: World, path: str) -> list[list[int]]:
-    from minimax_ref.drafter import load_drafter
-    from minimax_ref.speculative import speculative_generate_ids
+    from minimax_ref.generation.drafter import load_drafter
+    from minimax_ref.generation.speculative import speculative_generate_ids
 
     model = load_model(path, dtype=torch.float32, tp=world)
     drafter = load_drafter(Path(path) / "dspark", model)

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from minimax_ref.cli import main
-from minimax_ref.config import parse_model_config
+from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
-from minimax_ref.plan import plan_memory, tensor_groups
-from minimax_ref.synth import build_config
+from minimax_ref.model.config import parse_model_config
+from minimax_ref.research.plan import plan_memory, tensor_groups
+from minimax_ref.weights.synth import build_config
 
 GIB = 2**30
 H, LAYERS, MOE, DENSE, I, S, F, V = 6144, 60, 57, 3, 3072, 3072, 12288, 200064  # noqa: E741
@@ -138,7 +138,7 @@ MIB = 2**20
 
 
 def _units():
-    from minimax_ref.plan import OffloadUnit
+    from minimax_ref.research.plan import OffloadUnit
 
     def layer(L, mib):
         return OffloadUnit(f"layers.{L}", "layer", L, mib * MIB)
@@ -153,7 +153,7 @@ def test_device_map_by_hand():
     """propose_device_map's rule on units worked by hand (MiB): layers 100, 100, 10, 10, 10 (sum 230), three expert
     stacks of 400 (8 experts each), 30 always resident, 20 reserve: 1480 in all."""
     from minimax_ref.errors import ConfigError
-    from minimax_ref.plan import propose_device_map
+    from minimax_ref.research.plan import propose_device_map
 
     units = _units()
     everything = propose_device_map(units, 30 * MIB, 1480 * MIB, 20 * MIB)
@@ -177,7 +177,7 @@ def test_expected_distinct_experts_by_enumeration():
     """E (1 - (1 - k/E)^B) equals the mean number of distinct experts over every way 3 tokens choose 2 of 5."""
     from itertools import combinations, product
 
-    from minimax_ref.plan import expected_distinct_experts
+    from minimax_ref.research.plan import expected_distinct_experts
 
     choices = list(combinations(range(5), 2))
     counts = [len(set().union(*c)) for c in product(choices, repeat=3)]
@@ -220,7 +220,7 @@ def test_cli_offload_plan_pruned80(capsys, tmp_path):
 def test_weights_per_card_equal_a_loaded_model(tiny_nvfp4, weights, dtype):
     """The plan's weight bytes are what the engine holds after loading, counted tensor by tensor on a loaded
     model (parameters and buffers, packed bytes and scales included), for both weight modes and compute dtypes."""
-    from minimax_ref.loader import load_model
+    from minimax_ref.weights.loader import load_model
 
     model = load_model(tiny_nvfp4, dtype=dtype, weights=weights)
     seen, held = set(), 0

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from minimax_ref.cli import main
+from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
-from minimax_ref.loader import load_model
-from minimax_ref.model import Trace
-from minimax_ref.prune import check_keep, choose_experts, expert_scores, write_pruned
+from minimax_ref.model.decoder import Trace
+from minimax_ref.weights.loader import load_model
+from minimax_ref.weights.prune import check_keep, choose_experts, expert_scores, write_pruned
 
 E, K, KEEP = 16, 4, 8  # the tiny preset: 16 experts, top-4
 MOE_LAYERS = (1, 2, 3)

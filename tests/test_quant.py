@@ -1,4 +1,4 @@
-"""Tests of minimax_ref.quant against independent references.
+"""Tests of minimax_ref.weights.quant against independent references.
 
 The references are: hand-written tables, ml_dtypes casts and decodes (an implementation of the
 OCP formats that shares no code with torch), plain-Python / numpy-float32 re-derivations of each
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from minimax_ref.errors import QuantFormatError
-from minimax_ref.quant import (
+from minimax_ref.weights.quant import (
     E2M1_MAGNITUDES,
     decode_e2m1,
     decode_e8m0,

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 import minimax_ref as mr
 from minimax_ref.errors import InputError
 from minimax_ref.fast import apply
-from minimax_ref.loader import load_model
-from minimax_ref.mlp import swiglu_oai
-from minimax_ref.model import Interventions, Trace
-from minimax_ref.prune import write_pruned
-from minimax_ref.score import ScoreTrace, score_traces
+from minimax_ref.model.decoder import Interventions, Trace
+from minimax_ref.model.mlp import swiglu_oai
+from minimax_ref.research.score import ScoreTrace, score_traces
+from minimax_ref.weights.loader import load_model
+from minimax_ref.weights.prune import write_pruned
 
 MOE_LAYERS = (1, 2, 3)  # the tiny preset: layer 0 dense, 1..3 MoE with 16 experts, top 4
 KEPT = list(range(0, 16, 2))
@@ -215,10 +215,10 @@ def test_longer_than_max_seq_len_is_refused(tiny_nvfp4):
 
 
 def test_score_is_the_public_function():
-    import minimax_ref.score as score_module  # binds the function: the public name wins
+    import minimax_ref.research.score as score_module  # binds the function: the public name wins
 
     assert callable(mr.score) and mr.score is score_module
-    assert mr.score.__module__ == "minimax_ref.score"
+    assert mr.score.__module__ == "minimax_ref.research.score"
 
 
 @pytest.mark.parametrize("trace,needle", [
@@ -274,7 +274,7 @@ def test_config_repr_is_short(model):
 
 @torch.no_grad()
 def test_embedded_default_loads_without_arguments():
-    from minimax_ref.embedded import default_checkpoint
+    from minimax_ref.weights.embedded import default_checkpoint
 
     model, tok = mr.load_model(dtype=torch.float32), mr.load_tokenizer()
     explicit = load_model(default_checkpoint(), dtype=torch.float32)

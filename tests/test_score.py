@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from minimax_ref.cli import main
+from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
-from minimax_ref.loader import load_model
-from minimax_ref.prune import write_pruned
-from minimax_ref.score import ScoreTrace, TraceScore, chat_trace_ids, drift_stats, read_traces
-from minimax_ref.tokenizer import load_tokenizer
+from minimax_ref.generation.tokenizer import load_tokenizer
+from minimax_ref.research.score import ScoreTrace, TraceScore, chat_trace_ids, drift_stats, read_traces
+from minimax_ref.weights.loader import load_model
+from minimax_ref.weights.prune import write_pruned
 
 # (length, completion_start): one trace past the tiny preset's dense-equivalent MSA budget
 # (4 blocks x 16 = 64 tokens), so the sparse path and chunk boundaries are both exercised.

@@ -20,19 +20,19 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import minimax_ref as mr
-from minimax_ref.cli import main
-from minimax_ref.drafter import PREFIX, Draft, load_drafter
+from minimax_ref.cli.main import main
 from minimax_ref.errors import CheckpointError, InputError
-from minimax_ref.generate import SamplingParams, filtered_probs, generate_ids
-from minimax_ref.loader import load_model
-from minimax_ref.model import Trace
-from minimax_ref.speculative import (
+from minimax_ref.generation.drafter import PREFIX, Draft, load_drafter
+from minimax_ref.generation.generate import SamplingParams, filtered_probs, generate_ids
+from minimax_ref.generation.speculative import (
     SpeculativeDecoder,
     accept_drafts,
     accept_greedy,
     sample_inverse_cdf,
     speculative_generate_ids,
 )
+from minimax_ref.model.decoder import Trace
+from minimax_ref.weights.loader import load_model
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -442,9 +442,9 @@ def test_drafter_tensors_follow_the_release_layout(spec_ckpt):
 
 
 def test_release_drafter_table_matches_the_spec():
-    from minimax_ref.config import parse_drafter_config, parse_model_config
-    from minimax_ref.drafter import drafter_tensor_table
-    from minimax_ref.synth import build_config, drafter_config_json
+    from minimax_ref.generation.drafter import drafter_tensor_table
+    from minimax_ref.model.config import parse_drafter_config, parse_model_config
+    from minimax_ref.weights.synth import build_config, drafter_config_json
 
     target = parse_model_config(build_config("release", "nvfp4"))
     cfg = parse_drafter_config(drafter_config_json(target), target.text)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from minimax_ref.errors import CheckpointError, InputError
-from minimax_ref.tokenizer import (
+from minimax_ref.generation.tokenizer import (
     MIN_TEST_VOCAB,
     SPECIAL_TOKEN_TEXTS,
     SpecialTokens,

@@ -10,10 +10,10 @@ import torch
 from oracle import release_to_transformers
 from PIL import Image
 
-from minimax_ref.config import VisionConfig
 from minimax_ref.errors import InputError
-from minimax_ref.image import ImagePreprocessor
-from minimax_ref.vision import (
+from minimax_ref.generation.image import ImagePreprocessor
+from minimax_ref.model.config import VisionConfig
+from minimax_ref.model.vision import (
     VISION_PREFIX,
     Projector,
     VisionTower,

@@ -13,18 +13,18 @@ import runpy
 import sys
 from pathlib import Path
 
-import minimax_ref.cli as cli
+import minimax_ref.cli.main as cli
 
 rank, when = int(sys.argv[1]), sys.argv[2]
 argv = sys.argv[sys.argv.index("--") + 1:]
 if int(os.environ.get("RANK", "0")) == rank:
     if when == "generate":
-        import minimax_ref.generate  # noqa: F401  (the submodule; the package attribute names the function)
+        import minimax_ref.generation.generate  # noqa: F401  (the submodule; the package attribute names the function)
 
         def failing(*args, **kwargs):
             raise RuntimeError(f"injected failure on rank {rank}")
 
-        sys.modules["minimax_ref.generate"].generate = failing  # what cli.run_generate imports and calls
+        sys.modules["minimax_ref.generation.generate"].generate = failing  # what cli.run_generate imports and calls
     else:
 
         def failing_load(*args, **kwargs):

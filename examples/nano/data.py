@@ -19,7 +19,7 @@ Held-out split (`Heldout`, written to JSON by `write_heldout`): 100 cities, 50 l
 image numbers (427 among them) that are never trained on. Training generators reject them; tests
 check it.
 
-Chat formatting is the release's: prompts are `minimax_ref.chat.render_chat` (which renders exactly
+Chat formatting is the release's: prompts are `minimax_ref.generation.chat.render_chat` (which renders exactly
 what the release's chat template renders, and what `Tokenizer.apply_chat_template` renders with the
 shipped template) and tool calls `chat.render_tool_calls` (the release's layout). Earlier turns in a
 prompt keep their reasoning and tool results share one `tool` turn, as the release renders history.
@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from minimax_ref import chat
-from minimax_ref.image import ImagePreprocessor
-from minimax_ref.multimodal import ImageTokenIds, expand_image_markers
+from minimax_ref.generation import chat
+from minimax_ref.generation.image import ImagePreprocessor
+from minimax_ref.generation.multimodal import ImageTokenIds, expand_image_markers
 
 # ----------------------------------------------------------------------------------------------
 # vocabulary of the tasks

@@ -11,7 +11,7 @@ seed's evaluation sampling: temperature 0.6, top_p 0.95, top_k 20, unless --chec
   `get_weather` call with city "Lisbon" (and days 3);
 * image: `--chat --image 427.png --prompt "What number is this?"` -> "427".
 
-Measurements, through the Python API (`minimax_ref.generate`, batched):
+Measurements, through the Python API (`minimax_ref.generation.generate`, batched):
 
 * exact copying of the held-out cities and order ids through tool calls, sampled at temperature 1.0,
   top_p 0.95 (top_k off): the parsed call's argument must equal the held-out string exactly;
@@ -48,8 +48,8 @@ if __package__ in (None, ""):  # run as a script: make `examples.nano` importabl
 
 
 from examples.nano import data as nd
-from minimax_ref.chat import EVAL_SAMPLING
-from minimax_ref.loader import resolve_dtype
+from minimax_ref.generation.chat import EVAL_SAMPLING
+from minimax_ref.weights.loader import resolve_dtype
 
 
 def load_heldout(ckpt: Path, path: Path | None, seed: int) -> tuple[nd.Heldout, str]:
@@ -66,7 +66,7 @@ def load_heldout(ckpt: Path, path: Path | None, seed: int) -> tuple[nd.Heldout, 
 
 def _cli_command() -> list[str]:
     exe = shutil.which("minimax-ref")
-    return [exe] if exe else [sys.executable, "-m", "minimax_ref.cli"]
+    return [exe] if exe else [sys.executable, "-m", "minimax_ref.cli.main"]
 
 
 def run_cli(ckpt: Path, args: Sequence[str], model_flags: Sequence[str]) -> dict[str, Any]:
@@ -229,7 +229,7 @@ def speculative(model: Any, tok: Any, heldout: nd.Heldout, ckpt: Path, n: int) -
     """Greedy decoding with the checkpoint's DSpark drafter (`dspark/`) next to plain greedy decoding:
     the tokens must be identical; the mean accepted length is what the drafter buys."""
     import minimax_ref as mr
-    from minimax_ref.drafter import load_drafter
+    from minimax_ref.generation.drafter import load_drafter
 
     drafter = load_drafter(ckpt / "dspark", model)
     rng = random.Random("nano-eval-dspark")

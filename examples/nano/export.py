@@ -1,6 +1,6 @@
 """Export a trained `MiniMaxM3` to the release's on-disk format, with the engine's encoders.
 
-Formats follow the release (and `minimax_ref.synth --format nvfp4`): routed experts NVFP4 in the
+Formats follow the release (and `minimax_ref.weights.synth --format nvfp4`): routed experts NVFP4 in the
 ModelOpt spelling (w1 and w3 of an expert share one `weight_scale_2`, from the larger amax of the two,
 as ModelOpt exports them; `input_scale` = calibrated activation amax / (6 * 448)), every other text
 linear MXFP8 with `weight_scale_inv`, LM head, embeddings, norms, vision tower and projector bf16,
@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from minimax_ref import chat
-from minimax_ref.checkpoint import LinearSpec, tensor_table
-from minimax_ref.config import parse_model_config
-from minimax_ref.quant import quantize_mxfp8, quantize_nvfp4
-from minimax_ref.synth import build_config, linear_format, quantization_config
+from minimax_ref.generation import chat
+from minimax_ref.model.config import parse_model_config
+from minimax_ref.weights.checkpoint import LinearSpec, tensor_table
+from minimax_ref.weights.quant import quantize_mxfp8, quantize_nvfp4
+from minimax_ref.weights.synth import build_config, linear_format, quantization_config
 
 #: ModelOpt's activation global scale: amax(X) / (6 * 448) (E2M1 max times E4M3 max).
 NVFP4_SCALE_DIVISOR = 6.0 * 448.0

@@ -46,10 +46,10 @@ from torch import nn
 
 from examples.nano import data as nd
 from examples.nano.train import init_weights
-from minimax_ref.config import parse_model_config
-from minimax_ref.embedded import default_checkpoint
-from minimax_ref.model import MiniMaxM3
-from minimax_ref.vision import tokens_per_image
+from minimax_ref.model.config import parse_model_config
+from minimax_ref.model.decoder import MiniMaxM3
+from minimax_ref.model.vision import tokens_per_image
+from minimax_ref.weights.embedded import default_checkpoint
 
 PLACES = 4  # the data's numbers have 1 to 4 digits
 NONE = 10  # the class of a place past the number's last digit

@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.nano` importabl
 
 from examples.nano import data as nd
 from examples.nano import eval as ne
-from minimax_ref.chat import EVAL_SAMPLING
+from minimax_ref.generation.chat import EVAL_SAMPLING
 
 
 def trace_prompts(gen: nd.TaskGenerator, n: int, seed: int) -> list[dict[str, Any]]:
@@ -90,8 +90,8 @@ def measure(model: Any, tok: Any, heldout: nd.Heldout, args: argparse.Namespace)
 
 def study(args: argparse.Namespace) -> dict[str, Any]:
     import minimax_ref as mr
-    from minimax_ref.config import load_model_config
-    from minimax_ref.embedded import default_checkpoint
+    from minimax_ref.model.config import load_model_config
+    from minimax_ref.weights.embedded import default_checkpoint
 
     full = Path(args.ckpt_path or default_checkpoint())
     out = Path(args.out)

@@ -7,7 +7,7 @@ Stages (each prints what it did):
 
 1. data: the held-out split (`data.make_heldout(seed)`), the task generator, and a byte-level BPE
    tokenizer trained on generated text with the release's special tokens (`tokenizer.py`);
-2. model: `minimax_ref.model.MiniMaxM3` built from a raw-form config (`export.raw_config`, the
+2. model: `minimax_ref.model.decoder.MiniMaxM3` built from a raw-form config (`export.raw_config`, the
    spelling `synth` writes), initialised here (`init_weights`) and made trainable (the engine builds
    inference parameters with `requires_grad=False`; flipping the flag is all it takes);
 3. training: AdamW, linear warm-up then cosine decay over the run's progress (the larger of
@@ -62,16 +62,18 @@ from torch.nn.utils import parametrize
 from examples.nano import data as nd
 from examples.nano import export as nx
 from examples.nano.tokenizer import train_tokenizer
-from minimax_ref.attention import Attention
-from minimax_ref.checkpoint import tensor_table
-from minimax_ref.config import parse_model_config
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.linear import Linear
-from minimax_ref.model import MiniMaxM3, Numerics, Trace
-from minimax_ref.moe import Experts, Router
-from minimax_ref.msa import index_scores
-from minimax_ref.norm import RMSNorm
-from minimax_ref.quant import (
+from minimax_ref.generation.tokenizer import load_tokenizer
+from minimax_ref.model.attention import Attention
+from minimax_ref.model.config import parse_model_config
+from minimax_ref.model.decoder import MiniMaxM3, Numerics, Trace
+from minimax_ref.model.linear import Linear
+from minimax_ref.model.moe import Experts, Router
+from minimax_ref.model.msa import index_scores
+from minimax_ref.model.norm import RMSNorm
+from minimax_ref.model.rope import apply_rope
+from minimax_ref.weights.checkpoint import tensor_table
+from minimax_ref.weights.quant import (
     E4M3_MAX,
     NVFP4_BLOCK,
     dequant_mxfp8,
@@ -80,8 +82,6 @@ from minimax_ref.quant import (
     quantize_mxfp8,
     round_to_e2m1,
 )
-from minimax_ref.rope import apply_rope
-from minimax_ref.tokenizer import load_tokenizer
 
 # ----------------------------------------------------------------------------------------------
 # sizes
@@ -198,8 +198,8 @@ def copy_tokenizer(ckpt: Path, out_dir: Path) -> dict[str, int]:
     import shutil
 
     from examples.nano.tokenizer import TOKENIZER_FILES
-    from minimax_ref import chat
-    from minimax_ref.tokenizer import SPECIAL_TOKEN_TEXTS
+    from minimax_ref.generation import chat
+    from minimax_ref.generation.tokenizer import SPECIAL_TOKEN_TEXTS
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
@@ -214,7 +214,7 @@ def load_init(model: MiniMaxM3, ckpt: Path, reinit_vision: bool = False) -> None
     """Continue from an exported checkpoint: its tensors decoded to fp32 (`load_model`), copied into
     `model` (the same configuration; every tensor must match). With `reinit_vision`, the vision tower
     and projector keep `model`'s fresh initialisation."""
-    from minimax_ref.loader import load_model
+    from minimax_ref.weights.loader import load_model
 
     state = load_model(ckpt, dtype=torch.float32).state_dict()
     if reinit_vision:

@@ -3,7 +3,7 @@
     python examples/nano/train_drafter.py --ckpt-path nano-ckpt --device cuda --minutes 3
     minimax-ref generate --ckpt-path nano-ckpt --chat --speculative dspark --prompt "What is 17*23?"
 
-The drafter is the engine's `minimax_ref.drafter.DSparkDrafter` (its modules, no second copy), sized
+The drafter is the engine's `minimax_ref.generation.drafter.DSparkDrafter` (its modules, no second copy), sized
 by `synth.drafter_config_json` for the target with a block of 7 (--block) and one dense layer.
 The target is the exported checkpoint itself, loaded with `minimax_ref.load_model`, frozen: the
 drafter learns what the deployed (quantized) model does.
@@ -45,11 +45,11 @@ from safetensors.torch import save_file
 from examples.nano import data as nd
 from examples.nano import export as nx
 from examples.nano import train as nt
-from minimax_ref.config import parse_drafter_config
-from minimax_ref.drafter import SUBFOLDER, DSparkDrafter, drafter_tensor_table, load_drafter
-from minimax_ref.model import MiniMaxM3, Trace
-from minimax_ref.norm import RMSNorm
-from minimax_ref.synth import drafter_config_json
+from minimax_ref.generation.drafter import SUBFOLDER, DSparkDrafter, drafter_tensor_table, load_drafter
+from minimax_ref.model.config import parse_drafter_config
+from minimax_ref.model.decoder import MiniMaxM3, Trace
+from minimax_ref.model.norm import RMSNorm
+from minimax_ref.weights.synth import drafter_config_json
 
 
 def target_layer_ids(n_layers: int, k: int = 3) -> list[int]:

@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..attention import Attention, gqa_chunks, merge_heads
-from ..cache import LayerCache
-from ..msa import CHUNK_ELEMENTS, block_scores, gather_blocks, mask_future, query_chunk
+from ..model.attention import Attention, gqa_chunks, merge_heads
+from ..model.cache import LayerCache
+from ..model.msa import CHUNK_ELEMENTS, block_scores, gather_blocks, mask_future, query_chunk
 from . import attention_kernel
 from .compiled import materialize
 

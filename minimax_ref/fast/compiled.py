@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..norm import RMSNorm
+from ..model.norm import RMSNorm
 from .launch import ReductionConfigs, compiled_with_fixed_reductions
 from .packed import FUSED_INDUCTOR_OPTIONS
 

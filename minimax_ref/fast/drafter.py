@@ -18,9 +18,9 @@ import weakref
 
 import torch
 
-from ..drafter import Draft, DraftCache, DSparkDrafter
-from ..model import MiniMaxM3
-from ..sampling import SamplingParams
+from ..generation.drafter import Draft, DraftCache, DSparkDrafter
+from ..generation.sampling import SamplingParams
+from ..model.decoder import MiniMaxM3
 from .graph import record
 
 

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from ..cache import KVCache
+from ..model.cache import KVCache
 
 
 def record(fn, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:

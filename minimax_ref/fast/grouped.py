@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint import MXFP8, NVFP4
 from ..errors import ConfigError
+from ..weights.checkpoint import MXFP8, NVFP4
 
 try:
     import triton

@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import Attention
-from ..cache import KVCache
-from ..drafter import DSparkDrafter
-from ..mlp import MLP
-from ..model import DecoderLayer, Interventions, MiniMaxM3, Trace, check_layer_ids
-from ..moe import Experts, Router
-from ..norm import RMSNorm
-from ..packed import PackedWeight
+from ..generation.drafter import DSparkDrafter
+from ..model.attention import Attention
+from ..model.cache import KVCache
+from ..model.decoder import DecoderLayer, Interventions, MiniMaxM3, Trace, check_layer_ids
+from ..model.mlp import MLP
+from ..model.moe import Experts, Router
+from ..model.norm import RMSNorm
+from ..weights.packed import PackedWeight
 from .attention import FastAttention
 from .compiled import CompiledLayers, StoredNorm, run_layer
 from .drafter import FastDSparkDrafter

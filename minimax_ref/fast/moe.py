@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..mlp import MLP, swiglu_oai
-from ..moe import Experts, Router, Routing, router_scores, routing_of
-from ..packed import PackedWeight
+from ..model.mlp import MLP, swiglu_oai
+from ..model.moe import Experts, Router, Routing, router_scores, routing_of
+from ..weights.packed import PackedWeight
 from .compiled import materialize
 from .packed import FastPackedWeight
 

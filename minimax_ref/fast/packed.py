@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import MXFP8, NVFP4
-from ..packed import PackedWeight, decode_reference
-from ..quant import E2M1_MAGNITUDES, MXFP8_BLOCK, NVFP4_BLOCK, _pow2_f32
+from ..weights.checkpoint import MXFP8, NVFP4
+from ..weights.packed import PackedWeight, decode_reference
+from ..weights.quant import E2M1_MAGNITUDES, MXFP8_BLOCK, NVFP4_BLOCK, _pow2_f32
 from . import grouped
 
 # Rows of x per pass of the fused matmul over a weight: each pass decodes every weight element once and feeds

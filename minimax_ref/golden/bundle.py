@@ -123,7 +123,7 @@ def read_bundle_manifest(path: Path) -> dict:
     """The manifest of golden bundle `path`, after checking the bundle is whole: the manifest is JSON of this
     format with numerics and entries, and every entry's file exists and is a complete safetensors file. Every
     problem found is raised together as one InputError (a damaged bundle must not end in a traceback)."""
-    from ..checkpoint import _read_header
+    from ..weights.checkpoint import _read_header
 
     mf = path / MANIFEST
     if not mf.is_file():

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import MXFP8, NVFP4, TEXT_PREFIX, Checkpoint
 from ..errors import InputError
 from ..outdir import staged_folder
+from ..weights.checkpoint import MXFP8, NVFP4, TEXT_PREFIX, Checkpoint
 from .bundle import BundleWriter, entry_order
 from .contract import (
     ATTENTION_OPS,
@@ -86,7 +86,7 @@ class _Capture:
     def trace(self):
         """The `Trace` a captured forward takes: the attention cores of the chosen layers, when an attention op is
         chosen."""
-        from ..model import Trace
+        from ..model.decoder import Trace
 
         wanted = self.layers if self.ops & set(ATTENTION_OPS) else set()
         return Trace(layers=set(), attention_layers=set(wanted), attention_chunk_elements=self.chunk)
@@ -199,8 +199,8 @@ class _Capture:
                          "shared_expert": module.shared_experts is not None})
 
     def _nvfp4_entry(self, L: int, module, flat, routing) -> None:
-        from ..linear import emulate_activation_quant
-        from ..mlp import swiglu_oai
+        from ..model.linear import emulate_activation_quant
+        from ..model.mlp import swiglu_oai
 
         base = f"{TEXT_PREFIX}layers.{L}.block_sparse_moe.experts."
         if self.ck.formats[f"{base}0.w1"].fmt != NVFP4:
@@ -243,8 +243,8 @@ class _Capture:
         e.params.update({"scale": core["scale"], "chunk_elements": core["chunk_elements"]})
 
     def _msa(self, L: int, core: dict) -> None:
-        from ..attention import ONE_CHUNK
-        from ..msa import index_scores, query_chunk
+        from ..model.attention import ONE_CHUNK
+        from ..model.msa import index_scores, query_chunk
 
         geometry = {name: core[name] for name in ("block_size", "topk_blocks", "local_blocks", "init_blocks")}
         T = core["q"].shape[1]

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint import DENSE, NVFP4
+from ..weights.checkpoint import DENSE, NVFP4
 from .operands import Entry, decode_operand, quantized_input
 
 
 def _decode64(t: dict[str, torch.Tensor], key: str, fmt: str) -> torch.Tensor:
     """A packed operand's weight in fp64, exactly as the format defines it (NVFP4: e2m1 * scale exact in fp32,
     times weight_scale_2 in fp64; a fused operand's halves with their own weight_scale_2)."""
-    from ..quant import dequant_nvfp4
+    from ..weights.quant import dequant_nvfp4
 
     if fmt != NVFP4:
         return decode_operand(t, key, fmt, torch.float32).double()
@@ -74,7 +74,7 @@ def fp64_outputs(op: str, t: dict[str, torch.Tensor], p: dict, emulate: bool) ->
     elif op == "attention":
         out["o"] = _attention64(t["q"], t["k"], t["v"], t["q_pos"], p["scale"])
     elif op == "indexer":
-        from ..msa import mask_future
+        from ..model.msa import mask_future
 
         if "scores" in t:
             out["scores"] = mask_future(torch.einsum("bthd,bld->bhtl", t["iq"].double(), t["ik"].double()),
@@ -91,7 +91,7 @@ def fp64_outputs(op: str, t: dict[str, torch.Tensor], p: dict, emulate: bool) ->
 
 
 def _moe64(t: dict[str, torch.Tensor], p: dict, emulate: bool) -> torch.Tensor:
-    from ..moe import route
+    from ..model.moe import route
 
     x = t["x"]
     fmts = p["formats"]

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint import DENSE, MXFP8, NVFP4, Checkpoint
 from ..errors import InputError
+from ..weights.checkpoint import DENSE, MXFP8, NVFP4, Checkpoint
 
 
 def checkpoint_of(model) -> Checkpoint:
     """The checkpoint `model` was loaded from, to read packed operands: its folder, or the synthetic preset that
     regenerates the same tensors."""
-    from ..checkpoint import open_checkpoint
+    from ..weights.checkpoint import open_checkpoint
 
     if model.ckpt_path is not None:
         return open_checkpoint(model.ckpt_path)
@@ -23,7 +23,7 @@ def checkpoint_of(model) -> Checkpoint:
     if spec is None:
         raise InputError("golden: the model has neither a checkpoint folder (ckpt_path) nor a synthetic preset; "
                          "load it with load_model(path) or load_synthetic(preset)")
-    from ..synthetic import SyntheticCheckpoint
+    from ..weights.synthetic import SyntheticCheckpoint
 
     return SyntheticCheckpoint(spec["preset"], spec["fmt"], experts=spec["experts"], layers=spec["layers"],
                                overrides=spec["overrides"], seed=spec["seed"], device=model.device)
@@ -78,7 +78,7 @@ def put_fused(e: Entry, gate: str, up: str, key: str, fmt: str, prefix: str | No
 def activation_codes(x: torch.Tensor, fmt: str, input_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The quantized GEMM input a W4A4 / W8A8 kernel takes for the activation x (the `emulate` path's x_hat in
     codes): `codes` and `scale` (contract.ACT_CODES_LAYOUT), {} for a bf16 linear."""
-    from ..quant import quantize_activation_nvfp4, quantize_mxfp8
+    from ..weights.quant import quantize_activation_nvfp4, quantize_mxfp8
 
     if fmt == NVFP4:
         codes, scale = quantize_activation_nvfp4(x, input_scale if input_scale is not None else 1.0)
@@ -112,7 +112,7 @@ def linear_operands(ck: Checkpoint, prefix: str, key: str) -> tuple[dict[str, to
 
 def decode_operand(t: dict[str, torch.Tensor], key: str, fmt: str, dtype: torch.dtype) -> torch.Tensor:
     """The weight of packed operand `key` decoded exactly to fp32, then cast to `dtype` (the loader's rule)."""
-    from ..quant import dequant_mxfp8, dequant_nvfp4
+    from ..weights.quant import dequant_mxfp8, dequant_nvfp4
 
     if fmt == NVFP4:
         w = dequant_nvfp4(t[f"{key}.weight"], t[f"{key}.weight_scale"], t[f"{key}.weight_scale_2"], name=key)
@@ -156,7 +156,7 @@ def decode_fused(t: dict[str, torch.Tensor], key: str, fmt: str, dtype: torch.dt
 def quantized_input(x: torch.Tensor, fmt: str, t: dict[str, torch.Tensor], key: str, emulate: bool) -> torch.Tensor:
     """The GEMM input of the linear `key` of format `fmt`: x fake-quantized as W4A4 / W8A8 kernels do with
     `emulate` (`linear.emulate_activation_quant`, NVFP4 with the stored input_scale), else x."""
-    from ..linear import emulate_activation_quant
+    from ..model.linear import emulate_activation_quant
 
     if not emulate or fmt == DENSE:
         return x

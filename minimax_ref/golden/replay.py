@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import DENSE, NVFP4
 from ..errors import InputError
+from ..weights.checkpoint import DENSE, NVFP4
 from .bundle import entry_tensors, read_bundle_manifest
 from .contract import error_sizes, same
 from .fp64 import fp64_outputs
@@ -21,9 +21,9 @@ def replay_linear(t: dict, key: str, fmt: str, x: torch.Tensor, dtype: torch.dty
 
 
 def replay_moe(t: dict, p: dict, dtype: torch.dtype, emulate: bool) -> torch.Tensor:
-    from ..linear import set_activation_formats
-    from ..mlp import MLP
-    from ..moe import Experts, Routing, route
+    from ..model.linear import set_activation_formats
+    from ..model.mlp import MLP
+    from ..model.moe import Experts, Routing, route
 
     x = t["x"]
     H = x.shape[-1]
@@ -94,8 +94,8 @@ def _code_checks(t: dict, inputs: dict[str, str], fmt: str) -> list[Check]:
 
 
 def _replay_outputs(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool, kv_scale: float) -> list[Check]:
-    from ..moe import route
-    from ..norm import gemma_rms_norm
+    from ..model.moe import route
+    from ..model.norm import gemma_rms_norm
 
     checks: list[Check] = []
     if op == "rmsnorm":
@@ -130,8 +130,8 @@ def _replay_outputs(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool
 def _replay_attention(t: dict, p: dict, op: str, dtype: torch.dtype, kv_scale: float, ref: dict, tag: str,
                       rows: torch.Tensor | None = None) -> list[Check]:
     """Recompute `op` from the inputs in `t`; compare with `ref` (only query rows `rows` [B, T] when given)."""
-    from ..attention import causal_attention
-    from ..msa import gather_block_attention, index_scores, select_blocks
+    from ..model.attention import causal_attention
+    from ..model.msa import gather_block_attention, index_scores, select_blocks
 
     def cmp(name: str, got: torch.Tensor, want: torch.Tensor, dims: int) -> Check:
         if rows is None or got.shape != want.shape:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import MXFP8, NVFP4
 from ..errors import InputError
+from ..weights.checkpoint import MXFP8, NVFP4
 from .bundle import write_bundle
 from .contract import FORMAT, TOLERANCE_RULE, contract, producer
 from .operands import Entry, block_table, put_activation_codes, put_fused, to_pages
@@ -27,8 +27,8 @@ _RMS_E2M1 = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0
 
 def release_text():
     """The release's text config (widths and attention geometry of single-op bundles)."""
-    from ..config import parse_model_config
-    from ..synth import build_config
+    from ..model.config import parse_model_config
+    from ..weights.synth import build_config
 
     return parse_model_config(build_config("release", "nvfp4"), where="release preset").text
 
@@ -116,7 +116,7 @@ def linear_entry(op: str, M: int, N: int, K: int, dtype: torch.dtype, seed: int,
 
 
 def router_entry(T: int, E: int, H: int, top_k: int, dtype: torch.dtype, seed: int, edge: str | None) -> Entry:
-    from ..moe import route
+    from ..model.moe import route
 
     if top_k > E:
         raise InputError(f"--shape: E={E} experts is fewer than the release's top_k={top_k}")
@@ -166,7 +166,7 @@ def moe_entry(T: int, E: int, H: int, I: int, dtype: torch.dtype, seed: int, edg
     e.params.update({"top_k": top_k, "scaling": text.routed_scaling_factor, "alpha": text.swiglu_alpha,
                      "limit": text.swiglu_limit, "num_experts": E, "used_experts": list(range(E)),
                      "formats": formats, "shared_expert": False, "shape": {"T": T, "E": E, "H": H, "I": I}})
-    from ..moe import route
+    from ..model.moe import route
 
     r = route(x, w, bias, top_k)
     flat = r.expert_ids.reshape(-1)
@@ -179,7 +179,7 @@ def moe_entry(T: int, E: int, H: int, I: int, dtype: torch.dtype, seed: int, edg
 
 
 def msa_entries(C: int, B: int, dtype: torch.dtype, seed: int, page: int | None) -> list[Entry]:
-    from ..msa import gather_block_attention, index_scores, select_blocks
+    from ..model.msa import gather_block_attention, index_scores, select_blocks
 
     text = release_text()
     sp = text.sparse

@@ -1,0 +1,253 @@
+"""Generation front end: text, chat and image prompts in; decoded, parsed results out.
+
+`generate(model, tok, prompts, ...)` encodes each prompt (`encode_prompt`: token ids as given, raw
+text, or a chat with the chat template), embeds its images once (`multimodal.py`), runs the plain
+loop (`decoding.generate_ids`) or, given a drafter, the speculative one (`speculative.py`), then
+decodes each output and splits it into reasoning, content and tool calls (`chat.parse_output`).
+The layers below: `sampling.py` (the sampling distribution and seeded draws), `decoding.py` (checked
+arguments, the decode state both loops share, the plain loop), `drafter.py` and `speculative.py`.
+
+Stop tokens come from `generation_config.json` (`eos_token_id`), else the tokenizer's end-of-turn;
+they end a sequence and are not part of its text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ConfigError, InputError
+from ..model.vision import tokens_per_image
+from .chat import parse_output
+from .decoding import PREFILL_CHUNK, GenerationStats, Sequence_, generate_ids, stop_id_set
+from .drafter import resolve_drafter
+from .multimodal import (
+    ImageTokenIds,
+    embed_with_images,
+    expand_image_markers,
+    has_image_markers,
+    load_prompt_images,
+    place_images_first,
+)
+from .sampling import SamplingParams, filtered_probs, sample
+from .speculative import speculative_generate_ids
+
+if TYPE_CHECKING:
+    from ..model.decoder import MiniMaxM3
+
+
+def _type(x: object) -> str:
+    return type(x).__name__
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def read_stop_ids(ckpt_dir: str | Path | None, fallback: Sequence[int] = ()) -> list[int]:
+    """Stop token ids from `generation_config.json` (`eos_token_id`, int or list), else `fallback`."""
+    if ckpt_dir is not None:
+        p = Path(ckpt_dir) / "generation_config.json"
+        if p.is_file():
+            try:
+                eos = json.loads(p.read_text()).get("eos_token_id")
+            except json.JSONDecodeError as e:
+                raise InputError(f"{p}: not valid JSON ({e})") from None
+            if eos is not None:
+                ids = eos if isinstance(eos, list) else [eos]
+                if not all(_is_int(e) for e in ids):
+                    raise ConfigError(f"{p}: eos_token_id={eos!r}: must be a token id or a list of token ids")
+                return list(ids)
+    return list(fallback)
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's outcome, as `--output-format json` prints it."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    reasoning: str | None
+    content: str
+    tool_calls: list[dict]
+    finish_reason: str
+    stats: dict
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids, "text": self.text,
+                "reasoning": self.reasoning, "content": self.content, "tool_calls": self.tool_calls,
+                "finish_reason": self.finish_reason, "errors": self.errors, "stats": self.stats}
+
+
+def encode_prompt(tok, prompt, *, chat: bool = False, tools=None, thinking: str = "adaptive",
+                  system: str | None = None, image_tokens: Sequence[int] | None = None,
+                  where: str = "prompt") -> list[int]:
+    """Token ids of one prompt: a list of ids (used as is), a raw string (encoded exactly as the
+    tokenizer files say), or with `chat` a string (one user turn) or a list of messages.
+
+    image_tokens: when given, the language-model tokens of each of the prompt's images, in order
+    (`vision.tokens_per_image`; [] for none). The prompt must then hold one image marker per image,
+    or none, and then the markers are placed before its text (with `chat`, at the start of the last
+    user turn); each marker is expanded to `<start of image>` + N x `<image>` + `<end of image>`
+    (`multimodal.expand_image_markers`, which also accepts token ids already expanded). A token-id
+    prompt without images is used as is. None (the default) leaves image tokens as they are.
+    Raises InputError naming `where` when markers and images do not match.
+    """
+    token_ids = isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt)
+    if chat and isinstance(prompt, (list, tuple)) and not token_ids:
+        bad = next((i for i, m in enumerate(prompt) if not isinstance(m, Mapping)), None)
+        if bad is not None:
+            raise InputError(f"{where}: a chat prompt is a string, token ids or a list of messages (dicts); "
+                             f"item {bad} is {_type(prompt[bad])}")
+    if token_ids:
+        ids = list(prompt)
+    else:
+        if image_tokens and isinstance(prompt, (str, list, tuple)) and not has_image_markers(prompt):
+            prompt = place_images_first(prompt, len(image_tokens))
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if system is not None and not any(m.get("role") == "system" for m in messages):
+                messages = [{"role": "system", "content": system}, *messages]
+            ids = tok.apply_chat_template(messages, tools=tools, thinking=thinking,
+                                          add_generation_prompt=True)
+        elif not isinstance(prompt, str):
+            raise InputError(f"{where} must be a string or a list of token ids (integers) without chat, got "
+                             f"{_type(prompt)}" + (" of messages: add chat=True" if isinstance(prompt, (list, tuple))
+                                                   and any(isinstance(m, Mapping) for m in prompt) else ""))
+        else:
+            ids = tok.encode(prompt)
+    # Without images, token ids stay as given and a tokenizer without image tokens has no markers.
+    if image_tokens is None or (not image_tokens and (token_ids or tok.special_ids.image is None)):
+        return ids
+    return expand_image_markers(ids, image_tokens, ImageTokenIds.from_tokenizer(tok), where)
+
+
+def text_prompts(prompts: Any, chat: bool) -> list[Any]:
+    """`generate`'s `prompts` as a list: a string is one prompt; otherwise a list or tuple of prompts,
+    each a string, a list of token ids, or (with `chat`) a list of messages. One flat list of token ids
+    or of messages, and anything else, is an InputError saying how to pass it."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)):
+        raise InputError("prompts: got bytes; pass text as str (decode it first)")
+    if not isinstance(prompts, (list, tuple)):
+        raise InputError(f"prompts: expected a string or a list of prompts, got {_type(prompts)}")
+    if prompts and all(_is_int(p) for p in prompts):
+        raise InputError("prompts: got one flat list of token ids; pass a list of prompts: [ids]")
+    if prompts and all(isinstance(p, Mapping) for p in prompts):
+        raise InputError("prompts: got one flat list of chat messages; pass a list of conversations: [messages]"
+                         + ("" if chat else " (with chat=True)"))
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (str, list, tuple)):
+            what = "a string, a list of token ids" + (" or a list of messages" if chat else "")
+            raise InputError(f"prompts[{i}]: expected {what}, got {_type(p)}")
+    return list(prompts)
+
+
+def _check_images(images: Any, n_prompts: int) -> None:
+    """`images` is None or one entry per prompt (a list or tuple); the entries are checked where loaded."""
+    if images is None:
+        return
+    if not isinstance(images, (list, tuple)):
+        raise InputError(f"images: give a list with one entry per prompt (each a list of images, or None), "
+                         f"got {_type(images)}; for one prompt with one image: images=[[image]]")
+    bare = next((i for i, e in enumerate(images) if isinstance(e, torch.Tensor)), None)
+    if bare is not None:
+        raise InputError(f"images[{bare}] is a tensor; preprocessed images of a prompt are one "
+                         "(pixel_values, image_grid_thw) pair: images=[(pixel_values, image_grid_thw)]")
+    if len(images) != n_prompts:
+        raise InputError(f"images: give one entry per prompt (a list of images, or None), got {len(images)} "
+                         f"entries for {n_prompts} prompts; several images of one prompt go in one entry: "
+                         "images=[[a, b]]")
+
+
+def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *, max_new_tokens: int = 128, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = False, tools=None,
+             thinking: str = "adaptive", system: str | None = None, stop_ids: Sequence[int] | int | None = None,
+             draft=None, num_speculative_tokens: int | None = None,
+             on_text: Callable[[int, str], None] | None = None,
+             images: Sequence | None = None) -> list[GenerationResult]:
+    """Generate for several prompts: a list of strings, token-id lists, or with `chat` message lists.
+    A single string is one prompt (the result is then a one-element list).
+
+    Returns one `GenerationResult` per prompt, in order, with the reasoning/content split and parsed
+    tool calls (spec `chat.md`). `on_text(row, text)` streams decoded text as it becomes complete.
+    stop_ids: a token id or a list of them (default: `generation_config.json`, else the tokenizer's
+    end-of-turn ids).
+    images: one entry per prompt (None for a prompt without images): a list of image file paths or
+    PIL images (a single one alone also works), or preprocessed `(pixel_values, image_grid_thw)`;
+    chat messages may carry image parts instead. At most `model.runtime.max_images_per_prompt`
+    per prompt. Prompt assembly and the accepted forms: `minimax_ref.generation.multimodal`.
+    draft: speculative decoding (`speculative.py`): a loaded `drafter.DSparkDrafter`
+    (`drafter.load_drafter`), "dspark" to load the checkpoint's own `dspark/` folder on each call, or a
+    drafter folder. num_speculative_tokens: drafts verified per step (default: the drafter's block
+    size). Greedy output is identical to `draft=None`; sampled output has the same distribution.
+    The stats then include `mean_accepted_length` and `acceptance_rate_per_position`.
+    Arguments of the wrong type or value raise InputError naming the argument.
+    """
+    prompts = text_prompts(prompts, chat)
+    _check_images(images, len(prompts))
+    if draft is None and num_speculative_tokens is not None:
+        raise InputError("num_speculative_tokens needs a drafter (draft=...)")
+    drafter = None if draft is None else resolve_drafter(model, draft)
+    sampling = SamplingParams(temperature, top_p, top_k)
+    stop = stop_id_set(read_stop_ids(getattr(model, "ckpt_path", None), tok.eos_token_ids)
+                       if stop_ids is None else stop_ids)
+    ids: list[list[int]] = []
+    embeds: list[torch.Tensor | None] = []
+    for i, p in enumerate(prompts):
+        where = f"prompt {i}"
+        pixels = load_prompt_images(model, None if images is None else images[i], p, chat=chat, where=where)
+        counts = [] if pixels is None else tokens_per_image(pixels[1], model.config.vision.spatial_merge_size)
+        if pixels is not None and tok.special_ids.image != model.config.image_token_id:
+            raise ConfigError(f"the tokenizer's image token id {tok.special_ids.image} differs from "
+                              f"config.json image_token_index={model.config.image_token_id}")
+        ids.append(encode_prompt(tok, p, chat=chat, tools=tools, thinking=thinking, system=system,
+                                 image_tokens=counts, where=where))
+        # The vision tower runs once per prompt, here; decoding only ever sees text embeddings.
+        embeds.append(None if pixels is None else embed_with_images(model, ids[-1], *pixels))
+    decoders = [tok.stream_decoder() for _ in ids]
+
+    def on_token(row: int, token: int) -> None:
+        if token in stop:  # the end-of-turn token ends the text; it is not part of it
+            return
+        piece = decoders[row].push(token)
+        if piece and on_text:
+            on_text(row, piece)
+
+    run_kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop,
+                                  on_token=on_token if on_text else None,
+                                  inputs_embeds=embeds if any(e is not None for e in embeds) else None)
+    if drafter is None:
+        seqs, stats = generate_ids(model, ids, **run_kw)
+    else:
+        seqs, stats = speculative_generate_ids(model, drafter, ids, num_speculative_tokens=num_speculative_tokens,
+                                               **run_kw)
+    results = []
+    think_start = tok.special_ids.think_start
+    for row, (prompt_ids, s, dec) in enumerate(zip(ids, seqs, decoders, strict=True)):
+        if on_text:
+            rest = dec.finish()
+            if rest:
+                on_text(row, rest)
+        body = [t for t in s.generated if t not in stop]
+        text = tok.decode(body)
+        # a prompt that ends inside <mm:think> (thinking enabled) generates reasoning first
+        started = think_start is not None and len(prompt_ids) > 0 and prompt_ids[-1] == think_start
+        parsed = parse_output(text, tools, reasoning_started=started)
+        results.append(GenerationResult(prompt_ids, s.generated, text, parsed["reasoning"], parsed["content"],
+                                        parsed["tool_calls"], s.finish_reason, stats.as_dict(),
+                                        parsed["errors"]))
+    return results
+
+
+# Re-exported for the callers that import them from here: the sampling layer and the plain loop.
+__all__ = ["PREFILL_CHUNK", "GenerationResult", "GenerationStats", "SamplingParams", "Sequence_", "encode_prompt",
+           "filtered_probs", "generate", "generate_ids", "read_stop_ids", "sample", "text_prompts"]

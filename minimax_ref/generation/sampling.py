@@ -1,0 +1,105 @@
+"""Sampling: the filtered distribution of a logit row and seeded draws from it.
+
+Contract (`SamplingParams`, `filtered_probs`, `sample`): logits are fp32; temperature 0 is greedy
+(argmax, ties to the lowest id); otherwise logits / temperature, then top-k (keep the k largest;
+0 = off), then top-p (keep the smallest set of most likely tokens whose probability reaches top_p,
+always at least one; 1.0 = off), then one draw with `torch.multinomial` from an explicit
+`torch.Generator`. The same seed gives the same tokens. Speculative decoding draws its drafts and
+checks them against the target with these same distributions, and draws its emitted token by
+inverse CDF (`sample_inverse_cdf`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature >= 0 (0 = greedy), top_p in (0, 1] (1 = off), top_k >= 0 (0 = off)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InputError(f"temperature={self.temperature!r}: must be a number >= 0 (0 = greedy)")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"top_p={self.top_p!r}: must be a number in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InputError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution [..., V] fp32 of `logits` [..., V] after temperature, top-k and top-p.
+
+    Greedy parameters give a one-hot distribution on the argmax. Sampling, the drafter's drafts and
+    speculative verification all use this function, so they see the same distribution.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    z = logits / params.temperature
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = torch.topk(z, params.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = torch.softmax(z, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of `probs` [B, V] -> LongTensor [B] on probs' device.
+
+    `torch.multinomial` runs on the generator's device (a CPU generator gets a CPU copy of probs), so
+    a seed gives the same tokens whatever device the model is on.
+    """
+    on_cpu = generator is not None and generator.device.type == "cpu"
+    out = torch.multinomial(probs.cpu() if on_cpu else probs, 1, generator=generator)
+    return out.squeeze(-1).to(probs.device)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of `logits` [B, V] -> LongTensor [B]: the argmax when greedy (no draw from
+    the generator), else `draw(filtered_probs(logits, params), generator)`."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return draw(filtered_probs(logits, params), generator)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: float | torch.Tensor) -> int:
+    """The token i whose interval [cdf[i-1], cdf[i]) of the cumulative distribution contains u.
+
+    probs: [V] non-negative, meant to sum to 1 (no normalisation happens here); u in [0, 1).
+    The cumulative sum is taken in fp64; tokens of probability 0 are never returned. If u is at or
+    past the total mass (rounding), the last token of positive probability is returned.
+    """
+    p = probs.double()
+    cdf = p.cumsum(0)
+    i = int(torch.searchsorted(cdf, torch.tensor([float(u)], dtype=torch.float64, device=cdf.device), right=True))
+    if i >= p.numel():
+        i = int(p.nonzero().max())
+    return i
+
+
+__all__ = ["SamplingParams", "draw", "filtered_probs", "sample", "sample_inverse_cdf"]

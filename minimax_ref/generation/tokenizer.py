@@ -1,0 +1,564 @@
+"""Tokenizer of a checkpoint folder, streaming detokenisation and the project's small test tokenizer.
+
+`load_tokenizer(path)` reads `tokenizer.json` with the `tokenizers` library (or, when a folder ships
+only `tokenizer.model`, sentencepiece), plus `tokenizer_config.json`, `generation_config.json`,
+`chat_template.jinja` and `dspark/config.json` when present. Special-token ids are looked up by their
+texts (spec `chat.md`) in those files; no id is written in this module.
+
+`write_test_tokenizer(out_dir, vocab_size)` writes a small byte-level BPE tokenizer with the release's
+special tokens at the top ids, in the release's file layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, InputError
+from . import chat
+
+#: Special tokens by attribute name, in the order they take the top ids in the test tokenizer (the
+#: release's relative order). `<tool_call>`/`</tool_call>` are ordinary text, not special tokens.
+SPECIAL_TOKEN_TEXTS: dict[str, str] = {
+    "turn_start": chat.TURN_START,
+    "turn_end": chat.TURN_END,
+    "image": chat.IMAGE,
+    "video": chat.VIDEO,
+    "image_start": chat.IMAGE_START,
+    "image_end": chat.IMAGE_END,
+    "bod": chat.BOD,
+    "dspark_noise": chat.DSPARK_NOISE,
+    "think_start": chat.THINK_START,
+    "think_end": chat.THINK_END,
+    "namespace": chat.NS,
+}
+
+#: The smallest vocabulary `write_test_tokenizer` accepts: the 256 byte tokens, the special tokens
+#: and a few merges.
+MIN_TEST_VOCAB = 256 + len(SPECIAL_TOKEN_TEXTS) + 64
+# Above this many BPE tokens, training takes too long for tests; the rest are unused filler tokens.
+_MAX_TRAINED_BPE = 8192
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Ids of the special tokens (None where the tokenizer lacks the token)."""
+
+    bod: int | None = None
+    turn_start: int | None = None
+    turn_end: int | None = None
+    image: int | None = None
+    video: int | None = None
+    image_start: int | None = None
+    image_end: int | None = None
+    think_start: int | None = None
+    think_end: int | None = None
+    namespace: int | None = None
+    dspark_noise: int | None = None
+
+    def as_dict(self) -> dict[str, int | None]:
+        return asdict(self)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read JSON ({e})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends
+# ----------------------------------------------------------------------------------------------
+class _TokenizersBackend:
+    def __init__(self, path: Path):
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the library raises plain Exception subclasses for bad files
+            raise CheckpointError(f"{path}: not a valid tokenizers file ({e})") from None
+        # A special token that sits in the plain vocabulary would be split by BPE when it appears in
+        # rendered text; registering it as an added token keeps its id and makes it atomic.
+        for text in SPECIAL_TOKEN_TEXTS.values():
+            tid = self.tok.token_to_id(text)
+            if tid is not None and self.tok.encode(text, add_special_tokens=False).ids != [tid]:
+                self.tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, text: str) -> int | None:
+        return self.tok.token_to_id(text)
+
+    def id_to_token(self, tid: int) -> str | None:
+        return self.tok.id_to_token(tid)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class _SentencePieceBackend:
+    """sentencepiece model plus the added tokens of tokenizer_config.json (split out before encoding)."""
+
+    def __init__(self, path: Path, config: Mapping[str, Any]):
+        try:
+            import sentencepiece as spm
+        except ImportError as e:  # pragma: no cover
+            raise CheckpointError(f"{path}: reading tokenizer.model needs sentencepiece") from e
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as e:
+            raise CheckpointError(f"{path}: not a valid sentencepiece model ({e})") from None
+        self.base = self.sp.get_piece_size()
+        self.added: dict[str, int] = {}
+        self.special_ids: set[int] = set()
+        decoder = config.get("added_tokens_decoder") or {}
+        for key, entry in decoder.items():
+            if isinstance(entry, Mapping) and isinstance(entry.get("content"), str) and str(key).isdigit():
+                self.added[entry["content"]] = int(key)
+                if entry.get("special", True):
+                    self.special_ids.add(int(key))
+        for text in SPECIAL_TOKEN_TEXTS.values():
+            tid = self.sp.piece_to_id(text)
+            if text not in self.added and self.sp.id_to_piece(tid) == text:
+                self.added[text] = tid
+                self.special_ids.add(tid)
+        self.by_id = {v: k for k, v in self.added.items()}
+        self.split_re = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.added, key=len,
+                                                                                 reverse=True)) + ")") \
+            if self.added else None
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self.add_eos = bool(config.get("add_eos_token", False))
+
+    @property
+    def vocab_size(self) -> int:
+        return max([self.base, *(i + 1 for i in self.added.values())])
+
+    def token_to_id(self, text: str) -> int | None:
+        if text in self.added:
+            return self.added[text]
+        tid = self.sp.piece_to_id(text)
+        return tid if self.sp.id_to_piece(tid) == text else None
+
+    def id_to_token(self, tid: int) -> str | None:
+        if tid in self.by_id:
+            return self.by_id[tid]
+        return self.sp.id_to_piece(tid) if 0 <= tid < self.base else None
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = []
+        chunks = self.split_re.split(text) if self.split_re else [text]
+        for i, chunk in enumerate(chunks):
+            if i % 2:
+                ids.append(self.added[chunk])
+            elif chunk:
+                ids += self.sp.encode(chunk, out_type=int)
+        if add_special_tokens:
+            if self.add_bos and self.sp.bos_id() >= 0:
+                ids.insert(0, self.sp.bos_id())
+            if self.add_eos and self.sp.eos_id() >= 0:
+                ids.append(self.sp.eos_id())
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        out, run = [], []
+        for tid in ids:
+            if tid in self.by_id:
+                if run:
+                    out.append(self.sp.decode(run))
+                    run = []
+                if not (skip_special_tokens and tid in self.special_ids):
+                    out.append(self.by_id[tid])
+            elif not (skip_special_tokens and self.sp.is_control(tid)):
+                run.append(tid)
+        if run:
+            out.append(self.sp.decode(run))
+        return "".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+class Tokenizer:
+    """A checkpoint's tokenizer: encode/decode, special-token ids, EOS ids and chat rendering.
+
+    Build it with `load_tokenizer`. Attributes: `vocab_size` (with added tokens), `special_ids`
+    (`SpecialTokens`), `eos_token_ids` (tuple), `chat_template` (jinja2 source or None),
+    `chat_template_origin` (where it came from), `path` (the folder).
+    """
+
+    def __init__(self, backend: Any, *, path: Path, special_ids: SpecialTokens,
+                 eos_token_ids: tuple[int, ...], chat_template: str | None, chat_template_origin: str | None,
+                 template_tokens: Mapping[str, str] | None = None):
+        self._backend = backend
+        # Special-token texts from tokenizer_config.json, given to the jinja2 template as transformers does.
+        self.template_tokens = dict(template_tokens or {})
+        self.path = path
+        self.special_ids = special_ids
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self.chat_template_origin = chat_template_origin
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.vocab_size
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+    def token_to_id(self, text: str) -> int | None:
+        """The id of a single token's text, or None."""
+        return self._backend.token_to_id(text)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The text of a token id (byte-level form for BPE tokens), or None."""
+        return self._backend.id_to_token(int(token_id))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special-token texts in `text` become their ids; with
+        `add_special_tokens` the tokenizer files' post-processor decides any BOS/EOS."""
+        if not isinstance(text, str):
+            raise InputError(f"encode: expected a string, got {type(text).__name__}")
+        return list(self._backend.encode(text, add_special_tokens))
+
+    def _check_ids(self, ids: Iterable[Any]) -> list[int]:
+        out = []
+        vocab = self.vocab_size
+        for i, tid in enumerate(ids):
+            try:
+                value = int(tid)
+            except (TypeError, ValueError):
+                raise InputError(f"decode: token {i} is {tid!r}, not an integer id") from None
+            if not 0 <= value < vocab:
+                raise InputError(f"decode: token {i} has id {value}, outside the vocabulary [0, {vocab})")
+            out.append(value)
+        return out
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids; incomplete UTF-8 decodes to U+FFFD. Raises InputError for bad ids."""
+        return self._backend.decode(self._check_ids(ids), skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        """A `StreamDecoder` for this tokenizer."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        thinking: str = "adaptive",
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+    ) -> list[int] | str:
+        """Render a conversation (spec `chat.md`) and, with `tokenize`, encode it.
+
+        Uses the checkpoint's jinja2 template when it has one, else `chat.render_chat`. The rendered
+        text carries its own `]~!b[`, so it is encoded without the post-processor's special tokens.
+        """
+        if self.chat_template is not None and _have_jinja2():
+            text = chat.render_chat_template(
+                self.chat_template, messages, tools, thinking, add_generation_prompt,
+                origin=self.chat_template_origin or "chat template",
+                extra_variables=self.template_tokens,
+            )
+        else:
+            text = chat.render_chat(messages, tools, thinking, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+@functools.lru_cache(maxsize=1)
+def _have_jinja2() -> bool:
+    try:
+        import jinja2  # noqa: F401
+    except ImportError:
+        warnings.warn("jinja2 is not installed: rendering chats with the built-in renderer instead of the "
+                      "checkpoint's chat template (pip install 'minimax-ref[chat]')", stacklevel=3)
+        return False
+    return True
+
+
+class StreamDecoder:
+    """Incremental detokenisation: `push(ids)` returns the new text that is complete UTF-8.
+
+    Text is held back while it ends in an incomplete character (U+FFFD); `finish()` returns what is
+    left. The pieces joined equal `tokenizer.decode(all ids)` for byte-level tokenizers.
+    """
+
+    # Re-anchoring keeps each decode short; the kept tokens give sentencepiece its leading-space context.
+    _WINDOW = 32
+    _CONTEXT = 4
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._start = 0
+        self._emitted = 0  # characters of decode(ids[start:]) already returned
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    def push(self, token_ids: int | Iterable[int]) -> str:
+        """Add one id or several; return the text that became complete."""
+        try:
+            new = list(token_ids)  # type: ignore[arg-type]
+        except TypeError:  # one id (int, numpy or 0-d tensor scalar)
+            new = [token_ids]
+        self._ids += self._tok._check_ids(new)
+        text = self._tok.decode(self._ids[self._start:], self._skip)
+        stable = len(text.rstrip("\ufffd"))
+        out = text[self._emitted:stable] if stable > self._emitted else ""
+        self._emitted = max(self._emitted, stable)
+        if stable == len(text) and len(self._ids) - self._start > self._WINDOW:
+            self._start = len(self._ids) - self._CONTEXT
+            self._emitted = len(self._tok.decode(self._ids[self._start:], self._skip))
+        return out
+
+    def finish(self) -> str:
+        """The rest of the text, incomplete characters included (as U+FFFD)."""
+        text = self._tok.decode(self._ids[self._start:], self._skip)
+        out = text[self._emitted:]
+        self._emitted = len(text)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _check_id(value: Any, vocab: int, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+        raise CheckpointError(f"{where}: token id {value!r} is not an integer in [0, {vocab})")
+    return value
+
+
+def _chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    jinja_path = folder / "chat_template.jinja"
+    if jinja_path.is_file():
+        try:
+            return jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{jinja_path}: cannot read ({e})") from None
+    template = config.get("chat_template")
+    where = f"{folder / 'tokenizer_config.json'}: chat_template"
+    if template is None:
+        return None, None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default", next(iter(named.values()), None))
+    if not isinstance(template, str):
+        raise CheckpointError(f"{where}: expected a template string (or a list of named templates)")
+    return template, where
+
+
+def _dspark_noise_id(folder: Path, vocab: int) -> int | None:
+    path = folder / "dspark" / "config.json"
+    if not path.is_file():
+        return None
+    cfg = _read_json(path)
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), Mapping) else {}
+    value = text_cfg.get("dspark_noise_token_id", cfg.get("dspark_noise_token_id"))
+    return None if value is None else _check_id(value, vocab, f"{path}: dspark_noise_token_id")
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Load the tokenizer of a checkpoint folder (or of the folder holding the given file); None: the embedded
+    default checkpoint's (`embedded.default_checkpoint`, what `load_model(None)` loads).
+
+    Reads `tokenizer.json` (else `tokenizer.model`), `tokenizer_config.json`, and when present
+    `generation_config.json`, `chat_template.jinja` and `dspark/config.json`. `eos_token_ids` are
+    generation_config's `eos_token_id`, then tokenizer_config's `eos_token`, then the turn-end token
+    (each once). Raises CheckpointError naming the file for missing or bad files.
+    """
+    if path is None:
+        from ..weights.embedded import default_checkpoint
+
+        path = default_checkpoint()
+    if not isinstance(path, (str, Path)):
+        raise InputError(f"load_tokenizer: path must be a folder (str or Path) or None, got {type(path).__name__}")
+    folder = Path(path)
+    if folder.is_file():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: tokenizer folder not found")
+    config_path = folder / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
+    if not isinstance(config, Mapping):
+        raise CheckpointError(f"{config_path}: expected a JSON object")
+    if (folder / "tokenizer.json").is_file():
+        backend: Any = _TokenizersBackend(folder / "tokenizer.json")
+    elif (folder / "tokenizer.model").is_file():
+        backend = _SentencePieceBackend(folder / "tokenizer.model", config)
+    else:
+        raise CheckpointError(f"{folder}: no tokenizer.json (or sentencepiece tokenizer.model) found")
+    vocab = backend.vocab_size
+
+    decoder = config.get("added_tokens_decoder") or {}
+    from_config = {e["content"]: int(k) for k, e in decoder.items()
+                   if isinstance(e, Mapping) and isinstance(e.get("content"), str) and str(k).isdigit()}
+    ids: dict[str, int | None] = {}
+    for name, text in SPECIAL_TOKEN_TEXTS.items():
+        tid = backend.token_to_id(text)
+        if tid is None and text in from_config:
+            tid = _check_id(from_config[text], vocab, f"{config_path}: added_tokens_decoder[{text!r}]")
+        ids[name] = tid
+    noise = _dspark_noise_id(folder, vocab)
+    if noise is not None:
+        ids["dspark_noise"] = noise
+    special = SpecialTokens(**ids)
+
+    eos: list[int] = []
+    gen_path = folder / "generation_config.json"
+    if gen_path.is_file():
+        gen = _read_json(gen_path)
+        value = gen.get("eos_token_id") if isinstance(gen, Mapping) else None
+        for v in value if isinstance(value, list) else ([] if value is None else [value]):
+            eos.append(_check_id(v, vocab, f"{gen_path}: eos_token_id"))
+    eos_text = _token_text(config.get("eos_token"))
+    if eos_text is not None:
+        tid = backend.token_to_id(eos_text)
+        if tid is None:
+            raise CheckpointError(f"{config_path}: eos_token {eos_text!r} is not a token of the vocabulary")
+        eos.append(tid)
+    if special.turn_end is not None:
+        eos.append(special.turn_end)
+    template, origin = _chat_template(folder, config)
+    template_tokens = {key: text for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+                       if (text := _token_text(config.get(key))) is not None}
+    return Tokenizer(backend, path=folder, special_ids=special, eos_token_ids=tuple(dict.fromkeys(eos)),
+                     chat_template=template, chat_template_origin=origin, template_tokens=template_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# Test tokenizer
+# ----------------------------------------------------------------------------------------------
+_CORPUS = """\
+The tokenizer of a language model turns text into integers and back again. Small models are fast to
+test: every layer is tiny, every matrix fits in a cache line or two, and the whole forward pass takes
+a few milliseconds on a laptop. We travelled from Yaoundé to Genève, then on to Zürich, Kraków,
+São Paulo, Reykjavík and Düsseldorf; the café served crème brûlée, jalapeño soup and a piña colada.
+What is the weather in Lisbon today? It is 21 degrees, sunny, with a light breeze from the north-west.
+Order RD-57931-D6 shipped on 2024-03-17 at 09:45; the invoice total was 1,234.56 EUR (VAT 23%).
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 42 64 99 100 128 256 512 1024 2048 4096 65536 3.14159 2.71828
+def add(x: int, y: int) -> int:
+    return x + y
+
+for i in range(10):
+    if i % 2 == 0:
+        print(f"even {i}")
+    else:
+        print("odd", i)
+
+{"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "units": "metric"}}
+<html><body><p class="note">Hello &amp; welcome!</p></body></html>
+SELECT id, name FROM users WHERE age >= 18 ORDER BY name;
+Please think step by step, then answer. The answer is 4. Let me check the tool result first.
+"""
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzéèàüöç"
+
+
+def _training_corpus(seed: int, n_merges: int) -> list[str]:
+    # Pseudo-words give the trainer enough distinct pairs to reach any merge count we ask for.
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 9)))
+             for _ in range(n_merges // 2 + 100)]
+    lines = _CORPUS.splitlines(keepends=True) * 4
+    lines += [" ".join(words[i:i + 12]) + "\n" for i in range(0, len(words), 12)]
+    return lines
+
+
+def save_trained_tokenizer(tok: Any, out: Path, vocab_size: int) -> dict[str, int]:
+    """Finish a trained byte-level BPE `tokenizers.Tokenizer` the way the release lays its vocabulary
+    out, and write it: BPE ids first (padded with unused `<|reserved_N|>` entries up to
+    `vocab_size - len(SPECIAL_TOKEN_TEXTS)`), then the special tokens at the top ids;
+    `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja` in `out`. Returns the
+    special-token ids by attribute name."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    n_bpe = vocab_size - len(SPECIAL_TOKEN_TEXTS)
+    have = tok.get_vocab_size(with_added_tokens=False)
+    if have < n_bpe:
+        data = json.loads(tok.to_str())
+        vocab = data["model"]["vocab"]
+        for i in range(n_bpe - have):
+            vocab[f"<|reserved_{i}|>"] = have + i
+        tok = HFTokenizer.from_str(json.dumps(data))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in SPECIAL_TOKEN_TEXTS.values()])
+    ids = {name: tok.token_to_id(text) for name, text in SPECIAL_TOKEN_TEXTS.items()}
+    if tok.get_vocab_size(with_added_tokens=True) != vocab_size or min(ids.values()) != n_bpe:
+        raise AssertionError("tokenizer: vocabulary size or special-token ids came out wrong")
+
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    config = {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "added_tokens_decoder": {
+            str(ids[name]): {"content": text, "lstrip": False, "normalized": False, "rstrip": False,
+                             "single_word": False, "special": True}
+            for name, text in SPECIAL_TOKEN_TEXTS.items()
+        },
+        "bos_token": chat.BOD,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": chat.TURN_END,
+        "model_max_length": 1048576,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                               encoding="utf-8")
+    (out / "chat_template.jinja").write_text(chat.CHAT_TEMPLATE, encoding="utf-8")
+    return {name: int(tid) for name, tid in ids.items()}
+
+
+def write_test_tokenizer(out_dir: str | Path, vocab_size: int, *, seed: int = 0) -> dict[str, int]:
+    """Write a byte-level BPE tokenizer of exactly `vocab_size` ids (special tokens included).
+
+    Files: `tokenizer.json`, `tokenizer_config.json` (bos/eos, `added_tokens_decoder`, no template)
+    and `chat_template.jinja` (`chat.CHAT_TEMPLATE`). The special tokens of `SPECIAL_TOKEN_TEXTS`
+    take the top ids in that order; the encoder adds no BOS. Vocabularies above 8192 BPE tokens
+    are filled with unused `<|reserved_N|>` tokens. The same arguments give the same bytes.
+    Returns the special ids by attribute name. Raises ValueError below `MIN_TEST_VOCAB`.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_TEST_VOCAB:
+        raise ValueError(f"vocab_size={vocab_size!r}: the test tokenizer needs at least {MIN_TEST_VOCAB} ids "
+                         f"(256 bytes, {len(SPECIAL_TOKEN_TEXTS)} special tokens and some merges)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_bpe = vocab_size - len(SPECIAL_TOKEN_TEXTS)
+    n_trained = min(n_bpe, _MAX_TRAINED_BPE)
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=n_trained, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, special_tokens=[])
+    tok.train_from_iterator(_training_corpus(seed, n_trained - 256), trainer)
+
+    return save_trained_tokenizer(tok, out, vocab_size)

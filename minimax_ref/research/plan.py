@@ -1,0 +1,671 @@
+"""`minimax-ref plan`: per-card weight memory at tensor parallelism N and the KV-cache pool, from
+`config.json` alone.
+
+Weights. Every tensor of `checkpoint.tensor_table(cfg)` is counted as the engine holds it after loading
+(`loaded_groups`): with `--weights packed` (the default, what a deployment keeps) each NVFP4 / MXFP8 linear in
+its on-disk format, the format `quantization_config` implies (`NVFP4`, `MXFP8`, or unquantized BF16; a
+single-algorithm MXFP8 config means MXFP8 for every linear it does not exclude); with `--weights dequant`
+decoded to `--dtype` (NVFP4 linears keep their fp32 input_scale). BF16 linears and plain tensors are held in
+`--dtype`, norms and the router (gate and selection bias) in FP32. When the shards are present their headers
+give the stored formats (exact dtypes).
+
+| format | bytes of a linear [N, K] |
+|---|---|
+| bf16 | 2 N K |
+| mxfp8 | N K + N K / 32 (E8M0 scales) |
+| nvfp4 | N K / 2 + N K / 16 (E4M3 scales) + 8 (fp32 weight_scale_2 and input_scale) |
+
+Per card at TP = n (spec `checkpoint.md`, "Tensor parallel slicing"): q_proj, o_proj, dense and
+shared MLPs, routed experts (TP slicing; `--expert-parallel` gives each card ceil(E/n) whole experts
+instead), the vocab-parallel embedding and the LM head are divided by n; k_proj, v_proj and
+index_q_proj are divided by min(n, kv_heads) (kv heads, and the index heads that follow them, are
+replicated when n > kv_heads); index_k_proj, norms, router, NVFP4 global scales, vision tower and
+projectors are replicated on every card (`--split-vision` divides the vision tower and projectors
+by n instead, as vLLM shards them). Scales are sliced with their tensors.
+
+KV cache per token and card: `2 * kv_heads_per_card * head_dim` elements (K and V) per layer, plus
+one index key of `index_head_dim` elements per sparse (MSA) layer, replicated on every card (the
+indexer has one key head). Elements are 1 byte with `--kv-cache-dtype fp8`, else the compute dtype
+(2 bytes for bfloat16).
+
+Pool (decided here): `usable = gpu_memory * gpu_memory_utilization - weights_per_card -
+activation_reserve - image_reserve`; `kv_pool_tokens = floor(usable / kv_bytes_per_token)` rounded
+down to whole pages of one MSA block (128 tokens in the release). Defaults: utilization 0.92 (the
+seed's vLLM setting) and an activation reserve of 5.0 GiB per card: the memory the seed's vLLM run
+kept outside weights and KV on a 96 GB card at TP2 (95.59 GiB * 0.92 - 76.17 GiB weights - 6.81 GiB
+KV = 4.96 GiB: activations at the default batched-token budget, sampler, CUDA graphs, NCCL and
+allocator overhead). Images add their encoder-cache bytes (tokens * hidden * 2 per image) to the
+reserve. `max_model_len_fits` is true when one sequence of `--max-model-len` tokens fits the pool
+and the model's position limit, and the image tokens fit in it. `runs` is false, `problems` says why and
+the command exits 1 when the deployment cannot run: the loader's tensor-parallel split rules refuse `--tp`
+(`parallel.tp_split_problems`, one rule set for both), the weights alone exceed the card's budget, or a
+`--max-model-len` sequence does not fit.
+
+Image token budget: one image at `max_pixels` (preprocessor_config.json, default 451,584) becomes
+`max_pixels // (patch_size * merge_size)^2` tokens (576) plus the start/end-of-image tokens.
+
+Offload (`--offload cpu|disk`, one card): the device map an offloaded load uses (offload.py, the same functions).
+Each decoder layer is two units, its layer part and its routed expert stacks; the embedding, final norm, LM head,
+routers and vision tower are always resident (`unit_of`); sizes are GPU bytes (`offload_units`: packed as stored,
+bf16 tensors in the compute dtype, norms and routers in fp32). The budget is `--gpu-memory` itself (no utilization
+factor): resident units + staging buffers + a reserve of `--activation-reserve` plus the KV cache of `--batch`
+sequences of `--max-model-len` tokens. `propose_device_map` keeps every layer part before any expert stack (a layer
+part saves all its bytes per step, an expert stack about k/E of them), in layer order, first fit, after reserving the
+staging buffers. Bytes moved per step at batch B: every streamed layer part plus, per streamed stack,
+`E (1 - (1 - k/E)^B)` experts' bytes (`expected_distinct_experts`); the printed roofline is
+`tok/s = B / (bytes per step / --h2d-gbps)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InputError, MiniMaxRefError
+from ..model.config import ModelConfig, load_model_config
+from ..weights.checkpoint import QuantScheme, tensor_table
+
+GIB = 1 << 30
+DEFAULT_UTILIZATION = 0.92
+DEFAULT_ACTIVATION_RESERVE_GIB = 5.0
+DEFAULT_MAX_PIXELS = 451584
+NVFP4_SCALARS = 8  # weight_scale_2 + input_scale, fp32 each
+_FMT = {"NVFP4": "nvfp4", "MXFP8": "mxfp8", None: "bf16", "any": "mxfp8"}
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """One tensor group (a linear with its scales, or a plain tensor) and how it is split over cards.
+
+    `split` bytes are divided by `divisor` per card; `replicated` bytes sit on every card."""
+
+    name: str
+    family: str
+    fmt: str
+    split: int
+    replicated: int
+    divisor: int
+
+    def per_card(self) -> float:
+        return self.split / self.divisor + self.replicated
+
+
+def linear_bytes(fmt: str, n: int, k: int) -> tuple[int, int]:
+    """(sliceable bytes, replicated scalar bytes) of a linear [n, k] stored in `fmt`."""
+    if fmt == "bf16":
+        return 2 * n * k, 0
+    if fmt == "mxfp8":
+        return n * k + n * k // 32, 0
+    if fmt == "nvfp4":
+        return n * k // 2 + n * k // 16, NVFP4_SCALARS
+    raise InputError(f"unknown format {fmt!r}")
+
+
+def linear_divisor(prefix: str, family: str, tp: int, kv_heads: int, num_experts: int,
+                   expert_parallel: bool) -> float:
+    """How many ways a linear's bytes are divided at TP `tp` (1 = replicated)."""
+    leaf = prefix.rsplit(".", 1)[-1]
+    if family == "routed_expert":
+        # expert parallel: each card holds ceil(E/tp) of the E experts
+        return num_experts / math.ceil(num_experts / tp) if expert_parallel else tp
+    if leaf in ("k_proj", "v_proj", "index_q_proj"):
+        return min(tp, kv_heads)
+    if leaf == "index_k_proj":
+        return 1
+    return tp  # q_proj, o_proj, dense / shared MLPs, lm_head (vocab rows)
+
+
+def tensor_groups(cfg: ModelConfig, tp: int, *, ckpt_dir: Path | None = None, expert_parallel: bool = False,
+                  split_vision: bool = False) -> tuple[list[TensorBytes], str]:
+    """Every weight of the model as `TensorBytes`, and where the sizes came from ("config" or
+    "headers": the shards' own headers when `ckpt_dir` holds them)."""
+    t = cfg.text
+    linears, plain = tensor_table(cfg)
+    headers = None
+    if ckpt_dir is not None and (any(ckpt_dir.glob("*.safetensors"))):
+        from ..weights.checkpoint import _nbytes, open_checkpoint
+
+        headers = open_checkpoint(ckpt_dir, strict=False)
+    scheme = QuantScheme(cfg.quantization)
+    out = []
+    for prefix, spec in linears.items():
+        div = linear_divisor(prefix, spec.family, tp, t.num_key_value_heads, t.num_local_experts, expert_parallel)
+        if headers is not None and prefix in headers.formats:
+            f = headers.formats[prefix]
+            fmt = f.fmt
+            split = sum(_nbytes(headers.tensors[n]) for n in (f.weight, f.scale) if n and n in headers.tensors)
+            rep = sum(_nbytes(headers.tensors[n]) for n in (f.scale_2, f.input_scale) if n and n in headers.tensors)
+        else:
+            fmt = _FMT[scheme.expected(prefix)]
+            split, rep = linear_bytes(fmt, spec.out_features, spec.in_features)
+        out.append(TensorBytes(prefix, spec.family, fmt, split, rep, div))
+    for name, spec in plain.items():
+        if headers is not None and name in headers.tensors:
+            info = headers.tensors[name]
+            size, fmt = _nbytes(info), info.dtype.lower()
+        else:
+            elem = 4 if spec.family == "router" else 2
+            size, fmt = math.prod(spec.shape) * elem, ("f32" if elem == 4 else "bf16")
+        if spec.family == "embedding" or (split_vision and spec.family in ("vision", "projector")):
+            out.append(TensorBytes(name, spec.family, fmt, size, 0, tp))  # vocab-parallel rows / vLLM's ViT TP
+        else:
+            out.append(TensorBytes(name, spec.family, fmt, 0, size, 1))
+    return out, ("headers" if headers is not None else "config")
+
+
+WEIGHTS_MODES = ("packed", "dequant")
+
+
+def loaded_groups(cfg: ModelConfig, groups: list[TensorBytes], *, weights: str = "packed",
+                  dtype_bytes: int = 2) -> list[TensorBytes]:
+    """`groups` at their size in the engine's memory rather than on disk: NVFP4 / MXFP8 linears as stored with
+    `weights="packed"`, decoded to the compute dtype (`dtype_bytes` an element, plus NVFP4's fp32 input_scale) with
+    `weights="dequant"`; bf16
+    linears and plain tensors in the compute dtype; norms and routers in fp32 (as the loader keeps them)."""
+    if weights not in WEIGHTS_MODES:
+        raise InputError(f"--weights {weights!r}: choose one of {list(WEIGHTS_MODES)}")
+    linears, plain = tensor_table(cfg)
+    out = []
+    for g in groups:
+        split, rep = g.split, g.replicated
+        if g.name in plain:
+            stored = 4 if g.fmt in ("f32", "float32") else 2
+            scale = 4 if g.family in ("norm", "router") else dtype_bytes
+            split, rep = split // stored * scale, rep // stored * scale
+        elif g.fmt == "bf16" or weights == "dequant":
+            spec = linears[g.name]
+            # a decoded NVFP4 linear keeps its fp32 input_scale (activation-quantization emulation needs it)
+            split, rep = spec.out_features * spec.in_features * dtype_bytes, 4 if g.fmt == "nvfp4" else 0
+        out.append(TensorBytes(g.name, g.family, g.fmt, split, rep, g.divisor))
+    return out
+
+
+def kv_bytes_per_token(cfg: ModelConfig, tp: int, kv_cache_dtype: str, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token occupies on one card (K + V of every layer, index keys of MSA layers)."""
+    t = cfg.text
+    elem = 1 if kv_cache_dtype == "fp8" else dtype_bytes
+    kv_per_card = t.num_key_value_heads // min(tp, t.num_key_value_heads)
+    per_layer = 2 * kv_per_card * t.head_dim * elem
+    index = sum(t.sparse_layers) * t.sparse.index_head_dim * elem
+    return t.num_hidden_layers * per_layer + index
+
+
+def image_tokens_per_image(cfg: ModelConfig, ckpt_dir: Path | None) -> int:
+    """Language-model tokens of one image at the preprocessor's `max_pixels`, brackets included."""
+    if cfg.vision is None:
+        return 0
+    max_pixels = DEFAULT_MAX_PIXELS
+    if ckpt_dir is not None and (ckpt_dir / "preprocessor_config.json").is_file():
+        from ..model.config import read_json
+
+        pre = read_json(ckpt_dir / "preprocessor_config.json", "preprocessor_config.json")
+        size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+        max_pixels = int(pre.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS)
+    factor = cfg.vision.patch_size * cfg.vision.spatial_merge_size
+    return max_pixels // factor**2 + 2
+
+
+def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_len: int,
+                kv_cache_dtype: str = "auto", images: int = 0, utilization: float = DEFAULT_UTILIZATION,
+                activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB, dtype_bytes: int = 2,
+                expert_parallel: bool = False, split_vision: bool = False, ckpt_dir: Path | None = None,
+                weights: str = "packed") -> dict:
+    """The memory plan as a JSON-ready dict (fields described in the module docstring)."""
+    if tp < 1:
+        raise InputError(f"--tp {tp} must be >= 1")
+    if gpu_memory_gib <= 0 or not 0 < utilization <= 1:
+        raise InputError(f"--gpu-memory {gpu_memory_gib} must be > 0 and --gpu-memory-utilization "
+                         f"{utilization} in (0, 1]")
+    if max_model_len < 1 or images < 0 or activation_reserve_gib < 0:
+        raise InputError("--max-model-len must be >= 1, --images and --activation-reserve >= 0")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise InputError(f"--kv-cache-dtype {kv_cache_dtype!r}: choose auto or fp8")
+    t = cfg.text
+    groups, source = tensor_groups(cfg, tp, ckpt_dir=ckpt_dir, expert_parallel=expert_parallel,
+                                   split_vision=split_vision)
+    groups = loaded_groups(cfg, groups, weights=weights, dtype_bytes=dtype_bytes)
+    families: dict[str, dict] = {}
+    for g in groups:
+        f = families.setdefault(g.family, {"formats": set(), "bytes_total": 0, "bytes_per_card": 0.0})
+        f["formats"].add(g.fmt)
+        f["bytes_total"] += g.split + g.replicated
+        f["bytes_per_card"] += g.per_card()
+    for f in families.values():
+        f["formats"] = sorted(f["formats"])
+        f["bytes_per_card"] = int(round(f["bytes_per_card"]))
+    total = sum(f["bytes_total"] for f in families.values())
+    per_card = sum(g.per_card() for g in groups)
+    per_token = kv_bytes_per_token(cfg, tp, kv_cache_dtype, dtype_bytes)
+    img_tokens = image_tokens_per_image(cfg, ckpt_dir)
+    image_budget = images * img_tokens
+    image_reserve = image_budget * t.hidden_size * dtype_bytes
+    budget = gpu_memory_gib * GIB * utilization
+    usable = budget - per_card - activation_reserve_gib * GIB - image_reserve
+    page = t.sparse.block_size if any(t.sparse_layers) else 16
+    pool = max(0, int(usable // per_token) // page * page)
+    need = max_model_len * per_token
+    fits = (usable >= need and max_model_len <= t.max_position_embeddings and image_budget <= max_model_len)
+    problems = run_problems(cfg, groups, tp=tp, expert_parallel=expert_parallel, weights_per_card=per_card,
+                            budget=budget, usable=usable, fits=fits, max_model_len=max_model_len)
+    return {
+        "source": source,
+        "weights": weights,
+        "tp": tp,
+        "expert_parallel": expert_parallel,
+        "split_vision": split_vision,
+        "weights_bytes_total": total,
+        "weights_gib_total": total / GIB,
+        "weights_bytes_per_card": int(round(per_card)),
+        "weights_gib_per_card": per_card / GIB,
+        "families": dict(sorted(families.items())),
+        "gpu_memory_gib": gpu_memory_gib,
+        "gpu_memory_utilization": utilization,
+        "activation_reserve_gib": activation_reserve_gib,
+        "image_reserve_gib": image_reserve / GIB,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_bytes_per_token": per_token,
+        "kv_gib_available": max(0.0, usable) / GIB,
+        "kv_pool_tokens": pool,
+        "kv_pool_gib": pool * per_token / GIB,
+        "kv_page_tokens": page,
+        "max_model_len": max_model_len,
+        "kv_gib_for_max_model_len": need / GIB,
+        "max_model_len_fits": bool(fits),
+        "images": images,
+        "image_tokens_per_image": img_tokens,
+        "image_token_budget": image_budget,
+        "runs": not problems,
+        "problems": problems,
+    }
+
+
+def run_problems(cfg: ModelConfig, groups: list[TensorBytes], *, tp: int, expert_parallel: bool,
+                 weights_per_card: float, budget: float, usable: float, fits: bool, max_model_len: int) -> list[str]:
+    """Why the planned deployment cannot run ([] when it can): the loader's own tensor-parallel split rules
+    (`parallel.tp_split_problems`, with each linear's planned format), weights that exceed the card's budget,
+    and a `max_model_len` sequence that does not fit the KV pool or the position limit."""
+    from ..model.parallel import tp_split_hint, tp_split_problems
+
+    linears, _ = tensor_table(cfg)
+    fmt = {g.name: g.fmt for g in groups}
+    problems = tp_split_problems(cfg, {prefix: (spec, fmt[prefix]) for prefix, spec in linears.items()}, tp,
+                                 expert_parallel)
+    if problems:
+        problems = [f"cannot split over {tp} tensor-parallel ranks ({tp_split_hint(problems, expert_parallel)}): {p}"
+                    for p in problems]
+    if weights_per_card > budget:
+        problems.append(f"weights need {weights_per_card / GIB:.2f} GiB per card, more than the card's "
+                        f"{budget / GIB:.2f} GiB budget (--gpu-memory x --gpu-memory-utilization): use more cards")
+    elif usable <= 0:
+        problems.append(f"weights ({weights_per_card / GIB:.2f} GiB per card) and the activation reserve leave no "
+                        "memory for the KV cache: use more cards or a smaller --activation-reserve")
+    elif not fits:
+        why = (f"exceeds the model's max_position_embeddings={cfg.text.max_position_embeddings}"
+               if max_model_len > cfg.text.max_position_embeddings else "does not fit the KV pool (or its images do not"
+               " fit in it)")
+        problems.append(f"--max-model-len {max_model_len} {why}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser(p: argparse.ArgumentParser) -> None:
+    """Flags of `minimax-ref plan`."""
+    p.add_argument("--ckpt-path", type=Path, required=True, help="checkpoint folder (config.json is enough)")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel cards")
+    p.add_argument("--gpu-memory", type=float, required=True, help="memory of one card in GiB")
+    p.add_argument("--max-model-len", type=int, required=True, help="longest sequence to serve, in tokens")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="auto: the compute dtype; fp8: 1 byte per element (KV and index keys)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="compute dtype: sizes the bf16 tensors, decoded weights, the auto KV cache and activations "
+                        "(default: bfloat16)")
+    p.add_argument("--weights", choices=list(WEIGHTS_MODES), default="packed",
+                   help="as `generate --weights`: packed (NVFP4 / MXFP8 linears as stored, what a deployment keeps; "
+                        "default) or dequant (decoded to --dtype at load)")
+    p.add_argument("--images", type=int, default=0, help="images per prompt (default: 0)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
+                   help=f"fraction of the card to use (default: {DEFAULT_UTILIZATION})")
+    p.add_argument("--activation-reserve", type=float, default=DEFAULT_ACTIVATION_RESERVE_GIB,
+                   help=f"GiB per card kept for activations and runtime (default: {DEFAULT_ACTIVATION_RESERVE_GIB})")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="whole routed experts per card (ceil(E/TP)) instead of TP-sliced experts")
+    p.add_argument("--split-vision", action="store_true",
+                   help="divide the vision tower and projectors over the cards (vLLM) instead of replicating")
+    p.add_argument("--offload", choices=list(OFFLOAD_MODES), default="none",
+                   help="propose the device map of an offloaded run on one card (--tp 1): which layers and expert "
+                        "stacks stay on the GPU within --gpu-memory, and the bytes moved per token (default: none)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="with --offload: sequences decoded together (bytes moved per step at 1 and at this batch, "
+                        "KV cache for this many sequences of --max-model-len) (default: 1)")
+    p.add_argument("--h2d-gbps", type=float, default=DEFAULT_H2D_GBPS,
+                   help=f"with --offload: host-to-device GB/s assumed for the roofline (default: {DEFAULT_H2D_GBPS}, "
+                        "PCIe Gen5 x16 from pinned memory; benchmarks/offload.py measures it)")
+    p.add_argument("--output-format", choices=["text", "json"], default="text")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`minimax-ref plan`: prints the plan (text table, or one JSON object)."""
+    cfg = load_model_config(args.ckpt_path)
+    plan = plan_memory(cfg, tp=args.tp, gpu_memory_gib=args.gpu_memory, max_model_len=args.max_model_len,
+                       kv_cache_dtype=args.kv_cache_dtype, images=args.images,
+                       utilization=args.gpu_memory_utilization, activation_reserve_gib=args.activation_reserve,
+                       dtype_bytes=2 if args.dtype == "bfloat16" else 4, expert_parallel=args.expert_parallel,
+                       split_vision=args.split_vision, ckpt_dir=args.ckpt_path, weights=args.weights)
+    if args.offload != "none":
+        return run_offload(args, cfg, plan)
+    status = 0 if plan["runs"] else 1
+    for problem in plan["problems"]:
+        print(f"error: {problem}", file=sys.stderr)
+    if args.output_format == "json":
+        json.dump(plan, sys.stdout)
+        sys.stdout.write("\n")
+        return status
+    print(f"weights      {plan['weights_gib_total']:.2f} GiB total, {plan['weights_gib_per_card']:.2f} GiB per "
+          f"card at TP{plan['tp']} (sizes from {plan['source']})")
+    for fam, f in plan["families"].items():
+        print(f"  {fam:<14} {'/'.join(f['formats']):<10} {f['bytes_total'] / GIB:10.3f} GiB "
+              f"{f['bytes_per_card'] / GIB:10.3f} GiB/card")
+    print(f"KV cache     {plan['kv_bytes_per_token']} bytes/token/card ({plan['kv_cache_dtype']}), "
+          f"{plan['kv_gib_available']:.2f} GiB usable at utilization {plan['gpu_memory_utilization']} "
+          f"after a {plan['activation_reserve_gib']:.2f} GiB activation reserve")
+    print(f"KV pool      {plan['kv_pool_tokens']:,} tokens ({plan['kv_pool_gib']:.2f} GiB)")
+    print(f"max len      {plan['max_model_len']:,} tokens need {plan['kv_gib_for_max_model_len']:.2f} GiB: "
+          f"{'fits' if plan['max_model_len_fits'] else 'does NOT fit'}")
+    if plan["images"]:
+        print(f"images       {plan['images']} x {plan['image_tokens_per_image']} tokens = "
+              f"{plan['image_token_budget']} tokens")
+    print(f"runs         {'yes' if plan['runs'] else 'NO: ' + '; '.join(plan['problems'])}")
+    return status
+
+
+# ---------------------------------------------------------------------------------------------- offload
+#
+# With `--offload cpu|disk` (offload.py) the weights that do not fit `--gpu-memory` stay packed in host memory or
+# on disk and are streamed to the GPU as each layer runs. The plan below is the device map both `minimax-ref plan`
+# and the loader use (one rule, `propose_device_map`), from the same byte counts (`offload_units`).
+
+OFFLOAD_MODES = ("none", "cpu", "disk")
+DEFAULT_H2D_GBPS = 50.0  # assumed host-to-device rate for the printed roofline: PCIe Gen5 x16, pinned memory
+
+
+def unit_of(path: str) -> tuple[str, int | None]:
+    """The offload unit of the tensor or module at engine path `path` ("layers.3.self_attn.q_proj", ...):
+    ("experts", L) for the routed expert stacks of decoder layer L, ("layer", L) for the rest of layer L except its
+    router, ("resident", None) for what always stays on the GPU: the embedding, final norm and LM head (every token
+    needs them), every router (small, and it must run before the experts' weights are fetched: the choice decides
+    which experts move), the experts' per-expert NVFP4 `input_scale` vectors, and the vision tower and projector."""
+    if not path.startswith("layers."):
+        return "resident", None
+    parts = path.split(".")
+    layer = int(parts[1])
+    if len(parts) > 3 and parts[2] == "block_sparse_moe":
+        if parts[3] == "gate":
+            return "resident", None
+        if parts[3] == "experts":
+            return ("resident", None) if len(parts) > 4 and parts[4].endswith("_input_scale") else ("experts", layer)
+    return "layer", layer
+
+
+@dataclass(frozen=True)
+class OffloadUnit:
+    """What streams as one piece: `kind` "layer" (decoder layer `layer` without its router and routed experts:
+    norms, attention, indexer, shared expert or dense MLP) or "experts" (its routed expert stacks, of which a step
+    moves only the chosen experts' rows). `nbytes`: bytes in GPU memory (packed linears at their packed size, other
+    tensors in the compute dtype, norms in fp32); `num_experts`: experts in an "experts" stack (0 otherwise)."""
+
+    name: str
+    kind: str
+    layer: int
+    nbytes: int
+    num_experts: int = 0
+
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes of one expert's rows of the stacks (w1, w2, w3 with their scales)."""
+        return self.nbytes / self.num_experts if self.num_experts else 0.0
+
+
+def id_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ids as half-open runs of consecutive ids: [0, 1, 2, 5, 7, 8] -> [(0, 3), (5, 6), (7, 9)] (the
+    streamer copies one run of experts at a time; the plan prints layer ranges)."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def fmt_bytes(n: float, up: bool = False) -> str:
+    """A byte count for messages: GiB with 3 decimals from 1 GiB up, else MiB with 1; rounded down, or up with `up`
+    (a minimum shown rounded up is enough)."""
+    unit, name, digits = (GIB, "GiB", 1000) if n >= GIB else (2**20, "MiB", 10)
+    v = (math.ceil if up else math.floor)(n / unit * digits) / digits
+    return f"{v:.{len(str(digits)) - 1}f} {name}"
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of distinct experts chosen by `tokens` tokens that each choose `top_k` of `num_experts`,
+    when every token's choice is uniform and independent: `E * (1 - (1 - k/E)^tokens)` (an expert is missed by one
+    token with probability C(E-1, k) / C(E, k) = (E - k) / E). Real routing is skewed, so it moves fewer."""
+    if num_experts <= 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    """Which units stay on the GPU (`resident`) and which stream (`streamed`), with the GPU bytes each use takes.
+
+    resident_bytes: the always-resident tensors (`unit_of`) plus the resident units. staging_bytes: GPU buffers of
+    the streamed units: two of the largest streamed layer units (the one running and the next, prefetched) and one
+    layer's full expert stacks (the chosen experts' rows are copied into it, at their places, so the expert code
+    runs unchanged). reserve_bytes: activations and KV cache. gpu_bytes = the three: what the run needs at most,
+    within budget_bytes."""
+
+    units: tuple[OffloadUnit, ...]
+    resident: tuple[str, ...]
+    streamed: tuple[str, ...]
+    resident_bytes: int
+    staging_bytes: int
+    reserve_bytes: int
+    budget_bytes: int
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.resident_bytes + self.staging_bytes + self.reserve_bytes
+
+    def streamed_units(self) -> list[OffloadUnit]:
+        names = set(self.streamed)
+        return [u for u in self.units if u.name in names]
+
+    def bytes_per_step(self, tokens: int, top_k: int) -> float:
+        """Host-to-device bytes of one forward over `tokens` tokens (a decode step of batch B: tokens = B): every
+        streamed layer unit whole, and from each streamed expert stack the expected distinct chosen experts
+        (`expected_distinct_experts`) times the bytes of one expert."""
+        total = 0.0
+        for u in self.streamed_units():
+            if u.kind == "layer":
+                total += u.nbytes
+            else:
+                total += expected_distinct_experts(u.num_experts, top_k, tokens) * u.expert_bytes
+        return total
+
+
+def propose_device_map(units: list[OffloadUnit], always_bytes: int, budget_bytes: int,
+                       reserve_bytes: int) -> DeviceMap:
+    """The device map for a GPU budget (decided here; weights.md "Offload").
+
+    Everything is resident when it all fits. Otherwise units are made resident by the bytes they save per step for
+    each byte they hold: a layer unit saves all its bytes every step, an expert stack only the chosen experts' share
+    (k / E at batch 1), so every layer unit comes before any expert stack; within a kind, in layer order (first fit).
+    Staging is reserved first: one layer's expert stacks when any stack streams, and two of the largest layer units
+    (running + prefetched) when any layer unit streams. Raises ConfigError naming the smallest budget that runs when
+    the always-resident tensors, the reserve and the staging buffers do not fit."""
+    from ..errors import ConfigError
+
+    layers = [u for u in units if u.kind == "layer"]
+    experts = [u for u in units if u.kind == "experts"]
+    everything = always_bytes + reserve_bytes + sum(u.nbytes for u in units)
+    if everything <= budget_bytes:
+        return DeviceMap(tuple(units), tuple(u.name for u in units), (), always_bytes + sum(u.nbytes for u in units),
+                         0, reserve_bytes, budget_bytes)
+    exp_stage = max((u.nbytes for u in experts), default=0)
+    sum_layers = sum(u.nbytes for u in layers)
+    layer_stage = min(2 * max((u.nbytes for u in layers), default=0), sum_layers)
+    minimum = always_bytes + reserve_bytes + exp_stage + layer_stage
+    if budget_bytes < minimum:
+        raise ConfigError(f"--gpu-memory {fmt_bytes(budget_bytes)} is less than the {fmt_bytes(minimum, up=True)} "
+                          f"this model needs with offloading: {fmt_bytes(always_bytes)} always on the GPU "
+                          f"(embedding, LM head, norms, routers), {fmt_bytes(reserve_bytes)} reserve (activations and "
+                          f"KV cache) and {fmt_bytes(exp_stage + layer_stage)} of staging buffers for streamed layers "
+                          "and experts")
+    avail = budget_bytes - always_bytes - reserve_bytes
+    resident: list[OffloadUnit] = []
+    if avail >= sum_layers + exp_stage:  # every layer unit fits: expert stacks fill what is left
+        resident += layers
+        avail -= sum_layers + exp_stage
+        staging = exp_stage
+        candidates = experts
+    else:
+        avail -= exp_stage + layer_stage
+        staging = exp_stage + layer_stage
+        candidates = layers
+    for u in candidates:
+        if u.nbytes <= avail:
+            resident.append(u)
+            avail -= u.nbytes
+    kept = {u.name for u in resident}
+    return DeviceMap(tuple(units), tuple(u.name for u in units if u.name in kept),
+                     tuple(u.name for u in units if u.name not in kept),
+                     always_bytes + sum(u.nbytes for u in resident), staging, reserve_bytes, budget_bytes)
+
+
+def offload_units(cfg: ModelConfig, *, dtype_bytes: int = 2, ckpt_dir: Path | None = None
+                  ) -> tuple[int, list[OffloadUnit]]:
+    """(always-resident bytes, units in layer order) of a TP=1 model, in GPU-memory bytes: packed NVFP4 / MXFP8
+    linears at their stored size, bf16 linears and plain tensors in the compute dtype (`dtype_bytes`), norms and
+    routers in fp32 (as the loader keeps them). Sizes from `tensor_groups` (the shards' headers when present)."""
+    linears, plain = tensor_table(cfg)
+    module_of = {p: s.module for p, s in linears.items()} | {n: s.module for n, s in plain.items()}
+    groups, _ = tensor_groups(cfg, 1, ckpt_dir=ckpt_dir)
+    always = 0
+    per_unit: dict[tuple[str, int], int] = {}
+    for g in loaded_groups(cfg, groups, weights="packed", dtype_bytes=dtype_bytes):
+        size = g.split + g.replicated
+        kind, layer = unit_of(module_of[g.name])
+        if kind == "resident":
+            always += size
+        else:
+            per_unit[(kind, layer)] = per_unit.get((kind, layer), 0) + size
+    E = cfg.text.num_local_experts
+    units = [OffloadUnit(f"layers.{L}" if kind == "layer" else f"layers.{L}.experts", kind, L, n,
+                         E if kind == "experts" else 0)
+             for (kind, L), n in sorted(per_unit.items(), key=lambda kv: (kv[0][1], kv[0][0] == "experts"))]
+    return always, units
+
+
+def plan_offload(cfg: ModelConfig, *, gpu_memory_gib: float, offload: str, max_model_len: int, batch: int = 1,
+                 kv_cache_dtype: str = "auto", dtype_bytes: int = 2,
+                 activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB, h2d_gbps: float = DEFAULT_H2D_GBPS,
+                 ckpt_dir: Path | None = None) -> dict:
+    """The offload proposal as a JSON-ready dict: the device map for `gpu_memory_gib` (the whole budget: resident
+    weights, staging buffers, and a reserve of `activation_reserve_gib` plus the KV cache of `batch` sequences of
+    `max_model_len` tokens), the bytes moved per decode step and per token at batch 1 and at `batch`, and the PCIe
+    roofline `tok/s = B / (bytes_per_step(B) / h2d)` at an assumed host-to-device rate `h2d_gbps` (GB/s, 1e9)."""
+    if offload not in OFFLOAD_MODES or offload == "none":
+        raise InputError(f"--offload {offload!r}: choose cpu or disk for an offload plan")
+    if batch < 1 or h2d_gbps <= 0 or gpu_memory_gib <= 0:
+        raise InputError("--batch must be >= 1, --h2d-gbps and --gpu-memory > 0")
+    always, units = offload_units(cfg, dtype_bytes=dtype_bytes, ckpt_dir=ckpt_dir)
+    kv = kv_bytes_per_token(cfg, 1, kv_cache_dtype, dtype_bytes) * max_model_len * batch
+    reserve = int(activation_reserve_gib * GIB) + kv
+    problems: list[str] = []
+    try:
+        dm = propose_device_map(units, always, int(gpu_memory_gib * GIB), reserve)
+    except MiniMaxRefError as e:
+        problems.append(str(e))
+        dm = None
+    k = cfg.text.num_experts_per_tok
+    out = {"offload": offload, "gpu_memory_gib": gpu_memory_gib, "always_resident_bytes": always,
+           "reserve_bytes": reserve, "kv_bytes": kv, "units": len(units),
+           "weights_bytes": always + sum(u.nbytes for u in units), "problems": problems, "runs": not problems}
+    if dm is None:
+        return out
+    h2d = h2d_gbps * 1e9
+    steps = {}
+    for b in sorted({1, batch}):
+        step = dm.bytes_per_step(b, k)
+        steps[str(b)] = {"bytes_per_step": step, "bytes_per_token": step / b,
+                         "distinct_experts_per_layer": expected_distinct_experts(cfg.text.num_local_experts, k, b),
+                         "roofline_tok_s": (b / (step / h2d)) if step else None}
+    layers_res = [u.layer for u in units if u.kind == "layer" and u.name in dm.resident]
+    experts_res = [u.layer for u in units if u.kind == "experts" and u.name in dm.resident]
+    out.update({
+        "resident_layers": layers_res,
+        "resident_expert_layers": experts_res,
+        "streamed_layers": [u.layer for u in dm.streamed_units() if u.kind == "layer"],
+        "streamed_expert_layers": [u.layer for u in dm.streamed_units() if u.kind == "experts"],
+        "resident_bytes": dm.resident_bytes, "staging_bytes": dm.staging_bytes, "gpu_bytes": dm.gpu_bytes,
+        "streamed_bytes": sum(u.nbytes for u in dm.streamed_units()),
+        "h2d_gbps_assumed": h2d_gbps, "per_batch": steps,
+        "roofline": "tok/s = B / (bytes_per_step(B) / H2D bytes/s); bytes_per_step(B) = sum(streamed layer units) + "
+                    "sum over streamed expert stacks of E * (1 - (1 - k/E)^B) * bytes per expert",
+    })
+    return out
+
+
+def run_offload(args: argparse.Namespace, cfg: ModelConfig, plan: dict) -> int:
+    """`minimax-ref plan --offload cpu|disk`: the weights, then the device map and bytes moved (`plan_offload`). The
+    budget is --gpu-memory itself (the loader's `gpu_memory`; --gpu-memory-utilization does not apply)."""
+    if args.tp != 1:
+        raise InputError(f"--offload {args.offload} runs on one card: give --tp 1 (got --tp {args.tp})")
+    off = plan_offload(cfg, gpu_memory_gib=args.gpu_memory, offload=args.offload, max_model_len=args.max_model_len,
+                       batch=args.batch, kv_cache_dtype=args.kv_cache_dtype,
+                       dtype_bytes=2 if args.dtype == "bfloat16" else 4, activation_reserve_gib=args.activation_reserve,
+                       h2d_gbps=args.h2d_gbps, ckpt_dir=args.ckpt_path)
+    if args.max_model_len > cfg.text.max_position_embeddings:
+        off["problems"].append(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings="
+                               f"{cfg.text.max_position_embeddings}")
+    off["runs"] = not off["problems"]
+    for problem in off["problems"]:
+        print(f"error: {problem}", file=sys.stderr)
+    status = 0 if off["runs"] else 1
+    if args.output_format == "json":
+        json.dump({**plan, "offload_plan": off, "runs": off["runs"], "problems": off["problems"]}, sys.stdout)
+        sys.stdout.write("\n")
+        return status
+    print(f"weights      {off['weights_bytes'] / GIB:.2f} GiB in GPU memory at TP1 (sizes from {plan['source']}; "
+          f"packed linears as stored, the rest in {args.dtype})")
+    print(f"offload      {args.offload}: budget {args.gpu_memory:g} GiB = resident weights + staging + reserve "
+          f"({off['reserve_bytes'] / GIB:.2f} GiB: activations {args.activation_reserve:g} GiB, KV cache "
+          f"{off['kv_bytes'] / GIB:.2f} GiB for {args.batch} x {args.max_model_len:,} tokens)")
+    if not off["runs"]:
+        print(f"runs         NO: {'; '.join(off['problems'])}")
+        return status
+
+    def spans(layers: list[int]) -> str:
+        return ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in id_runs(layers)) or "none"
+
+    print("device map   on the GPU: embedding, LM head, norms, routers, vision; "
+          f"layers {spans(off['resident_layers'])}; expert stacks of layers {spans(off['resident_expert_layers'])}")
+    print(f"             streamed: layers {spans(off['streamed_layers'])}; expert stacks of layers "
+          f"{spans(off['streamed_expert_layers'])} ({off['streamed_bytes'] / GIB:.2f} GiB off the GPU)")
+    print(f"GPU memory   {off['resident_bytes'] / GIB:.2f} GiB resident + {off['staging_bytes'] / GIB:.2f} GiB "
+          f"staging + {off['reserve_bytes'] / GIB:.2f} GiB reserve = {off['gpu_bytes'] / GIB:.2f} GiB")
+    for b, row in off["per_batch"].items():
+        roof = "no streaming" if row["roofline_tok_s"] is None else f"{row['roofline_tok_s']:.1f} tok/s"
+        print(f"batch {b:<6} {row['bytes_per_step'] / 1e9:.3f} GB moved per step, "
+              f"{row['bytes_per_token'] / 1e9:.3f} GB per token ({row['distinct_experts_per_layer']:.1f} distinct "
+              "experts per streamed stack); PCIe "
+              f"roofline at {args.h2d_gbps:g} GB/s: {roof}")
+    print(f"roofline     {off['roofline']}")
+    print("runs         yes")
+    return status

@@ -1,0 +1,522 @@
+"""`minimax-ref score`: per-token log-likelihood of given completions, and drift against a reference.
+
+Traces file (spec `interface.md`): one JSON object per line, either
+
+* `{"prompt": str, "completion": str}`: raw mode encodes the prompt exactly as the tokenizer files
+  say (their post-processor decides any BOS) and appends the completion's tokens (no special tokens
+  added); with `--chat` the prompt is one user turn rendered with the chat template and the
+  completion is the assistant's reply, scored as the model would generate it after the generation
+  prompt: `</mm:think>{completion}[e~[` (the template's assistant turn, without the newline that
+  follows the end-of-turn token, which the model never generates);
+* `{"input_ids": [int, ...], "completion_start": int}`: tokens used as given; positions
+  `completion_start .. len-1` are the completion.
+
+Optional keys `id` and `meta` are carried through; any other key is an error. Blank lines are
+skipped. Every problem is an `InputError` naming the file and line.
+
+Scoring is prefill only: the traces are sorted by length, batched (right padding is exact because
+MSA blocks are anchored to absolute positions), and prefilled in chunks of `prefill_chunk` positions
+through the KV cache, so memory stays bounded for long traces. Logits are computed only at the
+positions that predict a completion token, a few hundred rows at a time. The NLL of completion
+token `t` is `-log_softmax(logits[t-1])[ids[t]]` (fp32 logits, summed in float64).
+
+Drift (decided here). For traces i = 1..m with n_i completion tokens and per-trace NLL difference
+`d_i = sum_t (nll_model[t] - nll_reference[t])`:
+
+* `drift_1e3 = 1000 * sum_i d_i / sum_i n_i`: the extra NLL per completion token, every token
+  weighted equally (a ratio estimator, matching "total NLL difference / completion tokens");
+* `drift_stderr_1e3 = 1000 * sqrt(m / (m - 1) * sum_i (d_i - D n_i)^2) / sum_i n_i` with
+  `D = sum d_i / sum n_i`: the linearised (delta-method) standard error of that ratio with the
+  traces as independent clusters. Tokens within a trace are correlated, so the trace is the unit of
+  sampling; this reduces to the usual standard error of the mean when all traces have equal
+  length. `null` when there is only one trace.
+* `top1_agreement`: fraction of completion positions where both models' argmax (lowest id on ties)
+  agree.
+
+The two checkpoints are loaded one after the other: only the per-position NLL and argmax of the
+first are kept while the second runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError, InputError, MiniMaxRefError, NumericsError
+
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_PREFILL_CHUNK = 2048
+# Rows of logits materialised at once: bounds the [rows, vocab] fp32 temporary (about 200 MB at
+# the release's vocabulary of 200,064).
+LOGIT_ROWS = 256
+TRACE_KEYS = {"prompt", "completion", "input_ids", "completion_start", "id", "meta"}
+
+
+@dataclass(frozen=True)
+class ScoreTrace:
+    """One trace: token ids and the index of the first completion token (1 <= start < len)."""
+
+    line: int
+    input_ids: tuple[int, ...]
+    completion_start: int
+    id: object = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.input_ids) - self.completion_start
+
+
+@dataclass
+class TraceScore:
+    """Per completion position of one trace: NLL (float64) and the model's argmax (long)."""
+
+    nll: torch.Tensor
+    argmax: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------- traces
+
+
+def chat_trace_ids(tok, prompt: str, completion: str) -> tuple[list[int], int]:
+    """Token ids of a chat-rendered (user prompt, assistant completion) pair and the completion start.
+
+    The prompt is rendered with the generation prompt (what generation would see) and encoded; the
+    completion is the text the full conversation adds after it, up to and including the end-of-turn
+    token, encoded separately (as generated tokens would be).
+    """
+    from ..generation.chat import TURN_END
+
+    user = [{"role": "user", "content": prompt}]
+    prefix = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    full = tok.apply_chat_template(user + [{"role": "assistant", "content": completion}],
+                                   add_generation_prompt=False, tokenize=False)
+    if not full.startswith(prefix):
+        raise InputError("the chat template's assistant turn does not extend its generation prompt; "
+                         "give the trace as input_ids / completion_start instead")
+    reply = full[len(prefix):]
+    end = reply.rfind(TURN_END)
+    if end >= 0:
+        reply = reply[: end + len(TURN_END)]
+    prompt_ids = tok.encode(prefix, add_special_tokens=False)
+    return prompt_ids + tok.encode(reply, add_special_tokens=False), len(prompt_ids)
+
+
+def parse_trace(obj: object, tok, *, chat: bool, vocab_size: int | None, max_len: int | None) -> ScoreTrace:
+    """Validate one decoded JSON line and turn it into token ids (line number set by the caller)."""
+    if not isinstance(obj, dict):
+        raise InputError(f"expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - TRACE_KEYS)
+    if unknown:
+        raise InputError(f"unknown keys {unknown} (known: {sorted(TRACE_KEYS)})")
+    text_form = "prompt" in obj or "completion" in obj
+    ids_form = "input_ids" in obj or "completion_start" in obj
+    if text_form == ids_form:
+        raise InputError("give either 'prompt' and 'completion', or 'input_ids' and 'completion_start'")
+    if text_form:
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise InputError("'prompt' and 'completion' must both be strings")
+        if not completion:
+            raise InputError("'completion' is empty: nothing to score")
+        if tok is None:
+            raise InputError("text traces need the checkpoint's tokenizer")
+        if chat:
+            ids, start = chat_trace_ids(tok, prompt, completion)
+        else:
+            prompt_ids = tok.encode(prompt)
+            ids, start = prompt_ids + tok.encode(completion, add_special_tokens=False), len(prompt_ids)
+        if start == 0:
+            raise InputError("the prompt encodes to no tokens: the first completion token needs context")
+        if start == len(ids):
+            raise InputError("the completion encodes to no tokens")
+    else:
+        ids, start = obj.get("input_ids"), obj.get("completion_start")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InputError("'input_ids' must be a list of integers")
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise InputError(f"'completion_start' must be an integer, got {start!r}")
+        if not 1 <= start < len(ids):
+            raise InputError(f"'completion_start'={start} must be in [1, {len(ids)}) for {len(ids)} input_ids "
+                             "(at least one prompt token and one completion token)")
+    if vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if max_len is not None and len(ids) > max_len:
+        raise InputError(f"the trace has {len(ids)} tokens, more than --max-model-len {max_len}")
+    return ScoreTrace(0, tuple(ids), start, obj.get("id"))
+
+
+def read_traces(path: str | Path, tok=None, *, chat: bool = False, vocab_size: int | None = None,
+                max_len: int | None = None) -> list[ScoreTrace]:
+    """Read a traces JSONL file. Raises InputError naming `path:line` for the first bad line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the traces file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e.reason})") from None
+    traces = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            t = parse_trace(obj, tok, chat=chat, vocab_size=vocab_size, max_len=max_len)
+        except MiniMaxRefError as e:
+            raise InputError(f"{path}:{n}: {e}") from None
+        traces.append(ScoreTrace(n, t.input_ids, t.completion_start, t.id))
+    if not traces:
+        raise InputError(f"{path}: no traces (the file is empty)")
+    return traces
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+
+@dataclass
+class PrefillChunk:
+    """Hidden states of one prefill chunk of a batch: `hidden` [B, t, H] (residual stream before the
+    final norm) at positions `start .. start+t-1`; `rows[b]` is the index into the caller's list;
+    `lengths[b]` the real length of row b (positions past it are padding); `trace` the chunk's Trace."""
+
+    rows: list[int]
+    start: int
+    hidden: torch.Tensor
+    lengths: list[int]
+    trace: object
+
+
+@torch.no_grad()
+def prefill_chunks(model, seqs: Sequence[Sequence[int]], *, batch_size: int = DEFAULT_BATCH_SIZE,
+                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_cache_dtype: str | None = None,
+                   trace: bool = False) -> Iterator[PrefillChunk]:
+    """Prefill every sequence through the KV cache, yielding each chunk's hidden states.
+
+    Sequences are sorted longest first and grouped `batch_size` at a time (similar lengths share a
+    batch, so padding stays small), right-padded with token 0 and prefilled `prefill_chunk`
+    positions at a time. With `trace`, each chunk carries a fresh `model.Trace` (router choices and
+    MSA blocks of that chunk only; no hidden states are kept).
+    """
+    from ..model.decoder import Trace
+
+    if batch_size < 1 or prefill_chunk < 1:
+        raise InputError(f"batch size {batch_size} and prefill chunk {prefill_chunk} must be >= 1")
+    kv = kv_cache_dtype or getattr(getattr(model, "runtime", None), "kv_cache_dtype", "auto")
+    order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
+    device = model.device
+    for b0 in range(0, len(order), batch_size):
+        rows = order[b0: b0 + batch_size]
+        lengths = [len(seqs[i]) for i in rows]
+        T = max(lengths)
+        ids = torch.zeros(len(rows), T, dtype=torch.long, device=device)
+        for b, i in enumerate(rows):
+            ids[b, : lengths[b]] = torch.tensor(list(seqs[i]), dtype=torch.long, device=device)
+        cache = model.new_cache(len(rows), T, kv)
+        for s0 in range(0, T, prefill_chunk):
+            s1 = min(T, s0 + prefill_chunk)
+            pos = torch.arange(s0, s1, device=device).expand(len(rows), -1)
+            tr = Trace(layers=set()) if trace else None
+            hidden = model.hidden(model.embed(ids[:, s0:s1]), pos, cache, tr)
+            yield PrefillChunk(rows, s0, hidden, lengths, tr)
+        del cache
+
+
+def check_traces(model, traces: Sequence[ScoreTrace]) -> None:
+    """Refuse, with an InputError naming the trace, what cannot be scored on `model`: a completion start outside
+    [1, len) (the first completion token needs a prompt token before it, and there must be one), token ids
+    outside the vocabulary, a trace longer than the model's `max_seq_len`."""
+    V, limit = model.text.vocab_size, model.max_seq_len
+    if not traces:
+        raise InputError("no traces to score")
+    for i, t in enumerate(traces):
+        where = f"trace {i}" + (f" (line {t.line})" if t.line else "")
+        n = len(t.input_ids)
+        if isinstance(t.completion_start, bool) or not isinstance(t.completion_start, int) \
+                or not 1 <= t.completion_start < n:
+            raise InputError(f"{where}: completion_start={t.completion_start!r} must be in [1, {n}) for {n} "
+                             "input_ids (at least one prompt token and one completion token)")
+        bad = [x for x in t.input_ids if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < V]
+        if bad:
+            raise InputError(f"{where}: token ids {bad[:5]} are outside the vocabulary [0, {V})")
+        if n > limit:
+            raise InputError(f"{where}: {n} tokens, more than the model's max_seq_len {limit}")
+
+
+@torch.no_grad()
+def score_traces(model, traces: Sequence[ScoreTrace], *, batch_size: int = DEFAULT_BATCH_SIZE,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_cache_dtype: str | None = None) -> list[TraceScore]:
+    """NLL and argmax at every completion position of every trace (same order as `traces`).
+
+    Position t of a trace (t >= completion_start) is predicted by the logits at t-1; the last
+    token is never a query, so each trace is prefilled without it. Traces are checked first
+    (`check_traces`).
+    """
+    check_traces(model, traces)
+    nll: list[list[torch.Tensor]] = [[] for _ in traces]
+    arg: list[list[torch.Tensor]] = [[] for _ in traces]
+    seqs = [t.input_ids[:-1] for t in traces]
+    for ch in prefill_chunks(model, seqs, batch_size=batch_size, prefill_chunk=prefill_chunk,
+                             kv_cache_dtype=kv_cache_dtype):
+        t_len = ch.hidden.shape[1]
+        for b, i in enumerate(ch.rows):
+            tr = traces[i]
+            # query positions p predict token p + 1; completion targets are completion_start..len-1
+            lo = max(ch.start, tr.completion_start - 1)
+            hi = min(ch.start + t_len, len(tr.input_ids) - 1)
+            if lo >= hi:
+                continue
+            targets = torch.tensor(tr.input_ids[lo + 1: hi + 1], dtype=torch.long, device=ch.hidden.device)
+            h = ch.hidden[b, lo - ch.start: hi - ch.start]
+            for r0 in range(0, h.shape[0], LOGIT_ROWS):
+                logits = model.logits(h[r0: r0 + LOGIT_ROWS])
+                logp = torch.log_softmax(logits, dim=-1)
+                tgt = targets[r0: r0 + LOGIT_ROWS]
+                nll[i].append(-logp.gather(-1, tgt[:, None])[:, 0].double().cpu())
+                arg[i].append(logits.argmax(-1).cpu())
+    return [TraceScore(torch.cat(n), torch.cat(a)) for n, a in zip(nll, arg)]
+
+
+@dataclass
+class Scores:
+    """What `score` returns: the traces as scored (token ids, completion start), each one's per-token NLL and
+    argmax (`TraceScore`, in the order given), and `summary` (`nll_summary`: tokens, total_nll,
+    nll_per_token, perplexity)."""
+
+    traces: list[ScoreTrace]
+    per_trace: list[TraceScore]
+    summary: dict
+
+    def drift(self, reference: Scores) -> dict:
+        """`drift_stats` of these scores against `reference`'s (the same pairs scored by another model)."""
+        return drift_stats(self.per_trace, reference.per_trace)
+
+
+def score(model, tok, pairs: Sequence[object], chat: bool = False, trace=None, *,
+          batch_size: int = DEFAULT_BATCH_SIZE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Scores:
+    """Per-token NLL of completions under `model` (`minimax_ref.research.score`, also `mr.score`).
+
+    pairs: each a (prompt, completion) pair of strings, or a dict in the traces-file form (`{"prompt",
+        "completion"}` or `{"input_ids", "completion_start"}`, optional "id"); the module docstring says how text
+        becomes tokens (raw, or with `chat` the chat template). tok: the model's tokenizer (None when every pair
+        is given as ids). Every pair is checked as the CLI checks a traces file: an InputError names the pair.
+    trace: a `model.Trace` to record the forward into. The pairs then run as one right-padded batch [B, T] in the
+        given order through a plain forward (no KV cache, no chunking; right padding is exact), `trace.mask`
+        marks the real tokens and the trace is reset first. Without a trace, scoring runs the chunked,
+        batched, cached prefill of `score_traces`.
+    """
+    if isinstance(pairs, (str, bytes, dict)) or not isinstance(pairs, Sequence):
+        raise InputError(f"pairs must be a list of (prompt, completion) pairs or trace dicts, got "
+                         f"{type(pairs).__name__}")
+    V, limit = model.text.vocab_size, model.max_seq_len
+    traces = []
+    for i, pair in enumerate(pairs):
+        obj = pair
+        if isinstance(pair, (tuple, list)):
+            if len(pair) != 2:
+                raise InputError(f"pairs[{i}]: expected (prompt, completion), got {len(pair)} items")
+            obj = {"prompt": pair[0], "completion": pair[1]}
+        try:
+            t = parse_trace(obj, tok, chat=chat, vocab_size=V, max_len=limit)
+        except InputError as e:
+            raise InputError(f"pairs[{i}]: {e}") from None
+        traces.append(ScoreTrace(0, t.input_ids, t.completion_start, t.id))
+    if trace is None:
+        per = score_traces(model, traces, batch_size=batch_size, prefill_chunk=prefill_chunk)
+    else:
+        per = _score_traced(model, traces, trace)
+    return Scores(traces, per, nll_summary(per))
+
+
+@torch.no_grad()
+def _score_traced(model, traces: Sequence[ScoreTrace], trace) -> list[TraceScore]:
+    """`score` with a trace: one right-padded batch through the plain forward, recorded into `trace`."""
+    check_traces(model, traces)
+    B, T = len(traces), max(len(t.input_ids) for t in traces)
+    ids = torch.zeros(B, T, dtype=torch.long, device=model.device)
+    mask = torch.zeros(B, T, dtype=torch.bool, device=model.device)
+    for b, t in enumerate(traces):
+        ids[b, : len(t.input_ids)] = torch.tensor(t.input_ids, dtype=torch.long)
+        mask[b, : len(t.input_ids)] = True
+    trace.reset()
+    trace.mask = mask
+    logits = model(ids, trace=trace)
+    out = []
+    for b, t in enumerate(traces):
+        n, s = len(t.input_ids), t.completion_start
+        rows = logits[b, s - 1: n - 1]
+        nll = -torch.log_softmax(rows, dim=-1).gather(-1, ids[b, s:n, None])[:, 0]
+        out.append(TraceScore(nll.double().cpu(), rows.argmax(-1).cpu()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+def nll_summary(scores: Sequence[TraceScore]) -> dict:
+    """Totals of one model: completion tokens, total NLL (nats), NLL per token and perplexity."""
+    tokens = sum(int(s.nll.numel()) for s in scores)
+    total = float(sum(float(s.nll.sum()) for s in scores))
+    per_token = total / tokens
+    return {"tokens": tokens, "total_nll": total, "nll_per_token": per_token,
+            "perplexity": math.exp(per_token) if per_token < 700 else None}  # None: beyond float range
+
+
+def drift_stats(model: Sequence[TraceScore], reference: Sequence[TraceScore]) -> dict:
+    """`drift_1e3`, `drift_stderr_1e3` (ratio estimator, traces as clusters; see the module
+    docstring), `top1_agreement` and `tokens` of `model` against `reference`."""
+    if len(model) != len(reference):
+        raise ValueError("model and reference scores cover different traces")
+    n = torch.tensor([float(s.nll.numel()) for s in model], dtype=torch.float64)
+    for a, b in zip(model, reference):
+        if a.nll.shape != b.nll.shape:
+            raise ValueError("model and reference scores cover different completion positions")
+    d = torch.stack([(a.nll - b.nll).sum() for a, b in zip(model, reference)])
+    N = float(n.sum())
+    D = float(d.sum()) / N
+    m = len(model)
+    stderr = None
+    if m > 1:
+        stderr = 1000.0 * math.sqrt(m / (m - 1) * float(((d - D * n) ** 2).sum())) / N
+    agree = sum(int((a.argmax == b.argmax).sum()) for a, b in zip(model, reference))
+    return {"drift_1e3": 1000.0 * D, "drift_stderr_1e3": stderr, "top1_agreement": agree / N, "tokens": int(N)}
+
+
+def per_trace_rows(traces: Sequence[ScoreTrace], model: Sequence[TraceScore],
+                   reference: Sequence[TraceScore] | None, per_token: bool) -> list[dict]:
+    """One row per trace: line, id, tokens, nll; with a reference also its nll, drift and agreement."""
+    rows = []
+    for i, tr in enumerate(traces):
+        s = model[i]
+        row: dict = {"line": tr.line}
+        if tr.id is not None:
+            row["id"] = tr.id
+        row.update({"tokens": int(s.nll.numel()), "nll": float(s.nll.sum())})
+        if reference is not None:
+            r = reference[i]
+            row["reference_nll"] = float(r.nll.sum())
+            row["drift_1e3"] = 1000.0 * float((s.nll - r.nll).sum()) / s.nll.numel()
+            row["top1_agreement"] = float((s.argmax == r.argmax).double().mean())
+        if per_token:
+            row["logprobs"] = [-float(x) for x in s.nll]
+            row["argmax"] = s.argmax.tolist()
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser(p: argparse.ArgumentParser) -> None:
+    """Flags of `minimax-ref score` (the standard model flags apply to both checkpoints)."""
+    from ..cli.main import add_model_flags
+
+    add_model_flags(p)
+    p.add_argument("--traces", type=Path, required=True,
+                   help="JSONL: {'prompt', 'completion'} or {'input_ids', 'completion_start'} per line")
+    p.add_argument("--reference", type=Path, default=None,
+                   help="reference checkpoint: adds drift_1e3, drift_stderr_1e3, top1_agreement")
+    p.add_argument("--chat", action="store_true",
+                   help="render text traces with the chat template (prompt = user turn, completion = reply)")
+    p.add_argument("--per-trace", action="store_true", help="add one row per trace ('per_trace')")
+    p.add_argument("--per-token", action="store_true",
+                   help="with per-trace rows, also every completion token's log-prob and argmax")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help=f"traces prefilled together (default: {DEFAULT_BATCH_SIZE})")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help=f"positions per prefill step through the KV cache (default: {DEFAULT_PREFILL_CHUNK})")
+
+
+def load_for_args(path: Path, args: argparse.Namespace, role: str = "model"):
+    """Load one checkpoint with the standard model flags, offloaded with --offload / --gpu-memory when given.
+    `role` ("model", "reference") names the model's own subfolder of --offload-folder: score loads two models, and
+    an offload folder holds one."""
+    from ..weights.loader import load_model, resolve_dtype
+
+    folder = getattr(args, "offload_folder", None)
+    return load_model(path, device=args.device, dtype=resolve_dtype(args.dtype, args.device), act_quant=args.act_quant,
+                      weights=args.weights, max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+                      offload=getattr(args, "offload", "none"), gpu_memory=getattr(args, "gpu_memory", None),
+                      offload_folder=None if folder is None else Path(folder) / role)
+
+
+def load_traces_for_args(path: Path, ckpt: Path, args: argparse.Namespace) -> list[ScoreTrace]:
+    """Read a traces file with the checkpoint's tokenizer and vocabulary (before any weights load)."""
+    from ..generation.tokenizer import load_tokenizer
+    from ..model.config import load_model_config
+
+    cfg = load_model_config(ckpt)
+    tok = load_tokenizer(ckpt)
+    return read_traces(path, tok, chat=args.chat, vocab_size=cfg.text.vocab_size, max_len=args.max_model_len)
+
+
+def free(model) -> None:
+    """Drop a model and give its memory back before the next one loads."""
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(args: argparse.Namespace) -> int:
+    """`minimax-ref score`: one JSON object on stdout."""
+    from ..model.config import load_model_config
+    from ..weights.embedded import default_checkpoint
+
+    ckpt = args.ckpt_path or default_checkpoint()
+    traces = load_traces_for_args(args.traces, ckpt, args)
+    if args.reference is not None:
+        v_model = load_model_config(ckpt).text.vocab_size
+        v_ref = load_model_config(args.reference).text.vocab_size
+        if v_model != v_ref:
+            raise ConfigError(f"{args.reference}/config.json: vocab_size={v_ref} differs from {ckpt}'s {v_model}; "
+                              "drift needs one tokenizer")
+    kw = {"batch_size": args.batch_size, "prefill_chunk": args.prefill_chunk}
+    model = load_for_args(ckpt, args)
+    scores = score_traces(model, traces, **kw)
+    free(model)
+    model = None
+    out: dict = {"ckpt_path": str(ckpt), "traces": len(traces), **nll_summary(scores)}
+    ref_scores = None
+    if args.reference is not None:
+        ref = load_for_args(args.reference, args, role="reference")
+        ref_scores = score_traces(ref, traces, **kw)
+        free(ref)
+        ref = None
+        rs = nll_summary(ref_scores)
+        out.update({"reference": str(args.reference), "reference_total_nll": rs["total_nll"],
+                    "reference_nll_per_token": rs["nll_per_token"], **drift_stats(scores, ref_scores),
+                    "drift_estimator": "ratio of sums over traces; s.e. by the delta method with traces as "
+                                       "clusters"})
+    if args.per_trace or args.per_token:
+        out["per_trace"] = per_trace_rows(traces, scores, ref_scores, args.per_token)
+    bad = nonfinite_fields(out)
+    if bad:  # JSON has no NaN / Infinity: writing them would make the output unreadable to strict parsers
+        raise NumericsError(f"score: non-finite result(s) in {', '.join(bad[:5])}; the model's log-likelihoods are "
+                            "not finite (check the checkpoint with `minimax-ref inspect`)")
+    json.dump(out, sys.stdout, ensure_ascii=False, allow_nan=False)
+    sys.stdout.write("\n")
+    return 0
+
+
+def nonfinite_fields(obj: object, path: str = "") -> list[str]:
+    """Dotted paths (list items as [i]) of the NaN / Inf floats inside a JSON-ready value."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [path or "(value)"]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in nonfinite_fields(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in nonfinite_fields(v, f"{path}[{i}]")]
+    return []

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -42,6 +43,7 @@ from minimax_ref.fast import FastPaths, Kernels, paths_of  # noqa: E402
 from minimax_ref.fast.graph import GraphStep  # noqa: E402
 from minimax_ref.fast.launch import KINDS, ReductionConfigs  # noqa: E402
 from minimax_ref.fast.packed import packed_matmul_reference  # noqa: E402
+from minimax_ref.fast.paths import describe_presets  # noqa: E402
 from minimax_ref.model.cache import KVCache  # noqa: E402
 from minimax_ref.model.linear import Linear  # noqa: E402
 from minimax_ref.model.moe import Experts  # noqa: E402
@@ -89,6 +91,15 @@ def reduction_config(text: str | None) -> ReductionConfigs | str | None:
     if text is None or text == "default":
         return "auto"
     return None if text == "tuned" else ReductionConfigs.parse(text)
+
+
+def add_fast_flag(p: argparse.ArgumentParser, names: list[str], default: str, auto: str | None = None) -> None:
+    """`--fast` over the presets `names` of `fast.paths.PRESETS` (`FastPaths.of` / `load_model(fast=...)` take the
+    chosen name), its help their own descriptions; `auto`: also an "auto" choice, which the script resolves, and
+    what it means."""
+    text = (f"auto = {auto}; " if auto else "") + describe_presets(names)
+    p.add_argument("--fast", default=default, choices=[*(["auto"] if auto else []), *names],
+                   help=textwrap.fill(f"fast paths: {text} (default: {default})", 100))
 
 
 FUSED_ROWS_HELP = ("fused matmul: rows of the input per pass over a weight (default: each preset's own: compiled 1, "
@@ -208,10 +219,9 @@ def _linear_bytes(lin: Linear) -> int:
     return _stored_bytes(lin.packed if lin.packed is not None else lin.weight)
 
 
-def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """Expected number of distinct experts chosen by `batch` tokens choosing `top_k` of `num_experts` each,
-    uniformly: E * (1 - (1 - k/E)^B)."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+# E * (1 - (1 - k/E)^B): distinct experts chosen by B tokens choosing k of E each, uniformly (one definition, the
+# offload device map's)
+from minimax_ref.weights.device_map import expected_distinct_experts  # noqa: E402
 
 
 def decode_step_bytes(model, batch: int, context: int, kv_elem_bytes: int) -> dict:

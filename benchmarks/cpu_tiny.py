@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from common import add_fast_flag  # noqa: E402  (puts the repository root on the path)
 from oracle import hf_text_model  # noqa: E402
 
 from minimax_ref.fast import apply  # noqa: E402
@@ -33,14 +34,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--format", default="nvfp4")
-    ap.add_argument("--fast", default="off", choices=["off", "on", "compiled"])
+    add_fast_flag(ap, ["off", "on", "compiled"], "off")
     args = ap.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "ck", "tiny", args.format)
         ours = load_model(path, dtype=torch.float32, max_seq_len=args.prompt_len + args.new_tokens + 1)
         theirs = hf_text_model(ours, attn_impl="sdpa")
-        apply(ours, {"off": False, "on": True, "compiled": "compiled"}[args.fast])
+        apply(ours, args.fast)
     ids = torch.randint(0, 1000, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
 
     n, P = args.new_tokens, args.prompt_len

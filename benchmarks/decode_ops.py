@@ -26,6 +26,7 @@ import json
 from collections import Counter
 
 import torch
+from common import add_fast_flag
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minimax_ref.weights.loader import load_synthetic
@@ -83,15 +84,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--preset", default="tiny", help="synth preset (default: tiny)")
     p.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp8", "bf16"])
     p.add_argument("--weights", default="packed", choices=["packed", "dequant"])
-    p.add_argument("--fast", default="on", choices=["off", "on"])
+    add_fast_flag(p, ["off", "on"], "on")
     p.add_argument("--layers", type=int, default=None, help="layers (default: the preset's)")
     p.add_argument("--experts", type=int, default=None, help="routed experts (default: the preset's)")
     p.add_argument("--prompt-len", type=int, default=300, help="past the tiny preset's MSA threshold (default: 300)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
-    fast = args.fast == "on"
     model = load_synthetic(args.preset, format=args.format, layers=args.layers, experts=args.experts,
-                           dtype=getattr(torch, args.dtype), weights=args.weights, fast=fast)
+                           dtype=getattr(torch, args.dtype), weights=args.weights, fast=args.fast)
     out = {"benchmark": "decode_ops", "params": vars(args), "torch": torch.__version__,
            **count_decode_step(model, args.prompt_len)}
     print(json.dumps(out))

@@ -11,7 +11,7 @@ Two JSON lines: generate's ms per decode step (its wall time: replay, sampling, 
 the bare replay's, their ratio, the batch's step and tokens/s, each with its roofline fraction, and the stats
 generate reports (prefill and decode tokens/s, time to first token, compile-and-capture time).
 
-    # 1 x H200, release widths, 60 layers, 16 experts, an 8K prompt (the issue-26 setup):
+    # 1 x H200, release widths, 60 layers, 16 experts, an 8K prompt (BENCHMARKS.md's decode setup):
     python benchmarks/generate_decode.py --layers 60 --experts 16 --prompt-len 8192 --out gen.jsonl
 """
 
@@ -22,7 +22,16 @@ import sys
 from pathlib import Path
 
 import torch
-from common import GIB, BenchmarkError, copy_bandwidth, decode_step_bytes, emit, main_guard, replicate_cache
+from common import (
+    GIB,
+    BenchmarkError,
+    add_fast_flag,
+    copy_bandwidth,
+    decode_step_bytes,
+    emit,
+    main_guard,
+    replicate_cache,
+)
 
 from minimax_ref.generation.decoding import generate_ids
 from minimax_ref.generation.sampling import SamplingParams
@@ -35,7 +44,7 @@ def add_model_args(p: argparse.ArgumentParser, prompt_len: int) -> None:
     p.add_argument("--preset", default="release", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--fast", default="compiled", choices=["on", "fused", "compiled"])
+    add_fast_flag(p, ["on", "fused", "compiled"], "compiled")
     p.add_argument("--prompt-len", type=int, default=prompt_len)
 
 

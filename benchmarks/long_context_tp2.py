@@ -28,6 +28,7 @@ import torch
 from common import (
     GIB,
     BenchmarkError,
+    add_fast_flag,
     barrier,
     decode,
     emit,
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--experts", type=int, default=None, help="override the preset's routed experts per layer")
     p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
-    p.add_argument("--fast", default="on", choices=["on", "compile", "off"], help="fast paths (default: on)")
+    add_fast_flag(p, ["on", "compile", "off"], "on")
     p.add_argument("--expert-parallel", action="store_true", help="whole experts per rank instead of TP slices")
     p.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"], help="default: fp8")
     p.add_argument("--context", type=int, default=131072, help="prompt tokens (default: 131072)")
@@ -82,14 +83,13 @@ def run(args: argparse.Namespace, holder: list) -> None:
                              f"{args.decode_tokens} = {need} tokens")
     if args.graph and device.type != "cuda":
         raise BenchmarkError("--graph needs CUDA")
-    fast = {"on": True, "compile": "compile", "off": False}[args.fast]
     card_gib = (torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else 141.0)
     gpu_gib = args.gpu_memory or card_gib
 
     log(world, f"materialising {args.preset} at TP{world.size}, max_model_len {max_len}")
     t0 = time.perf_counter()
     model = load_synthetic(args.preset, format=args.format, layers=args.layers, experts=args.experts, device=device,
-                           tp=world, expert_parallel=args.expert_parallel, fast=fast, max_seq_len=max_len,
+                           tp=world, expert_parallel=args.expert_parallel, fast=args.fast, max_seq_len=max_len,
                            kv_cache_dtype=args.kv_cache_dtype, attention_chunk_elements=args.attention_chunk_elements)
     sync(device)
     load_s = time.perf_counter() - t0

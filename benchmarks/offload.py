@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Offloaded decode (issue 28): the 60-layer 80-expert build at release widths on one GPU that cannot hold it,
+"""Offloaded decode: the 60-layer 80-expert build at release widths on one GPU that cannot hold it,
 packed weights streamed from pinned host memory (`load_synthetic(..., offload="cpu")`), against the PCIe roofline
 measured in the same run.
 
@@ -23,7 +23,7 @@ What it does:
    moved (`model.offload.stats`);
 4. prints and writes one JSON line: parameters, the device map (resident and streamed layers), peak GPU memory
    (`torch.cuda.max_memory_allocated`) against `--gpu-memory`, and per batch: tok/s, bytes moved per step (measured,
-   and planned from top-k routing: `plan.DeviceMap.bytes_per_step`), the PCIe roofline
+   and planned from top-k routing: `device_map.DeviceMap.bytes_per_step`), the PCIe roofline
    `tok/s = B / (bytes moved per step / h2d rate)` and the fraction of it reached.
 """
 
@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_ref.errors import MiniMaxRefError  # noqa: E402
+from minimax_ref.fast.paths import describe_presets  # noqa: E402
 from minimax_ref.research.plan import GIB, offload_units  # noqa: E402
 from minimax_ref.weights.loader import load_synthetic, resolve_dtype  # noqa: E402
 from minimax_ref.weights.offload import OffloadConfig  # noqa: E402
@@ -91,8 +92,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reserve", type=float, default=None,
                    help="GiB reserved for activations beyond the KV cache (default: 5 on a GPU, 0.01 on a CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    p.add_argument("--fast", default="off", choices=["off", "on", "compile", "fused"],
-                   help="fast paths (default: off, the reference; 'on' decodes every expert of a batch-32 step)")
+    fast_presets = ["off", "on", "compile", "fused"]  # not compiled: offloaded steps synchronise with the host
+    p.add_argument("--fast", default="off", choices=fast_presets,
+                   help=f"fast paths: {describe_presets(fast_presets)} (default: off; on decodes every expert of a "
+                        "batch-32 step)")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--warmup", type=int, default=1)
@@ -127,9 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     log(f"building {args.preset} ({cfg.text.num_hidden_layers} layers, {cfg.text.num_local_experts} experts) "
         f"offloaded within {gpu_memory:.4g} GiB on {device}")
-    fast = False if args.fast == "off" else args.fast
     model = load_synthetic(args.preset, format=args.format, layers=args.layers, experts=args.experts, seed=args.seed,
-                           device=device, dtype=dtype, weights="packed", fast=fast,
+                           device=device, dtype=dtype, weights="packed", fast=args.fast,
                            offload=OffloadConfig(args.offload, gpu_memory, folder=args.offload_folder,
                                                  reserve_gib=reserve, share_streamed_experts=True),
                            max_seq_len=max_len, max_batch_size=max(batches))

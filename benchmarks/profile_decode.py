@@ -18,7 +18,7 @@ a graph launches). One JSON line per batch size and configuration gives:
     python benchmarks/profile_decode.py --preset release --layers 6 --experts 16 --fast compiled --out prof.jsonl
     # two launch configurations of the reductions on the same weights (one compile and capture each):
     python benchmarks/profile_decode.py --layers 60 --reduction-config 1,256,8 --reduction-config tuned --out prof.jsonl
-    # batch 1 and 32 at 60 layers, the grouped kernel of batch > fused_rows off then on (issue 26):
+    # batch 1 and 32 at 60 layers, the grouped kernel of batch > fused_rows off then on:
     python benchmarks/profile_decode.py --layers 60 --batch 1,32 --grouped both --steps 10 --out prof.jsonl
 """
 
@@ -39,6 +39,7 @@ from common import (
     REDUCTION_CONFIG_HELP,
     WORDS_CHOICES,
     BenchmarkError,
+    add_fast_flag,
     copy_bandwidth,
     decode_step_bytes,
     emit,
@@ -60,7 +61,6 @@ from minimax_ref.fast.graph import GraphStep
 from minimax_ref.weights.loader import load_synthetic
 from minimax_ref.weights.synth import PRESETS
 
-FAST = {"on": True, "fused": "fused", "compiled": "compiled"}
 GROUPED = {"default": None, "on": [True], "off": [False], "both": [False, True]}
 DECODE_ATTENTION = {"default": None, "reference": ["reference"], "triton": ["triton"], "both": ["reference", "triton"]}
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp8", "bf16"])
     p.add_argument("--layers", type=int, default=6, help="layers (0 = the preset's)")
     p.add_argument("--experts", type=int, default=16, help="routed experts per layer (0 = the preset's)")
-    p.add_argument("--fast", default="compiled", choices=sorted(FAST), help="fast paths (default: compiled)")
+    add_fast_flag(p, ["on", "fused", "compiled"], "compiled")
     p.add_argument("--fused-rows", type=fused_rows_arg, default=None, help=FUSED_ROWS_HELP)
     p.add_argument("--batch", type=batch_sizes, default=[1],
                    help="sequences a step, comma-separated to profile several sizes on one prefill (default: 1)")
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
         raise BenchmarkError("profile_decode.py profiles CUDA-graph replays on one GPU: run it with python on a "
                              "machine with CUDA")
     configs = [reduction_config(text) for text in args.reduction_config or [None]]
-    fast = replace(with_fused_rows(FastPaths.of(FAST[args.fast]), args.fused_rows), layer_reductions=configs[0])
+    fast = replace(with_fused_rows(FastPaths.of(args.fast), args.fused_rows), layer_reductions=configs[0])
     max_len = args.prompt_len + 8
     bw = copy_bandwidth(device, int(args.bw_gib * GIB))
     log(world, f"materialising {args.preset} layers={args.layers} experts={args.experts} ({args.format})")

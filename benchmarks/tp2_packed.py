@@ -51,6 +51,7 @@ from common import (
     GIB,
     BenchmarkError,
     active_linear_elements_per_token,
+    add_fast_flag,
     barrier,
     check_fused_matmul,
     copy_bandwidth,
@@ -78,12 +79,11 @@ from minimax_ref.weights.packed import packed_weights
 from minimax_ref.weights.synth import PRESETS
 
 VARIANTS = ("eager", "graph", "compile-graph", "fused", "fused-graph", "compiled", "compiled-graph", "reference")
-FAST = {"on": True, "compile": "compile", "fused": "fused", "compiled": "compiled"}
 
 
 def variant_fast(variant: str, fast: FastPaths, fused_rows: int | None) -> FastPaths:
     """The fast paths a variant runs with: `--fast` for eager/graph, else the variant's own."""
-    own = {"reference": False, "compile-graph": "compile", "fused": "fused", "fused-graph": "fused",
+    own = {"reference": "off", "compile-graph": "compile", "fused": "fused", "fused-graph": "fused",
            "compiled": "compiled", "compiled-graph": "compiled"}
     if variant not in own:
         return fast
@@ -100,11 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--weights", default="packed", choices=["packed", "dequant"], help="default: packed")
-    p.add_argument("--fast", default="auto", choices=["auto", *sorted(FAST)],
-                   help="fast paths of the prefill and the eager/graph variants: on (eager packed decode), compile\n"
-                        "(compiled packed decode), fused (the fused packed matmul for decode steps) or compiled\n"
-                        "(compiled decoder layers, the grouped and Triton kernels); auto (default): compiled on CUDA\n"
-                        "with packed NVFP4/MXFP8 weights, as `minimax-ref --fast auto`, else on")
+    add_fast_flag(p, ["on", "compile", "fused", "compiled"], "auto",
+                  auto="compiled on CUDA with packed NVFP4/MXFP8 weights, else on (the prefill's and the eager/graph "
+                       "variants' paths)")
     p.add_argument("--fused-rows", type=fused_rows_arg, default=None, help=FUSED_ROWS_HELP)
     p.add_argument("--expert-parallel", action="store_true", help="whole experts per rank instead of TP slices")
     p.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"], help="default: fp8 (as the seed)")
@@ -148,7 +146,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
     if args.fast == "auto":
         packed = args.weights == "packed" and args.format != "bf16"
         args.fast = "compiled" if device.type == "cuda" and packed else "on"
-    fast = with_fused_rows(FastPaths.of(FAST[args.fast]), args.fused_rows)
+    fast = with_fused_rows(FastPaths.of(args.fast), args.fused_rows)
     fused_rows = args.fused_rows or FUSED_ROWS  # the `fused` preset's passes: its check and traffic estimate
     fused = [v for v in variants if variant_fast(v, fast, args.fused_rows).matmul == "fused"]
     if fused and (args.weights != "packed" or args.format == "bf16"):

@@ -54,6 +54,7 @@ from common import (
     FUSED_ROWS_HELP,
     GIB,
     BenchmarkError,
+    add_fast_flag,
     check_fused_matmul,
     copy_bandwidth,
     decode,
@@ -102,8 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--attention-chunk-elements", type=int, default=1 << 26)
     p.add_argument("--skip-transformers", action="store_true", help="measure minimax-ref only")
-    p.add_argument("--fast", default="on", choices=["on", "fused"],
-                   help="ours: the fast paths (on), or with the fused packed matmul for decode steps (default: on)")
+    add_fast_flag(p, ["on", "fused"], "on")  # ours: minimax-ref's paths
     p.add_argument("--prefill-attention", default="triton", choices=["triton", "reference"],
                    help="ours: prefill attention (FastPaths.prefill_attention; default: triton, the attention kernel;\n"
                         "reference: fp32 cores over the gathered MSA blocks)")
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace, holder: list) -> None:
     max_len = args.max_model_len or need
     if max_len < need:
         raise BenchmarkError(f"--max-model-len {max_len} cannot hold --prompt-len + --decode-tokens = {need}")
-    fast = replace(with_fused_rows(FastPaths.of(True if args.fast == "on" else "fused"), args.fused_rows),
+    fast = replace(with_fused_rows(FastPaths.of(args.fast), args.fused_rows),
                    prefill_attention=args.prefill_attention)
     fused = with_fused_rows(FastPaths.of("fused"), args.fused_rows)
     compiled = with_fused_rows(FastPaths.of("compiled"), args.fused_rows)

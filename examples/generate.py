@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 examples/generate.py --ckpt-path DIR --prompt "Hello"  # NCCL on GPUs, gloo on CPU
     python examples/generate.py --ckpt-path DIR --prompt "Hello"                       # one process
 
-Takes every flag of `minimax-ref generate` (the parser and the run are cli.py's), plus
+Takes every flag of `minimax-ref generate` (the parser and the run are minimax_ref/cli/generate.py's), plus
 `--expert-parallel` (each rank holds whole routed experts instead of a slice of every expert) and
 `--dist-timeout`. The device defaults to `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
 
@@ -34,7 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minimax_ref.cli.main import build_generate_parser, check_device_flag, run_generate
+from minimax_ref.cli.generate import build_generate_parser, run_generate
+from minimax_ref.cli.model_args import check_device_flag
 from minimax_ref.errors import MiniMaxRefError
 from minimax_ref.model.parallel import World, is_peer_failure
 from minimax_ref.weights.loader import resolve_device
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except MiniMaxRefError as e:  # the same on every rank: rank 0 speaks for all
         speak_for_all(int(os.environ.get("RANK", "0")), f"error: {e}")
         return 2
-    args.world = world  # cli.load_from_args loads the model tensor-parallel over it
+    args.world = world  # cli.model_args.load_from_args loads the model tensor-parallel over it
     status, read_line = 0, builtins.input
     try:
         with contextlib.ExitStack() as quiet:

@@ -32,7 +32,7 @@ _EXPORTS = {
     "generate": "generation.generate", "generate_ids": "generation.generate",
     "load_model": "weights.loader",
     "MiniMaxM3": "model.decoder",
-    "Interventions": "model.decoder", "Trace": "model.decoder",
+    "Interventions": "research.trace", "Trace": "research.trace",
     "OffloadConfig": "weights.offload",
     "Scores": "research.score", "score": "research.score",
     "Tokenizer": "generation.tokenizer", "load_tokenizer": "generation.tokenizer",

@@ -1,5 +1,5 @@
 """The attention kernel (`fast.attention_kernel`; `FastPaths(prefill_attention="triton")` in every preset,
-`decode_attention="triton"` in `compiled`; issue 26).
+`decode_attention="triton"` in `compiled`).
 
 Contract under test: `block_attention` computes `msa.gather_block_attention` (a block selection given) and
 `attention.causal_attention` (none) for bf16 queries over keys and values as a cache stores them (bf16, or fp8 read

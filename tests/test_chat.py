@@ -24,7 +24,8 @@ from minimax_ref.generation.chat import (
     render_tool_call,
     render_tool_calls,
 )
-from minimax_ref.generation.tokenizer import StreamDecoder, load_tokenizer, write_test_tokenizer
+from minimax_ref.generation.tokenizer import StreamDecoder, load_tokenizer
+from minimax_ref.weights.synth_tokenizer import write_test_tokenizer
 
 NS = "]<]minimax[>["
 

@@ -289,8 +289,9 @@ def test_transformers_renders_the_release_template_the_same(release):
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["test-tokenizer", "embedded-default"])
 def checkpoint_tokenizer(request, tmp_path_factory):
-    from minimax_ref.generation.tokenizer import load_tokenizer, write_test_tokenizer
+    from minimax_ref.generation.tokenizer import load_tokenizer
     from minimax_ref.weights.embedded import default_checkpoint
+    from minimax_ref.weights.synth_tokenizer import write_test_tokenizer
 
     if request.param == "test-tokenizer":
         folder = tmp_path_factory.mktemp("tok")

@@ -254,6 +254,147 @@ def test_index_points_at_missing_file(tiny_nvfp4, tmp_path):
     _problem(ck, "model-99999-of-99999.safetensors", "does not exist")
 
 
+# ------------------------------------------------------------------ a damaged shard: the cause first, no cascade
+
+
+def _shards(path):
+    """shard file name -> the tensor names the index maps to it, in file order."""
+    out: dict[str, list[str]] = {}
+    for name, shard in json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].items():
+        out.setdefault(shard, []).append(name)
+    return dict(sorted(out.items()))
+
+
+def _damage(shard, how):
+    """Damage one shard file in place as a user's copy gets damaged."""
+    data = shard.read_bytes()
+    if how == "truncated":  # `truncate -s 50%`
+        shard.write_bytes(data[: len(data) // 2])
+    elif how == "header-json":  # bytes after the 8-byte length overwritten
+        shard.write_bytes(data[:8] + b"XXXX" + data[12:])
+    elif how == "header-length":  # the length itself overwritten
+        shard.write_bytes(struct.pack("<Q", 2**63 - 1) + data[8:])
+    elif how == "header-entry":  # valid JSON of the same length, but not tensor descriptions (was a TypeError)
+        (n,) = struct.unpack("<Q", data[:8])
+        shard.write_bytes(data[:8] + b'{"a": 1}'.ljust(n) + data[8 + n:])
+    elif how == "deleted":
+        shard.unlink()
+    else:
+        raise AssertionError(how)
+
+
+DAMAGE_CAUSE = {
+    "truncated": "the file is truncated: its tensors need",
+    "header-json": "the safetensors header is not valid JSON (damaged or not a safetensors file)",
+    "header-length": "the safetensors header length (9223372036854775807 bytes) exceeds the file size",
+    "header-entry": "the safetensors header's entry 'a' is not a tensor description",
+    "deleted": "the file does not exist, but model.safetensors.index.json maps",
+}
+
+
+@pytest.fixture
+def damaged(tiny_nvfp4, tmp_path):
+    """damaged(how) -> (checkpoint copy, name of its first shard, the tensors that shard held), the shard damaged."""
+    def make(how):
+        ck = _copy(tiny_nvfp4, tmp_path, how)
+        shard, held = next(iter(_shards(ck).items()))
+        _damage(ck / shard, how)
+        return ck, shard, held
+    return make
+
+
+@pytest.mark.parametrize("how", ["truncated", "header-json", "header-length", "header-entry", "deleted"])
+def test_a_damaged_shard_is_the_headline_of_load_model(damaged, how):
+    """`mr.load_model` on a damaged shard: the shard (full path) and what is wrong with it come first, with the
+    count of the tensors it held; those tensors are not listed as missing, as if the config were wrong."""
+    import minimax_ref as mr
+
+    ck, shard, held = damaged(how)
+    with pytest.raises(CheckpointError) as e:
+        mr.load_model(ck)
+    msg = str(e.value)
+    assert msg.splitlines()[0].startswith(f"{ck / shard}: {DAMAGE_CAUSE[how]}"), msg
+    assert f"{len(held)} tensors" in msg.splitlines()[0], msg
+    assert "does not match its config.json" not in msg and "missing tensor" not in msg, msg
+    assert "Expecting value" not in msg, msg
+    assert len(msg.splitlines()) == 1 and len(e.value.problems) == 1, msg
+    assert e.value.problems[0].startswith(f"{shard}: {DAMAGE_CAUSE[how]}"), e.value.problems
+
+
+@pytest.mark.parametrize("how", ["truncated", "header-json", "header-length"])
+def test_a_damaged_shard_is_one_error_line_of_the_cli(damaged, capsys, how):
+    ck, shard, held = damaged(how)
+    capsys.readouterr()
+    assert main(["generate", "--ckpt-path", str(ck), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"error: {ck / shard}: {DAMAGE_CAUSE[how]}"), err
+    assert f"the {len(held)} tensors model.safetensors.index.json maps to it cannot be read" in lines[0], err
+    assert "re-download" in lines[0] and "does not match its config.json" not in err, err
+
+
+def test_inspect_of_a_truncated_shard_prints_the_cause_and_the_count(damaged, capsys):
+    ck, shard, held = damaged("truncated")
+    capsys.readouterr()
+    assert main(["inspect", str(ck)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("problems    1")
+    assert out[at + 1].startswith(f"  - {shard}: the file is truncated: its tensors need"), out
+    assert f"the {len(held)} tensors" in out[at + 1] and len(out) == at + 2, out  # no cascade below it
+    assert not any("missing tensor" in line for line in out), out
+    assert main(["inspect", str(ck), "--output-format", "json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert len(problems) == 1 and problems[0].startswith(f"{shard}: the file is truncated"), problems
+
+
+def test_problems_besides_a_damaged_shard_are_still_reported(tiny_nvfp4, tmp_path, capsys):
+    """A genuinely missing tensor and an unexpected one in the intact shard, and a config mismatch, are listed
+    (collected together, as without the damage) below the damaged shard's line."""
+    ck = _copy(tiny_nvfp4, tmp_path)
+    (first, _), (second, held) = list(_shards(ck).items())[:2]
+    gone = next(n for n in held if n.endswith(".weight_scale"))
+    extra = LAYER1 + "self_attn.bogus.weight"
+    _rewrite(ck, gone, lambda t: (t.pop(gone), t.__setitem__(extra, torch.zeros(2))))
+    cfg = json.loads((ck / "config.json").read_text())
+    layers = cfg["quantization_config"]["quantized_layers"]
+    mxfp8 = next(k for k, v in layers.items() if v["quant_algo"] == "MXFP8" and k + ".weight" in held)
+    layers[mxfp8] = {"quant_algo": "NVFP4"}
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _damage(ck / first, "truncated")
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(ck)
+    p = e.value.problems
+    assert p[0].startswith(f"{first}: the file is truncated"), p
+    assert any(gone in x and "missing tensor" in x for x in p), p
+    assert any(extra in x and "unexpected tensor" in x for x in p), p
+    assert any(f"{mxfp8} is stored MXFP8 but quantization_config says NVFP4" in x for x in p), p
+    assert len(p) == 4, p
+    assert str(e.value).splitlines()[0].startswith(f"{ck / first}: the file is truncated")
+    assert str(e.value).splitlines()[0].endswith("; 3 other problems:")
+    capsys.readouterr()
+    assert main(["generate", "--ckpt-path", str(ck), "--prompt", "hi"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 4
+
+
+def test_a_truncated_lone_shard_without_an_index_counts_what_is_not_found(tiny_nvfp4, tmp_path):
+    """No index: which tensors the damaged file held is unknown; those the config needs and no readable shard has
+    are counted on its line."""
+    ck = _copy(tiny_nvfp4, tmp_path)
+    tensors = {}
+    for shard in _shards(ck):
+        tensors.update(load_file(str(ck / shard)))
+        (ck / shard).unlink()
+    (ck / "model.safetensors.index.json").unlink()
+    save_file(tensors, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    _damage(ck / "model.safetensors", "truncated")
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(ck)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and msg.startswith(f"{ck / 'model.safetensors'}: the file is truncated"), msg
+    assert "its tensors cannot be read" in msg and "the config needs are in no readable shard" in msg, msg
+
+
 def test_pickle_only_folder_is_refused(tmp_path):
     folder = tmp_path / "pickled"
     folder.mkdir()
@@ -356,7 +497,7 @@ def test_release_tensor_count_matches_the_release():
 def test_synth_weights_are_not_degenerate(tiny_bf16):
     model = load_model(tiny_bf16, dtype=torch.float32)
     assert model.norm.weight.abs().max() > 0.05, "norm offsets are not all zero"
-    from minimax_ref.model.decoder import Trace
+    from minimax_ref.research.trace import Trace
 
     trace = Trace(layers=set())
     ids = torch.randint(0, 1000, (1, 120), generator=torch.Generator().manual_seed(0))

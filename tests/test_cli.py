@@ -71,6 +71,23 @@ def test_unknown_flag_is_a_usage_error(capsys):
     assert e.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
+def test_fast_flag_offers_the_user_presets_in_their_own_words(capsys):
+    """`--fast` is auto or a user preset of `fast.paths.PRESETS`, its help made of their descriptions; the finer
+    presets (compile, fused) are for benchmarks and tests."""
+    from minimax_ref.fast.paths import PRESETS, USER_PRESETS
+
+    assert USER_PRESETS == ("off", "on", "compiled")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    out = "".join(capsys.readouterr().out.split())  # argparse rewraps the help
+    assert e.value.code == 0 and "--fast{auto,off,on,compiled}" in out
+    for name in USER_PRESETS:
+        assert f"{name}={''.join(PRESETS[name].description.split())}" in out
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--fast", "fused", "--prompt", "x"])
+    assert e.value.code == 2 and "invalid choice: 'fused'" in capsys.readouterr().err
+
+
 def test_missing_checkpoint_folder(tmp_path, capsys):
     code, _, err = run(["generate", "--ckpt-path", str(tmp_path / "nope"), "--prompt", "x"], capsys)
     assert code == 2 and "nope" in err
@@ -123,7 +140,7 @@ def test_tools_file_with_a_bad_schema(tiny_nvfp4, tmp_path, capsys):
 
 
 def test_interactive_session_with_history_and_reset(tiny_nvfp4):
-    cmd = [sys.executable, "-m", "minimax_ref.cli.main", "generate", "--ckpt-path", str(tiny_nvfp4), "--interactive",
+    cmd = [sys.executable, "-m", "minimax_ref.cli", "generate", "--ckpt-path", str(tiny_nvfp4), "--interactive",
            "--max-new-tokens", "3", "--temperature", "0", "--hide-reasoning"]
     proc = subprocess.run(cmd, input="Hello there\nAnd again\n/reset\nFresh start\n/exit\n", capture_output=True,
                           text=True, timeout=300)
@@ -137,7 +154,7 @@ def test_interactive_with_an_image_keeps_it_in_the_first_turn(ckpt_factory, tmp_
 
     png = tmp_path / "red.png"
     Image.new("RGB", (60, 40), (200, 10, 10)).save(png)
-    cmd = [sys.executable, "-m", "minimax_ref.cli.main", "generate", "--ckpt-path", str(ckpt_factory("tiny-vl", "nvfp4")),
+    cmd = [sys.executable, "-m", "minimax_ref.cli", "generate", "--ckpt-path", str(ckpt_factory("tiny-vl", "nvfp4")),
            "--interactive", "--image", str(png), "--max-new-tokens", "2", "--temperature", "0"]
     proc = subprocess.run(cmd, input="What is this?\nAnd now?\n/exit\n", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "error" not in proc.stderr, proc.stderr
@@ -173,3 +190,74 @@ def test_model_call_rejects_malformed_input_ids(tiny_nvfp4):
     with pytest.raises(InputError, match=r"\[batch, seq\]"):
         model(torch.tensor([1, 2]))
     assert model(torch.tensor([[1, 2, 3]], dtype=torch.int32)).shape == (1, 3, 1024)
+
+
+def _refuse_loading(monkeypatch):
+    """Make loading the model fail loudly: a check that must come first is proven to come before the load."""
+    import minimax_ref.cli.generate as cli_generate
+
+    def load(args):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(cli_generate, "load_from_args", load)
+
+
+def test_non_utf8_prompt_is_refused_before_loading(monkeypatch, capsys):
+    _refuse_loading(monkeypatch)
+    # b"caf\xe9" (Latin-1) in argv reaches argparse as "caf\udce9" on POSIX (surrogateescape)
+    code, _, err = run(["generate", "--prompt", "ok", "--prompt", "caf\udce9"], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert err.startswith("error: --prompt 2: not UTF-8 text (byte 0xe9 at offset 3): ") and "UTF-8" in err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--prompt", "hi", "--max-new-tokens", "0"], "error: --max-new-tokens 0: must be >= 1"),
+    (["--interactive", "--max-new-tokens", "0"], "error: --max-new-tokens 0: must be >= 1"),
+])
+def test_zero_max_new_tokens_is_refused_before_loading(monkeypatch, capsys, flags, needle):
+    _refuse_loading(monkeypatch)
+    code, _, err = run(["generate"] + flags, capsys)
+    assert code == 2 and err.startswith(needle) and "minimax-ref score" in err and len(err.splitlines()) == 1
+
+
+class _FakeResult:
+    token_ids, prompt_token_ids, finish_reason = [1], [1], "stop"
+
+    def as_dict(self):
+        return {"text": "x"}
+
+
+def _capture_generate(monkeypatch):
+    """Replace the model and generate(): the requests' generate kwargs are recorded instead of run."""
+    import minimax_ref.cli.generate as cli_generate
+    import minimax_ref.generation.generate as gen
+
+    calls = []
+    monkeypatch.setattr(cli_generate, "load_from_args", lambda args: (object(), object(), None))
+    monkeypatch.setattr(gen, "generate", lambda model, tok, **kw: calls.append(kw) or [_FakeResult()])
+    return calls
+
+
+def test_input_file_zero_max_new_tokens_is_refused_per_line(monkeypatch, tmp_path, capsys):
+    calls = _capture_generate(monkeypatch)
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt": "a", "max_new_tokens": 0}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
+    code, out, err = run(["generate", "--input-file", str(requests), "--output-format", "json"], capsys)
+    assert code == 1 and len(calls) == 1 and calls[0]["prompts"] == ["b"]
+    assert f"error: {requests}:1: max_new_tokens=0: must be >= 1" in err and "minimax-ref score" in err
+    assert json.loads(out.splitlines()[0])["line"] == 1
+
+
+def test_input_file_lines_without_max_new_tokens_take_the_flag(monkeypatch, tmp_path, capsys):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt": "a", "max_new_tokens": 16}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
+    for flags, expected in ((["--max-new-tokens", "7"], [16, 7]), ([], [16, 512])):
+        calls = _capture_generate(monkeypatch)
+        code, _, err = run(["generate", "--input-file", str(requests), "--output-format", "json"] + flags, capsys)
+        assert code == 0, err
+        assert [c["max_new_tokens"] for c in calls] == expected
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "without 'max_new_tokens' takes --max-new-tokens, itself 512 when not given" in help_text
+    assert "also the default of --input-file lines without 'max_new_tokens'" in help_text

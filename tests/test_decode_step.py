@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minimax_ref.cli.main import fast_mode, main
+from minimax_ref.cli.main import main
+from minimax_ref.cli.model_args import fast_mode
 from minimax_ref.errors import InputError
 from minimax_ref.fast import FastPaths, apply
 from minimax_ref.generation.decoding import GenerationStats, generate_ids

@@ -1,4 +1,4 @@
-"""The fused dequantize-and-multiply of packed weights (`FastPaths(matmul="fused")`, issue 9), on CPU (C++ kernels),
+"""The fused dequantize-and-multiply of packed weights (`FastPaths(matmul="fused")`), on CPU (C++ kernels),
 and on CUDA (Triton kernels) in the cases marked `gpu`: `python -m pytest -q tests/test_fused.py -m gpu`.
 
 Contract under test (`fast.packed.packed_matmul`): y[m, n] = dtype(sum_k fp32(x[m, k]) * fp32(w_hat[n, k])) with
@@ -521,7 +521,7 @@ def _allocated_elements(code: str) -> list[int]:
 @pytest.mark.parametrize("case", ["nvfp4 linear M=2", "nvfp4 gathered"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_graph_never_materialises_the_weight(case, device):
-    """What issue 9 is about: the compiled graph is one kernel, and every buffer it allocates is output-sized
+    """The point of the fused matmul: the compiled graph is one kernel, and every buffer it allocates is output-sized
     (rows x N per expert), none of the weight's N x K (nor N x K/2 for the NVFP4 planes). On CUDA inductor may
     split a long reduction in two kernels (and cast in a third), with partial sums of a few times the output's
     size."""
@@ -807,7 +807,7 @@ def test_compiled_layers_step_aside_for_traces_and_masks(nvfp4_ckpt, monkeypatch
     the same fast paths' exact result run eagerly; an ordinary step takes the compiled layers. (The compiled function is
     replaced by a counting eager one: this test is about the dispatch, not the compiler.)"""
     from minimax_ref.fast.compiled import run_layer
-    from minimax_ref.model.decoder import Trace
+    from minimax_ref.research.trace import Trace
 
     model = load_model(nvfp4_ckpt, dtype=torch.float32, weights="packed", fast="compiled")
     calls = []

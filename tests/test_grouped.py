@@ -1,6 +1,6 @@
 """The grouped dequantize-and-multiply of packed weights for batch > 1 decode steps (`FastPaths(grouped=True)`,
-issue 26): `fast.grouped.packed_matmul_grouped`, one Triton kernel that decodes each packed weight tile once in
-registers and multiplies it by all the rows with `tl.dot`.
+the switch that enables it): `fast.grouped.packed_matmul_grouped`, one Triton kernel that decodes each packed weight
+tile once in registers and multiplies it by all the rows with `tl.dot`.
 
 Where the cases run: `fast.grouped` makes its kernels interpreted or compiled when it is imported, from
 `TRITON_INTERPRET`. The `interp` cases run the kernel in Triton's interpreter on CPU tensors and need the variable for

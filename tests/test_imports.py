@@ -155,7 +155,8 @@ def test_the_package_has_no_import_cycle():
 def test_the_graph_sees_function_level_and_relative_imports():
     graph = _package_graph()
     # generate loads the drafter and the speculative loop only when asked, inside `generate`
-    assert {"minimax_ref.generation.decoding", "minimax_ref.generation.speculative", "minimax_ref.generation.drafter"} <= graph["minimax_ref.generation.generate"]
+    gen = "minimax_ref.generation."
+    assert {gen + "decoding", gen + "speculative", gen + "drafter"} <= graph[gen + "generate"]
     assert "minimax_ref.generation.sampling" in graph["minimax_ref.generation.drafter"]
     assert "minimax_ref.generation.decoding" in graph["minimax_ref.generation.speculative"]
     assert "minimax_ref.model.decoder" not in graph["minimax_ref.generation.drafter"]  # only under TYPE_CHECKING there
@@ -185,8 +186,7 @@ def test_type_checking_imports_and_one_way_imports_are_not_cycles():
 def test_generation_never_reaches_the_fast_path():
     """Everything the generation layers import, directly or not, at module level or in a function."""
     graph = _package_graph()
-    layers = ["minimax_ref.generation.sampling", "minimax_ref.generation.decoding", "minimax_ref.generation.drafter", "minimax_ref.generation.speculative",
-              "minimax_ref.generation.generate"]
+    layers = [f"minimax_ref.generation.{m}" for m in ("sampling", "decoding", "drafter", "speculative", "generate")]
     seen, todo = set(), list(layers)
     while todo:
         m = todo.pop()

@@ -12,16 +12,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1] / "minimax_ref"
-REFERENCE_MODULES = ("config", "quant", "checkpoint", "loader", "model", "attention", "msa", "moe", "mlp", "linear",
-                     "norm", "rope", "cache", "vision", "parallel", "generate", "speculative", "drafter", "packed",
-                     "golden")
+REFERENCE_MODULES = ("model", "weights.quant", "weights.checkpoint", "weights.loader", "weights.packed",
+                     "generation.generate", "generation.speculative", "generation.drafter", "research.trace", "golden")
 # what only the fast path may call: the compiled-region switch and its store-once operator
 FAST_ONLY = ("is_compiling", "materialize", "_dynamo", "_inductor")
 
 
 def _trees(module: str) -> list[ast.Module]:
     """The parsed source of `minimax_ref.<module>`: its file, or every file of its package."""
-    files = [ROOT / f"{module}.py"] if (ROOT / f"{module}.py").exists() else sorted((ROOT / module).glob("*.py"))
+    path = ROOT.joinpath(*module.split("."))
+    files = [path.with_suffix(".py")] if path.with_suffix(".py").exists() else sorted(path.glob("*.py"))
     assert files, module
     return [ast.parse(f.read_text()) for f in files]
 
@@ -46,14 +46,14 @@ def test_reference_modules_import_nothing_from_the_fast_path():
     """Not at all; the loader only inside `_load`, when `load_model(fast=...)` asks for fast paths (its lazy import
     is what the subprocess test below checks)."""
     for module in REFERENCE_MODULES:
-        fast = sorted(name for name in _imported(module, top_level_only=module == "loader")
+        fast = sorted(name for name in _imported(module, top_level_only=module == "weights.loader")
                       if name == "minimax_ref.fast" or name.startswith("minimax_ref.fast."))
         assert not fast, f"minimax_ref.{module} imports {fast}"
 
 
 def test_reference_modules_have_no_compiled_region_switches():
     for module in REFERENCE_MODULES:
-        if module == "loader":  # its one lazy `from .fast import` is checked by the subprocess test below
+        if module == "weights.loader":  # its one lazy `from .fast import` is checked by the subprocess test below
             continue
         names = {n.attr if isinstance(n, ast.Attribute) else n.id
                  for tree in _trees(module) for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
@@ -157,3 +157,37 @@ def test_golden_captures_through_the_trace_not_by_patching():
                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
                if isinstance(t, ast.Attribute) and t.attr in ("causal_attention", "msa_attention")]
     assert not patched, patched
+
+
+# the modules whose forwards are the model's math, and the words of what attaches from outside
+MATH_MODULES = ("decoder", "attention", "msa", "moe", "mlp", "norm", "rope", "linear")
+RECORDING_WORDS = ("trace", "capture", "record", "intervention", "golden", "capturing", "hook")
+
+
+def test_reference_forwards_compute_the_math_and_nothing_else():
+    """The forwards of the model's modules (and msa.py's functions) name nothing that records, intervenes or
+    captures a CUDA graph: `research.trace` and `golden` attach by forward hooks from outside."""
+    found = []
+    for module in MATH_MODULES:
+        tree = ast.parse((ROOT / "model" / f"{module}.py").read_text())
+        if module == "decoder":  # the decoder layer; the model's own forward is the public entry taking a trace
+            tree = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DecoderLayer")
+        funcs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+                 and (n.name == "forward" or module in ("msa", "rope"))]
+        assert funcs, module
+        for fn in funcs:
+            body = fn.body[1:] if ast.get_docstring(fn) else fn.body
+            names = {n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else n.arg
+                     for stmt in body for n in ast.walk(stmt) if isinstance(n, (ast.Name, ast.Attribute, ast.arg))}
+            names |= {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+            found += [f"{module}.{fn.name}: {name}" for name in names
+                      if any(word in name.lower() for word in RECORDING_WORDS)]
+    assert not found, found
+
+
+def test_the_decoder_layer_reads_as_its_equations():
+    tree = ast.parse((ROOT / "model" / "decoder.py").read_text())
+    layer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DecoderLayer")
+    forward = next(n for n in layer.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    body = forward.body[1:]  # below the docstring
+    assert body[-1].end_lineno - body[0].lineno + 1 <= 15

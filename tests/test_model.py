@@ -8,7 +8,7 @@ import torch
 from oracle import hf_text_model, relative_max_error
 
 from minimax_ref.generation.generate import SamplingParams, generate_ids
-from minimax_ref.model.decoder import Trace
+from minimax_ref.research.trace import Trace
 from minimax_ref.weights.loader import load_model
 
 TOL = 1e-4  # spec: fp32 logits within 1e-4 of the oracle, relative to the logit scale

@@ -13,7 +13,7 @@ import torch
 from oracle import hf_vl_model, relative_max_error
 from PIL import Image
 
-from minimax_ref.cli import main as cli
+from minimax_ref.cli import main
 from minimax_ref.errors import InputError
 from minimax_ref.generation.generate import encode_prompt, generate
 from minimax_ref.generation.multimodal import (
@@ -196,7 +196,7 @@ def test_images_in_one_prompt_do_not_see_each_other(vl_model, tok):
 def test_cli_json_with_image(vl_path, tok, png, tmp_path, capsys):
     argv = ["generate", "--ckpt-path", str(vl_path), "--dtype", "float32", "--max-new-tokens", "2",
             "--temperature", "0", "--output-format", "json"]
-    assert cli.main([*argv, "--prompt", "describe", "--image", str(png)]) == 0
+    assert main([*argv, "--prompt", "describe", "--image", str(png)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_token_ids"] == expanded(tok, 6) + tok.encode("describe")
     assert len(out["token_ids"]) == 2
@@ -206,7 +206,7 @@ def test_cli_json_with_image(vl_path, tok, png, tmp_path, capsys):
     batch = tmp_path / "batch.jsonl"
     record = {"prompt": f"x{IMAGE_MARKER}y{IMAGE_MARKER}", "images": ["pic.png", "pic.png"], "id": "two"}
     batch.write_text(json.dumps(record) + "\n")
-    assert cli.main([*argv, "--input-file", str(batch), "--limit-images", "2"]) == 0
+    assert main([*argv, "--input-file", str(batch), "--limit-images", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     x, y = tok.encode("x"), tok.encode("y")
     assert out["id"] == "two" and out["prompt_token_ids"] == x + expanded(tok, 6) + y + expanded(tok, 6)
@@ -216,11 +216,11 @@ def test_cli_errors_name_the_culprit(vl_path, tmp_path, png, capsys):
     bad = tmp_path / "broken.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
     argv = ["generate", "--ckpt-path", str(vl_path), "--max-new-tokens", "1", "--prompt", "hi"]
-    assert cli.main([*argv, "--image", str(bad)]) == 2
+    assert main([*argv, "--image", str(bad)]) == 2
     assert "broken.png" in capsys.readouterr().err
-    assert cli.main([*argv, "--image", str(png), "--image", str(png)]) == 2
+    assert main([*argv, "--image", str(png), "--image", str(png)]) == 2
     assert "2 images but at most 1" in capsys.readouterr().err
-    assert cli.main([*argv, "--image", str(tmp_path / "missing.png")]) == 2
+    assert main([*argv, "--image", str(tmp_path / "missing.png")]) == 2
     assert "missing.png" in capsys.readouterr().err
 
 

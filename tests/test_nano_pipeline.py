@@ -22,7 +22,8 @@ from examples.nano.tokenizer import train_tokenizer  # noqa: E402
 from minimax_ref.generation import chat  # noqa: E402
 from minimax_ref.generation.tokenizer import load_tokenizer  # noqa: E402
 from minimax_ref.model.config import parse_model_config  # noqa: E402
-from minimax_ref.model.decoder import MiniMaxM3, Trace  # noqa: E402
+from minimax_ref.model.decoder import MiniMaxM3  # noqa: E402
+from minimax_ref.research.trace import Trace  # noqa: E402
 from minimax_ref.weights.loader import load_model  # noqa: E402
 from minimax_ref.weights.quant import dequant_mxfp8, dequant_nvfp4, quantize_mxfp8, quantize_nvfp4  # noqa: E402
 

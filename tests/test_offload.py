@@ -15,8 +15,9 @@ from minimax_ref.errors import ConfigError
 from minimax_ref.generation.decoding import generate_ids
 from minimax_ref.generation.sampling import SamplingParams
 from minimax_ref.model.config import load_model_config
-from minimax_ref.model.decoder import Trace
-from minimax_ref.research.plan import GIB, kv_bytes_per_token, offload_units
+from minimax_ref.research.plan import kv_bytes_per_token, offload_units
+from minimax_ref.research.trace import Trace
+from minimax_ref.weights.device_map import GIB
 from minimax_ref.weights.loader import load_model, load_synthetic
 from minimax_ref.weights.offload import DiskStore, OffloadConfig, check_offload, id_runs
 
@@ -29,7 +30,7 @@ GREEDY = SamplingParams(temperature=0)
 def budgets(path) -> dict[str, float]:
     """GPU budgets (GiB, reserve 0) for the tiny model in fp32: "layers" streams layer parts (and every expert stack),
     "experts" keeps every layer part and the first expert stack resident and streams the other stacks. Computed from
-    the plan's unit sizes and the rule in plan.propose_device_map's docstring."""
+    the plan's unit sizes and the rule in device_map.propose_device_map's docstring."""
     cfg = load_model_config(path)
     always, units = offload_units(cfg, dtype_bytes=4, ckpt_dir=path)
     kv = kv_bytes_per_token(cfg, 1, "auto", 4) * RUNTIME["max_seq_len"] * RUNTIME["max_batch_size"]

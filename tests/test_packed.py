@@ -1,4 +1,4 @@
-"""Packed weights, synthetic checkpoints in memory, and the fast paths (issue 9), on CPU.
+"""Packed weights, synthetic checkpoints in memory, and the fast paths, on CPU.
 
 * packed == dequant: the decoders against `quant.dequant_*` on every byte value (bit-identical), then
   whole models (logits bit-identical, same greedy tokens) on NVFP4 and MXFP8 checkpoints, fp32 and bf16,
@@ -28,9 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minimax_ref.errors import ConfigError
 from minimax_ref.fast import FastPaths, Kernels, apply
+from minimax_ref.fast.attention import block_sparse_attention as fast_block_sparse_attention
 from minimax_ref.fast.attention import causal_attention_sdpa
 from minimax_ref.fast.attention import gather_block_attention as fast_gather_block_attention
-from minimax_ref.fast.attention import msa_attention as fast_msa_attention
+from minimax_ref.fast.attention import select_blocks_chunked as fast_select_blocks_chunked
 from minimax_ref.fast.moe import FastExperts
 from minimax_ref.fast.packed import decode_fast
 from minimax_ref.generation.generate import SamplingParams, generate_ids
@@ -362,7 +363,8 @@ def test_sdpa_attention_cores_equal_reference():
     assert _rel(causal_attention_sdpa(q, k, v, pos, D**-0.5, 1 << 12), causal_attention(q, k, v, pos, D**-0.5)) < 1e-6
     iq, ik = torch.randn(B, T, Hkv, 16, generator=g), torch.randn(B, L, 16, generator=g)
     ref, blocks = msa_attention(q, k, v, iq, ik, pos, D**-0.5, 16, 3, 1, 0)
-    fast, fast_blocks = fast_msa_attention(q, k, v, iq, ik, pos, D**-0.5, 16, 3, 1, 0, load=lambda t: t, sdpa=True)
+    fast_blocks = fast_select_blocks_chunked(iq, ik, pos, 16, 3, 1, 0, chunk=3)
+    fast = fast_block_sparse_attention(q, k, v, fast_blocks, pos, 16, D**-0.5, chunk=3, load=lambda t: t, sdpa=True)
     assert torch.equal(blocks, fast_blocks) and _rel(fast, ref) < 1e-6
     # fp8 storage: gathering then converting equals converting the whole cache first
     k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)

@@ -138,7 +138,7 @@ MIB = 2**20
 
 
 def _units():
-    from minimax_ref.research.plan import OffloadUnit
+    from minimax_ref.weights.device_map import OffloadUnit
 
     def layer(L, mib):
         return OffloadUnit(f"layers.{L}", "layer", L, mib * MIB)
@@ -153,7 +153,7 @@ def test_device_map_by_hand():
     """propose_device_map's rule on units worked by hand (MiB): layers 100, 100, 10, 10, 10 (sum 230), three expert
     stacks of 400 (8 experts each), 30 always resident, 20 reserve: 1480 in all."""
     from minimax_ref.errors import ConfigError
-    from minimax_ref.research.plan import propose_device_map
+    from minimax_ref.weights.device_map import propose_device_map
 
     units = _units()
     everything = propose_device_map(units, 30 * MIB, 1480 * MIB, 20 * MIB)
@@ -177,7 +177,7 @@ def test_expected_distinct_experts_by_enumeration():
     """E (1 - (1 - k/E)^B) equals the mean number of distinct experts over every way 3 tokens choose 2 of 5."""
     from itertools import combinations, product
 
-    from minimax_ref.research.plan import expected_distinct_experts
+    from minimax_ref.weights.device_map import expected_distinct_experts
 
     choices = list(combinations(range(5), 2))
     counts = [len(set().union(*c)) for c in product(choices, repeat=3)]

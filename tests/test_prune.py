@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
-from minimax_ref.model.decoder import Trace
+from minimax_ref.research.trace import Trace
 from minimax_ref.weights.loader import load_model
 from minimax_ref.weights.prune import check_keep, choose_experts, expert_scores, write_pruned
 

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 import minimax_ref as mr
 from minimax_ref.errors import InputError
 from minimax_ref.fast import apply
-from minimax_ref.model.decoder import Interventions, Trace
 from minimax_ref.model.mlp import swiglu_oai
 from minimax_ref.research.score import ScoreTrace, score_traces
+from minimax_ref.research.trace import Interventions, Trace
 from minimax_ref.weights.loader import load_model
 from minimax_ref.weights.prune import write_pruned
 
@@ -59,7 +59,7 @@ def _layer_by_hand(layer, x: torch.Tensor, scale: dict[int, float], model) -> to
     T = x.shape[1]
     pos = torch.arange(T).expand(x.shape[0], T)
     cos, sin = model.rope(pos)
-    h = x + layer.self_attn(layer.input_layernorm(x), pos, cos, sin, None, None, None)
+    h = x + layer.self_attn(layer.input_layernorm(x), pos, cos, sin)
     moe = layer.block_sparse_moe
     flat = layer.post_attention_layernorm(h).reshape(-1, h.shape[-1])
     probs = torch.sigmoid(flat.float() @ moe.gate.weight.float().T)
@@ -140,6 +140,29 @@ def test_fast_twins_apply_the_same_interventions(tiny_nvfp4):
         apply(m, False)
 
 
+@torch.no_grad()
+def test_fast_twins_keep_the_hook_points(tiny_nvfp4):
+    """The fast twins call the same selection module, so a trace on a fast model records the indexer's blocks,
+    the routing and the streams; a recorded attention core runs the reference forward of its layer."""
+    m = load_model(tiny_nvfp4, dtype=torch.float32)
+    ids = _ids(40, seed=8, batch=2)
+    ref = Trace(components=True, attention_layers={2})
+    want = m(ids, trace=ref)
+    apply(m, True)
+    try:
+        tr = Trace(components=True, attention_layers={2})
+        torch.testing.assert_close(m(ids, trace=tr), want, rtol=1e-5, atol=1e-5)
+    finally:
+        apply(m, False)
+    assert sorted(tr.blocks) == sorted(ref.blocks) and tr.blocks
+    for L in ref.blocks:
+        assert torch.equal(tr.blocks[L], ref.blocks[L])
+    assert sorted(tr.routing) == sorted(ref.routing) and sorted(tr.hidden_states) == sorted(ref.hidden_states)
+    assert torch.equal(tr.attention[2]["blocks"], ref.attention[2]["blocks"])
+    for name in ("q", "k", "v", "o", "iq", "ik"):  # the layers before it ran fast: equal to fp32 rounding
+        torch.testing.assert_close(tr.attention[2][name], ref.attention[2][name], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("iv,needle", [
     (Interventions(expert_mask={0: torch.ones(16, dtype=torch.bool)}), "dense MLP"),
     (Interventions(expert_mask={9: torch.ones(16, dtype=torch.bool)}), "not a layer index"),
@@ -215,10 +238,11 @@ def test_longer_than_max_seq_len_is_refused(tiny_nvfp4):
 
 
 def test_score_is_the_public_function():
-    import minimax_ref.research.score as score_module  # binds the function: the public name wins
+    import minimax_ref.research.score as score_module
 
-    assert callable(mr.score) and mr.score is score_module
+    assert callable(mr.score) and mr.score is score_module.score
     assert mr.score.__module__ == "minimax_ref.research.score"
+    assert callable(mr.generate) and mr.generate.__module__ == "minimax_ref.generation.generate"
 
 
 @pytest.mark.parametrize("trace,needle", [

@@ -31,7 +31,7 @@ from minimax_ref.generation.speculative import (
     sample_inverse_cdf,
     speculative_generate_ids,
 )
-from minimax_ref.model.decoder import Trace
+from minimax_ref.research.trace import Trace
 from minimax_ref.weights.loader import load_model
 
 GREEDY = SamplingParams(temperature=0)

@@ -11,13 +11,12 @@ import pytest
 
 from minimax_ref.errors import CheckpointError, InputError
 from minimax_ref.generation.tokenizer import (
-    MIN_TEST_VOCAB,
     SPECIAL_TOKEN_TEXTS,
     SpecialTokens,
     StreamDecoder,
     load_tokenizer,
-    write_test_tokenizer,
 )
+from minimax_ref.weights.synth_tokenizer import MIN_TEST_VOCAB, write_test_tokenizer
 
 # Written out here (not imported) so that a change to the token texts fails the tests.
 EXPECTED_TEXTS = {

@@ -13,7 +13,7 @@ import runpy
 import sys
 from pathlib import Path
 
-import minimax_ref.cli.main as cli
+import minimax_ref.cli.generate as cli_generate
 
 rank, when = int(sys.argv[1]), sys.argv[2]
 argv = sys.argv[sys.argv.index("--") + 1:]
@@ -24,12 +24,12 @@ if int(os.environ.get("RANK", "0")) == rank:
         def failing(*args, **kwargs):
             raise RuntimeError(f"injected failure on rank {rank}")
 
-        sys.modules["minimax_ref.generation.generate"].generate = failing  # what cli.run_generate imports and calls
+        sys.modules["minimax_ref.generation.generate"].generate = failing  # what cli/generate.py imports and calls
     else:
 
         def failing_load(*args, **kwargs):
             raise RuntimeError(f"injected failure on rank {rank} while loading")
 
-        cli.load_from_args = failing_load
+        cli_generate.load_from_args = failing_load  # where run_generate looks it up
 sys.argv = ["examples/generate.py", *argv]
 runpy.run_path(str(Path(__file__).parents[1] / "examples" / "generate.py"), run_name="__main__")

@@ -1,6 +1,6 @@
 """Train the nano model's byte-level BPE tokenizer on generated data, in the release's file layout.
 
-The conventions are `minimax_ref.generation.tokenizer.write_test_tokenizer`'s: byte-level BPE (every byte is a
+The conventions are `minimax_ref.weights.synth_tokenizer.write_test_tokenizer`'s: byte-level BPE (every byte is a
 token, so any text encodes), the special tokens of `minimax_ref.generation.tokenizer.SPECIAL_TOKEN_TEXTS` as
 added tokens at the top ids in that order, no BOS added by the encoder, and the files
 `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja` (`chat.CHAT_TEMPLATE`, which
@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from minimax_ref.generation.tokenizer import MIN_TEST_VOCAB, SPECIAL_TOKEN_TEXTS, save_trained_tokenizer
+from minimax_ref.generation.tokenizer import SPECIAL_TOKEN_TEXTS
+from minimax_ref.weights.synth_tokenizer import MIN_TEST_VOCAB, save_trained_tokenizer
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> dict[str, int]:

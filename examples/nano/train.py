@@ -66,12 +66,13 @@ from minimax_ref.fast import FastPaths, apply
 from minimax_ref.generation.tokenizer import load_tokenizer
 from minimax_ref.model.attention import Attention
 from minimax_ref.model.config import parse_model_config
-from minimax_ref.model.decoder import MiniMaxM3, Numerics, Trace
+from minimax_ref.model.decoder import MiniMaxM3, Numerics
 from minimax_ref.model.linear import Linear
 from minimax_ref.model.moe import Experts, Router
 from minimax_ref.model.msa import index_scores
 from minimax_ref.model.norm import RMSNorm
 from minimax_ref.model.rope import apply_rope
+from minimax_ref.research.trace import Trace
 from minimax_ref.weights.checkpoint import tensor_table
 from minimax_ref.weights.quant import (
     E4M3_MAX,

@@ -47,8 +47,9 @@ from examples.nano import export as nx
 from examples.nano import train as nt
 from minimax_ref.generation.drafter import SUBFOLDER, DSparkDrafter, drafter_tensor_table, load_drafter
 from minimax_ref.model.config import parse_drafter_config
-from minimax_ref.model.decoder import MiniMaxM3, Trace
+from minimax_ref.model.decoder import MiniMaxM3
 from minimax_ref.model.norm import RMSNorm
+from minimax_ref.research.trace import Trace
 from minimax_ref.weights.synth import drafter_config_json
 
 

@@ -4,15 +4,16 @@ model by one call, `apply(model, FastPaths(...))`, and removed by `apply(model, 
 
 The reference modules never import this package; `load_model(fast=...)` imports it only when a fast path is asked for,
 and a drafter loaded for a fast model takes the model's paths (`MiniMaxM3.share_paths`). Modules: `paths` (the
-switches), `attention`, `moe`, `packed` (the twins), `compiled` (the compiled decoder layer), `launch` (launch
-configurations, as data), `graph` (a decode step captured in a CUDA graph), `grouped` (the Triton kernel of packed
-products of a few dozen rows), `attention_kernel` (the Triton block-sparse attention of prefill and decode steps),
-`drafter` (the DSpark drafter's twin: its pass with static shapes, captured), `model` (the model twin and `apply`).
+switches and their named `PRESETS`), `attention`, `moe`, `packed` (the twins), `compiled` (the compiled decoder
+layer), `launch` (launch configurations, as data), `graph` (a decode step captured in a CUDA graph), `grouped` (the
+Triton kernel of packed products of a few dozen rows), `attention_kernel` (the Triton block-sparse attention of prefill
+and decode steps), `drafter` (the DSpark drafter's twin: its pass with static shapes, captured), `model` (the model
+twin and `apply`).
 """
 
 from .model import FastMiniMaxM3, apply, paths_of
 from .packed import FUSED_ROWS, Kernels
-from .paths import CACHE_BUCKET, REFERENCE, SYNC_FREE_TOKENS, FastPaths
+from .paths import CACHE_BUCKET, PRESETS, REFERENCE, SYNC_FREE_TOKENS, FastPaths
 
-__all__ = ["FastPaths", "REFERENCE", "apply", "paths_of", "FastMiniMaxM3", "Kernels", "FUSED_ROWS", "CACHE_BUCKET",
-           "SYNC_FREE_TOKENS"]
+__all__ = ["FastPaths", "PRESETS", "REFERENCE", "apply", "paths_of", "FastMiniMaxM3", "Kernels", "FUSED_ROWS",
+           "CACHE_BUCKET", "SYNC_FREE_TOKENS"]

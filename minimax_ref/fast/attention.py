@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..model.attention import Attention, gqa_chunks, merge_heads
 from ..model.cache import LayerCache
-from ..model.msa import CHUNK_ELEMENTS, block_scores, gather_blocks, mask_future, query_chunk
+from ..model.msa import CHUNK_ELEMENTS, BlockSelection, block_scores, gather_blocks, mask_future, query_chunk
 from . import attention_kernel
 from .compiled import materialize
 
@@ -93,13 +93,26 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block
 
 
 def select_blocks_chunked(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
-                          local_blocks: int, init_blocks: int, chunk_elements: int) -> torch.Tensor:
-    """`select_blocks` for all queries, in chunks whose index scores [B, Hi, t, L] stay within `chunk_elements`:
-    block ids [B, Hi, T, kb]."""
-    B, T, Hi = iq.shape[:3]
-    chunk = max(1, chunk_elements // (B * Hi * ik.shape[1]))
+                          local_blocks: int, init_blocks: int, chunk: int) -> torch.Tensor:
+    """`msa.select_blocks_chunked` with this module's `select_blocks`: block ids [B, Hi, T, kb], `chunk` queries at
+    a time."""
     return torch.cat([select_blocks(iq[:, s:s + chunk], ik, q_pos[:, s:s + chunk], block_size, topk_blocks,
-                                    local_blocks, init_blocks) for s in range(0, T, chunk)], dim=2)
+                                    local_blocks, init_blocks) for s in range(0, iq.shape[1], chunk)], dim=2)
+
+
+def index_chunk(iq: torch.Tensor, ik: torch.Tensor, chunk_elements: int) -> int:
+    """Queries per chunk whose index scores [B, Hi, chunk, L] stay within `chunk_elements` (what the selection alone
+    needs when the attention kernel, which gathers nothing, runs beside it)."""
+    B, _, Hi = iq.shape[:3]
+    return max(1, chunk_elements // (B * Hi * ik.shape[1]))
+
+
+class FastBlockSelection(BlockSelection):
+    """`msa.BlockSelection` through this module's `select_blocks` (`contract`; unsorted top-k when compiled)."""
+
+    def forward(self, iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, chunk: int) -> torch.Tensor:
+        g = self.geometry
+        return select_blocks_chunked(iq, ik, q_pos, g.block_size, g.topk_blocks, g.local_blocks, g.init_blocks, chunk)
 
 
 def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
@@ -131,31 +144,26 @@ def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
 
 
-def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
-                  q_pos: torch.Tensor, scale: float, block_size: int, topk_blocks: int, local_blocks: int,
-                  init_blocks: int, chunk_elements: int = CHUNK_ELEMENTS, *,
-                  load: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  sdpa: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`msa.msa_attention` with this module's pieces (same chunks of queries)."""
-    chunk = query_chunk(q, k, iq, block_size, topk_blocks, chunk_elements)
-    outs, sels = [], []
-    for s0 in range(0, q.shape[1], chunk):
-        sl = slice(s0, s0 + chunk)
-        blocks = select_blocks(iq[:, sl], ik, q_pos[:, sl], block_size, topk_blocks, local_blocks, init_blocks)
-        outs.append(gather_block_attention(q[:, sl], k, v, blocks, q_pos[:, sl], block_size, scale, load=load,
-                                           sdpa=sdpa))
-        sels.append(blocks)
-    return torch.cat(outs, dim=1), torch.cat(sels, dim=2)
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                           q_pos: torch.Tensor, block_size: int, scale: float, chunk: int, *,
+                           load: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                           sdpa: bool = False) -> torch.Tensor:
+    """`msa.block_sparse_attention` with this module's `gather_block_attention` (same chunks of queries)."""
+    return torch.cat([gather_block_attention(q[:, s:s + chunk], k, v, blocks[:, :, s:s + chunk], q_pos[:, s:s + chunk],
+                                             block_size, scale, load=load, sdpa=sdpa)
+                      for s in range(0, q.shape[1], chunk)], dim=1)
 
 
 class FastAttention(Attention):
-    """`Attention` with the fast paths `paths` (a `FastPaths`, set by `fast.apply`). Same parameters."""
+    """`Attention` with the fast paths `paths` (a `FastPaths`, set by `fast.apply`). Same parameters. The block
+    selection goes through `self.selection` on every path (its twin, `FastBlockSelection`), so what records or
+    replaces it attaches as on the reference; what attaches to the reference core (its operands) gets the
+    reference forward."""
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerCache | None = None, trace: dict | None = None, kv_len: int | None = None) -> torch.Tensor:
-        # golden bundles record the reference core's operands; forced MSA blocks (an intervention) run there too
-        if trace is not None and (trace.get("capture") or "force_blocks" in trace):
-            return super().forward(x, pos, cos, sin, cache, trace, kv_len)
+                cache: LayerCache | None = None, kv_len: int | None = None) -> torch.Tensor:
+        if self.core._forward_hooks:
+            return super().forward(x, pos, cos, sin, cache, kv_len)
         B, T, _ = x.shape
         prefill = T > self.paths.sync_free_tokens
         mode = self.paths.prefill_attention if prefill else self.paths.decode_attention
@@ -184,22 +192,19 @@ class FastAttention(Attention):
             if self.sparse:
                 cache.write_index(ik, pos)
                 ik = cache.index_keys(length)
-        blocks = None
         sp = self.geometry if self.sparse else None
         if kernel and self.sparse:
-            blocks = select_blocks_chunked(iq, ik, pos, sp.block_size, sp.topk_blocks, sp.local_blocks,
-                                           sp.init_blocks, self.chunk_for(trace))
+            blocks = self.selection(iq, ik, pos, index_chunk(iq, ik, self.chunk_elements))
             o = attention_kernel.block_attention(q, k, v, pos, self.scale, blocks, sp.block_size, kv_scale,
                                                  self.sm_count)
         elif kernel:
             o = attention_kernel.block_attention(q, k, v, pos, self.scale, kv_scale=kv_scale, sms=self.sm_count)
         elif self.sparse:
-            o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
-                                      sp.local_blocks, sp.init_blocks, self.chunk_for(trace), load=load, sdpa=sdpa)
+            chunk = query_chunk(q, k, iq, sp.block_size, sp.topk_blocks, self.chunk_elements)
+            blocks = self.selection(iq, ik, pos, chunk)
+            o = block_sparse_attention(q, k, v, blocks, pos, sp.block_size, self.scale, chunk, load=load, sdpa=sdpa)
         elif sdpa:
-            o = causal_attention_sdpa(q, k, v, pos, self.scale, self.chunk_for(trace))
+            o = causal_attention_sdpa(q, k, v, pos, self.scale, self.chunk_elements)
         else:
-            o = causal_attention(q, k, v, pos, self.scale, self.chunk_for(trace))
-        if trace is not None:
-            self.record(trace, q, k, v, iq, ik, pos, o, blocks)
+            o = causal_attention(q, k, v, pos, self.scale, self.chunk_elements)
         return self.o_proj(o.to(x.dtype).reshape(B, T, -1))

@@ -66,9 +66,9 @@ class StoredNorm(RMSNorm):
         return materialize(super().forward(x))
 
 
-def run_layer(layer, x, pos, cos, sin, cache, trace, kv_len):
+def run_layer(layer, x, pos, cos, sin, cache, kv_len):
     """One decoder layer's forward (what `CompiledLayers` compiles)."""
-    return layer(x, pos, cos, sin, cache, trace, kv_len)
+    return layer(x, pos, cos, sin, cache, kv_len)
 
 
 class CompiledLayers:

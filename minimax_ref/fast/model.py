@@ -8,18 +8,23 @@ reference class and removes what the twins were given.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
 from ..generation.drafter import DSparkDrafter
 from ..model.attention import Attention
 from ..model.cache import KVCache
-from ..model.decoder import DecoderLayer, Interventions, MiniMaxM3, Trace, check_layer_ids
+from ..model.config import check_layer_ids
+from ..model.decoder import DecoderLayer, MiniMaxM3
 from ..model.mlp import MLP
 from ..model.moe import Experts, Router
+from ..model.msa import BlockSelection
 from ..model.norm import RMSNorm
+from ..research.trace import Interventions, Trace
 from ..weights.packed import PackedWeight
-from .attention import FastAttention
+from .attention import FastAttention, FastBlockSelection
 from .compiled import CompiledLayers, StoredNorm, run_layer
 from .drafter import FastDSparkDrafter
 from .graph import CapturedSteps
@@ -53,11 +58,19 @@ class FastMiniMaxM3(MiniMaxM3):
             static = self.fast.static_kv and positions.shape[1] <= self.fast.sync_free_tokens
             kv_len = cache.max_seq_len if static else int(positions.max()) + 1
         run = self.compiled if self.compiles_step(positions, cache, trace, step=kept is not None) else run_layer
-        for i, layer in enumerate(self.layers):
-            x = run(layer, x, positions, cos, sin, None if cache is None else cache.layer(i), trace, kv_len)
-            if kept is not None and i in kept:
-                kept[i] = x
+        with nullcontext() if trace is None else trace.attached(self):
+            for i, layer in enumerate(self.layers):
+                x = run(layer, x, positions, cos, sin, None if cache is None else cache.layer(i), kv_len)
+                if kept is not None and i in kept:
+                    kept[i] = x
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # the range check reads the ids on the host: skipped while a CUDA graph is captured (the ids of a captured
+        # step are the model's own samples)
+        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.embed_tokens(input_ids)
+        return super().embed(input_ids)
 
     def compiles_step(self, positions: torch.Tensor, cache: KVCache | None, trace: Trace | None,
                       step: bool = False) -> bool:
@@ -145,7 +158,8 @@ class FastMiniMaxM3(MiniMaxM3):
 
 
 # reference class -> its twin; swapped only on modules of exactly the reference class
-TWINS: dict[type, type] = {Attention: FastAttention, Experts: FastExperts, Router: FastRouter, MLP: FastMLP,
+TWINS: dict[type, type] = {Attention: FastAttention, BlockSelection: FastBlockSelection, Experts: FastExperts,
+                           Router: FastRouter, MLP: FastMLP,
                            PackedWeight: FastPackedWeight, MiniMaxM3: FastMiniMaxM3, DSparkDrafter: FastDSparkDrafter}
 REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
 # what `apply` gives the twins, removed when the reference is restored

@@ -1,6 +1,7 @@
 """`FastPaths`: which fast paths are on. All off (`FastPaths()`) is the reference engine; each switch replaces
 one reference computation by a twin that computes the same function (tests/test_packed.py, test_fused.py,
-test_launch.py, test_grouped.py and test_attention_kernel.py compare each with the reference).
+test_launch.py, test_grouped.py and test_attention_kernel.py compare each with the reference). `PRESETS` names the
+sets users choose (`minimax-ref --fast off|on|compiled`) and the finer ones benchmarks and tests take.
 
 * `decode="fast"`: packed-weight decoding by a two-pass decoder (`fast.packed.decode_fast`). Bit-identical.
 * `decode="compile"`: the reference decoder through `torch.compile` (one fused kernel). Bit-identical.
@@ -49,7 +50,8 @@ test_launch.py, test_grouped.py and test_attention_kernel.py compare each with t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 from ..errors import ConfigError
 from .launch import ReductionConfigs
@@ -143,40 +145,24 @@ class FastPaths:
 
     @classmethod
     def of(cls, fast: bool | str | dict | FastPaths | None) -> FastPaths:
-        """`load_model`'s `fast` argument: False/None/"off" (reference), True/"on" (every fast path, eager decode),
-        "compile" (every fast path, compiled decode), "fused" (every fast path, eager decode, and the fused
-        packed matmul for a few tokens), "compiled" ("fused" for one-row products, with compiled decoder layers
-        in decode steps, the attention kernel in decode steps, the grouped kernel for products of 2 to
-        `sync_free_tokens` rows (batches, verify steps) and the Triton decoder for prefill), a dict of switches, or
-        a FastPaths. Every preset prefills with the Triton attention kernel where it runs
-        (`prefill_attention="triton"`)."""
+        """`load_model`'s `fast` argument: a preset's name (`PRESETS`: "off", "on", "compiled", and the finer
+        "compile" and "fused"), False/None ("off"), True ("on"), a dict of switches, or a FastPaths."""
         if isinstance(fast, FastPaths):
             return fast
-        if fast is None or fast is False or fast == "off":
-            return cls()
-        if fast is True or fast == "on":
-            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, prefill_attention="triton", graph=True)
-        if fast == "compile":
-            return cls(decode="compile", moe=True, static_kv=True, sdpa=True, prefill_attention="triton", graph=True)
-        if fast == "fused":
-            return cls(decode="fast", moe=True, static_kv=True, sdpa=True, matmul="fused", prefill_attention="triton",
-                       graph=True)
-        if fast == "compiled":
-            # sdpa off: the fp32 SDPA kernel does not split the keys of a one-query step over the GPU; the compiled
-            # einsum core does. fused_rows=1: the fused matmul reads a weight once per row (the routed experts once
-            # per token and choice) on the CUDA cores; from two rows on (batches, verify steps) the grouped kernel
-            # reads each chosen tile once for all rows and multiplies on the tensor cores
-            return cls(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", fused_rows=1,
-                       compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True,
-                       prefill_attention="triton", decode_attention="triton", graph=True)
+        if fast is None or isinstance(fast, bool):
+            fast = "on" if fast else "off"
+        if isinstance(fast, str):
+            if fast not in PRESETS:
+                raise ConfigError(f"fast={fast!r}: choose a preset, one of {list(PRESETS)}")
+            return PRESETS[fast].paths
         if isinstance(fast, dict):
             names = {f.name for f in fields(cls)}
             unknown = sorted(set(fast) - names)
             if unknown:
                 raise ConfigError(f"fast paths: unknown switches {unknown}; known: {sorted(names)}")
             return cls(**fast)
-        raise ConfigError(f"fast={fast!r}: give True, False, 'compile', 'fused', 'compiled', a dict of switches or "
-                          "a FastPaths")
+        raise ConfigError(f"fast={fast!r}: give True, False, a preset's name ({', '.join(PRESETS)}), a dict of "
+                          "switches or a FastPaths")
 
     @property
     def any(self) -> bool:
@@ -194,3 +180,49 @@ class FastPaths:
 
 
 REFERENCE = FastPaths()
+
+
+class Preset(NamedTuple):
+    """A named set of fast paths (`PRESETS`): its switches, one line saying what it does (the `--fast` help is made of
+    these), and whether users choose it (`minimax-ref --fast`) or only benchmarks and tests do."""
+
+    paths: FastPaths
+    description: str
+    user: bool = True
+
+
+_ON = FastPaths(decode="fast", moe=True, static_kv=True, sdpa=True, prefill_attention="triton", graph=True)
+
+# The presets, by name: `FastPaths.of(name)`, `load_model(fast=name)`, `minimax-ref --fast name` (the user ones) and
+# the benchmarks' `--fast`. Every preset but "off" prefills with the Triton attention kernel where it runs
+# (`prefill_attention="triton"`) and replays decode steps from CUDA graphs on a GPU (`graph`).
+PRESETS: dict[str, Preset] = {
+    "off": Preset(REFERENCE, "the reference: no fast path"),
+    "on": Preset(_ON, "batched experts without host synchronisation, static-shape cached attention, the SDPA "
+                      "attention core, two-pass packed decoding, a bf16 prefill on CUDA through the Triton attention "
+                      "kernel, decode steps replayed from CUDA graphs on a GPU"),
+    "compile": Preset(replace(_ON, decode="compile"), "on, with the packed-weight decoder compiled by torch.compile",
+                      user=False),
+    "fused": Preset(replace(_ON, matmul="fused"),
+                    f"on, plus products with packed weights of up to {FUSED_ROWS} rows by a compiled "
+                    "dequantize-and-multiply (with --weights packed)", user=False),
+    # sdpa off: the fp32 SDPA kernel does not split the keys of a one-query step over the GPU; the compiled einsum
+    # core does. fused_rows=1: the fused matmul reads a weight once per row (the routed experts once per token and
+    # choice) on the CUDA cores; from two rows on (batches, verify steps) the grouped kernel reads each chosen tile
+    # once for all rows and multiplies on the tensor cores
+    "compiled": Preset(
+        FastPaths(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", fused_rows=1,
+                  compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True,
+                  prefill_attention="triton", decode_attention="triton", graph=True),
+        "on without SDPA, plus each decoder layer of a decode step compiled by torch.compile (on first use: "
+        "minutes on a GPU), one-row products with packed weights by a compiled dequantize-and-multiply and, on CUDA "
+        f"with triton, products of 2 to {SYNC_FREE_TOKENS} rows (batches, verify steps) by a grouped Triton kernel, "
+        "decode steps attending through the Triton attention kernel, and packed weights decoded for prefill by one "
+        "Triton kernel"),
+}
+USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
+
+
+def describe_presets(names) -> str:
+    """The presets `names` as "name = description; ...": the `--fast` help of the CLI and the benchmarks."""
+    return "; ".join(f"{name} = {PRESETS[name].description}" for name in names)

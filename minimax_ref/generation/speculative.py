@@ -47,7 +47,8 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import InputError
-from ..model.decoder import MiniMaxM3, Trace
+from ..model.decoder import MiniMaxM3
+from ..research.trace import Trace
 from .decoding import (
     PREFILL_CHUNK,
     DecodeJob,

@@ -30,11 +30,11 @@ float8_e4m3fn [N, K/16]; MXFP8: uint8 E8M0 [N, K/32]), `.weight_scale_2` (fp32 s
 meaning: multiplies) and `.input_scale` (fp32 scalar, ModelOpt meaning). The NVFP4 expert chosen is
 the one most tokens were routed to (ties: lower id); its `x` rows are those tokens, ascending.
 
-Attention is captured through the forward's `Trace` (`Trace.attention_layers`), and a captured call runs in
-one query chunk (`Attention.chunk_for`): the engine's chunking only bounds memory, and one call is what a
-kernel computes. A long prompt (one-call scores past `ONE_CALL_ELEMENTS`, or `chunk_elements=` given) is captured
-in the engine's query chunks instead (`CHUNKED_NOTE`), and entries are written as soon as they are complete (a
-layer's when the next one starts; `BundleWriter`), so an export's memory is linear in the prompt length.
+Attention is captured through the forward's `Trace` (`Trace.attention_layers`), and a captured call runs in one query
+chunk (`Trace.attached` sets the layer's `chunk_elements`): the engine's chunking only bounds memory, and one call is
+what a kernel computes. A long prompt (one-call scores past `ONE_CALL_ELEMENTS`, or `chunk_elements=` given) is captured
+in the engine's query chunks instead (`CHUNKED_NOTE`), and entries are written as soon as they are complete (a layer's
+when the next one starts; `BundleWriter`), so an export's memory is linear in the prompt length.
 `fp64=True` / `--fp64` adds each float output evaluated in fp64 (`FP64`). Paged KV views: the layer's cache
 storage (float8_e4m3fn with `--kv-cache-dtype fp8`, else the compute dtype) cut into
 pages of `page_size` tokens: `k_pages`, `v_pages` [P, page_size, kv_heads, D], `index_k_pages`

@@ -86,7 +86,7 @@ class _Capture:
     def trace(self):
         """The `Trace` a captured forward takes: the attention cores of the chosen layers, when an attention op is
         chosen."""
-        from ..model.decoder import Trace
+        from ..research.trace import Trace
 
         wanted = self.layers if self.ops & set(ATTENTION_OPS) else set()
         return Trace(layers=set(), attention_layers=set(wanted), attention_chunk_elements=self.chunk)
@@ -243,8 +243,8 @@ class _Capture:
         e.params.update({"scale": core["scale"], "chunk_elements": core["chunk_elements"]})
 
     def _msa(self, L: int, core: dict) -> None:
-        from ..model.attention import ONE_CHUNK
         from ..model.msa import index_scores, query_chunk
+        from ..research.trace import ONE_CHUNK
 
         geometry = {name: core[name] for name in ("block_size", "topk_blocks", "local_blocks", "init_blocks")}
         T = core["q"].shape[1]

@@ -19,7 +19,7 @@ from .single_ops import export_op
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     """Flags of `minimax-ref golden` (model flags default to the float32 golden mode)."""
-    from ..cli.main import add_model_flags
+    from ..cli.model_args import add_model_flags
 
     add_model_flags(p)
     p.set_defaults(dtype="float32")
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.prompt or args.out is None:
         raise InputError("give --prompt and --out (or --replay BUNDLE, or --op OP)")
-    from ..cli.main import load_from_args
+    from ..cli.model_args import load_from_args
     from ..generation.generate import encode_prompt
     from ..model.config import load_model_config
     from ..weights.embedded import default_checkpoint

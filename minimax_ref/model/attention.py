@@ -23,13 +23,10 @@ from torch import nn
 from .cache import LayerCache
 from .config import TextConfig
 from .linear import Linear
-from .msa import CHUNK_ELEMENTS, gather_block_attention, msa_attention
+from .msa import CHUNK_ELEMENTS, BlockSelection, BlockSparseAttention, query_chunk
 from .norm import RMSNorm
 from .parallel import ColumnParallelLinear, RowParallelLinear, World
 from .rope import apply_rope
-
-# chunk_elements large enough that attention runs in one query chunk: what a captured call runs with
-ONE_CHUNK = 1 << 62
 
 
 def gqa_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, chunk_elements: int
@@ -78,6 +75,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.cat(outs, dim=1)
 
 
+class CausalAttention(nn.Module):
+    """The dense layers' attention core (`causal_attention`) as a module without parameters, so that what reads its
+    operands attaches to it from outside (`research.trace`)."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                chunk_elements: int) -> torch.Tensor:
+        return causal_attention(q, k, v, q_pos, self.scale, chunk_elements)
+
+
 def _head_rows(heads: range, head_dim: int) -> slice:
     """Rows of a [heads * head_dim, in] projection that belong to the heads `heads`."""
     return slice(heads.start * head_dim, heads.stop * head_dim)
@@ -124,18 +134,20 @@ class Attention(nn.Module):
             self.index_k_proj = Linear(H, sp.index_head_dim)  # replicated: one key head for all index heads
             self.index_q_norm = RMSNorm(sp.index_head_dim, cfg.rms_norm_eps)
             self.index_k_norm = RMSNorm(sp.index_head_dim, cfg.rms_norm_eps)
+            self.selection = BlockSelection(sp)
+            self.core = BlockSparseAttention(self.scale, sp.block_size)
+        else:
+            self.core = CausalAttention(self.scale)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerCache | None = None, trace: dict | None = None, kv_len: int | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, kv_len: int | None = None) -> torch.Tensor:
         """x [B, T, H] at absolute positions pos [B, T]; cos/sin [B, T, rotary_dim] fp32.
 
         Without a cache, pos must be 0..T-1 (keys are this call's tokens). With a cache (this layer's part,
         `KVCache.layer`), this call's K/V are written at `pos` and the keys are slots [0, kv_len); kv_len defaults
-        to max(pos) + 1 (which reads pos on the host: the model passes it once for all layers).
-        `trace` (a dict) receives the MSA block ids ("blocks"); with trace["capture"] set, also the attention
-        core's operands and result ("core": `record`), and the core runs in one query chunk (`chunk_for`);
-        trace["force_blocks"] [B, kv_heads, T, kb] (-1 = empty), on MSA layers, is the selection used instead of
-        the indexer's.
+        to max(pos) + 1 (which reads pos on the host: the model passes it once for all layers). On MSA layers the
+        indexer's block selection and the attention over those blocks run in the same query chunks
+        (`msa.query_chunk`).
         """
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
@@ -147,18 +159,12 @@ class Attention(nn.Module):
             if self.sparse:
                 cache.write_index(ik, pos)
                 ik = cache.index_keys(length)
-        if self.sparse and trace is not None and "force_blocks" in trace:
-            # an intervention (`model.Interventions.msa_blocks`): the given selection replaces the indexer's
-            blocks = trace["force_blocks"]
-            o = gather_block_attention(q, k, v, blocks, pos, self.geometry.block_size, self.scale)
-        elif self.sparse:
+        if self.sparse:
             sp = self.geometry
-            o, blocks = msa_attention(q, k, v, iq, ik, pos, self.scale, sp.block_size, sp.topk_blocks,
-                                      sp.local_blocks, sp.init_blocks, self.chunk_for(trace))
+            chunk = query_chunk(q, k, iq, sp.block_size, sp.topk_blocks, self.chunk_elements)
+            o = self.core(q, k, v, pos, self.selection(iq, ik, pos, chunk), chunk)
         else:
-            o, blocks = causal_attention(q, k, v, pos, self.scale, self.chunk_for(trace)), None
-        if trace is not None:
-            self.record(trace, q, k, v, iq, ik, pos, o, blocks)
+            o = self.core(q, k, v, pos, self.chunk_elements)
         # row-parallel o_proj: this rank's heads' contribution, summed over the ranks (fp32 all-reduce)
         return self.o_proj(o.to(x.dtype).reshape(B, T, -1))
 
@@ -175,26 +181,3 @@ class Attention(nn.Module):
         iq = self.index_q_norm(self.index_q_proj(x).view(B, T, self.n_kv, self.index_dim))
         ik = self.index_k_norm(self.index_k_proj(x).view(B, T, 1, self.index_dim))
         return apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, :, 0]
-
-    def chunk_for(self, trace: dict | None) -> int:
-        """The attention core's `chunk_elements`: the layer's memory bound, or, for a captured call, one chunk (the
-        engine's chunking only bounds memory, and one call is what a kernel computes) unless the capture asks for
-        chunks of its own size (trace["capture_chunk"]: long prompts, linear memory)."""
-        if trace is not None and trace.get("capture"):
-            return trace.get("capture_chunk") or ONE_CHUNK
-        return self.chunk_elements
-
-    def record(self, trace: dict, q, k, v, iq, ik, pos, o, blocks) -> None:
-        """Put the block ids in `trace` and, when it asks (`trace["capture"]`), the attention core's operands and
-        result under "core" (q, k, v, q_pos, o; on sparse layers also iq, ik, blocks; the scale, geometry and
-        chunk size), as the core was called."""
-        if blocks is not None:
-            trace["blocks"] = blocks
-        if trace.get("capture"):
-            core = {"q": q, "k": k, "v": v, "q_pos": pos, "o": o, "scale": self.scale,
-                    "chunk_elements": self.chunk_for(trace)}
-            if self.sparse:
-                sp = self.geometry
-                core.update(iq=iq, ik=ik, blocks=blocks, block_size=sp.block_size, topk_blocks=sp.topk_blocks,
-                            local_blocks=sp.local_blocks, init_blocks=sp.init_blocks)
-            trace["core"] = core

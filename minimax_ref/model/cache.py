@@ -39,9 +39,8 @@ def store_kv(x: torch.Tensor, store: torch.dtype, scale: float) -> torch.Tensor:
 class LayerCache:
     """One layer's part of a `KVCache` (views of its buffers): what a layer's attention reads and writes.
 
-    k, v: [B, S_max, kv_heads, D]; index_k: [B, S_max, index_dim] on sparse layers, else None. A separate
-    object per layer, holding only tensors and constants, so that a compiled layer (the fast paths)
-    takes the cache as graph inputs and every layer of a kind shares one compiled graph.
+    k, v: [B, S_max, kv_heads, D]; index_k: [B, S_max, index_dim] on sparse layers, else None. It holds only
+    the layer's tensors and the storage constants, so a layer needs no index into the whole cache.
     """
 
     k: torch.Tensor

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 
 SPARSE_LAYER = "minimax_m3_sparse"
 DENSE_LAYER = "full_attention"
@@ -604,3 +605,10 @@ def read_json(path: Path, what: str) -> dict:
 def load_model_config(ckpt_dir: str | Path) -> ModelConfig:
     path = Path(ckpt_dir) / "config.json"
     return parse_model_config(read_json(path, "config.json"), str(path))
+
+
+def check_layer_ids(layers: Iterable, n: int, what: str) -> None:
+    """Refuse (InputError, naming the argument `what`) entries of `layers` that are not layer indices 0..n-1."""
+    bad = [L for L in layers if isinstance(L, bool) or not isinstance(L, int) or not 0 <= L < n]
+    if bad:
+        raise InputError(f"{what}: {bad[:5]} are not layer indices of this model (0..{n - 1})")

@@ -9,10 +9,9 @@ Module and parameter names follow the release's tensor names (with `language_mod
 dropped), so the name table in checkpoint.py is short.
 
 Calling the model on input ids [B, S] runs the plain full forward at positions 0..S-1 and returns
-fp32 logits [B, S, V]. Cached prefill/decode pass `cache` and `positions`; research hooks pass a
-`Trace` to receive per-layer hidden states, router decisions, MSA block selections and (for golden
-bundles) the attention cores' operands, and `Interventions` to edit the forward at its hook points
-(expert masks and scales, MSA block selections, the residual stream after attention and after each layer).
+fp32 logits [B, S, V]. Cached prefill/decode pass `cache` and `positions`. A `Trace` (per-layer hidden states,
+router decisions, MSA block selections, the attention cores' operands) and `Interventions` (edits at the hook
+points) attach to the layers from outside, by forward hooks, for one forward (`research.trace`).
 
 Tensor parallelism: built with a `parallel.World` of N ranks, every rank runs this same code on its
 slices (parallel.py lists the splits); the residual stream is replicated, attention and FFN blocks
@@ -22,20 +21,22 @@ so every rank holds the same full fp32 logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError, InputError
+from ..research.trace import Interventions, Trace
 from .attention import Attention
 from .cache import KVCache, LayerCache
-from .config import ModelConfig, TextConfig
+from .config import ModelConfig, TextConfig, check_layer_ids
 from .finite import finite_logits
 from .linear import ACT_QUANT_MODES, set_activation_formats
 from .mlp import MLP
-from .moe import MoE, Routing
+from .moe import MoE
 from .msa import CHUNK_ELEMENTS
 from .norm import RMSNorm
 from .parallel import ColumnParallelLinear, VocabParallelEmbedding, World
@@ -68,183 +69,9 @@ class Numerics:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {list(KV_CACHE_DTYPES)}")
 
 
-Edit = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Interventions:
-    """Edits a forward applies at its hook points (`model(ids, interventions=...)`, or `Trace(interventions=...)`).
-
-    Hook points, per decoder layer L (`DecoderLayer.forward`):
-      h = x + attn(norm(x))            msa_blocks[L] replaces the MSA block selection inside attn;
-                                       attention_residual[L] replaces h ("the residual after attention")
-      routing = router(norm(h))        expert_mask[L] removes experts from the choice
-      y = moe(norm(h), routing)        expert_scale[L] multiplies chosen experts' outputs
-      out = h + y                      residual[L] replaces out ("the residual after the FFN", the layer's output)
-
-    expert_mask[L]: bool [E], False = never routed (the router picks the top k among the kept experts and
-        normalises their weights among themselves: what a checkpoint pruned of those experts computes).
-    expert_scale[L]: {expert id: factor}; the factor multiplies that expert's fp32 routing weight where it is
-        chosen, so its contribution to the sum (0 zeroes it; the other experts' weights are unchanged, unlike
-        a mask).
-    residual[L], attention_residual[L]: a tensor [B, T, H] used in place of the stream, or a function of the
-        stream returning its replacement (same shape).
-    msa_blocks[L]: on an MSA layer, the key blocks each query attends to, int [B, kv_heads, T, kb] (-1 = empty
-        slot, any kb), in place of the indexer's top-k (`Trace.blocks` has the indexer's, in this form). Each
-        query still sees only keys at or before its position; every row needs a block holding one of those.
-        Under tensor parallelism, this rank's kv heads (as `Trace.blocks`).
-    Nothing else in the forward's arithmetic changes. With none given, the forward runs unchanged.
-    """
-
-    expert_mask: dict[int, torch.Tensor] = field(default_factory=dict)
-    expert_scale: dict[int, dict[int, float]] = field(default_factory=dict)
-    residual: dict[int, Edit] = field(default_factory=dict)
-    attention_residual: dict[int, Edit] = field(default_factory=dict)
-    msa_blocks: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def check(self, model: MiniMaxM3) -> None:
-        """Refuse edits naming layers or experts the model does not have (InputError)."""
-        n, E = model.text.num_hidden_layers, model.text.num_local_experts
-        moe = {i for i in range(n) if model.text.moe_layers[i]}
-        for name in ("expert_mask", "expert_scale", "residual", "attention_residual", "msa_blocks"):
-            for L in getattr(self, name):
-                if not isinstance(L, int) or not 0 <= L < n:
-                    raise InputError(f"interventions.{name}: layer {L!r} is not a layer index in [0, {n})")
-                if name.startswith("expert") and L not in moe:
-                    raise InputError(f"interventions.{name}: layer {L} has a dense MLP, not experts "
-                                     f"(MoE layers: {sorted(moe)[:8]}{'...' if len(moe) > 8 else ''})")
-                if name == "msa_blocks" and not model.text.sparse_layers[L]:
-                    raise InputError(f"interventions.msa_blocks: layer {L} has dense attention, no block selection")
-        for L, mask in self.expert_mask.items():
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (E,):
-                got = (mask.dtype, tuple(mask.shape)) if isinstance(mask, torch.Tensor) else type(mask).__name__
-                raise InputError(f"interventions.expert_mask[{L}] must be a bool tensor [{E}], got {got}")
-            if int(mask.sum()) < model.text.num_experts_per_tok:
-                raise InputError(f"interventions.expert_mask[{L}] keeps {int(mask.sum())} experts; routing "
-                                 f"chooses {model.text.num_experts_per_tok} per token")
-        for L, scales in self.expert_scale.items():
-            bad = [e for e in scales if not isinstance(e, int) or not 0 <= e < E]
-            if bad:
-                raise InputError(f"interventions.expert_scale[{L}]: expert ids {bad[:5]} are not in [0, {E})")
-
-    def blocks_for(self, layer: int, pos: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
-        """`msa_blocks[layer]` checked against the call (queries at `pos` [B, T], `kv_heads` heads) -> long, on
-        pos's device."""
-        blocks = self.msa_blocks[layer]
-        where = f"interventions.msa_blocks[{layer}]"
-        B, T = pos.shape
-        if not isinstance(blocks, torch.Tensor) or blocks.dtype.is_floating_point or blocks.dtype == torch.bool \
-                or blocks.dim() != 4 or tuple(blocks.shape[:3]) != (B, kv_heads, T):
-            got = (blocks.dtype, tuple(blocks.shape)) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
-            raise InputError(f"{where} must be an integer tensor [{B}, {kv_heads}, {T}, kb], got {got}")
-        blocks = blocks.to(pos.device, torch.long)
-        last = (pos // block_size)[:, None, :, None]  # the query's own block: later ones hold only future keys
-        if bool(((blocks < -1) | (blocks > last)).any()):
-            raise InputError(f"{where}: block ids must be -1 (empty) or a block at or before the query's own "
-                             f"(block = position // {block_size})")
-        if not bool((blocks >= 0).any(-1).all()):
-            raise InputError(f"{where}: every query needs at least one block (its own, position // {block_size}, "
-                             "always has a key it may see)")
-        return blocks
-
-    @staticmethod
-    def apply(edit: Edit, stream: torch.Tensor, where: str) -> torch.Tensor:
-        """The stream replaced by `edit` (a tensor of the stream's shape, or a function of the stream)."""
-        new = edit(stream) if callable(edit) else edit
-        if not isinstance(new, torch.Tensor) or new.shape != stream.shape:
-            got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
-            raise InputError(f"interventions.{where}: the replacement is {got}, the stream is {tuple(stream.shape)}")
-        return new.to(stream.dtype)
-
-
-def check_layer_ids(layers: Iterable, n: int, what: str) -> None:
-    """Refuse (InputError, naming the argument `what`) entries of `layers` that are not layer indices 0..n-1."""
-    bad = [L for L in layers if isinstance(L, bool) or not isinstance(L, int) or not 0 <= L < n]
-    if bad:
-        raise InputError(f"{what}: {bad[:5]} are not layer indices of this model (0..{n - 1})")
-
-
-@dataclass
-class Trace:
-    """What a forward pass records, per layer index, for research and kernel tests.
-
-    hidden_states[L]: the residual stream after layer L, [B, T, H] (only layers in `layers`, all when
-        `layers` is None; `hidden_states[-1]`-style access is by layer index, not position).
-    attention_output[L], ffn_output[L]: with `components`, what layer L's attention and FFN (MLP or MoE)
-        add to the stream, [B, T, H] each (same layers as `hidden_states`).
-    routing[L]: MoE decision of layer L for the B*T flattened tokens, row-major over [B, T] (`moe.Routing`;
-        `routed(L)` gives it shaped [B, T, k], `expert_counts(L)` counts the tokens `mask` keeps).
-    blocks[L]: MSA block ids of layer L, [B, kv_heads, T, kb] (-1 = empty slot); under tensor
-        parallelism, this rank's kv heads only.
-    attention[L]: for the layers in `attention_layers`, the attention core's operands and result as it
-        was called (`Attention.record`: q, k, v, q_pos, o, and on MSA layers iq, ik, blocks; the scale,
-        geometry and chunk size). What golden bundles are made of. A captured core runs in one query chunk, or
-        with `attention_chunk_elements` in the engine's query chunks of that size (long prompts: linear memory).
-    shape: (B, T) of the last forward. mask: [B, T] bool, True at real tokens (None: all real); set by the
-        caller, or by `minimax_ref.research.score` for its right-padded batch.
-    interventions: edits applied during the forward (`Interventions`).
-
-    Each forward records into the trace the layers it runs, replacing what an earlier forward recorded for
-    those layers; `reset()` clears every record (the settings stay).
-    """
-
-    layers: set[int] | None = None
-    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
-    routing: dict[int, Routing] = field(default_factory=dict)
-    blocks: dict[int, torch.Tensor] = field(default_factory=dict)
-    attention_layers: set[int] = field(default_factory=set)
-    attention: dict[int, dict] = field(default_factory=dict)
-    attention_chunk_elements: int | None = None  # captured cores run in chunks of this size (None: one chunk)
-    components: bool = False
-    attention_output: dict[int, torch.Tensor] = field(default_factory=dict)
-    ffn_output: dict[int, torch.Tensor] = field(default_factory=dict)
-    shape: tuple[int, int] | None = None
-    mask: torch.Tensor | None = None
-    interventions: Interventions | None = None
-
-    def wants(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
-
-    def reset(self) -> None:
-        """Clear every record (hidden states, routing, blocks, attention, components, shape, mask)."""
-        for d in (self.hidden_states, self.routing, self.blocks, self.attention, self.attention_output,
-                  self.ffn_output):
-            d.clear()
-        self.shape = self.mask = None
-
-    def begin(self, model: MiniMaxM3, x: torch.Tensor) -> None:
-        """Called by the model before its layers run on x [B, T, H]: refuses layer indices the model does not
-        have (InputError) and notes the shape."""
-        for name in ("layers", "attention_layers"):
-            check_layer_ids(getattr(self, name) or (), model.text.num_hidden_layers, f"Trace({name}=...)")
-        if self.interventions is not None:
-            self.interventions.check(model)
-        if self.mask is not None and tuple(self.mask.shape) != tuple(x.shape[:2]):
-            raise InputError(f"Trace.mask is {tuple(self.mask.shape)}, the batch is {tuple(x.shape[:2])}")
-        self.shape = (int(x.shape[0]), int(x.shape[1]))
-
-    def routed(self, layer: int) -> Routing:
-        """Layer `layer`'s routing shaped [B, T, k] (expert ids, weights) and [B, T, E] (logits)."""
-        if layer not in self.routing:
-            raise InputError(f"the trace holds no routing for layer {layer} (it has {sorted(self.routing)}; "
-                             "dense-MLP layers route nothing)")
-        r, (B, T) = self.routing[layer], self.shape
-        return Routing(r.expert_ids.view(B, T, -1), r.weights.view(B, T, -1), r.logits.view(B, T, -1))
-
-    def expert_counts(self, layer: int) -> torch.Tensor:
-        """long [E]: how many tokens chose each expert in `layer`, over the tokens `mask` keeps (padding excluded)."""
-        r = self.routed(layer)
-        ids = r.expert_ids if self.mask is None else r.expert_ids[self.mask.to(r.expert_ids.device)]
-        return torch.bincount(ids.reshape(-1), minlength=r.logits.shape[-1])
-
-    def logit_lens(self, model: MiniMaxM3, layers: set[int] | None = None) -> dict[int, torch.Tensor]:
-        """fp32 logits [B, T, V] of each recorded residual stream (`hidden_states[L]` through the final norm and
-        LM head, `MiniMaxM3.logits`): what the model would predict if it stopped after layer L."""
-        keys = sorted(self.hidden_states if layers is None else layers)
-        missing = [L for L in keys if L not in self.hidden_states]
-        if missing:
-            raise InputError(f"logit_lens: layers {missing[:5]} were not recorded (Trace(layers=...) decides which)")
-        return {L: model.logits(self.hidden_states[L]) for L in keys}
+class StreamPoint(nn.Identity):
+    """A named point of the residual stream, the identity: where forward hooks read or replace the stream
+    (`research.trace`)."""
 
 
 class DecoderLayer(nn.Module):
@@ -257,6 +84,7 @@ class DecoderLayer(nn.Module):
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, world=world, chunk_elements=chunk_elements)
+        self.attention_residual = StreamPoint()
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe_layers[layer]:
             self.block_sparse_moe = MoE(
@@ -268,48 +96,20 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit,
                            world)
 
+    @property
+    def ffn(self) -> nn.Module:
+        """The layer's feed-forward block: `block_sparse_moe` or `mlp`."""
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerCache | None, trace: Trace | None, kv_len: int | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, kv_len: int | None = None) -> torch.Tensor:
         """The layer on the residual stream x [B, T, H] (compute dtype) -> [B, T, H].
 
         pos [B, T]: absolute positions; cos, sin fp32 [B, T, rotary_dim] (`MiniMaxM3.rope`); cache: this layer's
-        part of the KV cache (`KVCache.layer`) or None; kv_len: cached slots [0, kv_len) to attend over. trace:
-        receives this layer's records and supplies its interventions (`Trace`, `Interventions`: the hook points).
+        part of the KV cache (`KVCache.layer`) or None; kv_len: cached slots [0, kv_len) to attend over.
         """
-        rec = None if trace is None else {"capture": self.layer in trace.attention_layers,
-                                          "capture_chunk": trace.attention_chunk_elements}
-        iv = None if trace is None else trace.interventions
-        if iv is not None and self.layer in iv.msa_blocks:
-            rec["force_blocks"] = iv.blocks_for(self.layer, pos, self.self_attn.n_kv,
-                                                self.self_attn.geometry.block_size)
-        a = self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, rec, kv_len)
-        h = x + a
-        if iv is not None and self.layer in iv.attention_residual:
-            h = iv.apply(iv.attention_residual[self.layer], h, f"attention_residual[{self.layer}]")
-        if hasattr(self, "block_sparse_moe"):
-            routing: list | None = [] if trace is not None else None
-            mask = scale = None
-            if iv is not None:
-                mask, scale = iv.expert_mask.get(self.layer), iv.expert_scale.get(self.layer)
-            f = self.block_sparse_moe(self.post_attention_layernorm(h), routing, mask, scale)
-            if routing:
-                trace.routing[self.layer] = routing[0]
-        else:
-            f = self.mlp(self.post_attention_layernorm(h))
-        out = h + f
-        if iv is not None and self.layer in iv.residual:
-            out = iv.apply(iv.residual[self.layer], out, f"residual[{self.layer}]")
-        if trace is not None:
-            if "blocks" in rec:
-                trace.blocks[self.layer] = rec["blocks"]
-            if "core" in rec:
-                trace.attention[self.layer] = rec["core"]
-            if trace.wants(self.layer):
-                trace.hidden_states[self.layer] = out
-                if trace.components:
-                    trace.attention_output[self.layer] = a
-                    trace.ffn_output[self.layer] = f
-        return out
+        h = self.attention_residual(x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, kv_len))
+        return h + self.ffn(self.post_attention_layernorm(h))
 
 
 class MiniMaxM3(nn.Module):
@@ -361,10 +161,7 @@ class MiniMaxM3(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         V = self.text.vocab_size
-        # The range check reads the ids on the host: skipped while a CUDA graph is captured (the ids of a
-        # captured decode step are the model's own samples).
-        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-        if input_ids.numel() and not capturing and bool(((input_ids < 0) | (input_ids >= V)).any()):
+        if input_ids.numel() and bool(((input_ids < 0) | (input_ids >= V)).any()):
             bad = input_ids[(input_ids < 0) | (input_ids >= V)].unique()[:5].tolist()
             raise InputError(f"token ids {bad} are outside the vocabulary [0, {V})")
         return self.embed_tokens(input_ids)
@@ -372,14 +169,15 @@ class MiniMaxM3(nn.Module):
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                trace: Trace | None = None) -> torch.Tensor:
         """Run the decoder layers on embeddings x [B, T, H] at positions [B, T]; returns the residual
-        stream before the final norm."""
+        stream before the final norm. trace: attached to the layers for this call (`Trace.attached`)."""
         if trace is not None:
             trace.begin(self, x)
         cos, sin = self.rope(positions)
         # cached keys are slots [0, kv_len), read on the host once here rather than in every layer
         kv_len = None if cache is None else int(positions.max()) + 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cos, sin, None if cache is None else cache.layer(i), trace, kv_len)
+        with nullcontext() if trace is None else trace.attached(self):
+            for i, layer in enumerate(self.layers):
+                x = layer(x, positions, cos, sin, None if cache is None else cache.layer(i), kv_len)
         return x
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,11 +268,12 @@ class MiniMaxM3(nn.Module):
         """`logits`, refused with a `NumericsError` naming the layer where NaN / Inf first appear (finite.py).
         x, positions, cache, interventions: the forward's embeddings and arguments, to re-run it on failure."""
 
-        def rerun(tr: Trace) -> torch.Tensor:
-            tr.interventions = interventions
-            return self.hidden(x, positions, cache, tr)
+        def rerun() -> dict[int, torch.Tensor]:
+            trace = Trace(layers=None, interventions=interventions)
+            self.hidden(x, positions, cache, trace)
+            return trace.hidden_states
 
-        return finite_logits(self, logits, x, rerun, Trace)
+        return finite_logits(self, logits, x, rerun)
 
     def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None) -> KVCache:
         """A KV cache for this rank: its kv heads only (all of them with one process); kv_cache_dtype "auto" or

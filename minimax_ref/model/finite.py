@@ -2,9 +2,9 @@
 
 `MiniMaxM3.forward` passes its logits through `finite_logits`: one `isfinite().all()` over the logits (a
 reduction and one host read per forward; the fast model's sync-free decode steps skip it, `fast.model`).
-Finite logits are returned untouched; otherwise the forward is re-run with a `model.Trace` that records every
-layer's output, and a `NumericsError` names the first layer whose output holds a NaN or Inf (or the
-embeddings, or the final norm and LM head when every layer is finite). Greedy decoding would otherwise print
+Finite logits are returned untouched; otherwise the forward is re-run recording every layer's output, and a
+`NumericsError` names the first layer whose output holds a NaN or Inf (or the embeddings, or the final norm and LM
+head when every layer is finite). Greedy decoding would otherwise print
 garbage and exit 0, sampling would fail inside torch, and `score` would write NaN into its JSON.
 """
 
@@ -35,27 +35,23 @@ def first_nonfinite_stage(embeddings: torch.Tensor, layer_outputs: dict[int, tor
     return "the final norm / LM head"
 
 
-def finite_logits(model, logits: torch.Tensor, embeddings: torch.Tensor, rerun: Callable,
-                  trace_type: type) -> torch.Tensor:
+def finite_logits(model, logits: torch.Tensor, embeddings: torch.Tensor,
+                  rerun: Callable[[], dict[int, torch.Tensor]]) -> torch.Tensor:
     """`logits` [B, T, V] when every value is finite; otherwise a NumericsError naming where the NaN / Inf first
     appeared.
 
     model: the `MiniMaxM3` whose forward made them. embeddings: the forward's input to the first layer [B, T, H].
-    rerun(trace): runs the decoder layers again on the same inputs (same positions, same cache slots, so
-    re-running overwrites what the first run wrote with the same values) recording into `trace`; called only on
-    failure. trace_type: `model.Trace` (passed in: model.py imports this module). Skipped while a CUDA graph is
-    being captured (the check is a host read).
+    rerun(): runs the decoder layers again on the same inputs (same positions, same cache slots, so re-running
+    overwrites what the first run wrote with the same values) and returns every layer's output by layer index;
+    called only on failure.
     """
-    if logits.is_cuda and torch.cuda.is_current_stream_capturing():
-        return logits
     if _finite(logits):
         return logits
-    trace = trace_type(layers=None)
     with torch.no_grad():
-        rerun(trace)
+        outputs = rerun()
     text: TextConfig = model.text
     kinds = [text.layer_kind(i) for i in range(text.num_hidden_layers)]
-    where = first_nonfinite_stage(embeddings, trace.hidden_states, kinds)
+    where = first_nonfinite_stage(embeddings, outputs, kinds)
     bad = int((~torch.isfinite(logits)).sum())
     raise NumericsError(f"the forward produced {bad} non-finite logit(s) (NaN or Inf); they first appear in the "
                         f"output of {where}. Damaged weights or config values are the usual cause: check the "

@@ -23,7 +23,6 @@ partial sums; they are added in fp32 and all-reduced once per block.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +43,8 @@ class Routing:
 
     Slot j of a token is its j-th choice: `weights[t, j]` is the normalised weight of expert
     `expert_ids[t, j]`, and the slots are in decreasing order of the choice score (sigmoid score plus
-    selection bias, `router_scores`), not of the weight. Fast paths in a compiled region may leave the
-    slots unsorted (`fast.moe.FastRouter`); the pairing of ids and weights holds either way.
+    selection bias, `router_scores`), not of the weight. A computation whose result does not depend on the slot
+    order may leave them unsorted; the pairing of ids and weights holds either way.
     """
 
     expert_ids: torch.Tensor
@@ -105,7 +104,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
         """The routing of tokens x [T, H] (`route`): experts that `expert_mask` (the module's buffer, set by
-        pruning emulation) or `mask` (bool [E], an intervention) mark False are never chosen."""
+        pruning emulation) or `mask` (bool [E]) mark False are never chosen."""
         return route(x, self.weight, self.e_score_correction_bias, self.top_k, self.mask_with(mask))
 
     def mask_with(self, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -225,25 +224,12 @@ class MoE(nn.Module):
                                if n_shared else None)
         self.scaling = scaling
 
-    def forward(self, x: torch.Tensor, trace: list | None = None, mask: torch.Tensor | None = None,
-                scale: Mapping[int, float] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`routed_scaling_factor * sum_j w_j * expert_j(x) + shared_expert(x)` for x [.., H] -> [.., H] in x's
-        dtype (accumulated in fp32; module docstring). Under tensor parallelism, all-reduced once.
-
-        trace: a list that receives the router's `Routing` (as the router chose it, before `scale`).
-        mask: bool [E], experts never chosen (`Router.forward`). scale: {expert id: factor} multiplying a chosen
-        expert's fp32 routing weight, so its share of the sum (the interventions' `expert_scale`).
-        """
+        dtype (accumulated in fp32; module docstring). Under tensor parallelism, all-reduced once."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routing = self.gate(flat, mask)
-        if trace is not None:
-            trace.append(routing)
-        if scale:
-            factor = torch.ones(self.gate.weight.shape[0], dtype=torch.float32, device=flat.device)
-            factor[list(scale)] = torch.tensor([float(v) for v in scale.values()], device=flat.device)
-            routing = Routing(routing.expert_ids, routing.weights * factor[routing.expert_ids], routing.logits)
-        y = self.experts(flat, routing) * self.scaling  # fp32; this rank's part under TP
+        y = self.experts(flat, self.gate(flat)) * self.scaling  # fp32; this rank's part under TP
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat).float()  # this rank's partial shared-expert output
         y = self.world.all_reduce_fp32(y)  # the block's one all-reduce: routed + shared together

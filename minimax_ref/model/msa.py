@@ -14,13 +14,21 @@ Contract (spec `model.md`, "MiniMax Sparse Attention"), for queries at absolute 
 
 Memory grows linearly with the context: queries are processed in chunks, each chunk scores all
 keys (chunk x L) and gathers at most `topk * bs` keys per query and kv head. There is no S x S mask.
-Only the gathered keys are converted to fp32, never the whole cache.
+Only the gathered keys are converted to fp32, never the whole cache. The selection of every query comes
+first (`select_blocks_chunked`), then the attention over the selected blocks (`block_sparse_attention`), in the
+same query chunks; each query's result depends on nothing else of its chunk.
+
+`BlockSelection` and `BlockSparseAttention` are those two steps as modules without parameters (each attention
+layer holds one of each), so that what records or replaces a selection attaches to them from outside.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from .config import SparseAttentionConfig
 
 # Elements of the largest temporary (index scores of a query chunk, or its gathered keys) that one
 # chunk may create; bounds peak memory independently of the context length.
@@ -125,6 +133,28 @@ def query_chunk(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, block_size: 
     return max(1, chunk_elements // per_query)
 
 
+def select_blocks_chunked(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int,
+                          topk_blocks: int, local_blocks: int, init_blocks: int, chunk: int) -> torch.Tensor:
+    """`select_blocks(index_scores(...))` of queries iq [B, T, Hi, Di] against index keys ik [B, L, Di], `chunk`
+    queries at a time (only one chunk's scores [B, Hi, chunk, L] exist at once) -> block ids [B, Hi, T, kb]."""
+    out = []
+    for s0 in range(0, iq.shape[1], chunk):
+        sl = slice(s0, s0 + chunk)
+        scores = index_scores(iq[:, sl], ik, q_pos[:, sl])
+        out.append(select_blocks(scores, q_pos[:, sl], block_size, topk_blocks, local_blocks, init_blocks))
+        del scores
+    return torch.cat(out, dim=2)
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                           q_pos: torch.Tensor, block_size: int, scale: float, chunk: int) -> torch.Tensor:
+    """`gather_block_attention` of queries q [B, T, Hq, D] over their selected blocks [B, Hkv, T, kb], `chunk`
+    queries at a time -> fp32 [B, T, Hq, D]."""
+    return torch.cat([gather_block_attention(q[:, s0:s0 + chunk], k, v, blocks[:, :, s0:s0 + chunk],
+                                              q_pos[:, s0:s0 + chunk], block_size, scale)
+                      for s0 in range(0, q.shape[1], chunk)], dim=1)
+
+
 def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                   q_pos: torch.Tensor, scale: float, block_size: int, topk_blocks: int, local_blocks: int,
                   init_blocks: int, chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,12 +162,34 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     index keys ik [B, L, Di]. Returns (attention output fp32 [B, T, Hq, D], selected blocks
     [B, Hi, T, kb]). Queries are processed in chunks (`query_chunk`)."""
     chunk = query_chunk(q, k, iq, block_size, topk_blocks, chunk_elements)
-    outs, sels = [], []
-    for s0 in range(0, q.shape[1], chunk):
-        sl = slice(s0, s0 + chunk)
-        scores = index_scores(iq[:, sl], ik, q_pos[:, sl])
-        blocks = select_blocks(scores, q_pos[:, sl], block_size, topk_blocks, local_blocks, init_blocks)
-        del scores
-        outs.append(gather_block_attention(q[:, sl], k, v, blocks, q_pos[:, sl], block_size, scale))
-        sels.append(blocks)
-    return torch.cat(outs, dim=1), torch.cat(sels, dim=2)
+    blocks = select_blocks_chunked(iq, ik, q_pos, block_size, topk_blocks, local_blocks, init_blocks, chunk)
+    return block_sparse_attention(q, k, v, blocks, q_pos, block_size, scale, chunk), blocks
+
+
+class BlockSelection(nn.Module):
+    """The lightning indexer's choice of key blocks (`select_blocks_chunked`) for one layer's geometry."""
+
+    def __init__(self, geometry: SparseAttentionConfig):
+        super().__init__()
+        self.geometry = geometry
+
+    def forward(self, iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Block ids [B, Hi, T, kb] of queries iq [B, T, Hi, Di] at q_pos [B, T] over index keys ik [B, L, Di],
+        `chunk` queries at a time."""
+        g = self.geometry
+        return select_blocks_chunked(iq, ik, q_pos, g.block_size, g.topk_blocks, g.local_blocks, g.init_blocks,
+                                     chunk)
+
+
+class BlockSparseAttention(nn.Module):
+    """The MSA layers' attention core: queries over their selected key blocks (`block_sparse_attention`)."""
+
+    def __init__(self, scale: float, block_size: int):
+        super().__init__()
+        self.scale, self.block_size = scale, block_size
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, blocks: torch.Tensor,
+                chunk: int) -> torch.Tensor:
+        """fp32 [B, T, Hq, D]: q [B, T, Hq, D] at q_pos over keys, values [B, L, Hkv, D] in `blocks`
+        [B, Hkv, T, kb] (-1 = empty slot), `chunk` queries at a time."""
+        return block_sparse_attention(q, k, v, blocks, q_pos, self.block_size, self.scale, chunk)

@@ -210,7 +210,7 @@ def prefill_chunks(model, seqs: Sequence[Sequence[int]], *, batch_size: int = DE
     positions at a time. With `trace`, each chunk carries a fresh `model.Trace` (router choices and
     MSA blocks of that chunk only; no hidden states are kept).
     """
-    from ..model.decoder import Trace
+    from ..research.trace import Trace
 
     if batch_size < 1 or prefill_chunk < 1:
         raise InputError(f"batch size {batch_size} and prefill chunk {prefill_chunk} must be >= 1")
@@ -421,7 +421,7 @@ def per_trace_rows(traces: Sequence[ScoreTrace], model: Sequence[TraceScore],
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     """Flags of `minimax-ref score` (the standard model flags apply to both checkpoints)."""
-    from ..cli.main import add_model_flags
+    from ..cli.model_args import add_model_flags
 
     add_model_flags(p)
     p.add_argument("--traces", type=Path, required=True,

@@ -60,6 +60,9 @@ def nonfinite(t: torch.Tensor) -> tuple[int, list[int] | None]:
         count += n
     return count, first
 NVFP4, MXFP8, DENSE = "nvfp4", "mxfp8", "bf16"
+# Every tensor name a linear's prefix may carry, in any of the formats and spellings `_linear_format` accepts.
+LINEAR_SUFFIXES = (".weight", ".weight_packed", ".weight_scale", ".weight_scale_2", ".weight_scale_inv",
+                   ".weight_global_scale", ".input_scale", ".input_global_scale")
 
 # Families, for summaries and format expectations (checkpoint.md, "Formats per module family").
 FAMILIES = ("embedding", "lm_head", "norm", "attention", "indexer", "dense_mlp", "shared_expert",
@@ -433,19 +436,38 @@ def _nbytes(info: TensorInfo) -> int:
 
 
 def _read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file, checked against the file size (truncation)."""
+    """The JSON header of a safetensors file, checked against the file size (truncation) and for the shape of each
+    tensor entry. Raises `ValueError` with a message for the user (what is wrong with the file; no raw parser
+    error) when the file cannot be a whole safetensors file."""
     size = path.stat().st_size
     with open(path, "rb") as fh:
         raw = fh.read(8)
         if len(raw) < 8:
-            raise ValueError("file is shorter than a safetensors header")
+            raise ValueError(f"the file has {size} bytes, too few for a safetensors header (truncated, or not a "
+                             "safetensors file)")
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8:
-            raise ValueError("header length exceeds the file size (truncated or not safetensors)")
-        header = json.loads(fh.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            raise ValueError(f"the safetensors header length ({n} bytes) exceeds the file size ({size} bytes) "
+                             "(damaged, truncated, or not a safetensors file)")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError("the safetensors header is not valid JSON (damaged or not a safetensors file)") from None
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object (damaged or not a safetensors file)")
+    end = 0
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        off = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(v, dict) and isinstance(v.get("dtype"), str) and isinstance(v.get("shape"), list)
+                and all(isinstance(d, int) for d in v["shape"]) and isinstance(off, list) and len(off) == 2
+                and all(isinstance(o, int) for o in off)):
+            raise ValueError(f"the safetensors header's entry {k!r} is not a tensor description (dtype, shape, "
+                             "data_offsets) (damaged or not a safetensors file)")
+        end = max(end, off[1])
     if 8 + n + end > size:
-        raise ValueError(f"truncated: tensors need {8 + n + end} bytes but the file has {size}")
+        raise ValueError(f"the file is truncated: its tensors need {8 + n + end} bytes but it has {size}")
     return header
 
 
@@ -468,10 +490,14 @@ def _linear_format(prefix: str, tensors: dict[str, TensorInfo]) -> LinearFormat 
     return LinearFormat(DENSE, w)
 
 
-def _check_plain(spec: TensorSpec, tensors: dict[str, TensorInfo], problems: list[str]) -> None:
-    """Presence, shape and dtype of one plain (never quantized) tensor."""
+def _check_plain(spec: TensorSpec, tensors: dict[str, TensorInfo], problems: list[str],
+                 unreadable: UnreadableShards | None = None) -> None:
+    """Presence, shape and dtype of one plain (never quantized) tensor. A tensor missing because its shard cannot be
+    read is left to that shard's problem (`unreadable`)."""
     info = tensors.get(spec.name)
     if info is None:
+        if unreadable is not None and unreadable.covers(spec.name):
+            return
         problems.append(f"missing tensor {spec.name} ({spec.family}, {list(spec.shape)})")
         return
     if info.shape != spec.shape:
@@ -480,7 +506,10 @@ def _check_plain(spec: TensorSpec, tensors: dict[str, TensorInfo], problems: lis
         problems.append(f"{spec.name} in {info.shard}: dtype {info.dtype}, expected {'/'.join(spec.dtypes)}")
 
 
-def _check_linear(spec: LinearSpec, f: LinearFormat, tensors: dict[str, TensorInfo], problems: list[str]) -> None:
+def _check_linear(spec: LinearSpec, f: LinearFormat, tensors: dict[str, TensorInfo], problems: list[str],
+                  unreadable: UnreadableShards | None = None) -> None:
+    """Presence, shape and dtype of the tensors of linear `spec` stored as `f`; a tensor missing because its shard
+    cannot be read is left to that shard's problem (`unreadable`)."""
     N, K = spec.out_features, spec.in_features
 
     def expect(name: str | None, shapes: list[tuple[int, ...]], dtypes: tuple[str, ...]) -> None:
@@ -488,6 +517,8 @@ def _check_linear(spec: LinearSpec, f: LinearFormat, tensors: dict[str, TensorIn
             return
         info = tensors.get(name)
         if info is None:
+            if unreadable is not None and unreadable.covers(name, spec.prefix):
+                return
             problems.append(f"missing tensor {name} ({f.fmt} linear {spec.prefix} needs it)")
             return
         if info.shape not in shapes:
@@ -513,11 +544,52 @@ def _check_linear(spec: LinearSpec, f: LinearFormat, tensors: dict[str, TensorIn
         expect(f.weight, [(N, K)], FLOAT_DTYPES)
 
 
+@dataclass
+class UnreadableShards:
+    """The shards of a folder that cannot be read (damaged, or named by the index but absent), each with its one
+    problem line, and the tensors they would have held. Validation puts a tensor missing for that reason down to its
+    shard (`covers`), so that the user reads the shard as the cause, once, instead of each of its tensors as missing
+    as if the config were wrong."""
+
+    lines: dict[str, str] = field(default_factory=dict)  # shard file name -> its problem line (names it first)
+    names: set[str] = field(default_factory=set)  # the tensors the index maps to those shards
+    unindexed: bool = False  # a shard no index describes cannot be read: any tensor missing may have been in it
+    covered: set[str] = field(default_factory=set)  # the missing tensors (linears: their prefix) put down to them
+
+    def __post_init__(self) -> None:
+        self._prefixes: set[str] = set()
+
+    def add(self, shard: str, line: str, names: list[str] | None) -> None:
+        """Shard `shard` cannot be read (`line` says why); `names`: the tensors the index maps to it, None without
+        an index."""
+        self.lines[shard] = line
+        if names is None:
+            self.unindexed = True
+        else:
+            self.names.update(names)
+            self._prefixes.update(n.rsplit(".", 1)[0] for n in names)
+
+    def covers(self, name: str, prefix: str | None = None) -> bool:
+        """Whether missing tensor `name` (of linear `prefix`, whose other tensors may be spelled differently) is
+        explained by an unreadable shard; if so it is counted in `covered`."""
+        hit = bool(self.lines) and (self.unindexed or name in self.names
+                                    or (prefix is not None and prefix in self._prefixes))
+        if hit:
+            self.covered.add(prefix or name)
+        return hit
+
+
 def scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
     """Tensor headers of a folder's shards (from `model.safetensors.index.json`, or the lone
     `*.safetensors` files), and the problems found: index entries pointing at missing files,
     unreadable or truncated shards, tensors missing from their shard or absent from the index.
     Raises `CheckpointError` when there are no safetensors at all (naming pickle files if present)."""
+    tensors, problems, unreadable = _scan_shards(path)
+    return tensors, list(unreadable.lines.values()) + problems
+
+
+def _scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str], UnreadableShards]:
+    """`scan_shards`, with the shards that cannot be read kept apart (their lines are not in the problems)."""
     files = sorted(p.name for p in path.glob("*.safetensors"))
     index_path = path / "model.safetensors.index.json"
     if not files and not index_path.exists():
@@ -529,6 +601,7 @@ def scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
                 "checkpoint to safetensors first")
         raise CheckpointError(f"{path}: no model.safetensors.index.json and no *.safetensors files")
     problems: list[str] = []
+    unreadable = UnreadableShards()
     if index_path.exists():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -540,15 +613,17 @@ def scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
     tensors: dict[str, TensorInfo] = {}
     for shard in shards:
         sp = path / shard
+        users = None if weight_map is None else [n for n, s in weight_map.items() if s == shard]
         if not sp.is_file():
-            users = [n for n, s in (weight_map or {}).items() if s == shard]
-            problems.append(f"{index_path.name} maps {len(users)} tensors (e.g. {users[0]}) to {shard}, "
-                            "which does not exist")
+            unreadable.add(shard, f"{shard}: the file does not exist, but {index_path.name} maps {len(users)} "
+                                  f"tensors to it (e.g. {users[0]}): copy it into the folder", users)
             continue
         try:
             header = _read_header(sp)
-        except (ValueError, json.JSONDecodeError, OSError) as e:
-            problems.append(f"shard {shard} cannot be read: {e}")
+        except (ValueError, OSError) as e:
+            held = (f"the {len(users)} tensors {index_path.name} maps to it cannot be read" if users is not None
+                    else "its tensors cannot be read")
+            unreadable.add(shard, f"{shard}: {e}; {held}: re-download or re-copy this file", users)
             continue
         for name, meta in header.items():
             if name == "__metadata__":
@@ -559,9 +634,9 @@ def scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
                 continue
             tensors[name] = TensorInfo(shard, meta["dtype"], tuple(meta["shape"]))
     for name, shard in (weight_map or {}).items():
-        if name not in tensors and (path / shard).is_file() and not any(shard in p for p in problems):
+        if name not in tensors and shard not in unreadable.lines:
             problems.append(f"tensor {name} is listed in {index_path.name} for {shard} but the shard lacks it")
-    return tensors, problems
+    return tensors, problems, unreadable
 
 
 def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
@@ -575,7 +650,7 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint folder (it does not exist or is not a directory)")
     cfg = load_model_config(path)
-    tensors, problems = scan_shards(path)
+    tensors, problems, unreadable = _scan_shards(path)
     notes: list[str] = []
 
     linears, plain = tensor_table(cfg)
@@ -585,12 +660,16 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     for prefix, spec in linears.items():
         f = _linear_format(prefix, tensors)
         if f is None:
-            problems.append(f"missing tensor {prefix}.weight ({spec.family}, [{spec.out_features}, "
-                            f"{spec.in_features}])")
+            if unreadable.covers(prefix + ".weight", prefix):
+                # its scales may sit in a readable shard: they belong to this linear, not to "unexpected"
+                known.update(prefix + s for s in LINEAR_SUFFIXES)
+            else:
+                problems.append(f"missing tensor {prefix}.weight ({spec.family}, [{spec.out_features}, "
+                                f"{spec.in_features}])")
             continue
         formats[prefix] = f
         known.update(n for n in (f.weight, f.scale, f.scale_2, f.input_scale) if n)
-        _check_linear(spec, f, tensors, problems)
+        _check_linear(spec, f, tensors, problems, unreadable)
         if f.fmt != DENSE:
             if spec.family in ("lm_head",):
                 problems.append(f"{prefix} is stored {f.fmt}; the LM head must be unquantized")
@@ -605,7 +684,7 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
             problems.append(f"{prefix} is stored NVFP4 but quantization_config is MXFP8-only")
     for name, spec in plain.items():
         known.add(name)
-        _check_plain(spec, tensors, problems)
+        _check_plain(spec, tensors, problems, unreadable)
     extra = sorted(n for n in tensors if n not in known)
     mtp = [n for n in extra if ".mtp." in n or n.startswith("mtp.")]
     if mtp:
@@ -620,10 +699,28 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
                             f"num_local_experts={E}")
         else:
             problems.append(f"unexpected tensor {n} in {tensors[n].shard} (not part of this model's config)")
+    # An unreadable shard is the cause of what it held going missing: its line comes first and counts them, and
+    # those tensors are not listed one by one (`UnreadableShards.covers`); other problems follow as they are.
+    lines = list(unreadable.lines.values())
+    if unreadable.unindexed and unreadable.covered:
+        n = len(unreadable.covered)
+        lines[0] += (f" ({n} tensor{'s' if n != 1 else ''} or linear{'s' if n != 1 else ''} the config needs "
+                      f"{'are' if n != 1 else 'is'} in no readable shard)")
+    problems[:0] = lines
     ck = Checkpoint(path, cfg, tensors, linears, plain, formats, problems, notes)
     if strict and problems:
-        raise CheckpointError(f"{path}: the checkpoint does not match its config.json "
-                              f"({len(problems)} problems)", problems)
+        if not lines:
+            raise CheckpointError(f"{path}: the checkpoint does not match its config.json "
+                                  f"({len(problems)} problems)", problems)
+        # the first unreadable shard is the headline, by its full path; every other problem is listed below it
+        shard = next(iter(unreadable.lines))
+        rest = problems[1:]
+        head = f"{path / shard}{lines[0][len(shard):]}"
+        if rest:
+            head += f"; {len(rest)} other problem{'s' if len(rest) != 1 else ''}:"
+        err = CheckpointError(head, rest)
+        err.problems = problems  # all of them, the shard's first
+        raise err
     return ck
 
 

@@ -254,8 +254,9 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     the inputs of NVFP4/MXFP8 linears as W4A4/W8A8 kernels do). weights: "dequant" (decode once at
     load) or "packed" (keep NVFP4/MXFP8 tensors packed on the device and decode at use: memory is the
     packed size, outputs are bit-identical to "dequant"). fast: fast paths (`minimax_ref.fast.FastPaths.of`:
-    False/None/"off" = the reference, which never imports `minimax_ref.fast`; True = all of them;
-    `minimax_ref.fast.apply(model, ...)` changes them later). runtime: `RuntimeConfig`
+    False/None/"off" = the reference, which never imports `minimax_ref.fast`; True = "on"; a preset's name of
+    `minimax_ref.fast.paths.PRESETS`, a dict of switches or a `FastPaths`; `minimax_ref.fast.apply(model, ...)`
+    changes them later). runtime: `RuntimeConfig`
     fields (max_seq_len, max_batch_size, kv_cache_dtype, max_images_per_prompt, attention_chunk_elements),
     kept on `model.runtime`.
 
@@ -269,7 +270,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     offload: "none" (default), "cpu" or "disk" (or an `offload.OffloadConfig`): weights that do not fit `gpu_memory`
     GiB on `device` stay packed in host memory or in `offload_folder` (default: a new folder under the cache, removed
     with the model) and are streamed to the device layer by layer, only the chosen experts' rows of a routed expert
-    stack (offload.py; the device map is `plan.propose_device_map`'s). Needs weights="packed", one process and the
+    stack (offload.py; the device map is `device_map.propose_device_map`'s). Needs weights="packed", one process and the
     `offload` extra (accelerate); the outputs are the resident packed model's, bit for bit.
 
     path None: the embedded default checkpoint (`embedded.default_checkpoint`; `load_tokenizer(None)` is its

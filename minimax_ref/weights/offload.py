@@ -2,10 +2,10 @@
 layer by layer as the forward reaches them (`load_model(..., weights="packed", offload="cpu" | "disk",
 gpu_memory=GiB)`, `--offload` / `--gpu-memory` on the CLI).
 
-Plan first, then stream. The device map comes from `plan.propose_device_map` (the rule `minimax-ref plan --offload`
-prints): each decoder layer is two units, its "layer" part (norms, attention, indexer, shared expert or dense MLP) and
-its routed expert stacks; the embedding, final norm, LM head, routers and vision tower always stay on the GPU. Units
-that do not fit `gpu_memory` (after a reserve for activations and the KV cache) stream:
+Plan first, then stream. The device map comes from `device_map.propose_device_map` (the rule `minimax-ref plan
+--offload` prints): each decoder layer is two units, its "layer" part (norms, attention, indexer, shared expert or dense
+MLP) and its routed expert stacks; the embedding, final norm, LM head, routers and vision tower always stay on the GPU.
+Units that do not fit `gpu_memory` (after a reserve for activations and the KV cache) stream:
 
 * a streamed layer part is copied whole to the GPU before its layer runs and dropped when the next streamed layer part
   is fetched (so hooks that read a module's weights right after its forward, as golden's do, see them); the next
@@ -30,20 +30,20 @@ only the pages of the rows it copies. Loading goes group by group (the always-re
 at a time, `loader.load_weights(select=...)`), each part read straight to where it lives, so host memory holds one
 layer at a time beyond the "cpu" store.
 
-accelerate (the `offload` extra) supplies the hook mechanism (`ModelHook`, `add_hook_to_module`: the streaming runs
-in hooks installed from outside, the reference modules are unchanged), `set_module_tensor_to_device` (moving a loaded
+accelerate (the `offload` extra) supplies the hook mechanism (`ModelHook`, `add_hook_to_module`: the streaming runs in
+hooks installed from outside, the reference modules are unchanged), `set_module_tensor_to_device` (moving a loaded
 tensor out of a module) and the disk format. What it does not fit, and the adapters written here instead:
 `infer_auto_device_map` sizes modules by their parameters (the meta model holds decoded shapes, not packed bytes) and
 knows nothing of routing (an expert stack costs k/E of its bytes per token, a layer part all of them), so the map is
-`plan.propose_device_map`; `AlignDevicesHook` moves every tensor of a module at each call, while an expert stack must
-move only the rows the router chose, after the router ran, and the next layer must be prefetched, so the hooks are
+`device_map.propose_device_map`; `AlignDevicesHook` moves every tensor of a module at each call, while an expert stack
+must move only the rows the router chose, after the router ran, and the next layer must be prefetched, so the hooks are
 `LayerHook` and `ExpertsHook` over one `Streamer`; `load_offloaded_weight` reads a whole tensor into memory, while a
 step reads a few rows, so the disk store maps the files (`DiskStore`).
 
-Limits: one process (TP=1), `weights="packed"`, fast paths chosen at load ("on", "compile", "fused"; not "compiled":
-its compiled decoder layers cannot contain the host synchronisation that choosing the rows needs; for the same reason
-decode steps are not captured in CUDA graphs, the `graph` switch is turned off; the CLI's `--fast auto` means the
-reference when offloading), and `fast.apply` is not to be called again on an offloaded model.
+Limits: one process (TP=1), `weights="packed"`, fast paths chosen at load ("on", and from Python the presets "compile"
+and "fused"; not "compiled": its compiled decoder layers cannot contain the host synchronisation that choosing the rows
+needs; for the same reason decode steps are not captured in CUDA graphs, the `graph` switch is turned off; the CLI's
+`--fast auto` means the reference when offloading), and `fast.apply` is not to be called again on an offloaded model.
 """
 
 from __future__ import annotations
@@ -63,17 +63,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..research.plan import (
-    DEFAULT_ACTIVATION_RESERVE_GIB,
-    GIB,
-    OFFLOAD_MODES,
-    DeviceMap,
-    id_runs,
-    kv_bytes_per_token,
-    offload_units,
-    propose_device_map,
-    unit_of,
-)
+from ..research.plan import DEFAULT_ACTIVATION_RESERVE_GIB, kv_bytes_per_token, offload_units
+from .device_map import GIB, OFFLOAD_MODES, DeviceMap, id_runs, propose_device_map, unit_of
 
 EXTRA_HINT = "pip install 'minimax-ref[offload]' (or: pip install 'accelerate>=1.0')"
 
@@ -143,7 +134,7 @@ def check_offload(cfg: OffloadConfig, *, weights: str, tp_size: int, expert_para
     if fast is not None and getattr(fast, "compile_layers", False):
         raise ConfigError(f"--offload {cfg.mode} cannot run with --fast compiled: compiled decoder layers and CUDA "
                           "graphs cannot contain the host synchronisation that choosing the experts' rows needs; use "
-                          "--fast on, compile or fused")
+                          "--fast on (or off)")
     if cfg.share_streamed_experts and not synthetic:
         raise ConfigError("share_streamed_experts is for synthetic weights only (every streamed expert stack would "
                           "read another layer's experts)")
@@ -224,7 +215,7 @@ class Record:
 
 @dataclass
 class Unit:
-    """A streamed unit of the device map (`plan.OffloadUnit`) with its tensors."""
+    """A streamed unit of the device map (`device_map.OffloadUnit`) with its tensors."""
 
     name: str
     kind: str
@@ -428,7 +419,7 @@ def _placeholders_like(experts: nn.Module, template: nn.Module) -> None:
 
 
 def device_map_for(model: nn.Module, ck, cfg: OffloadConfig, dtype: torch.dtype, runtime) -> DeviceMap:
-    """The device map of `model` (built from checkpoint `ck`) for `cfg`: `plan.propose_device_map` over
+    """The device map of `model` (built from checkpoint `ck`) for `cfg`: `device_map.propose_device_map` over
     `plan.offload_units` (sizes from the shards' headers, or the config for synthetic weights) with a reserve of
     `cfg.reserve_gib` plus the KV cache of `runtime.max_batch_size` sequences of `runtime.max_seq_len` tokens."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()

@@ -313,7 +313,7 @@ def _write_pruned_into(src: Path, out: Path, kept: dict[int, list[int]], method:
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     """Flags of `minimax-ref prune`."""
-    from ..cli.main import add_model_flags
+    from ..cli.model_args import add_model_flags
 
     add_model_flags(p)
     p.add_argument("--keep", type=int, required=True, help="routed experts kept per MoE layer")

@@ -373,7 +373,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *
     one at a time (`write_safetensors`): memory stays far below the output's size.
     drafter: also write a DSpark drafter in `dspark/` (`write_drafter`) at the target's shapes.
     """
-    from ..generation.tokenizer import write_test_tokenizer
+    from .synth_tokenizer import write_test_tokenizer
 
     out = Path(out)
     p = PRESETS.get(preset)

@@ -1,0 +1,423 @@
+"""`minimax-ref generate`: its flags, the run (prompts, an --input-file of JSONL requests, an --interactive chat),
+and the printers of streamed and finished replies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from ..errors import InputError, MiniMaxRefError
+from .model_args import add_model_flags, load_from_args
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+DEFAULT_MAX_NEW_TOKENS = 512
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def build_generate_parser(p: argparse.ArgumentParser) -> None:
+    from ..generation.chat import RECOMMENDED_SAMPLING as rec
+    add_model_flags(p)
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt text (repeat for a batch); with --chat, one user message")
+    p.add_argument("--input-file", type=Path, default=None,
+                   help="JSONL batch: one request per line with 'prompt' or 'messages', optional 'tools', "
+                        "'images' (file paths relative to the JSONL file) and sampling overrides (a line "
+                        "without 'max_new_tokens' takes --max-new-tokens, itself 512 when not given); one "
+                        "JSON result per line on stdout, in input order")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat session (/reset, /exit)")
+    p.add_argument("--max-new-tokens", type=_nonneg_int, default=None,
+                   help=f"most tokens per reply, >= 1 (default: {DEFAULT_MAX_NEW_TOKENS}, room for the reasoning "
+                        "of a thinking turn before its answer); also the default of --input-file lines without "
+                        "'max_new_tokens'")
+    p.add_argument("--temperature", type=float, default=rec["temperature"],
+                   help=f"0 = greedy (default: {rec['temperature']}, MiniMax's recommendation)")
+    p.add_argument("--top-p", type=float, default=rec["top_p"], help=f"in (0, 1] (default: {rec['top_p']})")
+    p.add_argument("--top-k", type=int, default=rec["top_k"], help=f"0 = off (default: {rec['top_k']})")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--chat", action="store_true", help="render prompts with the chat template")
+    p.add_argument("--thinking", choices=["adaptive", "enabled", "disabled"], default="adaptive",
+                   help="thinking mode of the chat template (default: adaptive)")
+    p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument("--tools", type=Path, default=None, help="JSON file: a list of tool (function) schemas")
+    p.add_argument("--hide-reasoning", action="store_true", help="do not print the reasoning (text output)")
+    p.add_argument("--output-format", choices=["text", "json"], default="text",
+                   help="text (streamed) or json (one object per prompt per line)")
+    p.add_argument("--speculative", choices=["none", "dspark"], default="none",
+                   help="speculative decoding: dspark = the checkpoint's dspark/ drafter (default: none)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
+                   help="with --speculative: drafts verified per step, 1..block size (default: the drafter's "
+                        "block size)")
+    p.add_argument("--drafter-capture", choices=["pre-norm", "post-norm"], default="pre-norm",
+                   help="with --speculative: feed the target's last layer to the drafter before (pre-norm, "
+                        "default) or after (post-norm) the target's final norm")
+    p.add_argument("--image", type=Path, action="append", default=None, metavar="FILE",
+                   help="image file (repeat for several, up to --limit-images); placed before the prompt "
+                        "text (with --chat, at the start of the user turn) unless the prompt holds one "
+                        "]<]image[>[ marker per image. Applies to every --prompt, and to --input-file "
+                        "records without 'images'")
+    p.add_argument("--limit-images", type=_nonneg_int, default=None, metavar="N",
+                   help="most images one prompt may carry (default: 1, the release deployment's limit)")
+
+
+def _read_tools(path: Path | None):
+    if path is None:
+        return None
+    from ..generation.chat import normalize_tools
+
+    try:
+        tools = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError(f"--tools {path}: cannot read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"--tools {path}: not valid UTF-8 JSON ({e})") from None
+    if isinstance(tools, dict):
+        tools = [tools]
+    normalize_tools(tools)
+    return tools
+
+
+def _check_number(value, name: str, *, integer: bool = False):
+    """`value` of sampling field `name` if it is a JSON number (an integer when `integer`), else an InputError
+    naming the field: a quoted or null value must not reach the sampler's comparisons as a raw TypeError."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        kind = "an integer" if integer else "a number"
+        raise InputError(f"{name}={value!r}: must be {kind}")
+    if not integer and not math.isfinite(value):
+        raise InputError(f"{name}={value!r}: must be a finite number")
+    return value
+
+
+def _sampling_kwargs(args: argparse.Namespace, override: dict | None = None) -> dict:
+    """generate's sampling arguments: the flags, overridden by a request's own fields; every value is checked
+    (types and ranges) here, before any model work."""
+    o = override or {}
+    default_new = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    kw = {"max_new_tokens": o.get("max_new_tokens", default_new),
+          "temperature": o.get("temperature", args.temperature), "top_p": o.get("top_p", args.top_p),
+          "top_k": o.get("top_k", args.top_k), "seed": o.get("seed", args.seed)}
+    from ..generation.generate import SamplingParams
+
+    for name in ("temperature", "top_p"):
+        _check_number(kw[name], name)
+    for name in ("max_new_tokens", "top_k", "seed"):
+        _check_number(kw[name], name, integer=True)
+    SamplingParams(kw["temperature"], kw["top_p"], kw["top_k"])  # validate before loading anything
+    if kw["max_new_tokens"] < 1:
+        what = (f"max_new_tokens={kw['max_new_tokens']!r}" if "max_new_tokens" in o
+                else f"--max-new-tokens {kw['max_new_tokens']}")
+        raise InputError(f"{what}: must be >= 1 (generate makes at least one token); to score a prompt without "
+                         "generating, use `minimax-ref score`")
+    return kw
+
+
+def _check_prompt_encoding(prompts: list[str]) -> None:
+    """Refuse a --prompt holding bytes that are not UTF-8: on POSIX, argv bytes that do not decode arrive as
+    lone surrogates (U+DC80..U+DCFF, one per byte), which the tokenizer cannot take."""
+    for i, text in enumerate(prompts, start=1):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            offset = len(text[:e.start].encode("utf-8"))
+            c = ord(text[e.start])
+            what = (f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF
+                    else f"lone surrogate U+{c:04X}")
+            raise InputError(f"--prompt {i}: not UTF-8 text ({what} at offset {offset}): the terminal or "
+                             "script passed it in another encoding (e.g. Latin-1); convert it to UTF-8 "
+                             "(iconv -t UTF-8) or use a UTF-8 locale") from None
+
+
+def _print_result(args: argparse.Namespace, result, streamed: bool, max_new_tokens: int | None = None) -> None:
+    if args.output_format == "json":
+        print(json.dumps(result.as_dict(), ensure_ascii=False), flush=True)
+        _note_cut(args, result, max_new_tokens)
+        return
+    if not streamed:
+        if result.reasoning and not args.hide_reasoning:
+            print(f"{DIM}{result.reasoning}{RESET}" if sys.stdout.isatty() else result.reasoning)
+        print(result.content)
+    for call in result.tool_calls:
+        print(json.dumps({"tool_call": call}, ensure_ascii=False))
+    s = result.stats
+    print(f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, prefill {s['prefill_tokens_per_s']:.1f} "
+          f"tok/s, first token {s['time_to_first_token_seconds']:.2f} s, decode {s['decode_tokens_per_s']:.1f} tok/s]",
+          file=sys.stderr)
+    _note_cut(args, result, max_new_tokens)
+
+
+def _note_cut(args: argparse.Namespace, result, max_new_tokens: int | None) -> None:
+    """Say on stderr when a reply stopped at --max-model-len before --max-new-tokens (the cache was full)."""
+    n_prompt, n_new = len(result.prompt_token_ids), len(result.token_ids)
+    if max_new_tokens is not None and result.finish_reason == "length" and n_new < max_new_tokens:
+        print(f"note: stopped after {n_new} of --max-new-tokens {max_new_tokens} tokens: the prompt ({n_prompt} "
+              f"tokens) plus the reply reached --max-model-len {args.max_model_len}; raise --max-model-len for "
+              "longer replies", file=sys.stderr)
+
+
+def _stream_printer(args: argparse.Namespace, tools, reasoning_started: bool):
+    """on_text callback that prints content (and dimmed reasoning) as it becomes certain."""
+    from ..generation.chat import StreamingParser
+
+    parser = StreamingParser(tools, reasoning_started=reasoning_started)
+    tty = sys.stdout.isatty()
+    shown = {"reasoning": False}
+
+    def emit(events) -> None:
+        for ev in events:
+            if ev["type"] == "reasoning" and not args.hide_reasoning:
+                sys.stdout.write(f"{DIM}{ev['text']}{RESET}" if tty else ev["text"])
+                shown["reasoning"] = True
+            elif ev["type"] == "content":
+                if shown["reasoning"]:  # the answer starts on its own line, as in the non-streamed output
+                    sys.stdout.write("\n")
+                    shown["reasoning"] = False
+                sys.stdout.write(ev["text"])
+        sys.stdout.flush()
+
+    def on_text(row: int, text: str) -> None:
+        emit(parser.feed(text))
+
+    def close() -> None:
+        emit(parser.finish())
+        sys.stdout.write("\n")
+
+    return on_text, close
+
+
+def _draft_kwargs(args: argparse.Namespace, model) -> dict:
+    """`generate`'s speculative arguments for the flags; the drafter is loaded once per command."""
+    if args.speculative == "none":
+        return {}
+    if getattr(args, "_drafter", None) is None:
+        from ..generation.drafter import SUBFOLDER, load_drafter
+
+        args._drafter = load_drafter(Path(model.ckpt_path) / SUBFOLDER, model,
+                                     capture_final_norm=args.drafter_capture == "post-norm")
+    return {"draft": args._drafter, "num_speculative_tokens": args.num_speculative_tokens}
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from ..generation.generate import generate
+
+    if args.speculative == "none" and (args.num_speculative_tokens is not None or args.drafter_capture != "pre-norm"):
+        raise InputError("--num-speculative-tokens and --drafter-capture need --speculative dspark")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        raise InputError(f"--num-speculative-tokens {args.num_speculative_tokens}: must be >= 1")
+    tools = _read_tools(args.tools)
+    kw = _sampling_kwargs(args)
+    modes = sum(x is not None and x is not False
+                for x in (args.prompt, args.input_file, args.interactive or None))
+    if modes != 1:
+        raise InputError("give exactly one of --prompt, --input-file or --interactive")
+    if args.prompt is not None and any(p == "" for p in args.prompt):
+        raise InputError("--prompt is empty: give some text")
+    if args.prompt is not None:
+        _check_prompt_encoding(args.prompt)
+    requests = _read_requests(args, tools) if args.input_file is not None else None
+    if requests == []:  # an empty input file: nothing to load the model for
+        return 0
+    if args.prompt is not None and not args.chat:
+        chat_only = [flag for flag, used in (("--tools", args.tools is not None), ("--system", args.system is not None),
+                                             ("--thinking", args.thinking != "adaptive")) if used]
+        if chat_only:
+            verb = "applies" if len(chat_only) == 1 else "apply"
+            raise InputError(f"{', '.join(chat_only)} {verb} only to chat prompts: add --chat")
+    for path in args.image or []:
+        if not path.is_file():  # fail before loading the model; contents are checked when decoded
+            raise InputError(f"--image {path}: no such file")
+    model, tok, _ = load_from_args(args)
+    if args.limit_images is not None:
+        import dataclasses
+
+        model.runtime = dataclasses.replace(model.runtime, max_images_per_prompt=args.limit_images)
+    chat_kw = {"chat": args.chat, "tools": tools, "thinking": args.thinking, "system": args.system}
+
+    if args.interactive:
+        return _interactive(args, model, tok, tools, kw)
+    if requests is not None:
+        return _batch_file(args, model, tok, requests)
+
+    stream = args.output_format == "text" and len(args.prompt) == 1
+    on_text = close = None
+    if stream:
+        started = args.chat and args.thinking == "enabled"
+        on_text, close = _stream_printer(args, tools, started)
+    images = [args.image] * len(args.prompt) if args.image else None
+    results = generate(model, tok, args.prompt, on_text=on_text, images=images, **chat_kw, **kw,
+                       **_draft_kwargs(args, model))
+    if close:
+        close()
+    for i, r in enumerate(results):
+        if not stream and args.output_format == "text" and len(results) > 1:
+            # several replies: each under a header naming its prompt, so they do not run together
+            print(("\n" if i else "") + f"=== prompt {i + 1} of {len(results)} ===")
+        _print_result(args, r, streamed=stream, max_new_tokens=kw["max_new_tokens"])
+    return 0
+
+
+REQUEST_KEYS = ("prompt", "messages", "tools", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "thinking",
+                "system", "id", "images")
+THINKING_MODES = ("adaptive", "enabled", "disabled")
+
+
+def _check_request(args: argparse.Namespace, req: object, tools) -> dict:
+    """`generate`'s keyword arguments for one --input-file record, every field checked (InputError otherwise)."""
+    if not isinstance(req, dict) or ("prompt" in req) == ("messages" in req):
+        raise InputError("each line must be an object with exactly one of 'prompt' or 'messages'")
+    unknown = sorted(set(req) - set(REQUEST_KEYS))
+    if unknown:
+        raise InputError(f"unknown keys {unknown} (known: {list(REQUEST_KEYS)})")
+    chat = args.chat or "messages" in req
+    prompt = req.get("messages", req.get("prompt"))
+    if "messages" in req:
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
+            raise InputError("'messages' must be a non-empty list of message objects")
+    elif not isinstance(prompt, str) or not prompt:
+        raise InputError(f"'prompt' must be a non-empty string, got {prompt!r}")
+    req_tools = tools
+    if "tools" in req:
+        from ..generation.chat import normalize_tools
+
+        req_tools = req["tools"] if not isinstance(req["tools"], dict) else [req["tools"]]
+        if not isinstance(req_tools, list):
+            raise InputError(f"'tools' must be a list of tool schemas, got {req['tools']!r}")
+        normalize_tools(req_tools)
+    thinking = req.get("thinking", args.thinking)
+    if thinking not in THINKING_MODES:
+        raise InputError(f"'thinking'={thinking!r}: choose one of {list(THINKING_MODES)}")
+    system = req.get("system", args.system)
+    if system is not None and not isinstance(system, str):
+        raise InputError(f"'system' must be a string, got {system!r}")
+    # Image paths in a record are relative to the input file (--image ones to the working folder).
+    base = args.input_file.parent
+    images = args.image
+    if "images" in req:
+        if not isinstance(req["images"], list) or not all(isinstance(x, str) for x in req["images"]):
+            raise InputError("'images' must be a list of image file paths")
+        images = [base / x for x in req["images"]]
+        missing = [str(x) for x in images if not x.is_file()]
+        if missing:
+            raise InputError(f"'images': no such file {missing[0]}")
+    if isinstance(prompt, list):
+        from ..generation.multimodal import rebase_image_paths
+
+        prompt = rebase_image_paths(prompt, base)
+    return {"prompts": [prompt], "chat": chat, "tools": req_tools, "thinking": thinking, "system": system,
+            "images": [images] if images else None, **_sampling_kwargs(args, req)}
+
+
+def _read_requests(args: argparse.Namespace, tools) -> list[tuple[int, object, dict | str]]:
+    """Every record of --input-file as (line number, id or None, generate's kwargs or the line's error message),
+    all checked before anything is loaded; blank lines are skipped. An unreadable file is one InputError."""
+    path = args.input_file
+    if path.is_dir():
+        raise InputError(f"--input-file {path}: is a directory, not a JSONL file")
+    try:
+        data = path.read_bytes()  # any readable file: a pipe or /dev/null as well as a regular file
+    except FileNotFoundError:
+        raise InputError(f"--input-file {path}: no such file") from None
+    except OSError as e:
+        raise InputError(f"--input-file {path}: cannot read ({e.strerror})") from None
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise InputError(f"--input-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    requests: list[tuple[int, object, dict | str]] = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        req = None
+        try:
+            try:
+                req = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            requests.append((n, req.get("id") if isinstance(req, dict) else None, _check_request(args, req, tools)))
+        except MiniMaxRefError as e:
+            requests.append((n, req.get("id") if isinstance(req, dict) else None, str(e)))
+    if not requests:
+        print(f"note: --input-file {path} holds no requests (it is empty or blank); nothing to do", file=sys.stderr)
+    return requests
+
+
+def _batch_file(args, model, tok, requests) -> int:
+    """Run the checked --input-file records in order; the bad ones (and ones whose run fails) are reported with
+    their line number and the rest still run. Exit status 1 when any line failed."""
+    from ..generation.generate import generate
+
+    status = 0
+    for n, req_id, kw in requests:
+        try:
+            if isinstance(kw, str):
+                raise InputError(kw)
+            res = generate(model, tok, **kw, **_draft_kwargs(args, model))[0]
+            out = res.as_dict()
+            if req_id is not None:
+                out["id"] = req_id
+            if args.output_format == "json":
+                print(json.dumps(out, ensure_ascii=False), flush=True)
+                _note_cut(args, res, kw["max_new_tokens"])
+            else:
+                _print_result(args, res, streamed=False, max_new_tokens=kw["max_new_tokens"])
+        except MiniMaxRefError as e:
+            status = 1
+            print(f"error: {args.input_file}:{n}: {e}", file=sys.stderr)
+            if args.output_format == "json":
+                print(json.dumps({"line": n, "error": str(e)}, ensure_ascii=False), flush=True)
+    return status
+
+
+def _interactive(args, model, tok, tools, kw) -> int:
+    from ..generation.generate import generate
+
+    history: list[dict] = []
+    print("minimax-ref interactive chat. /reset clears the history, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        cmd = line.strip()
+        if cmd in ("/exit", "/quit"):
+            return 0
+        if cmd == "/reset":
+            history.clear()
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if not cmd:
+            continue
+        content: str | list = line
+        if args.image and not any(m["role"] == "user" for m in history):
+            # --image files belong to the first user turn and stay in the history with it
+            content = [{"type": "image", "path": str(p)} for p in args.image] + [{"type": "text", "text": line}]
+        history.append({"role": "user", "content": content})
+        on_text, close = _stream_printer(args, tools, args.thinking == "enabled")
+        try:
+            res = generate(model, tok, [history], chat=True, tools=tools, thinking=args.thinking,
+                           system=args.system, on_text=on_text, **kw, **_draft_kwargs(args, model))[0]
+        except MiniMaxRefError as e:
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C during a reply ends the reply; at the prompt it ends the session
+            history.pop()
+            print("\n(reply interrupted; the turn is dropped from the history)", file=sys.stderr)
+            continue
+        close()
+        for call in res.tool_calls:
+            print(json.dumps({"tool_call": call}, ensure_ascii=False))
+        turn = {"role": "assistant", "content": res.content}
+        if res.reasoning:  # the release's format keeps every earlier turn's reasoning in the prompt
+            turn["reasoning_content"] = res.reasoning
+        if res.tool_calls:
+            turn["tool_calls"] = res.tool_calls
+        history.append(turn)

@@ -1,0 +1,298 @@
+"""What a forward records and how it is edited, attached from outside the model by forward hooks.
+
+`model(ids, trace=Trace(...))` (and `interventions=`) attaches the hooks below for the length of that forward
+(`Trace.attached`); the model's modules compute the math and nothing else. The hook points, per decoder layer L
+(`model.decoder.DecoderLayer`):
+
+    a = self_attn(input_layernorm(x))               attention_output[L]; inside it, on MSA layers:
+        blocks = self_attn.selection(iq, ik, ...)   blocks[L]; msa_blocks[L] replaces them
+        o = self_attn.core(q, k, v, ...)            attention[L] (the core's operands, `attention_layers`)
+    h = attention_residual(x + a)                   attention_residual[L] replaces h
+    routing = gate(norm(h), mask)                   expert_mask[L] is the mask; routing[L] recorded, then
+                                                    expert_scale[L] scales the chosen experts' weights
+    f = ffn(norm(h))                                ffn_output[L]
+    out = h + f                                     residual[L] replaces out; hidden_states[L] records it
+
+Records are taken after the edits at the same point (the blocks and the stream attended to), except routing, which
+is recorded as the router chose it, before `expert_scale`. The fast paths keep the same hook points (their twins
+call the same submodules); a forward with a trace never runs compiled or captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from ..model.config import check_layer_ids
+from ..model.moe import Routing
+
+if TYPE_CHECKING:
+    from ..model.decoder import MiniMaxM3
+
+# chunk_elements large enough that attention runs in one query chunk: what a captured core runs with
+ONE_CHUNK = 1 << 62
+
+Edit = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Interventions:
+    """Edits a forward applies at its hook points (`model(ids, interventions=...)`, or `Trace(interventions=...)`).
+
+    Hook points, per decoder layer L (`DecoderLayer.forward`; the module docstring lists where each attaches):
+      h = x + attn(norm(x))            msa_blocks[L] replaces the MSA block selection inside attn;
+                                       attention_residual[L] replaces h ("the residual after attention")
+      routing = router(norm(h))        expert_mask[L] removes experts from the choice
+      y = moe(norm(h), routing)        expert_scale[L] multiplies chosen experts' outputs
+      out = h + y                      residual[L] replaces out ("the residual after the FFN", the layer's output)
+
+    expert_mask[L]: bool [E], False = never routed (the router picks the top k among the kept experts and
+        normalises their weights among themselves: what a checkpoint pruned of those experts computes).
+    expert_scale[L]: {expert id: factor}; the factor multiplies that expert's fp32 routing weight where it is
+        chosen, so its contribution to the sum (0 zeroes it; the other experts' weights are unchanged, unlike
+        a mask).
+    residual[L], attention_residual[L]: a tensor [B, T, H] used in place of the stream, or a function of the
+        stream returning its replacement (same shape).
+    msa_blocks[L]: on an MSA layer, the key blocks each query attends to, int [B, kv_heads, T, kb] (-1 = empty
+        slot, any kb), in place of the indexer's top-k (`Trace.blocks` has the indexer's, in this form). Each
+        query still sees only keys at or before its position; every row needs a block holding one of those.
+        Under tensor parallelism, this rank's kv heads (as `Trace.blocks`).
+    Nothing else in the forward's arithmetic changes. With none given, the forward runs unchanged.
+    """
+
+    expert_mask: dict[int, torch.Tensor] = field(default_factory=dict)
+    expert_scale: dict[int, dict[int, float]] = field(default_factory=dict)
+    residual: dict[int, Edit] = field(default_factory=dict)
+    attention_residual: dict[int, Edit] = field(default_factory=dict)
+    msa_blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def check(self, model: MiniMaxM3) -> None:
+        """Refuse edits naming layers or experts the model does not have (InputError)."""
+        n, E = model.text.num_hidden_layers, model.text.num_local_experts
+        moe = {i for i in range(n) if model.text.moe_layers[i]}
+        for name in ("expert_mask", "expert_scale", "residual", "attention_residual", "msa_blocks"):
+            for L in getattr(self, name):
+                if not isinstance(L, int) or not 0 <= L < n:
+                    raise InputError(f"interventions.{name}: layer {L!r} is not a layer index in [0, {n})")
+                if name.startswith("expert") and L not in moe:
+                    raise InputError(f"interventions.{name}: layer {L} has a dense MLP, not experts "
+                                     f"(MoE layers: {sorted(moe)[:8]}{'...' if len(moe) > 8 else ''})")
+                if name == "msa_blocks" and not model.text.sparse_layers[L]:
+                    raise InputError(f"interventions.msa_blocks: layer {L} has dense attention, no block selection")
+        for L, mask in self.expert_mask.items():
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (E,):
+                got = (mask.dtype, tuple(mask.shape)) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise InputError(f"interventions.expert_mask[{L}] must be a bool tensor [{E}], got {got}")
+            if int(mask.sum()) < model.text.num_experts_per_tok:
+                raise InputError(f"interventions.expert_mask[{L}] keeps {int(mask.sum())} experts; routing "
+                                 f"chooses {model.text.num_experts_per_tok} per token")
+        for L, scales in self.expert_scale.items():
+            bad = [e for e in scales if not isinstance(e, int) or not 0 <= e < E]
+            if bad:
+                raise InputError(f"interventions.expert_scale[{L}]: expert ids {bad[:5]} are not in [0, {E})")
+
+    def blocks_for(self, layer: int, pos: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
+        """`msa_blocks[layer]` checked against the call (queries at `pos` [B, T], `kv_heads` heads) -> long, on
+        pos's device."""
+        blocks = self.msa_blocks[layer]
+        where = f"interventions.msa_blocks[{layer}]"
+        B, T = pos.shape
+        if not isinstance(blocks, torch.Tensor) or blocks.dtype.is_floating_point or blocks.dtype == torch.bool \
+                or blocks.dim() != 4 or tuple(blocks.shape[:3]) != (B, kv_heads, T):
+            got = (blocks.dtype, tuple(blocks.shape)) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+            raise InputError(f"{where} must be an integer tensor [{B}, {kv_heads}, {T}, kb], got {got}")
+        blocks = blocks.to(pos.device, torch.long)
+        last = (pos // block_size)[:, None, :, None]  # the query's own block: later ones hold only future keys
+        if bool(((blocks < -1) | (blocks > last)).any()):
+            raise InputError(f"{where}: block ids must be -1 (empty) or a block at or before the query's own "
+                             f"(block = position // {block_size})")
+        if not bool((blocks >= 0).any(-1).all()):
+            raise InputError(f"{where}: every query needs at least one block (its own, position // {block_size}, "
+                             "always has a key it may see)")
+        return blocks
+
+    @staticmethod
+    def apply(edit: Edit, stream: torch.Tensor, where: str) -> torch.Tensor:
+        """The stream replaced by `edit` (a tensor of the stream's shape, or a function of the stream)."""
+        new = edit(stream) if callable(edit) else edit
+        if not isinstance(new, torch.Tensor) or new.shape != stream.shape:
+            got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+            raise InputError(f"interventions.{where}: the replacement is {got}, the stream is {tuple(stream.shape)}")
+        return new.to(stream.dtype)
+
+
+@dataclass
+class Trace:
+    """What a forward pass records, per layer index, for research and kernel tests.
+
+    hidden_states[L]: the residual stream after layer L, [B, T, H] (only layers in `layers`, all when
+        `layers` is None; `hidden_states[-1]`-style access is by layer index, not position).
+    attention_output[L], ffn_output[L]: with `components`, what layer L's attention and FFN (MLP or MoE)
+        add to the stream, [B, T, H] each (same layers as `hidden_states`).
+    routing[L]: MoE decision of layer L for the B*T flattened tokens, row-major over [B, T] (`moe.Routing`;
+        `routed(L)` gives it shaped [B, T, k], `expert_counts(L)` counts the tokens `mask` keeps).
+    blocks[L]: MSA block ids of layer L, [B, kv_heads, T, kb] (-1 = empty slot); under tensor
+        parallelism, this rank's kv heads only.
+    attention[L]: for the layers in `attention_layers`, the attention core's operands and result as it
+        was called: q, k, v [B, T|L, heads, D] after q/k norm and RoPE, q_pos [B, T], o fp32 [B, T, Hq, D] (before
+        `o_proj`), and on MSA layers iq [B, T, kv_heads, Di], ik [B, L, Di] (after norm and RoPE) and blocks; the
+        scale, geometry and chunk size. What golden bundles are made of. A captured core runs in one query chunk,
+        or with `attention_chunk_elements` in the engine's query chunks of that size (long prompts: linear memory).
+    shape: (B, T) of the last forward. mask: [B, T] bool, True at real tokens (None: all real); set by the
+        caller, or by `minimax_ref.research.score` for its right-padded batch.
+    interventions: edits applied during the forward (`Interventions`).
+
+    Each forward records into the trace the layers it runs, replacing what an earlier forward recorded for
+    those layers; `reset()` clears every record (the settings stay).
+    """
+
+    layers: set[int] | None = None
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    routing: dict[int, Routing] = field(default_factory=dict)
+    blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention_layers: set[int] = field(default_factory=set)
+    attention: dict[int, dict] = field(default_factory=dict)
+    attention_chunk_elements: int | None = None  # captured cores run in chunks of this size (None: one chunk)
+    components: bool = False
+    attention_output: dict[int, torch.Tensor] = field(default_factory=dict)
+    ffn_output: dict[int, torch.Tensor] = field(default_factory=dict)
+    shape: tuple[int, int] | None = None
+    mask: torch.Tensor | None = None
+    interventions: Interventions | None = None
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def reset(self) -> None:
+        """Clear every record (hidden states, routing, blocks, attention, components, shape, mask)."""
+        for d in (self.hidden_states, self.routing, self.blocks, self.attention, self.attention_output,
+                  self.ffn_output):
+            d.clear()
+        self.shape = self.mask = None
+
+    def begin(self, model: MiniMaxM3, x: torch.Tensor) -> None:
+        """Called by the model before its layers run on x [B, T, H]: refuses layer indices the model does not
+        have (InputError) and notes the shape."""
+        for name in ("layers", "attention_layers"):
+            check_layer_ids(getattr(self, name) or (), model.text.num_hidden_layers, f"Trace({name}=...)")
+        if self.interventions is not None:
+            self.interventions.check(model)
+        if self.mask is not None and tuple(self.mask.shape) != tuple(x.shape[:2]):
+            raise InputError(f"Trace.mask is {tuple(self.mask.shape)}, the batch is {tuple(x.shape[:2])}")
+        self.shape = (int(x.shape[0]), int(x.shape[1]))
+
+    def routed(self, layer: int) -> Routing:
+        """Layer `layer`'s routing shaped [B, T, k] (expert ids, weights) and [B, T, E] (logits)."""
+        if layer not in self.routing:
+            raise InputError(f"the trace holds no routing for layer {layer} (it has {sorted(self.routing)}; "
+                             "dense-MLP layers route nothing)")
+        r, (B, T) = self.routing[layer], self.shape
+        return Routing(r.expert_ids.view(B, T, -1), r.weights.view(B, T, -1), r.logits.view(B, T, -1))
+
+    def expert_counts(self, layer: int) -> torch.Tensor:
+        """long [E]: how many tokens chose each expert in `layer`, over the tokens `mask` keeps (padding excluded)."""
+        r = self.routed(layer)
+        ids = r.expert_ids if self.mask is None else r.expert_ids[self.mask.to(r.expert_ids.device)]
+        return torch.bincount(ids.reshape(-1), minlength=r.logits.shape[-1])
+
+    def logit_lens(self, model: MiniMaxM3, layers: set[int] | None = None) -> dict[int, torch.Tensor]:
+        """fp32 logits [B, T, V] of each recorded residual stream (`hidden_states[L]` through the final norm and
+        LM head, `MiniMaxM3.logits`): what the model would predict if it stopped after layer L."""
+        keys = sorted(self.hidden_states if layers is None else layers)
+        missing = [L for L in keys if L not in self.hidden_states]
+        if missing:
+            raise InputError(f"logit_lens: layers {missing[:5]} were not recorded (Trace(layers=...) decides which)")
+        return {L: model.logits(self.hidden_states[L]) for L in keys}
+
+    @contextmanager
+    def attached(self, model: MiniMaxM3) -> Iterator[Trace]:
+        """This trace's hooks, and its interventions', on `model`'s decoder layers for the length of the block (what
+        `MiniMaxM3.hidden` runs its layers inside when given a trace); the layers' chunk sizes are restored after."""
+        handles: list = []
+        chunks: dict[nn.Module, int] = {}
+        try:
+            for L, layer in enumerate(model.layers):
+                _attach_layer(self, L, layer, handles, chunks)
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            for attn, chunk in chunks.items():
+                attn.chunk_elements = chunk
+
+
+def _attach_layer(trace: Trace, L: int, layer: nn.Module, handles: list, chunks: dict) -> None:
+    """Layer L's hooks, edits before the records taken at the same point (module docstring)."""
+    iv = trace.interventions
+
+    def on(module: nn.Module, fn: Callable) -> None:
+        handles.append(module.register_forward_hook(fn))
+
+    def store(records: dict) -> Callable:
+        return lambda module, args, out: records.__setitem__(L, out)
+
+    attn = layer.self_attn
+    if attn.sparse:
+        if iv is not None and L in iv.msa_blocks:
+            on(attn.selection, lambda m, args, out: iv.blocks_for(L, args[2], attn.n_kv, attn.geometry.block_size))
+        on(attn.selection, store(trace.blocks))
+    if L in trace.attention_layers:
+        chunks[attn] = attn.chunk_elements
+        attn.chunk_elements = trace.attention_chunk_elements or ONE_CHUNK
+        _attach_core(trace, L, attn, on)
+    components = trace.components and trace.wants(L)
+    if components:
+        on(attn, store(trace.attention_output))
+    if iv is not None and L in iv.attention_residual:
+        edit = iv.attention_residual[L]
+        on(layer.attention_residual, lambda m, args, out: iv.apply(edit, out, f"attention_residual[{L}]"))
+    moe = getattr(layer, "block_sparse_moe", None)
+    if moe is not None:
+        mask = None if iv is None else iv.expert_mask.get(L)
+        if mask is not None:
+            handles.append(moe.gate.register_forward_pre_hook(
+                lambda m, args, kwargs: (args, {**kwargs, "mask": mask}), with_kwargs=True))
+        on(moe.gate, store(trace.routing))
+        scale = None if iv is None else iv.expert_scale.get(L)
+        if scale:
+            on(moe.gate, lambda m, args, out: scaled_routing(out, scale, m.weight.shape[0]))
+    if components:
+        on(layer.ffn, store(trace.ffn_output))
+    if iv is not None and L in iv.residual:
+        edit = iv.residual[L]
+        on(layer, lambda m, args, out: iv.apply(edit, out, f"residual[{L}]"))
+    if trace.wants(L):
+        on(layer, store(trace.hidden_states))
+
+
+def _attach_core(trace: Trace, L: int, attn: nn.Module, on: Callable) -> None:
+    """Record layer L's attention core as it is called: `trace.attention[L]` (the `Trace.attention` fields)."""
+    index: dict[str, torch.Tensor] = {}
+    if attn.sparse:
+        on(attn.selection, lambda m, args, out: index.update(iq=args[0], ik=args[1]))
+
+    def core(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        q, k, v, q_pos = args[:4]
+        rec = {"q": q, "k": k, "v": v, "q_pos": q_pos, "o": out, "scale": module.scale,
+               "chunk_elements": attn.chunk_elements}
+        if attn.sparse:
+            sp = attn.geometry
+            rec.update(iq=index["iq"], ik=index["ik"], blocks=args[4], block_size=sp.block_size,
+                       topk_blocks=sp.topk_blocks, local_blocks=sp.local_blocks, init_blocks=sp.init_blocks)
+        trace.attention[L] = rec
+
+    on(attn.core, core)
+
+
+def scaled_routing(routing: Routing, scale: dict[int, float], num_experts: int) -> Routing:
+    """`routing` with each chosen expert e's fp32 weight multiplied by `scale[e]` (1 for the others)."""
+    ids = routing.expert_ids
+    factor = torch.ones(num_experts, dtype=torch.float32, device=ids.device)
+    factor[list(scale)] = torch.tensor([float(v) for v in scale.values()], device=ids.device)
+    return Routing(ids, routing.weights * factor[ids], routing.logits)

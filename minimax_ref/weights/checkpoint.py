@@ -555,9 +555,7 @@ class UnreadableShards:
     names: set[str] = field(default_factory=set)  # the tensors the index maps to those shards
     unindexed: bool = False  # a shard no index describes cannot be read: any tensor missing may have been in it
     covered: set[str] = field(default_factory=set)  # the missing tensors (linears: their prefix) put down to them
-
-    def __post_init__(self) -> None:
-        self._prefixes: set[str] = set()
+    prefixes: set[str] = field(default_factory=set)  # the linear prefixes of `names`
 
     def add(self, shard: str, line: str, names: list[str] | None) -> None:
         """Shard `shard` cannot be read (`line` says why); `names`: the tensors the index maps to it, None without
@@ -567,13 +565,13 @@ class UnreadableShards:
             self.unindexed = True
         else:
             self.names.update(names)
-            self._prefixes.update(n.rsplit(".", 1)[0] for n in names)
+            self.prefixes.update(n.rsplit(".", 1)[0] for n in names)
 
     def covers(self, name: str, prefix: str | None = None) -> bool:
         """Whether missing tensor `name` (of linear `prefix`, whose other tensors may be spelled differently) is
         explained by an unreadable shard; if so it is counted in `covered`."""
         hit = bool(self.lines) and (self.unindexed or name in self.names
-                                    or (prefix is not None and prefix in self._prefixes))
+                                    or (prefix is not None and prefix in self.prefixes))
         if hit:
             self.covered.add(prefix or name)
         return hit

@@ -52,6 +52,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
+def _skip_reason(report) -> str:
+    """A skipped test's reason as `-rs` shows it, without the "Skipped: " prefix."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ").strip()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Skipped tests, one line per reason ("N skipped: reason"), most frequent first. pyproject's addopts reports
+    failures, errors and xfail/xpass with -r as usual but not each skip's location: in a fresh clone (no ../shared,
+    no CUDA, no triton) that list runs to dozens of lines with a handful of reasons. `-rs` still lists them."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped or {"s", "S"} & set(getattr(terminalreporter, "reportchars", "")):
+        return
+    counts: dict[str, int] = {}
+    for report in skipped:
+        reason = _skip_reason(report)
+        counts[reason] = counts.get(reason, 0) + 1
+    terminalreporter.write_sep("=", f"{len(skipped)} skipped, by reason")
+    for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{n} skipped: {reason}")
+
+
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory):
     """write(preset, fmt, **kw) -> path, cached per argument set for the whole session."""

@@ -123,12 +123,41 @@ def test_input_file_batch_keeps_order_and_reports_bad_lines(tiny_nvfp4, tmp_path
     code, out, err = run(["generate", "--ckpt-path", str(tiny_nvfp4), "--input-file", str(requests),
                           "--output-format", "json"], capsys)
     rows = [json.loads(line) for line in out.splitlines()]
-    assert code == 1 and len(rows) == 4
-    assert rows[0]["id"] == "a" and len(rows[0]["token_ids"]) == 3
-    assert rows[1] == {"line": 2, "error": rows[1]["error"]} and "not valid JSON" in rows[1]["error"]
-    assert rows[2]["id"] == "c" and isinstance(rows[2]["text"], str) and len(rows[2]["token_ids"]) == 4
-    assert rows[3]["line"] == 4 and "wizard" in rows[3]["error"]
+    assert code == 1 and len(rows) == 5
+    # bad lines first (checked before the model runs), then results as they complete, each naming its line
+    by_line = {row["line"]: row for row in rows[:-1]}
+    assert sorted(by_line) == [1, 2, 3, 4]
+    assert by_line[1]["id"] == "a" and len(by_line[1]["token_ids"]) == 3 and by_line[1]["request"]["seconds"] > 0
+    assert by_line[2] == {"line": 2, "error": by_line[2]["error"]} and "not valid JSON" in by_line[2]["error"]
+    assert by_line[3]["id"] == "c" and isinstance(by_line[3]["text"], str) and len(by_line[3]["token_ids"]) == 4
+    assert "wizard" in by_line[4]["error"]
     assert f"{requests}:2:" in err and f"{requests}:4:" in err
+    assert rows[-1]["summary"]["requests"] == 4 and rows[-1]["summary"]["failed"] == 2
+    assert rows[-1]["summary"]["generated_tokens"] == 7
+
+
+def test_input_file_lines_decode_together(tiny_nvfp4, tmp_path, capsys, monkeypatch):
+    """Lines that share the call-wide settings run through one continuous batch: as many decode steps as the
+    longest line needs, not one run per line; each line's tokens are those it gets alone."""
+    from minimax_ref.generation import decoding
+
+    steps = []
+    step = decoding.Scheduler.step
+    monkeypatch.setattr(decoding.Scheduler, "step", lambda self: steps.append(len(self.running)) or step(self))
+    lines = [{"prompt": f"Line {i} says", "max_new_tokens": 3 + i, "temperature": 0.8, "seed": 7 + i}
+             for i in range(4)]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    base = ["generate", "--ckpt-path", str(tiny_nvfp4), "--output-format", "json", "--dtype", "float32"]
+    code, out, _ = run(base + ["--input-file", str(requests)], capsys)
+    assert code == 0
+    rows = {row["line"]: row for row in map(json.loads, out.splitlines()[:-1])}
+    assert len(steps) == 3 + 3 - 1 and set(steps) == {4}  # the longest line's steps, four slots each
+    for i, line in enumerate(lines):
+        alone = tmp_path / f"alone{i}.jsonl"
+        alone.write_text(json.dumps(line) + "\n")
+        code, out, _ = run(base + ["--input-file", str(alone)], capsys)
+        assert code == 0 and json.loads(out.splitlines()[0])["token_ids"] == rows[i + 1]["token_ids"]
 
 
 def test_tools_file_with_a_bad_schema(tiny_nvfp4, tmp_path, capsys):
@@ -224,7 +253,7 @@ class _FakeResult:
     token_ids, prompt_token_ids, finish_reason = [1], [1], "stop"
 
     def as_dict(self):
-        return {"text": "x"}
+        return {"text": "x", "stats": {}}
 
 
 def _capture_generate(monkeypatch):
@@ -233,8 +262,15 @@ def _capture_generate(monkeypatch):
     import minimax_ref.generation.generate as gen
 
     calls = []
+
+    def generate(model, tok, prompts, on_result=None, **kw):
+        calls.append({"prompts": prompts, **kw})
+        for row in range(len(prompts)):
+            on_result(row, _FakeResult())
+        return [_FakeResult() for _ in prompts]
+
     monkeypatch.setattr(cli_generate, "load_from_args", lambda args: (object(), object(), None))
-    monkeypatch.setattr(gen, "generate", lambda model, tok, **kw: calls.append(kw) or [_FakeResult()])
+    monkeypatch.setattr(gen, "generate", generate)
     return calls
 
 
@@ -255,7 +291,7 @@ def test_input_file_lines_without_max_new_tokens_take_the_flag(monkeypatch, tmp_
         calls = _capture_generate(monkeypatch)
         code, _, err = run(["generate", "--input-file", str(requests), "--output-format", "json"] + flags, capsys)
         assert code == 0, err
-        assert [c["max_new_tokens"] for c in calls] == expected
+        assert [n for c in calls for n in c["max_new_tokens"]] == expected  # one batched call
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())

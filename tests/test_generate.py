@@ -82,7 +82,7 @@ def test_jobs_split_into_seeded_groups():
                          on_token=lambda row, t: seen.append(row))
     groups = job.groups()
     assert [g.prompts for g in groups] == [[[1], [2]], [[3], [4]], [[5]]]
-    assert [g.seed for g in groups] == [10, 12, 14]
+    assert [g.seeds for g in groups] == [(10, 11), (12, 13), (14,)]  # prompt i: seed + i
     groups[1].on_token(1, 0)
     groups[2].on_token(0, 0)
     assert seen == [3, 4]  # rows are reported in the whole call's numbering
@@ -127,6 +127,56 @@ def test_seeded_sampling_equals_a_hand_written_loop(model):
 
 
 # ---------------------------------------------------------------------------------------------- batch groups
+
+
+def test_a_request_decodes_as_it_does_alone(model):
+    """Continuous batching: 6 requests of mixed lengths, max_new_tokens and sampling settings through 2 slots (the
+    batch refilled as rows finish, a stop token among them) give each request the tokens it gets alone."""
+    prompts = _prompts(23, 5, 40, 9, 31, 14)
+    new = [6, 2, 9, 1, 5, 7]
+    settings = [GREEDY, SamplingParams(0.8, 0.9, 20), SamplingParams(1.0), GREEDY, SamplingParams(0.7, 1.0, 5),
+                SamplingParams(1.2, 0.95, 0)]
+    seeds = [3, 4, 5, 6, 7, 8]
+    first, _ = generate_ids(model, [prompts[0]], max_new_tokens=6, sampling=GREEDY)
+    stop = first[0].generated[2]  # request 0 stops at its third token
+    kw = dict(stop_ids=[stop])
+    batched, stats = generate_ids(model, prompts, max_new_tokens=new, sampling=settings, seed=seeds,
+                                  max_batch_size=2, **kw)
+    assert batched[0].finish_reason == "stop" and len(batched[0].generated) == 3
+    for i in range(len(prompts)):
+        alone, _ = generate_ids(model, [prompts[i]], max_new_tokens=new[i], sampling=settings[i], seed=seeds[i], **kw)
+        assert (batched[i].generated, batched[i].finish_reason) == (alone[0].generated, alone[0].finish_reason), i
+    # two slots: every step decodes two rows until the queue runs dry, so fewer steps than one request at a time
+    assert stats.decode_steps < sum(len(s.generated) - 1 for s in batched)
+    assert stats.generated_tokens == sum(len(s.generated) for s in batched)
+
+
+def test_seed_per_prompt_and_finish_order(model):
+    """A call's prompt i is seeded with seed + i whatever its neighbours; on_finish reports each prompt as it ends,
+    the shortest first."""
+    prompts = _prompts(12, 12, 12)
+    params = SamplingParams(0.9)
+    together, _ = generate_ids(model, prompts, max_new_tokens=[8, 2, 5], sampling=params, seed=10)
+    for i in range(3):
+        alone, _ = generate_ids(model, [prompts[i]], max_new_tokens=[8, 2, 5][i], sampling=params, seed=10 + i)
+        assert together[i].generated == alone[0].generated
+    order = []
+    generate_ids(model, prompts, max_new_tokens=[8, 2, 5], sampling=GREEDY, on_finish=lambda i, s: order.append(i))
+    assert order == [1, 2, 0]
+
+
+def test_generate_takes_per_prompt_settings(model, tok):
+    prompts = ["The first", "A second prompt", "Third"]
+    results = mr.generate(model, tok, prompts, max_new_tokens=[3, 5, 2], temperature=[0, 0.8, 0], top_k=[0, 10, 0],
+                          seed=[1, 2, 3], stop_ids=[], max_batch_size=2)
+    assert [len(r.token_ids) for r in results] == [3, 5, 2]
+    assert all(r.request["time_to_first_token_seconds"] <= r.request["seconds"] for r in results)
+    alone = mr.generate(model, tok, prompts[1], max_new_tokens=5, temperature=0.8, top_k=10, seed=2, stop_ids=[])
+    assert alone[0].token_ids == results[1].token_ids
+    with pytest.raises(InputError, match="one per prompt"):
+        mr.generate(model, tok, prompts, max_new_tokens=[3, 5])
+
+
 
 
 def test_both_loops_run_large_batches_in_groups(spec_ckpt):

@@ -275,11 +275,13 @@ def test_input_file_bad_fields_are_reported_per_line_and_the_rest_runs(tiny_nvfp
                           "json", "--max-new-tokens", "2", "--temperature", "0"], capsys)
     assert code == 1 and "Traceback" not in err
     rows = [json.loads(x) for x in out.splitlines()]
-    assert [r.get("id", r.get("line")) for r in rows] == ["a", 2, 3, 4, 5, 6, 7, 8, "b"]
+    by_line = {r["line"]: r for r in rows[:-1]}  # each result names its line; the summary comes last
+    assert sorted(by_line) == list(range(1, 10)) and rows[-1]["summary"]["failed"] == 7
+    assert by_line[1]["id"] == "a" and by_line[9]["id"] == "b"
     for n, needle in ((2, "temperature='hot'"), (3, "temperature=None"), (4, "seed='x'"), (5, "max_new_tokens=-1"),
                       (6, "top_k=1.5"), (7, "thinking"), (8, "'prompt'")):
-        assert f"{path}:{n}: " in err and needle in rows[n - 1]["error"], (n, rows[n - 1])
-    assert len(rows[0]["token_ids"]) == 2 and len(rows[-1]["token_ids"]) == 2
+        assert f"{path}:{n}: " in err and needle in by_line[n]["error"], (n, by_line[n])
+    assert len(by_line[1]["token_ids"]) == 2 and len(by_line[9]["token_ids"]) == 2
 
 
 def test_input_file_dev_null_says_empty(tiny_nvfp4, capsys):

@@ -207,7 +207,7 @@ def test_cli_json_with_image(vl_path, tok, png, tmp_path, capsys):
     record = {"prompt": f"x{IMAGE_MARKER}y{IMAGE_MARKER}", "images": ["pic.png", "pic.png"], "id": "two"}
     batch.write_text(json.dumps(record) + "\n")
     assert main([*argv, "--input-file", str(batch), "--limit-images", "2"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out.splitlines()[0])  # the result, then the summary line
     x, y = tok.encode("x"), tok.encode("y")
     assert out["id"] == "two" and out["prompt_token_ids"] == x + expanded(tok, 6) + y + expanded(tok, 6)
 
@@ -262,3 +262,16 @@ def test_text_only_checkpoint_refuses_images(tiny_bf16, png):
         generate(model, tok, ["hi"], images=[[png]], max_new_tokens=1)
     with pytest.raises(InputError, match="no vision tower"):
         forward_with_images(model, torch.tensor([[1, 2]]), torch.zeros(16, 1176), torch.tensor([[1, 4, 4]]))
+
+
+def test_requests_with_images_decode_in_a_batch_as_alone(vl_model, tok, png):
+    """Continuous batching with images: prompts with and without images through two slots (refilled), each the
+    tokens it gets alone."""
+    prompts = ["what is it", "describe nothing", "and this one?", "count"]
+    images = [[png], None, [png, png], [png]]
+    kw = dict(max_new_tokens=[4, 6, 3, 5], temperature=[0, 0.9, 0, 1.0], seed=[1, 2, 3, 4], stop_ids=[])
+    together = generate(vl_model, tok, prompts, images=images, max_batch_size=2, **kw)
+    for i in range(len(prompts)):
+        alone = generate(vl_model, tok, [prompts[i]], images=[images[i]], stop_ids=[],
+                         **{k: [v[i]] for k, v in kw.items() if k != "stop_ids"})[0]
+        assert together[i].token_ids == alone.token_ids, i

@@ -232,3 +232,26 @@ def test_weights_per_card_equal_a_loaded_model(tiny_nvfp4, weights, dtype):
     plan = plan_memory(cfg, tp=1, gpu_memory_gib=CARD_GIB, max_model_len=64, weights=weights,
                        dtype_bytes=torch.finfo(dtype).bits // 8, ckpt_dir=tiny_nvfp4)
     assert plan["weights_bytes_per_card"] == held
+
+
+def test_synth_config_only_feeds_plan(capsys, tmp_path):
+    """`synth --config-only` writes the preset's config.json (and generation_config.json) and nothing else, equal to
+    what the full synth writes; `plan` runs on that folder alone."""
+    out = tmp_path / "pruned-80"
+    assert main(["synth", "--preset", "pruned-80", "--format", "nvfp4", "--config-only", "--out", str(out)]) == 0
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "generation_config.json"]
+    capsys.readouterr()
+    assert main(["plan", "--ckpt-path", str(out), "--tp", "2", "--gpu-memory", str(CARD_GIB),
+                 "--max-model-len", "131072", "--kv-cache-dtype", "fp8", "--output-format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["source"] == "config"
+    assert plan["weights_bytes_per_card"] == pytest.approx(hand_per_card(80, 2), abs=2)
+    # the same files as a full synth of the preset (tiny: cheap to write whole)
+    full, only = tmp_path / "full", tmp_path / "only"
+    assert main(["synth", "--preset", "tiny", "--format", "nvfp4", "--layers", "2", "--out", str(full)]) == 0
+    assert main(["synth", "--preset", "tiny", "--format", "nvfp4", "--layers", "2", "--config-only",
+                 "--out", str(only)]) == 0
+    for name in ("config.json", "generation_config.json"):
+        assert (only / name).read_text() == (full / name).read_text()
+    assert main(["synth", "--preset", "tiny", "--config-only", "--drafter", "--out", str(tmp_path / "x")]) != 0
+    assert not (tmp_path / "x").exists()

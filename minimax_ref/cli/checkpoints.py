@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..errors import MiniMaxRefError
+from ..errors import InputError, MiniMaxRefError
 
 
 def build_synth_parser(p: argparse.ArgumentParser) -> None:
@@ -24,16 +24,25 @@ def build_synth_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", action="store_true",
                    help="also write a DSpark drafter in OUT/dspark at the target's shapes (release layout)")
     p.add_argument("--dry-run", action="store_true", help="print the tensor count and size, write nothing")
+    p.add_argument("--config-only", action="store_true",
+                   help="write only config.json and generation_config.json (no shards, no tokenizer): enough for "
+                        "`minimax-ref plan --ckpt-path OUT`")
 
 
 def run_synth(args: argparse.Namespace) -> int:
     from ..model.config import parse_model_config
-    from ..weights.synth import build_config, plan_tensors, write_checkpoint
+    from ..weights.synth import build_config, plan_tensors, write_checkpoint, write_config
 
+    if args.config_only and (args.drafter or args.dry_run):
+        raise InputError(f"--config-only writes no weights: drop {'--drafter' if args.drafter else '--dry-run'}")
     if args.dry_run:
         cfg = parse_model_config(build_config(args.preset, args.format, args.experts, args.layers))
         count, nbytes = plan_tensors(cfg, args.format)
         print(json.dumps({"preset": args.preset, "format": args.format, "tensors": count, "bytes": nbytes}))
+        return 0
+    if args.config_only:
+        out = write_config(args.out, args.preset, args.format, experts=args.experts, layers=args.layers)
+        print(f"wrote {out / 'config.json'} and {out / 'generation_config.json'}")
         return 0
     out = write_checkpoint(args.out, args.preset, args.format, experts=args.experts, layers=args.layers,
                            seed=args.seed, progress=True, drafter=args.drafter)

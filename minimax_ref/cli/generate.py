@@ -7,13 +7,13 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 from ..errors import InputError, MiniMaxRefError
 from .model_args import add_model_flags, load_from_args
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
-DEFAULT_MAX_NEW_TOKENS = 512
 
 
 def _nonneg_int(text: str) -> int:
@@ -23,8 +23,17 @@ def _nonneg_int(text: str) -> int:
     return v
 
 
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
 def build_generate_parser(p: argparse.ArgumentParser) -> None:
+    from ..generation.chat import DEFAULT_MAX_NEW_TOKENS
     from ..generation.chat import RECOMMENDED_SAMPLING as rec
+
     add_model_flags(p)
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text (repeat for a batch); with --chat, one user message")
@@ -34,6 +43,9 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
                         "without 'max_new_tokens' takes --max-new-tokens, itself 512 when not given); one "
                         "JSON result per line on stdout, in input order")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat session (/reset, /exit)")
+    p.add_argument("--max-batch-size", type=_positive_int, default=None,
+                   help="requests decoded together by continuous batching: when one finishes, the next waiting one "
+                        "takes its place (default: the runtime's, 8)")
     p.add_argument("--max-new-tokens", type=_nonneg_int, default=None,
                    help=f"most tokens per reply, >= 1 (default: {DEFAULT_MAX_NEW_TOKENS}, room for the reasoning "
                         "of a thinking turn before its answer); also the default of --input-file lines without "
@@ -99,6 +111,8 @@ def _check_number(value, name: str, *, integer: bool = False):
 def _sampling_kwargs(args: argparse.Namespace, override: dict | None = None) -> dict:
     """generate's sampling arguments: the flags, overridden by a request's own fields; every value is checked
     (types and ranges) here, before any model work."""
+    from ..generation.chat import DEFAULT_MAX_NEW_TOKENS
+
     o = override or {}
     default_new = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     kw = {"max_new_tokens": o.get("max_new_tokens", default_new),
@@ -252,7 +266,7 @@ def run_generate(args: argparse.Namespace) -> int:
         on_text, close = _stream_printer(args, tools, started)
     images = [args.image] * len(args.prompt) if args.image else None
     results = generate(model, tok, args.prompt, on_text=on_text, images=images, **chat_kw, **kw,
-                       **_draft_kwargs(args, model))
+                       max_batch_size=args.max_batch_size, **_draft_kwargs(args, model))
     if close:
         close()
     for i, r in enumerate(results):
@@ -348,31 +362,97 @@ def _read_requests(args: argparse.Namespace, tools) -> list[tuple[int, object, d
     return requests
 
 
-def _batch_file(args, model, tok, requests) -> int:
-    """Run the checked --input-file records in order; the bad ones (and ones whose run fails) are reported with
-    their line number and the rest still run. Exit status 1 when any line failed."""
-    from ..generation.generate import generate
+CALL_KEYS = ("chat", "tools", "thinking", "system")  # what one `generate` call shares among its prompts
+ROW_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")  # what each prompt of a call has of its own
 
-    status = 0
-    for n, req_id, kw in requests:
+
+def _batch_file(args, model, tok, requests) -> int:
+    """Run the checked --input-file records. Records that share the call-wide settings (`CALL_KEYS`) decode
+    together, by continuous batching (up to --max-batch-size at once), each with its own sampling settings and
+    seed (`ROW_KEYS`), so a record's tokens are those it gets alone. Each result is written as its record
+    completes, naming its line (and id), then one summary line. Bad lines, and the records of a batched call that
+    fails before they complete (each run again alone), are reported with their line number; the rest still run.
+    Exit status 1 when any line failed."""
+    from ..generation.generate import generate
+    from ..progress import Progress
+
+    failed: list[int] = []
+    written: set[int] = set()
+    good = [(n, req_id, kw) for n, req_id, kw in requests if not isinstance(kw, str)]
+    progress = Progress("requests", len(good), unit="requests")
+    start, generated = time.perf_counter(), 0
+
+    def fail(n: int, message: str) -> None:
+        failed.append(n)
+        print(f"error: {args.input_file}:{n}: {message}", file=sys.stderr)
+        if args.output_format == "json":
+            print(json.dumps({"line": n, "error": message}, ensure_ascii=False), flush=True)
+
+    def write(n: int, req_id, res, max_new_tokens: int) -> None:
+        nonlocal generated
+        written.add(n)
+        generated += len(res.token_ids)
+        progress.update(1)
+        if args.output_format == "json":
+            out = {"line": n, **({"id": req_id} if req_id is not None else {}), **res.as_dict()}
+            del out["stats"]  # the run's figures come in the summary line
+            print(json.dumps(out, ensure_ascii=False), flush=True)
+        else:
+            print(f"=== line {n}" + (f" (id {req_id})" if req_id is not None else "") + " ===")
+            if res.reasoning and not args.hide_reasoning:
+                print(res.reasoning)
+            print(res.content)
+            for call in res.tool_calls:
+                print(json.dumps({"tool_call": call}, ensure_ascii=False))
+            r = res.request
+            print(f"[{len(res.token_ids)} tokens, finish={res.finish_reason}, first token "
+                  f"{r['time_to_first_token_seconds'] or 0:.2f} s, done at {r['seconds'] or 0:.2f} s]", flush=True)
+        _note_cut(args, res, max_new_tokens)
+
+    def run(items: list) -> None:
+        call = items[0][2]
+        images = [kw["images"][0] if kw["images"] else None for _, _, kw in items]
+        rows = {key: [kw[key] for _, _, kw in items] for key in ROW_KEYS}
+
+        def on_result(row: int, res) -> None:
+            n, req_id, kw = items[row]
+            write(n, req_id, res, kw["max_new_tokens"])
+
+        generate(model, tok, [kw["prompts"][0] for _, _, kw in items], **{k: call[k] for k in CALL_KEYS}, **rows,
+                 images=images if any(images) else None, max_batch_size=args.max_batch_size, on_result=on_result,
+                 **_draft_kwargs(args, model))
+
+    for n, _, kw in requests:
+        if isinstance(kw, str):
+            fail(n, kw)
+    calls: dict[str, list] = {}
+    for item in good:
+        key = json.dumps([item[2][k] for k in CALL_KEYS], sort_keys=True, default=str)
+        calls.setdefault(key, []).append(item)
+    for items in calls.values():
         try:
-            if isinstance(kw, str):
-                raise InputError(kw)
-            res = generate(model, tok, **kw, **_draft_kwargs(args, model))[0]
-            out = res.as_dict()
-            if req_id is not None:
-                out["id"] = req_id
-            if args.output_format == "json":
-                print(json.dumps(out, ensure_ascii=False), flush=True)
-                _note_cut(args, res, kw["max_new_tokens"])
-            else:
-                _print_result(args, res, streamed=False, max_new_tokens=kw["max_new_tokens"])
+            run(items)
         except MiniMaxRefError as e:
-            status = 1
-            print(f"error: {args.input_file}:{n}: {e}", file=sys.stderr)
-            if args.output_format == "json":
-                print(json.dumps({"line": n, "error": str(e)}, ensure_ascii=False), flush=True)
-    return status
+            left = [item for item in items if item[0] not in written]
+            if len(left) == 1 or len(items) == 1:
+                for item in left:
+                    fail(item[0], str(e))
+                continue
+            for item in left:  # find the lines at fault: each of the others runs alone
+                try:
+                    run([item])
+                except MiniMaxRefError as e1:
+                    fail(item[0], str(e1))
+    progress.close()
+    seconds = time.perf_counter() - start
+    summary = {"requests": len(requests), "failed": len(failed), "generated_tokens": generated,
+               "seconds": round(seconds, 3), "output_tokens_per_s": round(generated / seconds, 3) if seconds else 0.0}
+    if args.output_format == "json":
+        print(json.dumps({"summary": summary}), flush=True)
+    else:
+        print(f"[{summary['requests']} requests, {len(failed)} failed, {generated} tokens in {seconds:.1f} s: "
+              f"{summary['output_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _interactive(args, model, tok, tools, kw) -> int:

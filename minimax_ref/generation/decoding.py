@@ -1,28 +1,31 @@
 """Decoding token-id prompts: the checked arguments, the per-sequence decode state, and the plain loop.
 
-The plain loop (`generate_ids`) and the speculative loop (`speculative.SpeculativeDecoder`) share all
-their bookkeeping here:
+The plain loop (`generate_ids`) and the speculative loop (`speculative.SpeculativeDecoder`) share their
+argument checks and stop rules here:
 
-* `DecodeJob.make` checks the arguments once (prompt types, lengths and ids, `max_new_tokens`, stop
-  ids, seed, image embeddings) and resolves the limits from `model.runtime`. A batch larger than
-  `runtime.max_batch_size` runs in groups of at most that many prompts (`run_in_groups`), group g0..
-  seeded with `seed + g0`.
-* `DecodeState` holds one batch: the right-padded prompts (MSA blocks are anchored to absolute
-  positions, so only right padding is exact), the sequences, the seeded generator and the statistics.
-  `emit` appends tokens to a row and applies the stop rules: a row finishes with "stop" at a stop
-  token (the token is kept in `generated`) and with "length" once it has `max_new_tokens` tokens or
-  prompt + generated reaches the budget min(max_seq_len, longest prompt + max_new_tokens); tokens
-  after that are dropped. `committed(b)` is the number of positions of row b the target has
-  processed and kept: the prompt, then every emitted token but the last (which is fed next).
-* Prompts are prefilled in chunks of at most `prefill_chunk` positions (`prefill`), then the loop
-  decodes one token per step for every row, each at its own position; finished rows ride along (a
-  static batch) and write only into their own slots past their committed length.
+* `DecodeJob.make` checks the arguments once (prompt types, lengths and ids, `max_new_tokens`, sampling and
+  seed, each one value or one per prompt; stop ids, image embeddings) and resolves the limits from
+  `model.runtime`. Request i's seed is `seeds[i]` (default `seed + i`).
+* A row finishes with "stop" at a stop token (the token is kept in `generated`) and with "length" once it has
+  its `max_new_tokens` tokens or prompt + generated reaches `max_seq_len`; tokens after that are dropped.
+
+The plain loop is continuous batching (`Scheduler`): up to `batch_limit` (`runtime.max_batch_size`) requests
+decode together, one token per step each, every row at its own position in its own slot of one KV cache. When a
+row finishes, the next waiting request takes its slot between two decode steps: its prompt is prefilled alone into
+that slot's rows of the cache (`KVCache.rows`), in chunks of at most `prefill_chunk` positions, and its first token
+sampled; the batch stays full until the queue is empty. The step's shape (one token for each of the slots) never
+changes, so a fast model captures one step per batch size. Each request samples from its own settings with its own
+generator, seeded with its own seed, so its tokens do not depend on which requests share its batch (up to the
+rounding of batched products: in fp32 on a CPU the same tokens).
+
+The speculative loop decodes static batches (`DecodeState`, groups of at most `batch_limit` prompts, one
+generator seeded with the group's first seed): a finished row rides along until its group ends.
 """
-
 from __future__ import annotations
 
 import operator
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from ..errors import InputError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, draw, filtered_probs, sample
 
 if TYPE_CHECKING:
     from ..model.decoder import MiniMaxM3
@@ -43,20 +46,25 @@ TokenCallback = Callable[[int, int], None]
 
 @dataclass
 class Sequence_:
-    """One prompt's decoding: the prompt ids, the generated ids and, once finished, why ("stop" / "length")."""
+    """One prompt's decoding: the prompt ids, the generated ids and, once finished, why ("stop" / "length");
+    first_token_seconds / finish_seconds: when its first token was chosen and when it finished, counted from the
+    start of the call (the plain loop's; None where not timed)."""
 
     prompt: list[int]
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    first_token_seconds: float | None = None
+    finish_seconds: float | None = None
 
 
 @dataclass
 class GenerationStats:
-    """Counts and wall times of one `generate` call (summed over its groups).
+    """Counts and wall times of one `generate` call (the speculative loop's: summed over its groups).
 
-    prefill_seconds: the prompts' forward passes. first_token_seconds: from the start of the prefill to the first
-    token chosen (time to first token; the first group's). warmup_seconds: the first decode step of each group,
-    timed apart because on the fast paths it compiles the step and captures it in a CUDA graph.
+    prefill_seconds: the prompts' forward passes, summed. first_token_seconds: from the start of the call to the
+    first token chosen (the first request's time to first token; each request's own is `Sequence_`'s).
+    warmup_seconds: the first decode step (of each group), timed apart because on the fast paths it compiles the
+    step and captures it in a CUDA graph.
     decode_seconds / decode_steps / decode_tokens: the other decode steps and the tokens they chose, which give
     `decode_tokens_per_s`. Host clocks: every step reads its sampled tokens back, so each is complete when timed.
     """
@@ -186,14 +194,32 @@ def _integer(value: Any, name: str, minimum: int | None = None) -> int:
     return n
 
 
+def per_prompt(value: Any, n: int, name: str, check: Callable[[Any, str], Any]) -> tuple:
+    """`value` for each of n prompts: one value for all, or a list / tuple of n values; each passed through
+    `check(value, where)` (which raises InputError naming `where`)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InputError(f"{name}: give one value, or one per prompt ({n}), got {len(value)}")
+        return tuple(check(v, f"{name}[{i}]") for i, v in enumerate(value))
+    one = check(value, name)
+    return (one,) * n
+
+
+def _sampling(value: Any, where: str) -> SamplingParams:
+    if not isinstance(value, SamplingParams):
+        raise InputError(f"{where}: expected a SamplingParams, got {_type(value)}")
+    return value
+
+
 @dataclass(frozen=True)
 class DecodeJob:
-    """The checked arguments of one generation call; both loops take the same ones (`make`)."""
+    """The checked arguments of one generation call; both loops take the same ones (`make`). Per prompt:
+    `max_new_tokens`, `sampling` and `seeds`."""
 
     prompts: list[list[int]]
-    max_new_tokens: int
-    sampling: SamplingParams
-    seed: int
+    max_new_tokens: tuple[int, ...]
+    sampling: tuple[SamplingParams, ...]
+    seeds: tuple[int, ...]
     stop_ids: frozenset[int]
     max_len: int
     kv_cache_dtype: str
@@ -203,39 +229,48 @@ class DecodeJob:
     batch_limit: int
 
     @classmethod
-    def make(cls, model: MiniMaxM3, prompts: Any, *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-             seed: int = 0, stop_ids: Any = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
+    def make(cls, model: MiniMaxM3, prompts: Any, *, max_new_tokens: Any = 128, sampling: Any = None,
+             seed: Any = 0, stop_ids: Any = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
              prefill_chunk: int = PREFILL_CHUNK, on_token: TokenCallback | None = None,
-             inputs_embeds: list[torch.Tensor | None] | None = None) -> DecodeJob:
+             inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None) -> DecodeJob:
         """Check the arguments of `generate_ids` (documented there); InputError names the bad one."""
         rt = getattr(model, "runtime", None)
         max_len = _integer(max_seq_len or (rt.max_seq_len if rt else DEFAULT_MAX_SEQ_LEN), "max_seq_len", minimum=2)
         kv_dtype = kv_cache_dtype or (rt.kv_cache_dtype if rt else "auto")
-        sampling = SamplingParams() if sampling is None else sampling
-        if not isinstance(sampling, SamplingParams):
-            raise InputError(f"sampling: expected a SamplingParams, got {_type(sampling)}")
-        max_new_tokens = _integer(max_new_tokens, "max_new_tokens", minimum=0)
-        seed = _integer(seed, "seed")
         prefill_chunk = _integer(prefill_chunk, "prefill_chunk", minimum=1)
         ids = token_prompts(prompts)
         check_prompts(ids, model.text.vocab_size, max_len)
+        n = len(ids)
+        limit = _integer(max_batch_size or (rt.max_batch_size if rt else n), "max_batch_size", minimum=1)
+        new = per_prompt(max_new_tokens, n, "max_new_tokens", lambda v, w: _integer(v, w, minimum=0))
+        params = per_prompt(SamplingParams() if sampling is None else sampling, n, "sampling", _sampling)
+        if isinstance(seed, (list, tuple)):
+            seeds = per_prompt(seed, n, "seed", _integer)
+        else:
+            first = _integer(seed, "seed")
+            seeds = tuple(first + i for i in range(n))
         if inputs_embeds is not None:
             _check_embeds(inputs_embeds, ids)
-        return cls(ids, max_new_tokens, sampling, seed, stop_id_set(stop_ids), max_len, kv_dtype, prefill_chunk,
-                   on_token, inputs_embeds, rt.max_batch_size if rt else len(ids))
+        return cls(ids, new, params, seeds, stop_id_set(stop_ids), max_len, kv_dtype, prefill_chunk, on_token,
+                   inputs_embeds, limit)
+
+    def budget(self, i: int) -> int:
+        """The most positions request i may reach: its prompt and `max_new_tokens[i]`, within `max_len`."""
+        return min(self.max_len, len(self.prompts[i]) + self.max_new_tokens[i])
 
     def groups(self) -> list[DecodeJob]:
-        """The job split into groups of at most `batch_limit` prompts: group g0.. is seeded with
-        `seed + g0` and reports its rows to `on_token` as g0 + row."""
+        """The job split into groups of at most `batch_limit` prompts, each reporting its rows to `on_token` as
+        g0 + row (the speculative loop's static batches)."""
         n = self.batch_limit
         if len(self.prompts) <= n:
             return [self]
         out = []
         for g0 in range(0, len(self.prompts), n):
-            cb = self.on_token
-            out.append(replace(self, prompts=self.prompts[g0:g0 + n], seed=self.seed + g0,
+            cb, rows = self.on_token, slice(g0, g0 + n)
+            out.append(replace(self, prompts=self.prompts[rows], max_new_tokens=self.max_new_tokens[rows],
+                               sampling=self.sampling[rows], seeds=self.seeds[rows],
                                on_token=None if cb is None else (lambda row, tok, g0=g0, cb=cb: cb(g0 + row, tok)),
-                               inputs_embeds=None if self.inputs_embeds is None else self.inputs_embeds[g0:g0 + n]))
+                               inputs_embeds=None if self.inputs_embeds is None else self.inputs_embeds[rows]))
         return out
 
 
@@ -272,20 +307,25 @@ def run_in_groups(job: DecodeJob, run: Callable[[DecodeJob], tuple[list[Sequence
 
 
 class DecodeState:
-    """The bookkeeping of one batch of `job` (at most `job.batch_limit` prompts).
+    """The bookkeeping of one static batch of `job` (at most `job.batch_limit` prompts; the speculative loop's).
 
     `ids` [B, T] are the right-padded prompts, `embeds` [B, T, H] their embeddings with
     `job.inputs_embeds` over the token embeddings (or None), `budget` the most positions any row
-    may reach, `generator` the CPU generator seeded with `job.seed`. The caller times the run into
-    `stats` (prefill_seconds, decode_seconds, decode_steps); `emit` counts the generated tokens.
+    may reach, `generator` the CPU generator seeded with the group's first seed, `sampling` the one setting all
+    rows sample with. The caller times the run into `stats` (prefill_seconds, decode_seconds, decode_steps);
+    `emit` counts the generated tokens.
     """
 
     def __init__(self, model: MiniMaxM3, job: DecodeJob, stats: GenerationStats):
+        if len(set(job.sampling)) > 1:
+            raise InputError("speculative decoding samples every prompt of a call with one setting: give one "
+                             "temperature / top_p / top_k for all prompts")
         self.job = job
+        self.sampling = job.sampling[0]
         self.seqs = [Sequence_(list(p)) for p in job.prompts]
-        self.active = [job.max_new_tokens > 0] * len(self.seqs)
-        self.budget = min(job.max_len, max(len(p) for p in job.prompts) + job.max_new_tokens)
-        self.generator = torch.Generator(device="cpu").manual_seed(job.seed)
+        self.active = [m > 0 for m in job.max_new_tokens]
+        self.budget = max(job.budget(b) for b in range(len(self.seqs)))
+        self.generator = torch.Generator(device="cpu").manual_seed(job.seeds[0])
         self.stats = stats
         stats.prompt_tokens = sum(len(p) for p in job.prompts)
         self.ids, self.embeds = pad_prompts(model, job.prompts, job.inputs_embeds)
@@ -313,29 +353,27 @@ class DecodeState:
     def room(self, b: int) -> int:
         """How many more tokens row b may emit."""
         s = self.seqs[b]
-        return min(self.job.max_new_tokens - len(s.generated), self.budget - len(s.prompt) - len(s.generated))
+        return self.job.budget(b) - len(s.prompt) - len(s.generated)
 
     def emit(self, b: int, tokens: Sequence[int]) -> int:
-        """Append `tokens` to row b until it finishes (stop token, max_new_tokens, budget); calls
-        `job.on_token(b, token)` for each one taken. Returns how many were taken."""
+        """Append `tokens` to row b until it finishes (`finishes`); calls `job.on_token(b, token)` for each one
+        taken. Returns how many were taken."""
         s, job = self.seqs[b], self.job
         for n, tok in enumerate(tokens, start=1):
             s.generated.append(tok)
             self.stats.generated_tokens += 1
             if job.on_token:
                 job.on_token(b, tok)
-            if tok in job.stop_ids:
-                s.finish_reason, self.active[b] = "stop", False
-            elif len(s.prompt) + len(s.generated) >= self.budget or len(s.generated) >= job.max_new_tokens:
-                s.finish_reason, self.active[b] = "length", False
-            if not self.active[b]:
+            s.finish_reason = finishes(s, tok, job, b)
+            if s.finish_reason is not None:
+                self.active[b] = False
                 return n
         return len(tokens)
 
     def emit_sampled(self, logits: torch.Tensor) -> torch.Tensor:
         """Sample one token per row from `logits` [B, V] (every row, so the generator advances the
         same whoever is finished) and emit it to the active rows. Returns the tokens [B]."""
-        tokens = sample(logits, self.job.sampling, self.generator)
+        tokens = sample(logits, self.sampling, self.generator)
         for b in self.active_rows():
             self.emit(b, [int(tokens[b])])
         return tokens
@@ -346,6 +384,16 @@ class DecodeState:
             if s.finish_reason is None:
                 s.finish_reason = "length"
         return self.seqs
+
+
+def finishes(seq: Sequence_, token: int, job: DecodeJob, i: int) -> str | None:
+    """Why request i ends with `token` just appended to `seq.generated`: "stop" (a stop token), "length" (its
+    `max_new_tokens`, or `max_len` positions), else None."""
+    if token in job.stop_ids:
+        return "stop"
+    if len(seq.prompt) + len(seq.generated) >= job.budget(i):
+        return "length"
+    return None
 
 
 def pad_prompts(model: MiniMaxM3, prompts: Sequence[Sequence[int]], inputs_embeds: list[torch.Tensor | None] | None
@@ -389,61 +437,161 @@ def prefill(forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, 
 
 
 # ----------------------------------------------------------------------------------------------
-# the plain loop
+# the plain loop: continuous batching
+
+FinishCallback = Callable[[int, Sequence_], None]
 
 
-def _decode(model: MiniMaxM3, job: DecodeJob) -> tuple[list[Sequence_], GenerationStats]:
-    """One group: prefill, then one token per step for every row until all have finished."""
-    state = DecodeState(model, job, GenerationStats())
-    stats = state.stats
-    # A fast model may round the length up (its compiled steps are specialised on the cache length).
-    cache = model.new_cache(state.batch_size, state.budget, job.kv_cache_dtype)
+class Scheduler:
+    """Continuous batching of one job's requests over `slots` rows of one KV cache (module docstring).
 
-    t0 = time.perf_counter()
-    last_logits = prefill(lambda x, pos, emb, index: model(x, positions=pos, cache=cache, inputs_embeds=emb,
-                                                           logit_index=index),
-                          state.ids, state.prompt_lengths, state.embeds, job.prefill_chunk)
-    stats.prefill_seconds = time.perf_counter() - t0
-    if state.done:  # max_new_tokens 0
-        return state.finish(), stats
-    nxt = state.emit_sampled(last_logits)
-    stats.first_token_seconds = time.perf_counter() - t0
+    `running[s]` is the request decoding in slot s (None: free); `waiting` the requests not yet admitted, in order.
+    Request i samples with `job.sampling[i]` from its own generator, seeded with `job.seeds[i]`; `on_finish(i,
+    seq)` is called as request i finishes. The caller gets the sequences in request order and the stats.
+    """
 
-    while not state.done:
-        t1, before = time.perf_counter(), stats.generated_tokens
-        pos = torch.tensor(state.committed(), device=model.device).clamp(max=state.budget - 1)[:, None]
-        nxt = state.emit_sampled(model.step(nxt[:, None], pos, cache)[:, 0])
-        seconds = time.perf_counter() - t1
+    def __init__(self, model: MiniMaxM3, job: DecodeJob, on_finish: FinishCallback | None = None):
+        self.model, self.job, self.on_finish = model, job, on_finish
+        n = len(job.prompts)
+        self.seqs = [Sequence_(list(p)) for p in job.prompts]
+        self.generators: list[torch.Generator | None] = [None] * n
+        self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in job.prompts))
+        self.waiting = deque(i for i in range(n))
+        self.running: list[int | None] = [None] * min(job.batch_limit, n)
+        # A fast model may round the length up (its compiled steps are specialised on the cache length).
+        self.cache = model.new_cache(len(self.running), max(job.budget(i) for i in range(n)), job.kv_cache_dtype)
+        self.start = time.perf_counter()
+
+    def run(self) -> tuple[list[Sequence_], GenerationStats]:
+        """Admit requests into free slots, step the slots, until every request has finished."""
+        while True:
+            self.admit()
+            if all(i is None for i in self.running):
+                return self.seqs, self.stats
+            self.step()
+
+    def admit(self) -> None:
+        """Fill the free slots with waiting requests: each prompt prefilled into its slot, its first token sampled
+        (a request that finishes there frees its slot again)."""
+        for s in range(len(self.running)):
+            while self.running[s] is None and self.waiting:
+                i = self.waiting.popleft()
+                if self.job.max_new_tokens[i] == 0:
+                    self.finish(i, "length")
+                    continue
+                self.running[s] = i
+                self.generators[i] = torch.Generator(device="cpu").manual_seed(self.job.seeds[i])
+                t0 = time.perf_counter()
+                logits = self.prefill(s, i)
+                self.stats.prefill_seconds += time.perf_counter() - t0
+                self.emit(s, self.sample([i], logits)[0])
+
+    def prefill(self, s: int, i: int) -> torch.Tensor:
+        """Request i's prompt through the model into slot s's rows of the cache, in chunks; the logits [1, V] of its
+        last prompt token."""
+        model, job = self.model, self.job
+        embeds = None if job.inputs_embeds is None else [job.inputs_embeds[i]]
+        ids, emb = pad_prompts(model, [job.prompts[i]], embeds)
+        cache = self.cache.rows(s, s + 1)
+        return prefill(lambda x, pos, e, index: model(x, positions=pos, cache=cache, inputs_embeds=e,
+                                                      logit_index=index),
+                       ids, [ids.shape[1]], emb, job.prefill_chunk)
+
+    def step(self) -> None:
+        """One decode step of every slot (free ones feed a token at position 0 of their own rows, which the next
+        request's prefill overwrites); each running request emits one token."""
+        device = self.model.device
+        tokens, positions = [], []
+        for i in self.running:
+            s = None if i is None else self.seqs[i]
+            tokens.append(0 if s is None else s.generated[-1])
+            positions.append(0 if s is None else len(s.prompt) + len(s.generated) - 1)
+        t1, before = time.perf_counter(), self.stats.generated_tokens
+        logits = self.model.step(torch.tensor(tokens, device=device)[:, None],
+                                 torch.tensor(positions, device=device)[:, None], self.cache)[:, 0]
+        rows = [s for s, i in enumerate(self.running) if i is not None]
+        chosen = self.sample([self.running[s] for s in rows], logits[rows])
+        for s, token in zip(rows, chosen):
+            self.emit(s, token)
+        stats, seconds = self.stats, time.perf_counter() - t1
         if stats.decode_steps == 0:
             stats.warmup_seconds = seconds
         else:
             stats.decode_seconds += seconds
             stats.decode_tokens += stats.generated_tokens - before
         stats.decode_steps += 1
-    return state.finish(), stats
+
+    def sample(self, requests: list[int], logits: torch.Tensor) -> list[int]:
+        """One token for each of `requests` from its row of `logits` [n, V], with its own settings and generator:
+        greedy rows by one argmax, the others' distributions computed together per setting, then drawn one by one
+        from their own generators."""
+        out = [0] * len(requests)
+        by_setting: dict[SamplingParams, list[int]] = {}
+        for r, i in enumerate(requests):
+            by_setting.setdefault(self.job.sampling[i], []).append(r)
+        for params, rows in by_setting.items():
+            if params.greedy:
+                picked = logits[rows].argmax(-1).tolist()
+            else:
+                probs = filtered_probs(logits[rows], params).cpu()  # the generators are the host's
+                picked = [int(draw(probs[j:j + 1], self.generators[requests[r]])) for j, r in enumerate(rows)]
+            for r, token in zip(rows, picked):
+                out[r] = token
+        return out
+
+    def emit(self, s: int, token: int) -> None:
+        """Append `token` to the request in slot s; free the slot if it finished."""
+        i = self.running[s]
+        seq = self.seqs[i]
+        seq.generated.append(token)
+        self.stats.generated_tokens += 1
+        if len(seq.generated) == 1:
+            seq.first_token_seconds = time.perf_counter() - self.start
+            self.stats.first_token_seconds = self.stats.first_token_seconds or seq.first_token_seconds
+        if self.job.on_token:
+            self.job.on_token(i, token)
+        reason = finishes(seq, token, self.job, i)
+        if reason is not None:
+            self.running[s] = None
+            self.finish(i, reason)
+
+    def finish(self, i: int, reason: str) -> None:
+        seq = self.seqs[i]
+        seq.finish_reason, seq.finish_seconds = reason, time.perf_counter() - self.start
+        self.generators[i] = None
+        if self.on_finish:
+            self.on_finish(i, seq)
 
 
 @torch.no_grad()
-def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
-                 sampling: SamplingParams | None = None, seed: int = 0, stop_ids: Sequence[int] | int = (),
-                 max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
+def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 128,
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None, seed: int | Sequence[int] = 0,
+                 stop_ids: Sequence[int] | int = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
                  prefill_chunk: int = PREFILL_CHUNK, on_token: TokenCallback | None = None,
-                 inputs_embeds: list[torch.Tensor | None] | None = None) -> tuple[list[Sequence_], GenerationStats]:
-    """Generate for a batch of token-id prompts. Returns per-prompt sequences and statistics.
+                 inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None,
+                 on_finish: FinishCallback | None = None) -> tuple[list[Sequence_], GenerationStats]:
+    """Generate for token-id prompts by continuous batching (`Scheduler`). Returns per-prompt sequences (in order)
+    and statistics.
 
     prompts: a list of token-id lists (or a 2-d integer tensor); one prompt is `[ids]`.
-    sampling: default `SamplingParams()` (temperature 1, no top-k / top-p).
-    stop_ids: a token id or a list of them. max_seq_len / kv_cache_dtype: default `model.runtime`'s.
-    on_token(row, token_id) is called as each token is chosen (for streaming).
+    max_new_tokens, sampling, seed: one value for every prompt or one per prompt. sampling: default
+    `SamplingParams()` (temperature 1, no top-k / top-p). seed: prompt i's generator is seeded with `seed + i`
+    (or `seed[i]`), whatever else shares its batch.
+    stop_ids: a token id or a list of them. max_seq_len / kv_cache_dtype / max_batch_size: default `model.runtime`'s
+    (max_batch_size: requests decoded together).
+    on_token(row, token_id) is called as each token is chosen (for streaming); on_finish(row, sequence) as each
+    prompt finishes.
     inputs_embeds: optional per-prompt [len, H] embeddings replacing the token embeddings
     (images); rows without them use the token embeddings.
     Bad arguments raise InputError naming the argument.
     """
     job = DecodeJob.make(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                          stop_ids=stop_ids, max_seq_len=max_seq_len, kv_cache_dtype=kv_cache_dtype,
-                         prefill_chunk=prefill_chunk, on_token=on_token, inputs_embeds=inputs_embeds)
-    return run_in_groups(job, lambda group: _decode(model, group))
+                         prefill_chunk=prefill_chunk, on_token=on_token, inputs_embeds=inputs_embeds,
+                         max_batch_size=max_batch_size)
+    return Scheduler(model, job, on_finish).run()
 
 
-__all__ = ["PREFILL_CHUNK", "DecodeJob", "DecodeState", "GenerationStats", "Sequence_", "check_prompts",
-           "generate_ids", "pad_prompts", "prefill", "run_in_groups", "stop_id_set", "token_prompts"]
+__all__ = ["PREFILL_CHUNK", "DecodeJob", "DecodeState", "GenerationStats", "Scheduler", "Sequence_",
+           "check_prompts", "finishes", "generate_ids", "pad_prompts", "per_prompt", "prefill", "run_in_groups",
+           "stop_id_set", "token_prompts"]

@@ -9,6 +9,9 @@ arguments, the decode state both loops share, the plain loop), `drafter.py` and 
 
 Stop tokens come from `generation_config.json` (`eos_token_id`), else the tokenizer's end-of-turn;
 they end a sequence and are not part of its text.
+
+Defaults (one set, which the CLI shows and uses too): `chat.DEFAULT_MAX_NEW_TOKENS` tokens per reply (room for
+the reasoning of a thinking turn before its answer) and MiniMax's recommended sampling (`chat.RECOMMENDED_SAMPLING`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import torch
 
 from ..errors import ConfigError, InputError
 from ..model.vision import tokens_per_image
-from .chat import parse_output
-from .decoding import PREFILL_CHUNK, GenerationStats, Sequence_, generate_ids, stop_id_set
+from .chat import DEFAULT_MAX_NEW_TOKENS, RECOMMENDED_SAMPLING, parse_output
+from .decoding import PREFILL_CHUNK, GenerationStats, Sequence_, generate_ids, per_prompt, stop_id_set
 from .drafter import resolve_drafter
 from .multimodal import (
     ImageTokenIds,
@@ -39,6 +42,7 @@ from .speculative import speculative_generate_ids
 
 if TYPE_CHECKING:
     from ..model.decoder import MiniMaxM3
+
 
 
 def _type(x: object) -> str:
@@ -68,7 +72,9 @@ def read_stop_ids(ckpt_dir: str | Path | None, fallback: Sequence[int] = ()) -> 
 
 @dataclass
 class GenerationResult:
-    """One prompt's outcome, as `--output-format json` prints it."""
+    """One prompt's outcome, as `--output-format json` prints it. `request`: its own figures (prompt and generated
+    tokens, time to first token and to its end from the start of the call); `stats`: the whole call's (empty in a
+    result handed to `on_result` before the call ends)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -79,11 +85,13 @@ class GenerationResult:
     finish_reason: str
     stats: dict
     errors: list[str] = field(default_factory=list)
+    request: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids, "text": self.text,
                 "reasoning": self.reasoning, "content": self.content, "tool_calls": self.tool_calls,
-                "finish_reason": self.finish_reason, "errors": self.errors, "stats": self.stats}
+                "finish_reason": self.finish_reason, "errors": self.errors, "request": self.request,
+                "stats": self.stats}
 
 
 def encode_prompt(tok, prompt, *, chat: bool = False, tools=None, thinking: str = "adaptive",
@@ -168,17 +176,27 @@ def _check_images(images: Any, n_prompts: int) -> None:
                          "images=[[a, b]]")
 
 
-def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *, max_new_tokens: int = 128, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = False, tools=None,
-             thinking: str = "adaptive", system: str | None = None, stop_ids: Sequence[int] | int | None = None,
-             draft=None, num_speculative_tokens: int | None = None,
-             on_text: Callable[[int, str], None] | None = None,
-             images: Sequence | None = None) -> list[GenerationResult]:
+def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
+             max_new_tokens: int | Sequence[int] = DEFAULT_MAX_NEW_TOKENS,
+             temperature: float | Sequence[float] = RECOMMENDED_SAMPLING["temperature"],
+             top_p: float | Sequence[float] = RECOMMENDED_SAMPLING["top_p"],
+             top_k: int | Sequence[int] = RECOMMENDED_SAMPLING["top_k"], seed: int | Sequence[int] = 0,
+             chat: bool = False, tools=None, thinking: str = "adaptive", system: str | None = None,
+             stop_ids: Sequence[int] | int | None = None, draft=None, num_speculative_tokens: int | None = None,
+             on_text: Callable[[int, str], None] | None = None, images: Sequence | None = None,
+             max_batch_size: int | None = None,
+             on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
     """Generate for several prompts: a list of strings, token-id lists, or with `chat` message lists.
     A single string is one prompt (the result is then a one-element list).
 
     Returns one `GenerationResult` per prompt, in order, with the reasoning/content split and parsed
-    tool calls (spec `chat.md`). `on_text(row, text)` streams decoded text as it becomes complete.
+    tool calls (spec `chat.md`). `on_text(row, text)` streams decoded text as it becomes complete;
+    `on_result(row, result)` hands over each prompt's result as it finishes.
+    max_new_tokens, temperature, top_p, top_k, seed: one value for every prompt, or a list of one per prompt
+    (defaults: the module docstring's). Prompt i samples from its own generator seeded with `seed + i` (or
+    `seed[i]`), so its tokens do not depend on the other prompts of the call.
+    max_batch_size: prompts decoded together (continuous batching, `decoding.Scheduler`; default
+    `model.runtime.max_batch_size`).
     stop_ids: a token id or a list of them (default: `generation_config.json`, else the tokenizer's
     end-of-turn ids).
     images: one entry per prompt (None for a prompt without images): a list of image file paths or
@@ -188,7 +206,8 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *, max_new_tokens: 
     draft: speculative decoding (`speculative.py`): a loaded `drafter.DSparkDrafter`
     (`drafter.load_drafter`), "dspark" to load the checkpoint's own `dspark/` folder on each call, or a
     drafter folder. num_speculative_tokens: drafts verified per step (default: the drafter's block
-    size). Greedy output is identical to `draft=None`; sampled output has the same distribution.
+    size). Greedy output is identical to `draft=None`; sampled output has the same distribution (one sampling
+    setting for all prompts).
     The stats then include `mean_accepted_length` and `acceptance_rate_per_position`.
     Arguments of the wrong type or value raise InputError naming the argument.
     """
@@ -197,7 +216,10 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *, max_new_tokens: 
     if draft is None and num_speculative_tokens is not None:
         raise InputError("num_speculative_tokens needs a drafter (draft=...)")
     drafter = None if draft is None else resolve_drafter(model, draft)
-    sampling = SamplingParams(temperature, top_p, top_k)
+    n = len(prompts)
+    settings = zip(*(per_prompt(v, n, name, lambda x, where: x)
+                     for v, name in ((temperature, "temperature"), (top_p, "top_p"), (top_k, "top_k"))))
+    sampling = [SamplingParams(*s) for s in settings]
     stop = stop_id_set(read_stop_ids(getattr(model, "ckpt_path", None), tok.eos_token_ids)
                        if stop_ids is None else stop_ids)
     ids: list[list[int]] = []
@@ -214,6 +236,8 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *, max_new_tokens: 
         # The vision tower runs once per prompt, here; decoding only ever sees text embeddings.
         embeds.append(None if pixels is None else embed_with_images(model, ids[-1], *pixels))
     decoders = [tok.stream_decoder() for _ in ids]
+    think_start = tok.special_ids.think_start
+    results: list[GenerationResult | None] = [None] * n
 
     def on_token(row: int, token: int) -> None:
         if token in stop:  # the end-of-turn token ends the text; it is not part of it
@@ -222,32 +246,40 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *, max_new_tokens: 
         if piece and on_text:
             on_text(row, piece)
 
-    run_kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop,
-                                  on_token=on_token if on_text else None,
-                                  inputs_embeds=embeds if any(e is not None for e in embeds) else None)
-    if drafter is None:
-        seqs, stats = generate_ids(model, ids, **run_kw)
-    else:
-        seqs, stats = speculative_generate_ids(model, drafter, ids, num_speculative_tokens=num_speculative_tokens,
-                                               **run_kw)
-    results = []
-    think_start = tok.special_ids.think_start
-    for row, (prompt_ids, s, dec) in enumerate(zip(ids, seqs, decoders, strict=True)):
+    def on_finish(row: int, s: Sequence_) -> None:
         if on_text:
-            rest = dec.finish()
+            rest = decoders[row].finish()
             if rest:
                 on_text(row, rest)
         body = [t for t in s.generated if t not in stop]
         text = tok.decode(body)
         # a prompt that ends inside <mm:think> (thinking enabled) generates reasoning first
-        started = think_start is not None and len(prompt_ids) > 0 and prompt_ids[-1] == think_start
+        started = think_start is not None and len(ids[row]) > 0 and ids[row][-1] == think_start
         parsed = parse_output(text, tools, reasoning_started=started)
-        results.append(GenerationResult(prompt_ids, s.generated, text, parsed["reasoning"], parsed["content"],
-                                        parsed["tool_calls"], s.finish_reason, stats.as_dict(),
-                                        parsed["errors"]))
+        request = {"prompt_tokens": len(s.prompt), "generated_tokens": len(s.generated),
+                   "time_to_first_token_seconds": None if s.first_token_seconds is None
+                   else round(s.first_token_seconds, 6),
+                   "seconds": None if s.finish_seconds is None else round(s.finish_seconds, 6)}
+        results[row] = GenerationResult(ids[row], s.generated, text, parsed["reasoning"], parsed["content"],
+                                        parsed["tool_calls"], s.finish_reason, {}, parsed["errors"], request)
+        if on_result:
+            on_result(row, results[row])
+
+    run_kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop,
+                                  on_token=on_token if on_text else None,
+                                  inputs_embeds=embeds if any(e is not None for e in embeds) else None,
+                                  max_batch_size=max_batch_size, on_finish=on_finish)
+    if drafter is None:
+        _, stats = generate_ids(model, ids, **run_kw)
+    else:
+        _, stats = speculative_generate_ids(model, drafter, ids, num_speculative_tokens=num_speculative_tokens,
+                                            **run_kw)
+    for r in results:
+        r.stats = stats.as_dict()
     return results
 
 
 # Re-exported for the callers that import them from here: the sampling layer and the plain loop.
-__all__ = ["PREFILL_CHUNK", "GenerationResult", "GenerationStats", "SamplingParams", "Sequence_", "encode_prompt",
-           "filtered_probs", "generate", "generate_ids", "read_stop_ids", "sample", "text_prompts"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "PREFILL_CHUNK", "GenerationResult", "GenerationStats", "SamplingParams",
+           "Sequence_", "encode_prompt", "filtered_probs", "generate", "generate_ids", "read_stop_ids", "sample",
+           "text_prompts"]

@@ -53,6 +53,7 @@ from .decoding import (
     PREFILL_CHUNK,
     DecodeJob,
     DecodeState,
+    FinishCallback,
     GenerationStats,
     Sequence_,
     TokenCallback,
@@ -240,23 +241,38 @@ class SpeculativeDecoder:
         return logits
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
-                 sampling: SamplingParams | None = None, seed: int = 0, stop_ids: Sequence[int] | int = (),
-                 max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 128,
+                 sampling: SamplingParams | None = None, seed: int | Sequence[int] = 0,
+                 stop_ids: Sequence[int] | int = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
                  prefill_chunk: int = PREFILL_CHUNK, on_token: TokenCallback | None = None,
-                 inputs_embeds: list[torch.Tensor | None] | None = None) -> tuple[list[Sequence_], SpeculativeStats]:
-        """Generate for a batch of token-id prompts; the arguments, checks, batch groups and results are
-        `decoding.generate_ids`'s (sampling: default `SamplingParams()`)."""
+                 inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None,
+                 on_finish: FinishCallback | None = None) -> tuple[list[Sequence_], SpeculativeStats]:
+        """Generate for a batch of token-id prompts; the arguments, checks and results are
+        `decoding.generate_ids`'s (one sampling setting for all prompts; default `SamplingParams()`), decoded in
+        static groups of at most `max_batch_size` prompts (a group's generator seeded with its first prompt's
+        seed); on_finish(row, sequence) as each group ends."""
         job = DecodeJob.make(self.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                              stop_ids=stop_ids, max_seq_len=max_seq_len, kv_cache_dtype=kv_cache_dtype,
-                             prefill_chunk=prefill_chunk, on_token=on_token, inputs_embeds=inputs_embeds)
-        return run_in_groups(job, self._decode)
+                             prefill_chunk=prefill_chunk, on_token=on_token, inputs_embeds=inputs_embeds,
+                             max_batch_size=max_batch_size)
+        done = 0
+
+        def run(group: DecodeJob) -> tuple[list[Sequence_], SpeculativeStats]:
+            nonlocal done
+            seqs, stats = self._decode(group)
+            for row, seq in enumerate(seqs if on_finish else ()):
+                on_finish(done + row, seq)
+            done += len(seqs)
+            return seqs, stats
+
+        return run_in_groups(job, run)
 
     def _decode(self, job: DecodeJob) -> tuple[list[Sequence_], SpeculativeStats]:
         """One group: prefill with context capture, the first token, then draft / verify / accept steps."""
-        model, drafter, N, sampling = self.model, self.drafter, self.num_speculative_tokens, job.sampling
+        model, drafter, N = self.model, self.drafter, self.num_speculative_tokens
         state = DecodeState(model, job, SpeculativeStats(num_speculative_tokens=N, proposed_per_position=[0] * N,
                                                          accepted_per_position=[0] * N))
+        sampling = state.sampling
         stats, B, device = state.stats, state.batch_size, model.device
         # Verify passes write up to k+1 slots past a row's length; finished rows ride along.
         slots = state.budget + N + 1
@@ -343,7 +359,8 @@ def speculative_generate_ids(model: MiniMaxM3, drafter: Drafter, prompts: Sequen
                              num_speculative_tokens: int | None = None, confidence_threshold: float | None = None,
                              accept_fn: AcceptFn = accept_drafts, **kwargs) -> tuple[list[Sequence_], SpeculativeStats]:
     """`generate_ids` with speculative decoding; keyword arguments as `generate_ids` (max_new_tokens,
-    sampling, seed, stop_ids, max_seq_len, kv_cache_dtype, prefill_chunk, on_token, inputs_embeds)."""
+    sampling, seed, stop_ids, max_seq_len, kv_cache_dtype, prefill_chunk, on_token, inputs_embeds, max_batch_size,
+    on_finish)."""
     decoder = SpeculativeDecoder(model, drafter, num_speculative_tokens=num_speculative_tokens,
                                  confidence_threshold=confidence_threshold, accept_fn=accept_fn)
     return decoder.generate(prompts, **kwargs)

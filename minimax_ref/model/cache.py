@@ -86,22 +86,34 @@ class LayerCache:
 
 
 class KVCache:
+    """Every layer's K, V (and index keys) for `batch_size` sequences of up to `max_seq_len` positions."""
+
     def __init__(self, cfg: TextConfig, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", kv_cache_dtype: str = "auto", kv_heads: int | None = None):
-        self.batch_size, self.max_seq_len = batch_size, max_seq_len
-        self.dtype = dtype
-        self.fp8 = kv_cache_dtype == "fp8"
-        self.scale = 1.0
-        store = torch.float8_e4m3fn if self.fp8 else dtype
+        store = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else dtype
         kv_heads = cfg.num_key_value_heads if kv_heads is None else kv_heads
         shape = (batch_size, max_seq_len, kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_hidden_layers)]
         idx_shape = (batch_size, max_seq_len, cfg.sparse.index_head_dim)
-        self.index_k = [
-            torch.zeros(idx_shape, dtype=store, device=device) if sparse else None for sparse in cfg.sparse_layers
-        ]
+        self._hold([torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_hidden_layers)],
+                   [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_hidden_layers)],
+                   [torch.zeros(idx_shape, dtype=store, device=device) if sparse else None
+                    for sparse in cfg.sparse_layers], dtype)
+
+    def _hold(self, k: list[torch.Tensor], v: list[torch.Tensor], index_k: list[torch.Tensor | None],
+              dtype: torch.dtype) -> None:
+        self.k, self.v, self.index_k, self.dtype = k, v, index_k, dtype
+        self.batch_size, self.max_seq_len = k[0].shape[0], k[0].shape[1]
+        self.fp8 = k[0].dtype == torch.float8_e4m3fn
+        self.scale = 1.0
         self._layers = [LayerCache(k, v, i, dtype, self.scale) for k, v, i in zip(self.k, self.v, self.index_k)]
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Sequences start..stop-1 as a cache of their own: views of this cache's buffers, so what is written
+        through it lands here (a request prefilled into its slot of a running batch)."""
+        view = object.__new__(KVCache)
+        view._hold([k[start:stop] for k in self.k], [v[start:stop] for v in self.v],
+                   [None if i is None else i[start:stop] for i in self.index_k], self.dtype)
+        return view
 
     def layer(self, layer: int) -> LayerCache:
         """Layer `layer`'s buffers (views; writes through it land in this cache)."""

@@ -57,10 +57,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device | None = None) -> torch.dtype:
-    """`dtype` as a torch.dtype; "auto" is bfloat16 on a GPU and float32 on a CPU (where bfloat16 matmuls
-    and gathers run far slower than float32 on most processors)."""
-    if dtype == "auto":
+def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device | None = None) -> torch.dtype:
+    """`dtype` as a torch.dtype; "auto" (or None) is bfloat16 on a GPU and float32 on a CPU (where bfloat16
+    matmuls and gathers run far slower than float32 on most processors). The one rule for `--dtype auto` and
+    `load_model` / `load_synthetic`'s default."""
+    if dtype is None or dtype == "auto":
         return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16):
@@ -243,16 +244,17 @@ def _nb(ck: Checkpoint, name: str) -> int:
 
 
 def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str = torch.bfloat16, act_quant: str = "none", weights: str = "dequant",
+               dtype: torch.dtype | str | None = None, act_quant: str = "none", weights: str = "dequant",
                tp=None, expert_parallel: bool = False, fast: bool | str | dict | None = False,
                synthetic: str | None = None, offload="none", gpu_memory: float | None = None,
                offload_folder: str | Path | None = None, **runtime) -> MiniMaxM3:
     """Load a checkpoint folder into a ready `MiniMaxM3` in eval mode.
 
     device: where weights live and compute runs. dtype: torch.float32 (the golden mode: every weight
-    and op in fp32) or torch.bfloat16. act_quant: "none" (weight-only) or "emulate" (fake-quantize
-    the inputs of NVFP4/MXFP8 linears as W4A4/W8A8 kernels do). weights: "dequant" (decode once at
-    load) or "packed" (keep NVFP4/MXFP8 tensors packed on the device and decode at use: memory is the
+    and op in fp32), torch.bfloat16, or None / "auto" (default: `resolve_dtype`'s rule, the CLI's `--dtype auto`:
+    bfloat16 on a CUDA device, float32 on a CPU, where bfloat16 runs far slower). act_quant: "none" (weight-only)
+    or "emulate" (fake-quantize the inputs of NVFP4/MXFP8 linears as W4A4/W8A8 kernels do). weights: "dequant"
+    (decode once at load) or "packed" (keep NVFP4/MXFP8 tensors packed on the device and decode at use: memory is the
     packed size, outputs are bit-identical to "dequant"). fast: fast paths (`minimax_ref.fast.FastPaths.of`:
     False/None/"off" = the reference, which never imports `minimax_ref.fast`; True = "on"; a preset's name of
     `minimax_ref.fast.paths.PRESETS`, a dict of switches or a `FastPaths`; `minimax_ref.fast.apply(model, ...)`
@@ -303,7 +305,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
 
 def load_synthetic(preset: str, *, format: str = "nvfp4", experts: int | None = None, layers: int | None = None,
                    overrides: dict | None = None, seed: int = 0, device: str | torch.device = "cpu",
-                   dtype: torch.dtype | str = torch.bfloat16, act_quant: str = "none", weights: str = "packed",
+                   dtype: torch.dtype | str | None = None, act_quant: str = "none", weights: str = "packed",
                    tp=None, expert_parallel: bool = False, fast: bool | str | dict | None = False,
                    offload="none", gpu_memory: float | None = None, offload_folder: str | Path | None = None,
                    **runtime) -> MiniMaxM3:
@@ -358,7 +360,7 @@ def _on_every_rank(world: World, build, what: str) -> MiniMaxM3:
 def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.device, dtype: torch.dtype | str,
           act_quant: str, weights: str, fast, runtime: dict, validate: bool, offload=None) -> MiniMaxM3:
     """load_model on one rank, without communication."""
-    dtype = resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype, device)
     if act_quant not in ACT_QUANT_MODES:
         raise ConfigError(f"act_quant={act_quant!r}: choose one of {list(ACT_QUANT_MODES)}")
     if weights not in WEIGHT_MODES:

@@ -392,15 +392,40 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *
     return out
 
 
-def _write_checkpoint_files(out: Path, cfg: ModelConfig, p: Preset, preset: str, fmt: str, experts, layers,
-                            seed: int, overrides, entries, total_bytes: int, limit: int, progress: bool,
-                            drafter: bool, write_test_tokenizer) -> None:
-    special = write_test_tokenizer(out, p.tokenizer_vocab, seed=seed)
+def write_config(out: str | Path, preset: str = "tiny", fmt: str = "bf16", *, experts: int | None = None,
+                 layers: int | None = None, overrides: dict | None = None) -> Path:
+    """Write only the `config.json` and `generation_config.json` that `write_checkpoint` would write with these
+    arguments (`minimax-ref synth --config-only`): no shards, no tokenizer; enough for `minimax-ref plan`.
+    `out` must not exist or be empty (InputError otherwise); returns its path."""
+    from ..generation.tokenizer import SPECIAL_TOKEN_TEXTS
+
+    out = Path(out)
+    p = PRESETS.get(preset)
+    if p is None:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    # the test tokenizer's special tokens take its top ids in SPECIAL_TOKEN_TEXTS' order (synth_tokenizer)
+    n_bpe = p.tokenizer_vocab - len(SPECIAL_TOKEN_TEXTS)
+    special = {name: n_bpe + i for i, name in enumerate(SPECIAL_TOKEN_TEXTS)}
     raw = build_config(preset, fmt, experts, layers, special, overrides)
+    parse_model_config(raw)  # refuses a bad config before anything is written
+    check_new_folder(out, 1 << 20)
+    with staged_folder(out) as tmp:
+        _write_config_files(tmp, raw, special)
+    return out
+
+
+def _write_config_files(out: Path, raw: dict, special: dict[str, int]) -> None:
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"bos_token_id": special.get("bod"), "eos_token_id": [special["turn_end"]], "do_sample": True,
            "temperature": 1.0, "top_p": 0.95, "top_k": 40, "transformers_version": "5.23.0"}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _write_checkpoint_files(out: Path, cfg: ModelConfig, p: Preset, preset: str, fmt: str, experts, layers,
+                            seed: int, overrides, entries, total_bytes: int, limit: int, progress: bool,
+                            drafter: bool, write_test_tokenizer) -> None:
+    special = write_test_tokenizer(out, p.tokenizer_vocab, seed=seed)
+    _write_config_files(out, build_config(preset, fmt, experts, layers, special, overrides), special)
 
     # shards: consecutive runs of tensors up to `limit` bytes (a tensor larger than the limit gets its own)
     shards: list[list] = [[]]
@@ -553,6 +578,6 @@ def write_drafter(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, *, shard
     return out
 
 
-__all__ = ["PRESETS", "FORMATS", "build_config", "write_checkpoint", "write_drafter", "drafter_config_json",
-           "iter_tensors", "plan_tensors",
+__all__ = ["PRESETS", "FORMATS", "build_config", "write_checkpoint", "write_config", "write_drafter",
+           "drafter_config_json", "iter_tensors", "plan_tensors",
            "TEXT_PREFIX", "LM_HEAD"]

@@ -33,6 +33,8 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 # format chats (the CLI, the nano evaluation) find them beside the format's texts.
 #: MiniMax's recommended sampling settings.
 RECOMMENDED_SAMPLING: dict[str, float | int] = dict(temperature=1.0, top_p=0.95, top_k=40)
+#: Tokens per reply by default (`generate`, the CLI): room for the reasoning of a thinking turn before its answer.
+DEFAULT_MAX_NEW_TOKENS = 512
 #: The sampling settings of the seed's evaluation protocol.
 EVAL_SAMPLING: dict[str, float | int] = dict(temperature=0.6, top_p=0.95, top_k=20)
 

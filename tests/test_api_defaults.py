@@ -108,3 +108,24 @@ def test_skips_are_summarised_one_line_per_reason(tmp_path):
     out = _pytest(tmp_path, "-rs")
     assert any(line.startswith("SKIPPED") for line in out.splitlines())
     assert "3 skipped: needs ../shared" not in out.splitlines()
+
+
+def test_generate_defaults_are_the_clis():
+    """One set of defaults: `mr.generate`'s are what `minimax-ref generate` uses when no flag is given."""
+    import inspect
+
+    from minimax_ref.cli.main import build_parser
+    from minimax_ref.generation.chat import DEFAULT_MAX_NEW_TOKENS
+
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    params = inspect.signature(mr.generate).parameters
+    assert params["max_new_tokens"].default == DEFAULT_MAX_NEW_TOKENS == 512 and args.max_new_tokens is None
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        assert params[name].default == getattr(args, name), name
+
+
+def test_dir_lists_the_public_api_only():
+    names = dir(mr)
+    assert set(mr.__all__) <= set(names)
+    assert not {"Any", "TYPE_CHECKING", "annotations", "importlib", "sys", "types"} & set(names)
+    assert all(not n.startswith("_") or n == "__version__" for n in names)

@@ -297,3 +297,32 @@ def test_input_file_lines_without_max_new_tokens_take_the_flag(monkeypatch, tmp_
     help_text = " ".join(capsys.readouterr().out.split())
     assert "without 'max_new_tokens' takes --max-new-tokens, itself 512 when not given" in help_text
     assert "also the default of --input-file lines without 'max_new_tokens'" in help_text
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--prompt", "two pictures", "--image", "{png}", "--image", "{png}"],
+     "--image gives 2 images but at most 1 per prompt"),
+    (["--prompt", "x", "--speculative", "dspark", "--num-speculative-tokens", "9"],
+     "--num-speculative-tokens 9: the drafter proposes at most 7 tokens a step"),
+])
+def test_checks_that_need_no_model_come_before_loading(monkeypatch, tmp_path, capsys, flags, needle):
+    """Image counts and the draft length (read from the drafter's config.json) are refused before the model loads."""
+    _refuse_loading(monkeypatch)
+    png = tmp_path / "a.png"
+    png.write_bytes(b"not read before the model loads")
+    code, _, err = run(["generate", *[f.format(png=png) for f in flags]], capsys)
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_input_file_lines_name_their_max_new_tokens_and_image_limit(monkeypatch, tmp_path, capsys):
+    calls = _capture_generate(monkeypatch)
+    (tmp_path / "a.png").write_bytes(b"x")
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt": "a"}) + "\n"
+                        + json.dumps({"prompt": "b", "images": ["a.png", "a.png"]}) + "\n")
+    code, out, err = run(["generate", "--input-file", str(requests), "--output-format", "json"], capsys)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and len(calls) == 1
+    assert {"line": 2, "error": rows[0]["error"]} == rows[0]
+    assert "'images' gives 2 images but at most 1 per prompt" in err
+    assert rows[1]["line"] == 1 and rows[1]["max_new_tokens"] == 512

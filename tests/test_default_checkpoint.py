@@ -68,7 +68,7 @@ def test_seed_check_image_of_427(capsys, tmp_path):
 
 def test_main_job_runs_on_the_default_without_writing_a_cache(tmp_path):
     env = {"MINIMAX_REF_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, "-m", "minimax_ref.cli.main", "generate", "--chat", "--prompt", "Hello, MiniMax",
+    cmd = [sys.executable, "-m", "minimax_ref.cli", "generate", "--chat", "--prompt", "Hello, MiniMax",
            "--max-new-tokens", "40", "--output-format", "json", "--seed", "0"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert first.returncode == 0, first.stderr

@@ -640,7 +640,7 @@ def test_robustness_table_rows_rerun():
     rows = [r for r in _robustness_rows() if any(x in r[0] for x in setup_free)]
     assert len(rows) >= 5
     for command, code, message in rows:
-        argv = [sys.executable, "-m", "minimax_ref.cli.main", *shlex.split(command)[1:]]
+        argv = [sys.executable, "-m", "minimax_ref.cli", *shlex.split(command)[1:]]
         argv = [a.replace("$DEFAULT", str(default_checkpoint())) for a in argv]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         output = (r.stderr + r.stdout).replace(str(default_checkpoint()), "$DEFAULT")

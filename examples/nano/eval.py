@@ -66,7 +66,7 @@ def load_heldout(ckpt: Path, path: Path | None, seed: int) -> tuple[nd.Heldout, 
 
 def _cli_command() -> list[str]:
     exe = shutil.which("minimax-ref")
-    return [exe] if exe else [sys.executable, "-m", "minimax_ref.cli.main"]
+    return [exe] if exe else [sys.executable, "-m", "minimax_ref.cli"]
 
 
 def run_cli(ckpt: Path, args: Sequence[str], model_flags: Sequence[str]) -> dict[str, Any]:

@@ -149,6 +149,36 @@ def _check_prompt_encoding(prompts: list[str]) -> None:
                              "(iconv -t UTF-8) or use a UTF-8 locale") from None
 
 
+def _check_images_allowed(args: argparse.Namespace, n: int, what: str) -> None:
+    """Refuse more images than a prompt may carry (--limit-images, else the runtime's default) before loading."""
+    from ..model.config import RuntimeConfig
+
+    limit = RuntimeConfig().max_images_per_prompt if args.limit_images is None else args.limit_images
+    if n > limit:
+        raise InputError(f"{what} gives {n} images but at most {limit} per prompt are allowed (raise the limit with "
+                         "--limit-images)")
+
+
+def _check_draft_length(args: argparse.Namespace) -> None:
+    """Refuse --num-speculative-tokens past the drafter's block size, read from its dspark/config.json, before the
+    model loads (a checkpoint without one is refused when the drafter loads)."""
+    synthetic = args.ckpt_path is None and getattr(args, "synthetic_weights", None) is not None
+    if args.speculative == "none" or args.num_speculative_tokens is None or synthetic:
+        return
+    from ..generation.drafter import SUBFOLDER
+    from ..weights.embedded import default_checkpoint
+
+    config = Path(args.ckpt_path or default_checkpoint()) / SUBFOLDER / "config.json"
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return
+    block = (raw.get("text_config") or raw).get("dspark_block_size") if isinstance(raw, dict) else None
+    if isinstance(block, int) and args.num_speculative_tokens > block:
+        raise InputError(f"--num-speculative-tokens {args.num_speculative_tokens}: the drafter proposes at most "
+                         f"{block} tokens a step (dspark_block_size in {config})")
+
+
 def _print_result(args: argparse.Namespace, result, streamed: bool, max_new_tokens: int | None = None) -> None:
     if args.output_format == "json":
         print(json.dumps(result.as_dict(), ensure_ascii=False), flush=True)
@@ -247,6 +277,8 @@ def run_generate(args: argparse.Namespace) -> int:
     for path in args.image or []:
         if not path.is_file():  # fail before loading the model; contents are checked when decoded
             raise InputError(f"--image {path}: no such file")
+    _check_images_allowed(args, len(args.image or []), "--image")
+    _check_draft_length(args)
     model, tok, _ = load_from_args(args)
     if args.limit_images is not None:
         import dataclasses
@@ -320,6 +352,7 @@ def _check_request(args: argparse.Namespace, req: object, tools) -> dict:
         missing = [str(x) for x in images if not x.is_file()]
         if missing:
             raise InputError(f"'images': no such file {missing[0]}")
+        _check_images_allowed(args, len(images), "'images'")
     if isinstance(prompt, list):
         from ..generation.multimodal import rebase_image_paths
 
@@ -394,7 +427,8 @@ def _batch_file(args, model, tok, requests) -> int:
         generated += len(res.token_ids)
         progress.update(1)
         if args.output_format == "json":
-            out = {"line": n, **({"id": req_id} if req_id is not None else {}), **res.as_dict()}
+            out = {"line": n, **({"id": req_id} if req_id is not None else {}), "max_new_tokens": max_new_tokens,
+                   **res.as_dict()}
             del out["stats"]  # the run's figures come in the summary line
             print(json.dumps(out, ensure_ascii=False), flush=True)
         else:
@@ -405,7 +439,7 @@ def _batch_file(args, model, tok, requests) -> int:
             for call in res.tool_calls:
                 print(json.dumps({"tool_call": call}, ensure_ascii=False))
             r = res.request
-            print(f"[{len(res.token_ids)} tokens, finish={res.finish_reason}, first token "
+            print(f"[{len(res.token_ids)} of at most {max_new_tokens} tokens, finish={res.finish_reason}, first token "
                   f"{r['time_to_first_token_seconds'] or 0:.2f} s, done at {r['seconds'] or 0:.2f} s]", flush=True)
         _note_cut(args, res, max_new_tokens)
 

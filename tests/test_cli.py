@@ -304,6 +304,9 @@ def test_input_file_lines_without_max_new_tokens_take_the_flag(monkeypatch, tmp_
      "--image gives 2 images but at most 1 per prompt"),
     (["--prompt", "x", "--speculative", "dspark", "--num-speculative-tokens", "9"],
      "--num-speculative-tokens 9: the drafter proposes at most 7 tokens a step"),
+    (["--prompt", "short", "--prompt", "word " * 300, "--max-model-len", "256"],
+     "--prompt 2 has 301 tokens but the maximum sequence length is 256"),
+    (["--chat", "--prompt", "word " * 300, "--max-model-len", "256"], "--prompt 1 has "),
 ])
 def test_checks_that_need_no_model_come_before_loading(monkeypatch, tmp_path, capsys, flags, needle):
     """Image counts and the draft length (read from the drafter's config.json) are refused before the model loads."""

@@ -392,4 +392,10 @@ def test_research_example_runs_on_the_embedded_default(tmp_path):
     assert out.returncode == 0, out.stderr
     for needle in ("== expert usage per layer", "after layer 5:", "top-1 agreement", "key blocks of 32"):
         assert needle in out.stdout, needle
+    # the README shows what the command prints: every line of its sample but the elisions
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    sample = readme[readme.index("abridged output:"):].split("```")[1]
+    shown = [line.strip() for line in sample.splitlines()
+             if line.strip() and line.strip() != "..." and not line.strip().startswith("wrote ")]  # --out differs
+    assert shown and all(line in out.stdout for line in shown), [x for x in shown if x not in out.stdout]
     assert list(tmp_path.glob("msa_blocks_layer*.png"))

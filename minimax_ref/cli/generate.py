@@ -159,6 +159,27 @@ def _check_images_allowed(args: argparse.Namespace, n: int, what: str) -> None:
                          "--limit-images)")
 
 
+def _check_prompt_lengths(args: argparse.Namespace, tools) -> None:
+    """Refuse a --prompt whose tokens leave no room under --max-model-len, before the model loads: the prompts are
+    encoded with the checkpoint's tokenizer as `generate` will encode them (prompts with images, whose token counts
+    come from their pictures, and synthetic weights are checked when they run)."""
+    if args.prompt is None or args.image or getattr(args, "synthetic_weights", None) is not None:
+        return
+    from ..generation.generate import encode_prompt
+    from ..generation.tokenizer import load_tokenizer
+    from ..model.config import RuntimeConfig
+    from ..weights.embedded import default_checkpoint
+
+    limit = args.max_model_len or RuntimeConfig().max_seq_len
+    tok = load_tokenizer(args.ckpt_path or default_checkpoint())
+    for i, prompt in enumerate(args.prompt, start=1):
+        n = len(encode_prompt(tok, prompt, chat=args.chat, tools=tools, thinking=args.thinking, system=args.system,
+                              where=f"--prompt {i}"))
+        if n >= limit:
+            raise InputError(f"--prompt {i} has {n} tokens but the maximum sequence length is {limit} (raise "
+                             "--max-model-len, or shorten the prompt)")
+
+
 def _check_draft_length(args: argparse.Namespace) -> None:
     """Refuse --num-speculative-tokens past the drafter's block size, read from its dspark/config.json, before the
     model loads (a checkpoint without one is refused when the drafter loads)."""
@@ -279,6 +300,7 @@ def run_generate(args: argparse.Namespace) -> int:
             raise InputError(f"--image {path}: no such file")
     _check_images_allowed(args, len(args.image or []), "--image")
     _check_draft_length(args)
+    _check_prompt_lengths(args, tools)
     model, tok, _ = load_from_args(args)
     if args.limit_images is not None:
         import dataclasses

@@ -456,7 +456,7 @@ class Scheduler:
         self.seqs = [Sequence_(list(p)) for p in job.prompts]
         self.generators: list[torch.Generator | None] = [None] * n
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in job.prompts))
-        self.waiting = deque(i for i in range(n))
+        self.waiting = deque(range(n))
         self.running: list[int | None] = [None] * min(job.batch_limit, n)
         # A fast model may round the length up (its compiled steps are specialised on the cache length).
         self.cache = model.new_cache(len(self.running), max(job.budget(i) for i in range(n)), job.kv_cache_dtype)

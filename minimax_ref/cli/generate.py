@@ -171,7 +171,10 @@ def _check_prompt_lengths(args: argparse.Namespace, tools) -> None:
     from ..weights.embedded import default_checkpoint
 
     limit = args.max_model_len or RuntimeConfig().max_seq_len
-    tok = load_tokenizer(args.ckpt_path or default_checkpoint())
+    try:
+        tok = load_tokenizer(args.ckpt_path or default_checkpoint())
+    except MiniMaxRefError:
+        return  # the checkpoint's problems are the loader's to report, all together
     for i, prompt in enumerate(args.prompt, start=1):
         n = len(encode_prompt(tok, prompt, chat=args.chat, tools=tools, thinking=args.thinking, system=args.system,
                               where=f"--prompt {i}"))

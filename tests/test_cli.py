@@ -160,6 +160,28 @@ def test_input_file_lines_decode_together(tiny_nvfp4, tmp_path, capsys, monkeypa
         assert code == 0 and json.loads(out.splitlines()[0])["token_ids"] == rows[i + 1]["token_ids"]
 
 
+def test_batch_size_and_prefill_chunk_flags_and_the_sizes_chosen(tiny_nvfp4, capsys):
+    """Without flags the sizes come from free memory (named in the stats); --max-batch-size 1 decodes the prompts
+    one after another and --prefill-chunk 3 prefills in 3-token forwards, with the same greedy tokens."""
+    from minimax_ref.generation import sizing
+
+    base = ["generate", "--ckpt-path", str(tiny_nvfp4), "--output-format", "json", "--dtype", "float32",
+            "--temperature", "0", "--max-new-tokens", "4", "--prompt", "The first prompt is long", "--prompt", "Two"]
+    code, out, _ = run(base, capsys)
+    chosen = [json.loads(line) for line in out.splitlines()]
+    stats = chosen[0]["stats"]
+    assert code == 0 and 1 <= stats["max_batch_size"] <= sizing.BATCH_CAP["cpu"]
+    assert stats["prefill_chunk"] >= 16 and stats["decode_steps"] == 3  # both prompts in one batch
+    code, out, _ = run(base + ["--max-batch-size", "1", "--prefill-chunk", "3"], capsys)
+    small = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and (small[0]["stats"]["max_batch_size"], small[0]["stats"]["prefill_chunk"]) == (1, 3)
+    assert small[0]["stats"]["decode_steps"] == 6  # one prompt at a time
+    assert [r["token_ids"] for r in small] == [r["token_ids"] for r in chosen]
+    with pytest.raises(SystemExit):
+        run(base + ["--prefill-chunk", "0"], capsys)
+    assert "--prefill-chunk: 0 must be >= 1" in capsys.readouterr().err
+
+
 def test_tools_file_with_a_bad_schema(tiny_nvfp4, tmp_path, capsys):
     bad = tmp_path / "tools.json"
     bad.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]))

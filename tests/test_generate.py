@@ -37,7 +37,8 @@ def _prompts(*lengths: int) -> list[list[int]]:
 
 
 def _fake_model(max_batch_size: int | None = None):
-    """What the decode state reads of a model (no runtime settings unless a batch limit is given)."""
+    """What the decode state reads of a model (no runtime settings unless a batch limit is given); its jobs name
+    their prefill chunk (the fake has no memory to choose one from)."""
     rt = None if max_batch_size is None else SimpleNamespace(max_seq_len=64, kv_cache_dtype="auto",
                                                             max_batch_size=max_batch_size)
     return SimpleNamespace(text=SimpleNamespace(vocab_size=100), device=torch.device("cpu"), runtime=rt)
@@ -48,7 +49,7 @@ def _fake_model(max_batch_size: int | None = None):
 
 def test_decode_state_pads_emits_and_stops():
     seen = []
-    job = DecodeJob.make(_fake_model(), [[1, 2, 3], [4]], max_new_tokens=4, stop_ids=9, max_seq_len=6,
+    job = DecodeJob.make(_fake_model(), [[1, 2, 3], [4]], max_new_tokens=4, stop_ids=9, max_seq_len=6, prefill_chunk=8,
                          on_token=lambda row, t: seen.append((row, t)))
     state = DecodeState(_fake_model(), job, GenerationStats())
     assert state.ids.tolist() == [[1, 2, 3], [4, 0, 0]] and state.embeds is None
@@ -67,18 +68,18 @@ def test_decode_state_pads_emits_and_stops():
 
 
 def test_decode_state_max_new_tokens():
-    job = DecodeJob.make(_fake_model(), [[1, 2]], max_new_tokens=2, max_seq_len=50)
+    job = DecodeJob.make(_fake_model(), [[1, 2]], max_new_tokens=2, max_seq_len=50, prefill_chunk=8)
     state = DecodeState(_fake_model(), job, GenerationStats())
     assert state.emit(0, [3]) == 1 and not state.done and state.room(0) == 1
     assert state.emit(0, [4, 5]) == 1 and state.done
     assert state.finish()[0].finish_reason == "length"
-    none = DecodeState(_fake_model(), DecodeJob.make(_fake_model(), [[1]], max_new_tokens=0), GenerationStats())
+    none = DecodeState(_fake_model(), DecodeJob.make(_fake_model(), [[1]], max_new_tokens=0, prefill_chunk=8), GenerationStats())
     assert none.done and [(s.generated, s.finish_reason) for s in none.finish()] == [([], "length")]
 
 
 def test_jobs_split_into_seeded_groups():
     seen = []
-    job = DecodeJob.make(_fake_model(max_batch_size=2), [[1], [2], [3], [4], [5]], seed=10,
+    job = DecodeJob.make(_fake_model(max_batch_size=2), [[1], [2], [3], [4], [5]], seed=10, prefill_chunk=8,
                          on_token=lambda row, t: seen.append(row))
     groups = job.groups()
     assert [g.prompts for g in groups] == [[[1], [2]], [[3], [4]], [[5]]]

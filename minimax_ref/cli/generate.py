@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError, MiniMaxRefError
+from ..research.intervened import add_intervention_flags, cli_interventions
 from .model_args import add_model_flags, load_from_args
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -35,6 +36,7 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
     from ..generation.chat import RECOMMENDED_SAMPLING as rec
 
     add_model_flags(p)
+    add_intervention_flags(p)
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text (repeat for a batch); with --chat, one user message")
     p.add_argument("--input-file", type=Path, default=None,
@@ -45,7 +47,12 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interactive", action="store_true", help="multi-turn chat session (/reset, /exit)")
     p.add_argument("--max-batch-size", type=_positive_int, default=None,
                    help="requests decoded together by continuous batching: when one finishes, the next waiting one "
-                        "takes its place (default: the runtime's, 8)")
+                        "takes its place (default: as many as the memory left after loading holds at their length, "
+                        "up to 64 on a GPU and 16 on a CPU; the run's stats name it)")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=None,
+                   help="prompt tokens per prefill forward, like vLLM's --max-num-batched-tokens (default: the "
+                        "largest power of two whose activations take at most a quarter of the memory left, up to "
+                        "16384 on a GPU and 2048 on a CPU)")
     p.add_argument("--max-new-tokens", type=_nonneg_int, default=None,
                    help=f"most tokens per reply, >= 1 (default: {DEFAULT_MAX_NEW_TOKENS}, room for the reasoning "
                         "of a thinking turn before its answer); also the default of --input-file lines without "
@@ -261,15 +268,17 @@ def _stream_printer(args: argparse.Namespace, tools, reasoning_started: bool):
 
 
 def _draft_kwargs(args: argparse.Namespace, model) -> dict:
-    """`generate`'s speculative arguments for the flags; the drafter is loaded once per command."""
+    """`generate`'s arguments that come with the loaded model: the interventions of --expert-mask / --drop-experts
+    and the speculative ones; the drafter is loaded once per command."""
     if args.speculative == "none":
-        return {}
+        return {"interventions": cli_interventions(args, model)}
     if getattr(args, "_drafter", None) is None:
         from ..generation.drafter import SUBFOLDER, load_drafter
 
         args._drafter = load_drafter(Path(model.ckpt_path) / SUBFOLDER, model,
                                      capture_final_norm=args.drafter_capture == "post-norm")
-    return {"draft": args._drafter, "num_speculative_tokens": args.num_speculative_tokens}
+    return {"draft": args._drafter, "num_speculative_tokens": args.num_speculative_tokens,
+            "interventions": cli_interventions(args, model)}
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -304,6 +313,7 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_images_allowed(args, len(args.image or []), "--image")
     _check_draft_length(args)
     _check_prompt_lengths(args, tools)
+    cli_interventions(args)  # a bad --expert-mask / --drop-experts is refused before the model loads
     model, tok, _ = load_from_args(args)
     if args.limit_images is not None:
         import dataclasses
@@ -322,10 +332,19 @@ def run_generate(args: argparse.Namespace) -> int:
         started = args.chat and args.thinking == "enabled"
         on_text, close = _stream_printer(args, tools, started)
     images = [args.image] * len(args.prompt) if args.image else None
+    from ..progress import GenerationProgress
+
+    progress = None if stream else GenerationProgress(len(args.prompt), len(args.prompt) * kw["max_new_tokens"])
     results = generate(model, tok, args.prompt, on_text=on_text, images=images, **chat_kw, **kw,
-                       max_batch_size=args.max_batch_size, **_draft_kwargs(args, model))
+                       max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk,
+                       on_token=progress and (lambda row, tok: progress.token()),
+                       on_result=progress and (lambda row, res: progress.request_done(
+                           kw["max_new_tokens"] - len(res.token_ids))),
+                       **_draft_kwargs(args, model))
     if close:
         close()
+    if progress:
+        progress.close()
     for i, r in enumerate(results):
         if not stream and args.output_format == "text" and len(results) > 1:
             # several replies: each under a header naming its prompt, so they do not run together
@@ -420,8 +439,9 @@ def _read_requests(args: argparse.Namespace, tools) -> list[tuple[int, object, d
     return requests
 
 
-CALL_KEYS = ("chat", "tools", "thinking", "system")  # what one `generate` call shares among its prompts
-ROW_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")  # what each prompt of a call has of its own
+CALL_KEYS = ("chat",)  # what one `generate` call shares among its prompts
+# what each prompt of a call has of its own
+ROW_KEYS = ("tools", "thinking", "system", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
 def _batch_file(args, model, tok, requests) -> int:
@@ -432,12 +452,12 @@ def _batch_file(args, model, tok, requests) -> int:
     fails before they complete (each run again alone), are reported with their line number; the rest still run.
     Exit status 1 when any line failed."""
     from ..generation.generate import generate
-    from ..progress import Progress
+    from ..progress import GenerationProgress
 
     failed: list[int] = []
     written: set[int] = set()
     good = [(n, req_id, kw) for n, req_id, kw in requests if not isinstance(kw, str)]
-    progress = Progress("requests", len(good), unit="requests")
+    progress = GenerationProgress(len(good), sum(kw["max_new_tokens"] for _, _, kw in good))
     start, generated = time.perf_counter(), 0
 
     def fail(n: int, message: str) -> None:
@@ -450,7 +470,7 @@ def _batch_file(args, model, tok, requests) -> int:
         nonlocal generated
         written.add(n)
         generated += len(res.token_ids)
-        progress.update(1)
+        progress.request_done(max_new_tokens - len(res.token_ids))
         if args.output_format == "json":
             out = {"line": n, **({"id": req_id} if req_id is not None else {}), "max_new_tokens": max_new_tokens,
                    **res.as_dict()}
@@ -478,7 +498,8 @@ def _batch_file(args, model, tok, requests) -> int:
             write(n, req_id, res, kw["max_new_tokens"])
 
         generate(model, tok, [kw["prompts"][0] for _, _, kw in items], **{k: call[k] for k in CALL_KEYS}, **rows,
-                 images=images if any(images) else None, max_batch_size=args.max_batch_size, on_result=on_result,
+                 images=images if any(images) else None, max_batch_size=args.max_batch_size,
+                 prefill_chunk=args.prefill_chunk, on_result=on_result, on_token=lambda row, tok: progress.token(),
                  **_draft_kwargs(args, model))
 
     for n, _, kw in requests:

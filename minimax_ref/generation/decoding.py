@@ -34,11 +34,11 @@ import torch
 
 from ..errors import InputError
 from .sampling import SamplingParams, draw, filtered_probs, sample
+from .sizing import choose_sizes
 
 if TYPE_CHECKING:
     from ..model.decoder import MiniMaxM3
 
-PREFILL_CHUNK = 2048
 DEFAULT_MAX_SEQ_LEN = 4096  # for models without runtime settings (`model.runtime`)
 
 TokenCallback = Callable[[int, int], None]
@@ -67,6 +67,7 @@ class GenerationStats:
     step and captures it in a CUDA graph.
     decode_seconds / decode_steps / decode_tokens: the other decode steps and the tokens they chose, which give
     `decode_tokens_per_s`. Host clocks: every step reads its sampled tokens back, so each is complete when timed.
+    max_batch_size / prefill_chunk: the sizes the call ran with (given, or chosen from memory: `sizing`).
     """
 
     prompt_tokens: int = 0
@@ -77,6 +78,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     decode_tokens: int = 0
+    max_batch_size: int = 0
+    prefill_chunk: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -98,7 +101,8 @@ class GenerationStats:
                 "time_to_first_token_seconds": round(self.first_token_seconds, 6),
                 "warmup_seconds": round(self.warmup_seconds, 6),
                 "decode_seconds": round(self.decode_seconds, 6), "decode_steps": self.decode_steps,
-                "decode_tokens": self.decode_tokens,
+                "decode_tokens": self.decode_tokens, "max_batch_size": self.max_batch_size,
+                "prefill_chunk": self.prefill_chunk,
                 "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 3)}
 
@@ -231,17 +235,21 @@ class DecodeJob:
     @classmethod
     def make(cls, model: MiniMaxM3, prompts: Any, *, max_new_tokens: Any = 128, sampling: Any = None,
              seed: Any = 0, stop_ids: Any = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
-             prefill_chunk: int = PREFILL_CHUNK, on_token: TokenCallback | None = None,
+             prefill_chunk: int | None = None, on_token: TokenCallback | None = None,
              inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None) -> DecodeJob:
-        """Check the arguments of `generate_ids` (documented there); InputError names the bad one."""
+        """Check the arguments of `generate_ids` (documented there); InputError names the bad one. The batch and
+        prefill chunk not given (here or in `model.runtime`) are chosen from free memory (`sizing.choose_sizes`)."""
         rt = getattr(model, "runtime", None)
         max_len = _integer(max_seq_len or (rt.max_seq_len if rt else DEFAULT_MAX_SEQ_LEN), "max_seq_len", minimum=2)
         kv_dtype = kv_cache_dtype or (rt.kv_cache_dtype if rt else "auto")
-        prefill_chunk = _integer(prefill_chunk, "prefill_chunk", minimum=1)
+        if prefill_chunk is not None:
+            prefill_chunk = _integer(prefill_chunk, "prefill_chunk", minimum=1)
         ids = token_prompts(prompts)
         check_prompts(ids, model.text.vocab_size, max_len)
         n = len(ids)
-        limit = _integer(max_batch_size or (rt.max_batch_size if rt else n), "max_batch_size", minimum=1)
+        limit = max_batch_size or (rt.max_batch_size if rt else n)
+        if limit is not None:
+            limit = _integer(limit, "max_batch_size", minimum=1)
         new = per_prompt(max_new_tokens, n, "max_new_tokens", lambda v, w: _integer(v, w, minimum=0))
         params = per_prompt(SamplingParams() if sampling is None else sampling, n, "sampling", _sampling)
         if isinstance(seed, (list, tuple)):
@@ -251,6 +259,11 @@ class DecodeJob:
             seeds = tuple(first + i for i in range(n))
         if inputs_embeds is not None:
             _check_embeds(inputs_embeds, ids)
+        if limit is None or prefill_chunk is None:
+            cache_len = max(min(max_len, len(p) + m) for p, m in zip(ids, new))
+            sizes = choose_sizes(model, cache_len, kv_dtype)
+            limit = limit or sizes.max_batch_size
+            prefill_chunk = prefill_chunk or sizes.prefill_chunk
         return cls(ids, new, params, seeds, stop_id_set(stop_ids), max_len, kv_dtype, prefill_chunk, on_token,
                    inputs_embeds, limit)
 
@@ -455,7 +468,8 @@ class Scheduler:
         n = len(job.prompts)
         self.seqs = [Sequence_(list(p)) for p in job.prompts]
         self.generators: list[torch.Generator | None] = [None] * n
-        self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in job.prompts))
+        self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in job.prompts), max_batch_size=job.batch_limit,
+                                     prefill_chunk=job.prefill_chunk)
         self.waiting = deque(range(n))
         self.running: list[int | None] = [None] * min(job.batch_limit, n)
         # A fast model may round the length up (its compiled steps are specialised on the cache length).
@@ -567,7 +581,7 @@ class Scheduler:
 def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 128,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, seed: int | Sequence[int] = 0,
                  stop_ids: Sequence[int] | int = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, on_token: TokenCallback | None = None,
+                 prefill_chunk: int | None = None, on_token: TokenCallback | None = None,
                  inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None,
                  on_finish: FinishCallback | None = None) -> tuple[list[Sequence_], GenerationStats]:
     """Generate for token-id prompts by continuous batching (`Scheduler`). Returns per-prompt sequences (in order)
@@ -592,6 +606,6 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
     return Scheduler(model, job, on_finish).run()
 
 
-__all__ = ["PREFILL_CHUNK", "DecodeJob", "DecodeState", "GenerationStats", "Scheduler", "Sequence_",
+__all__ = ["DecodeJob", "DecodeState", "GenerationStats", "Scheduler", "Sequence_",
            "check_prompts", "finishes", "generate_ids", "pad_prompts", "per_prompt", "prefill", "run_in_groups",
            "stop_id_set", "token_prompts"]

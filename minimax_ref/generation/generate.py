@@ -26,8 +26,9 @@ import torch
 
 from ..errors import ConfigError, InputError
 from ..model.vision import tokens_per_image
+from ..research.intervened import intervened
 from .chat import DEFAULT_MAX_NEW_TOKENS, RECOMMENDED_SAMPLING, parse_output
-from .decoding import PREFILL_CHUNK, GenerationStats, Sequence_, generate_ids, per_prompt, stop_id_set
+from .decoding import GenerationStats, Sequence_, generate_ids, per_prompt, stop_id_set
 from .drafter import resolve_drafter
 from .multimodal import (
     ImageTokenIds,
@@ -42,6 +43,7 @@ from .speculative import speculative_generate_ids
 
 if TYPE_CHECKING:
     from ..model.decoder import MiniMaxM3
+    from ..research.trace import Interventions
 
 
 
@@ -159,6 +161,25 @@ def text_prompts(prompts: Any, chat: bool) -> list[Any]:
     return list(prompts)
 
 
+def per_prompt_chat(tools: Any, thinking: Any, system: Any, n: int) -> tuple[list, list, list]:
+    """`generate`'s chat settings for each of n prompts: tools (None, one list of tool schemas for every prompt, or
+    a list of n entries each a list of schemas or None), thinking and system (one value, or a list of n)."""
+    per_row = isinstance(tools, (list, tuple)) and len(tools) > 0 and all(
+        t is None or isinstance(t, (list, tuple)) for t in tools)
+    if per_row and len(tools) != n:
+        raise InputError(f"tools: a list of per-prompt tool lists needs one entry per prompt ({n}), got {len(tools)}; "
+                         "for the same tools everywhere give one list of schemas")
+    rows = [list(tools) if per_row else [tools] * n]
+    for value, name in ((thinking, "thinking"), (system, "system")):
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise InputError(f"{name}: give one value, or one per prompt ({n}), got {len(value)}")
+            rows.append(list(value))
+        else:
+            rows.append([value] * n)
+    return rows[0], rows[1], rows[2]
+
+
 def _check_images(images: Any, n_prompts: int) -> None:
     """`images` is None or one entry per prompt (a list or tuple); the entries are checked where loaded."""
     if images is None:
@@ -184,19 +205,28 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
              chat: bool = False, tools=None, thinking: str = "adaptive", system: str | None = None,
              stop_ids: Sequence[int] | int | None = None, draft=None, num_speculative_tokens: int | None = None,
              on_text: Callable[[int, str], None] | None = None, images: Sequence | None = None,
-             max_batch_size: int | None = None,
-             on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
+             max_batch_size: int | None = None, prefill_chunk: int | None = None,
+             on_result: Callable[[int, GenerationResult], None] | None = None,
+             on_token: Callable[[int, int], None] | None = None,
+             interventions: Interventions | None = None) -> list[GenerationResult]:
     """Generate for several prompts: a list of strings, token-id lists, or with `chat` message lists.
     A single string is one prompt (the result is then a one-element list).
 
     Returns one `GenerationResult` per prompt, in order, with the reasoning/content split and parsed
     tool calls (spec `chat.md`). `on_text(row, text)` streams decoded text as it becomes complete;
-    `on_result(row, result)` hands over each prompt's result as it finishes.
+    `on_result(row, result)` hands over each prompt's result as it finishes; `on_token(row, token_id)` each token
+    as it is chosen (progress counters).
     max_new_tokens, temperature, top_p, top_k, seed: one value for every prompt, or a list of one per prompt
     (defaults: the module docstring's). Prompt i samples from its own generator seeded with `seed + i` (or
     `seed[i]`), so its tokens do not depend on the other prompts of the call.
-    max_batch_size: prompts decoded together (continuous batching, `decoding.Scheduler`; default
-    `model.runtime.max_batch_size`).
+    tools, thinking, system (chat): one setting for every prompt, or one per prompt (`per_prompt_chat`: per prompt,
+    tools is a list whose entries are each a list of tool schemas or None).
+    interventions: edits applied to every forward of the generation (`research.intervened`: expert masks and
+    scales, residual edits given as functions; prefill and decode steps alike, so the KV cache holds the edited
+    model's keys); tensor-valued edits are refused.
+    max_batch_size: prompts decoded together (continuous batching, `decoding.Scheduler`); prefill_chunk: prompt
+    tokens per prefill forward. Defaults: `model.runtime.max_batch_size` if set, else both chosen from the memory
+    left (`sizing.choose_sizes`); the stats name the sizes used.
     stop_ids: a token id or a list of them (default: `generation_config.json`, else the tokenizer's
     end-of-turn ids).
     images: one entry per prompt (None for a prompt without images): a list of image file paths or
@@ -213,6 +243,8 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
     """
     prompts = text_prompts(prompts, chat)
     _check_images(images, len(prompts))
+    row_tools, row_thinking, row_system = per_prompt_chat(tools, thinking, system, len(prompts))
+    run_model = intervened(model, interventions)
     if draft is None and num_speculative_tokens is not None:
         raise InputError("num_speculative_tokens needs a drafter (draft=...)")
     drafter = None if draft is None else resolve_drafter(model, draft)
@@ -231,19 +263,21 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
         if pixels is not None and tok.special_ids.image != model.config.image_token_id:
             raise ConfigError(f"the tokenizer's image token id {tok.special_ids.image} differs from "
                               f"config.json image_token_index={model.config.image_token_id}")
-        ids.append(encode_prompt(tok, p, chat=chat, tools=tools, thinking=thinking, system=system,
-                                 image_tokens=counts, where=where))
+        ids.append(encode_prompt(tok, p, chat=chat, tools=row_tools[i], thinking=row_thinking[i],
+                                 system=row_system[i], image_tokens=counts, where=where))
         # The vision tower runs once per prompt, here; decoding only ever sees text embeddings.
         embeds.append(None if pixels is None else embed_with_images(model, ids[-1], *pixels))
     decoders = [tok.stream_decoder() for _ in ids]
     think_start = tok.special_ids.think_start
     results: list[GenerationResult | None] = [None] * n
 
-    def on_token(row: int, token: int) -> None:
+    def on_each_token(row: int, token: int) -> None:
+        if on_token:
+            on_token(row, token)
         if token in stop:  # the end-of-turn token ends the text; it is not part of it
             return
-        piece = decoders[row].push(token)
-        if piece and on_text:
+        piece = decoders[row].push(token) if on_text else None
+        if piece:
             on_text(row, piece)
 
     def on_finish(row: int, s: Sequence_) -> None:
@@ -255,7 +289,7 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
         text = tok.decode(body)
         # a prompt that ends inside <mm:think> (thinking enabled) generates reasoning first
         started = think_start is not None and len(ids[row]) > 0 and ids[row][-1] == think_start
-        parsed = parse_output(text, tools, reasoning_started=started)
+        parsed = parse_output(text, row_tools[row], reasoning_started=started)
         request = {"prompt_tokens": len(s.prompt), "generated_tokens": len(s.generated),
                    "time_to_first_token_seconds": None if s.first_token_seconds is None
                    else round(s.first_token_seconds, 6),
@@ -266,13 +300,14 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
             on_result(row, results[row])
 
     run_kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop,
-                                  on_token=on_token if on_text else None,
+                                  on_token=on_each_token if on_text or on_token else None,
+                                  prefill_chunk=prefill_chunk,
                                   inputs_embeds=embeds if any(e is not None for e in embeds) else None,
                                   max_batch_size=max_batch_size, on_finish=on_finish)
     if drafter is None:
-        _, stats = generate_ids(model, ids, **run_kw)
+        _, stats = generate_ids(run_model, ids, **run_kw)
     else:
-        _, stats = speculative_generate_ids(model, drafter, ids, num_speculative_tokens=num_speculative_tokens,
+        _, stats = speculative_generate_ids(run_model, drafter, ids, num_speculative_tokens=num_speculative_tokens,
                                             **run_kw)
     for r in results:
         r.stats = stats.as_dict()
@@ -280,6 +315,6 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
 
 
 # Re-exported for the callers that import them from here: the sampling layer and the plain loop.
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "PREFILL_CHUNK", "GenerationResult", "GenerationStats", "SamplingParams",
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "GenerationStats", "SamplingParams",
            "Sequence_", "encode_prompt", "filtered_probs", "generate", "generate_ids", "read_stop_ids", "sample",
            "text_prompts"]

@@ -50,7 +50,6 @@ from ..errors import InputError
 from ..model.decoder import MiniMaxM3
 from ..research.trace import Trace
 from .decoding import (
-    PREFILL_CHUNK,
     DecodeJob,
     DecodeState,
     FinishCallback,
@@ -244,7 +243,7 @@ class SpeculativeDecoder:
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 128,
                  sampling: SamplingParams | None = None, seed: int | Sequence[int] = 0,
                  stop_ids: Sequence[int] | int = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, on_token: TokenCallback | None = None,
+                 prefill_chunk: int | None = None, on_token: TokenCallback | None = None,
                  inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None,
                  on_finish: FinishCallback | None = None) -> tuple[list[Sequence_], SpeculativeStats]:
         """Generate for a batch of token-id prompts; the arguments, checks and results are
@@ -271,7 +270,9 @@ class SpeculativeDecoder:
         """One group: prefill with context capture, the first token, then draft / verify / accept steps."""
         model, drafter, N = self.model, self.drafter, self.num_speculative_tokens
         state = DecodeState(model, job, SpeculativeStats(num_speculative_tokens=N, proposed_per_position=[0] * N,
-                                                         accepted_per_position=[0] * N))
+                                                         accepted_per_position=[0] * N,
+                                                         max_batch_size=job.batch_limit,
+                                                         prefill_chunk=job.prefill_chunk))
         sampling = state.sampling
         stats, B, device = state.stats, state.batch_size, model.device
         # Verify passes write up to k+1 slots past a row's length; finished rows ride along.

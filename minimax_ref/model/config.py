@@ -225,7 +225,8 @@ class RuntimeConfig:
 
     max_seq_len: longest sequence (prompt + generated) the KV cache holds; default 4096, capped by
         the model's `max_position_embeddings`.
-    max_batch_size: sequences decoded together; default 8.
+    max_batch_size: sequences decoded together; default None: chosen per call from the memory left
+        (`generation.sizing`).
     kv_cache_dtype: "auto" (the compute dtype) or "fp8" (float8_e4m3fn, saturating, scale 1.0).
     max_images_per_prompt: images one prompt may carry; default 1 (the seed's deployment).
     attention_chunk_elements: the largest temporary one attention query chunk may create, in
@@ -233,7 +234,7 @@ class RuntimeConfig:
     """
 
     max_seq_len: int = 4096
-    max_batch_size: int = 8
+    max_batch_size: int | None = None
     kv_cache_dtype: str = "auto"
     max_images_per_prompt: int = 1
     attention_chunk_elements: int = 1 << 24
@@ -241,7 +242,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:
             raise ConfigError(f"runtime setting max_seq_len={self.max_seq_len!r} must be >= 1")
-        if self.max_batch_size < 1:
+        if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ConfigError(f"runtime setting max_batch_size={self.max_batch_size!r} must be >= 1")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(

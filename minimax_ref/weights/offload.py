@@ -84,7 +84,7 @@ class OffloadConfig:
     """How to offload: `mode` "cpu" or "disk" ("none": not at all), the GPU budget `gpu_memory_gib` (everything the
     model takes on the GPU: resident weights, staging buffers, and the reserve), the disk store's `folder` (default: a
     new folder under the cache folder, removed with the model), `reserve_gib` kept for activations on top of the KV
-    cache of the runtime's `max_batch_size` x `max_seq_len`, and `share_streamed_experts` (synthetic weights only:
+    cache of the runtime's `max_batch_size` (one when chosen per call: it then fits what is left) x `max_seq_len`, and `share_streamed_experts` (synthetic weights only:
     every streamed expert stack reads the host stacks of the first streamed one, so a release-width model whose
     experts exceed host memory can run; the bytes moved per step are the same)."""
 
@@ -421,12 +421,13 @@ def _placeholders_like(experts: nn.Module, template: nn.Module) -> None:
 def device_map_for(model: nn.Module, ck, cfg: OffloadConfig, dtype: torch.dtype, runtime) -> DeviceMap:
     """The device map of `model` (built from checkpoint `ck`) for `cfg`: `device_map.propose_device_map` over
     `plan.offload_units` (sizes from the shards' headers, or the config for synthetic weights) with a reserve of
-    `cfg.reserve_gib` plus the KV cache of `runtime.max_batch_size` sequences of `runtime.max_seq_len` tokens."""
+    `cfg.reserve_gib` plus the KV cache of `runtime.max_batch_size` sequences (one when it is chosen per call, from
+    the memory the device map leaves) of `runtime.max_seq_len` tokens."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     ckpt_dir = None if getattr(ck, "synthetic", False) else Path(ck.path)
     always, units = offload_units(ck.config, dtype_bytes=dtype_bytes, ckpt_dir=ckpt_dir)
     kv = kv_bytes_per_token(ck.config, 1, runtime.kv_cache_dtype, dtype_bytes) * runtime.max_seq_len \
-        * runtime.max_batch_size
+        * (runtime.max_batch_size or 1)
     return propose_device_map(units, always, int(cfg.gpu_memory_gib * GIB), int(cfg.reserve_gib * GIB) + kv)
 
 

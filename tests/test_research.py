@@ -180,24 +180,77 @@ def test_bad_interventions_are_input_errors(model, iv, needle):
 # ------------------------------------------------------------------------------------------ Trace
 
 
+def _alone(model, ids: list[int], **settings) -> Trace:
+    """The trace of one sequence run alone (no padding, no batching)."""
+    tr = Trace(**settings)
+    model(torch.tensor([ids]), trace=tr)
+    return tr
+
+
 @torch.no_grad()
-def test_routing_shaped_and_counts_skip_padding(model, tiny_nvfp4):
+def test_routing_has_no_padding_rows(model):
     pairs = [{"input_ids": _ids(n, seed=n)[0].tolist(), "completion_start": 2} for n in (9, 20, 14)]
     tr = Trace()
-    mr.score(model, None, pairs, trace=tr)
-    assert tr.shape == (3, 20)
-    assert tr.mask.sum(1).tolist() == [9, 20, 14]
-    r = tr.routed(2)
-    assert r.expert_ids.shape == (3, 20, 4) and r.weights.shape == (3, 20, 4) and r.logits.shape == (3, 20, 16)
-    assert torch.equal(r.expert_ids.reshape(-1, 4), tr.routing[2].expert_ids)  # row-major over [B, T]
-    # independently: each sequence alone (no padding), its routing counted
-    expected = torch.zeros(16, dtype=torch.long)
-    for p in pairs:
-        alone = Trace(layers=set())
-        model(torch.tensor([p["input_ids"]]), trace=alone)
-        expected += torch.bincount(alone.routing[2].expert_ids.flatten(), minlength=16)
-    assert torch.equal(tr.expert_counts(2), expected)
-    assert int(tr.expert_counts(2).sum()) == 43 * 4
+    mr.score(model, None, pairs, trace=tr, batch_size=2)
+    assert tr.shape == (3, 20) and tr.mask.sum(1).tolist() == [9, 20, 14]
+    assert tr.routing[2].expert_ids.shape == (43, 4) and tr.routing[2].logits.shape == (43, 16)
+    expected_counts = torch.zeros(16, dtype=torch.long)
+    expected_mass = torch.zeros(16, dtype=torch.float64)
+    for b, p in enumerate(pairs):
+        alone = _alone(model, p["input_ids"], layers=set()).routing[2]
+        r = tr.routed(2, b)  # sequence b's real tokens, in order
+        assert torch.equal(r.expert_ids, alone.expert_ids)
+        torch.testing.assert_close(r.weights, alone.weights, rtol=0, atol=1e-6)
+        expected_counts += torch.bincount(alone.expert_ids.flatten(), minlength=16)
+        for t in range(alone.expert_ids.shape[0]):  # the mass by hand: each chosen expert gets its weight
+            for j in range(4):
+                expected_mass[int(alone.expert_ids[t, j])] += float(alone.weights[t, j])
+    assert torch.equal(tr.expert_counts(2), expected_counts) and int(expected_counts.sum()) == 43 * 4
+    torch.testing.assert_close(tr.routed_mass(2), expected_mass, rtol=0, atol=1e-5)
+    assert float(tr.routed_mass(2).sum()) == pytest.approx(43, abs=1e-4)  # one unit of weight per token
+    with pytest.raises(InputError, match=r"padding \(17 of 60 positions\).*routed\(2, b\)"):
+        tr.routed(2)
+    with pytest.raises(InputError, match="b must be a sequence index in"):
+        tr.routed(2, 3)
+    # a batch without padding keeps the [B, T, k] view
+    full = _alone(model, pairs[0]["input_ids"])
+    assert full.routed(2).expert_ids.shape == (1, 9, 4)
+
+
+@torch.no_grad()
+def test_batched_capture_equals_each_sequence_alone(model):
+    """Records merged over batches of 2: every real position holds what the sequence computes alone, padding holds
+    zeros (streams) and -1 (blocks)."""
+    seqs = [_ids(n, seed=40 + n)[0].tolist() for n in (70, 9, 40)]
+    tr = Trace(components=True)
+    tr.capture(model, seqs, batch_size=2)
+    assert tr.shape == (3, 70) and tr.mask.sum(1).tolist() == [70, 9, 40]
+    for b, ids in enumerate(seqs):
+        n = len(ids)
+        alone = _alone(model, ids, components=True)
+        for L in (0, 3):
+            torch.testing.assert_close(tr.hidden_states[L][b, :n], alone.hidden_states[L][0], rtol=0, atol=1e-5)
+            assert not tr.hidden_states[L][b, n:].any() and not tr.ffn_output[L][b, n:].any()
+        kb = alone.blocks[2].shape[-1]
+        assert torch.equal(tr.blocks[2][b, :, :n, :kb], alone.blocks[2][0])
+        assert bool((tr.blocks[2][b, :, :n, kb:] == -1).all()) and bool((tr.blocks[2][b, :, n:] == -1).all())
+    with pytest.raises(InputError, match="batch_size=0"):
+        tr.capture(model, seqs, batch_size=0)
+
+
+@torch.no_grad()
+def test_batched_score_equals_unbatched(model):
+    pairs = [{"input_ids": _ids(n, seed=20 + n)[0].tolist(), "completion_start": s}
+             for n, s in ((30, 5), (12, 11), (50, 3), (7, 1))]
+    one = mr.score(model, None, pairs, trace=Trace(layers=set()), batch_size=1)
+    for batch in (3, 4):
+        many = mr.score(model, None, pairs, trace=Trace(layers=set()), batch_size=batch)
+        for a, b in zip(one.per_trace, many.per_trace):
+            torch.testing.assert_close(a.nll, b.nll, rtol=0, atol=1e-5)
+            assert torch.equal(a.argmax, b.argmax)
+    cached = mr.score(model, None, pairs, batch_size=3, prefill_chunk=16)
+    for a, b in zip(one.per_trace, cached.per_trace):
+        torch.testing.assert_close(a.nll, b.nll, rtol=0, atol=1e-4)
 
 
 def test_trace_layers_are_range_checked(model):

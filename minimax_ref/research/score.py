@@ -312,10 +312,12 @@ def score(model, tok, pairs: Sequence[object], chat: bool = False, trace=None, *
         "completion"}` or `{"input_ids", "completion_start"}`, optional "id"); the module docstring says how text
         becomes tokens (raw, or with `chat` the chat template). tok: the model's tokenizer (None when every pair
         is given as ids). Every pair is checked as the CLI checks a traces file: an InputError names the pair.
-    trace: a `model.Trace` to record the forward into. The pairs then run as one right-padded batch [B, T] in the
-        given order through a plain forward (no KV cache, no chunking; right padding is exact), `trace.mask`
-        marks the real tokens and the trace is reset first. Without a trace, scoring runs the chunked,
-        batched, cached prefill of `score_traces`.
+    trace: a `model.Trace` to record the forward into (`Trace.capture`): the pairs run through the plain forward
+        (no KV cache, no chunking), `batch_size` at a time in the given order, each batch right-padded (exact); the
+        trace is reset first and holds the merged records of every pair as one batch [B, T] in the given order,
+        `trace.mask` marking the real tokens. Interventions on the trace apply. Without a trace, scoring runs the
+        chunked, batched, cached prefill of `score_traces` (longest traces first).
+    batch_size: traces run together; prefill_chunk: positions per cached prefill step (without a trace).
     """
     if isinstance(pairs, (str, bytes, dict)) or not isinstance(pairs, Sequence):
         raise InputError(f"pairs must be a list of (prompt, completion) pairs or trace dicts, got "
@@ -336,29 +338,27 @@ def score(model, tok, pairs: Sequence[object], chat: bool = False, trace=None, *
     if trace is None:
         per = score_traces(model, traces, batch_size=batch_size, prefill_chunk=prefill_chunk)
     else:
-        per = _score_traced(model, traces, trace)
+        per = _score_traced(model, traces, trace, batch_size)
     return Scores(traces, per, nll_summary(per))
 
 
 @torch.no_grad()
-def _score_traced(model, traces: Sequence[ScoreTrace], trace) -> list[TraceScore]:
-    """`score` with a trace: one right-padded batch through the plain forward, recorded into `trace`."""
+def _score_traced(model, traces: Sequence[ScoreTrace], trace, batch_size: int) -> list[TraceScore]:
+    """`score` with a trace: `trace.capture` of the traces, `batch_size` at a time, each batch's NLL and argmax taken
+    from its logits as it runs."""
     check_traces(model, traces)
-    B, T = len(traces), max(len(t.input_ids) for t in traces)
-    ids = torch.zeros(B, T, dtype=torch.long, device=model.device)
-    mask = torch.zeros(B, T, dtype=torch.bool, device=model.device)
-    for b, t in enumerate(traces):
-        ids[b, : len(t.input_ids)] = torch.tensor(t.input_ids, dtype=torch.long)
-        mask[b, : len(t.input_ids)] = True
-    trace.reset()
-    trace.mask = mask
-    logits = model(ids, trace=trace)
-    out = []
-    for b, t in enumerate(traces):
-        n, s = len(t.input_ids), t.completion_start
-        rows = logits[b, s - 1: n - 1]
-        nll = -torch.log_softmax(rows, dim=-1).gather(-1, ids[b, s:n, None])[:, 0]
-        out.append(TraceScore(nll.double().cpu(), rows.argmax(-1).cpu()))
+    out: list[TraceScore | None] = [None] * len(traces)
+
+    def on_batch(rows: range, logits: torch.Tensor) -> None:
+        for b, i in enumerate(rows):
+            t = traces[i]
+            n, s = len(t.input_ids), t.completion_start
+            targets = torch.tensor(t.input_ids[s:n], dtype=torch.long, device=logits.device)
+            at = logits[b, s - 1: n - 1]
+            nll = -torch.log_softmax(at, dim=-1).gather(-1, targets[:, None])[:, 0]
+            out[i] = TraceScore(nll.double().cpu(), at.argmax(-1).cpu())
+
+    trace.capture(model, [t.input_ids for t in traces], batch_size=batch_size, on_batch=on_batch)
     return out
 
 

@@ -20,7 +20,7 @@ call the same submodules); a forward with a trace never runs compiled or capture
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -135,21 +135,25 @@ class Trace:
         `layers` is None; `hidden_states[-1]`-style access is by layer index, not position).
     attention_output[L], ffn_output[L]: with `components`, what layer L's attention and FFN (MLP or MoE)
         add to the stream, [B, T, H] each (same layers as `hidden_states`).
-    routing[L]: MoE decision of layer L for the B*T flattened tokens, row-major over [B, T] (`moe.Routing`;
-        `routed(L)` gives it shaped [B, T, k], `expert_counts(L)` counts the tokens `mask` keeps).
-    blocks[L]: MSA block ids of layer L, [B, kv_heads, T, kb] (-1 = empty slot); under tensor
+    routing[L]: MoE decision of layer L (`moe.Routing`: expert_ids long [N, k], weights fp32 [N, k] as the router
+        chose them, before `expert_scale`, router logits fp32 [N, E]) for the N real tokens, row-major over [B, T]:
+        rows of padding (`mask` False) are dropped as they are recorded. `routed(L)` shapes it [B, T, k] (a batch
+        without padding) or gives sequence b's rows (`routed(L, b)`); `expert_counts(L)` / `routed_mass(L)` count
+        tokens / sum routing weight per expert.
+    blocks[L]: MSA block ids of layer L, long [B, kv_heads, T, kb] (-1 = empty slot); under tensor
         parallelism, this rank's kv heads only.
-    attention[L]: for the layers in `attention_layers`, the attention core's operands and result as it
-        was called: q, k, v [B, T|L, heads, D] after q/k norm and RoPE, q_pos [B, T], o fp32 [B, T, Hq, D] (before
-        `o_proj`), and on MSA layers iq [B, T, kv_heads, Di], ik [B, L, Di] (after norm and RoPE) and blocks; the
-        scale, geometry and chunk size. What golden bundles are made of. A captured core runs in one query chunk,
-        or with `attention_chunk_elements` in the engine's query chunks of that size (long prompts: linear memory).
+    attention[L]: for the layers in `attention_layers`, the attention core's operands and result as it was called
+        (`ATTENTION_FIELDS` lists each field: shape, dtype, before or after RoPE); with `attention_probs` also
+        `probs`, fp32 [B, Hq, T, L], the softmax weights of every query over every key (`attention_probabilities`).
+        What golden bundles are made of. A captured core runs in one query chunk, or with
+        `attention_chunk_elements` in the engine's query chunks of that size (long prompts: linear memory).
     shape: (B, T) of the last forward. mask: [B, T] bool, True at real tokens (None: all real); set by the
-        caller, or by `minimax_ref.research.score` for its right-padded batch.
+        caller before the forward, or by `capture` (and `minimax_ref.research.score`) for its right-padded batches.
     interventions: edits applied during the forward (`Interventions`).
 
     Each forward records into the trace the layers it runs, replacing what an earlier forward recorded for
-    those layers; `reset()` clears every record (the settings stay).
+    those layers; `reset()` clears every record (the settings stay). `capture(model, sequences, batch_size=)`
+    records many sequences a batch at a time and merges the records (padding zeroed, or -1 in block ids).
     """
 
     layers: set[int] | None = None
@@ -160,6 +164,7 @@ class Trace:
     attention: dict[int, dict] = field(default_factory=dict)
     attention_chunk_elements: int | None = None  # captured cores run in chunks of this size (None: one chunk)
     components: bool = False
+    attention_probs: bool = False
     attention_output: dict[int, torch.Tensor] = field(default_factory=dict)
     ffn_output: dict[int, torch.Tensor] = field(default_factory=dict)
     shape: tuple[int, int] | None = None
@@ -187,19 +192,84 @@ class Trace:
             raise InputError(f"Trace.mask is {tuple(self.mask.shape)}, the batch is {tuple(x.shape[:2])}")
         self.shape = (int(x.shape[0]), int(x.shape[1]))
 
-    def routed(self, layer: int) -> Routing:
-        """Layer `layer`'s routing shaped [B, T, k] (expert ids, weights) and [B, T, E] (logits)."""
+    def settings(self) -> Trace:
+        """A new trace with this one's settings (layers, attention layers and probabilities, chunk size, components,
+        interventions) and no records."""
+        return Trace(layers=None if self.layers is None else set(self.layers),
+                     attention_layers=set(self.attention_layers),
+                     attention_chunk_elements=self.attention_chunk_elements, components=self.components,
+                     attention_probs=self.attention_probs, interventions=self.interventions)
+
+    def _routing(self, layer: int) -> Routing:
         if layer not in self.routing:
             raise InputError(f"the trace holds no routing for layer {layer} (it has {sorted(self.routing)}; "
                              "dense-MLP layers route nothing)")
-        r, (B, T) = self.routing[layer], self.shape
-        return Routing(r.expert_ids.view(B, T, -1), r.weights.view(B, T, -1), r.logits.view(B, T, -1))
+        return self.routing[layer]
+
+    def routed(self, layer: int, b: int | None = None) -> Routing:
+        """Layer `layer`'s routing of real tokens only: sequence b's [n_b, k] / [n_b, E] (its n_b real tokens in
+        order), or without b the whole batch shaped [B, T, k] / [B, T, E], which only a batch without padding has
+        (InputError otherwise: ask per sequence, or read the flat `routing[layer]`)."""
+        r = self._routing(layer)
+        B, T = self.shape
+        if b is None:
+            if self.mask is not None and not bool(self.mask.all()):
+                raise InputError(f"routed({layer}): the batch holds padding ({int((~self.mask).sum())} of {B * T} "
+                                 f"positions), which has no routing; take one sequence, routed({layer}, b), or the "
+                                 f"real tokens' rows, trace.routing[{layer}]")
+            return Routing(r.expert_ids.view(B, T, -1), r.weights.view(B, T, -1), r.logits.view(B, T, -1))
+        if not isinstance(b, int) or not 0 <= b < B:
+            raise InputError(f"routed({layer}, b={b!r}): b must be a sequence index in [0, {B})")
+        lengths = [T] * B if self.mask is None else self.mask.sum(1).tolist()
+        start = sum(lengths[:b])
+        rows = slice(start, start + lengths[b])
+        return Routing(r.expert_ids[rows], r.weights[rows], r.logits[rows])
 
     def expert_counts(self, layer: int) -> torch.Tensor:
-        """long [E]: how many tokens chose each expert in `layer`, over the tokens `mask` keeps (padding excluded)."""
-        r = self.routed(layer)
-        ids = r.expert_ids if self.mask is None else r.expert_ids[self.mask.to(r.expert_ids.device)]
-        return torch.bincount(ids.reshape(-1), minlength=r.logits.shape[-1])
+        """long [E]: how many real tokens (padding excluded) chose each expert in `layer`."""
+        r = self._routing(layer)
+        return torch.bincount(r.expert_ids.reshape(-1), minlength=r.logits.shape[-1])
+
+    def routed_mass(self, layer: int) -> torch.Tensor:
+        """float64 [E]: each expert's routing weight in `layer` summed over the real tokens (`routed_mass`)."""
+        r = self._routing(layer)
+        return routed_mass(r, r.logits.shape[-1])
+
+    @torch.no_grad()
+    def capture(self, model: MiniMaxM3, sequences: Sequence[Sequence[int]], *, batch_size: int = 8,
+                on_batch: Callable[[range, torch.Tensor], None] | None = None) -> None:
+        """Record the plain forward of every token-id sequence into this trace (reset first), `batch_size`
+        sequences at a time, each batch right-padded to its longest (exact: MSA blocks are anchored to absolute
+        positions). The records are merged over the batches as one batch [N, T] in the given order (T the longest
+        sequence; `mask` marks the real tokens): streams and attention records zero at padding, block ids -1 there,
+        routing rows of real tokens only. `on_batch(rows, logits)` receives each batch's fp32 logits [b, t, V] and
+        the indices of its sequences (the logits are not kept)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"batch_size={batch_size!r}: must be an integer >= 1")
+        if not sequences:
+            raise InputError("capture: no sequences")
+        lengths = [len(s) for s in sequences]
+        if min(lengths) < 1:
+            raise InputError(f"capture: sequence {lengths.index(0)} is empty")
+        self.reset()
+        device = model.device
+        parts = []
+        for b0 in range(0, len(sequences), batch_size):
+            rows = range(b0, min(len(sequences), b0 + batch_size))
+            t = max(lengths[i] for i in rows)
+            ids = torch.zeros(len(rows), t, dtype=torch.long, device=device)
+            mask = torch.zeros(len(rows), t, dtype=torch.bool, device=device)
+            for j, i in enumerate(rows):
+                ids[j, : lengths[i]] = torch.tensor(list(sequences[i]), dtype=torch.long, device=device)
+                mask[j, : lengths[i]] = True
+            part = self.settings()
+            part.mask = mask
+            logits = model(ids, trace=part)
+            if on_batch is not None:
+                on_batch(rows, logits)
+            del logits
+            parts.append(part)
+        merge_into(self, parts, max(lengths))
 
     def logit_lens(self, model: MiniMaxM3, layers: set[int] | None = None) -> dict[int, torch.Tensor]:
         """fp32 logits [B, T, V] of each recorded residual stream (`hidden_states[L]` through the final norm and
@@ -258,7 +328,7 @@ def _attach_layer(trace: Trace, L: int, layer: nn.Module, handles: list, chunks:
         if mask is not None:
             handles.append(moe.gate.register_forward_pre_hook(
                 lambda m, args, kwargs: (args, {**kwargs, "mask": mask}), with_kwargs=True))
-        on(moe.gate, store(trace.routing))
+        on(moe.gate, lambda m, args, out: trace.routing.__setitem__(L, real_rows(out, trace.mask)))
         scale = None if iv is None else iv.expert_scale.get(L)
         if scale:
             on(moe.gate, lambda m, args, out: scaled_routing(out, scale, m.weight.shape[0]))
@@ -285,6 +355,8 @@ def _attach_core(trace: Trace, L: int, attn: nn.Module, on: Callable) -> None:
             sp = attn.geometry
             rec.update(iq=index["iq"], ik=index["ik"], blocks=args[4], block_size=sp.block_size,
                        topk_blocks=sp.topk_blocks, local_blocks=sp.local_blocks, init_blocks=sp.init_blocks)
+        if trace.attention_probs:
+            rec["probs"] = attention_probabilities(q, k, q_pos, module.scale, rec.get("blocks"), rec.get("block_size"))
         trace.attention[L] = rec
 
     on(attn.core, core)
@@ -296,3 +368,122 @@ def scaled_routing(routing: Routing, scale: dict[int, float], num_experts: int) 
     factor = torch.ones(num_experts, dtype=torch.float32, device=ids.device)
     factor[list(scale)] = torch.tensor([float(v) for v in scale.values()], device=ids.device)
     return Routing(ids, routing.weights * factor[ids], routing.logits)
+
+
+# The fields of `Trace.attention[L]`, as the attention core of layer L was called (`model.attention.Attention.forward`).
+# B batch, T queries of this forward, L keys attended (T without a KV cache; with one, the cached slots [0, kv_len):
+# slot = absolute position), Hq / Hkv this rank's query / kv heads (query head h reads kv head h // (Hq / Hkv)),
+# D head dim, Di index head dim, kb blocks per query. "Compute dtype" is the model's (float32 or bfloat16).
+ATTENTION_FIELDS = {
+    "q": "queries [B, T, Hq, D], compute dtype, after q_norm and RoPE (the partial NeoX rotation already applied)",
+    "k": "keys [B, L, Hkv, D], compute dtype (or the cache's dtype as read back), after k_norm and RoPE",
+    "v": "values [B, L, Hkv, D], compute dtype: v_proj's output (no norm, no RoPE)",
+    "q_pos": "long [B, T]: the queries' absolute positions (key slot j is position j)",
+    "o": "fp32 [B, T, Hq, D]: the core's output, before the cast to the compute dtype and o_proj",
+    "scale": "float: the softmax scale, head_dim ** -0.5",
+    "chunk_elements": "int: the bound on the core's temporaries it ran with (ONE_CHUNK = 2**62: one query chunk)",
+    "iq": "MSA layers: index queries [B, T, Hkv, Di], compute dtype, after index_q_norm and RoPE",
+    "ik": "MSA layers: index keys [B, L, Di], after index_k_norm and RoPE",
+    "blocks": "MSA layers: long [B, Hkv, T, kb], the key blocks each query of kv head h attends to (-1 = empty slot)",
+    "block_size, topk_blocks, local_blocks, init_blocks": "MSA layers: ints, the layer's block geometry",
+    "probs": "with Trace(attention_probs=True): fp32 [B, Hq, T, L], `attention_probabilities(q, k, q_pos, scale, "
+             "blocks, block_size)`; o == probs @ v (per query head, over its kv head's values)",
+}
+
+
+def real_rows(routing: Routing, mask: torch.Tensor | None) -> Routing:
+    """`routing` of B*T tokens (row-major over [B, T]) keeping the rows where `mask` [B, T] is True (all rows when
+    mask is None): padding has no routing."""
+    if mask is None:
+        return routing
+    keep = mask.reshape(-1).to(routing.expert_ids.device)
+    return Routing(routing.expert_ids[keep], routing.weights[keep], routing.logits[keep])
+
+
+def routed_mass(routing: Routing, num_experts: int) -> torch.Tensor:
+    """float64 [num_experts]: the sum over every row (token) of `routing` of each expert's normalised routing weight
+    (`Routing.weights`, summing to 1 per token), so the total is the number of tokens. What `minimax-ref prune
+    --method weight` ranks experts by."""
+    mass = torch.zeros(num_experts, dtype=torch.float64, device=routing.weights.device)
+    mass.index_add_(0, routing.expert_ids.reshape(-1), routing.weights.reshape(-1).double())
+    return mass
+
+
+def attention_probabilities(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                            blocks: torch.Tensor | None = None, block_size: int | None = None) -> torch.Tensor:
+    """The attention weights fp32 [B, Hq, T, L] of queries q [B, T, Hq, D] over keys k [B, L, Hkv, D] (both after
+    their norms and RoPE, as `Trace.attention` records them; key slot j is position j): query head h reads kv head
+    h // (Hq / Hkv); scores `scale * q . k` in fp32; a query at position p sees the keys at positions <= p and, with
+    `blocks` [B, Hkv, T, kb] (MSA layers; -1 = empty slot), only those in one of its kv head's blocks (key j is in
+    block j // block_size); softmax over the keys it sees, 0 at the others. Quadratic in memory: for chosen layers."""
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qf = q.float().view(B, T, Hkv, G, D)
+    s = torch.einsum("bthgd,blhd->bhgtl", qf, k.float()) * scale  # [B, Hkv, G, T, L]
+    key_pos = torch.arange(L, device=q.device)
+    seen = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
+    seen = seen[:, None].expand(B, Hkv, T, L)
+    if blocks is not None:
+        key_block = key_pos // block_size
+        in_block = torch.zeros(B, Hkv, T, L, dtype=torch.bool, device=q.device)
+        for j in range(blocks.shape[-1]):
+            chosen = blocks[..., j:j + 1].to(q.device)  # [B, Hkv, T, 1]
+            in_block |= (chosen >= 0) & (key_block[None, None, None, :] == chosen)
+        seen = seen & in_block
+    p = torch.softmax(s.masked_fill(~seen[:, :, None], float("-inf")), dim=-1)
+    return p.reshape(B, Hq, T, L)
+
+
+def _pad(x: torch.Tensor, dims: dict[int, int], value: float) -> torch.Tensor:
+    """x padded at the end of each dim in `dims` to that size, with `value`."""
+    pad: list[int] = []
+    for d in reversed(range(x.dim())):
+        pad += [0, dims.get(d, x.shape[d]) - x.shape[d]]
+    return torch.nn.functional.pad(x, pad, value=value) if any(pad) else x
+
+
+def _at_padding(x: torch.Tensor, mask: torch.Tensor, dim: int, value: float) -> torch.Tensor:
+    """x with `value` at the positions of dim `dim` (a [B, .., T, ..] layout, B at dim 0) where mask [B, T] is
+    False."""
+    shape = [mask.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = mask.shape[1]
+    return x.masked_fill(~mask.view(shape).to(x.device), value)
+
+
+def merge_into(trace: Trace, parts: Sequence[Trace], T: int) -> None:
+    """Merge the records of `parts` (one trace per right-padded batch, each with its `mask`) into `trace` as one
+    batch [N, T]: streams and attention operands zero at padding, block ids -1 there, routing rows concatenated
+    (real tokens only), attention probabilities zero at padding queries and keys."""
+    masks = [_pad(p.mask, {1: T}, False) for p in parts]
+    trace.mask = torch.cat(masks)
+    trace.shape = (int(trace.mask.shape[0]), T)
+    for name in ("hidden_states", "attention_output", "ffn_output"):
+        for L in getattr(parts[0], name):
+            getattr(trace, name)[L] = torch.cat([_at_padding(_pad(getattr(p, name)[L], {1: T}, 0.0), m, 1, 0.0)
+                                                 for p, m in zip(parts, masks)])
+    for L in parts[0].routing:
+        rs = [p.routing[L] for p in parts]
+        trace.routing[L] = Routing(torch.cat([r.expert_ids for r in rs]), torch.cat([r.weights for r in rs]),
+                                   torch.cat([r.logits for r in rs]))
+
+    def blocks(xs: list[torch.Tensor]) -> torch.Tensor:
+        kb = max(x.shape[3] for x in xs)
+        return torch.cat([_at_padding(_pad(x, {2: T, 3: kb}, -1), m, 2, -1) for x, m in zip(xs, masks)])
+
+    for L in parts[0].blocks:
+        trace.blocks[L] = blocks([p.blocks[L] for p in parts])
+    for L in parts[0].attention:
+        recs = [p.attention[L] for p in parts]
+        merged = dict(recs[0])
+        for key in ("q", "k", "v", "o", "iq", "ik"):
+            if key in merged:
+                merged[key] = torch.cat([_at_padding(_pad(r[key], {1: T}, 0.0), m, 1, 0.0)
+                                         for r, m in zip(recs, masks)])
+        merged["q_pos"] = torch.arange(T, device=recs[0]["q_pos"].device).expand(trace.shape[0], T)
+        if "blocks" in merged:
+            merged["blocks"] = blocks([r["blocks"] for r in recs])
+        if "probs" in merged:
+            merged["probs"] = torch.cat([_at_padding(_at_padding(_pad(r["probs"], {2: T, 3: T}, 0.0), m, 2, 0.0),
+                                                     m, 3, 0.0) for r, m in zip(recs, masks)])
+        trace.attention[L] = merged

@@ -140,6 +140,53 @@ def test_fast_twins_apply_the_same_interventions(tiny_nvfp4):
         apply(m, False)
 
 
+GEN_PROMPTS = [list(range(5, 5 + n)) for n in (7, 40, 90)]  # 90 tokens: the MSA layers select blocks in prefill
+
+
+def _greedy(model, tok, **kw) -> list[list[int]]:
+    out = mr.generate(model, tok, GEN_PROMPTS, max_new_tokens=20, temperature=0, max_batch_size=2, stop_ids=[], **kw)
+    return [r.token_ids for r in out]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_generation_with_an_expert_mask_equals_the_pruned_checkpoint(tiny_nvfp4, pruned_model, fast):
+    """Greedy tokens under the mask (prefill and every cached decode step edited; with the fast twins too) are the
+    pruned checkpoint's, and differ from the unmasked model's."""
+    m = load_model(tiny_nvfp4, dtype=torch.float32, fast=fast)
+    tok = mr.load_tokenizer(tiny_nvfp4)
+    mask = torch.zeros(16, dtype=torch.bool)
+    mask[KEPT] = True
+    masked = _greedy(m, tok, interventions=Interventions(expert_mask={L: mask for L in MOE_LAYERS}))
+    assert masked == _greedy(pruned_model, tok)
+    assert masked != _greedy(m, tok)
+
+
+def test_generation_under_a_steering_function_is_the_edited_full_forward(model, tiny_nvfp4):
+    """A residual edit given as a function applies to every forward of the generation: each greedy token is the
+    argmax of the edited model's full forward over the sequence so far."""
+    tok = mr.load_tokenizer(tiny_nvfp4)
+    shift = torch.randn(model.text.hidden_size, generator=torch.Generator().manual_seed(3))
+    iv = Interventions(residual={1: lambda h: h + shift}, expert_scale={2: {0: 0.0, 5: 3.0}})
+    out = mr.generate(model, tok, [GEN_PROMPTS[1]], max_new_tokens=8, temperature=0, stop_ids=[], interventions=iv)
+    seq = list(GEN_PROMPTS[1])
+    with torch.no_grad():
+        for token in out[0].token_ids:
+            assert int(model(torch.tensor([seq]), interventions=iv)[0, -1].argmax()) == token
+            seq.append(token)
+
+
+@pytest.mark.parametrize("iv,needle", [
+    (Interventions(residual={1: torch.zeros(1, 7, 64)}), "interventions.residual[1] is a tensor"),
+    (Interventions(msa_blocks={2: torch.zeros(1, 2, 7, 1, dtype=torch.long)}), "interventions.msa_blocks[2]"),
+    (Interventions(expert_mask={0: torch.ones(16, dtype=torch.bool)}), "layer 0 has a dense MLP"),
+    ("expert_mask", "expected a minimax_ref.Interventions"),
+])
+def test_generation_refuses_interventions_it_cannot_apply(model, tiny_nvfp4, iv, needle):
+    with pytest.raises(InputError) as e:
+        mr.generate(model, mr.load_tokenizer(tiny_nvfp4), [[1, 2, 3]], max_new_tokens=2, interventions=iv)
+    assert needle in str(e.value)
+
+
 @torch.no_grad()
 def test_fast_twins_keep_the_hook_points(tiny_nvfp4):
     """The fast twins call the same selection module, so a trace on a fast model records the indexer's blocks,
@@ -251,6 +298,44 @@ def test_batched_score_equals_unbatched(model):
     cached = mr.score(model, None, pairs, batch_size=3, prefill_chunk=16)
     for a, b in zip(one.per_trace, cached.per_trace):
         torch.testing.assert_close(a.nll, b.nll, rtol=0, atol=1e-4)
+
+
+def _probabilities_by_hand(rec: dict, b: int, h: int, t: int) -> torch.Tensor:
+    """Row t of query head h's attention weights over the keys, in float64, from the record as README documents it:
+    q and k already rotated, key slot j = position j, kv head h // G, keys at or before the query and (MSA) in one of
+    its kv head's blocks."""
+    q, k = rec["q"].double(), rec["k"].double()
+    G = q.shape[2] // k.shape[2]
+    pos = int(rec["q_pos"][b, t])
+    keys = [j for j in range(k.shape[1]) if j <= pos]
+    if "blocks" in rec:
+        chosen = {int(x) for x in rec["blocks"][b, h // G, t] if int(x) >= 0}
+        keys = [j for j in keys if j // rec["block_size"] in chosen]
+    scores = torch.stack([q[b, t, h] @ k[b, j, h // G] for j in keys]) * rec["scale"]
+    row = torch.zeros(k.shape[1], dtype=torch.float64)
+    row[keys] = torch.softmax(scores, 0)
+    return row
+
+
+@torch.no_grad()
+def test_attention_probabilities_recomputed_from_the_records(model):
+    ids = _ids(70, seed=13, batch=2)  # past the 4 x 16-token MSA budget: layer 2 selects blocks
+    cache = model.new_cache(2, 80)
+    model(ids[:, :40], positions=torch.arange(40).expand(2, 40), cache=cache)
+    tr = Trace(layers=set(), attention_layers={0, 2}, attention_probs=True)
+    model(ids[:, 40:], positions=torch.arange(40, 70).expand(2, 30), cache=cache, trace=tr)  # 30 queries, 70 keys
+    for L in (0, 2):
+        rec = tr.attention[L]
+        assert rec["probs"].shape == (2, rec["q"].shape[2], 30, 70) and rec["probs"].dtype == torch.float32
+        for b, h, t in ((0, 0, 0), (1, 1, 29), (0, 3, 17), (1, 2, 5)):
+            expected = _probabilities_by_hand(rec, b, h, t)
+            torch.testing.assert_close(rec["probs"][b, h, t].double(), expected, rtol=0, atol=1e-6)
+        # the weights are the ones the core used: their sum of the values is its output o
+        G = rec["q"].shape[2] // rec["v"].shape[2]
+        v = rec["v"].float().repeat_interleave(G, dim=2)  # [B, L, Hq, D]
+        o = torch.einsum("bhtl,blhd->bthd", rec["probs"], v)
+        torch.testing.assert_close(o, rec["o"], rtol=0, atol=1e-5)
+    assert "probs" not in _alone(model, ids[0].tolist(), attention_layers={2}).attention[2]  # opt-in
 
 
 def test_trace_layers_are_range_checked(model):

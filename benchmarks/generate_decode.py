@@ -4,9 +4,10 @@ A synthetic model (`--preset`, `--layers`, `--experts`, NVFP4+MXFP8 packed, `--f
 tokens for a `--prompt-len` prompt through `decoding.generate_ids`, the function `minimax-ref generate` calls (the
 first decode step compiles and captures the step in a CUDA graph; the stats time it apart). Then the graph that
 generate captured (`model.captured`) is replayed `--steps` times alone, timed with CUDA events: the benchmark's step.
-Then, for `--batch` sequences (the prompt's cache replicated), the model's step (`MiniMaxM3.step`: captured on its
-first call) is replayed the same way. Each step is set against its HBM roofline: the bytes it must read
-(`common.decode_step_bytes`) over the device-to-device copy bandwidth measured in the same run.
+Then, for `--batch` sequences (the prompt's cache replicated, each row feeding a token of its own), the model's step
+(`MiniMaxM3.step`: captured on its first call) is replayed the same way. Each step is set against its HBM
+roofline: the bytes it must read (`common.decode_step_bytes`) over the device-to-device copy bandwidth measured in
+the same run.
 Two JSON lines: generate's ms per decode step (its wall time: replay, sampling, the token read back, bookkeeping),
 the bare replay's, their ratio, the batch's step and tokens/s, each with its roofline fraction, and the stats
 generate reports (prefill and decode tokens/s, time to first token, compile-and-capture time).
@@ -105,7 +106,9 @@ def run(args: argparse.Namespace) -> None:
     if args.batch:
         B = args.batch
         cache = replicate_cache(model, graph.cache, B, "fp8")
-        ids = graph.ids.expand(B, -1).contiguous()
+        # a token of its own per row, so that the rows route to different experts as distinct requests do (the
+        # roofline counts the experts B rows choose at random, `common.expected_distinct_experts`)
+        ids = torch.randint(0, model.config.text.vocab_size, (B, 1), generator=seeded).to(device)
         pos = graph.pos.expand(B, -1).contiguous()
         print(f"capturing the step of {B} sequences", file=sys.stderr, flush=True)
         with torch.no_grad():

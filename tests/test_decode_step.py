@@ -85,10 +85,21 @@ def test_graph_needs_static_steps():
     assert all(FastPaths.of(m).graph for m in ("on", "compile", "fused", "compiled"))
 
 
-def test_fast_auto_is_compiled_on_cuda_only():
-    assert fast_mode("auto", "cuda") == "compiled" and fast_mode("auto", "cuda:1") == "compiled"
+def test_fast_auto_compiles_large_models_on_cuda_only(tiny_nvfp4):
+    """--fast auto: the reference on a CPU; on CUDA the loader's choice by size: compiled layers from
+    AUTO_COMPILE_MIN_BYTES of weights on, CUDA graphs alone ("on") below (compiling would not pay back)."""
+    from minimax_ref.fast.paths import AUTO_COMPILE_MIN_BYTES, auto_preset
+    from minimax_ref.weights.loader import load_model
+
+    assert fast_mode("auto", "cuda") == "auto" and fast_mode("auto", "cuda:1") == "auto"
     assert fast_mode("auto", "cpu") is False
     assert fast_mode("off", "cuda") is False and fast_mode("on", "cpu") is True
+    assert auto_preset(torch.device("cuda"), AUTO_COMPILE_MIN_BYTES) == "compiled"
+    assert auto_preset("cuda:0", AUTO_COMPILE_MIN_BYTES - 1) == "on" and auto_preset("cpu", 1 << 40) == "off"
+    model = load_model(tiny_nvfp4, dtype=torch.float32, fast="auto")
+    assert model.fast_preset == "off" and type(model).__name__ == "MiniMaxM3"
+    assert load_model(tiny_nvfp4, dtype=torch.float32, fast="on").fast_preset == "on"
+    assert load_model(tiny_nvfp4, dtype=torch.float32, fast={"moe": True}).fast_preset is None
 
 
 def test_cli_json_stats(tiny_nvfp4, capsys):

@@ -73,7 +73,8 @@ def test_decode_state_max_new_tokens():
     assert state.emit(0, [3]) == 1 and not state.done and state.room(0) == 1
     assert state.emit(0, [4, 5]) == 1 and state.done
     assert state.finish()[0].finish_reason == "length"
-    none = DecodeState(_fake_model(), DecodeJob.make(_fake_model(), [[1]], max_new_tokens=0, prefill_chunk=8), GenerationStats())
+    empty = DecodeJob.make(_fake_model(), [[1]], max_new_tokens=0, prefill_chunk=8)
+    none = DecodeState(_fake_model(), empty, GenerationStats())
     assert none.done and [(s.generated, s.finish_reason) for s in none.finish()] == [([], "length")]
 
 

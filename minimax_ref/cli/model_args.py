@@ -81,7 +81,7 @@ def load_from_args(args: argparse.Namespace, world=None):
         # the reference keeps activation memory predictable within --gpu-memory (--fast on: eager twins)
         fast = False
     if fast in COMPILE_NOTICES:
-        print(f"[fast] --fast {fast}: {COMPILE_NOTICES[fast]}", file=sys.stderr)
+        _compile_notice(f"--fast {fast}", fast)
     common = dict(device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
                   max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tp=world,
                   expert_parallel=getattr(args, "expert_parallel", False), fast=fast,
@@ -93,7 +93,7 @@ def load_from_args(args: argparse.Namespace, world=None):
             raise InputError("--synthetic-layers and --synthetic-experts need --synthetic-weights")
         path = args.ckpt_path or default_checkpoint()
         model = load_model(path, **common)
-        report_load(model)
+        report_load(model, fast)
         return model, load_tokenizer(path), path
     from ..weights.synth import PRESETS
 
@@ -103,7 +103,7 @@ def load_from_args(args: argparse.Namespace, world=None):
         raise InputError(f"--synthetic-weights {preset!r}: choose one of {sorted(PRESETS)}")
     model = load_synthetic(preset, format=args.synthetic_format, layers=args.synthetic_layers,
                            experts=args.synthetic_experts, **common)
-    report_load(model)
+    report_load(model, fast)
     # the tokenizer covers every id the model can emit: random weights sample from the whole vocabulary
     return model, load_tokenizer(synthetic_tokenizer_dir(model.config.text.vocab_size)), None
 
@@ -124,12 +124,13 @@ def check_offload_command(args: argparse.Namespace) -> None:
 
 def fast_mode(flag: str, device: str) -> bool | str:
     """`load_model`'s `fast` for `--fast flag` (a user preset of `fast.paths.PRESETS`, or "auto"): "auto" is the
-    compiled fast paths on a CUDA device (what a GPU user wants by default) and the reference on a CPU (where the
-    reference is the point, and compiling costs more than it saves)."""
+    reference on a CPU (where the reference is the point, and compiling costs more than it saves) and on a CUDA
+    device the loader's choice by the model's size (`fast.paths.auto_preset`: compiled layers for models large
+    enough that compiling pays back, CUDA graphs alone for small ones)."""
     from ..fast.paths import USER_PRESETS
 
     if flag == "auto":
-        flag = "compiled" if device.startswith("cuda") else "off"
+        return "auto" if device.startswith("cuda") else False
     if flag not in USER_PRESETS:
         raise InputError(f"--fast {flag}: choose one of {['auto', *USER_PRESETS]}")
     return {"off": False, "on": True}.get(flag, flag)
@@ -156,9 +157,16 @@ def check_device_flag(device: str) -> None:
                          "packed-weight operations it needs); use --device cpu")
 
 
-def report_load(model) -> None:
+def _compile_notice(what: str, preset: str) -> None:
+    print(f"[fast] {what}: {COMPILE_NOTICES[preset]}", file=sys.stderr)
+
+
+def report_load(model, fast=None) -> None:
     """One stderr line per rank (printed by rank 0): bytes read, weight memory, seconds. Shown under
-    tensor parallelism and on a terminal; quiet for one process writing to a pipe."""
+    tensor parallelism and on a terminal; quiet for one process writing to a pipe. With `--fast auto` (`fast`),
+    the compile notice when the loader chose a compiling preset."""
+    if fast == "auto" and getattr(model, "fast_preset", None) in COMPILE_NOTICES:
+        _compile_notice(f"--fast auto chose {model.fast_preset} for this model's size", model.fast_preset)
     stats = model.load_stats
     world = getattr(model, "world", None)
     if (world is None or world.size == 1) and not sys.stderr.isatty():

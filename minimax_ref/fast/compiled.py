@@ -10,6 +10,9 @@ compiled region and is the identity elsewhere.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 from ..model.norm import RMSNorm
@@ -64,6 +67,20 @@ class StoredNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return materialize(super().forward(x))
+
+
+def use_compile_cache() -> Path:
+    """Keep what compiling produces across processes, in the cache folder (`embedded.cache_dir()`/compile) unless
+    TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR name another: inductor's graph, AOT and autotuning caches and Triton's
+    kernels. Inductor keys each entry by the traced graph (the model's shapes), the compile options (the preset),
+    torch's version and the GPU, so a later process with the same model and preset loads its compiled steps instead
+    of compiling them. Returns the folder."""
+    from ..weights.embedded import cache_dir
+
+    folder = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir() / "compile")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
+    return folder
 
 
 def run_layer(layer, x, pos, cos, sin, cache, kv_len):

@@ -25,7 +25,7 @@ from ..model.norm import RMSNorm
 from ..research.trace import Interventions, Trace
 from ..weights.packed import PackedWeight
 from .attention import FastAttention, FastBlockSelection
-from .compiled import CompiledLayers, StoredNorm, run_layer
+from .compiled import CompiledLayers, StoredNorm, run_layer, use_compile_cache
 from .drafter import FastDSparkDrafter
 from .graph import CapturedSteps
 from .grouped import sm_count
@@ -179,6 +179,9 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
     `Experts`, a `PackedWeight`), in place; `FastPaths()` (or False) restores the reference modules. Returns the
     paths in force. Reads each packed weight's scales on the host once (`FastPackedWeight.configure`)."""
     paths = FastPaths.of(paths)
+    if paths.compile_layers or paths.matmul == "fused" or paths.decode in ("compile", "triton") or paths.grouped \
+            or "triton" in (paths.prefill_attention, paths.decode_attention):
+        use_compile_cache()  # before the first compile or Triton launch reads where its cache is
     kernels = getattr(model, "kernels", None) or Kernels()  # kept across re-applies: its compiled functions
     _restore(model)
     if not paths.any:

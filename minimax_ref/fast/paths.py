@@ -222,6 +222,21 @@ PRESETS: dict[str, Preset] = {
 }
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
+# Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);
+# below this many bytes of weights on the device a step is so short that CUDA graphs alone ("on") keep the GPU busy
+# and compiling does not pay back over a reply.
+AUTO_COMPILE_MIN_BYTES = 1 << 30
+
+
+def auto_preset(device, weight_bytes: int) -> str:
+    """`--fast auto` (`load_model(fast="auto")`) for a model of `weight_bytes` on `device`: "compiled" on CUDA from
+    `AUTO_COMPILE_MIN_BYTES` on, "on" below, "off" (the reference) on a CPU."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return "off"
+    return "compiled" if weight_bytes >= AUTO_COMPILE_MIN_BYTES else "on"
+
 
 def describe_presets(names) -> str:
     """The presets `names` as "name = description; ...": the `--fast` help of the CLI and the benchmarks."""

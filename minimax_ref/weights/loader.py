@@ -257,8 +257,11 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     (decode once at load) or "packed" (keep NVFP4/MXFP8 tensors packed on the device and decode at use: memory is the
     packed size, outputs are bit-identical to "dequant"). fast: fast paths (`minimax_ref.fast.FastPaths.of`:
     False/None/"off" = the reference, which never imports `minimax_ref.fast`; True = "on"; a preset's name of
-    `minimax_ref.fast.paths.PRESETS`, a dict of switches or a `FastPaths`; `minimax_ref.fast.apply(model, ...)`
-    changes them later). runtime: `RuntimeConfig`
+    `minimax_ref.fast.paths.PRESETS`, a dict of switches or a `FastPaths`; "auto" = the CLI's `--fast auto`, chosen
+    once the weights are loaded by `fast.paths.auto_preset`: "compiled" on CUDA for models whose weights take at
+    least `AUTO_COMPILE_MIN_BYTES` on the device, "on" for smaller ones, the reference on a CPU and when offloading;
+    `model.fast_preset` names what was chosen; `minimax_ref.fast.apply(model, ...)` changes them later).
+    runtime: `RuntimeConfig`
     fields (max_seq_len, max_batch_size, kv_cache_dtype, max_images_per_prompt, attention_chunk_elements),
     kept on `model.runtime`.
 
@@ -365,6 +368,12 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
         raise ConfigError(f"act_quant={act_quant!r}: choose one of {list(ACT_QUANT_MODES)}")
     if weights not in WEIGHT_MODES:
         raise ConfigError(f"weights={weights!r}: choose one of {list(WEIGHT_MODES)}")
+    auto = isinstance(fast, str) and fast == "auto"
+    if auto:  # decided once the model's size on the device is known
+        fast = None
+    # the preset's name (None for a dict of switches or a FastPaths)
+    preset = {None: "off", False: "off", True: "on"}.get(fast, fast) if fast is None or isinstance(fast, (bool, str)) \
+        else None
     if fast not in (None, False, "off"):
         from ..fast import FastPaths
 
@@ -392,6 +401,11 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
     ck.close()
     model.eval()
     model.runtime = rt
+    if auto and offload is None:
+        from ..fast.paths import auto_preset
+
+        preset = fast = auto_preset(device, model_nbytes(model))
+    model.fast_preset = preset
     if fast not in (None, False, "off"):
         from ..fast import apply
 

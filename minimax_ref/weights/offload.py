@@ -84,9 +84,10 @@ class OffloadConfig:
     """How to offload: `mode` "cpu" or "disk" ("none": not at all), the GPU budget `gpu_memory_gib` (everything the
     model takes on the GPU: resident weights, staging buffers, and the reserve), the disk store's `folder` (default: a
     new folder under the cache folder, removed with the model), `reserve_gib` kept for activations on top of the KV
-    cache of the runtime's `max_batch_size` (one when chosen per call: it then fits what is left) x `max_seq_len`, and `share_streamed_experts` (synthetic weights only:
-    every streamed expert stack reads the host stacks of the first streamed one, so a release-width model whose
-    experts exceed host memory can run; the bytes moved per step are the same)."""
+    cache of the runtime's `max_batch_size` (one when chosen per call: it then fits what is left) x `max_seq_len`,
+    and `share_streamed_experts` (synthetic weights only: every streamed expert stack reads the host stacks of the
+    first streamed one, so a release-width model whose experts exceed host memory can run; the bytes moved per step
+    are the same)."""
 
     mode: str = "none"
     gpu_memory_gib: float | None = None

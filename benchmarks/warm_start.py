@@ -1,0 +1,74 @@
+"""A new process's start on the GPU: the README's first command and a compiled model, each run as a user runs it
+(`python -m minimax_ref.cli generate ...` in a fresh process), first with an empty cache folder, then again with
+the folder the first run filled (`MINIMAX_REF_CACHE`: the compile cache, `fast.compiled.use_compile_cache`).
+
+Each run reports its wall time (process start to exit), and from the JSON stats the first decode step's time
+(`warmup_seconds`: compiling and capturing the step) and the time to the first token.
+
+    # 1 x H200 (BENCHMARKS.md, "Warm start"):
+    python benchmarks/warm_start.py --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README_FIRST = ["--chat", "--prompt", "What is 17*23?"]
+
+
+def run_cli(args: list[str], cache: str) -> dict:
+    """One `minimax-ref generate` process with `MINIMAX_REF_CACHE=cache` (and the compile caches under it): its wall
+    seconds, exit status and the stats of its (last) JSON result."""
+    env = {**os.environ, "MINIMAX_REF_CACHE": cache, "PYTHONPATH": str(ROOT)}
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        env.pop(var, None)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "minimax_ref.cli", "generate", *args, "--output-format", "json"],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    out = {"wall_seconds": round(wall, 2), "returncode": proc.returncode}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        out["stderr_tail"] = proc.stderr[-2000:]
+        return out
+    row = json.loads(lines[-1])
+    stats = row.get("stats", {})
+    out.update({k: stats.get(k) for k in ("warmup_seconds", "time_to_first_token_seconds", "decode_tokens_per_s",
+                                          "generated_tokens")})
+    out["text"] = row.get("content", "")[:80]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4, help="layers of the compiled synthetic model (default: 4)")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--skip-synthetic", action="store_true", help="only the README's first command")
+    args = p.parse_args()
+    cases = [("readme_first_command", [*README_FIRST, "--device", args.device]),
+             ("readme_first_command_compiled", [*README_FIRST, "--device", args.device, "--fast", "compiled"])]
+    if not args.skip_synthetic:
+        cases.append(("synthetic_compiled", ["--synthetic-weights", "release", "--synthetic-layers", str(args.layers),
+                                             "--synthetic-experts", str(args.experts), "--weights", "packed",
+                                             "--device", args.device, "--fast", "compiled", "--prompt", "Hello",
+                                             "--max-new-tokens", "32", "--temperature", "0"]))
+    for name, cli in cases:
+        with tempfile.TemporaryDirectory(prefix="warm-start-") as cache:
+            cold = run_cli(cli, cache)
+            warm = run_cli(cli, cache)
+        print(json.dumps({"bench": "warm_start", "case": name, "command": "minimax-ref generate " + " ".join(cli),
+                          "cold": cold, "warm": warm}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -66,35 +66,58 @@ def load(path: str | Path, *, ops: Sequence[str] | None = None, verify: bool = T
 
 @dataclass
 class Comparison:
-    """`compare`'s result: one row per output (name, ok, max_abs, max_rel, max_ulps, atol, rtol; with fp64
-    outputs in the bundle also `fp64` and `reference_fp64`: {max_abs, max_rel} of the kernel's and of the
-    reference's output against the fp64 version)."""
+    """`compare`'s result: one row per output of the entry. A compared float output: name, ok, bad (elements out),
+    max_abs, max_rel, max_ulps, atol, rtol (with fp64 outputs in the bundle also `fp64` and `reference_fp64`:
+    {max_abs, max_rel} of the kernel's and of the reference's output against the fp64 version). A compared integer
+    or exact output: name, ok, bad, elements, compared ("elementwise" / "as sets along the last axis"). An output
+    the kernel did not give: name, ok False, missing True. `skipped`: outputs left out on purpose (`skip=`).
+    `ok` needs every row ok and at least one output compared."""
 
     entry: str
     kernel_dtype: str
     rows: list[dict]
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def checked(self) -> int:
+        return sum(1 for r in self.rows if not r.get("missing"))
 
     @property
     def ok(self) -> bool:
-        return all(r["ok"] for r in self.rows)
+        return self.checked > 0 and all(r["ok"] for r in self.rows)
 
     def __str__(self) -> str:
-        lines = [f"{self.entry} ({self.kernel_dtype} tolerance): {'ok' if self.ok else 'FAILED'}"]
+        head = f"{self.entry} ({self.kernel_dtype} tolerance): {'ok' if self.ok else 'FAILED'}"
+        if self.skipped:
+            head += f"; left out: {', '.join(self.skipped)}"
+        if not self.checked:
+            head += "; nothing was checked"
+        lines = [head]
         for r in self.rows:
-            lines.append(f"  {r['name']}: {'ok' if r['ok'] else 'OUT OF TOLERANCE'} max_abs {r['max_abs']:.3g} "
-                         f"max_rel {r['max_rel']:.3g} max_ulps {r['max_ulps']:.3g} (atol {r['atol']:.3g}, "
-                         f"rtol {r['rtol']:.3g}, {r['bad']} elements out)"
-                         + (f"; against fp64: max_abs {r['fp64']['max_abs']:.3g} (the reference's "
-                            f"{r['reference_fp64']['max_abs']:.3g})" if "fp64" in r else ""))
+            if r.get("missing"):
+                lines.append(f"  {r['name']}: MISSING: the kernel gave no {r['name']!r} (name it in skip= / "
+                             "--skip-outputs if the kernel does not produce it)")
+            elif "max_abs" not in r:
+                lines.append(f"  {r['name']}: {'ok' if r['ok'] else 'DIFFERENT'} {r['bad']} of {r['elements']} "
+                             f"elements differ (compared exactly, {r['compared']})")
+            else:
+                lines.append(f"  {r['name']}: {'ok' if r['ok'] else 'OUT OF TOLERANCE'} max_abs {r['max_abs']:.3g} "
+                             f"max_rel {r['max_rel']:.3g} max_ulps {r['max_ulps']:.3g} (atol {r['atol']:.3g}, "
+                             f"rtol {r['rtol']:.3g}, {r['bad']} elements out)"
+                             + (f"; against fp64: max_abs {r['fp64']['max_abs']:.3g} (the reference's "
+                                f"{r['reference_fp64']['max_abs']:.3g})" if "fp64" in r else ""))
         return "\n".join(lines)
 
 
 def compare(entry: GoldenEntry, outputs: dict[str, torch.Tensor] | torch.Tensor, *,
-            kernel_dtype: str | None = None) -> Comparison:
+            kernel_dtype: str | None = None, skip: Sequence[str] = ()) -> Comparison:
     """Compare a kernel's `outputs` (a dict by output name, or one tensor for a one-output entry) with the
     entry's reference under the manifest's tolerance for `kernel_dtype` ("float32" / "bfloat16"; default: the
-    bundle's compute dtype). Outputs the kernel does not give are not compared; a name the entry lacks is an
-    InputError."""
+    bundle's compute dtype). Every output of the entry is compared: one the kernel does not give fails (a row with
+    missing=True) unless `skip` names it; a comparison that checks nothing is not ok. Float outputs: elementwise
+    within atol + rtol * |reference|. Integer outputs and exact ones (tolerance {"exact": true}, e.g. x_hat): equal
+    elementwise, or, with tolerance "order": "set" (MSA blocks), equal as sorted rows along the last axis. A name
+    the entry lacks, in `outputs` or `skip`, is an InputError."""
     kd = kernel_dtype or entry.numerics["dtype"]
     if kd not in ("float32", "bfloat16"):
         raise InputError(f"kernel_dtype {kd!r}: choose float32 or bfloat16")
@@ -102,39 +125,85 @@ def compare(entry: GoldenEntry, outputs: dict[str, torch.Tensor] | torch.Tensor,
         if len(entry.outputs) != 1:
             raise InputError(f"{entry.id} has outputs {sorted(entry.outputs)}: pass a dict by name")
         outputs = {next(iter(entry.outputs)): outputs}
-    unknown = sorted(set(outputs) - set(entry.outputs))
+    unknown = sorted((set(outputs) | set(skip)) - set(entry.outputs))
     if unknown:
         raise InputError(f"{entry.id}: no output named {unknown[0]!r} (outputs: {sorted(entry.outputs)})")
     rows = []
-    for name, got in outputs.items():
-        want = entry.outputs[name]
-        sizes = error_sizes(got, want)
+    for name, want in entry.outputs.items():
+        if name in skip:
+            continue
+        if name not in outputs:
+            rows.append({"name": name, "ok": False, "missing": True})
+            continue
+        got = outputs[name]
         tol = entry.tolerance.get(name, {})
+        error_sizes(got, want)  # the shapes must agree
+        got, want = real_queries(entry, name, got), real_queries(entry, name, want)
+        sizes = error_sizes(got, want)
         if tol.get("exact") or not want.is_floating_point():
-            atol = rtol = 0.0
-        else:
-            if kd not in tol:
-                raise InputError(f"{entry.id}: the manifest gives no {kd} tolerance for {name!r}")
-            atol, rtol = tol[kd]["atol"], tol[kd]["rtol"]
+            rows.append(exact_row(entry, name, got, want, tol.get("order") == "set"))
+            continue
+        if kd not in tol:
+            raise InputError(f"{entry.id}: the manifest gives no {kd} tolerance for {name!r}")
+        atol, rtol = tol[kd]["atol"], tol[kd]["rtol"]
         g, w = got.detach().cpu().double(), want.double()
         equal = (g == w) | (torch.isnan(g) & torch.isnan(w))
-        if name == "expert_ids" and "logits" in entry.outputs:
-            equal |= tied_choice(entry, got)[:, None]  # rows whose choice differs only among exact ties
         bad = int((~equal & ~((g - w).abs() <= atol + rtol * w.abs())).sum())
         row = {"name": name, "ok": bad == 0, "bad": bad, "atol": atol, "rtol": rtol, **sizes}
         if name in entry.fp64:  # errors of the kernel and of the reference against the fp64 version
             for label, t in (("fp64", got), ("reference_fp64", want)):
-                e64 = error_sizes(t, entry.fp64[name])
+                e64 = error_sizes(t, real_queries(entry, name, entry.fp64[name]))
                 row[label] = {"max_abs": e64["max_abs"], "max_rel": e64["max_rel"]}
         rows.append(row)
-    return Comparison(entry.id, kd, rows)
+    return Comparison(entry.id, kd, rows, [n for n in entry.outputs if n in skip])
+
+
+def real_queries(entry: GoldenEntry, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Attention output `name` restricted to the rows' real queries (cu_seqlens_q: row b's first n_b query slots;
+    the right padding of a batch is not part of the contract): o [B, T, ...] to [n, ...], scores and blocks
+    [B, H, T, ...] to [n, H, ...]. Other outputs as they are."""
+    cu = entry.inputs.get("cu_seqlens_q")
+    q_pos = entry.inputs.get("q_pos")
+    if cu is None or q_pos is None or name not in ("o", "scores", "blocks"):
+        return t
+    B, T = q_pos.shape
+    n = (cu[1:] - cu[:-1]).cpu().long()
+    real = torch.arange(T)[None, :] < n[:, None]
+    if real.all():
+        return t
+    t = t.detach().cpu()
+    return t[real] if name == "o" else t.transpose(1, 2)[real]
+
+
+def exact_row(entry: GoldenEntry, name: str, got: torch.Tensor, want: torch.Tensor, as_set: bool) -> dict:
+    """The row of an output compared exactly: integers as integers, exact floats bit for bit (NaN equal to NaN);
+    `as_set`: each row along the last axis sorted first (the order of the ids is unspecified)."""
+    got = got.detach().cpu()
+    if want.is_floating_point():
+        g, w = got.to(want.dtype), want
+        equal = (g == w) | (torch.isnan(g) & torch.isnan(w))
+    else:
+        if got.is_floating_point():
+            raise InputError(f"{entry.id}: {name!r} holds integers ({want.dtype}); the kernel gave {got.dtype}")
+        g, w = got.long(), want.long()
+        if as_set:
+            g, w = g.sort(-1).values, w.sort(-1).values
+        equal = g == w
+        if name == "expert_ids" and "logits" in entry.outputs:
+            equal |= tied_choice(entry, got)[:, None]  # rows whose choice differs only among exact ties
+    bad = int((~equal).sum())
+    return {"name": name, "ok": bad == 0, "bad": bad, "elements": want.numel(),
+            "compared": "as sets along the last axis" if as_set else "elementwise"}
 
 
 def replay_impl(path: str | Path, impl: str, *, ops: Sequence[str] | None = None, device: str = "cpu",
-                kernel_dtype: str | None = None) -> list[dict]:
+                kernel_dtype: str | None = None, skip: Sequence[str] = ()) -> dict:
     """Run a user's kernel `impl` ("module:function", importable) on every entry of bundle `path` (of `ops`):
     function(entry) gets the entry with its inputs on `device` and returns {output name: tensor} (or None: not
-    this entry). One row per compared output: file, output, ok, bad, max_abs, max_rel, max_ulps, atol, rtol."""
+    this entry). Outputs named in `skip` (in any entry) are left out; every other output of an entry the function
+    ran on must be given. Returns {entries, ran, skipped_entries, checks, failures, missing, results}: one result
+    row per output (file, output, ok, and `compare`'s sizes); `ok` is False when an output fails or is missing, or
+    when nothing was checked."""
     import importlib
 
     try:
@@ -150,15 +219,29 @@ def replay_impl(path: str | Path, impl: str, *, ops: Sequence[str] | None = None
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as e:
         raise InputError(f"--impl {impl!r}: cannot import it ({e}); is the module on PYTHONPATH?") from None
-    rows = []
-    for entry in load(path, ops=ops):
+    entries = load(path, ops=ops)
+    names = {n for e in entries for n in e.outputs}
+    unknown = sorted(set(skip) - names)
+    if unknown:
+        raise InputError(f"--skip-outputs {unknown[0]!r}: no entry has that output (outputs: {sorted(names)})")
+    rows, skipped = [], []
+    for entry in entries:
         entry.inputs = {k: v.to(dev) for k, v in entry.inputs.items()}  # outputs: compare brings them to the host
         got = fn(entry)
         if got is None:
+            skipped.append(entry.file)
             continue
-        result = compare(entry, got, kernel_dtype=kernel_dtype)
+        if not isinstance(got, (dict, torch.Tensor)):
+            raise InputError(f"--impl {impl}: returned {type(got).__name__} for {entry.file}; return {{output name: "
+                             "tensor}} or None")
+        result = compare(entry, got, kernel_dtype=kernel_dtype, skip=[n for n in skip if n in entry.outputs])
         rows += [{"file": entry.file, "output": r.pop("name"), **r} for r in result.rows]
-    return rows
+    checks = sum(1 for r in rows if not r.get("missing"))
+    failures = [r for r in rows if not r["ok"]]
+    return {"entries": len(entries), "ran": len(entries) - len(skipped), "skipped_entries": skipped,
+            "checks": checks, "failures": failures, "missing": [f"{r['file']}:{r['output']}" for r in rows
+                                                                if r.get("missing")],
+            "ok": checks > 0 and not failures, "results": rows}
 
 
 def tied_choice(entry: GoldenEntry, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import InputError
 from ..outdir import staged_folder
-from .contract import FORMAT, MANIFEST, MXFP8_LINEARS, OPS, sha256, tolerance
+from .contract import FORMAT, MANIFEST, MXFP8_LINEARS, OPS, contract, sha256, tolerance
 from .fp64 import add_fp64
+from .layouts import ABOUT
 from .operands import Entry
 
 
@@ -23,12 +24,39 @@ def weights_file(layer: int) -> str:
     return f"weights/layer{layer:03d}.safetensors"
 
 
-def tensor_meta(e: Entry, name: str, t: torch.Tensor, file: str | None = None) -> dict:
-    """The manifest row of `e`'s tensor `name`; a packed operand's names the weights file it is stored in."""
+def stored_ref(e: Entry, name: str, files: dict[tuple[int, str], str]) -> dict:
+    """Where `e`'s weight `name` is in the bundle: {file, key} for a stored tensor, {cat | stack: [refs]} for a
+    joined one (`Entry.put_joined`)."""
+    if name in e.joined:
+        how, parts = e.joined[name]
+        return {how: [stored_ref(e, p, files) for p in parts]}
+    return {"file": files[(e.layer, e.shared[name])], "key": e.shared[name]}
+
+
+def tensor_meta(e: Entry, name: str, t: torch.Tensor, files: dict[tuple[int, str], str]) -> dict:
+    """The manifest row of `e`'s tensor `name`; a weight's says where it is stored (`stored_ref`)."""
     meta = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "role": e.roles[name]}
-    if name in e.shared:
-        meta["stored"] = {"file": file or weights_file(e.layer), "key": e.shared[name]}
+    if name in e.shared or name in e.joined:
+        meta["stored"] = stored_ref(e, name, files)
     return meta
+
+
+def ref_files(ref: dict) -> list[str]:
+    """The weights files a `stored` reference reads."""
+    if "file" in ref:
+        return [ref["file"]]
+    return [f for part in next(iter(ref.values())) for f in ref_files(part)]
+
+
+def read_ref(path: Path, ref: dict, opened: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The tensor a `stored` reference names, built from the bundle's weights files (`opened` caches them)."""
+    if "file" in ref:
+        if ref["file"] not in opened:
+            opened[ref["file"]] = load_file(str(path / ref["file"]))
+        return opened[ref["file"]][ref["key"]]
+    how, parts = next(iter(ref.items()))
+    ts = [read_ref(path, p, opened) for p in parts]
+    return torch.cat(ts) if how == "cat" else torch.stack(ts)
 
 
 def entry_order(key: tuple[str, int, str, str]) -> tuple:
@@ -51,6 +79,8 @@ class BundleWriter:
             manifest["numerics"]["fp64_outputs"] = True
         self.stored: dict[tuple[int, str], str] = {}  # (layer, key) -> the weights file holding it
         self.largest = 0  # elements of the largest tensor written
+        self.names: dict[str, set[str]] = {}  # op -> the tensor names its entries hold (the contract describes them)
+        self.params: dict[str, set[str]] = {}  # op -> the parameter names its entries hold
 
     def add(self, entries: Sequence[Entry]) -> None:
         new: dict[int, dict[str, torch.Tensor]] = {}
@@ -74,21 +104,34 @@ class BundleWriter:
                 add_fp64(e, self.emulate)
             path = self.tmp / e.file
             path.parent.mkdir(parents=True, exist_ok=True)
-            own = {n: t for n, t in e.tensors.items() if n not in e.shared}
+            own = {n: t for n, t in e.tensors.items() if n not in e.shared and n not in e.joined}
             self.largest = max([self.largest, *(t.numel() for t in own.values())])
             save_file(own, str(path), metadata={"op": e.op, "layer": str(e.layer), "phase": e.phase})
+            self.names.setdefault(e.op, set()).update(e.tensors)
+            self.params.setdefault(e.op, set()).update(e.params)
             self.manifest["entries"].append({
                 "file": e.file, "op": e.op, "layer": e.layer, "phase": e.phase, **({"tag": e.tag} if e.tag else {}),
                 "params": e.params,
                 "sha256": sha256(path),
-                "tensors": {n: tensor_meta(e, n, t, self.stored.get((e.layer, e.shared.get(n, "")))) for n, t in
-                            e.tensors.items()},
+                "tensors": {n: tensor_meta(e, n, t, self.stored) for n, t in e.tensors.items()},
                 "tolerance": {n: tolerance(e.op, n, t) for n, t in e.tensors.items() if e.roles[n] == "output"}})
             e.tensors = {}  # written: the entry's memory is released
 
     def finish(self) -> None:
-        self.manifest["entries"].sort(key=lambda m: entry_order((m["op"], m["layer"], m["phase"], m.get("tag", ""))))
-        (self.tmp / MANIFEST).write_text(json.dumps(self.manifest, indent=1) + "\n")
+        """Write the manifest: the entries in bundle order, each op's contract describing exactly the tensors and
+        parameters its entries hold; every file of the bundle gets the manifest's permissions (safetensors writes
+        0600)."""
+        m = self.manifest
+        m["entries"].sort(key=lambda r: entry_order((r["op"], r["layer"], r["phase"], r.get("tag", ""))))
+        dtype = m["numerics"]["dtype"]
+        m["ops"] = [op for op in OPS if op in self.names] if "single_op" in m else m["ops"]
+        m["contracts"] = {op: contract(op, dtype, self.fp64, self.names.get(op, ()), self.params.get(op, ()))
+                          for op in m["ops"] if op in self.names}
+        m["about"] = ABOUT
+        (self.tmp / MANIFEST).write_text(json.dumps(m, indent=1) + "\n")
+        mode = (self.tmp / MANIFEST).stat().st_mode & 0o777
+        for f in self.tmp.rglob("*.safetensors"):
+            f.chmod(mode)
 
 
 def write_bundle(out: Path, manifest: dict, entries: Sequence[Entry], *, fp64: bool = False,
@@ -107,16 +150,25 @@ def entry_tensors(path: Path, ent: dict) -> dict[str, torch.Tensor]:
     shared weights file. Fresh (allocator-aligned) copies: safetensors maps tensors at 8-byte offsets, and CPU
     BLAS takes different code paths (different rounding) for differently aligned small matrices."""
     tensors = {k: v.clone() for k, v in load_file(str(path / ent["file"])).items()}
-    stored: dict[str, list[tuple[str, str]]] = {}
+    opened: dict[str, dict[str, torch.Tensor]] = {}
     for name, meta in ent.get("tensors", {}).items():
         if isinstance(meta, dict) and "stored" in meta:
-            stored.setdefault(meta["stored"]["file"], []).append((name, meta["stored"]["key"]))
-    for rel, names in stored.items():
-        shared = load_file(str(path / rel))
-        for name, key in names:
-            if key in shared:
-                tensors[name] = shared[key].clone()
+            try:
+                tensors[name] = read_ref(path, meta["stored"], opened).clone()
+            except KeyError as e:
+                raise InputError(f"{path}: {ent['file']}'s {name} is stored under {e.args[0]!r}, which its weights "
+                                 "file lacks (a damaged bundle: export it again)") from None
     return tensors
+
+
+def valid_ref(ref) -> bool:
+    """Whether `ref` is a well-formed `stored` reference."""
+    if not isinstance(ref, dict):
+        return False
+    if set(ref) == {"file", "key"}:
+        return isinstance(ref["file"], str) and isinstance(ref["key"], str)
+    return (len(ref) == 1 and next(iter(ref)) in ("cat", "stack") and isinstance(next(iter(ref.values())), list)
+            and bool(next(iter(ref.values()))) and all(valid_ref(p) for p in next(iter(ref.values()))))
 
 
 def read_bundle_manifest(path: Path) -> dict:
@@ -159,11 +211,11 @@ def read_bundle_manifest(path: Path) -> dict:
             problems.append(f"entries[{i}]: {ent['file']} cannot be read ({e})")
         tensors = ent.get("tensors") if isinstance(ent.get("tensors"), dict) else {}
         stored = [m["stored"] for m in tensors.values() if isinstance(m, dict) and "stored" in m]
-        if not all(isinstance(st, dict) and isinstance(st.get("file"), str) and isinstance(st.get("key"), str)
-                   for st in stored):
-            problems.append(f"entries[{i}]: a 'stored' reference is not {{file, key}}")
+        if not all(valid_ref(st) for st in stored):
+            problems.append(f"entries[{i}]: a 'stored' reference is not {{file, key}}, {{cat: [...]}} or "
+                            "{stack: [...]}")
             continue
-        for rel in sorted({st["file"] for st in stored}):
+        for rel in sorted({f for st in stored for f in ref_files(st)}):
             if not (path / rel).is_file():
                 problems.append(f"entries[{i}]: its weights file {rel} is missing")
     if problems:

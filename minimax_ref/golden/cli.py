@@ -39,32 +39,53 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                         "golden.GoldenEntry (inputs on --device) and returns {output name: tensor} or None to skip")
     p.add_argument("--kernel-dtype", choices=["float32", "bfloat16"], default=None,
                    help="with --impl: the tolerance column to apply (default: the bundle's dtype)")
+    p.add_argument("--skip-outputs", default=None, metavar="NAMES",
+                   help="with --impl: comma list of outputs your kernel does not produce (e.g. x_hat,y2); any other "
+                        "output it does not return fails")
     p.add_argument("--op", default=None, help="single-op bundle from random operands, no model: nvfp4_linear, "
                    "mxfp8_linear (--shape M,N,K), router (--shape T,E[,H]), moe (--shape T,E[,H,I]), "
                    "msa_decode (--context, --batch)")
     p.add_argument("--shape", default=None, help="with --op: the op's dimensions, comma-separated")
-    p.add_argument("--context", type=int, default=None, help="with --op msa_decode: cached tokens per row")
-    p.add_argument("--batch", type=int, default=1, help="with --op msa_decode: rows (default: 1)")
+    p.add_argument("--context", default=None, help="with --op msa_decode: cached tokens per row: C (rows B: C, and "
+                   "shorter rows below it, each a different length) or a comma list, one per row")
+    p.add_argument("--batch", type=int, default=1, help="with --op msa_decode and one --context: rows (default: 1)")
     p.add_argument("--fp64", action="store_true", help="also store each float output evaluated in fp64 from the "
                    "same decoded operands (format-defined roundings kept; the manifest's contracts say which)")
     p.add_argument("--edge", default=None, help="with --op: an edge case (nvfp4_linear: subnormal-scales, "
-                   "zero-scales; router: ties; moe: clamp)")
+                   "zero-scales; router: ties; moe: clamp; msa_decode: forced)")
+    p.add_argument("--sweep", action="store_true", help="with --op: one entry per shape of the op's sweep (odd, "
+                   "ragged and padded shapes) and per seed (--seed, +1, +2) instead of one --shape")
+    p.add_argument("--stacked", action="store_true", help="with --op moe: also the stacked [E, ...] expert operands "
+                   "w13.* and w2.* (built from the per-expert ones in the manifest, no bytes duplicated)")
+    p.add_argument("--align-block", type=int, default=None, metavar="M", help="with --op moe: also the routing "
+                   "padded to blocks of M rows, as vLLM's moe_align_block_size (align.sorted_token_ids, "
+                   "align.expert_ids, align.num_tokens_post_padded)")
 
 
 def run(args: argparse.Namespace) -> int:
     """`minimax-ref golden`: write a bundle (prints a JSON summary) or replay one (exit 1 on mismatch)."""
     if args.replay is not None and args.impl is not None:
         ops = parse_ops(args.ops)[0] if args.ops else None
-        rows = replay_impl(args.replay, args.impl, ops=ops, device=args.device, kernel_dtype=args.kernel_dtype)
-        bad = [r for r in rows if not r["ok"]]
-        json.dump({"bundle": str(args.replay), "impl": args.impl, "checks": len(rows), "failures": bad,
-                   "results": rows}, sys.stdout)
+        skip = [n.strip() for n in (args.skip_outputs or "").split(",") if n.strip()]
+        rep = replay_impl(args.replay, args.impl, ops=ops, device=args.device, kernel_dtype=args.kernel_dtype,
+                          skip=skip)
+        json.dump({"bundle": str(args.replay), "impl": args.impl, **rep}, sys.stdout)
         sys.stdout.write("\n")
-        return 1 if bad else 0
+        if rep["checks"] == 0:
+            why = ("no entry" + (f" of --ops {args.ops}" if args.ops else "") if not rep["entries"] else
+                   "the implementation returned None for every entry" if not rep["ran"] else
+                   "every output was left out or missing")
+            print(f"golden --replay --impl: nothing was checked ({why}); exit 1", file=sys.stderr)
+        elif rep["missing"]:
+            print(f"golden --replay --impl: {len(rep['missing'])} outputs were not given: "
+                  f"{', '.join(rep['missing'][:5])}{' ...' if len(rep['missing']) > 5 else ''} (return them, or "
+                  "name outputs your kernel does not produce in --skip-outputs)", file=sys.stderr)
+        return 0 if rep["ok"] else 1
     if args.replay is not None:
         results = replay_bundle(args.replay)
         bad = [r for r in results if not r["ok"]]
-        worst = {k: max((r[k] for r in results), default=0.0) for k in ("max_abs", "max_rel", "max_ulps")}
+        worst = {k: max((r[k] for r in results if k in r), default=0.0) for k in ("max_abs", "max_rel", "max_ulps")}
+        worst["mismatched_ids"] = sum(r.get("mismatched", 0) for r in results)
         json.dump({"bundle": str(args.replay), "checks": len(results), "mismatches": bad, "worst": worst,
                    "results": results}, sys.stdout)
         sys.stdout.write("\n")
@@ -74,9 +95,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--op needs --out")
         m = export_op(args.op, args.out, shape=args.shape, context=args.context, batch=args.batch,
                       dtype=getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32, seed=args.seed,
-                      edge=args.edge, page_size=args.page_size, fp64=args.fp64, act_quant=args.act_quant)
-        files = [args.out / e["file"] for e in m["entries"]]
-        json.dump({"out": str(args.out), "op": args.op, "files": len(files),
+                      edge=args.edge, page_size=args.page_size, fp64=args.fp64, act_quant=args.act_quant,
+                      sweep=args.sweep, stacked=args.stacked, align_block=args.align_block)
+        files = [args.out / e["file"] for e in m["entries"]] + [args.out / w["file"] for w in m["weights_files"]]
+        json.dump({"out": str(args.out), "op": args.op, "entries": len(m["entries"]), "files": len(files),
                    "bytes": sum(f.stat().st_size for f in files)}, sys.stdout)
         sys.stdout.write("\n")
         return 0

@@ -1,10 +1,11 @@
-"""The numerics contract of golden bundles: the ops (`OPS`), the engine's recipe of each (`RECOMPUTE`), the
-contract a kernel is held to (`CONTRACTS`: formula in words, accumulation order, rounding points, layouts; `TOLERANCE`
-written per output; weights.md "Golden tolerances" justifies them), the rounding points the fp64 outputs keep
+"""The numerics contract of golden bundles: the ops (`OPS`), the contract a kernel is held to (`CONTRACTS`: formula
+in words, accumulation order, rounding points; the tensors' descriptions come from `layouts`; `TOLERANCE` written per
+output; weights.md "Golden tolerances" justifies them), the rounding points the fp64 outputs keep
 (`FP64`), error sizes (`error_sizes`) and the producer's versions."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -21,26 +22,6 @@ FORMAT = "minimax-ref golden v1"
 
 
 MANIFEST = "manifest.json"
-
-
-RECOMPUTE = {
-    "rmsnorm": "y = norm.gemma_rms_norm(x, weight, eps) for input_layernorm and post_attention_layernorm",
-    "router": "expert_ids, weights, logits = moe.route(x, gate_weight, bias, top_k, expert_mask)",
-    "moe": "W = decode(packed operands).to(dtype) for the shared expert (MLP) and each used routed expert "
-           "(Experts, renumbered 0..m-1 in ascending original id); r = moe.route(x, gate_weight, bias, top_k); "
-           "y = (Experts(x, r with local ids) * scaling + shared(x).float()).to(dtype)",
-    "nvfp4_linear": "y = F.linear(a(x), quant.dequant_nvfp4(w1.weight, w1.weight_scale, w1.weight_scale_2)"
-                    ".to(dtype)); a = linear.emulate_activation_quant(., 'nvfp4', w1.input_scale) with "
-                    "act_quant=emulate, else identity; y2 likewise from h and w2",
-    "mxfp8_linear": "y = F.linear(a(x), quant.dequant_mxfp8(w.weight, w.weight_scale).to(dtype)); "
-                    "a = linear.emulate_activation_quant(., 'mxfp8', None) with act_quant=emulate",
-    "attention": "o = attention.causal_attention(q, k, v, q_pos, scale, chunk_elements)",
-    "indexer": "scores = msa.index_scores(iq, ik, q_pos); blocks = msa.select_blocks(scores, q_pos, "
-               "block_size, topk_blocks, local_blocks, init_blocks)",
-    "msa": "blocks as indexer; o = msa.gather_block_attention(q, k, v, blocks, q_pos, block_size, scale)",
-    "paged": "k[b, p] = (k_pages[block_table[b, p // page_size], p % page_size].float() * kv_scale).to(dtype) "
-             "for p < seq_lens[b]; the op recomputed from these keys equals its outputs where q_pos < seq_lens",
-}
 
 
 # Long prompts: a core whose one-call scores would pass ONE_CALL_ELEMENTS is captured in the engine's query chunks
@@ -82,52 +63,6 @@ TOLERANCE = {  # op -> kernel dtype -> (rtol, atol_rms)
 }
 
 
-_NVFP4_LAYOUT = ("{w}.weight uint8 [N, K/2]: byte k//2 of row n holds element k, even k in the low nibble, odd k in "
-                 "the high nibble; E2M1 code bit 3 = sign, bits 0-2 index (0, 0.5, 1, 1.5, 2, 3, 4, 6). "
-                 "{w}.weight_scale float8_e4m3fn [N, K/16], row-major, unswizzled (single-op bundles add the "
-                 "swizzled copy CUTLASS / cuBLASLt take). {w}.weight_scale_2 fp32 "
-                 "scalar, multiplies. {w}.input_scale fp32 scalar: the activation global scale is 1/input_scale")
-
-
-_MXFP8_LAYOUT = ("{w}.weight float8_e4m3fn [N, K]; {w}.weight_scale uint8 E8M0 [N, K/32], row-major, unswizzled: "
-                 "the block's factor is 2^(code - 127), code 255 = NaN")
-
-
-ACT_CODES_LAYOUT = {
-    "nvfp4": "{x}_codes uint8 [M, K/2], {x}_scale float8_e4m3fn [M, K/16] (with numerics.act_quant = 'emulate'): "
-             "the quantized GEMM input a W4A4 kernel takes, packed like the weight (element k in byte k//2, even k "
-             "in the low nibble); with g = fp32(1 / input_scale) of the linear, x_hat = e2m1({x}_codes) * "
-             "(float({x}_scale) / g) in fp32, the fake-quantized input the reference multiplies",
-    "mxfp8": "{x}_codes float8_e4m3fn [M, K], {x}_scale uint8 E8M0 [M, K/32] (with numerics.act_quant = "
-             "'emulate'): the quantized GEMM input a W8A8 kernel takes; x_hat = {x}_codes * 2^({x}_scale - 127), "
-             "the fake-quantized input the reference multiplies",
-}
-
-
-_SWIZZLED = ("{w}.weight_scale_swizzled (single-op bundles): the same scales in the 128x4-tile layout of CUTLASS / "
-             "cuBLASLt block-scaled GEMMs, flat, zero-padded to [ceil(N/128)*128, ceil(Kb/4)*4] (Kb scales per row); "
-             "tiles of 128 rows x 4 scale columns in row-major tile order; scale (r, c) of a tile at offset "
-             "(r % 32) * 16 + (r // 32) * 4 + c")
-
-
-_FUSED_LAYOUT = (
-    "{w}.weight / .weight_scale: gate rows then up rows, concatenated along N (not interleaved): rows [0, I) are "
-    "{g}, rows [I, 2I) are {u}, each row's packed bytes and block scales as in the separate operands (vLLM's "
-    "w13_weight [E, 2I, K/2] / CUTLASS grouped GEMM order; FlashInfer's CUTLASS MoE takes the halves swapped, up "
-    "first). NVFP4 {w}.weight_scale_2 and {w}.input_scale are fp32 [2]: entry 0 applies to rows [0, I), entry 1 to "
-    "rows [I, 2I) (vLLM's w13_weight_scale_2 [E, 2]). The release writes max(w1, w3) to both, so they are equal "
-    "there; when they differ, one global scale cannot serve both halves: scale each half of the output by its own "
-    "entry in the epilogue (vLLM takes entry 0 for both and warns; that is not this operand). Stored once per "
-    "bundle, beside the separate operands")
-
-
-_PAGED_LAYOUT = ("k_pages, v_pages [P, page_size, kv_heads, D] and index_k_pages [P, page_size, index_dim] in the "
-                 "cache's storage dtype; block_table int32 [B, max_pages] (page id of each row's j-th page, -1 = none, "
-                 "ids a seeded permutation); seq_lens int32 [B]: tokens cached for the row after the step; slot s of "
-                 "page block_table[b, p // page_size] holds position p of row b; an fp8 page is read as "
-                 "(storage.float() * kv_scale) cast to the compute dtype; slots past seq_lens are zero")
-
-
 _LINEAR_ROUNDING = {
     "float32": "W decoded exactly in fp32 (no rounding beyond the fp32 products stated); y = x @ W^T in fp32",
     "bfloat16": "W = bf16(decoded fp32 weight): the weight is rounded to bf16 AFTER multiplying by weight_scale_2 "
@@ -137,11 +72,11 @@ _LINEAR_ROUNDING = {
 }
 
 
-_ACT = ("with numerics.act_quant = 'emulate' the GEMM input is first fake-quantized (NVFP4: blocks of 16 along K, "
-        "g = 1/input_scale, s = e4m3(g * (amax * fp32(1/6))), q = e2m1_rne(x * (1 / (s / g))) saturating at 6, "
-        "x_hat = q * (s / g), all fp32, one rounding to the compute dtype; MXFP8: blocks of 32, X = 2^e with the "
-        "smallest e such that amax <= 448 * 2^e, x_hat = e4m3(x / X) * X); the result is stored as x_hat where "
-        "captured. With 'none' the input is used as is")
+_ACT = ("with numerics.act_quant = 'emulate' the GEMM input a(x) is x fake-quantized (NVFP4: blocks of 16 along K, "
+        "g = fp32(1 / input_scale), s = e4m3(g * (amax * fp32(1/6))), q = e2m1_rne(x * (1 / (s / g))) saturating at "
+        "6, x_hat = q * (s / g): s / g rounded to fp32 first, then the product, all fp32, then one rounding to the "
+        "compute dtype; MXFP8: blocks of 32, X = 2^e with the smallest e such that amax <= 448 * 2^e, x_hat = "
+        "e4m3(x / X) * X); with 'none' a(x) = x")
 
 
 CONTRACTS = {
@@ -149,41 +84,26 @@ CONTRACTS = {
         "formula": "y = x / sqrt(mean(x^2 over the last dim) + eps) * (1 + weight) (Gemma's offset weight)",
         "accumulation": "fp32: mean of squares over the hidden dim in fp32",
         "rounding": {"float32": "all fp32", "bfloat16": "x read as fp32; one rounding of y to bf16 at the end"},
-        "layouts": {"x, y": "[..., hidden]", "weight": "[hidden] fp32 (the offset w, applied as 1 + w)"},
     },
     "router": {
         "formula": "logits = x @ gate_weight^T in fp32; scores = sigmoid(logits); choice = scores + bias (selection "
-                   "only); experts masked False in expert_mask are never chosen; expert_ids = top_k of choice "
-                   "(descending); weights = scores[expert_ids] / sum of them. Exact ties in choice are broken "
-                   "as torch.topk does (not the lowest id): compare accepts any expert_ids whose choice values "
-                   "equal the reference's, row by row",
+                   "only); expert_ids = top_k of choice (descending); weights = scores[expert_ids] / sum of them. "
+                   "Exact ties in choice are broken as torch.topk does (not the lowest id): compare accepts any "
+                   "expert_ids whose choice values equal the reference's, row by row",
         "accumulation": "fp32 dot products over hidden",
         "rounding": {"float32": "all fp32", "bfloat16": "x (bf16) read as fp32; the router is fp32 in every mode"},
-        "layouts": {"x": "[T, hidden]", "gate_weight": "[E, hidden] fp32", "bias": "[E] fp32",
-                    "expert_ids": "int64 [T, top_k] in descending choice order", "weights": "fp32 [T, top_k]",
-                    "logits": "fp32 [T, E]"},
     },
     "mxfp8_linear": {
-        "formula": "y = a(x) @ W^T, W[n, k] = float(e4m3 weight[n, k]) * 2^(weight_scale[n, k // 32] - 127)",
+        "formula": "y = a(x) @ W^T, W[n, k] = float(e4m3 w.weight[n, k]) * 2^(w.weight_scale[n, k // 32] - 127)",
         "accumulation": "one dot product over K per output (reference: CPU BLAS order); any order is within tolerance",
         "rounding": {m: f"{r}; {_ACT}" for m, r in _LINEAR_ROUNDING.items()},
-        "layouts": {"x": "[T, K]", "y": "[T, N]", "w.*": _MXFP8_LAYOUT.format(w="w"),
-                    "x_codes, x_scale": ACT_CODES_LAYOUT["mxfp8"].format(x="x"),
-                    "params.linear": "model-driven bundles: one entry per MXFP8 linear of the layer (q/k/v/o, index "
-                                     "q/k, dense MLP gate/up/down, shared expert gate/up/down), its checkpoint prefix; "
-                                     "the file name ends in its path within the layer",
-                    "w.weight_scale_swizzled": _SWIZZLED.format(w="w")},
     },
     "nvfp4_linear": {
-        "formula": "y = a(x) @ W1^T with W[n, k] = e2m1(weight)[n, k] * (float(e4m3 weight_scale[n, k // 16]) * "
-                   "weight_scale_2) (the bracketed product first, fp32); the expert's gate projection (w1) on its "
-                   "tokens; y2 = a(h) @ W2^T, its down projection on h = swiglu_oai(gate, up) (given)",
+        "formula": "y = a(x) @ W1^T with W1[n, k] = e2m1(w1.weight)[n, k] * (float(e4m3 w1.weight_scale[n, k // 16]) "
+                   "* w1.weight_scale_2) (the bracketed product first, fp32); entries with h also give y2 = a(h) @ "
+                   "W2^T, W2 decoded from w2.* alike",
         "accumulation": "one dot product over K per output (reference: CPU BLAS order)",
         "rounding": {m: f"{r}; {_ACT}" for m, r in _LINEAR_ROUNDING.items()},
-        "layouts": {"x": "[T, hidden], the expert's tokens ascending", "h": "[T, intermediate]", "y": "[T, I]",
-                    "y2": "[T, hidden]", "w1.*, w2.*": _NVFP4_LAYOUT.format(w="w1 / w2"),
-                    "w1.weight_scale_swizzled": _SWIZZLED.format(w="w1"),
-                    "x_codes, x_scale, h_codes, h_scale": ACT_CODES_LAYOUT["nvfp4"].format(x="x / h")},
     },
     "attention": {
         "formula": "dense causal GQA: query head h reads kv head h // (Hq / Hkv); s = (q . k) * scale for keys at "
@@ -191,65 +111,66 @@ CONTRACTS = {
         "accumulation": "fp32 scores, fp32 softmax (max-subtracted), fp32 value sum; any order (online softmax "
                         "included) is within tolerance",
         "rounding": {"float32": "all fp32", "bfloat16": "q, k, v bf16 (as cached) read as fp32; o fp32"},
-        "layouts": {"q": "[B, T, Hq, D]", "k, v": "[B, L, Hkv, D], slot = absolute position",
-                    "q_pos": "int64 [B, T] absolute positions (right-padded batch)", "o": "fp32 [B, T, Hq, D]",
-                    "cu_seqlens_q": "int32 [B + 1]: row b's real queries q[b, :n_b] packed at offset cu[b] "
-                                    "(varlen prefill; outputs of padded query slots are not part of the contract)",
-                    "paged": _PAGED_LAYOUT},
     },
     "indexer": {
         "formula": "scores[b, h, t, k] = iq[b, t, h] . ik[b, k] in fp32, no scale, -inf where k > q_pos[b, t]; block "
                    "score = max over the block's keys (the last block padded with -inf); forced blocks get +inf: the "
                    "local_blocks blocks ending at q_pos // block_size and the first init_blocks blocks at or before "
-                   "it; blocks = the min(topk_blocks, num_blocks) largest block scores in descending order, a "
-                   "selected -inf (no causal key) written as -1 (valid ids left-packed)",
+                   "it; blocks = the min(topk_blocks, num_blocks) largest block scores, a selected -inf (no causal "
+                   "key) written as -1; the order of the ids is unspecified (compared as a set per query row)",
         "accumulation": "fp32 dot products over index_dim",
         "rounding": {"float32": "all fp32", "bfloat16": "iq, ik bf16 read as fp32; scores fp32"},
-        "layouts": {"iq": "[B, T, Hi, Di]", "ik": "[B, L, Di]", "scores": "fp32 [B, Hi, T, L]",
-                    "blocks": "int64 [B, Hi, T, kb] (index head h serves kv head h)", "paged": _PAGED_LAYOUT},
     },
     "msa": {
-        "formula": "blocks as the indexer; query head h attends only to the keys of its kv head's (h // G) selected "
+        "formula": "blocks as the indexer's; query head h attends only to the keys of its kv head's (h // G) selected "
                    "blocks at positions <= q_pos (empty slots -1 and future keys masked); s = (q . k) * scale, "
                    "softmax over all those keys together, o = sum p * v",
-        "accumulation": "fp32 scores, softmax and value sum over the gathered keys (block list order)",
+        "accumulation": "fp32 scores, softmax and value sum over the gathered keys (any order within tolerance)",
         "rounding": {"float32": "all fp32", "bfloat16": "q, k, v bf16 read as fp32; o fp32"},
-        "layouts": {"q": "[B, T, Hq, D]", "k, v": "[B, L, Hkv, D]", "iq, ik": "as indexer",
-                    "blocks": "int64 [B, Hkv, T, kb]", "o": "fp32 [B, T, Hq, D]", "paged": _PAGED_LAYOUT},
     },
     "moe": {
-        "formula": "routing as the router op; each used expert e: gate = a(x) @ W1_e^T, up = a(x) @ W3_e^T, "
-                   "h = (clamp(up, -limit, limit) + 1) * (g * sigmoid(alpha * g)) with g = min(gate, limit) "
-                   "(SwiGLU-OAI, elementwise in the compute dtype), y_e = a(h) @ W2_e^T; routed = sum over the "
-                   "token's experts of fp32(y_e) * weight; y = routed * scaling + fp32(shared(x)), shared = the "
-                   "same SwiGLU-OAI MLP with gate_proj / up_proj / down_proj",
+        "formula": "routing: logits = x @ gate_weight^T (fp32), scores = sigmoid(logits), the top_k experts by "
+                   "scores + bias, weights = their scores / sum; each chosen expert e: gate = a(x) @ W1_e^T, up = "
+                   "a(x) @ W3_e^T, h = (clamp(up, -limit, limit) + 1) * (g * sigmoid(alpha * g)) with g = "
+                   "min(gate, limit) (SwiGLU-OAI, elementwise in the compute dtype), y_e = a(h) @ W2_e^T; routed = "
+                   "sum over the token's experts of fp32(y_e) * weight; y = routed * scaling, plus fp32(shared(x)) "
+                   "when params.shared_expert (the same SwiGLU-OAI MLP with shared.gate_proj / up_proj / down_proj)",
         "accumulation": "routed sum in fp32 in ascending expert id (each expert's contribution added to an fp32 "
                         "accumulator zero-initialised), then * scaling, then + shared, one rounding at the end",
         "rounding": {"float32": "all fp32",
                      "bfloat16": "weights bf16(decoded) as the linears; gate, up, h, y_e and shared(x) rounded to "
                                  "bf16; the routed sum and scaling in fp32; y = bf16(routed * scaling + shared)"},
-        "layouts": {"x, y": "[T, hidden]", "experts.{e}.w1 / w3 / w2.*": _NVFP4_LAYOUT.format(w="experts.{e}.wN")
-                    + " (or MXFP8 / bf16: params.formats)", "shared.*": "params.formats gives each one's format",
-                    "experts.{e}.w13.*": _FUSED_LAYOUT.format(w="experts.{e}.w13", g="w1 (gate)", u="w3 (up)"),
-                    "shared.gate_up.*": _FUSED_LAYOUT.format(w="shared.gate_up", g="gate_proj", u="up_proj"),
-                    "params.used_experts": "the routed experts stored (ascending original id)"},
     },
 }
 
 
-def contract(op: str, dtype: str, fp64: bool = False) -> dict:
-    """The numerics contract of `op` for a bundle computed in `dtype` ("float32" / "bfloat16"); fp64: with the
-    text of its fp64 outputs (what they keep of the reference's rounding points)."""
+def contract(op: str, dtype: str, fp64: bool = False, tensors: Iterable[str] = (),
+             params: Iterable[str] = ()) -> dict:
+    """The numerics contract of `op` for a bundle computed in `dtype` ("float32" / "bfloat16"), describing exactly
+    the tensor names `tensors` and parameter names `params` its entries hold (`layouts.describe_tensors`); fp64:
+    with the text of its fp64 outputs (what they keep of the reference's rounding points)."""
+    from .layouts import describe_params, describe_tensors
+
     c = CONTRACTS[op]
     rounding = c["rounding"].get(dtype, c["rounding"]["float32"])
     tol = {k: {"rtol": r, "atol_rms": a} for k, (r, a) in TOLERANCE[op].items()}
-    return {**c, "rounding": rounding, "tolerance": tol, **({"fp64": FP64[op]} if fp64 else {})}
+    return {**c, "rounding": rounding, "tensors": describe_tensors(op, tensors), "params": describe_params(params),
+            "tolerance": tol, **({"fp64": FP64[op]} if fp64 else {})}
+
+
+# Outputs compared exactly although they are floats: values the formats define (the fake-quantized input).
+EXACT_FLOAT_OUTPUTS = ("x_hat",)
+
+
+# Integer outputs whose order along the last axis is unspecified: compared as a set per row.
+SET_OUTPUTS = ("blocks",)
 
 
 def tolerance(op: str, name: str, t: torch.Tensor) -> dict:
-    """Per-kernel-dtype {rtol, atol} of output `name` of `op` (integer outputs: exact)."""
-    if not t.is_floating_point():
-        return {"exact": True}
+    """Per-kernel-dtype {rtol, atol} of output `name` of `op`; integer outputs and `EXACT_FLOAT_OUTPUTS` are
+    {"exact": True}, with "order": "set" for `SET_OUTPUTS` (the ids of a row in any order)."""
+    if not t.is_floating_point() or name in EXACT_FLOAT_OUTPUTS:
+        return {"exact": True, **({"order": "set"} if name in SET_OUTPUTS else {})}
     finite = t[torch.isfinite(t)].double()
     rms = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
     return {k: {"rtol": r, "atol": a * rms} for k, (r, a) in TOLERANCE[op].items()}
@@ -313,11 +234,15 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def error_sizes(got: torch.Tensor, want: torch.Tensor) -> dict:
-    """max_abs, max_rel (over nonzero reference elements) and max_ulps (in the reference's dtype, at the
-    reference value) of `got` against `want`, computed in fp64; equal elements (equal infinities included)
-    count 0, a non-finite difference counts inf. A shape mismatch is an InputError."""
+    """Float `want`: max_abs, max_rel (over nonzero reference elements) and max_ulps (in the reference's dtype, at
+    the reference value) of `got` against `want`, computed in fp64; equal elements (equal infinities included)
+    count 0, a non-finite difference counts inf. Integer `want` (ids): mismatched (elements that differ) and
+    elements. A shape mismatch is an InputError."""
     if tuple(got.shape) != tuple(want.shape):
         raise InputError(f"output shape {tuple(got.shape)} differs from the reference's {tuple(want.shape)}")
+    if not want.is_floating_point():  # ids: how many differ, no distances between them
+        differ = got.detach().cpu().long() != want.detach().cpu().long()
+        return {"mismatched": int(differ.sum()), "elements": want.numel()}
     g, w = got.detach().cpu().double(), want.detach().cpu().double()
     if g.numel() == 0:
         return {"max_abs": 0.0, "max_rel": 0.0, "max_ulps": 0.0}
@@ -325,16 +250,14 @@ def error_sizes(got: torch.Tensor, want: torch.Tensor) -> dict:
     err = torch.where(equal, torch.zeros_like(g), (g - w).abs().nan_to_num(nan=float("inf")))
     nz = w != 0
     rel = torch.where(nz & ~equal, err / w.abs().clamp(min=torch.finfo(torch.float64).tiny), torch.zeros_like(err))
-    if want.is_floating_point() and want.element_size() == 1:  # float8 (activation codes): no nextafter there
+    if want.element_size() == 1:  # float8 (activation codes): no nextafter there
         fi = torch.finfo(want.dtype)
         a = w.abs()
         ulp = torch.where(a >= fi.tiny, torch.exp2(torch.floor(torch.log2(a.clamp(min=fi.tiny)))) * fi.eps,
                           torch.full_like(a, fi.tiny * fi.eps))
         ulps = torch.where(equal, torch.zeros_like(err), err / ulp)
-    elif want.is_floating_point():
+    else:
         a = want.detach().cpu().abs()
         ulp = (torch.nextafter(a, torch.full_like(a, float("inf"))) - a).double()
         ulps = torch.where(equal, torch.zeros_like(err), err / ulp)
-    else:
-        ulps = err
     return {"max_abs": float(err.max()), "max_rel": float(rel.max()), "max_ulps": float(ulps.nan_to_num(nan=0.0).max())}

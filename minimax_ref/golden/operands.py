@@ -41,6 +41,7 @@ class Entry:
     roles: dict[str, str] = field(default_factory=dict)
 
     shared: dict[str, str] = field(default_factory=dict)
+    joined: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # name -> ("cat" | "stack", part names)
     tag: str = ""  # which instance, when a layer holds several (mxfp8_linear: the linear's path in the layer)
 
     def put(self, name: str, t: torch.Tensor, role: str, shared: str | None = None) -> None:
@@ -52,6 +53,15 @@ class Entry:
         self.roles[name] = role
         if shared is not None:
             self.shared[name] = shared
+
+    def put_joined(self, name: str, how: str, parts: Sequence[str], role: str = "weight") -> None:
+        """Record `name` as the concatenation along axis 0 (`how` "cat") or the stack along a new axis 0 ("stack")
+        of the entry's tensors `parts` (stored or themselves joined): the bundle stores no bytes for it, its
+        manifest row says how to build it from the stored parts."""
+        ts = [self.tensors[p] for p in parts]
+        self.tensors[name] = torch.cat(ts) if how == "cat" else torch.stack(ts)
+        self.roles[name] = role
+        self.joined[name] = (how, list(parts))
 
     @property
     def file(self) -> str:
@@ -68,11 +78,16 @@ def put_linear(e: Entry, ck: Checkpoint, prefix: str, key: str) -> str:
     return fmt
 
 
-def put_fused(e: Entry, gate: str, up: str, key: str, fmt: str, prefix: str | None) -> None:
-    """Put the fused gate-up operand `key.*` (`fuse_gate_up`) of `e`'s operands `gate.*`, `up.*`; stored once per
-    bundle under `prefix.*` when given (model-driven bundles), else in the entry's file."""
-    for name, t in fuse_gate_up(e.tensors, gate, up, key, fmt).items():
-        e.put(name, t, "weight", shared=None if prefix is None else prefix + name[len(key):])
+def put_fused(e: Entry, gate: str, up: str, key: str, fmt: str) -> None:
+    """Put the fused gate-up operand `key.*` of `e`'s operands `gate.*`, `up.*` (gate rows then up rows, vLLM's
+    `w13_*` layout) as joins of them (`Entry.put_joined`): the bundle stores the separate operands once and the
+    fused one as their concatenation (weight, block scales) and stack (NVFP4's global scales, fp32 [2])."""
+    for leaf in ("weight", "weight_scale"):
+        if f"{gate}.{leaf}" in e.tensors:
+            e.put_joined(f"{key}.{leaf}", "cat", [f"{gate}.{leaf}", f"{up}.{leaf}"])
+    for leaf in ("weight_scale_2", "input_scale"):
+        if fmt == NVFP4 and f"{gate}.{leaf}" in e.tensors:
+            e.put_joined(f"{key}.{leaf}", "stack", [f"{gate}.{leaf}", f"{up}.{leaf}"])
 
 
 def activation_codes(x: torch.Tensor, fmt: str, input_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -123,22 +138,6 @@ def decode_operand(t: dict[str, torch.Tensor], key: str, fmt: str, dtype: torch.
     return w.to(dtype)
 
 
-def fuse_gate_up(t: dict[str, torch.Tensor], gate: str, up: str, key: str, fmt: str) -> dict[str, torch.Tensor]:
-    """The fused gate-up operand `key.*` of packed operands `gate.*` [I, K] and `up.*` [I, K], as vLLM's
-    `w13_*` and CUTLASS grouped GEMMs take it: `key.weight` [2I, ...] = gate rows then up rows (concatenated
-    along N, not interleaved), `key.weight_scale` likewise; NVFP4 global scales cannot be shared when they
-    differ, so `key.weight_scale_2` and `key.input_scale` are fp32 [2]: entry 0 applies to rows [0, I) (gate),
-    entry 1 to rows [I, 2I) (up) (vLLM's `w13_weight_scale_2 [E, 2]` order)."""
-    out = {f"{key}.weight": torch.cat([t[f"{gate}.weight"], t[f"{up}.weight"]])}
-    if fmt in (NVFP4, MXFP8):
-        out[f"{key}.weight_scale"] = torch.cat([t[f"{gate}.weight_scale"], t[f"{up}.weight_scale"]])
-    for leaf in ("weight_scale_2", "input_scale"):
-        if fmt == NVFP4 and f"{gate}.{leaf}" in t:
-            out[f"{key}.{leaf}"] = torch.stack([t[f"{gate}.{leaf}"].reshape(()).float(),
-                                                t[f"{up}.{leaf}"].reshape(()).float()])
-    return out
-
-
 def decode_fused(t: dict[str, torch.Tensor], key: str, fmt: str, dtype: torch.dtype) -> torch.Tensor:
     """The fused gate-up weight `key` [2I, K] decoded as `decode_operand` decodes each half (NVFP4: row half j
     with weight_scale_2[j])."""
@@ -163,10 +162,48 @@ def quantized_input(x: torch.Tensor, fmt: str, t: dict[str, torch.Tensor], key: 
     return emulate_activation_quant(x, fmt, t.get(f"{key}.input_scale"))
 
 
+def grouped_metadata(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_token_ids int32 [T * top_k], expert_offsets int32 [E + 1]) of routing `expert_ids` [T, top_k]: the
+    token of each (token, slot) pair grouped by expert ascending, tokens ascending within an expert, and each
+    expert's range in it."""
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    return (order // top_k).to(torch.int32), offsets.to(torch.int32)
+
+
+def align_block_size(expert_ids: torch.Tensor, num_experts: int, block: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's moe_align_block_size of routing `expert_ids` [T, top_k] for blocks of `block` rows: (sorted_token_ids
+    int32 [P]: flat pair indices t * top_k + k grouped by expert ascending, ascending within an expert, each group
+    padded with T * top_k to a multiple of `block`; expert_ids int32 [P / block]: each block's expert;
+    num_tokens_post_padded int32 [1] = P). Experts without pairs take no block."""
+    flat = expert_ids.reshape(-1).long()
+    pad = flat.numel()
+    ids, experts = [], []
+    for x_id in range(num_experts):
+        pairs = (flat == x_id).nonzero().flatten()
+        if not pairs.numel():
+            continue
+        n = -(-pairs.numel() // block) * block
+        ids.append(torch.cat([pairs, torch.full((n - pairs.numel(),), pad, dtype=torch.long)]))
+        experts += [x_id] * (n // block)
+    sorted_ids = torch.cat(ids).to(torch.int32)
+    return sorted_ids, torch.tensor(experts, dtype=torch.int32), torch.tensor([sorted_ids.numel()], dtype=torch.int32)
+
+
+def page_pool(seq_lens: Sequence[int], page: int) -> int:
+    """Pages of a paged view of rows `seq_lens`: the rows' pages and one spare page per row (pages no row uses)."""
+    return sum(-(-n // page) for n in seq_lens) + len(seq_lens)
+
+
 def block_table(seq_lens: Sequence[int], page: int, seed: int) -> torch.Tensor:
-    """int32 [B, max_pages]: page ids of each row's tokens (a seeded permutation of 0..P-1), -1 padded."""
+    """int32 [B, max_pages]: page ids of each row's tokens, -1 past a row's last page. The ids are the first pages
+    of a seeded permutation of 0..page_pool-1: neither ascending nor contiguous, and some pages belong to no row."""
     need = [-(-n // page) for n in seq_lens]
-    perm = torch.randperm(sum(need), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    perm = torch.randperm(page_pool(seq_lens, page), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
     table = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
     start = 0
     for b, n in enumerate(need):
@@ -175,11 +212,13 @@ def block_table(seq_lens: Sequence[int], page: int, seed: int) -> torch.Tensor:
     return table
 
 
-def to_pages(buf: torch.Tensor, table: torch.Tensor, seq_lens: Sequence[int], page: int) -> torch.Tensor:
-    """Cache storage `buf` [B, S, ...] cut into pages [P, page, ...] by `table`; slots past a row's
-    length are zero."""
-    P = int((table >= 0).sum())
-    pages = torch.zeros((P, page, *buf.shape[2:]), dtype=buf.dtype)
+def to_pages(buf: torch.Tensor, table: torch.Tensor, seq_lens: Sequence[int], page: int, seed: int) -> torch.Tensor:
+    """Cache storage `buf` [B, S, ...] cut into pages [page_pool, page, ...] by `table`. Every slot that holds no
+    row's position (past a row's length, pages no row uses) holds seeded filler, N(0, 4^2) in buf's dtype: finite,
+    as a real cache's stale entries, and large enough that a kernel reading it gets a visibly wrong result."""
+    P = page_pool(seq_lens, page)
+    g = torch.Generator().manual_seed(seed + 7919)
+    pages = (torch.randn((P, page, *buf.shape[2:]), generator=g) * 4).to(buf.dtype)
     for b, n in enumerate(seq_lens):
         for j in range(-(-n // page)):
             m = min(page, n - j * page)

@@ -13,7 +13,15 @@ from ..weights.checkpoint import DENSE, NVFP4
 from .bundle import entry_tensors, read_bundle_manifest
 from .contract import error_sizes, same
 from .fp64 import fp64_outputs
-from .operands import activation_codes, decode_fused, decode_operand, from_pages, quantized_input
+from .operands import (
+    activation_codes,
+    align_block_size,
+    decode_fused,
+    decode_operand,
+    from_pages,
+    grouped_metadata,
+    quantized_input,
+)
 
 
 def replay_linear(t: dict, key: str, fmt: str, x: torch.Tensor, dtype: torch.dtype, emulate: bool) -> torch.Tensor:
@@ -74,6 +82,23 @@ def _fused_checks(t: dict, p: dict, dtype: torch.dtype) -> list[Check]:
     return checks
 
 
+def _routing_checks(t: dict, p: dict) -> list[Check]:
+    """The routing a moe entry gives (topk_ids, topk_weights) and its grouped-GEMM metadata, recomputed."""
+    from ..model.moe import route
+
+    if "topk_ids" not in t:
+        return []
+    r = route(t["x"], t["gate_weight"], t.get("bias"), p["top_k"], t.get("expert_mask"))
+    sorted_ids, offsets = grouped_metadata(r.expert_ids, p["num_experts"])
+    checks = [("topk_ids", r.expert_ids.to(torch.int32), t["topk_ids"]), ("topk_weights", r.weights, t["topk_weights"]),
+              ("sorted_token_ids", sorted_ids, t["sorted_token_ids"]), ("expert_offsets", offsets, t["expert_offsets"])]
+    if "align.sorted_token_ids" in t:
+        got = align_block_size(r.expert_ids, p["num_experts"], p["align_block"])
+        names = ("align.sorted_token_ids", "align.expert_ids", "align.num_tokens_post_padded")
+        checks += [(n, g, t[n]) for n, g in zip(names, got)]
+    return checks
+
+
 def _replay_entry(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool, kv_scale: float) -> list[Check]:
     """(check name, recomputed, stored) for every output of one entry (and its fp64 outputs, when stored)."""
     checks = _replay_outputs(t, p, op, dtype, emulate, kv_scale)
@@ -109,7 +134,7 @@ def _replay_outputs(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool
                    ("logits", r.logits, t["logits"])]
     elif op == "moe":
         checks.append(("y", replay_moe(t, p, dtype, emulate), t["y"]))
-        checks += _fused_checks(t, p, dtype)
+        checks += _fused_checks(t, p, dtype) + _routing_checks(t, p)
     elif op == "nvfp4_linear":
         checks.append(("y", replay_linear(t, "w1", NVFP4, t["x"], dtype, emulate), t["y"]))
         if "y2" in t:  # single-op bundles hold one GEMM
@@ -119,6 +144,8 @@ def _replay_outputs(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool
         checks += _code_checks(t, {"x": "w1", "h": "w2"}, NVFP4)
     elif op == "mxfp8_linear":
         checks.append(("y", replay_linear(t, "w", p["format"], t["x"], dtype, emulate), t["y"]))
+        if "x_hat" in t:
+            checks.append(("x_hat", quantized_input(t["x"], p["format"], t, "w", True), t["x_hat"]))
         checks += _code_checks(t, {"x": "w"}, p["format"])
     elif op in ("attention", "indexer", "msa"):
         checks += _replay_attention(t, p, op, dtype, kv_scale, t, "")

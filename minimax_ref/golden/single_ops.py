@@ -11,15 +11,61 @@ import torch
 from ..errors import InputError
 from ..weights.checkpoint import MXFP8, NVFP4
 from .bundle import write_bundle
-from .contract import FORMAT, TOLERANCE_RULE, contract, producer
-from .operands import Entry, block_table, put_activation_codes, put_fused, to_pages
+from .contract import FORMAT, TOLERANCE_RULE, producer
+from .operands import (
+    Entry,
+    align_block_size,
+    block_table,
+    grouped_metadata,
+    put_activation_codes,
+    put_fused,
+    quantized_input,
+    to_pages,
+)
 from .replay import replay_linear, replay_moe
 
 SINGLE_OPS = ("nvfp4_linear", "mxfp8_linear", "router", "moe", "msa_decode")
 
 
 EDGES = {"nvfp4_linear": ("subnormal-scales", "zero-scales"), "mxfp8_linear": (), "router": ("ties",),
-         "moe": ("clamp",), "msa_decode": ()}
+         "moe": ("clamp",), "msa_decode": ("forced",)}
+
+
+# `--sweep`: the shapes of each op (as --shape / --context take them): single rows, odd sizes, N not a multiple of
+# 128, an odd number of scale blocks per row, ragged and length-1 contexts.
+SWEEPS = {
+    "nvfp4_linear": ("1,64,64", "7,200,96", "33,136,272"),
+    "mxfp8_linear": ("1,64,64", "7,200,96", "33,130,320"),
+    "router": ("1,16,64", "7,128,96", "33,9,40"),
+    "moe": ("1,4,64,32", "7,8,64,48", "33,6,32,64"),
+    "msa_decode": ("1", "17,300", "2200,1,700"),
+}
+
+
+SWEEP_SEEDS = 3  # --sweep: seeds --seed, --seed + 1, --seed + 2
+
+
+# How the random operands are drawn (the manifest's `single_op.operands`).
+OPERANDS = {
+    "nvfp4_linear": "x ~ N(0, 1); weight: uniform random bytes (every E2M1 code); weight_scale: E4M3 of 448 * "
+                    "U(0.2, 0.6); weight_scale_2 = K^-0.5 / (rms(e2m1 codes) * rms(scales)) (outputs of unit "
+                    "scale); input_scale = fp32(amax(|x|) / (6 * 448)) (ModelOpt's calibration: g = 1 / input_scale "
+                    "is far from 1). Edge subnormal-scales: every block scale is an E4M3 code 1-15 (codes 1-7 are "
+                    "subnormal, m * 2^-9) and every fourth row (n % 4 == 0) is all subnormal; zero-scales: 1 in 8 "
+                    "block scales is 0",
+    "mxfp8_linear": "x ~ N(0, 1); weight: uniform random non-NaN E4M3 bytes; weight_scale: E8M0 exponent calibrated "
+                    "for outputs of unit scale, jittered by -1, 0 or +1 per block",
+    "router": "x ~ N(0, 1); gate_weight ~ N(0, (2 / sqrt(hidden))^2); bias ~ N(0, 0.01^2). Edge ties: experts 3j, "
+              "3j + 1, 3j + 2 have equal weights and biases (exact ties in every row)",
+    "moe": "x ~ N(0, 4^2) (|gate| past the SwiGLU limit for a few percent of values: the clamp matters); edge clamp: "
+           "x ~ N(0, 16^2) (most gate values clamped); router as the router op; every expert's w1, w3, w2 as "
+           "nvfp4_linear's weight, with input_scale = fp32(amax(|x|) / (6 * 448)); no shared expert",
+    "msa_decode": "one decode query per row at q_pos = context - 1, rows of different contexts (the release's MSA "
+                  "geometry and head counts); q, k, v, iq, ik ~ N(0, 1), k, v, ik zero past a row's context; pages "
+                  "of page_size tokens in a seeded random order with one spare page per row, unused slots holding "
+                  "filler. Edge forced: the index keys of each row's forced blocks are zero, so their block scores "
+                  "(0) fall below every other block's: only the forcing selects them",
+}
 
 
 _RMS_E2M1 = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)
@@ -47,26 +93,62 @@ def parse_shape(text: str | None, names: tuple[str, ...], optional: int = 0) -> 
     return dims
 
 
+def parse_contexts(context: str | int | None, batch: int) -> list[int]:
+    """The cached tokens of each row of an msa_decode entry: a comma list (one per row), or one C with `batch` rows
+    C, C - s, C - 2s, ... (s = max(1, C // (2 * batch)), at least 1): rows of different lengths."""
+    if context is None:
+        raise InputError("--op msa_decode needs --context C (or C0,C1,... one per row)")
+    try:
+        ctx = [int(c) for c in str(context).split(",")]
+    except ValueError:
+        raise InputError(f"--context {context!r}: expected an integer or comma-separated integers") from None
+    if any(c < 1 for c in ctx) or batch < 1:
+        raise InputError(f"--context {context!r} --batch {batch}: contexts and the batch must be >= 1")
+    if len(ctx) > 1:
+        return ctx
+    step = max(1, ctx[0] // (2 * batch))
+    return [max(1, ctx[0] - b * step) for b in range(batch)]
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def nvfp4_operands(N: int, K: int, g: torch.Generator, edge: str | None) -> dict[str, torch.Tensor]:
-    """Random packed NVFP4 operands `w1.*` of an [N, K] weight (module docstring)."""
+def weight_key(e: Entry, name: str) -> str:
+    """The key of a single-op entry's weight in the bundle's weights file: the entry's tag (a sweep's shape and
+    seed), then the tensor's name."""
+    return f"{e.tag}/{name}" if e.tag else name
+
+
+def put_weights(e: Entry, tensors: dict[str, torch.Tensor]) -> None:
+    """Put weight tensors into a single-op entry, stored once in the bundle's weights file."""
+    for name, t in tensors.items():
+        e.put(name, t, "weight", shared=weight_key(e, name))
+
+
+def input_scale_of(x: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's calibrated NVFP4 activation input scale of x: fp32(amax(|x|) / (6 * 448))."""
+    return (x.float().abs().amax() / (6 * 448)).to(torch.float32).reshape(())
+
+
+def nvfp4_operands(N: int, K: int, g: torch.Generator, edge: str | None, key: str = "w1") -> dict[str, torch.Tensor]:
+    """Random packed NVFP4 operands `key.*` of an [N, K] weight (`OPERANDS`; input_scale 1.0 until the caller
+    calibrates it to its activation)."""
     if K % 16:
         raise InputError(f"--shape: K={K} must be a multiple of 16 for NVFP4")
     weight = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.int32).to(torch.uint8)
     scale = ((torch.rand(N, K // 16, generator=g) * 0.4 + 0.2) * 448).to(torch.float8_e4m3fn)
     codes = scale.view(torch.uint8).clone()
-    if edge == "subnormal-scales":
-        pick = torch.rand(codes.shape, generator=g) < 0.25
-        codes[pick] = torch.randint(1, 8, (int(pick.sum()),), generator=g, dtype=torch.int32).to(torch.uint8)
+    if edge == "subnormal-scales":  # subnormal scales beside the smallest normal ones, and rows of only subnormals
+        codes = torch.randint(1, 16, codes.shape, generator=g, dtype=torch.int32).to(torch.uint8)
+        codes[::4] = torch.randint(1, 8, codes[::4].shape, generator=g, dtype=torch.int32).to(torch.uint8)
     elif edge == "zero-scales":
         codes[torch.rand(codes.shape, generator=g) < 0.125] = 0
     rms_scale = float(codes.view(torch.float8_e4m3fn).float().square().mean().sqrt()) or 1.0
     ws2 = K**-0.5 / (_RMS_E2M1 * rms_scale)
-    return {"w1.weight": weight, "w1.weight_scale": codes.view(torch.float8_e4m3fn),
-            "w1.weight_scale_2": torch.tensor(ws2, dtype=torch.float32), "w1.input_scale": torch.tensor(1.0)}
+    return {f"{key}.weight": weight, f"{key}.weight_scale": codes.view(torch.float8_e4m3fn),
+            f"{key}.weight_scale_2": torch.tensor(ws2, dtype=torch.float32),
+            f"{key}.input_scale": torch.tensor(1.0)}
 
 
 def mxfp8_operands(N: int, K: int, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -96,26 +178,33 @@ def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
 
 
 def linear_entry(op: str, M: int, N: int, K: int, dtype: torch.dtype, seed: int, edge: str | None,
-                 emulate: bool = False) -> Entry:
-    """One GEMM of random operands; with `emulate` (act_quant="emulate") the input is fake-quantized as a W4A4 /
-    W8A8 kernel sees it, and its codes and block scales are inputs too (`x_codes`, `x_scale`)."""
+                 emulate: bool = False, tag: str = "") -> Entry:
+    """One GEMM of random operands (`OPERANDS`); with `emulate` (act_quant="emulate") the input is fake-quantized as
+    a W4A4 / W8A8 kernel sees it: its codes and block scales are inputs (`x_codes`, `x_scale`, `x_scale_swizzled`)
+    and the fake-quantized input an output (`x_hat`)."""
     g = _gen(seed)
     fmt, key = (NVFP4, "w1") if op == "nvfp4_linear" else (MXFP8, "w")
     t = nvfp4_operands(N, K, g, edge) if fmt == NVFP4 else mxfp8_operands(N, K, g)
     x = torch.randn(M, K, generator=g).to(dtype)
-    e = Entry(op, 0, "op")
+    if fmt == NVFP4:
+        t["w1.input_scale"] = input_scale_of(x)
+    t[f"{key}.weight_scale_swizzled"] = swizzle_scales(t[f"{key}.weight_scale"])
+    e = Entry(op, 0, "op", tag=tag)
     e.put("x", x, "input")
-    for name, v in t.items():
-        e.put(name, v, "weight")
-    e.put(f"{key}.weight_scale_swizzled", swizzle_scales(t[f"{key}.weight_scale"]), "weight")
+    put_weights(e, t)
     if emulate:
         put_activation_codes(e, "x", x, fmt, t.get(f"{key}.input_scale"))
-    e.put("y", replay_linear({**t}, key, fmt, x, dtype, emulate), "output")
-    e.params.update({"format": fmt, "shape": {"M": M, "N": N, "K": K}, "linear": "random"})
+        e.put("x_scale_swizzled", swizzle_scales(e.tensors["x_scale"]), "input")
+        e.put("x_hat", quantized_input(x, fmt, t, key, True), "output")
+    e.put("y", replay_linear(t, key, fmt, x, dtype, emulate), "output")
+    e.params.update({"format": fmt, "shape": {"M": M, "N": N, "K": K}, "linear": "random", "seed": seed,
+                     "edge": edge})
     return e
 
 
-def router_entry(T: int, E: int, H: int, top_k: int, dtype: torch.dtype, seed: int, edge: str | None) -> Entry:
+def router_entry(T: int, E: int, H: int, top_k: int, dtype: torch.dtype, seed: int, edge: str | None,
+                 tag: str = "") -> Entry:
+    """The router on random operands (`OPERANDS`)."""
     from ..model.moe import route
 
     if top_k > E:
@@ -128,69 +217,94 @@ def router_entry(T: int, E: int, H: int, top_k: int, dtype: torch.dtype, seed: i
         src = torch.arange(E) // 3 * 3
         w, bias = w[src], bias[src]
     r = route(x, w, bias, top_k)
-    e = Entry("router", 0, "op")
+    e = Entry("router", 0, "op", tag=tag)
     e.put("x", x, "input")
     e.put("gate_weight", w, "input")
     e.put("bias", bias, "input")
     e.put("expert_ids", r.expert_ids, "output")
     e.put("weights", r.weights, "output")
     e.put("logits", r.logits, "output")
-    e.params.update({"top_k": top_k, "shape": {"T": T, "E": E, "H": H}})
+    e.params.update({"top_k": top_k, "shape": {"T": T, "E": E, "H": H}, "seed": seed, "edge": edge})
     return e
 
 
-def moe_entry(T: int, E: int, H: int, I: int, dtype: torch.dtype, seed: int, edge: str | None) -> Entry:  # noqa: E741
+def moe_entry(T: int, E: int, H: int, I: int, dtype: torch.dtype, seed: int, edge: str | None,  # noqa: E741
+              tag: str = "", stacked: bool = False, align_block: int | None = None) -> Entry:
     """Routed experts only (no shared expert), every expert NVFP4 [I, H] / [H, I], the release's top_k, scaling
-    and SwiGLU-OAI constants; with grouped-GEMM metadata: `sorted_token_ids` (the T * top_k (token, slot) pairs'
-    tokens, grouped by expert ascending, stable) and `expert_offsets` int32 [E + 1] into it."""
+    and SwiGLU-OAI constants (`OPERANDS`); the routing given too (`topk_ids`, `topk_weights`) with grouped-GEMM
+    metadata (`grouped_metadata`); `stacked`: the [E, ...] operands w13.*, w2.*; `align_block`: the routing padded
+    to blocks (`align_block_size`)."""
+    from ..model.moe import route
+
     text = release_text()
     top_k = text.num_experts_per_tok
     if top_k > E:
         raise InputError(f"--shape: E={E} experts is fewer than the release's top_k={top_k}")
     g = _gen(seed)
-    x = torch.randn(T, H, generator=g) * (16.0 if edge == "clamp" else 1.0)  # clamp: |gate| well past the limit
-    x = x.to(dtype)
+    x = (torch.randn(T, H, generator=g) * (16.0 if edge == "clamp" else 4.0)).to(dtype)
     w = torch.randn(E, H, generator=g) * (2 / math.sqrt(H))
     bias = torch.randn(E, generator=g) * 0.01
-    e = Entry("moe", 0, "op")
+    e = Entry("moe", 0, "op", tag=tag)
     e.put("x", x, "input")
     e.put("gate_weight", w, "input")
     e.put("bias", bias, "input")
     formats = {}
     for x_id in range(E):
         for leaf, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
-            for name, v in nvfp4_operands(n, k, g, None).items():
-                e.put(f"experts.{x_id}.{leaf}.{name.split('.', 1)[1]}", v, "weight")
+            ops = nvfp4_operands(n, k, g, None, f"experts.{x_id}.{leaf}")
+            ops[f"experts.{x_id}.{leaf}.input_scale"] = input_scale_of(x)
+            put_weights(e, ops)
             formats[f"experts.{x_id}.{leaf}"] = NVFP4
-        put_fused(e, f"experts.{x_id}.w1", f"experts.{x_id}.w3", f"experts.{x_id}.w13", NVFP4, None)
+        put_fused(e, f"experts.{x_id}.w1", f"experts.{x_id}.w3", f"experts.{x_id}.w13", NVFP4)
+    if stacked:
+        for key, src in (("w13", "w13"), ("w2", "w2")):
+            for leaf in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+                e.put_joined(f"{key}.{leaf}", "stack", [f"experts.{x_id}.{src}.{leaf}" for x_id in range(E)])
     e.params.update({"top_k": top_k, "scaling": text.routed_scaling_factor, "alpha": text.swiglu_alpha,
                      "limit": text.swiglu_limit, "num_experts": E, "used_experts": list(range(E)),
-                     "formats": formats, "shared_expert": False, "shape": {"T": T, "E": E, "H": H, "I": I}})
-    from ..model.moe import route
-
+                     "formats": formats, "shared_expert": False, "shape": {"T": T, "E": E, "H": H, "I": I},
+                     "seed": seed, "edge": edge})
     r = route(x, w, bias, top_k)
-    flat = r.expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    e.put("sorted_token_ids", (order // top_k).to(torch.int32), "input")
-    counts = torch.bincount(flat, minlength=E)
-    e.put("expert_offsets", torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32), "input")
+    e.put("topk_ids", r.expert_ids.to(torch.int32), "input")
+    e.put("topk_weights", r.weights, "input")
+    sorted_ids, offsets = grouped_metadata(r.expert_ids, E)
+    e.put("sorted_token_ids", sorted_ids, "input")
+    e.put("expert_offsets", offsets, "input")
+    if align_block is not None:
+        a_ids, a_experts, a_n = align_block_size(r.expert_ids, E, align_block)
+        e.put("align.sorted_token_ids", a_ids, "input")
+        e.put("align.expert_ids", a_experts, "input")
+        e.put("align.num_tokens_post_padded", a_n, "input")
+        e.params["align_block"] = align_block
     e.put("y", replay_moe(e.tensors, e.params, dtype, False), "output")
     return e
 
 
-def msa_entries(C: int, B: int, dtype: torch.dtype, seed: int, page: int | None) -> list[Entry]:
+def msa_entries(contexts: list[int], dtype: torch.dtype, seed: int, page: int | None, edge: str | None,
+                tag: str = "") -> list[Entry]:
+    """The indexer and MSA of one decode query per row over rows of `contexts` cached tokens (`OPERANDS`), with
+    paged views."""
     from ..model.msa import gather_block_attention, index_scores, select_blocks
 
     text = release_text()
     sp = text.sparse
     Hq, Hkv, D = text.num_attention_heads, text.num_key_value_heads, text.head_dim
+    B, L = len(contexts), max(contexts)
     g = _gen(seed)
     q = torch.randn(B, 1, Hq, D, generator=g).to(dtype)
-    k = torch.randn(B, C, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(B, C, Hkv, D, generator=g).to(dtype)
+    k = torch.randn(B, L, Hkv, D, generator=g)
+    v = torch.randn(B, L, Hkv, D, generator=g)
     iq = torch.randn(B, 1, sp.index_heads, sp.index_head_dim, generator=g).to(dtype)
-    ik = torch.randn(B, C, sp.index_head_dim, generator=g).to(dtype)
-    q_pos = torch.full((B, 1), C - 1, dtype=torch.long)
+    ik = torch.randn(B, L, sp.index_head_dim, generator=g)
+    q_pos = torch.tensor(contexts, dtype=torch.long)[:, None] - 1
+    for b, n in enumerate(contexts):  # nothing cached past a row's context
+        k[b, n:], v[b, n:], ik[b, n:] = 0, 0, 0
+        if edge == "forced":  # the forced blocks score lowest: only the forcing selects them
+            qb = (n - 1) // sp.block_size
+            for j in range(qb + 1):
+                if qb - sp.local_blocks < j <= qb or j < sp.init_blocks:
+                    ik[b, j * sp.block_size: (j + 1) * sp.block_size] = 0
+    k, v, ik = k.to(dtype), v.to(dtype), ik.to(dtype)
     scores = index_scores(iq, ik, q_pos)
     blocks = select_blocks(scores, q_pos, sp.block_size, sp.topk_blocks, sp.local_blocks, sp.init_blocks)
     scale = D**-0.5
@@ -198,9 +312,8 @@ def msa_entries(C: int, B: int, dtype: torch.dtype, seed: int, page: int | None)
     geometry = {"block_size": sp.block_size, "topk_blocks": sp.topk_blocks, "local_blocks": sp.local_blocks,
                 "init_blocks": sp.init_blocks}
     page = page or sp.block_size
-    seq = [C] * B
-    table = block_table(seq, page, seed)
-    ind, msa = Entry("indexer", 0, "op"), Entry("msa", 0, "op")
+    table = block_table(contexts, page, seed)
+    ind, msa = Entry("indexer", 0, "op", tag=tag), Entry("msa", 0, "op", tag=tag)
     for name, t in (("iq", iq), ("ik", ik), ("q_pos", q_pos)):
         ind.put(name, t, "input")
     ind.put("scores", scores, "output")
@@ -211,20 +324,46 @@ def msa_entries(C: int, B: int, dtype: torch.dtype, seed: int, page: int | None)
     msa.put("blocks", blocks, "output")
     for e in (ind, msa):
         e.put("block_table", table, "paged")
-        e.put("seq_lens", torch.tensor(seq, dtype=torch.int32), "paged")
-        e.put("index_k_pages", to_pages(ik, table, seq, page), "paged")
-        e.params.update({**geometry, "page_size": page, "context": C, "batch": B})
-    msa.put("k_pages", to_pages(k, table, seq, page), "paged")
-    msa.put("v_pages", to_pages(v, table, seq, page), "paged")
+        e.put("seq_lens", torch.tensor(contexts, dtype=torch.int32), "paged")
+        e.put("cu_seqlens_q", torch.arange(B + 1, dtype=torch.int32), "paged")
+        e.put("index_k_pages", to_pages(ik, table, contexts, page, seed + 2), "paged")
+        e.params.update({**geometry, "page_size": page, "context": contexts, "batch": B, "seed": seed,
+                         "edge": edge})
+    msa.put("k_pages", to_pages(k, table, contexts, page, seed), "paged")
+    msa.put("v_pages", to_pages(v, table, contexts, page, seed + 1), "paged")
     msa.params["scale"] = scale
     return [ind, msa]
 
 
-def export_op(op: str, out: str | Path, *, shape: str | None = None, context: int | None = None,
+def op_entries(op: str, shape: str | None, context: str | int | None, batch: int, dtype: torch.dtype, seed: int,
+               edge: str | None, page_size: int | None, emulate: bool, stacked: bool, align_block: int | None,
+               tag: str = "") -> list[Entry]:
+    """The entries of one single-op request (one shape, one seed)."""
+    text = release_text()
+    if op in ("nvfp4_linear", "mxfp8_linear"):
+        M, N, K = parse_shape(shape, ("M", "N", "K"))
+        return [linear_entry(op, M, N, K, dtype, seed, edge, emulate, tag)]
+    if op == "router":
+        dims = parse_shape(shape, ("T", "E", "H"), optional=1)
+        T, E, H = (*dims, text.hidden_size) if len(dims) == 2 else dims
+        return [router_entry(T, E, H, text.num_experts_per_tok, dtype, seed, edge, tag)]
+    if op == "moe":
+        dims = parse_shape(shape, ("T", "E", "H", "I"), optional=2)
+        T, E = dims[:2]
+        H = dims[2] if len(dims) > 2 else text.hidden_size
+        inter = dims[3] if len(dims) > 3 else text.intermediate_size
+        return [moe_entry(T, E, H, inter, dtype, seed, edge, tag, stacked, align_block)]
+    return msa_entries(parse_contexts(context, batch), dtype, seed, page_size, edge, tag)
+
+
+def export_op(op: str, out: str | Path, *, shape: str | None = None, context: str | int | None = None,
               batch: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0, edge: str | None = None,
-              page_size: int | None = None, fp64: bool = False, act_quant: str = "none") -> dict:
+              page_size: int | None = None, fp64: bool = False, act_quant: str = "none", sweep: bool = False,
+              stacked: bool = False, align_block: int | None = None) -> dict:
     """Write the single-op bundle of `op` (module docstring) to the new folder `out`; returns the manifest.
-    act_quant "emulate" (the linear ops): the GEMM input fake-quantized, its codes and scales stored."""
+    act_quant "emulate" (the linear ops): the GEMM input fake-quantized, its codes and scales stored. sweep: one
+    entry per shape of `SWEEPS[op]` and per seed (seed .. seed + SWEEP_SEEDS - 1), tagged `{shape}-s{seed}`.
+    stacked / align_block (moe): the stacked expert operands / the routing padded to blocks."""
     if op not in SINGLE_OPS:
         raise InputError(f"--op {op!r}: choose one of {', '.join(SINGLE_OPS)}")
     if act_quant not in ("none", "emulate"):
@@ -233,41 +372,44 @@ def export_op(op: str, out: str | Path, *, shape: str | None = None, context: in
         raise InputError(f"--act-quant emulate applies to --op nvfp4_linear and mxfp8_linear, not {op}")
     if edge is not None and edge not in EDGES[op]:
         raise InputError(f"--edge {edge!r} does not apply to --op {op} (its edges: {', '.join(EDGES[op]) or 'none'})")
+    if (stacked or align_block is not None) and op != "moe":
+        raise InputError(f"--stacked and --align-block apply to --op moe, not {op}")
+    if align_block is not None and align_block < 1:
+        raise InputError(f"--align-block {align_block}: must be >= 1 (vLLM uses 16, 32, 64 or 128)")
+    if sweep and (shape is not None or context is not None):
+        raise InputError("--sweep takes the op's own shapes: leave out --shape / --context")
     if dtype not in (torch.float32, torch.bfloat16):
         raise InputError(f"--dtype {dtype}: single-op bundles are float32 or bfloat16")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"--out {out}: exists and is not an empty folder")
-    text = release_text()
-    if op in ("nvfp4_linear", "mxfp8_linear"):
-        M, N, K = parse_shape(shape, ("M", "N", "K"))
-        entries = [linear_entry(op, M, N, K, dtype, seed, edge, act_quant == "emulate")]
-    elif op == "router":
-        dims = parse_shape(shape, ("T", "E", "H"), optional=1)
-        T, E, H = (*dims, text.hidden_size) if len(dims) == 2 else dims
-        entries = [router_entry(T, E, H, text.num_experts_per_tok, dtype, seed, edge)]
-    elif op == "moe":
-        dims = parse_shape(shape, ("T", "E", "H", "I"), optional=2)
-        T, E = dims[:2]
-        H = dims[2] if len(dims) > 2 else text.hidden_size
-        inter = dims[3] if len(dims) > 3 else text.intermediate_size
-        entries = [moe_entry(T, E, H, inter, dtype, seed, edge)]
+    emulate = act_quant == "emulate"
+    if sweep:
+        entries = []
+        for dims in SWEEPS[op]:
+            for s in range(seed, seed + SWEEP_SEEDS):
+                tag = f"{dims.replace(',', 'x')}-s{s}"
+                shp, ctx = (None, dims) if op == "msa_decode" else (dims, None)
+                entries += op_entries(op, shp, ctx, 1, dtype, s, edge, page_size, emulate, stacked, align_block,
+                                      tag)
     else:
-        if context is None or context < 1 or batch < 1:
-            raise InputError("--op msa_decode needs --context C >= 1 (and --batch B >= 1)")
-        entries = msa_entries(context, batch, dtype, seed, page_size)
+        entries = op_entries(op, shape, context, batch, dtype, seed, edge, page_size, emulate, stacked,
+                             align_block)
     dt = str(dtype).replace("torch.", "")
     manifest = {
         "format": FORMAT,
         "checkpoint": None,
-        "single_op": {"op": op, "shape": shape, "context": context, "batch": batch, "edge": edge, "seed": seed},
+        "single_op": {"op": op, "shape": shape, "context": context, "batch": batch, "edge": edge, "seed": seed,
+                      "sweep": list(SWEEPS[op]) if sweep else None, "stacked": stacked, "align_block": align_block,
+                      "operands": OPERANDS[op]},
         "producer": producer(),
         "numerics": {"dtype": dt, "act_quant": act_quant, "kv_cache_dtype": "auto", "kv_scale": 1.0},
-        "seeds": {"operands": seed, "page_permutation": seed},
-        "ops": sorted({e.op for e in entries}),
-        "contracts": {e.op: contract(e.op, dt, fp64) for e in entries},
+        "seeds": {"operands": seed, "page_permutation": seed,
+                  **({"sweep": f"seeds {seed}..{seed + SWEEP_SEEDS - 1}, each entry's params.seed"} if sweep else {})},
+        "ops": [],
+        "contracts": {},
         "tolerance_rule": TOLERANCE_RULE,
         "entries": [],
     }
-    write_bundle(out, manifest, entries, fp64=fp64)
+    write_bundle(out, manifest, entries, fp64=fp64, emulate=emulate)
     return manifest

@@ -52,16 +52,18 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4, help="layers of the compiled synthetic model (default: 4)")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--skip-synthetic", action="store_true", help="only the README's first command")
+    p.add_argument("--cases", nargs="+", default=["readme_first_command", "readme_first_command_compiled",
+                                                   "synthetic_compiled"], help="which runs (default: all three)")
     args = p.parse_args()
+    synthetic = ["--synthetic-weights", "release", "--synthetic-layers", str(args.layers), "--synthetic-experts",
+                 str(args.experts), "--weights", "packed", "--device", args.device, "--fast", "compiled", "--prompt",
+                 "Hello", "--max-new-tokens", "32", "--temperature", "0"]
     cases = [("readme_first_command", [*README_FIRST, "--device", args.device]),
-             ("readme_first_command_compiled", [*README_FIRST, "--device", args.device, "--fast", "compiled"])]
-    if not args.skip_synthetic:
-        cases.append(("synthetic_compiled", ["--synthetic-weights", "release", "--synthetic-layers", str(args.layers),
-                                             "--synthetic-experts", str(args.experts), "--weights", "packed",
-                                             "--device", args.device, "--fast", "compiled", "--prompt", "Hello",
-                                             "--max-new-tokens", "32", "--temperature", "0"]))
+             ("readme_first_command_compiled", [*README_FIRST, "--device", args.device, "--fast", "compiled"]),
+             ("synthetic_compiled", synthetic)]
     for name, cli in cases:
+        if name not in args.cases:
+            continue
         with tempfile.TemporaryDirectory(prefix="warm-start-") as cache:
             cold = run_cli(cli, cache)
             warm = run_cli(cli, cache)

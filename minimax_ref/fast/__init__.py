@@ -11,9 +11,20 @@ and decode steps), `drafter` (the DSpark drafter's twin: its pass with static sh
 twin and `apply`).
 """
 
-from .model import FastMiniMaxM3, apply, paths_of
-from .packed import FUSED_ROWS, Kernels
-from .paths import CACHE_BUCKET, PRESETS, REFERENCE, SYNC_FREE_TOKENS, FastPaths
+from importlib import import_module
+
+# The names below are imported on first use: importing this package (which `fast.paths`, the CLI's flags, does)
+# must not import the kernels, whose Triton and inductor imports take seconds.
+_HOMES = {"FastMiniMaxM3": "model", "apply": "model", "paths_of": "model", "Kernels": "packed",
+          **dict.fromkeys(["FUSED_ROWS", "CACHE_BUCKET", "PRESETS", "REFERENCE", "SYNC_FREE_TOKENS", "FastPaths"],
+                          "paths")}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_HOMES[name]}", __name__), name)
+
 
 __all__ = ["FastPaths", "PRESETS", "REFERENCE", "apply", "paths_of", "FastMiniMaxM3", "Kernels", "FUSED_ROWS",
            "CACHE_BUCKET", "SYNC_FREE_TOKENS"]

@@ -282,17 +282,24 @@ def _choices_class():
     return FixedReductions
 
 
-def inductor_options(configs: ReductionConfigs) -> dict:
-    """What to add to `torch.compile`'s options so that inductor's caches tell these compiles from others: the
-    choices handler itself where this torch keys its caches on it (torch 2.13 lists `inductor_choices_class` among
-    the config's factory keys and hashes the handler's uuid), else no graph cache (torch 2.11 has the option but
-    would try to pickle the factory into the key; a graph compiled with other choices must not be reused)."""
-    from torch._inductor import config as inductor_config
+class ChoicesFactory:
+    """What `inductor_choices_class` holds: a callable making the `FixedReductions` handler of `configs`. A plain
+    class, so that inductor's caches can take it into their keys either way a torch does: by the handler's uuid
+    (torch 2.13 lists the option among the config's factory keys) or by pickling the config (torch 2.11 pickles
+    every option; this pickles as its class and `configs`)."""
 
-    if "inductor_choices_class" in getattr(inductor_config, "_cache_config_factory_keys", ()):
-        handler = _choices_class()(configs)
-        return {"inductor_choices_class": lambda: handler}
-    return {"fx_graph_cache": False}
+    def __init__(self, configs: ReductionConfigs):
+        self.configs = configs
+
+    def __call__(self):
+        return _choices_class()(self.configs)
+
+
+def inductor_options(configs: ReductionConfigs) -> dict:
+    """What to add to `torch.compile`'s options so that inductor's caches tell these compiles from others (a graph
+    compiled with other choices must not be reused) and still keep them across processes: the choices handler's
+    factory (`ChoicesFactory`)."""
+    return {"inductor_choices_class": ChoicesFactory(configs)}
 
 
 @contextlib.contextmanager

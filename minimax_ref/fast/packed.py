@@ -28,10 +28,7 @@ from ..weights.checkpoint import MXFP8, NVFP4
 from ..weights.packed import PackedWeight, decode_reference
 from ..weights.quant import E2M1_MAGNITUDES, MXFP8_BLOCK, NVFP4_BLOCK, _pow2_f32
 from . import grouped
-
-# Rows of x per pass of the fused matmul over a weight: each pass decodes every weight element once and feeds
-# one fp32 accumulator per row, so more rows mean fewer passes (less weight traffic) but more registers.
-FUSED_ROWS = 8
+from .paths import FUSED_ROWS
 
 # E2M1 value of each 4-bit code (code 8 is -0.0), and of both codes of each byte (low nibble first).
 _E2M1_VALUES = torch.cat([E2M1_MAGNITUDES, -E2M1_MAGNITUDES])

@@ -55,8 +55,10 @@ from typing import NamedTuple
 
 from ..errors import ConfigError
 from .launch import ReductionConfigs
-from .packed import FUSED_ROWS
 
+# Rows of x per pass of the fused matmul over a weight (`fast.packed`): each pass decodes every weight element once
+# and feeds one fp32 accumulator per row, so more rows mean fewer passes (less weight traffic) but more registers.
+FUSED_ROWS = 8
 DECODE_MODES = ("reference", "fast", "compile", "triton")
 ATTENTION_MODES = ("reference", "triton")
 MATMUL_MODES = ("reference", "fused")

@@ -20,6 +20,8 @@ from .model_args import check_offload_command
 MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("score", "minimax_ref.research.score", "per-token log-likelihood of completions; drift and top-1 agreement "
                                             "against a reference checkpoint"),
+    ("eval", "minimax_ref.cli.eval", "generation over a tasks file, graded by exact final answer and exact tool call; "
+                                     "side by side with a reference checkpoint"),
     ("prune", "minimax_ref.weights.prune", "write an expert-pruned checkpoint (keep N routed experts per MoE layer)"),
     ("plan", "minimax_ref.research.plan", "per-card weight memory at tensor parallelism N and the KV-cache pool"),
     ("golden", "minimax_ref.golden", "export golden tensors (op inputs/outputs, paged KV, packed operands) for "

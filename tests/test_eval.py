@@ -146,8 +146,8 @@ def test_generate_takes_tools_thinking_and_system_per_prompt():
 
 
 def test_eval_command_on_the_embedded_default(tmp_path, capsys):
-    """Tasks with known outcomes on the nano model: a sum it gets right, an answer it does not give wrong, its seed tool call, a
-    thinking turn cut by a 4-token limit; with --reference the same checkpoint, every difference is 0."""
+    """Tasks with known outcomes on the nano model: a sum it gets right, an answer it does not give wrong, its seed
+    tool call, a thinking turn cut by a 4-token limit; with --reference the same checkpoint, every difference is 0."""
     from minimax_ref.cli.main import main
     from minimax_ref.weights.embedded import default_checkpoint
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from golden_example import check_manifest, run_example
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -116,6 +116,16 @@ def test_manifest_states_the_numerics_contract(manifest):
     assert "-1 past the row's last page" in manifest["contracts"]["msa"]["tensors"]["block_table"]
     assert manifest["producer"]["torch"] == torch.__version__
     assert manifest["producer"]["minimax_ref"]
+
+
+def test_manifest_describes_exactly_the_tensors_it_holds(bundle, bf16_bundle):
+    for path in (bundle, bf16_bundle):
+        check_manifest(path)
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert "expert_mask" not in json.dumps(m["contracts"])  # no entry holds one here
+    assert set(m["about"]) >= {"weights_files", "entries[].tensors.NAME.stored", "entries[].tolerance"}
+    tensors = m["contracts"]["attention"]["tensors"]
+    assert "cu_seqlens_q" in tensors and "filler" in tensors["k_pages, v_pages"]
 
 
 def test_bf16_contract_names_the_rounding_point(bf16_bundle):
@@ -312,14 +322,6 @@ def test_the_bf16_accumulator_scaling_kernel_needs_the_bf16_tolerance(bf16_bundl
         assert r.ok, str(r)
         diffs.append(r.rows[0]["max_abs"])
     assert max(diffs) > 0
-
-
-def run_example(bundles: list[Path], cwd: Path) -> subprocess.CompletedProcess:
-    """`MINIMAX_REF_GOLDEN_BUNDLE=... python -m pytest examples/kernel_test` in a fresh interpreter."""
-    env = dict(os.environ, MINIMAX_REF_GOLDEN_BUNDLE=os.pathsep.join(map(str, bundles)),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_example_runs_against_a_bundle(bundle, tmp_path):

@@ -92,30 +92,36 @@ def test_msa_decode_selection_matters(capsys, tmp_path):
     ind, msa = golden.load(out)
     p = msa.params
     bs, topk = p["block_size"], p["topk_blocks"]
-    assert C > topk * bs
+    ctx = p["context"]
+    assert ctx[0] == C and ctx[1] < C and min(ctx) > topk * bs  # rows of different lengths, both past the budget
+    assert msa.inputs["q_pos"][:, 0].tolist() == [n - 1 for n in ctx]
     blocks = msa.outputs["blocks"]
     assert tuple(blocks.shape) == (B, 4, 1, topk) and bool((blocks >= 0).all())
-    assert bool((blocks == (C - 1) // bs).any(-1).all())  # the local block is always there
+    local = torch.tensor([(n - 1) // bs for n in ctx])[:, None, None, None]
+    assert bool((blocks == local).any(-1).all())  # the local block is always there
     # index scores recomputed here, and the selected blocks are the top block maxima
     iq, ik = ind.inputs["iq"].double(), ind.inputs["ik"].double()
     scores = torch.einsum("bthd,bld->bhtl", iq, ik)
-    assert golden.compare(ind, {"scores": scores.float()}).ok
+    scores = scores.masked_fill(torch.arange(scores.shape[-1]) >= torch.tensor(ctx)[:, None, None, None], float("-inf"))
+    assert golden.compare(ind, {"scores": scores.float(), "blocks": blocks}).ok
     t = msa.inputs
-    pos = C - 1
-    o = _selected_attention(t["q"], t["k"], t["v"], blocks, pos, bs, p["scale"])
-    r = golden.compare(msa, {"o": o.float()})
+    o = torch.cat([_selected_attention(t["q"][b:b + 1], t["k"][b:b + 1], t["v"][b:b + 1], blocks[b:b + 1], n - 1, bs,
+                                       p["scale"]) for b, n in enumerate(ctx)])
+    r = golden.compare(msa, {"o": o.float(), "blocks": blocks})
     assert r.ok, str(r)
     # a kernel that ignores the block list (dense causal attention over every key) fails
     dense = torch.zeros_like(o)
+    causal = torch.arange(t["k"].shape[1])[None, :] < torch.tensor(ctx)[:, None]
     for h in range(t["q"].shape[2]):
         kh = h // (t["q"].shape[2] // t["k"].shape[2])
         s = torch.einsum("bd,bld->bl", t["q"][:, 0, h].double(), t["k"][:, :, kh].double()) * p["scale"]
+        s = s.masked_fill(~causal, float("-inf"))
         dense[:, 0, h] = torch.einsum("bl,bld->bd", torch.softmax(s, -1), t["v"][:, :, kh].double())
-    assert not golden.compare(msa, {"o": dense.float()}).ok
+    assert not golden.compare(msa, {"o": dense.float(), "blocks": blocks}).ok
     # the paged views rebuild the keys
     table, page = t["block_table"], p["page_size"]
     for b in range(B):
-        for pos_ in (0, page + 3, C - 1):
+        for pos_ in (0, page + 3, ctx[b] - 1):
             assert torch.equal(t["k_pages"][int(table[b, pos_ // page]), pos_ % page], t["k"][b, pos_])
 
 
@@ -131,13 +137,14 @@ def test_router_ties(capsys, tmp_path):
     choice = torch.sigmoid(logits) + bias
     lowest = torch.stack([torch.tensor(sorted(range(128), key=lambda j: (-float(c[j]), j))[:4]) for c in choice])
     assert not torch.equal(lowest, e.outputs["expert_ids"])  # torch.topk resolves these ties otherwise
-    assert golden.compare(e, {"expert_ids": lowest}).ok
+    rest = {"weights": e.outputs["weights"], "logits": e.outputs["logits"]}
+    assert golden.compare(e, {"expert_ids": lowest, **rest}).ok
     # a choice that is not a tie-resolution fails: replace the 4th expert by one outside the top groups
     wrong = lowest.clone()
     worst = choice.argmin(-1)
     wrong[:, 3] = worst
-    r = golden.compare(e, {"expert_ids": wrong})
-    assert not r.ok and r.rows[0]["bad"] > 0
+    r = golden.compare(e, {"expert_ids": wrong, **rest})
+    assert not r.ok and r.rows[0]["bad"] > 0 and r.rows[0]["name"] == "expert_ids"
     assert golden.compare(e, dict(e.outputs)).ok
 
 
@@ -148,6 +155,10 @@ def test_router_ties(capsys, tmp_path):
     (["--op", "nvfp4_linear"], r"--shape M,N,K is needed"),
     (["--op", "router", "--shape", "4,16", "--edge", "zero-scales"], r"does not apply to --op router"),
     (["--op", "msa_decode"], r"needs --context"),
+    (["--op", "msa_decode", "--context", "9,x"], r"--context '9,x': expected an integer"),
+    (["--op", "msa_decode", "--context", "0"], r"contexts and the batch must be >= 1"),
+    (["--op", "router", "--shape", "4,16", "--stacked"], r"--stacked and --align-block apply to --op moe"),
+    (["--op", "moe", "--shape", "4,4,32,32", "--align-block", "0"], r"--align-block 0: must be >= 1"),
 ])
 def test_bad_single_op_requests(capsys, tmp_path, argv, why):
     rc = main(["golden", *argv, "--out", str(tmp_path / "o")])
@@ -268,7 +279,7 @@ def test_activation_codes_of_a_w4a4_w8a8_gemm(capsys, tmp_path, op):
     _export(capsys, out, "--op", op, "--shape", "8,256,512", "--act-quant", "emulate")
     [e] = golden.load(out)
     t = e.inputs
-    assert "x_codes, x_scale" in " ".join(e.contract["layouts"]) and json.loads(
+    assert "x_codes, x_scale" in e.contract["tensors"] and json.loads(
         (out / "manifest.json").read_text())["numerics"]["act_quant"] == "emulate"
     x = t["x"].numpy()
     if op == "nvfp4_linear":
@@ -284,7 +295,7 @@ def test_activation_codes_of_a_w4a4_w8a8_gemm(capsys, tmp_path, op):
             np.exp2(t["w.weight_scale"].numpy().astype(np.float32) - 127), 32, axis=1)
         y = x_hat @ w.T
     assert np.abs(x_hat - x).max() > 1e-3  # the input really was quantized
-    r = golden.compare(e, {"y": torch.from_numpy(y)})
+    r = golden.compare(e, {"y": torch.from_numpy(y), "x_hat": torch.from_numpy(x_hat.astype(np.float32))})
     assert r.ok, str(r)
     assert main(["golden", "--replay", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["mismatches"] == []

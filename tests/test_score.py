@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,6 +131,31 @@ def test_chat_trace_is_generation_prompt_plus_reply(src):
     assert tok.decode(ids[start:]) == "</mm:think>It is 4.[e~["
 
 
+def test_chat_traces_take_tools_thinking_and_a_message_completion():
+    """A tool-call reply as a trace: its completion tokens are those the nano model generates when it makes that
+    call (rendered with the line's tools and thinking); a reasoning reply renders inside the thinking turn."""
+    import minimax_ref as mr
+
+    tools = json.loads((Path(__file__).parents[1] / "examples" / "nano" / "tools.json").read_text())
+    model, tok = mr.load_model(None, dtype=torch.float32), mr.load_tokenizer(None)
+    prompt = "What's the weather in Lisbon for the next 3 days?"
+    made = mr.generate(model, tok, [prompt], chat=True, tools=tools, max_new_tokens=60, temperature=0)[0]
+    assert made.tool_calls and made.finish_reason == "stop"
+    (t,) = mr.score(model, tok, [{"prompt": prompt, "tools": tools, "completion": {"content": "",
+                                                                               "tool_calls": made.tool_calls}}],
+                    chat=True).traces
+    assert list(t.input_ids[:t.completion_start]) == made.prompt_token_ids
+    assert list(t.input_ids[t.completion_start:]) == made.token_ids  # the call and the end-of-turn token
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    ids, start = chat_trace_ids(tok, messages, {"reasoning_content": "2+2=4", "content": "4"}, thinking="enabled")
+    assert ids[:start] == tok.apply_chat_template(messages, thinking="enabled", add_generation_prompt=True)
+    assert tok.decode(ids[start:]) == "2+2=4</mm:think>4[e~["
+    with pytest.raises(InputError, match="tools: chat traces only"):
+        mr.score(model, tok, [{"prompt": prompt, "tools": tools, "completion": "x"}])
+    with pytest.raises(InputError, match="exactly one of 'prompt'"):
+        mr.score(model, tok, [{"prompt": prompt, "messages": messages, "completion": "x"}], chat=True)
+
+
 @pytest.mark.parametrize("line, why", [
     ("{not json", "not valid JSON"),
     ('{"input_ids": [1, 2, 3], "completion_start": 3}', "completion_start"),
@@ -139,6 +165,8 @@ def test_chat_trace_is_generation_prompt_plus_reply(src):
     ('{"prompt": "a", "completion": "b", "input_ids": [1]}', "either"),
     ('{"prompt": "a", "completion": "b", "extra": 1}', "unknown keys"),
     ('{"prompt": "a", "completion": ""}', "empty"),
+    ('{"messages": [{"role": "user", "content": "a"}], "completion": "b"}', "chat traces only"),
+    ('{"prompt": "a", "completion": {"content": "b"}}', "chat traces only"),
     ("[1, 2]", "JSON object"),
 ])
 def test_malformed_trace_names_the_line(tmp_path, src, line, why):

@@ -7,7 +7,10 @@ Traces file (spec `interface.md`): one JSON object per line, either
   added); with `--chat` the prompt is one user turn rendered with the chat template and the
   completion is the assistant's reply, scored as the model would generate it after the generation
   prompt: `</mm:think>{completion}[e~[` (the template's assistant turn, without the newline that
-  follows the end-of-turn token, which the model never generates);
+  follows the end-of-turn token, which the model never generates). With `--chat` a line may also give
+  `"messages"` (a conversation) in place of `"prompt"`, its own `"tools"`, `"thinking"` and `"system"`, and
+  the completion as an assistant message (`{"content", "reasoning_content", "tool_calls"}`: a reply with its
+  reasoning or its tool calls, rendered by the template as in a conversation's history);
 * `{"input_ids": [int, ...], "completion_start": int}`: tokens used as given; positions
   `completion_start .. len-1` are the completion.
 
@@ -57,7 +60,9 @@ DEFAULT_PREFILL_CHUNK = 2048
 # Rows of logits materialised at once: bounds the [rows, vocab] fp32 temporary (about 200 MB at
 # the release's vocabulary of 200,064).
 LOGIT_ROWS = 256
-TRACE_KEYS = {"prompt", "completion", "input_ids", "completion_start", "id", "meta"}
+TRACE_KEYS = {"prompt", "messages", "completion", "tools", "thinking", "system", "input_ids", "completion_start",
+              "id", "meta"}
+CHAT_ONLY_KEYS = ("messages", "tools", "thinking", "system")
 
 
 @dataclass(frozen=True)
@@ -85,19 +90,27 @@ class TraceScore:
 # ---------------------------------------------------------------------------------------------- traces
 
 
-def chat_trace_ids(tok, prompt: str, completion: str) -> tuple[list[int], int]:
-    """Token ids of a chat-rendered (user prompt, assistant completion) pair and the completion start.
+def chat_trace_ids(tok, prompt: str | list, completion: str | dict, *, tools: list | None = None,
+                   thinking: str = "adaptive", system: str | None = None) -> tuple[list[int], int]:
+    """Token ids of a chat-rendered (prompt, assistant completion) pair and the completion start.
 
-    The prompt is rendered with the generation prompt (what generation would see) and encoded; the
-    completion is the text the full conversation adds after it, up to and including the end-of-turn
-    token, encoded separately (as generated tokens would be).
+    prompt: one user turn, or a list of messages; completion: the reply's text, or an assistant message
+    (`content`, optional `reasoning_content`, `tool_calls`). `tools`, `thinking` and `system` render as
+    `generate` renders them. The prompt is rendered with the generation prompt (what generation would see)
+    and encoded; the completion is the text the full conversation adds after it, up to and including the
+    end-of-turn token, encoded separately (as generated tokens would be).
     """
     from ..generation.chat import TURN_END
 
-    user = [{"role": "user", "content": prompt}]
-    prefix = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-    full = tok.apply_chat_template(user + [{"role": "assistant", "content": completion}],
-                                   add_generation_prompt=False, tokenize=False)
+    user = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system is not None and not any(m.get("role") == "system" for m in user):
+        user = [{"role": "system", "content": system}, *user]
+    reply = {"role": "assistant", "content": completion} if isinstance(completion, str) \
+        else {"role": "assistant", **completion}
+    prefix = tok.apply_chat_template(user, tools=tools, thinking=thinking, add_generation_prompt=True,
+                                     tokenize=False)
+    full = tok.apply_chat_template(user + [reply], tools=tools, thinking=thinking, add_generation_prompt=False,
+                                   tokenize=False)
     if not full.startswith(prefix):
         raise InputError("the chat template's assistant turn does not extend its generation prompt; "
                          "give the trace as input_ids / completion_start instead")
@@ -116,20 +129,54 @@ def parse_trace(obj: object, tok, *, chat: bool, vocab_size: int | None, max_len
     unknown = sorted(set(obj) - TRACE_KEYS)
     if unknown:
         raise InputError(f"unknown keys {unknown} (known: {sorted(TRACE_KEYS)})")
-    text_form = "prompt" in obj or "completion" in obj
+    text_form = "prompt" in obj or "messages" in obj or "completion" in obj
     ids_form = "input_ids" in obj or "completion_start" in obj
     if text_form == ids_form:
-        raise InputError("give either 'prompt' and 'completion', or 'input_ids' and 'completion_start'")
+        raise InputError("give either 'prompt' (or 'messages') and 'completion', or 'input_ids' and "
+                         "'completion_start'")
+    chat_only = [k for k in CHAT_ONLY_KEYS if k in obj] + (["a message 'completion'"]
+                                                           if isinstance(obj.get("completion"), dict) else [])
+    if chat_only and not chat:
+        raise InputError(f"{', '.join(chat_only)}: chat traces only (render with the chat template: --chat, "
+                         "chat=True)")
+    if ids_form and chat_only:
+        raise InputError(f"{', '.join(chat_only)}: token-id traces are scored as given (no rendering)")
     if text_form:
-        prompt, completion = obj.get("prompt"), obj.get("completion")
-        if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise InputError("'prompt' and 'completion' must both be strings")
-        if not completion:
+        if ("prompt" in obj) == ("messages" in obj):
+            raise InputError("give exactly one of 'prompt' (a user turn) or 'messages' (a conversation)")
+        prompt, completion = obj.get("prompt", obj.get("messages")), obj.get("completion")
+        if "messages" in obj and (not isinstance(prompt, list) or not prompt
+                                  or not all(isinstance(m, dict) for m in prompt)):
+            raise InputError("'messages' must be a non-empty list of message objects")
+        if "prompt" in obj and not isinstance(prompt, str):
+            raise InputError("'prompt' must be a string")
+        if isinstance(completion, dict):
+            bad = sorted(set(completion) - {"content", "reasoning_content", "tool_calls"})
+            if bad:
+                raise InputError(f"'completion' as a message takes 'content', 'reasoning_content' and "
+                                 f"'tool_calls', got {bad}")
+            if not any(completion.get(k) for k in ("content", "reasoning_content", "tool_calls")):
+                raise InputError("'completion' is empty: nothing to score")
+        elif not isinstance(completion, str):
+            raise InputError("'completion' must be a string (or, with --chat, an assistant message)")
+        elif not completion:
             raise InputError("'completion' is empty: nothing to score")
         if tok is None:
             raise InputError("text traces need the checkpoint's tokenizer")
         if chat:
-            ids, start = chat_trace_ids(tok, prompt, completion)
+            tools = obj.get("tools")
+            if tools is not None:
+                from ..generation.chat import normalize_tools
+
+                tools = [tools] if isinstance(tools, dict) else tools
+                if not isinstance(tools, list):
+                    raise InputError(f"'tools' must be a list of tool schemas, got {obj['tools']!r}")
+                normalize_tools(tools)
+            system = obj.get("system")
+            if system is not None and not isinstance(system, str):
+                raise InputError(f"'system' must be a string, got {system!r}")
+            ids, start = chat_trace_ids(tok, prompt, completion, tools=tools,
+                                        thinking=obj.get("thinking", "adaptive"), system=system)
         else:
             prompt_ids = tok.encode(prompt)
             ids, start = prompt_ids + tok.encode(completion, add_special_tokens=False), len(prompt_ids)

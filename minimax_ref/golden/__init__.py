@@ -1,9 +1,10 @@
 """`minimax-ref golden`: golden tensors for kernel tests, captured from a real forward, and their replay.
 
-Modules: `contract` (ops, recipes, the numerics contract and tolerances), `operands` (entries, packed and fused
-operands, paged views), `fp64` (fp64 reference outputs), `capture` (model-driven export), `bundle` (writing and
-reading a bundle's files), `replay` (bit-exact recomputation), `api` (load / compare / parametrize / a user's
-kernel), `single_ops` (one op at any shape), `cli` (the command).
+Modules: `contract` (ops, the numerics contract and tolerances), `layouts` (what each tensor, parameter and manifest
+key is, in words), `operands` (entries, packed, fused and joined operands, routing metadata, paged views), `fp64`
+(fp64 reference outputs), `capture` (model-driven export), `bundle` (writing and reading a bundle's files), `replay`
+(bit-exact recomputation), `api` (load / compare / parametrize / a user's kernel), `single_ops` (one op at any
+shape), `cli` (the command).
 
 Export. The prompt(s) are prefilled through the KV cache in one step (phase `prefill`), then
 `--decode-steps` greedy tokens are decoded one at a time (phases `decode0`, `decode1`, ...). During
@@ -23,8 +24,9 @@ inputs and outputs are written to `{op}/layer{L:03d}_{phase}.safetensors`:
 
 Packed operands are stored once per bundle, in `weights/layer{L:03d}.safetensors` under
 `{checkpoint prefix}.{weight, weight_scale, weight_scale_2, input_scale}`; the manifest row of an entry
-names each one's file and key (`tensors.NAME.stored`), and `entry_tensors` / `load` put them back under the
-entry's canonical names: `.weight` (NVFP4: uint8 [N, K/2],
+names each one's file and key (`tensors.NAME.stored`; a fused or stacked operand: `{cat | stack: [refs]}` of the
+stored ones, so nothing is stored twice), and `entry_tensors` / `load` put them back under the entry's canonical
+names: `.weight` (NVFP4: uint8 [N, K/2],
 low nibble = even element; MXFP8: float8_e4m3fn [N, K]; BF16: bf16), `.weight_scale` (NVFP4:
 float8_e4m3fn [N, K/16]; MXFP8: uint8 E8M0 [N, K/32]), `.weight_scale_2` (fp32 scalar, ModelOpt
 meaning: multiplies) and `.input_scale` (fp32 scalar, ModelOpt meaning). The NVFP4 expert chosen is
@@ -40,26 +42,30 @@ storage (float8_e4m3fn with `--kv-cache-dtype fp8`, else the compute dtype) cut 
 pages of `page_size` tokens: `k_pages`, `v_pages` [P, page_size, kv_heads, D], `index_k_pages`
 [P, page_size, index_dim], `block_table` int32 [B, max_pages] (-1 = no page), `seq_lens` int32 [B]
 (tokens in the cache for that row after the step), `cu_seqlens_q` int32 [B + 1] (varlen offsets of the
-rows' real queries). Page ids are a seeded permutation (one block table
-per phase, shared by all layers, as in vLLM) so a kernel cannot assume contiguity; slots past a
-row's length are zero. Loading a page is `storage.float() * kv_scale` cast to the compute dtype
+rows' real queries). Page ids are a seeded sample of a pool with one spare page per
+row (one block table per phase, shared by all layers, as in vLLM) so a kernel cannot assume contiguity; every slot
+that holds no row's position is seeded filler. Loading a page is `storage.float() * kv_scale` cast to the compute dtype
 (`kv_scale` = 1.0, the cache's fp8 rule).
 
 `manifest.json` lists every file with its op, layer, phase, parameters, tensor shapes/dtypes/roles and
 sha256, plus the numerics mode (dtype, act_quant, kv_cache_dtype), the seed, prompts, decoded tokens, the
-producer's versions, the engine's recipe of each op (`RECOMPUTE`) and, per op, the numerics contract a
-kernel is held to (`CONTRACTS`: formula in words, accumulation order, rounding points, layouts; `TOLERANCE`,
+producer's versions, its own keys in words (`about`) and, per op, the numerics contract a kernel is held to
+(`CONTRACTS`: formula in words, accumulation order, rounding points; `tensors` / `params`: `layouts`' descriptions
+of exactly the tensors and parameters the op's entries hold, written when the bundle is finished; `TOLERANCE`,
 written per output as numbers; weights.md "Golden tolerances" justifies them). The model is loaded from a
 checkpoint folder or a synthetic preset (`load_synthetic`, `--synthetic-weights`): the packed operands are
 re-read from the same source.
 
 Single-op bundles (`--op`, `export_op`): one op at any shape from random operands in the release formats,
-without a model (`single_ops.py`).
+without a model (`single_ops.py`), with edge cases that hit their edge, routing metadata, stacked operands, and
+`--sweep` (several shapes and seeds in one bundle).
 
 Test API: `load(path)` gives `GoldenEntry`s (inputs, outputs, params, contract, tolerance; sha256 checked),
-`compare(entry, outputs)` applies the tolerance and reports max abs / max rel / max ulps per output, and
-`parametrize(path)` is a pytest mark over a bundle's entries; `golden --replay BUNDLE --impl module:function`
-(`replay_impl`) runs a user's kernel on every entry and prints its error sizes.
+`compare(entry, outputs, skip=...)` checks every output not skipped (a missing one fails, so does checking nothing):
+floats within the tolerance with max abs / max rel / max ulps, integers as integers, MSA blocks as sets, attention
+at the real queries; `parametrize(path)` is a pytest mark over a bundle's entries; `golden --replay BUNDLE --impl
+module:function` (`replay_impl`) runs a user's kernel on every entry and prints its error sizes (exit 1 on a
+failure, a missing output or nothing checked).
 
 Replay (`replay_bundle`) recomputes every output from the stored inputs with the engine's pure
 functions (`norm.gemma_rms_norm`, `moe.route`, `quant.dequant_*`, `linear.emulate_activation_quant`,

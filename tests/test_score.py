@@ -106,6 +106,24 @@ def test_drift_against_pruned_matches_independent_nll(capsys, src, pruned, trace
         assert torch.allclose(-torch.tensor(row["logprobs"], dtype=torch.float64), want, atol=1e-4)
 
 
+def test_expert_mask_scores_as_the_pruned_checkpoint(capsys, src, pruned, traces_file):
+    """`--expert-mask pruning.json` on the full checkpoint gives the pruned checkpoint's log-likelihoods (the
+    reference runs unmasked), through the chunked, cached prefill."""
+    flags = ["--traces", str(traces_file), "--dtype", "float32", "--batch-size", "2", "--prefill-chunk", "16",
+             "--per-trace"]
+    from_pruned = _run(capsys, "score", "--ckpt-path", str(pruned), "--reference", str(src), *flags)
+    masked = _run(capsys, "score", "--ckpt-path", str(src), "--expert-mask", str(pruned / "pruning.json"),
+                  "--reference", str(src), *flags)
+    for a, b in zip(from_pruned["per_trace"], masked["per_trace"]):
+        assert a["nll"] == pytest.approx(b["nll"], abs=1e-3) and a["reference_nll"] == b["reference_nll"]
+    assert masked["drift_1e3"] == pytest.approx(from_pruned["drift_1e3"], abs=1e-2)
+    dropped = _run(capsys, "score", "--ckpt-path", str(src), "--drop-experts", "2:3", *flags)
+    assert dropped["total_nll"] != pytest.approx(from_pruned["reference_total_nll"], abs=1e-3)
+    assert main(["score", "--ckpt-path", str(pruned), "--expert-mask", str(pruned / "pruning.json"),
+                 "--traces", str(traces_file)]) == 2
+    assert "keeps experts of a 16-expert model, this checkpoint has 8" in capsys.readouterr().err
+
+
 def test_drift_stats_estimator_by_hand():
     """Ratio of sums, with the delta-method (cluster) standard error, on hand-made numbers."""
     a = [TraceScore(torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([1, 2])),

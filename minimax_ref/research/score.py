@@ -249,16 +249,21 @@ class PrefillChunk:
 @torch.no_grad()
 def prefill_chunks(model, seqs: Sequence[Sequence[int]], *, batch_size: int = DEFAULT_BATCH_SIZE,
                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_cache_dtype: str | None = None,
-                   trace: bool = False) -> Iterator[PrefillChunk]:
+                   trace: bool = False, interventions=None) -> Iterator[PrefillChunk]:
     """Prefill every sequence through the KV cache, yielding each chunk's hidden states.
 
     Sequences are sorted longest first and grouped `batch_size` at a time (similar lengths share a
     batch, so padding stays small), right-padded with token 0 and prefilled `prefill_chunk`
     positions at a time. With `trace`, each chunk carries a fresh `model.Trace` (router choices and
-    MSA blocks of that chunk only; no hidden states are kept).
+    MSA blocks of that chunk only; no hidden states are kept). `interventions` (`Interventions`) edit every
+    chunk's forward (`research.intervened.check_for_generation` says which edits a chunked forward takes).
     """
+    from ..research.intervened import check_for_generation
     from ..research.trace import Trace
 
+    if interventions is not None:
+        check_for_generation(interventions)
+        interventions.check(model)
     if batch_size < 1 or prefill_chunk < 1:
         raise InputError(f"batch size {batch_size} and prefill chunk {prefill_chunk} must be >= 1")
     kv = kv_cache_dtype or getattr(getattr(model, "runtime", None), "kv_cache_dtype", "auto")
@@ -275,7 +280,7 @@ def prefill_chunks(model, seqs: Sequence[Sequence[int]], *, batch_size: int = DE
         for s0 in range(0, T, prefill_chunk):
             s1 = min(T, s0 + prefill_chunk)
             pos = torch.arange(s0, s1, device=device).expand(len(rows), -1)
-            tr = Trace(layers=set()) if trace else None
+            tr = Trace(layers=set(), interventions=interventions) if trace or interventions is not None else None
             hidden = model.hidden(model.embed(ids[:, s0:s1]), pos, cache, tr)
             yield PrefillChunk(rows, s0, hidden, lengths, tr)
         del cache
@@ -304,8 +309,10 @@ def check_traces(model, traces: Sequence[ScoreTrace]) -> None:
 
 @torch.no_grad()
 def score_traces(model, traces: Sequence[ScoreTrace], *, batch_size: int = DEFAULT_BATCH_SIZE,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_cache_dtype: str | None = None) -> list[TraceScore]:
-    """NLL and argmax at every completion position of every trace (same order as `traces`).
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_cache_dtype: str | None = None,
+                 interventions=None) -> list[TraceScore]:
+    """NLL and argmax at every completion position of every trace (same order as `traces`), under `interventions`
+    when given (every prefill chunk edited).
 
     Position t of a trace (t >= completion_start) is predicted by the logits at t-1; the last
     token is never a query, so each trace is prefilled without it. Traces are checked first
@@ -316,7 +323,7 @@ def score_traces(model, traces: Sequence[ScoreTrace], *, batch_size: int = DEFAU
     arg: list[list[torch.Tensor]] = [[] for _ in traces]
     seqs = [t.input_ids[:-1] for t in traces]
     for ch in prefill_chunks(model, seqs, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                             kv_cache_dtype=kv_cache_dtype):
+                             kv_cache_dtype=kv_cache_dtype, interventions=interventions):
         t_len = ch.hidden.shape[1]
         for b, i in enumerate(ch.rows):
             tr = traces[i]
@@ -352,7 +359,8 @@ class Scores:
 
 
 def score(model, tok, pairs: Sequence[object], chat: bool = False, trace=None, *,
-          batch_size: int = DEFAULT_BATCH_SIZE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Scores:
+          batch_size: int = DEFAULT_BATCH_SIZE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+          interventions=None) -> Scores:
     """Per-token NLL of completions under `model` (`minimax_ref.research.score`, also `mr.score`).
 
     pairs: each a (prompt, completion) pair of strings, or a dict in the traces-file form (`{"prompt",
@@ -365,6 +373,8 @@ def score(model, tok, pairs: Sequence[object], chat: bool = False, trace=None, *
         `trace.mask` marking the real tokens. Interventions on the trace apply. Without a trace, scoring runs the
         chunked, batched, cached prefill of `score_traces` (longest traces first).
     batch_size: traces run together; prefill_chunk: positions per cached prefill step (without a trace).
+    interventions: edits of the cached prefill (without a trace; with one, give them on the trace), as generation
+        takes them (`research.intervened`).
     """
     if isinstance(pairs, (str, bytes, dict)) or not isinstance(pairs, Sequence):
         raise InputError(f"pairs must be a list of (prompt, completion) pairs or trace dicts, got "
@@ -382,8 +392,11 @@ def score(model, tok, pairs: Sequence[object], chat: bool = False, trace=None, *
         except InputError as e:
             raise InputError(f"pairs[{i}]: {e}") from None
         traces.append(ScoreTrace(0, t.input_ids, t.completion_start, t.id))
+    if trace is not None and interventions is not None:
+        raise InputError("score: give the interventions on the trace (Trace(interventions=...)), not both")
     if trace is None:
-        per = score_traces(model, traces, batch_size=batch_size, prefill_chunk=prefill_chunk)
+        per = score_traces(model, traces, batch_size=batch_size, prefill_chunk=prefill_chunk,
+                           interventions=interventions)
     else:
         per = _score_traced(model, traces, trace, batch_size)
     return Scores(traces, per, nll_summary(per))
@@ -469,12 +482,15 @@ def per_trace_rows(traces: Sequence[ScoreTrace], model: Sequence[TraceScore],
 def build_parser(p: argparse.ArgumentParser) -> None:
     """Flags of `minimax-ref score` (the standard model flags apply to both checkpoints)."""
     from ..cli.model_args import add_model_flags
+    from .intervened import add_intervention_flags
 
     add_model_flags(p)
+    add_intervention_flags(p)
     p.add_argument("--traces", type=Path, required=True,
                    help="JSONL: {'prompt', 'completion'} or {'input_ids', 'completion_start'} per line")
     p.add_argument("--reference", type=Path, default=None,
-                   help="reference checkpoint: adds drift_1e3, drift_stderr_1e3, top1_agreement")
+                   help="reference checkpoint: adds drift_1e3, drift_stderr_1e3, top1_agreement (the reference runs "
+                        "without --expert-mask / --drop-experts)")
     p.add_argument("--chat", action="store_true",
                    help="render text traces with the chat template (prompt = user turn, completion = reply)")
     p.add_argument("--per-trace", action="store_true", help="add one row per trace ('per_trace')")
@@ -521,9 +537,11 @@ def run(args: argparse.Namespace) -> int:
     """`minimax-ref score`: one JSON object on stdout."""
     from ..model.config import load_model_config
     from ..weights.embedded import default_checkpoint
+    from .intervened import cli_interventions
 
     ckpt = args.ckpt_path or default_checkpoint()
     traces = load_traces_for_args(args.traces, ckpt, args)
+    cli_interventions(args)  # a bad --expert-mask / --drop-experts is refused before the model loads
     if args.reference is not None:
         v_model = load_model_config(ckpt).text.vocab_size
         v_ref = load_model_config(args.reference).text.vocab_size
@@ -532,7 +550,7 @@ def run(args: argparse.Namespace) -> int:
                               "drift needs one tokenizer")
     kw = {"batch_size": args.batch_size, "prefill_chunk": args.prefill_chunk}
     model = load_for_args(ckpt, args)
-    scores = score_traces(model, traces, **kw)
+    scores = score_traces(model, traces, **kw, interventions=cli_interventions(args, model))
     free(model)
     model = None
     out: dict = {"ckpt_path": str(ckpt), "traces": len(traces), **nll_summary(scores)}

@@ -15,6 +15,16 @@ ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "examples" / "kernel_test"
 
 
+def numpy_ops():
+    """examples/kernel_test/numpy_ops.py as a module: every golden op in plain numpy, from the manifest alone."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("golden_numpy_ops", EXAMPLE / "numpy_ops.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_example(bundles: list[Path], cwd: Path) -> subprocess.CompletedProcess:
     """`MINIMAX_REF_GOLDEN_BUNDLE=a:b python -m pytest examples/kernel_test` in a fresh interpreter."""
     env = dict(os.environ, MINIMAX_REF_GOLDEN_BUNDLE=os.pathsep.join(map(str, bundles)),

@@ -9,9 +9,11 @@ import shutil
 
 import pytest
 import torch
+from golden_example import numpy_ops
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from minimax_ref import golden
 from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
 from minimax_ref.golden import OPS, entry_tensors, export_golden, parse_layers, parse_ops, replay_bundle
@@ -161,6 +163,10 @@ def test_bf16_emulated_fp8_cache_bundle(tiny_nvfp4, prompts, tmp_path):
     assert any(r["check"] == "x_hat" for r in results)
     e = next(e for e in m["entries"] if e["op"] == "msa")
     assert e["tensors"]["k_pages"]["dtype"] == "float8_e4m3fn"
+    np_ops = numpy_ops()  # the numpy example, with its own activation fake-quant and bf16 roundings, passes
+    for entry in golden.load(out):
+        r = golden.compare(entry, np_ops.run(entry))
+        assert r.ok, str(r)
 
 
 def test_cli_export_and_replay(capsys, tiny_nvfp4, tmp_path):

@@ -11,6 +11,7 @@ The readers of the formats (manifest `contracts.OP.tensors`):
 - E4M3 (float8_e4m3fn): bias 7, subnormals m * 2^-9 at exponent 0, 0x7F / 0xFF NaN. E8M0: 2^(code - 127).
 - NVFP4 weight: W[n, k] = e2m1[n, k] * fp32(e4m3(scale[n, k // 16]) * weight_scale_2).
 - NVFP4 activation codes: x_hat = e2m1(codes) * fp32(e4m3(scale) / g), g = fp32(1 / input_scale).
+- Activation fake-quant (act_quant emulate, where an entry holds no codes: the MoE): the contract's rounding text.
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ def e4m3(codes: np.ndarray) -> np.ndarray:
 
 
 def e2m1_codes(packed: np.ndarray) -> np.ndarray:
-    """float32 [M, K] of E2M1 bytes [M, K/2] (even element in the low nibble)."""
-    M = packed.shape[0]
-    return E2M1[np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(M, -1)]
+    """float32 [..., K] of E2M1 bytes [..., K/2] (even element in the low nibble)."""
+    return E2M1[np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)]
 
 
 def nvfp4_weight(weight: np.ndarray, scale: np.ndarray, ws2: float) -> np.ndarray:
@@ -49,19 +49,53 @@ def nvfp4_weight(weight: np.ndarray, scale: np.ndarray, ws2: float) -> np.ndarra
 
 
 def mxfp8_weight(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """fp32 [N, K]: e4m3 element * 2^(E8M0 code - 127) of its block of 32."""
-    return e4m3(weight) * np.repeat(np.exp2(scale.astype(np.float32) - 127), 32, axis=1)
+    """fp32 [..., K]: e4m3 element * 2^(E8M0 code - 127) of its block of 32."""
+    return e4m3(weight) * np.repeat(np.exp2(scale.astype(np.float32) - 127), 32, axis=-1)
 
 
 def nvfp4_activation(codes: np.ndarray, scale: np.ndarray, input_scale: float) -> np.ndarray:
-    """The W4A4 input of its codes, in fp32: e2m1(codes) * fp32(e4m3(scale) / g), g = fp32(1 / input_scale)."""
+    """The W4A4 input [..., K] of its codes, in fp32: e2m1(codes) * fp32(e4m3(scale) / g), g = fp32(1 /
+    input_scale)."""
     g = np.float32(1.0) / np.float32(input_scale)
-    return e2m1_codes(codes) * np.repeat(e4m3(scale) / g, 16, axis=1)
+    return e2m1_codes(codes) * np.repeat(e4m3(scale) / g, 16, axis=-1)
 
 
 def mxfp8_activation(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The W8A8 input of its codes: e4m3(codes) * 2^(scale - 127)."""
     return mxfp8_weight(codes, scale)
+
+
+def fake_quant_nvfp4(x: np.ndarray, input_scale: float) -> np.ndarray:
+    """NVFP4 activation fake-quant, fp32, before the rounding to the compute dtype: blocks of 16 along K,
+    g = fp32(1 / input_scale), s = e4m3_rne(g * (amax * fp32(1/6))) saturating at 448, q = e2m1_rne(x * (1 / (s / g)))
+    saturating at 6 (0 where s = 0), x_hat = q * fp32(s / g)."""
+    x = x.astype(np.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, 16)
+    g = np.float32(1.0) / np.float32(input_scale)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    s = np.clip(g * (amax * (np.float32(1.0) / np.float32(6.0))), -448, 448)
+    s = s.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    step = (s / g).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        r = np.where(s == 0, np.float32(0.0), np.float32(1.0) / step).astype(np.float32)
+    q = np.clip(blocks * r, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return (q * step).reshape(x.shape)
+
+
+def fake_quant_mxfp8(x: np.ndarray) -> np.ndarray:
+    """MXFP8 activation fake-quant: blocks of 32, X = 2^e with the smallest e such that amax <= 448 * 2^e (e in
+    [-127, 127], -127 for a zero block), x_hat = e4m3(x / X) * X."""
+    x = x.astype(np.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, 32).astype(np.float64)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(np.where(amax > 0, amax, 1.0) / 448.0))
+    e = np.where(amax > 448.0 * np.exp2(e), e + 1, e)  # exact comparisons settle log2's rounding
+    e = np.where(amax <= 448.0 * np.exp2(e - 1), e - 1, e)
+    e = np.clip(np.where(amax > 0, e, -127), -127, 127)
+    X = np.exp2(e)
+    q = (blocks / X).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return (q * X).astype(np.float32).reshape(x.shape)
 
 
 def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -106,15 +140,35 @@ def weight_of(t: dict[str, np.ndarray], key: str, fmt: str) -> np.ndarray:
     return t[f"{key}.weight"].astype(np.float32)
 
 
-def moe(t: dict[str, np.ndarray], p: dict) -> np.ndarray:
-    """Routed experts (+ the shared expert), fp64, from the per-expert operands."""
+def moe(t: dict[str, np.ndarray], p: dict, emulate: bool = False, dtype: str = "float32") -> np.ndarray:
+    """Routed experts (+ the shared expert) from the per-expert operands, in fp64; in a bfloat16 bundle the values
+    the contract rounds to bf16 are rounded here too (weights, gate, up, each SwiGLU step, each expert's output,
+    the shared output). `emulate`: each GEMM input fake-quantized in its linear's format."""
     x = t["x"].astype(np.float64)
     ids, weights, _ = router(t["x"], t["gate_weight"], t.get("bias"), p["top_k"], t.get("expert_mask"))
     fmts = p["formats"]
 
-    def mlp(a, gate, up, down):
-        lin = {k: weight_of(t, k, fmts[k]).astype(np.float64) for k in (gate, up, down)}
-        return swiglu_oai(a @ lin[gate].T, a @ lin[up].T, p["alpha"], p["limit"]) @ lin[down].T
+    def rnd(v):  # a value the contract keeps in the compute dtype
+        return to_dtype(v, dtype).astype(np.float64) if dtype == "bfloat16" else v
+
+    def a(v, key):
+        if not emulate or fmts[key] not in ("nvfp4", "mxfp8"):
+            return v
+        v = to_dtype(v, dtype)
+        fq = fake_quant_nvfp4(v, float(t[f"{key}.input_scale"])) if fmts[key] == "nvfp4" else fake_quant_mxfp8(v)
+        return to_dtype(fq, dtype).astype(np.float64)
+
+    def swiglu(gate, up):  # SwiGLU-OAI elementwise in the compute dtype: each step rounded
+        if dtype != "bfloat16":
+            return swiglu_oai(gate, up, p["alpha"], p["limit"])
+        g, u = np.minimum(gate, p["limit"]), np.clip(up, -p["limit"], p["limit"])
+        sig = rnd(1.0 / (1.0 + np.exp(-rnd(np.float32(p["alpha"]) * g.astype(np.float32)).astype(np.float64))))
+        return rnd(rnd(u + 1.0) * rnd(g * sig))
+
+    def mlp(v, gate, up, down):
+        lin = {k: rnd(weight_of(t, k, fmts[k]).astype(np.float64)) for k in (gate, up, down)}
+        h = swiglu(rnd(a(v, gate) @ lin[gate].T), rnd(a(v, up) @ lin[up].T))
+        return rnd(a(h, down) @ lin[down].T)
 
     y = np.zeros_like(x)
     for e in sorted(set(ids.flatten().tolist())):
@@ -245,7 +299,7 @@ def run(entry) -> dict[str, torch.Tensor]:
                 x_hat = t[a]
             out[y] = x_hat.astype(np.float64) @ weight_of(t, k, fmt).astype(np.float64).T
     elif op == "moe":
-        out["y"] = moe(t, p)
+        out["y"] = moe(t, p, emulate, dt)
     elif op == "attention":
         k = keys(t, "k", "k_pages", t["k"])
         v = keys(t, "v", "v_pages", t["v"])

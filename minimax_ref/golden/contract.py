@@ -73,10 +73,11 @@ _LINEAR_ROUNDING = {
 
 
 _ACT = ("with numerics.act_quant = 'emulate' the GEMM input a(x) is x fake-quantized (NVFP4: blocks of 16 along K, "
-        "g = fp32(1 / input_scale), s = e4m3(g * (amax * fp32(1/6))), q = e2m1_rne(x * (1 / (s / g))) saturating at "
-        "6, x_hat = q * (s / g): s / g rounded to fp32 first, then the product, all fp32, then one rounding to the "
-        "compute dtype; MXFP8: blocks of 32, X = 2^e with the smallest e such that amax <= 448 * 2^e, x_hat = "
-        "e4m3(x / X) * X); with 'none' a(x) = x")
+        "g = fp32(1 / input_scale), s = e4m3_rne(g * (amax * fp32(1/6))) saturating at 448, q = e2m1_rne(x * (1 / "
+        "(s / g))) saturating at 6 (q = 0 where s = 0), x_hat = q * (s / g): s / g rounded to fp32 first, then the "
+        "product, all fp32, then one rounding to the compute dtype; MXFP8: blocks of 32, X = 2^e with the smallest e "
+        "such that amax <= 448 * 2^e (e in [-127, 127], -127 for a zero block), x_hat = e4m3(x / X) * X); with "
+        "'none' a(x) = x")
 
 
 CONTRACTS = {

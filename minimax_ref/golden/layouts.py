@@ -56,14 +56,14 @@ _STACKED = ("stacked over the experts 0..E-1 along a new leading axis (expert e 
             "per-expert operand of the same leaf; ")
 
 
-_MXFP8_CODES = ("{x}_codes float8_e4m3fn [M, K] and {x}_scale uint8 E8M0 [M, K/32]: the quantized GEMM input a W8A8 "
-                "kernel takes; x_hat = float({x}_codes) * 2^({x}_scale - 127)")
+_MXFP8_CODES = ("{x}_codes float8_e4m3fn [..., K] and {x}_scale uint8 E8M0 [..., K/32]: the quantized GEMM input a "
+                "W8A8 kernel takes; x_hat = float({x}_codes) * 2^({x}_scale - 127)")
 
 
-_NVFP4_CODES = ("the quantized GEMM input a W4A4 kernel takes: {x}_codes uint8 [M, K/2] packed E2M1 as the weight, "
-                "{x}_scale float8_e4m3fn [M, K/16]; with g = fp32(1 / input_scale) of the linear (a power of two "
-                "only by accident), x_hat = e2m1({x}_codes) * fp32(float({x}_scale) / g): the scale divided by g "
-                "first, rounded to fp32, then multiplied (not (e2m1 * scale) / g)")
+_NVFP4_CODES = ("the quantized GEMM input a W4A4 kernel takes: {x}_codes uint8 [..., K/2] packed E2M1 as the "
+                "weight, {x}_scale float8_e4m3fn [..., K/16]; with g = fp32(1 / input_scale) of the linear (a power "
+                "of two only by accident), x_hat = e2m1({x}_codes) * fp32(float({x}_scale) / g): the scale divided "
+                "by g first, rounded to fp32, then multiplied (not (e2m1 * scale) / g)")
 
 
 _SWIZZLED = ("the same block scales in the 128x4-tile layout of CUTLASS / cuBLASLt block-scaled GEMMs, flat: "
@@ -90,9 +90,9 @@ _PAGED = {
 
 TENSORS: dict[str, dict[str, str]] = {
     "rmsnorm": {
-        "{norm}.x": "the norm's input [T, hidden] (compute dtype)",
+        "{norm}.x": "the norm's input [..., hidden] (compute dtype)",
         "{norm}.weight": "fp32 [hidden]: Gemma's offset weight w, applied as (1 + w)",
-        "{norm}.y": "output [T, hidden]: x / sqrt(mean(x^2) + eps) * (1 + w)",
+        "{norm}.y": "output [..., hidden]: x / sqrt(mean(x^2) + eps) * (1 + w)",
     },
     "router": {
         "x": "[T, hidden] the MoE input",
@@ -104,15 +104,15 @@ TENSORS: dict[str, dict[str, str]] = {
         "logits": "fp32 [T, E]: x @ gate_weight^T",
     },
     "mxfp8_linear": {
-        "x": "[M, K] the GEMM input (compute dtype)",
-        "y": "[M, N] the output (compute dtype)",
+        "x": "[..., K] the GEMM input (compute dtype; model-driven: the linear's input as the layer has it)",
+        "y": "[..., N] the output (compute dtype)",
         "w.weight": "MXFP8 weight, float8_e4m3fn [N, K]",
         "w.weight_scale": "MXFP8 block scales, uint8 E8M0 [N, K/32], row-major, unswizzled: block (n, k // 32) "
                           "factor 2^(code - 127), code 255 = NaN",
         "w.weight_scale_swizzled": "w.weight_scale, " + _SWIZZLED,
         "x_codes, x_scale": _MXFP8_CODES.format(x="x"),
         "x_scale_swizzled": "x_scale, " + _SWIZZLED,
-        "x_hat": "[M, K] output: the fake-quantized input the reference multiplies, compared exactly (a "
+        "x_hat": "[..., K] output: the fake-quantized input the reference multiplies, compared exactly (a "
                  "format-defined value)",
     },
     "nvfp4_linear": {

@@ -141,6 +141,46 @@ def test_subnormal_scales_fail_a_flush_to_zero_kernel(tmp_path):
         assert flushed == (e is plain)  # the plain bundle cannot tell; the edge bundle fails the kernel
 
 
+def test_zero_scales_fail_a_kernel_that_reads_a_zero_scale_as_unset(tmp_path):
+    """A zero block scale zeroes its block; a kernel that takes a zero byte for "no scale" (1.0) fails."""
+    [plain] = _one(tmp_path, "nvfp4_linear", shape="8,256,512")
+    [edge] = _one(tmp_path, "nvfp4_linear", shape="8,256,512", edge="zero-scales")
+    assert float((edge.inputs["w1.weight_scale"].view(torch.uint8) == 0).float().mean()) > 0.1
+    for e in (plain, edge):
+        t = e.inputs
+        s = t["w1.weight_scale"].view(torch.uint8).numpy()
+        assert _passes(e, {"y": _gemm(t, s)})
+        unset = np.where(s == 0, 0x38, s).astype(np.uint8)  # 0x38: E4M3 1.0
+        assert _passes(e, {"y": _gemm(t, unset)}) == (e is plain)
+
+
+def _threshold_topk(choice: torch.Tensor, k: int) -> torch.Tensor:
+    """A top-k by descending distinct values (each round: the first expert holding the largest value below the last
+    one taken): right without ties, and it skips the rest of a tie."""
+    out = []
+    for row in choice.tolist():
+        ids, last = [], float("inf")
+        for _ in range(k):
+            best = max(v for v in row if v < last)
+            ids.append(row.index(best))
+            last = best
+        out.append(ids)
+    return torch.tensor(out)
+
+
+def test_router_ties_fail_a_top_k_that_skips_tied_experts(tmp_path):
+    [plain] = _one(tmp_path, "router", shape="16,30,64")
+    [ties] = _one(tmp_path, "router", shape="16,30,64", edge="ties")
+    for e in (plain, ties):
+        t, top_k = e.inputs, e.params["top_k"]
+        choice = torch.sigmoid(e.outputs["logits"]) + t["bias"]
+        ids = _threshold_topk(choice, top_k)
+        w = torch.sigmoid(e.outputs["logits"]).gather(-1, ids)
+        got = {"expert_ids": ids, "weights": w / w.sum(-1, keepdim=True), "logits": e.outputs["logits"]}
+        assert _passes(e, got) == (e is plain)
+        assert _passes(e, NP.run(e))
+
+
 # ------------------------------------------------------------------------------------ activation quantization
 
 

@@ -105,6 +105,9 @@ def parse_contexts(context: str | int | None, batch: int) -> list[int]:
     if any(c < 1 for c in ctx) or batch < 1:
         raise InputError(f"--context {context!r} --batch {batch}: contexts and the batch must be >= 1")
     if len(ctx) > 1:
+        if batch not in (1, len(ctx)):
+            raise InputError(f"--context {context!r} gives {len(ctx)} rows but --batch is {batch}: leave out --batch "
+                             "with one context per row")
         return ctx
     step = max(1, ctx[0] // (2 * batch))
     return [max(1, ctx[0] - b * step) for b in range(batch)]

@@ -1,5 +1,5 @@
 """An NVFP4 GEMM written from the golden bundle's manifest alone, in plain numpy (ml_dtypes only to round to
-bf16): no minimax_ref function is used. It is what `test_nvfp4_gemm.py` checks against a bundle.
+bf16): no minimax_ref function is used. `test_kernels.py` checks it against a bundle (`test_nvfp4_gemm`).
 
 The layout it reads (manifest `contracts.nvfp4_linear.layouts`): `weight` uint8 [N, K/2], element 2i in the low
 nibble and 2i+1 in the high one, E2M1 code bit 3 the sign; `weight_scale` E4M3 bytes [N, K/16] row-major;

@@ -161,6 +161,19 @@ def test_generation_with_an_expert_mask_equals_the_pruned_checkpoint(tiny_nvfp4,
     assert masked != _greedy(m, tok)
 
 
+def test_speculative_generation_under_a_mask_equals_plain(spec_ckpt):
+    """DSpark verify steps carry the interventions too: greedy speculative tokens under a mask are the plain loop's
+    under the same mask."""
+    m = load_model(spec_ckpt, dtype=torch.float32)
+    tok = mr.load_tokenizer(spec_ckpt)
+    mask = torch.zeros(16, dtype=torch.bool)
+    mask[KEPT] = True
+    iv = Interventions(expert_mask={L: mask for L in MOE_LAYERS})
+    plain = _greedy(m, tok, interventions=iv)
+    assert _greedy(m, tok, interventions=iv, draft="dspark") == plain
+    assert plain != _greedy(m, tok)
+
+
 def test_generation_under_a_steering_function_is_the_edited_full_forward(model, tiny_nvfp4):
     """A residual edit given as a function applies to every forward of the generation: each greedy token is the
     argmax of the edited model's full forward over the sequence so far."""
@@ -455,6 +468,9 @@ def test_readme_research_snippet_runs_verbatim():
     assert scope["edited"].shape == scope["logits"].shape and not torch.equal(scope["edited"], scope["logits"])
     assert set(scope["drift"]) >= {"drift_1e3", "drift_stderr_1e3", "top1_agreement"}
     assert torch.equal(scope["lens"][5], scope["logits"])  # the embedded default has 6 layers
+    assert len(scope["masked"]) == 1 and scope["masked"][0].token_ids
+    rec = scope["probs"].attention[2]
+    assert rec["probs"].shape[:3] == (2, rec["q"].shape[2], scope["probs"].shape[1])
 
 
 @torch.no_grad()

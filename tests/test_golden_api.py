@@ -488,6 +488,7 @@ def test_fp64_outputs_of_a_model_driven_bundle(tmp_path):
     assert m["numerics"]["fp64_outputs"] is True
     for op in m["ops"]:
         assert m["contracts"][op]["fp64"] == golden.FP64[op]
+    check_manifest(tmp_path / "b")  # the fp64 versions described too
     results = golden.replay_bundle(tmp_path / "b")
     assert results and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
     for e in golden.load(tmp_path / "b"):
@@ -531,6 +532,7 @@ def test_chunked_capture_grows_linearly(tmp_path):
         assert "scores" in dec["tensors"]  # one query: linear
         results = golden.replay_bundle(out)
         assert results and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+        check_manifest(out)  # the chunked capture's notes included
     assert sizes[192] == 2 * sizes[96]  # linear in T
     # a one-call capture holds the quadratic scores
     m = golden.export_golden(model, _prompts(192), tmp_path / "one", decode_steps=0, ops=["indexer"], layers=[1])

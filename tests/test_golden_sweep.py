@@ -166,3 +166,31 @@ def test_bundle_files_have_the_manifest_permissions(moe_bundle):
     mode = (moe_bundle / "manifest.json").stat().st_mode & 0o777
     files = list(moe_bundle.rglob("*.safetensors"))
     assert len(files) == 2 and all(f.stat().st_mode & 0o777 == mode for f in files)
+
+
+def test_model_driven_moe_entries_stack_their_used_experts(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["golden", "--synthetic-weights", "tiny", "--prompt", "stacked experts and padded routing",
+                 "--ops", "moe", "--layers", "1", "--decode-steps", "1", "--stacked", "--align-block", "4",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    check_manifest(out)
+    for e in golden.load(out):
+        t, used = e.inputs, e.params["used_experts"]
+        assert tuple(t["w13.weight"].shape)[0] == len(used) and e.params["align_block"] == 4
+        for i, x in enumerate(used):
+            assert torch.equal(t["w13.weight"][i], t[f"experts.{x}.w13.weight"])
+            assert torch.equal(t["w2.weight_scale_2"][i], t[f"experts.{x}.w2.weight_scale_2"])
+        flat = t["topk_ids"].reshape(-1).tolist()
+        ids = t["align.sorted_token_ids"].tolist()
+        for b, local in enumerate(t["align.expert_ids"].tolist()):  # each block's pairs are its expert's
+            pairs = [i for i in ids[b * 4:(b + 1) * 4] if i < len(flat)]
+            assert pairs and all(flat[i] == used[local] for i in pairs)
+        assert sorted(i for i in ids if i < len(flat)) == list(range(len(flat)))  # every pair once
+        r = golden.compare(e, NP.run(e))
+        assert r.ok, str(r)
+    assert main(["golden", "--replay", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["mismatches"] == []
+    assert main(["golden", "--synthetic-weights", "tiny", "--prompt", "x", "--ops", "router", "--stacked",
+                 "--out", str(tmp_path / "c")]) == 2
+    assert "add moe to --ops" in capsys.readouterr().err

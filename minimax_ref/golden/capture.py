@@ -24,7 +24,17 @@ from .contract import (
     TOLERANCE_RULE,
     producer,
 )
-from .operands import Entry, block_table, checkpoint_of, put_activation_codes, put_fused, put_linear, to_pages
+from .operands import (
+    Entry,
+    block_table,
+    checkpoint_of,
+    put_activation_codes,
+    put_fused,
+    put_linear,
+    put_stacked,
+    routing_metadata,
+    to_pages,
+)
 
 
 class _ReadOnce:
@@ -46,8 +56,10 @@ class _ReadOnce:
 class _Capture:
     """Module hooks and a `Trace` that record the chosen ops during forwards."""
 
-    def __init__(self, model, ck: Checkpoint, ops: set[str], layers: set[int], chunk: int | None = None):
+    def __init__(self, model, ck: Checkpoint, ops: set[str], layers: set[int], chunk: int | None = None,
+                 stacked: bool = False, align_block: int | None = None):
         self.model, self.ck, self.ops, self.layers = model, _ReadOnce(ck), ops, layers
+        self.stacked, self.align_block = stacked, align_block  # moe entries: stacked operands, padded routing
         self.chunk = chunk  # attention cores captured in query chunks of this many elements (None: one chunk)
         self.writer: BundleWriter | None = None  # given: a layer's finished entries are written when the next starts
         self.entries: dict[tuple[str, int, str], Entry] = {}
@@ -188,11 +200,18 @@ class _Capture:
                 formats[f"experts.{x}.{leaf}"] = put_linear(e, self.ck, f"{base}experts.{x}.{leaf}",
                                                             f"experts.{x}.{leaf}")
             put_fused(e, f"experts.{x}.w1", f"experts.{x}.w3", f"experts.{x}.w13", formats[f"experts.{x}.w1"])
+        if self.stacked:
+            put_stacked(e, used)
+        num_experts = int(module.gate.weight.shape[0])
+        for name, t in routing_metadata(routing.expert_ids.cpu(), routing.weights.cpu(), num_experts, used,
+                                        self.align_block).items():
+            e.put(name, t, "input")
         e.put("y", y, "output")
         e.params.update({"top_k": module.gate.top_k, "scaling": module.scaling, "alpha": module.experts.alpha,
-                         "limit": module.experts.limit, "num_experts": int(module.gate.weight.shape[0]),
+                         "limit": module.experts.limit, "num_experts": num_experts,
                          "used_experts": used, "formats": formats,
-                         "shared_expert": module.shared_experts is not None})
+                         "shared_expert": module.shared_experts is not None,
+                         **({"align_block": self.align_block} if self.align_block is not None else {})})
 
     def _nvfp4_entry(self, L: int, module, flat, routing) -> None:
         from ..model.linear import emulate_activation_quant
@@ -350,14 +369,17 @@ def parse_layers(text: str | None, n_layers: int) -> list[int]:
 def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, ops: Sequence[str] = OPS,
                   layers: Sequence[int] | None = None, explicit_ops: bool = False, decode_steps: int = 1,
                   page_size: int | None = None, seed: int = 0, prompt_texts: Sequence[str] | None = None,
-                  fp64: bool = False, chunk_elements: int | None = None) -> dict:
+                  fp64: bool = False, chunk_elements: int | None = None, stacked: bool = False,
+                  align_block: int | None = None) -> dict:
     """Run prefill + `decode_steps` greedy decode steps on `prompts` (token ids) and write the bundle.
 
     Ops missing at a chosen layer are skipped; with `explicit_ops`, an op found at none of the chosen
     layers is an InputError. fp64: add each float output's fp64 version (`FP64`). chunk_elements: capture the
     attention cores in the engine's query chunks of this many elements (`CHUNKED_NOTE`); None: one call per core
     unless that call's scores would exceed `ONE_CALL_ELEMENTS`, then chunks of `CAPTURE_CHUNK`. Entries are
-    written as they are complete (a layer's when the next starts). Returns the manifest.
+    written as they are complete (a layer's when the next starts). stacked / align_block: moe entries also hold
+    the stacked operands of their used experts / the routing padded to blocks (`routing_metadata`). Returns the
+    manifest.
     """
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -374,6 +396,10 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
         if explicit_ops and not any(op in available_ops(ck, L) for L in layers):
             kinds = sorted({text.layer_kind(L) for L in layers})
             raise InputError(f"--ops {op}: no chosen layer computes it (layers {layers} are {', '.join(kinds)})")
+    if (stacked or align_block is not None) and "moe" not in ops:
+        raise InputError("--stacked and --align-block apply to moe entries: add moe to --ops")
+    if align_block is not None and align_block < 1:
+        raise InputError(f"--align-block {align_block}: must be >= 1 (vLLM uses 16, 32, 64 or 128)")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InputError("golden needs at least one non-empty prompt")
     if decode_steps < 0:
@@ -431,7 +457,8 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
     cache = model.new_cache(B, T + decode_steps, kv_dtype)
     # written under a temporary name and renamed when complete: a failure (a full disk) leaves nothing behind;
     # each phase's entries are written (and dropped) when the phase is done
-    with staged_folder(out) as tmp, _Capture(model, ck, set(ops), set(layers), chunk_elements) as cap:
+    with staged_folder(out) as tmp, _Capture(model, ck, set(ops), set(layers), chunk_elements, stacked,
+                                             align_block) as cap:
         writer = cap.writer = BundleWriter(tmp, manifest, fp64=fp64, emulate=emulate)
         cap.phase = "prefill"
         trace = cap.trace()

@@ -55,9 +55,10 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                    "zero-scales; router: ties; moe: clamp; msa_decode: forced)")
     p.add_argument("--sweep", action="store_true", help="with --op: one entry per shape of the op's sweep (odd, "
                    "ragged and padded shapes) and per seed (--seed, +1, +2) instead of one --shape")
-    p.add_argument("--stacked", action="store_true", help="with --op moe: also the stacked [E, ...] expert operands "
-                   "w13.* and w2.* (built from the per-expert ones in the manifest, no bytes duplicated)")
-    p.add_argument("--align-block", type=int, default=None, metavar="M", help="with --op moe: also the routing "
+    p.add_argument("--stacked", action="store_true", help="moe entries (--op moe, or moe in a model-driven bundle): "
+                   "also the stacked [E, ...] expert operands w13.* and w2.* (built from the per-expert ones in the "
+                   "manifest, no bytes duplicated)")
+    p.add_argument("--align-block", type=int, default=None, metavar="M", help="moe entries: also the routing "
                    "padded to blocks of M rows, as vLLM's moe_align_block_size (align.sorted_token_ids, "
                    "align.expert_ids, align.num_tokens_post_padded)")
 
@@ -118,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = [encode_prompt(tok, p, chat=args.chat) for p in args.prompt]
     manifest = export_golden(model, prompts, args.out, ops=ops, layers=layers, explicit_ops=explicit,
                              decode_steps=args.decode_steps, page_size=args.page_size, seed=args.seed,
-                             prompt_texts=args.prompt, fp64=args.fp64)
+                             prompt_texts=args.prompt, fp64=args.fp64, stacked=args.stacked,
+                             align_block=args.align_block)
     json.dump({"out": str(args.out), "files": len(manifest["entries"]),
                "ops": sorted({e["op"] for e in manifest["entries"]}), "layers": manifest["layers"]}, sys.stdout)
     sys.stdout.write("\n")

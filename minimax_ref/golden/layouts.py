@@ -52,8 +52,8 @@ _FUSED = {
 }
 
 
-_STACKED = ("stacked over the experts 0..E-1 along a new leading axis (expert e at index e): [E, ...] of the "
-            "per-expert operand of the same leaf; ")
+_STACKED = ("the n = len(params.used_experts) experts' operands stacked along a new leading axis, index i holding "
+            "expert used_experts[i] (a single-op bundle uses every expert, so index e is expert e): ")
 
 
 _MXFP8_CODES = ("{x}_codes float8_e4m3fn [..., K] and {x}_scale uint8 E8M0 [..., K/32]: the quantized GEMM input a "
@@ -159,14 +159,14 @@ TENSORS: dict[str, dict[str, str]] = {
         "shared.gate_up.weight_scale": _FUSED["weight_scale"],
         "shared.gate_up.weight_scale_2": _FUSED["weight_scale_2"],
         "shared.gate_up.input_scale": _FUSED["input_scale"],
-        "w13.weight": _STACKED + "uint8 [E, 2I, hidden/2], experts.{e}.w13.weight",
-        "w13.weight_scale": _STACKED + "float8_e4m3fn [E, 2I, hidden/16], experts.{e}.w13.weight_scale",
-        "w13.weight_scale_2": _STACKED + "fp32 [E, 2] (gate, up), experts.{e}.w13.weight_scale_2",
-        "w13.input_scale": _STACKED + "fp32 [E, 2] (gate, up), experts.{e}.w13.input_scale",
-        "w2.weight": _STACKED + "uint8 [E, hidden, I/2], experts.{e}.w2.weight",
-        "w2.weight_scale": _STACKED + "float8_e4m3fn [E, hidden, I/16], experts.{e}.w2.weight_scale",
-        "w2.weight_scale_2": _STACKED + "fp32 [E], experts.{e}.w2.weight_scale_2",
-        "w2.input_scale": _STACKED + "fp32 [E], experts.{e}.w2.input_scale",
+        "w13.weight": _STACKED + "experts.{e}.w13.weight stacked: [n, 2I, ...] (NVFP4: uint8 [n, 2I, hidden/2])",
+        "w13.weight_scale": _STACKED + "experts.{e}.w13.weight_scale stacked: [n, 2I, ...]",
+        "w13.weight_scale_2": _STACKED + "experts.{e}.w13.weight_scale_2 stacked: fp32 [n, 2] (gate, up)",
+        "w13.input_scale": _STACKED + "experts.{e}.w13.input_scale stacked: fp32 [n, 2] (gate, up)",
+        "w2.weight": _STACKED + "experts.{e}.w2.weight stacked: [n, hidden, ...] (NVFP4: uint8 [n, hidden, I/2])",
+        "w2.weight_scale": _STACKED + "experts.{e}.w2.weight_scale stacked: [n, hidden, ...]",
+        "w2.weight_scale_2": _STACKED + "experts.{e}.w2.weight_scale_2 stacked: fp32 [n]",
+        "w2.input_scale": _STACKED + "experts.{e}.w2.input_scale stacked: fp32 [n]",
         "topk_ids": "int32 [T, top_k]: the routing, given so that the expert GEMMs can be tested alone: the chosen "
                     "experts in descending choice order (the router op's expert_ids)",
         "topk_weights": "fp32 [T, top_k]: the routing weights aligned with topk_ids (before the scaling factor)",
@@ -181,7 +181,8 @@ TENSORS: dict[str, dict[str, str]] = {
                                   "each expert's group padded with the value T * top_k (no pair) to a multiple of "
                                   "the block size; experts without pairs take no block",
         "align.expert_ids": "int32 [align.num_tokens_post_padded / align_block]: the expert of each block of "
-                            "align.sorted_token_ids",
+                            "align.sorted_token_ids, as its index in params.used_experts (the stacked operands' "
+                            "index; in a single-op bundle the expert id itself)",
         "align.num_tokens_post_padded": "int32 [1]: the length of align.sorted_token_ids",
     },
     "attention": {

@@ -194,6 +194,31 @@ def align_block_size(expert_ids: torch.Tensor, num_experts: int, block: int
     return sorted_ids, torch.tensor(experts, dtype=torch.int32), torch.tensor([sorted_ids.numel()], dtype=torch.int32)
 
 
+def routing_metadata(expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int, used: Sequence[int],
+                     align_block: int | None) -> dict[str, torch.Tensor]:
+    """The routing of a moe entry as grouped-GEMM kernels take it: `topk_ids` int32, `topk_weights`,
+    `sorted_token_ids` / `expert_offsets` (`grouped_metadata`) and, with `align_block`, `align.*`
+    (`align_block_size`) whose block experts are given as indices into `used` (the stacked operands' order)."""
+    sorted_ids, offsets = grouped_metadata(expert_ids, num_experts)
+    out = {"topk_ids": expert_ids.to(torch.int32), "topk_weights": weights, "sorted_token_ids": sorted_ids,
+           "expert_offsets": offsets}
+    if align_block is not None:
+        a_ids, a_experts, a_n = align_block_size(expert_ids, num_experts, align_block)
+        local = torch.searchsorted(torch.tensor(list(used)), a_experts.long()).to(torch.int32)
+        out.update({"align.sorted_token_ids": a_ids, "align.expert_ids": local, "align.num_tokens_post_padded": a_n})
+    return out
+
+
+def put_stacked(e: Entry, used: Sequence[int]) -> None:
+    """Put the stacked operands `w13.*` and `w2.*` of `e`'s experts `used` (index i: expert used[i]), as stacks of
+    the per-expert operands (`Entry.put_joined`: no bytes of their own)."""
+    for key in ("w13", "w2"):
+        for leaf in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+            parts = [f"experts.{x}.{key}.{leaf}" for x in used]
+            if all(p in e.tensors for p in parts):
+                e.put_joined(f"{key}.{leaf}", "stack", parts)
+
+
 def page_pool(seq_lens: Sequence[int], page: int) -> int:
     """Pages of a paged view of rows `seq_lens`: the rows' pages and one spare page per row (pages no row uses)."""
     return sum(-(-n // page) for n in seq_lens) + len(seq_lens)

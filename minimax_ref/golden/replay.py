@@ -15,12 +15,11 @@ from .contract import error_sizes, same
 from .fp64 import fp64_outputs
 from .operands import (
     activation_codes,
-    align_block_size,
     decode_fused,
     decode_operand,
     from_pages,
-    grouped_metadata,
     quantized_input,
+    routing_metadata,
 )
 
 
@@ -89,14 +88,8 @@ def _routing_checks(t: dict, p: dict) -> list[Check]:
     if "topk_ids" not in t:
         return []
     r = route(t["x"], t["gate_weight"], t.get("bias"), p["top_k"], t.get("expert_mask"))
-    sorted_ids, offsets = grouped_metadata(r.expert_ids, p["num_experts"])
-    checks = [("topk_ids", r.expert_ids.to(torch.int32), t["topk_ids"]), ("topk_weights", r.weights, t["topk_weights"]),
-              ("sorted_token_ids", sorted_ids, t["sorted_token_ids"]), ("expert_offsets", offsets, t["expert_offsets"])]
-    if "align.sorted_token_ids" in t:
-        got = align_block_size(r.expert_ids, p["num_experts"], p["align_block"])
-        names = ("align.sorted_token_ids", "align.expert_ids", "align.num_tokens_post_padded")
-        checks += [(n, g, t[n]) for n, g in zip(names, got)]
-    return checks
+    meta = routing_metadata(r.expert_ids, r.weights, p["num_experts"], p["used_experts"], p.get("align_block"))
+    return [(name, got, t[name]) for name, got in meta.items()]
 
 
 def _replay_entry(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool, kv_scale: float) -> list[Check]:

@@ -14,12 +14,12 @@ from .bundle import write_bundle
 from .contract import FORMAT, TOLERANCE_RULE, producer
 from .operands import (
     Entry,
-    align_block_size,
     block_table,
-    grouped_metadata,
     put_activation_codes,
     put_fused,
+    put_stacked,
     quantized_input,
+    routing_metadata,
     to_pages,
 )
 from .replay import replay_linear, replay_moe
@@ -235,8 +235,8 @@ def moe_entry(T: int, E: int, H: int, I: int, dtype: torch.dtype, seed: int, edg
               tag: str = "", stacked: bool = False, align_block: int | None = None) -> Entry:
     """Routed experts only (no shared expert), every expert NVFP4 [I, H] / [H, I], the release's top_k, scaling
     and SwiGLU-OAI constants (`OPERANDS`); the routing given too (`topk_ids`, `topk_weights`) with grouped-GEMM
-    metadata (`grouped_metadata`); `stacked`: the [E, ...] operands w13.*, w2.*; `align_block`: the routing padded
-    to blocks (`align_block_size`)."""
+    metadata (`routing_metadata`); `stacked`: the [E, ...] operands w13.*, w2.*; `align_block`: the routing padded
+    to blocks."""
     from ..model.moe import route
 
     text = release_text()
@@ -260,24 +260,15 @@ def moe_entry(T: int, E: int, H: int, I: int, dtype: torch.dtype, seed: int, edg
             formats[f"experts.{x_id}.{leaf}"] = NVFP4
         put_fused(e, f"experts.{x_id}.w1", f"experts.{x_id}.w3", f"experts.{x_id}.w13", NVFP4)
     if stacked:
-        for key, src in (("w13", "w13"), ("w2", "w2")):
-            for leaf in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
-                e.put_joined(f"{key}.{leaf}", "stack", [f"experts.{x_id}.{src}.{leaf}" for x_id in range(E)])
+        put_stacked(e, range(E))
     e.params.update({"top_k": top_k, "scaling": text.routed_scaling_factor, "alpha": text.swiglu_alpha,
                      "limit": text.swiglu_limit, "num_experts": E, "used_experts": list(range(E)),
                      "formats": formats, "shared_expert": False, "shape": {"T": T, "E": E, "H": H, "I": I},
                      "seed": seed, "edge": edge})
     r = route(x, w, bias, top_k)
-    e.put("topk_ids", r.expert_ids.to(torch.int32), "input")
-    e.put("topk_weights", r.weights, "input")
-    sorted_ids, offsets = grouped_metadata(r.expert_ids, E)
-    e.put("sorted_token_ids", sorted_ids, "input")
-    e.put("expert_offsets", offsets, "input")
+    for name, t in routing_metadata(r.expert_ids, r.weights, E, range(E), align_block).items():
+        e.put(name, t, "input")
     if align_block is not None:
-        a_ids, a_experts, a_n = align_block_size(r.expert_ids, E, align_block)
-        e.put("align.sorted_token_ids", a_ids, "input")
-        e.put("align.expert_ids", a_experts, "input")
-        e.put("align.num_tokens_post_padded", a_n, "input")
         e.params["align_block"] = align_block
     e.put("y", replay_moe(e.tensors, e.params, dtype, False), "output")
     return e

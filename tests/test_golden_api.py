@@ -254,7 +254,7 @@ def test_compare_bad_calls_are_input_errors(bundle):
     e = next(iter(golden.load(bundle, ops=["nvfp4_linear"])))
     with pytest.raises(InputError, match="no output named 'z'"):
         golden.compare(e, {"z": e.outputs["y"]})
-    with pytest.raises(InputError, match="differs from the reference"):
+    with pytest.raises(InputError, match=r"output .y. has shape \(\d+, 1\), the reference.s is \(\d+, \d+\)"):
         golden.compare(e, {"y": e.outputs["y"][..., :1]})
     with pytest.raises(InputError, match="pass a dict by name"):
         golden.compare(e, e.outputs["y"])

@@ -137,7 +137,9 @@ def compare(entry: GoldenEntry, outputs: dict[str, torch.Tensor] | torch.Tensor,
             continue
         got = outputs[name]
         tol = entry.tolerance.get(name, {})
-        error_sizes(got, want)  # the shapes must agree
+        if tuple(got.shape) != tuple(want.shape):
+            raise InputError(f"{entry.id}: output {name!r} has shape {tuple(got.shape)}, the reference's is "
+                             f"{tuple(want.shape)}")
         got, want = real_queries(entry, name, got), real_queries(entry, name, want)
         sizes = error_sizes(got, want)
         if tol.get("exact") or not want.is_floating_point():

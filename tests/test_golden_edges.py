@@ -354,3 +354,20 @@ def test_moe_bundles_hit_the_swiglu_clamp(tmp_path, edge):
     assert past > (0.3 if edge else 0.01)
     assert _passes(e, NP.run(e))
     assert not _passes(e, {"y": _no_clamp_moe(e)})  # a kernel without the clamp fails
+
+
+@pytest.mark.parametrize("op", ["nvfp4_linear", "mxfp8_linear"])
+def test_act_quant_bundles_fail_a_kernel_that_multiplies_the_unquantized_input(tmp_path, op):
+    """`--act-quant emulate`: the reference multiplies the quantized input; a kernel that takes x as it is (and gives
+    it as x_hat) fails both outputs, while the same kernel on the plain bundle passes."""
+    [plain] = _one(tmp_path, op, shape="8,128,256")
+    [emu] = _one(tmp_path, op, shape="8,128,256", act_quant="emulate")
+    key, fmt = ("w1", "nvfp4") if op == "nvfp4_linear" else ("w", "mxfp8")
+    for e in (plain, emu):
+        t = {k: NP.as_numpy(v) for k, v in e.inputs.items()}
+        y = t["x"].astype(np.float64) @ NP.weight_of(t, key, fmt).astype(np.float64).T
+        got = {"y": torch.from_numpy(y).float()} | ({"x_hat": e.inputs["x"]} if "x_hat" in e.outputs else {})
+        r = golden.compare(e, got)
+        assert r.ok == (e is plain), str(r)
+        if e is emu:
+            assert {row["name"] for row in r.rows if not row["ok"]} == {"x_hat", "y"}

@@ -153,6 +153,31 @@ def test_a_request_decodes_as_it_does_alone(model):
     assert stats.generated_tokens == sum(len(s.generated) for s in batched)
 
 
+def test_requests_admitted_together_share_prefill_forwards(model):
+    """Prompts admitted into neighbouring free slots are prefilled together, right-padded, as many as fit the prefill
+    chunk; a prompt longer than the chunk goes alone in chunks; every request keeps the tokens it gets alone."""
+    forwards = []
+
+    def count(module, args, kwargs):
+        if kwargs.get("logit_index") is not None:  # prefill forwards ask for one position per row
+            forwards.append(tuple(args[0].shape))
+
+    prompts = _prompts(5, 9, 3, 30)
+    settings = [GREEDY, SamplingParams(0.9), GREEDY, SamplingParams(0.8, 0.9, 10)]
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        # 2 x 9 = 18 tokens fit a chunk of 20, a third row would pad to 27; the 30-token prompt goes in 2 chunks
+        batched, _ = generate_ids(model, prompts, max_new_tokens=4, sampling=settings, seed=[1, 2, 3, 4],
+                                  max_batch_size=4, prefill_chunk=20)
+    finally:
+        handle.remove()
+    assert forwards == [(2, 9), (1, 3), (1, 20), (1, 10)]
+    for i in range(len(prompts)):
+        alone, _ = generate_ids(model, [prompts[i]], max_new_tokens=4, sampling=settings[i], seed=i + 1,
+                                prefill_chunk=64)
+        assert batched[i].generated == alone[0].generated, i
+
+
 def test_seed_per_prompt_and_finish_order(model):
     """A call's prompt i is seeded with seed + i whatever its neighbours; on_finish reports each prompt as it ends,
     the shortest first."""

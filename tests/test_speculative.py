@@ -643,7 +643,7 @@ def _toy_statistic(rule, point_mass: bool, rows: int = 4000) -> float:
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=4)
     target, drafter = ToyTarget(target_logits), ToyDrafter(draft_logits, point_mass)
     out, stats = speculative_generate_ids(target, drafter, [[2]] * rows, max_new_tokens=4, sampling=params, seed=7,
-                                          accept_fn=rule)
+                                          accept_fn=rule, max_batch_size=rows, prefill_chunk=8)
     assert stats.steps > 0 and 1.0 < stats.mean_accepted_length < 3.0
     ys = torch.tensor([s.generated for s in out])  # [rows, 4]
     P = filtered_probs(target_logits, params).double()  # row-stochastic transition matrix

@@ -9,14 +9,17 @@ argument checks and stop rules here:
 * A row finishes with "stop" at a stop token (the token is kept in `generated`) and with "length" once it has
   its `max_new_tokens` tokens or prompt + generated reaches `max_seq_len`; tokens after that are dropped.
 
-The plain loop is continuous batching (`Scheduler`): up to `batch_limit` (`runtime.max_batch_size`) requests
-decode together, one token per step each, every row at its own position in its own slot of one KV cache. When a
-row finishes, the next waiting request takes its slot between two decode steps: its prompt is prefilled alone into
-that slot's rows of the cache (`KVCache.rows`), in chunks of at most `prefill_chunk` positions, and its first token
-sampled; the batch stays full until the queue is empty. The step's shape (one token for each of the slots) never
-changes, so a fast model captures one step per batch size. Each request samples from its own settings with its own
-generator, seeded with its own seed, so its tokens do not depend on which requests share its batch (up to the
-rounding of batched products: in fp32 on a CPU the same tokens).
+The plain loop is continuous batching (`Scheduler`): up to `batch_limit` requests (`runtime.max_batch_size`, or
+chosen from free memory with the prefill chunk: `sizing`) decode together, one token per step each, every row at its
+own position in its own slot of one KV cache. When a row finishes, the next waiting request takes its slot between
+two decode steps: its prompt is prefilled into that slot's rows of the cache (`KVCache.rows`) and its first token
+sampled; the batch stays full until the queue is empty. Requests admitted together into neighbouring free slots (at
+the start, every slot) share their prefill forwards: right-padded to the longest, as many as fit `prefill_chunk`
+tokens (a longer prompt goes alone, in chunks of at most `prefill_chunk` positions), so short prompts do not each
+pay a forward of their own. The step's shape (one token for each of the slots) never changes, so a fast model
+captures one step per batch size. Each request samples from its own settings with its own generator, seeded with its
+own seed, so its tokens do not depend on which requests share its batch (up to the rounding of batched products: in
+fp32 on a CPU the same tokens).
 
 The speculative loop decodes static batches (`DecodeState`, groups of at most `batch_limit` prompts, one
 generator seeded with the group's first seed): a finished row rides along until its group ends.
@@ -485,31 +488,49 @@ class Scheduler:
             self.step()
 
     def admit(self) -> None:
-        """Fill the free slots with waiting requests: each prompt prefilled into its slot, its first token sampled
-        (a request that finishes there frees its slot again)."""
-        for s in range(len(self.running)):
-            while self.running[s] is None and self.waiting:
-                i = self.waiting.popleft()
+        """Fill the free slots with waiting requests: each run of neighbouring free slots takes the next requests
+        whose prompts, right-padded to the longest, fit one prefill forward together (`prefill_chunk` tokens; a
+        longer prompt goes alone, in chunks); their prompts are prefilled into those slots' rows at once and each
+        request's first token sampled from its own row (a request that finishes there frees its slot again)."""
+        while self.waiting:
+            free = [s for s, i in enumerate(self.running) if i is None]
+            if not free:
+                return
+            group: list[int] = []
+            while self.waiting and len(group) < len(free) and free[len(group)] == free[0] + len(group):
+                i = self.waiting[0]
                 if self.job.max_new_tokens[i] == 0:
+                    self.waiting.popleft()
                     self.finish(i, "length")
                     continue
+                longest = max([len(self.job.prompts[r]) for r in group] + [len(self.job.prompts[i])])
+                if group and (len(group) + 1) * longest > self.job.prefill_chunk:
+                    break
+                group.append(self.waiting.popleft())
+            if not group:
+                continue
+            s0 = free[0]
+            for s, i in enumerate(group, start=s0):
                 self.running[s] = i
                 self.generators[i] = torch.Generator(device="cpu").manual_seed(self.job.seeds[i])
-                t0 = time.perf_counter()
-                logits = self.prefill(s, i)
-                self.stats.prefill_seconds += time.perf_counter() - t0
-                self.emit(s, self.sample([i], logits)[0])
+            t0 = time.perf_counter()
+            logits = self.prefill(s0, group)
+            self.stats.prefill_seconds += time.perf_counter() - t0
+            for s, token in enumerate(self.sample(group, logits), start=s0):
+                self.emit(s, token)
 
-    def prefill(self, s: int, i: int) -> torch.Tensor:
-        """Request i's prompt through the model into slot s's rows of the cache, in chunks; the logits [1, V] of its
-        last prompt token."""
+    def prefill(self, s0: int, requests: list[int]) -> torch.Tensor:
+        """The prompts of `requests` through the model into slots s0, s0 + 1, ... of the cache, right-padded, in
+        forwards of at most `prefill_chunk` tokens; the logits [len(requests), V] of each one's last prompt token.
+        (The padding's keys land past a prompt's end, in slots its own decode steps overwrite before reading.)"""
         model, job = self.model, self.job
-        embeds = None if job.inputs_embeds is None else [job.inputs_embeds[i]]
-        ids, emb = pad_prompts(model, [job.prompts[i]], embeds)
-        cache = self.cache.rows(s, s + 1)
+        embeds = None if job.inputs_embeds is None else [job.inputs_embeds[i] for i in requests]
+        ids, emb = pad_prompts(model, [job.prompts[i] for i in requests], embeds)
+        cache = self.cache.rows(s0, s0 + len(requests))
+        chunk = max(1, job.prefill_chunk // len(requests))
         return prefill(lambda x, pos, e, index: model(x, positions=pos, cache=cache, inputs_embeds=e,
                                                       logit_index=index),
-                       ids, [ids.shape[1]], emb, job.prefill_chunk)
+                       ids, [len(job.prompts[i]) for i in requests], emb, chunk)
 
     def step(self) -> None:
         """One decode step of every slot (free ones feed a token at position 0 of their own rows, which the next

@@ -18,6 +18,7 @@ context) over the measured device-to-device copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -129,6 +130,7 @@ def main() -> int:
     vocab = model.text.vocab_size
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
     first = run_once(model, prompts, args)
+    print(json.dumps({"bench": "seed_workload_first_call", **first}), file=sys.stderr, flush=True)
     warm = run_once(model, prompts, args)
     alone = prefill_alone(model, prompts[0], warm["prefill_chunk"])
     flops = matmul_rate(device) if device.type == "cuda" else float("nan")

@@ -22,7 +22,12 @@ from .packed import FUSED_INDUCTOR_OPTIONS
 # The fused matmul's options (a packed weight's decoding stays inside the matmul that reads it, the bf16 roundings
 # kept), with coordinate-descent tuning of each Triton kernel's block sizes and warps (along one axis at a time:
 # trying every diagonal move too makes a compile take many minutes).
-LAYER_INDUCTOR_OPTIONS = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
+# Inductor's static launcher is off: a kernel it launches comes back from the graph cache without the mark that its
+# launch configuration was found by coordinate descent, so every new process tuned it again (seconds per kernel);
+# launched by Triton's own launcher, a cached kernel reads its tuned configuration from the autotuning cache. The
+# launcher's cost does not matter here: a decode step replays from a CUDA graph.
+LAYER_INDUCTOR_OPTIONS = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True,
+                          "use_static_cuda_launcher": False}
 
 
 @torch.library.custom_op("minimax_ref::materialize", mutates_args=())

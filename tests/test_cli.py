@@ -182,6 +182,26 @@ def test_batch_size_and_prefill_chunk_flags_and_the_sizes_chosen(tiny_nvfp4, cap
     assert "--prefill-chunk: 0 must be >= 1" in capsys.readouterr().err
 
 
+def test_input_file_line_too_long_for_the_model_gets_its_own_error(tiny_nvfp4, tmp_path, capsys, monkeypatch):
+    """A line whose prompt leaves no room under --max-model-len is reported with its line number before the model
+    loads; the other lines still run, together in one call."""
+    from minimax_ref.generation import decoding
+
+    runs = []
+    run_scheduler = decoding.Scheduler.run
+    monkeypatch.setattr(decoding.Scheduler, "run", lambda self: runs.append(len(self.seqs)) or run_scheduler(self))
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "short", "max_new_tokens": 2}, {"prompt": "word " * 60, "max_new_tokens": 2},
+        {"prompt": "also short", "max_new_tokens": 2}]) + "\n")
+    code, out, err = run(["generate", "--ckpt-path", str(tiny_nvfp4), "--input-file", str(requests),
+                          "--max-model-len", "32", "--output-format", "json"], capsys)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and rows[0]["line"] == 2 and "maximum sequence length is 32" in rows[0]["error"]
+    assert sorted(r["line"] for r in rows[1:-1]) == [1, 3] and runs == [2]
+    assert f"{requests}:2: the prompt has" in err
+
+
 def test_tools_file_with_a_bad_schema(tiny_nvfp4, tmp_path, capsys):
     bad = tmp_path / "tools.json"
     bad.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]))

@@ -166,22 +166,59 @@ def _check_images_allowed(args: argparse.Namespace, n: int, what: str) -> None:
                          "--limit-images)")
 
 
-def _check_prompt_lengths(args: argparse.Namespace, tools) -> None:
-    """Refuse a --prompt whose tokens leave no room under --max-model-len, before the model loads: the prompts are
-    encoded with the checkpoint's tokenizer as `generate` will encode them (prompts with images, whose token counts
-    come from their pictures, and synthetic weights are checked when they run)."""
-    if args.prompt is None or args.image or getattr(args, "synthetic_weights", None) is not None:
-        return
-    from ..generation.generate import encode_prompt
+def _length_checker(args: argparse.Namespace):
+    """(the checkpoint's tokenizer, --max-model-len) for the length checks before the model loads, or None where they
+    cannot run there (synthetic weights; a checkpoint whose tokenizer does not load is the loader's to report, with
+    its other problems)."""
+    if getattr(args, "synthetic_weights", None) is not None:
+        return None
     from ..generation.tokenizer import load_tokenizer
     from ..model.config import RuntimeConfig
     from ..weights.embedded import default_checkpoint
 
-    limit = args.max_model_len or RuntimeConfig().max_seq_len
     try:
-        tok = load_tokenizer(args.ckpt_path or default_checkpoint())
+        return load_tokenizer(args.ckpt_path or default_checkpoint()), args.max_model_len or RuntimeConfig().max_seq_len
     except MiniMaxRefError:
-        return  # the checkpoint's problems are the loader's to report, all together
+        return None
+
+
+def _check_request_lengths(args: argparse.Namespace, requests: list) -> list:
+    """--input-file records whose prompt leaves no room under --max-model-len become their line's error, before the
+    model loads (records with images are checked when they run: their token counts come from the pictures)."""
+    checker = _length_checker(args)
+    if checker is None:
+        return requests
+    from ..generation.generate import encode_prompt
+
+    tok, limit = checker
+    out = []
+    for n, req_id, kw in requests:
+        if not isinstance(kw, str) and not kw["images"]:
+            try:
+                length = len(encode_prompt(tok, kw["prompts"][0], chat=kw["chat"], tools=kw["tools"],
+                                           thinking=kw["thinking"], system=kw["system"], where="the prompt"))
+            except MiniMaxRefError as e:
+                kw = str(e)
+            else:
+                if length >= limit:
+                    kw = (f"the prompt has {length} tokens but the maximum sequence length is {limit} (raise "
+                          "--max-model-len, or shorten the prompt)")
+        out.append((n, req_id, kw))
+    return out
+
+
+def _check_prompt_lengths(args: argparse.Namespace, tools) -> None:
+    """Refuse a --prompt whose tokens leave no room under --max-model-len, before the model loads: the prompts are
+    encoded with the checkpoint's tokenizer as `generate` will encode them (prompts with images, whose token counts
+    come from their pictures, and synthetic weights are checked when they run)."""
+    if args.prompt is None or args.image:
+        return
+    from ..generation.generate import encode_prompt
+
+    checker = _length_checker(args)
+    if checker is None:
+        return
+    tok, limit = checker
     for i, prompt in enumerate(args.prompt, start=1):
         n = len(encode_prompt(tok, prompt, chat=args.chat, tools=tools, thinking=args.thinking, system=args.system,
                               where=f"--prompt {i}"))
@@ -301,6 +338,8 @@ def run_generate(args: argparse.Namespace) -> int:
     requests = _read_requests(args, tools) if args.input_file is not None else None
     if requests == []:  # an empty input file: nothing to load the model for
         return 0
+    if requests is not None:
+        requests = _check_request_lengths(args, requests)
     if args.prompt is not None and not args.chat:
         chat_only = [flag for flag, used in (("--tools", args.tools is not None), ("--system", args.system is not None),
                                              ("--thinking", args.thinking != "adaptive")) if used]

@@ -14,8 +14,9 @@
     out = h + f                                     residual[L] replaces out; hidden_states[L] records it
 
 Records are taken after the edits at the same point (the blocks and the stream attended to), except routing, which
-is recorded as the router chose it, before `expert_scale`. The fast paths keep the same hook points (their twins
-call the same submodules); a forward with a trace never runs compiled or captured.
+is recorded as the router chose it, before `expert_scale`, and without the rows of padding (`Trace.mask`). The fast
+paths keep the same hook points (their twins call the same submodules); a forward with a trace never runs compiled or
+captured. Generation under interventions (every prefill chunk and decode step edited) is `research.intervened`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class Interventions:
         query still sees only keys at or before its position; every row needs a block holding one of those.
         Under tensor parallelism, this rank's kv heads (as `Trace.blocks`).
     Nothing else in the forward's arithmetic changes. With none given, the forward runs unchanged.
+    In generation (`mr.generate(..., interventions=)`, `research.intervened`) every forward is edited: a residual edit
+    must then be a function (it sees each prefill chunk's and decode step's stream), and `msa_blocks` is refused.
     """
 
     expert_mask: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -296,6 +296,9 @@ def test_batched_capture_equals_each_sequence_alone(model):
         assert bool((tr.blocks[2][b, :, :n, kb:] == -1).all()) and bool((tr.blocks[2][b, :, n:] == -1).all())
     with pytest.raises(InputError, match="batch_size=0"):
         tr.capture(model, seqs, batch_size=0)
+    blocks = Interventions(msa_blocks={2: tr.blocks[2]})
+    with pytest.raises(InputError, match=r"msa_blocks\[2\] is a tensor of one forward's shape.*batch_size=3"):
+        Trace(interventions=blocks).capture(model, seqs, batch_size=2)
 
 
 @torch.no_grad()

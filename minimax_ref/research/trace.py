@@ -254,6 +254,13 @@ class Trace:
         lengths = [len(s) for s in sequences]
         if min(lengths) < 1:
             raise InputError(f"capture: sequence {lengths.index(0)} is empty")
+        iv = self.interventions
+        fixed = [] if iv is None else [f"{name}[{L}]" for name in ("residual", "attention_residual", "msa_blocks")
+                                        for L, edit in getattr(iv, name).items() if not callable(edit)]
+        if fixed and len(sequences) > batch_size:
+            raise InputError(f"interventions.{fixed[0]} is a tensor of one forward's shape, and {len(sequences)} "
+                             f"sequences run in batches of {batch_size}: give batch_size={len(sequences)} (one "
+                             "batch), or the edit as a function of the stream")
         self.reset()
         device = model.device
         parts = []

@@ -31,9 +31,14 @@ def model(tiny_nvfp4):
 
 
 @pytest.fixture(scope="module")
-def pruned_model(tiny_nvfp4, tmp_path_factory):
+def pruned_path(tiny_nvfp4, tmp_path_factory):
     out = tmp_path_factory.mktemp("research-pruned") / "p"
-    return load_model(write_pruned(tiny_nvfp4, out, {L: KEPT for L in MOE_LAYERS}, "test"), dtype=torch.float32)
+    return write_pruned(tiny_nvfp4, out, {L: KEPT for L in MOE_LAYERS}, "test")
+
+
+@pytest.fixture(scope="module")
+def pruned_model(pruned_path):
+    return load_model(pruned_path, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------------------ interventions
@@ -172,6 +177,28 @@ def test_speculative_generation_under_a_mask_equals_plain(spec_ckpt):
     plain = _greedy(m, tok, interventions=iv)
     assert _greedy(m, tok, interventions=iv, draft="dspark") == plain
     assert plain != _greedy(m, tok)
+
+
+def test_generate_command_takes_the_pruning_as_a_mask(tiny_nvfp4, pruned_path, capsys):
+    """`generate --expert-mask pruning.json` on the full checkpoint writes the pruned checkpoint's greedy tokens;
+    `--drop-experts` naming the same experts does too."""
+    import json
+
+    from minimax_ref.cli.main import main
+
+    flags = ["--prompt", "hello world", "--prompt", "the quick brown fox", "--temperature", "0",
+             "--max-new-tokens", "12", "--output-format", "json"]
+
+    def tokens(*argv) -> list:
+        assert main(["generate", *argv, *flags]) == 0
+        return [json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines()]
+
+    pruned = tokens("--ckpt-path", str(pruned_path))
+    assert tokens("--ckpt-path", str(tiny_nvfp4), "--expert-mask", str(pruned_path / "pruning.json")) == pruned
+    dropped = ",".join(str(e) for e in range(16) if e not in KEPT)
+    drops = [x for L in MOE_LAYERS for x in ("--drop-experts", f"{L}:{dropped}")]
+    assert tokens("--ckpt-path", str(tiny_nvfp4), *drops) == pruned
+    assert tokens("--ckpt-path", str(tiny_nvfp4)) != pruned
 
 
 def test_generation_under_a_steering_function_is_the_edited_full_forward(model, tiny_nvfp4):

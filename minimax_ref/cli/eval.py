@@ -36,7 +36,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                    help="most tokens per reply for tasks without their own (default: 512; a reply cut by it is "
                         "not finished, and not right)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the probability mass kept, in (0, 1] (default: "
+                                                              "1.0, off)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of task 0 (task i: seed + i; default: 0)")
     p.add_argument("--max-batch-size", type=int, default=None,
@@ -103,11 +104,13 @@ def table(summary: dict, reference: dict | None, difference: dict | None) -> str
 
 def run(args: argparse.Namespace) -> int:
     """`minimax-ref eval`: exit status 0 (the grades are results, not errors)."""
+    from ..generation.sampling import SamplingParams
     from ..research.intervened import cli_interventions
     from ..research.tasks import compare, read_tasks, summarize
 
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    SamplingParams(args.temperature, args.top_p, args.top_k)  # refused here, before anything loads
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise InputError(f"--max-batch-size {args.max_batch_size}: must be >= 1")
     if args.reference is not None and getattr(args, "synthetic_weights", None) is not None:

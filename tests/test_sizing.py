@@ -46,7 +46,7 @@ def free(monkeypatch):
 
 def test_per_token_estimates_worked_by_hand():
     assert sizing.prefill_bytes_per_token(TEXT) == PER_TOKEN
-    from minimax_ref.research.plan import kv_bytes_per_token
+    from minimax_ref.model.cache import kv_bytes_per_token
 
     assert kv_bytes_per_token(SimpleNamespace(text=TEXT), 1, "auto", 4) == KV_PER_TOKEN
 

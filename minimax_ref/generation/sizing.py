@@ -11,7 +11,7 @@ The rule, for one call whose KV cache holds `cache_len` positions a row:
   and to `cache_len` rounded up to a power of two, whose activations (`prefill_bytes_per_token` a token) take at
   most `PREFILL_SHARE` of `free`. Larger chunks run the products at higher efficiency (fewer, larger GEMMs);
   the cap bounds the time one prefill call holds the decode steps back.
-* The batch: as many rows of `cache_len` positions (`plan.kv_bytes_per_token` a position) as fit in what is left
+* The batch: as many rows of `cache_len` positions (`cache.kv_bytes_per_token` a position) as fit in what is left
   after that chunk's activations, from 1 to the device's cap (`BATCH_CAP`).
 
 A call whose single row of KV cache does not fit `free` raises InputError naming both sizes (lower
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
+from ..model.cache import kv_bytes_per_token
 from ..model.config import TextConfig
-from ..research.plan import kv_bytes_per_token
 
 GIB = 1 << 30
 UTILIZATION = 0.92

@@ -27,6 +27,18 @@ from .config import TextConfig
 FP8_MAX = 448.0
 
 
+def kv_bytes_per_token(cfg, tp: int, kv_cache_dtype: str, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token occupies on one card at tensor parallelism `tp` (`cfg`: a `ModelConfig`): K and V of
+    every layer (its kv heads split over min(tp, kv_heads) cards) and the index key of every MSA layer (replicated),
+    one byte an element with "fp8", else `dtype_bytes`."""
+    t = cfg.text
+    elem = 1 if kv_cache_dtype == "fp8" else dtype_bytes
+    kv_per_card = t.num_key_value_heads // min(tp, t.num_key_value_heads)
+    per_layer = 2 * kv_per_card * t.head_dim * elem
+    index = sum(t.sparse_layers) * t.sparse.index_head_dim * elem
+    return t.num_hidden_layers * per_layer + index
+
+
 def store_kv(x: torch.Tensor, store: torch.dtype, scale: float) -> torch.Tensor:
     """Values to their stored form: fp8 (`store` float8_e4m3fn) is `x / scale` in fp32, saturated at +-448;
     any other `store` is a cast."""

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, MiniMaxRefError
+from ..model.cache import kv_bytes_per_token
 from ..model.config import ModelConfig, load_model_config
 from ..weights.checkpoint import QuantScheme, tensor_table
 from ..weights.device_map import (
@@ -190,16 +191,6 @@ def loaded_groups(cfg: ModelConfig, groups: list[TensorBytes], *, weights: str =
             split, rep = spec.out_features * spec.in_features * dtype_bytes, 4 if g.fmt == "nvfp4" else 0
         out.append(TensorBytes(g.name, g.family, g.fmt, split, rep, g.divisor))
     return out
-
-
-def kv_bytes_per_token(cfg: ModelConfig, tp: int, kv_cache_dtype: str, dtype_bytes: int = 2) -> int:
-    """KV-cache bytes one token occupies on one card (K + V of every layer, index keys of MSA layers)."""
-    t = cfg.text
-    elem = 1 if kv_cache_dtype == "fp8" else dtype_bytes
-    kv_per_card = t.num_key_value_heads // min(tp, t.num_key_value_heads)
-    per_layer = 2 * kv_per_card * t.head_dim * elem
-    index = sum(t.sparse_layers) * t.sparse.index_head_dim * elem
-    return t.num_hidden_layers * per_layer + index
 
 
 def image_tokens_per_image(cfg: ModelConfig, ckpt_dir: Path | None) -> int:

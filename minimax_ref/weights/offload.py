@@ -63,7 +63,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..research.plan import DEFAULT_ACTIVATION_RESERVE_GIB, kv_bytes_per_token, offload_units
+from ..model.cache import kv_bytes_per_token
+from ..research.plan import DEFAULT_ACTIVATION_RESERVE_GIB, offload_units
 from .device_map import GIB, OFFLOAD_MODES, DeviceMap, id_runs, propose_device_map, unit_of
 
 EXTRA_HINT = "pip install 'minimax-ref[offload]' (or: pip install 'accelerate>=1.0')"

@@ -2,7 +2,9 @@
 
 * `FastExperts` (`FastPaths(moe=True)`): for a few tokens (decode steps) the reference groups tokens by expert,
   which needs the per-expert token counts on the host; this twin runs batched matmuls over the chosen experts
-  instead, with static shapes and no host synchronisation. With packed stacks and `matmul="fused"` those matmuls
+  instead, with static shapes and no host synchronisation. For many tokens (prefill) it sorts the tokens by expert
+  once and runs each projection as one grouped matmul over the chosen experts (`forward_sorted`) where
+  `torch._grouped_mm` runs, instead of a dozen kernels per expert. With packed stacks and `matmul="fused"` those matmuls
   read the chosen experts' packed bytes in place (`FastPackedWeight.matmul`); with `grouped`, calls of more tokens
   multiply each chosen expert's decoded tiles by all the tokens at once and skip the experts no token chose
   (`forward_grouped`, `fast.grouped`). Equal to fp32 rounding.
@@ -12,6 +14,8 @@
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -35,13 +39,80 @@ class FastMLP(MLP):
         return materialize(super().act(gate, up))
 
 
+# Decoded expert weights one grouped product of `FastExperts.forward_sorted` may hold at once (the three stacks of a
+# group of experts): all 16 experts of a release-width layer in one group, 128 in a few.
+SORTED_DECODED_BYTES = 2 << 30
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` multiplies x's dtype on x's device: any dtype on a CPU; bf16 on a CUDA device of
+    compute capability 9.0 or later (its grouped kernel's requirement)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
 class FastExperts(Experts):
     """`Experts` with the fast paths `paths` (a `FastPaths`, set by `fast.apply`). Same parameters."""
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self.paths.moe and not self.emulate_act_quant and x.shape[0] <= self.paths.sync_free_tokens:
-            return self.forward_sync_free(x, routing)
+        if self.paths.moe and not self.emulate_act_quant:
+            if x.shape[0] <= self.paths.sync_free_tokens:
+                return self.forward_sync_free(x, routing)
+            if grouped_mm_runs(x):
+                return self.forward_sorted(x, routing)
         return super().forward(x, routing)
+
+    def forward_sorted(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """`forward` for many tokens (prefill) in a few kernels a layer instead of a dozen per expert: the (token,
+        slot) pairs sorted by expert, the tokens gathered once in that order, each projection one grouped matmul over
+        the chosen experts (`torch._grouped_mm`: expert e multiplies its contiguous rows, bf16 products summed in
+        fp32 as `F.linear`), the activation once, then each pair's row weighted in fp32 and each token's k rows
+        summed in slot order. Equal to `forward` up to fp32 rounding (the reference adds a token's experts in expert
+        order). Like `forward` it reads the per-expert counts on the host; the chosen experts' weights are decoded
+        (packed stacks) in groups of at most `SORTED_DECODED_BYTES`. Pairs routed to another rank's experts
+        (expert parallel) contribute nothing.
+
+        x: `[T, H]`; returns fp32 `[T, H]` (this rank's partial sum under tensor parallelism)."""
+        T, k = routing.expert_ids.shape
+        E = len(self.local_experts)
+        local = (routing.expert_ids - self.local_experts.start).flatten()
+        key = torch.where((local >= 0) & (local < E), local, E)  # another rank's pairs sort last
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=E + 1)[:E].tolist()
+        mine = sum(counts)
+        order = order[:mine]
+        xs = x[order // k]
+        y = x.new_empty(mine, x.shape[1])
+        per_expert = sum(math.prod(getattr(self, leaf).shape[1:]) for leaf in ("w1", "w2", "w3")) * x.element_size()
+        group: list[int] = []
+        start = 0
+        chosen = [e for e in range(E) if counts[e]]
+        for j, e in enumerate(chosen):
+            group.append(e)
+            last = j + 1 == len(chosen)
+            if last or (len(group) + 1) * per_expert > SORTED_DECODED_BYTES:
+                n = sum(counts[g] for g in group)
+                y[start:start + n] = self.grouped(xs[start:start + n], group, [counts[g] for g in group])
+                start += n
+                group = []
+        pairs = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)
+        pairs.index_copy_(0, order, y.float() * routing.weights.flatten()[order, None])
+        return pairs.view(T, k, -1).sum(1)
+
+    def grouped(self, xs: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+        """The experts `experts` (local ids) on their rows of `xs` (`counts[i]` consecutive rows each, in order), each
+        projection one `torch._grouped_mm`; [rows, H] in x's dtype."""
+        index = torch.tensor(experts, device=xs.device)
+        offs = torch.tensor(counts, device=xs.device).cumsum(0).to(torch.int32)
+        w1, w3, w2 = (self.weight(leaf, index) for leaf in ("w1", "w3", "w2"))  # decoded [n, out, in]
+        gate = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
+        up = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
+        h = swiglu_oai(gate, up, self.alpha, self.limit)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
     def forward_sync_free(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """`forward` for a few tokens without host synchronisation and with static shapes (equal to `forward` up to

@@ -10,7 +10,9 @@ sets users choose (`minimax-ref --fast off|on|compiled`) and the finer ones benc
   (`fast.grouped.decode_grouped`, the grouped kernel's tile decoding); elsewhere as "fast". Bit-identical. What
   prefill's products with packed weights decode.
 * `moe=True`: the routed experts of small batches (up to `sync_free_tokens` tokens) by batched matmuls over the
-  chosen experts, with no host synchronisation and static shapes (`fast.moe.FastExperts`). Equal to fp32 rounding.
+  chosen experts, with no host synchronisation and static shapes (`fast.moe.FastExperts`); of larger calls (prefill)
+  sorted by expert, each projection one grouped matmul over the chosen experts (`torch._grouped_mm`, where it runs:
+  CPUs, bf16 on CUDA 9.0+). Equal to fp32 rounding.
 * `static_kv=True`: in decode steps (up to `sync_free_tokens` tokens per sequence), attention over the whole
   cache (static shapes, no host synchronisation; later slots are masked as future keys). Equal to fp32 rounding.
 * `sdpa=True`: the fp32 attention core through `F.scaled_dot_product_attention`, and MSA gathers its selected key

@@ -3,7 +3,9 @@
 the folder the first run filled (`MINIMAX_REF_CACHE`: the compile cache, `fast.compiled.use_compile_cache`).
 
 Each run reports its wall time (process start to exit), and from the JSON stats the first decode step's time
-(`warmup_seconds`: compiling and capturing the step) and the time to the first token.
+(`warmup_seconds`: compiling and capturing the step) and the time to the first token. The case `compile_caches` runs
+the same compiled model in a process of this script (`--child`) that also reports inductor's cache counters (graph
+and AOT cache hits and misses) and where the warm-up went (`torch._dynamo.utils.compile_times`).
 
     # 1 x H200 (BENCHMARKS.md, "Warm start"):
     python benchmarks/warm_start.py --layers 4
@@ -47,20 +49,66 @@ def run_cli(args: list[str], cache: str) -> dict:
     return out
 
 
+def child(layers: int, experts: int, device: str) -> None:
+    """Load the compiled synthetic model, generate 4 tokens after a 3-token prompt, print one JSON line: import,
+    load and warm-up seconds, inductor's cache counters and the slowest compile phases."""
+    t0 = time.perf_counter()
+    import torch
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    from minimax_ref.generation.decoding import generate_ids
+    from minimax_ref.generation.sampling import SamplingParams
+    from minimax_ref.weights.loader import load_synthetic
+
+    t1 = time.perf_counter()
+    model = load_synthetic("release", format="nvfp4", layers=layers, experts=experts, device=device,
+                           weights="packed", fast="compiled")
+    t2 = time.perf_counter()
+    _, stats = generate_ids(model, [[1, 2, 3]], max_new_tokens=4, sampling=SamplingParams(temperature=0))
+    phases = {name: round(sum(times), 3) for name, times in compilation_time_metrics.items()}
+    print(json.dumps({"import_seconds": round(t1 - t0, 2), "load_seconds": round(t2 - t1, 2),
+                      "warmup_seconds": round(stats.warmup_seconds, 2), "torch": torch.__version__,
+                      "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
+                      "aot_autograd": dict(counters["aot_autograd"]),
+                      "slowest_phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8])}), flush=True)
+
+
+def run_child(args: argparse.Namespace, cache: str) -> dict:
+    env = {**os.environ, "MINIMAX_REF_CACHE": cache, "PYTHONPATH": str(ROOT)}
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        env.pop(var, None)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", "--layers", str(args.layers), "--experts",
+                           str(args.experts), "--device", args.device], capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    out = json.loads(lines[-1]) if lines else {"stderr_tail": proc.stderr[-2000:]}
+    return {"wall_seconds": round(time.perf_counter() - t0, 2), "returncode": proc.returncode, **out}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4, help="layers of the compiled synthetic model (default: 4)")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--device", default="cuda")
     p.add_argument("--cases", nargs="+", default=["readme_first_command", "readme_first_command_compiled",
-                                                   "synthetic_compiled"], help="which runs (default: all three)")
+                                                   "synthetic_compiled", "compile_caches"],
+                   help="which runs (default: all four)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        child(args.layers, args.experts, args.device)
+        return 0
     synthetic = ["--synthetic-weights", "release", "--synthetic-layers", str(args.layers), "--synthetic-experts",
                  str(args.experts), "--weights", "packed", "--device", args.device, "--fast", "compiled", "--prompt",
                  "Hello", "--max-new-tokens", "32", "--temperature", "0"]
     cases = [("readme_first_command", [*README_FIRST, "--device", args.device]),
              ("readme_first_command_compiled", [*README_FIRST, "--device", args.device, "--fast", "compiled"]),
              ("synthetic_compiled", synthetic)]
+    if "compile_caches" in args.cases:
+        with tempfile.TemporaryDirectory(prefix="warm-start-") as cache:
+            cold, warm = run_child(args, cache), run_child(args, cache)
+        print(json.dumps({"bench": "warm_start", "case": "compile_caches", "command": f"{__file__} --child",
+                          "cold": cold, "warm": warm}), flush=True)
     for name, cli in cases:
         if name not in args.cases:
             continue

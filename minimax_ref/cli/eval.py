@@ -21,8 +21,7 @@ from ..errors import InputError
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     """Flags of `minimax-ref eval` (the model flags apply to both checkpoints; the interventions to the model only)."""
-    from ..research.intervened import add_intervention_flags
-    from .model_args import add_model_flags
+    from .model_args import add_intervention_flags, add_model_flags
 
     add_model_flags(p)
     add_intervention_flags(p)

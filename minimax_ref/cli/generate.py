@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError, MiniMaxRefError
-from ..research.intervened import add_intervention_flags, cli_interventions
-from .model_args import add_model_flags, load_from_args
+from .model_args import add_intervention_flags, add_model_flags, load_from_args
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -307,6 +306,8 @@ def _stream_printer(args: argparse.Namespace, tools, reasoning_started: bool):
 def _draft_kwargs(args: argparse.Namespace, model) -> dict:
     """`generate`'s arguments that come with the loaded model: the interventions of --expert-mask / --drop-experts
     and the speculative ones; the drafter is loaded once per command."""
+    from ..research.intervened import cli_interventions
+
     if args.speculative == "none":
         return {"interventions": cli_interventions(args, model)}
     if getattr(args, "_drafter", None) is None:
@@ -320,6 +321,7 @@ def _draft_kwargs(args: argparse.Namespace, model) -> dict:
 
 def run_generate(args: argparse.Namespace) -> int:
     from ..generation.generate import generate
+    from ..research.intervened import cli_interventions
 
     if args.speculative == "none" and (args.num_speculative_tokens is not None or args.drafter_capture != "pre-norm"):
         raise InputError("--num-speculative-tokens and --drafter-capture need --speculative dspark")
@@ -413,12 +415,9 @@ def _check_request(args: argparse.Namespace, req: object, tools) -> dict:
         raise InputError(f"'prompt' must be a non-empty string, got {prompt!r}")
     req_tools = tools
     if "tools" in req:
-        from ..generation.chat import normalize_tools
+        from ..generation.chat import record_tools
 
-        req_tools = req["tools"] if not isinstance(req["tools"], dict) else [req["tools"]]
-        if not isinstance(req_tools, list):
-            raise InputError(f"'tools' must be a list of tool schemas, got {req['tools']!r}")
-        normalize_tools(req_tools)
+        req_tools = record_tools(req["tools"])
     thinking = req.get("thinking", args.thinking)
     if thinking not in THINKING_MODES:
         raise InputError(f"'thinking'={thinking!r}: choose one of {list(THINKING_MODES)}")

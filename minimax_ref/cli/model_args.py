@@ -61,6 +61,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "the cache folder, removed at exit)")
 
 
+def add_intervention_flags(p: argparse.ArgumentParser) -> None:
+    """`--expert-mask FILE` and `--drop-experts L:E,...` (generate, score, eval; read by
+    `research.intervened.cli_interventions`)."""
+    p.add_argument("--expert-mask", type=Path, default=None, metavar="FILE",
+                   help="route only to the experts a pruning.json keeps (what `minimax-ref prune` writes: the "
+                        "pruned checkpoint's routing, emulated on this one), or to those of a JSON {layer: [kept ids]}")
+    p.add_argument("--drop-experts", action="append", default=None, metavar="LAYER:E[,E...]",
+                   help="never route to these experts of this MoE layer (repeatable; combines with --expert-mask)")
+
+
 def load_from_args(args: argparse.Namespace, world=None):
     """(model, tokenizer, checkpoint path) for the model flags.
 

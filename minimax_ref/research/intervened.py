@@ -165,15 +165,6 @@ def parse_drop(spec: str, num_experts: int) -> tuple[int, list[int]]:
     return L, dropped
 
 
-def add_intervention_flags(p: argparse.ArgumentParser) -> None:
-    """`--expert-mask FILE` and `--drop-experts L:E,...` (generate, score, eval)."""
-    p.add_argument("--expert-mask", type=Path, default=None, metavar="FILE",
-                   help="route only to the experts a pruning.json keeps (what `minimax-ref prune` writes: the "
-                        "pruned checkpoint's routing, emulated on this one), or to those of a JSON {layer: [kept ids]}")
-    p.add_argument("--drop-experts", action="append", default=None, metavar="LAYER:E[,E...]",
-                   help="never route to these experts of this MoE layer (repeatable; combines with --expert-mask)")
-
-
 def interventions_from_args(args: argparse.Namespace, text: TextConfig) -> Interventions | None:
     """The `Interventions` the flags ask for (None without any), checked against the model's config `text`
     (layers, expert counts, enough experts left for top-k)."""

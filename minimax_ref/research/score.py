@@ -53,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, InputError, MiniMaxRefError, NumericsError
+from ..errors import ConfigError, InputError, NumericsError
+from .records import read_jsonl
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_PREFILL_CHUNK = 2048
@@ -166,12 +167,9 @@ def parse_trace(obj: object, tok, *, chat: bool, vocab_size: int | None, max_len
         if chat:
             tools = obj.get("tools")
             if tools is not None:
-                from ..generation.chat import normalize_tools
+                from ..generation.chat import record_tools
 
-                tools = [tools] if isinstance(tools, dict) else tools
-                if not isinstance(tools, list):
-                    raise InputError(f"'tools' must be a list of tool schemas, got {obj['tools']!r}")
-                normalize_tools(tools)
+                tools = record_tools(tools)
             system = obj.get("system")
             if system is not None and not isinstance(system, str):
                 raise InputError(f"'system' must be a string, got {system!r}")
@@ -205,29 +203,12 @@ def parse_trace(obj: object, tok, *, chat: bool, vocab_size: int | None, max_len
 def read_traces(path: str | Path, tok=None, *, chat: bool = False, vocab_size: int | None = None,
                 max_len: int | None = None) -> list[ScoreTrace]:
     """Read a traces JSONL file. Raises InputError naming `path:line` for the first bad line."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise InputError(f"{path}: cannot read the traces file ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text ({e.reason})") from None
-    traces = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-            t = parse_trace(obj, tok, chat=chat, vocab_size=vocab_size, max_len=max_len)
-        except MiniMaxRefError as e:
-            raise InputError(f"{path}:{n}: {e}") from None
-        traces.append(ScoreTrace(n, t.input_ids, t.completion_start, t.id))
-    if not traces:
-        raise InputError(f"{path}: no traces (the file is empty)")
-    return traces
+
+    def parse(obj: object, n: int) -> ScoreTrace:
+        t = parse_trace(obj, tok, chat=chat, vocab_size=vocab_size, max_len=max_len)
+        return ScoreTrace(n, t.input_ids, t.completion_start, t.id)
+
+    return read_jsonl(path, parse, flag="--traces", what="traces")
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -481,8 +462,7 @@ def per_trace_rows(traces: Sequence[ScoreTrace], model: Sequence[TraceScore],
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     """Flags of `minimax-ref score` (the standard model flags apply to both checkpoints)."""
-    from ..cli.model_args import add_model_flags
-    from .intervened import add_intervention_flags
+    from ..cli.model_args import add_intervention_flags, add_model_flags
 
     add_model_flags(p)
     add_intervention_flags(p)

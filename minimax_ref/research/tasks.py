@@ -28,14 +28,14 @@ with the standard error of the mean of the per-task differences.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InputError, MiniMaxRefError
+from ..errors import InputError
+from .records import read_jsonl
 
 if TYPE_CHECKING:
     from ..generation.generate import GenerationResult
@@ -109,12 +109,9 @@ def parse_task(obj: object, line: int = 0) -> Task:
         calls = [_check_call(c, "'tool_call'") for c in items]
     tools = obj.get("tools")
     if tools is not None:
-        from ..generation.chat import normalize_tools
+        from ..generation.chat import record_tools
 
-        tools = [tools] if isinstance(tools, dict) else tools
-        if not isinstance(tools, list):
-            raise InputError(f"'tools' must be a list of tool schemas, got {obj['tools']!r}")
-        normalize_tools(tools)
+        tools = record_tools(tools)
     if calls is not None and not tools:
         raise InputError("a 'tool_call' task needs the 'tools' the model may call")
     thinking = obj.get("thinking")
@@ -131,28 +128,7 @@ def parse_task(obj: object, line: int = 0) -> Task:
 
 def read_tasks(path: str | Path) -> list[Task]:
     """Every task of a tasks file; an InputError names `path:line` of the first bad line."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise InputError(f"--tasks {path}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"--tasks {path}: not UTF-8 text ({e.reason})") from None
-    tasks = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-            tasks.append(parse_task(obj, n))
-        except MiniMaxRefError as e:
-            raise InputError(f"{path}:{n}: {e}") from None
-    if not tasks:
-        raise InputError(f"--tasks {path}: no tasks (the file is empty)")
-    return tasks
+    return read_jsonl(path, parse_task, flag="--tasks", what="tasks")
 
 
 # ---------------------------------------------------------------------------------------------- grading

@@ -65,7 +65,7 @@ Callers import from this package, which re-exports every name they use.
 """
 
 from .messages import _IMAGE_PART_TYPES as _IMAGE_PART_TYPES  # read by generation.multimodal
-from .messages import normalize_messages, normalize_tools
+from .messages import normalize_messages, normalize_tools, record_tools
 from .render import (
     TOOL_CALL_EXAMPLE,
     render_chat,
@@ -111,7 +111,7 @@ __all__ = [
     "GENERATION_PROMPT", "IDENTITY_TEXT", "IMAGE", "IMAGE_END", "IMAGE_START", "NS", "RECOMMENDED_SAMPLING",
     "THINKING_MODES", "THINKING_MODE_TEXT", "THINKING_TEXT", "THINK_END", "THINK_START", "TOOLS_INTRO",
     "TOOLS_USAGE", "TOOL_CALL_END", "TOOL_CALL_EXAMPLE", "TOOL_CALL_START", "TURN_END", "TURN_START", "VIDEO",
-    "StreamingParser", "normalize_messages", "normalize_tools", "parse_output", "render_chat",
+    "StreamingParser", "normalize_messages", "normalize_tools", "parse_output", "record_tools", "render_chat",
     "render_chat_template", "render_tool_call", "render_tool_calls", "split_reasoning", "standing_instructions",
     "tools_section",
 ]

@@ -76,6 +76,16 @@ def _check_name(name: Any, where: str) -> str:
     return name
 
 
+def record_tools(value: Any) -> list:
+    """A request record's `tools` (an --input-file line, an eval task, a chat trace): one tool schema or a list of
+    them, checked by `normalize_tools` (InputError naming what is wrong); returned as given, in a list."""
+    tools = [value] if isinstance(value, Mapping) else value
+    if not isinstance(tools, list):
+        raise InputError(f"'tools' must be a list of tool schemas, got {value!r}")
+    normalize_tools(tools)
+    return tools
+
+
 def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
     """Validate tool definitions; return them in OpenAI form `{"type": "function", "function": {...}}`.
 

@@ -1,0 +1,41 @@
+"""Reading a JSONL file of records (score traces, eval tasks): one record a non-blank line, each parsed by the caller,
+the first bad line named as `path:line` in the error."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from ..errors import InputError, MiniMaxRefError
+
+Record = TypeVar("Record")
+
+
+def read_jsonl(path: str | Path, parse: Callable[[object, int], Record], *, flag: str, what: str) -> list[Record]:
+    """`parse(obj, line_number)` of every non-blank line of `path`. InputError: an unreadable or non-UTF-8 file
+    (named with its `flag`), `path:line: ...` for the first line that is not JSON or that `parse` refuses, and a file
+    with no record (`what`: the records' name, e.g. "traces")."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{flag} {path}: not UTF-8 text ({e.reason})") from None
+    records = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            records.append(parse(obj, n))
+        except MiniMaxRefError as e:
+            raise InputError(f"{path}:{n}: {e}") from None
+    if not records:
+        raise InputError(f"{flag} {path}: no {what} (the file is empty)")
+    return records

@@ -23,7 +23,7 @@ from .packed import FUSED_INDUCTOR_OPTIONS
 # kept), with coordinate-descent tuning of each Triton kernel's block sizes and warps (along one axis at a time:
 # trying every diagonal move too makes a compile take many minutes).
 # Inductor's static launcher is off: a kernel it launches comes back from the graph cache without the mark that its
-# launch configuration was found by coordinate descent, so every new process tuned it again (seconds per kernel);
+# launch configuration was found by coordinate descent, so a new process would tune it again (seconds per kernel);
 # launched by Triton's own launcher, a cached kernel reads its tuned configuration from the autotuning cache. The
 # launcher's cost does not matter here: a decode step replays from a CUDA graph.
 LAYER_INDUCTOR_OPTIONS = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True,

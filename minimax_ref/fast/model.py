@@ -31,7 +31,7 @@ from .graph import CapturedSteps
 from .grouped import sm_count
 from .launch import tuned_for
 from .moe import FastExperts, FastMLP, FastRouter
-from .packed import FastPackedWeight, Kernels
+from .packed import GEMV_BUFFERS, FastPackedWeight, Kernels
 from .paths import CACHE_BUCKET, REFERENCE, FastPaths
 
 
@@ -164,8 +164,8 @@ TWINS: dict[type, type] = {Attention: FastAttention, BlockSelection: FastBlockSe
 REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
 # what `apply` gives the twins, removed when the reference is restored
 _GIVEN = ("paths", "fast", "compiled", "kernels", "mode", "fused_tokens", "fused_rows",
-          "normal_range", "words", "grouped_tokens", "grouped_launch", "decode_tiles", "captured", "captured_shapes",
-          "sm_count")
+          "normal_range", "words", "grouped_tokens", "grouped_launch", "decode_tiles", "gemv_tokens",
+          "gemv_sms", "captured", "captured_shapes", "sm_count")
 
 
 def paths_of(model: nn.Module) -> FastPaths:
@@ -180,6 +180,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
     paths in force. Reads each packed weight's scales on the host once (`FastPackedWeight.configure`)."""
     paths = FastPaths.of(paths)
     if paths.compile_layers or paths.matmul == "fused" or paths.decode in ("compile", "triton") or paths.grouped \
+            or paths.gemv == "triton" \
             or "triton" in (paths.prefill_attention, paths.decode_attention):
         use_compile_cache()  # before the first compile or Triton launch reads where its cache is
     kernels = getattr(model, "kernels", None) or Kernels()  # kept across re-applies: its compiled functions
@@ -199,7 +200,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
                 m.sm_count = sm_count(m.q_norm.weight.device)
         if isinstance(m, FastPackedWeight):
             m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
-                        paths.grouped_tokens)
+                        paths.grouped_tokens, paths.gemv_tokens)
     if isinstance(model, FastMiniMaxM3):
         model.fast, model.kernels = paths, kernels
         reductions = tuned_for(model.device) if paths.layer_reductions == "auto" else paths.layer_reductions
@@ -216,3 +217,5 @@ def _restore(model: nn.Module) -> None:
         m.__class__ = ref
         for attr in _GIVEN:
             m.__dict__.pop(attr, None)
+        for buffer in GEMV_BUFFERS:  # `fast.gemv`'s reordered copy of a packed weight
+            m._buffers.pop(buffer, None)

@@ -149,13 +149,15 @@ class FastExperts(Experts):
 
     def takes_grouped(self, x: torch.Tensor) -> bool:
         """Whether the three stacks are packed and multiply x's rows through the grouped kernel
-        (`FastPackedWeight.takes_grouped`)."""
+        (`FastPackedWeight.takes_grouped`) or `fast.gemv` (`takes_gemv`: from one token on, each chosen expert read
+        once for all tokens)."""
         stacks = [getattr(self, leaf) for leaf in ("w1", "w3", "w2")]
-        return all(isinstance(w, FastPackedWeight) and w.takes_grouped(x, x.shape[0]) for w in stacks)
+        return all(isinstance(w, FastPackedWeight) and (w.takes_gemv(x, x.shape[0]) or w.takes_grouped(x, x.shape[0]))
+                   for w in stacks)
 
     def forward_grouped(self, x: torch.Tensor, local: torch.Tensor, mine: torch.Tensor,
                         weights: torch.Tensor) -> torch.Tensor:
-        """`forward_sync_free` through the grouped kernel (`fast.grouped`): each local expert
+        """`forward_sync_free` through the grouped kernel (`fast.grouped`) or `fast.gemv`: each local expert
         that a token of this call chose multiplies all T tokens (its weight tiles decoded once), the others are not
         read and give zero rows; each token then adds its k experts' rows, weighted, in slot order.
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..weights.checkpoint import MXFP8, NVFP4
 from ..weights.packed import PackedWeight, decode_reference
 from ..weights.quant import E2M1_MAGNITUDES, MXFP8_BLOCK, NVFP4_BLOCK, _pow2_f32
-from . import grouped
+from . import gemv, grouped
 from .paths import FUSED_ROWS
 
 # E2M1 value of each 4-bit code (code 8 is -0.0), and of both codes of each byte (low nibble first).
@@ -482,6 +482,11 @@ class Kernels:
         return torch.cat(parts, dim=-2)
 
 
+# The non-persistent buffers holding `fast.gemv`'s reordered copy of a weight (not in the state_dict; `fast.apply`
+# removes them when it restores the reference)
+GEMV_BUFFERS = ("gemv_words", "gemv_scales", "gemv_global")
+
+
 class FastPackedWeight(PackedWeight):
     """`PackedWeight` with the fast decoders (`fast.apply` swaps the class and calls `configure`; parameter and
     buffer names are unchanged). `decode` through `mode` ("reference", "fast", "compile", "triton": the same bits;
@@ -489,7 +494,8 @@ class FastPackedWeight(PackedWeight):
     `linear(x)` / `matmul(x, index)` fused (`Kernels.matmul`, equal to fp32 rounding) for inputs of at most
     `fused_tokens` rows (0: never), `fused_rows` rows per pass, the packed bytes read as int32 words when `words`;
     inputs of more rows, up to `grouped_tokens` (0: never), through the grouped Triton kernel (`fast.grouped`, equal
-    to fp32 rounding) where it applies (`takes_grouped`)."""
+    to fp32 rounding) where it applies (`takes_grouped`). Inputs of up to `gemv_tokens` rows (0: never) through
+    `fast.gemv` from the weight reordered at configuration (`takes_gemv`; before the fused and grouped paths)."""
 
     mode: str
     fused_tokens: int
@@ -500,10 +506,13 @@ class FastPackedWeight(PackedWeight):
     grouped_tokens: int = 0
     grouped_launch: tuple  # (fast.grouped.Tiles, K splits), chosen at configuration
     decode_tiles: grouped.Tiles | None = None  # decode="triton" where the kernel decodes this weight: its launch
+    gemv_tokens: int = 0
+    gemv_sms: int = 1  # the device's SM count, for `fast.gemv.splits`
 
     def configure(self, kernels: Kernels, mode: str, fused_tokens: int, fused_rows: int, words: bool,
-                  grouped_tokens: int = 0) -> None:
-        """Set the decoders; reads the scales (and, for MXFP8 words, the bytes) on the host once."""
+                  grouped_tokens: int = 0, gemv_tokens: int = 0) -> None:
+        """Set the decoders; reads the scales (and, for MXFP8 words, the bytes) on the host once. With `gemv_tokens`
+        and a weight the kernels decode, stores `fast.gemv.reorder`'s copy as the buffers `GEMV_BUFFERS`."""
         self.kernels, self.mode = kernels, mode
         self.fused_tokens, self.fused_rows = fused_tokens, fused_rows
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
@@ -520,6 +529,25 @@ class FastPackedWeight(PackedWeight):
             entries = self.weight.shape[0] if self.weight.dim() == 3 else 1
             self.grouped_launch = grouped.launch_for(self.fmt, entries, *self.shape[-2:], self.device)
         self.decode_tiles = grouped.tiles_for(self.fmt, self.device) if mode == "triton" and kernel_decodes else None
+        for name in GEMV_BUFFERS:  # a configuration before this one may have made them
+            self._buffers.pop(name, None)
+        self.gemv_tokens = 0
+        if gemv_tokens > 0 and kernel_decodes and gemv.runs_on(self.device):
+            self.gemv_tokens = min(gemv_tokens, gemv.MAX_ROWS)
+            self.gemv_sms = grouped.sm_count(self.device)
+            for name, t in zip(GEMV_BUFFERS, gemv.reorder(self.fmt, *self.parts())):
+                self.register_buffer(name, t, persistent=False)
+
+    def takes_gemv(self, x: torch.Tensor, rows: int) -> bool:
+        """Whether a product of `rows` rows of `x` goes through `fast.gemv`: at most `gemv_tokens` (the weight's side
+        was checked by `configure`), a bf16 x, on a device the kernel runs on."""
+        return 0 < rows <= self.gemv_tokens and x.dtype == torch.bfloat16 and gemv.runs_on(x.device)
+
+    def gemv_product(self, x: torch.Tensor, index: torch.Tensor | None = None,
+                     active: torch.Tensor | None = None) -> torch.Tensor:
+        """`fast.gemv.packed_product` on the reordered copy: x `[M, K]` or `[P, M, K]`; bf16 `[P, M, N]`."""
+        return gemv.packed_product(x, self.fmt, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
+                                   index=index, active=active, sms=self.gemv_sms)
 
     def takes_grouped(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a product of `rows` rows of `x` goes through the grouped kernel: more rows than the fused matmul
@@ -543,6 +571,9 @@ class FastPackedWeight(PackedWeight):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.takes_gemv(x, rows):
+            y = self.gemv_product(x.reshape(rows, x.shape[-1]))[0]
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         if 0 < rows <= self.fused_tokens:
             y = self.kernels.matmul(x.reshape(rows, x.shape[-1]), self.fmt, *self.parts(), self.dtype,
                                     rows_per_pass=self.fused_rows, normal_range=self.normal_range, words=self.words)
@@ -559,6 +590,10 @@ class FastPackedWeight(PackedWeight):
         """`PackedWeight.matmul`; `active` (int32 `[E]`, only with index None): a hint that the entries flagged 0
         are not needed, whose rows the grouped kernel then leaves at zero without reading them (other paths compute
         them)."""
+        if self.takes_gemv(x, x.shape[-2]):
+            y = self._gemv_matmul(x, index, active)
+            if y is not None:
+                return y
         if 0 < x.shape[-2] <= self.fused_tokens:
             return self.kernels.matmul(x, self.fmt, *self.parts(), self.dtype, index, self.fused_rows,
                                        self.normal_range, self.words)
@@ -566,6 +601,29 @@ class FastPackedWeight(PackedWeight):
             tiles, split = self.grouped_launch
             return grouped.packed_matmul_grouped(x, self.fmt, *self.parts(), active=active, tiles=tiles, split=split)
         return torch.matmul(x, self.decode(index).transpose(-1, -2))
+
+    def _gemv_matmul(self, x: torch.Tensor, index: torch.Tensor | None,
+                     active: torch.Tensor | None) -> torch.Tensor | None:
+        """`matmul` through `fast.gemv` for the shapes it takes (None for others): a linear and `[M, K]`; a stack and
+        `[M, K]` or `[E, M, K]` (index None, `active` flags allowed); a stack and x `[*B, M, K]` against entries
+        `index` (`*B` broadcasts against its shape `I`): each (broadcast) entry reads its own expert."""
+        m, k = x.shape[-2:]
+        if index is None:
+            entries = self.weight.shape[0] if self.weight.dim() == 3 else 0
+            if x.dim() == 2 and entries:
+                return self.gemv_product(x, active=active)
+            if x.dim() == 2:
+                return self.gemv_product(x)[0]
+            if x.dim() == 3 and x.shape[0] == entries:
+                return self.gemv_product(x, active=active)
+            return None
+        if self.weight.dim() != 3:
+            return None
+        shape = torch.broadcast_shapes(x.shape[:-2], index.shape)
+        ids = index.expand(shape).reshape(-1)
+        # a row shared by every entry is read in place; otherwise each entry's rows are laid out once
+        xs = x.reshape(1, m, k) if x[..., 0, 0].numel() == 1 else x.expand(*shape, m, k).reshape(-1, m, k)
+        return self.gemv_product(xs, index=ids).view(*shape, m, -1)
 
     def _grouped_operand(self, x: torch.Tensor) -> bool:
         """Whether x's shape is one the grouped kernel takes against this weight: `[M, K]`, or `[E, M, K]` against
@@ -576,4 +634,5 @@ class FastPackedWeight(PackedWeight):
     def extra_repr(self) -> str:
         fused = f", fused_tokens={self.fused_tokens}" if self.fused_tokens else ""
         grouped = f", grouped_tokens={self.grouped_tokens}" if self.grouped_tokens else ""
-        return f"{super().extra_repr()}, decode={self.mode}{fused}{grouped}"
+        gemv = f", gemv_tokens={self.gemv_tokens}" if self.gemv_tokens else ""
+        return f"{super().extra_repr()}, decode={self.mode}{fused}{grouped}{gemv}"

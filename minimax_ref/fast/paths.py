@@ -1,7 +1,8 @@
 """`FastPaths`: which fast paths are on. All off (`FastPaths()`) is the reference engine; each switch replaces
 one reference computation by a twin that computes the same function (tests/test_packed.py, test_fused.py,
-test_launch.py, test_grouped.py and test_attention_kernel.py compare each with the reference). `PRESETS` names the
-sets users choose (`minimax-ref --fast off|on|compiled`) and the finer ones benchmarks and tests take.
+test_launch.py, test_grouped.py, test_gemv.py and test_attention_kernel.py compare each with the reference).
+`PRESETS` names the sets users choose (`minimax-ref --fast off|on|compiled`) and the finer ones benchmarks and tests
+take.
 
 * `decode="fast"`: packed-weight decoding by a two-pass decoder (`fast.packed.decode_fast`). Bit-identical.
 * `decode="compile"`: the reference decoder through `torch.compile` (one fused kernel). Bit-identical.
@@ -36,6 +37,13 @@ sets users choose (`minimax-ref --fast off|on|compiled`) and the finer ones benc
   experts read only the experts some token chose (`fast.moe.FastExperts.forward_grouped`). Equal to fp32 rounding.
   For weights whose scales are in the normal range (`fast.packed.scales_in_normal_range`: real checkpoints) and a
   bf16 compute dtype; elsewhere, and without triton, the other paths.
+* `gemv="triton"` (the non-user preset `gemv`: `compiled` with it; to be measured before a user preset takes it): on
+  CUDA with triton, products with packed weights of 1 to `sync_free_tokens` rows (decode steps) by `fast.gemv`: the
+  weight reordered once at configuration into the kernel's tile order (beside the stored planes: the packed bytes
+  once more), decoded in registers to the same bf16 bits, a split-K GEMV on the CUDA cores up to `fast.gemv.GEMV_ROWS`
+  rows and the tensor cores' dot above, fp32 sums; the routed experts read only the chosen experts. Takes precedence
+  over `matmul="fused"` and `grouped` where it applies (as `grouped`: scales in the normal range, bf16). Equal to fp32
+  rounding.
 * `compile_layers=True`: in decode steps (one token per sequence, and the speculative loop's verify steps of k+1
   tokens, `MiniMaxM3.step_with_hidden`; with a cache and no trace), each decoder layer runs through `torch.compile`
   (`fast.compiled.CompiledLayers`), one graph per kind of layer and step shape, in which inductor fuses the norms,
@@ -64,6 +72,7 @@ FUSED_ROWS = 8
 DECODE_MODES = ("reference", "fast", "compile", "triton")
 ATTENTION_MODES = ("reference", "triton")
 MATMUL_MODES = ("reference", "fused")
+GEMV_MODES = ("reference", "triton")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
 # cache (decode steps); larger calls (prefill) group tokens by expert, which needs the per-expert counts
 # on the host, and attend over the filled slots only.
@@ -107,6 +116,8 @@ class FastPaths:
     decode_attention: str = "reference"
     # products of more than `fused_tokens` and up to `sync_free_tokens` rows through the grouped Triton kernel
     grouped: bool = False
+    # "triton": products of up to `sync_free_tokens` rows through `fast.gemv` (weights reordered at configuration)
+    gemv: str = "reference"
     # decode steps (`MiniMaxM3.step`) on CUDA captured in a CUDA graph per KV cache and shape, then replayed
     # (`fast.graph.CapturedSteps`); needs `moe` and `static_kv` (no host synchronisation, static shapes)
     graph: bool = False
@@ -124,6 +135,8 @@ class FastPaths:
         if self.decode_attention not in ATTENTION_MODES:
             raise ConfigError(f"fast paths: decode_attention={self.decode_attention!r}: choose one of "
                               f"{list(ATTENTION_MODES)}")
+        if self.gemv not in GEMV_MODES:
+            raise ConfigError(f"fast paths: gemv={self.gemv!r}: choose one of {list(GEMV_MODES)}")
         if self.fused_rows < 1:
             raise ConfigError(f"fast paths: fused_rows={self.fused_rows}: give a positive row count")
         if self.compile_layers and not (self.moe and self.static_kv):
@@ -182,6 +195,11 @@ class FastPaths:
         """Calls with more rows than `fused_tokens` and up to this many go through the grouped kernel (0: none)."""
         return self.sync_free_tokens if self.grouped else 0
 
+    @property
+    def gemv_tokens(self) -> int:
+        """Calls with up to this many rows go through `fast.gemv` (0: none)."""
+        return self.sync_free_tokens if self.gemv == "triton" else 0
+
 
 REFERENCE = FastPaths()
 
@@ -224,6 +242,11 @@ PRESETS: dict[str, Preset] = {
         "decode steps attending through the Triton attention kernel, and packed weights decoded for prefill by one "
         "Triton kernel"),
 }
+# `compiled` with the reordered-weight products of `fast.gemv` for every decode row count (benchmarks measure it
+# against `compiled` before a user preset takes it)
+PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
+                         "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
+                         "weights reordered at load (beside the stored planes)", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

@@ -1,5 +1,5 @@
 """Decode-step products with packed weights at the release's shapes: `fast.gemv` (weights reordered at load, split-K
-GEMV up to 8 rows, tensor-core dot above; `FastPaths(gemv="triton")`) beside the kernels the `compiled` preset uses
+GEMV at one row, tensor-core dot above; `FastPaths(gemv="triton")`) beside the kernels the `compiled` preset uses
 today for the same product: the compiled fused dequantize-and-multiply at one row (`fast.packed.Kernels.matmul`, one
 row a pass, the NVFP4 and gate/up bytes read as words) and the grouped Triton kernel from two rows
 (`fast.grouped.packed_matmul_grouped`). Each figure is microseconds per product (a CUDA graph of 10 products,

@@ -1,5 +1,5 @@
 """Packed products from reordered weights (`fast.gemv`, `FastPaths(gemv="triton")`): the load-time reorder, the
-split-K GEMV (up to `GEMV_ROWS` rows) and the tensor-core dot (more rows) of one Triton kernel, the chosen experts.
+split-K GEMV (one row, `GEMV_ROWS`) and the tensor-core dot (more rows) of one Triton kernel, the chosen experts.
 
 Where the cases run: `TRITON_INTERPRET=1 python -m pytest -q tests/test_gemv.py` runs the kernel in Triton's
 interpreter on CPU tensors; `python -m pytest -q -m gpu tests/test_gemv.py` compiles it for CUDA; without triton (CI)
@@ -105,8 +105,8 @@ def test_benchmark_refuses_a_cpu_machine(capsys, monkeypatch):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_kernel_compiles_for_h200_without_spills(fmt):
     """The kernel as the GPU runs it (conversion instructions, bf16 tensor-core dots) compiles for sm_90 with
-    triton's ptxas on any machine, with no register spills: the GEMV at 1 and 8 rows (ids, split partials), the dot
-    at 16, 32 and 64 rows (flags; bf16 out, and split partials)."""
+    triton's ptxas on any machine, with no register spills: the GEMV (ids and split partials, flags and bf16 out), the
+    dot at 16, 32 and 64 rows (ids, flags; bf16 out, split partials)."""
     import triton
     from test_grouped import _ptxas
     from triton.backends.compiler import GPUTarget
@@ -115,7 +115,7 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
     if _ptxas() is None:
         pytest.skip("triton's ptxas is not installed")
     kernel = gemv._gemv_kernel
-    for block_m, select, out_bf16 in ((1, 1, False), (8, 1, False), (16, 2, True), (32, 2, False), (64, 2, True)):
+    for block_m, select, out_bf16 in ((1, 1, False), (1, 2, True), (16, 1, True), (32, 2, False), (64, 2, True)):
         consts = {"NVFP4_FMT": fmt == "nvfp4", "SELECT": select, "DOT": block_m > gemv.GEMV_ROWS,
                   "OUT_BF16": out_bf16, "EXACT_FP32": False, "BLOCK_M": block_m, "TN": gemv.TILE_N,
                   "TK": gemv.TILE_K[fmt], "W": gemv.WORDS, "B": gemv.TILE_K[fmt] // gemv.BLOCK[fmt]}
@@ -165,7 +165,10 @@ def test_one_hot_rows_read_out_the_reference_bits(fmt):
         want = _decoded(fmt, w, s, g)
         tiles = gemv.reorder(fmt, w, s, g)
         assert torch.equal(_read_out(fmt, tiles, N, K, gemv.MAX_ROWS), want), case  # the dot
-    assert torch.equal(_read_out(fmt, tiles, N, K, gemv.GEMV_ROWS), want)  # the GEMV (the last case)
+    # the GEMV, one column a launch, on a weight of one K tile (every byte and the last case's scales' range)
+    w, s, g = _operands(fmt, E, N, 32, 2)
+    tiles = gemv.reorder(fmt, w, s, g)
+    assert torch.equal(_read_out(fmt, tiles, N, 32, gemv.GEMV_ROWS), _decoded(fmt, w, s, g))
 
 
 @interp

@@ -1,6 +1,6 @@
 """Packed products for decode steps (1 to 64 rows) from weights reordered once at load into the order the kernel
-reads (`FastPaths(gemv="triton")`): split-K GEMVs on the CUDA cores for up to `GEMV_ROWS` rows, tensor-core `tl.dot`
-above, one Triton kernel for both.
+reads (`FastPaths(gemv="triton")`): a split-K GEMV on the CUDA cores for one row (`GEMV_ROWS`), tensor-core `tl.dot`
+from two rows to 64, one Triton kernel for both.
 
 Layout (`reorder`, made by `FastPackedWeight.configure` on fast models only, kept beside the stored planes as
 non-persistent buffers: the reference model and its state_dict are unchanged; it costs the packed bytes once more).
@@ -25,7 +25,7 @@ nibble placed on fp32 bits as e2m1 * 2^-126, times the reference's block scale f
 rounding, as the reference) times 2^126, rounded to bf16 (`grouped._nibble`); an E4M3 byte placed on fp32 bits, times
 2^(code - 127) built from the E8M0 code's bits (exact, `grouped._e4m3_byte`). This needs the scales in the normal
 range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3 NaN byte; `FastPackedWeight.configure` checks both and
-keeps its other paths otherwise. Every product is exact in fp32 (two bf16 values); the GEMV accumulates each row's
+keeps its other paths otherwise. Every product is exact in fp32 (two bf16 values); the GEMV accumulates the row's
 products in fp32, per (weight row, word lane) across the K steps of a split and the elements of a word, then adds
 the 32 lanes in a tree (`tl.sum`); the dot accumulates in fp32 on the tensor cores; splits of K write fp32 partial
 sums that a second kernel adds in split order (0, 1, 2, ...) and rounds once to bf16. Bound (tests): |y - exact| <=
@@ -54,9 +54,11 @@ if grouped.AVAILABLE:
     from torch.library import triton_op, wrap_triton
 
 AVAILABLE = grouped.AVAILABLE
-# Rows up to which the product is a GEMV on the CUDA cores (each decoded element feeds this many fp32 accumulators);
-# above, up to `MAX_ROWS`, the tensor cores' dot (whose smallest dimension, 16, would idle at one or two rows).
-GEMV_ROWS = 8
+# Rows up to which the product is a GEMV on the CUDA cores; above, up to `MAX_ROWS`, the tensor cores' dot (16 rows
+# at least: from two rows on the tile is decoded once for all rows, and the dot's idle columns cost nothing that
+# bounds it). One: a GEMV of several rows needs a 3-D accumulator, for which the compiler moves every decoded element
+# through shared memory (ptx of sm_90: four barriers per nibble).
+GEMV_ROWS = 1
 MAX_ROWS = grouped.MAX_ROWS
 TILE_N = 32
 TILE_K = {NVFP4: 256, MXFP8: 128}
@@ -199,33 +201,34 @@ if AVAILABLE:
             y_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_m[None, :] * stride_ym + offs_n[:, None]
             mask = (offs_n < N)[:, None] & m_ok[None, :]
         else:
-            acc = tl.zeros((BLOCK_M, TN, W), dtype=tl.float32)
-            jb = tl.arange(0, B)
+            # one row (BLOCK_M 1): everything in the words' 2-D layout, x broadcast over the tile's rows (a 3-D
+            # accumulator over several rows made the compiler move the decoded elements through shared memory)
+            acc = tl.zeros((TN, W), dtype=tl.float32)
+            # each word's block scale, loaded where the word is (W / B words share one; the repeats hit the cache):
+            # broadcasting B scales over the words instead would move them between threads through shared memory
+            word_block = cols // (W // B)
             for ks in range(k_lo, k_hi):
                 words = tl.load(w_rows + ks * (TN * W) + cols[None, :])  # [TN, W]: one contiguous 4 KB chunk
-                sc = tl.load(s_rows + ks * (TN * B) + jb[None, :]).to(tl.int32)  # [TN, B]
+                sc = tl.load(s_rows + ks * (TN * B) + word_block[None, :]).to(tl.int32)  # [TN, W]
                 if NVFP4_FMT:
                     # the reference's block scale fp32(e4m3) * global (one rounding), times 2^126 (exact in range)
-                    block = (grouped._e4m3_value(sc, EXACT_FP32) * g) * 8.507059173023462e37
-                    scale = grouped._broadcast_blocks(block, TN, B, 2)  # each word's block scale [TN, W]
+                    scale = (grouped._e4m3_value(sc, EXACT_FP32) * g) * 8.507059173023462e37
                     for j in tl.static_range(8):  # nibble j of word c is element 8c + j
                         wj = grouped._nibble(words, scale, j, EXACT_FP32).to(tl.float32)
                         kx = ks * TK + cols * 8 + j
-                        xj = _widen(tl.load(x_rows[:, None] + kx[None, :], mask=m_ok[:, None] & (kx < K)[None, :],
-                                            other=0.0))  # [BLOCK_M, W]
-                        acc += wj[None, :, :] * xj[:, None, :]
+                        xj = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))  # [W]
+                        acc += wj * xj[None, :]
                 else:
                     # E8M0 code c -> 2^(c - 127) on the bits (c >= 1 in the normal range), each word's scale
-                    scale = grouped._broadcast_blocks((sc << 23).to(tl.float32, bitcast=True), TN, B, 8)
+                    scale = (sc << 23).to(tl.float32, bitcast=True)
                     for i in tl.static_range(4):  # byte i of word c is element 4c + i
                         wi = grouped._e4m3_byte(words, scale, i, EXACT_FP32).to(tl.float32)
                         kx = ks * TK + cols * 4 + i
-                        xi = _widen(tl.load(x_rows[:, None] + kx[None, :], mask=m_ok[:, None] & (kx < K)[None, :],
-                                            other=0.0))
-                        acc += wi[None, :, :] * xi[:, None, :]
-            out = tl.sum(acc, axis=2)  # [BLOCK_M, TN]: the word lanes added
-            y_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_m[:, None] * stride_ym + offs_n[None, :]
-            mask = m_ok[:, None] & (offs_n < N)[None, :]
+                        xi = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))
+                        acc += wi * xi[None, :]
+            out = tl.sum(acc, axis=1)  # [TN]: the word lanes added
+            y_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_n
+            mask = offs_n < N
         if OUT_BF16:
             tl.store(y_ptrs, grouped._bf16_storable(out, EXACT_FP32), mask=mask)
         else:

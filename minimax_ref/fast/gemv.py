@@ -173,7 +173,6 @@ if AVAILABLE:
         n_tiles = tl.cdiv(N, TN)
         tile = (e * n_tiles + pid_n) * K_TILES  # the first K step of this tile column
         rows = tl.arange(0, TN)
-        cols = tl.arange(0, W)
         w_rows = w_ptr + tile * (TN * W) + rows[:, None] * W  # [TN, 1]
         s_rows = s_ptr + tile * (TN * B) + rows[:, None] * B
         offs_m = tl.arange(0, BLOCK_M)
@@ -201,32 +200,40 @@ if AVAILABLE:
             y_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_m[None, :] * stride_ym + offs_n[:, None]
             mask = (offs_n < N)[:, None] & m_ok[None, :]
         else:
-            # one row (BLOCK_M 1): everything in the words' 2-D layout, x broadcast over the tile's rows (a 3-D
-            # accumulator over several rows made the compiler move the decoded elements through shared memory)
-            acc = tl.zeros((TN, W), dtype=tl.float32)
-            # each word's block scale, loaded where the word is (W / B words share one; the repeats hit the cache):
-            # broadcasting B scales over the words instead would move them between threads through shared memory
-            word_block = cols // (W // B)
+            # one row (BLOCK_M 1): the words as [W / 4, TN, 4] (four words, 16 bytes, a thread; the groups of a row
+            # first, so that a warp reads whole rows), every operand built in their layout: the block scales loaded
+            # per group of four words and spread over them in registers, x broadcast over the tile's rows (a scale
+            # tensor loaded in a layout of its own made the compiler move every decoded element through shared
+            # memory, two barriers a nibble)
+            q = tl.arange(0, W // 4)
+            r4 = tl.arange(0, 4)
+            word = q[:, None] * 4 + r4[None, :]  # [W / 4, 4]: word index within the tile row
+            acc = tl.zeros((W // 4, TN, 4), dtype=tl.float32)
             for ks in range(k_lo, k_hi):
-                words = tl.load(w_rows + ks * (TN * W) + cols[None, :])  # [TN, W]: one contiguous 4 KB chunk
-                sc = tl.load(s_rows + ks * (TN * B) + word_block[None, :]).to(tl.int32)  # [TN, W]
+                words = tl.load(w_rows[None, :, :] + ks * (TN * W) + word[:, None, :])  # a contiguous 4 KB chunk
                 if NVFP4_FMT:
+                    # two blocks (two words each) a group: their E4M3 scales, each repeated over its two words
+                    r2 = tl.arange(0, 2)
+                    sb = tl.load(s_rows[None, :, :] + ks * (TN * B) + q[:, None, None] * 2 + r2[None, None, :])
                     # the reference's block scale fp32(e4m3) * global (one rounding), times 2^126 (exact in range)
-                    scale = (grouped._e4m3_value(sc, EXACT_FP32) * g) * 8.507059173023462e37
+                    blk = (grouped._e4m3_value(sb.to(tl.int32), EXACT_FP32) * g) * 8.507059173023462e37
+                    scale = tl.reshape(tl.join(blk, blk), (W // 4, TN, 4))  # word r of a group: block r // 2
                     for j in tl.static_range(8):  # nibble j of word c is element 8c + j
                         wj = grouped._nibble(words, scale, j, EXACT_FP32).to(tl.float32)
-                        kx = ks * TK + cols * 8 + j
-                        xj = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))  # [W]
-                        acc += wj * xj[None, :]
+                        kx = ks * TK + word * 8 + j
+                        xj = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))  # [W / 4, 4]
+                        acc += wj * xj[:, None, :]
                 else:
-                    # E8M0 code c -> 2^(c - 127) on the bits (c >= 1 in the normal range), each word's scale
-                    scale = (sc << 23).to(tl.float32, bitcast=True)
+                    # one E8M0 scale for two groups (8 words): code c -> 2^(c - 127) on the bits (c >= 1 in range)
+                    s_cols = s_ptr + tile * (TN * B) + rows[None, :] * B  # [1, TN]
+                    sb = tl.load(s_cols + ks * (TN * B) + (q // 2)[:, None]).to(tl.int32)  # [W / 4, TN]
+                    scale = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
                     for i in tl.static_range(4):  # byte i of word c is element 4c + i
                         wi = grouped._e4m3_byte(words, scale, i, EXACT_FP32).to(tl.float32)
-                        kx = ks * TK + cols * 4 + i
+                        kx = ks * TK + word * 4 + i
                         xi = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))
-                        acc += wi * xi[None, :]
-            out = tl.sum(acc, axis=1)  # [TN]: the word lanes added
+                        acc += wi * xi[:, None, :]
+            out = tl.sum(tl.sum(acc, axis=2), axis=0)  # [TN]: each row's 32 word lanes added
             y_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_n
             mask = offs_n < N
         if OUT_BF16:

@@ -248,6 +248,21 @@ def test_chosen_experts_only(fmt):
         assert not some[[1, 3]].any() and torch.equal(some[[0, 2]], want[[0, 2]])
 
 
+@interp
+def test_splits_count_the_busy_entries(monkeypatch):
+    """With flags, the K splits are sized for `busy` entries (a step's tokens times top-k), not the whole stack (at
+    one row 4 of 16 experts fill the GPU only with K split)."""
+    seen = []
+    real = gemv.splits
+    monkeypatch.setattr(gemv, "splits", lambda programs, *a, **k: seen.append(programs) or real(programs, *a, **k))
+    w, s, g = _operands("nvfp4", 4, 64, 256, 1)  # two tile columns
+    tiles = gemv.reorder("nvfp4", w, s, g)
+    x, active = torch.ones(1, 256, dtype=BF16), torch.tensor([0, 1, 1, 0], dtype=torch.int32)
+    flagged = gemv.packed_product(x, "nvfp4", 64, *tiles, active=active, busy=2)
+    assert torch.equal(flagged, gemv.packed_product(x, "nvfp4", 64, *tiles, active=active))
+    assert seen == [2 * 2, 4 * 2]
+
+
 # ---------------------------------------------------------------------------------------------- wiring
 
 
@@ -296,7 +311,8 @@ def test_decode_step_through_the_kernel(tiny, monkeypatch):
     ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(0))
     calls = []
     real = gemv.packed_product
-    monkeypatch.setattr(gemv, "packed_product", lambda *a, **k: calls.append(k.get("active")) or real(*a, **k))
+    monkeypatch.setattr(gemv, "packed_product", lambda *a, **k: calls.append((k.get("active"), k.get("busy")))
+                        or real(*a, **k))
     steps = []
     for paths in (FastPaths(), FastPaths(moe=True, static_kv=True, gemv="triton")):
         apply(model, False)
@@ -307,7 +323,9 @@ def test_decode_step_through_the_kernel(tiny, monkeypatch):
             steps.append(model(ids[:, 6:], positions=torch.full((2, 1), 6), cache=cache))
     packed = sum(1 for m in model.modules() if isinstance(m, PackedWeight))
     assert len(calls) >= packed, (len(calls), packed)
-    assert sum(a is not None for a in calls) >= 3  # the routed experts' three products
+    routed = [busy for active, busy in calls if active is not None]  # the routed experts' three products a layer
+    top_k, experts = model.text.num_experts_per_tok, model.layers[1].block_sparse_moe.experts
+    assert len(routed) >= 3 and set(routed) == {min(len(experts.local_experts), 2 * top_k)}
     assert _rel(steps[1], steps[0]) < 2e-2, _rel(steps[1], steps[0])
     apply(model, False)
 

@@ -275,7 +275,7 @@ if AVAILABLE:
 
 def packed_product(x: torch.Tensor, fmt: str, n: int, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                    index: torch.Tensor | None = None, active: torch.Tensor | None = None,
-                   split: int | None = None, sms: int = 1) -> torch.Tensor:
+                   split: int | None = None, sms: int = 1, busy: int | None = None) -> torch.Tensor:
     """`x @ w_hat^T` for a weight in `reorder`'s layout (N = `n` rows), one launch (two with K splits).
 
     x: bf16 `[M, K]` (shared by every entry) or `[P, M, K]` (one per output entry), 1 <= M <= `MAX_ROWS`; K is the
@@ -283,7 +283,8 @@ def packed_product(x: torch.Tensor, fmt: str, n: int, words: torch.Tensor, scale
     read for output p; repeats allowed); active: None or int32 `[E]` flags over the stack (index None): unflagged
     entries read nothing and give zero rows. Returns bf16 `[P, M, N]` (P = E without index, 1 for a linear).
     Contract: the module docstring (decoded bits of the reference, fp32 sums, splits added in split order).
-    split: K splits (default `splits` for `sms` SMs). Static in the shapes: no host synchronisation.
+    split: K splits (default `splits` for `sms` SMs, counting `busy` entries: with `active`, at most that many are
+    flagged, e.g. a step's tokens times top-k; default all). Static in the shapes: no host synchronisation.
     """
     if not AVAILABLE:
         raise RuntimeError("packed_product needs triton")
@@ -296,7 +297,8 @@ def packed_product(x: torch.Tensor, fmt: str, n: int, words: torch.Tensor, scale
             or -(-k // TILE_K[fmt]) != k_tiles or (index is not None and active is not None)):
         raise ValueError(f"packed_product: x {list(x.shape)} {x.dtype} against {fmt} tiles {list(words.shape)}")
     if split is None:
-        split = splits(outputs * -(-n // TILE_N), k_tiles, sms)
+        working = min(outputs, busy) if busy is not None and active is not None else outputs
+        split = splits(working * -(-n // TILE_N), k_tiles, sms)
     split = max(1, min(split, k_tiles))
     split = -(-k_tiles // -(-k_tiles // split))  # no empty split
     select, sel = 0, None

@@ -167,24 +167,26 @@ class FastExperts(Experts):
         T, E = x.shape[0], len(self.local_experts)
         experts = torch.arange(E, device=x.device)
         active = ((local[..., None] == experts) & mine[..., None]).flatten(0, 1).any(0).to(torch.int32)  # [E]
-        gate = self.matmul("w1", x, active=active)  # [E, T, I]
-        up = self.matmul("w3", x, active=active)
+        busy = min(E, local.numel())  # at most one expert a (token, slot) pair
+        gate = self.matmul("w1", x, active=active, busy=busy)  # [E, T, I]
+        up = self.matmul("w3", x, active=active, busy=busy)
         h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
-        y = self.matmul("w2", h, active=active)  # [E, T, H]
+        y = self.matmul("w2", h, active=active, busy=busy)  # [E, T, H]
         # each pair's row; a pair that is not mine has weight 0 and reads a computed (or zero) row
         picked = y[local, torch.arange(T, device=x.device)[:, None]]  # [T, k, H]
         return (picked.float() * weights[..., None]).sum(1)
 
     def matmul(self, leaf: str, x: torch.Tensor, index: torch.Tensor | None = None,
-               active: torch.Tensor | None = None) -> torch.Tensor:
+               active: torch.Tensor | None = None, busy: int | None = None) -> torch.Tensor:
         """`x @ W^T` for the stack `leaf` ("w1", "w2", "w3"): x `[*B, M, K]` against every local expert (index
         None; `*B` broadcasts against `[E_local]`) or against the experts `index` (a LongTensor of any shape `I`;
         `*B` broadcasts against `I`). A packed stack multiplies through `PackedWeight.matmul` (fused, reading the
         gathered experts' bytes in place, when its twin's fused matmul is on). `active` (int32 `[E_local]`, index
-        None): the experts whose rows are needed, which a grouped product reads alone (`FastPackedWeight.matmul`)."""
+        None): the experts whose rows are needed, which a grouped product reads alone (`FastPackedWeight.matmul`);
+        `busy`: at most this many are flagged."""
         w = getattr(self, leaf)
         if isinstance(w, FastPackedWeight):
-            return w.matmul(x, index, active)
+            return w.matmul(x, index, active, busy)
         if isinstance(w, PackedWeight):
             return w.matmul(x, index)
         return torch.matmul(x, (w if index is None else w[index]).transpose(-1, -2))

@@ -543,11 +543,11 @@ class FastPackedWeight(PackedWeight):
         was checked by `configure`), a bf16 x, on a device the kernel runs on."""
         return 0 < rows <= self.gemv_tokens and x.dtype == torch.bfloat16 and gemv.runs_on(x.device)
 
-    def gemv_product(self, x: torch.Tensor, index: torch.Tensor | None = None,
-                     active: torch.Tensor | None = None) -> torch.Tensor:
+    def gemv_product(self, x: torch.Tensor, index: torch.Tensor | None = None, active: torch.Tensor | None = None,
+                     busy: int | None = None) -> torch.Tensor:
         """`fast.gemv.packed_product` on the reordered copy: x `[M, K]` or `[P, M, K]`; bf16 `[P, M, N]`."""
         return gemv.packed_product(x, self.fmt, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
-                                   index=index, active=active, sms=self.gemv_sms)
+                                   index=index, active=active, sms=self.gemv_sms, busy=busy)
 
     def takes_grouped(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a product of `rows` rows of `x` goes through the grouped kernel: more rows than the fused matmul
@@ -586,12 +586,12 @@ class FastPackedWeight(PackedWeight):
         return F.linear(x, self.decode())
 
     def matmul(self, x: torch.Tensor, index: torch.Tensor | None = None,
-               active: torch.Tensor | None = None) -> torch.Tensor:
+               active: torch.Tensor | None = None, busy: int | None = None) -> torch.Tensor:
         """`PackedWeight.matmul`; `active` (int32 `[E]`, only with index None): a hint that the entries flagged 0
         are not needed, whose rows the grouped kernel then leaves at zero without reading them (other paths compute
-        them)."""
+        them); `busy`: at most this many are flagged (sizes `fast.gemv`'s K splits)."""
         if self.takes_gemv(x, x.shape[-2]):
-            y = self._gemv_matmul(x, index, active)
+            y = self._gemv_matmul(x, index, active, busy)
             if y is not None:
                 return y
         if 0 < x.shape[-2] <= self.fused_tokens:
@@ -602,8 +602,8 @@ class FastPackedWeight(PackedWeight):
             return grouped.packed_matmul_grouped(x, self.fmt, *self.parts(), active=active, tiles=tiles, split=split)
         return torch.matmul(x, self.decode(index).transpose(-1, -2))
 
-    def _gemv_matmul(self, x: torch.Tensor, index: torch.Tensor | None,
-                     active: torch.Tensor | None) -> torch.Tensor | None:
+    def _gemv_matmul(self, x: torch.Tensor, index: torch.Tensor | None, active: torch.Tensor | None,
+                     busy: int | None = None) -> torch.Tensor | None:
         """`matmul` through `fast.gemv` for the shapes it takes (None for others): a linear and `[M, K]`; a stack and
         `[M, K]` or `[E, M, K]` (index None, `active` flags allowed); a stack and x `[*B, M, K]` against entries
         `index` (`*B` broadcasts against its shape `I`): each (broadcast) entry reads its own expert."""
@@ -611,11 +611,11 @@ class FastPackedWeight(PackedWeight):
         if index is None:
             entries = self.weight.shape[0] if self.weight.dim() == 3 else 0
             if x.dim() == 2 and entries:
-                return self.gemv_product(x, active=active)
+                return self.gemv_product(x, active=active, busy=busy)
             if x.dim() == 2:
                 return self.gemv_product(x)[0]
             if x.dim() == 3 and x.shape[0] == entries:
-                return self.gemv_product(x, active=active)
+                return self.gemv_product(x, active=active, busy=busy)
             return None
         if self.weight.dim() != 3:
             return None

@@ -4,6 +4,7 @@ and the CLI's `--fast auto`."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -170,3 +171,20 @@ def test_prefill_runs_the_lm_head_on_one_position_per_row(tiny_nvfp4, monkeypatc
     got, _ = generate_ids(model, prompts, max_new_tokens=4, sampling=GREEDY, prefill_chunk=16)
     assert [s.generated for s in got] == [s.generated for s in want]
     assert rows and max(rows) == 1
+
+
+def test_compile_cache_lives_in_the_cache_folder_unless_named(monkeypatch, tmp_path):
+    """What compiling produces goes under $MINIMAX_REF_CACHE/compile (Triton's kernels in its triton/ folder); a
+    TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR the user set is kept."""
+    from minimax_ref.fast.compiled import use_compile_cache
+
+    monkeypatch.setenv("MINIMAX_REF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert use_compile_cache() == tmp_path / "compile"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "compile" / "triton")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "kernels"))
+    assert use_compile_cache() == tmp_path / "mine"
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "kernels")

@@ -1,13 +1,18 @@
 """The attention kernel (`fast.attention_kernel`; `FastPaths(prefill_attention="triton")` in every preset,
 `decode_attention="triton"` in `compiled`).
 
-Contract under test: `block_attention` computes `msa.gather_block_attention` (a block selection given) and
-`attention.causal_attention` (none) for bf16 queries over keys and values as a cache stores them (bf16, or fp8 read
-as `LayerCache.load` reads it), within fp32 rounding plus the stated split of the probabilities (2^-18 relative):
-|o - o_ref| <= 2e-5 of max |o_ref|, against the reference cores computing in fp32 on the same bf16 values. Geometries
-beyond the release's: groups that are not powers of two, head dims and block sizes that are not, blocks of fewer
-keys than a tensor-core tile, empty selection slots, selected blocks past a query, chunked prefill (queries after
-cached keys), two sequences at different positions, keys split over programs and merged (decode steps).
+Contract under test: `block_attention` computes `msa.gather_block_attention` (a block selection given; with the
+indexer's own selection, `msa.msa_attention`) and `attention.causal_attention` (none) for bf16 queries over keys and
+values as a cache stores them (bf16, or fp8 read as `LayerCache.load` reads it), within fp32 rounding plus the stated
+split of the probabilities (2^-18 relative): |o - o_ref| <= 2e-5 of max |o_ref|, against the reference cores
+computing in fp32 on the same bf16 values. Each query reads exactly its keys: with all scores equal (zero queries) the
+output is the mean of the values it reads, which any key more or less moves by about 1/keys. Geometries beyond the
+release's: groups that are not powers of two, head dims and block sizes that are not, blocks of fewer keys than a
+tensor-core tile and of more (read as several key tiles), empty selection slots, selected blocks past a query, query
+tiles of several tokens whose selections differ widely (unions capped by the blocks in the cache, and not), the
+prompt not a multiple of the tile or the block, one token a tile, chunked prefill (queries after cached keys), two
+sequences at different positions, dense tiles before every query of a tile (unmasked), keys split over programs and
+merged (decode and verify steps). `tile_blocks` is checked against sets built in Python.
 
 The kernel runs in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1 python -m pytest -q
 tests/test_attention_kernel.py`; skipped otherwise) and compiled on CUDA (`-m gpu`). Model tests check that a bf16
@@ -27,7 +32,7 @@ from minimax_ref.fast import attention_kernel as pa
 from minimax_ref.fast.grouped import AVAILABLE, interpreting
 from minimax_ref.model.attention import causal_attention
 from minimax_ref.model.cache import store_kv
-from minimax_ref.model.msa import gather_block_attention
+from minimax_ref.model.msa import gather_block_attention, msa_attention
 
 INTERP = AVAILABLE and interpreting()
 interp = pytest.mark.skipif(not INTERP, reason="run with TRITON_INTERPRET=1 (Triton's interpreter on CPU tensors)")
@@ -40,7 +45,15 @@ GEOMETRIES = {
     "tiny": (2, 37, 0, 8, 2, 32, 16, 4),
     "chunked": (1, 40, 25, 16, 1, 64, 16, 3),
     "odd": (2, 20, 7, 12, 4, 24, 10, 3),
+    # 16 heads a kv head (8 tokens a default tile), 21 queries (not a multiple of it), blocks of 32 slots; 6 blocks in
+    # the cache: every tile's union is cut at 6
+    "long": (1, 21, 150, 16, 1, 32, 32, 3),
+    # 39 blocks in the cache, a tile's union is up to 8 tokens x 4 blocks, not cut
+    "wide": (1, 11, 600, 16, 1, 32, 16, 4),
 }
+# Launch configurations: the default; 32 rows over key tiles of 16 (blocks of 32 read as two tiles); one token a
+# program at G = 16 (its own selection, no union)
+TILES = {"default": None, "small": pa.Tiles(32, 16, 4, 1), "token": pa.Tiles(16, 16, 4, 1)}
 
 
 def _operands(geometry: tuple, fp8: bool, device: str, seed: int = 0):
@@ -74,21 +87,95 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+# (geometry, fp8 cache, sms, tiles): every geometry, cache and split with the default tiles; the other tiles on each
+# geometry once, and with an fp8 cache and splits where blocks are read as two key tiles
+CASES = [(name, fp8, sms, "default") for name in sorted(GEOMETRIES) for fp8 in (False, True) for sms in (1, 1000)]
+CASES += [(name, False, 1, tiles) for name in sorted(GEOMETRIES) for tiles in ("small", "token")]
+CASES += [("long", True, 1000, "small")]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sms", [1, 1000], ids=["whole", "split"])
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
-@pytest.mark.parametrize("name", sorted(GEOMETRIES))
-def test_kernel_equals_the_reference_cores(name, fp8, sms, device):
+@pytest.mark.parametrize(("name", "fp8", "sms", "tiles"), CASES,
+                         ids=[f"{n}-{'fp8' if f else 'bf16'}-cache-{'split' if s > 1 else 'whole'}-{t}"
+                              for n, f, s, t in CASES])
+def test_kernel_equals_the_reference_cores(name, fp8, sms, tiles, device):
     """`sms` 1: one program per query tile reads all its keys; 1000: the keys are split as far as they go (one block
     or key tile per program) and merged."""
     q, ks, vs, k, v, pos, blocks, bs, scale = _operands(GEOMETRIES[name], fp8, device)
-    dense = pa.block_attention(q, ks, vs, pos, scale, sms=sms)
+    config = TILES[tiles]
+    dense = pa.block_attention(q, ks, vs, pos, scale, sms=sms, tiles=config)
     assert dense.dtype == torch.float32 and dense.shape == q.shape
     assert _rel(dense, causal_attention(q, k, v, pos, scale)) < BOUND
-    sparse = pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=sms)
+    sparse = pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=sms, tiles=config)
     assert _rel(sparse, gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
     # the selection matters: another selection gives another result
     assert _rel(sparse, dense) > 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("name", "tiles"), [("long", "default"), ("long", "small"), ("wide", "default"),
+                                             ("odd", "token")])
+def test_each_query_reads_exactly_its_keys(name, tiles, device):
+    """Zero queries: every score 0, so each output row is the plain mean of the values its query reads; a key more
+    or less (another token's block, a future key, a slot past the block) moves it by about 1/keys >> the bound."""
+    q, ks, vs, k, v, pos, blocks, bs, scale = _operands(GEOMETRIES[name], False, device, seed=3)
+    q = torch.zeros_like(q)
+    for sms in (1, 1000):
+        got = pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=sms, tiles=TILES[tiles])
+        assert _rel(got, gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
+        got = pa.block_attention(q, ks, vs, pos, scale, sms=sms, tiles=TILES[tiles])
+        assert _rel(got, causal_attention(q, k, v, pos, scale)) < BOUND
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_kernel_with_the_indexers_selection_equals_msa_attention(fp8, device):
+    """The indexer's own selection (`msa.msa_attention`: top-4 of blocks of 16, a local and an initial block forced)
+    over 300 cached keys and a 70-token chunk, two sequences, the index queries drifting slowly from token to token
+    as a model's do (neighbouring tokens share most of their blocks, not all)."""
+    q, ks, vs, k, v, pos, _, bs, scale = _operands((2, 70, 300, 32, 2, 64, 16, 4), fp8, device, seed=9)
+    g = torch.Generator().manual_seed(9)
+    B, T, Hi, L = 2, 70, 2, 370
+    steps = torch.randn(B, T, Hi, 32, generator=g)
+    iq = (torch.randn(B, 1, Hi, 32, generator=g) + 0.3 * steps.cumsum(1)).bfloat16().to(device)
+    ik = torch.randn(B, L, 32, generator=g).bfloat16().to(device)
+    want, blocks = msa_attention(q, k, v, iq, ik, pos, scale, bs, 4, 1, 1)
+    union = pa.tile_blocks(blocks, 8, -(-L // bs))
+    distinct = (union >= 0).sum(-1).float().mean()
+    assert 4 < distinct < 8 * 4  # shared blocks and differing ones within a tile
+    assert _rel(pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=1), want) < BOUND
+
+
+def test_tile_blocks_are_each_tiles_distinct_ids():
+    """`tile_blocks` against sets built in Python: ragged tiles, empty slots, repeats across tokens, a cut list."""
+    g = torch.Generator().manual_seed(2)
+    B, H, T, kb, nb = 2, 3, 13, 4, 9
+    blocks = torch.stack([torch.randperm(nb, generator=g)[:kb] for _ in range(B * H * T)]).view(B, H, T, kb)
+    blocks[torch.rand(B, H, T, kb, generator=g) < 0.3] = -1
+    for tokens in (1, 2, 4, 8):
+        got = pa.tile_blocks(blocks, tokens, nb)
+        assert got.dtype == torch.int32 and got.shape == (B, H, -(-T // tokens), min(tokens * kb, nb))
+        for b in range(B):
+            for h in range(H):
+                for i in range(got.shape[2]):
+                    ids = sorted({int(x) for x in blocks[b, h, i * tokens:(i + 1) * tokens].flatten() if x >= 0})
+                    assert got[b, h, i].tolist() == ids + [-1] * (got.shape[-1] - len(ids))
+
+
+def test_tiles_are_checked():
+    assert pa.Tiles.parse("64,32,4,3") == pa.Tiles(64, 32, 4, 3) and pa.Tiles(64, 32, 4, 3).text() == "64,32,4,3"
+    from minimax_ref.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rows=96: give a power of two"):
+        pa.Tiles(96)
+    with pytest.raises(ConfigError, match="keys=8"):
+        pa.Tiles(keys=8)
+    with pytest.raises(ConfigError, match="give ROWS,KEYS,NUM_WARPS,NUM_STAGES"):
+        pa.Tiles.parse("128,64")
+    assert pa.tiles_for("sparse", torch.device("cpu")) == pa.DEFAULT["sparse"]
+    # 8 tokens of 16 heads; fewer for fewer queries; padded heads count (12 -> 16)
+    assert [pa.tile_tokens(128, 16, t) for t in (1, 3, 8, 9000)] == [1, 4, 8, 8]
+    assert pa.tile_tokens(128, 12, 100) == 8 and pa.tile_tokens(16, 16, 100) == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -99,18 +186,26 @@ def test_decode_shaped_calls(device):
     assert _rel(pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=132),
                 gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
     assert _rel(pa.block_attention(q, ks, vs, pos, scale, sms=132), causal_attention(q, k, v, pos, scale)) < BOUND
+    # a verify step: 3 queries a sequence (one tile of 4 tokens, their union split over programs)
+    q, ks, vs, k, v, pos, blocks, bs, scale = _operands((2, 3, 300, 16, 2, 64, 32, 4), False, device, seed=6)
+    assert _rel(pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=132),
+                gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
+    assert _rel(pa.block_attention(q, ks, vs, pos, scale, sms=132), causal_attention(q, k, v, pos, scale)) < BOUND
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERP or not AVAILABLE, reason="compiled Triton kernels")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 def test_kernel_at_release_geometry(fp8):
-    """G = 16, 128-channel heads, blocks of 128, top-16, 1,024 queries after 1,024 cached keys."""
-    q, ks, vs, k, v, pos, blocks, bs, scale = _operands((1, 1024, 1024, 64, 4, 128, 128, 16), fp8, "cuda", seed=1)
+    """G = 16, 128-channel heads, blocks of 128, top-16: 1,024 queries after 1,024 cached keys (every block
+    selected); 1,001 queries after 7,191 (64 blocks, random selections: unions of most of them, the last tile
+    ragged); a decode step."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert _rel(pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=sms),
-                gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
-    assert _rel(pa.block_attention(q, ks, vs, pos, scale, sms=sms), causal_attention(q, k, v, pos, scale)) < BOUND
+    for seed, geometry in ((1, (1, 1024, 1024, 64, 4, 128, 128, 16)), (3, (1, 1001, 7191, 64, 4, 128, 128, 16))):
+        q, ks, vs, k, v, pos, blocks, bs, scale = _operands(geometry, fp8, "cuda", seed=seed)
+        assert _rel(pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=sms),
+                    gather_block_attention(q, k, v, blocks, pos, bs, scale)) < BOUND
+        assert _rel(pa.block_attention(q, ks, vs, pos, scale, sms=sms), causal_attention(q, k, v, pos, scale)) < BOUND
     # a decode step of 32 sequences at 8K
     q, ks, vs, k, v, pos, blocks, bs, scale = _operands((32, 1, 8191, 64, 4, 128, 128, 16), fp8, "cuda", seed=2)
     assert _rel(pa.block_attention(q, ks, vs, pos, scale, blocks, bs, sms=sms),

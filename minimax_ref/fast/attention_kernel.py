@@ -5,39 +5,55 @@ model, within the rounding stated below.
 
 The reference gathers each query's selected key blocks into memory, converts them to fp32 and runs a softmax over
 them (for an 8K prompt at release widths that is gigabytes of copies per layer). Here one program keeps a tile of
-queries in registers and streams the keys it reads from the cache as it is stored (bf16, or fp8 converted in
+query rows in registers (`Tiles.rows`: a run of consecutive query tokens of one sequence times the G query heads of
+one kv head) and streams key tiles of `Tiles.keys` slots from the cache as it is stored (bf16, or fp8 converted in
 registers as `LayerCache.load` converts), with an online softmax:
 
-* MSA layers: one program per (sequence, kv head, query token): the token's G query heads (one kv head's group) as
-  the rows of a tile, its selected blocks (`blocks` [B, Hkv, T, kb] from the indexer, -1 = empty slot) as the key
-  tiles, masked at the token's position. No union over neighbouring tokens: each reads exactly its selection.
-* Dense layers: one program per (sequence, kv head, `DENSE_ROWS` / G tokens, fewer for short calls): every key tile
-  up to the last query's position, masked causally.
-* Decode steps have a few dozen such programs, too few for the GPU: each program's keys are then split over several
-  programs (`splits_for`, flash-decoding) and their normalised sums merged by their softmax denominators (fp32).
+* MSA layers: the program reads the union of its tokens' selected blocks (`blocks` [B, Hkv, T, kb] from the
+  indexer, -1 = empty slot), each block once for the whole tile. `tile_blocks` builds the unions before the launch:
+  per tile, its tokens' ids sorted ascending, each once, -1 after them, in a static [B, Hkv, tiles, U] tensor
+  (U = min(tokens x kb, blocks in the cache)); two sorts on the device, no host read. In the kernel a row takes a
+  block's keys only where its token selected that block (its own ids compared with the block's, in registers) and
+  only at or before its position: each query reads exactly the keys of its selection, each once (a selection is a
+  set: top-k's distinct ids). Neighbouring tokens share their local blocks and much of their top-k, so a union is
+  usually far smaller than tokens x kb (`benchmarks/attention_kernel.py` reports its mean), and every product has
+  the tile's rows as the tensor cores' M dimension. A block of more slots than `Tiles.keys` is read as several
+  key tiles.
+* Dense layers: the key tiles up to the tile's last position; the tiles wholly at or before its first position
+  (every row sees every key) without the causal mask, the rest masked; tiles past the last position not read.
+* Calls of fewer tokens than a tile (decode steps) get tiles of fewer tokens; one token's tile reads its own
+  selection as given (no union). Such calls have a few dozen programs, too few for the GPU: each program's blocks
+  or key tiles are then split over several programs (`splits_for`, flash-decoding) and their normalised sums merged
+  by their softmax denominators (fp32).
 
 Numerics (the contract the tests check against the reference, which computes in fp32 on bf16-valued operands):
 * scores: q . k with bf16 queries and keys (exact in fp32: a product of two bf16 values fits), summed in fp32 on
   the tensor cores in an unspecified order, then times `scale`;
-* softmax: online, in fp32, with exp2 of the scores times log2(e) (the GPU's approximate exp2, about 2 ulp);
+* softmax: online, in fp32, with exp2 of the scores times log2(e) (the GPU's approximate exp2, about 2 ulp); the
+  keys in an unspecified order (on MSA layers a tile's union ascending, a one-token tile's selection in its own
+  order; on dense layers key tiles ascending);
 * values: the probabilities split into two bf16 parts, p = hi + lo + r with |r| <= 2^-18 p, and two tensor-core
   products with the bf16 values (exact products, fp32 sums), so the value sum is the reference's to about 2^-17
   relative, far below the bf16 rounding the layer's output gets next;
-* output fp32 [B, T, Hq, D], the sum divided by the softmax denominator once.
+* output fp32 [B, T, Hq, D], the sum divided by the softmax denominator once (0 for a query with no key).
 The caller selects the blocks (`fast.attention.select_blocks_chunked`: msa.py's rule, the same ids); memory stays
 linear in the context (no [Q, K] tensor).
 
 `block_attention` launches it through an opaque registered operator (`minimax_ref::block_attention`): a compiled
 decoder layer calls it as it is, and a CUDA graph captures it (static shapes, no host read). `handles` says where it
-runs: CUDA with triton, a bf16 model, keys stored as bf16 or fp8. Under
-`TRITON_INTERPRET=1` (the tests on a CPU) the kernel runs on CPU tensors, with `fast.grouped`'s exact-fp32 forms of
-the bf16 roundings and dots.
+runs: CUDA with triton, a bf16 model, keys stored as bf16 or fp8. The tile shapes are data (`Tiles`: `TUNED` keyed
+by GPU name, else `DEFAULT`). Under `TRITON_INTERPRET=1` (the tests on a CPU) the kernel runs on CPU tensors, with
+`fast.grouped`'s exact-fp32 forms of the bf16 roundings and dots.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
 from . import grouped
 from .grouped import AVAILABLE, interpreting
 
@@ -45,22 +61,90 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-# Query rows of a dense program (tokens times the group's heads): flash attention's usual 128-row tile.
-DENSE_ROWS = 128
-# Keys per tile on dense layers.
-DENSE_KEYS = 64
 # The tensor cores' smallest tile side (tl.dot): rows and key tiles are at least this.
 MIN_TILE = 16
 LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch configuration of the attention kernel: `rows` query rows a program (tokens times the group's
+    heads, the heads padded to a power of two), `keys` key slots a tile (on MSA layers at most a block: a block of
+    more slots is read as several tiles), `num_warps` and `num_stages` for programs of at least 64 rows (smaller
+    ones, decode steps, run with 4 warps). All powers of two, at least 16 rows and keys."""
+
+    rows: int = 128
+    keys: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "keys", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ConfigError(f"attention tiles: {name}={v}: give a power of two")
+        if self.rows < MIN_TILE or self.keys < MIN_TILE or self.num_stages < 1:
+            raise ConfigError(f"attention tiles: rows={self.rows}, keys={self.keys} (>= {MIN_TILE}), "
+                              f"num_stages={self.num_stages} (>= 1)")
+
+    @classmethod
+    def parse(cls, text: str) -> Tiles:
+        """`"ROWS,KEYS,NUM_WARPS,NUM_STAGES"`, e.g. `"128,64,8,2"` (the benchmarks' form)."""
+        try:
+            rows, keys, num_warps, num_stages = (int(v) for v in text.split(","))
+        except ValueError:
+            raise ConfigError(f"attention tiles {text!r}: give ROWS,KEYS,NUM_WARPS,NUM_STAGES, e.g. 128,64,8,2") \
+                from None
+        return cls(rows, keys, num_warps, num_stages)
+
+    def text(self) -> str:
+        return f"{self.rows},{self.keys},{self.num_warps},{self.num_stages}"
+
+
+# Untuned defaults, flash attention's usual shape for 128-channel heads on sm_90 without a measurement here: 128 query
+# rows (8 tokens x 16 heads at release widths) against key tiles of 64, 8 warps.
+DEFAULT = {"sparse": Tiles(), "dense": Tiles()}
+# Measured configurations (benchmarks/attention_kernel.py --sweep prints entries in this form):
+# torch.cuda.get_device_name() -> {"sparse" | "dense": Tiles}.
+TUNED: dict[str, dict[str, Tiles]] = {}
+
+
+def tiles_for(kind: str, device: torch.device) -> Tiles:
+    """The launch configuration of `kind` ("sparse": MSA layers, "dense") on `device`: `TUNED`'s entry for this GPU,
+    else `DEFAULT`."""
+    if device.type == "cuda":
+        entry = TUNED.get(torch.cuda.get_device_name(device), {})
+        if kind in entry:
+            return entry[kind]
+    return DEFAULT[kind]
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _dense_tokens(group: int, queries: int) -> int:
-    """Query tokens per program on dense layers: `DENSE_ROWS` rows, fewer for calls of fewer tokens (decode)."""
-    return max(1, min(DENSE_ROWS // _pow2(group), _pow2(queries)))
+def tile_tokens(rows: int, group: int, queries: int) -> int:
+    """Query tokens a program takes: `rows` over the group's heads (padded to a power of two), fewer for calls of
+    fewer tokens (decode steps), at least one."""
+    return max(1, min(rows // _pow2(group), _pow2(queries)))
+
+
+def tile_blocks(blocks: torch.Tensor, tokens: int, cached_blocks: int) -> torch.Tensor:
+    """The union of the selected blocks [B, H, T, kb] (-1 = empty slot) of each tile of `tokens` consecutive queries
+    -> int32 [B, H, ceil(T / tokens), min(tokens * kb, cached_blocks)]: each tile's ids ascending, each once, then -1.
+
+    Static shapes and device ops only (it runs in compiled layers and CUDA graphs): the ids sorted with the empty
+    slots as the largest int32, every repeat of its left neighbour turned into that largest value too, sorted again
+    (the distinct ids now first). No tile selects more distinct blocks than the cache holds, so the list is cut
+    there."""
+    B, H, T, kb = blocks.shape
+    n = -(-T // tokens)
+    ids = F.pad(blocks.to(torch.int32), (0, 0, 0, n * tokens - T), value=-1).reshape(B, H, n, tokens * kb)
+    none = torch.iinfo(torch.int32).max
+    ids = torch.where(ids < 0, none, ids).sort(dim=-1).values
+    repeat = F.pad(ids[..., 1:] == ids[..., :-1], (1, 0), value=False)
+    ids = ids.masked_fill(repeat, none).sort(dim=-1).values[..., :min(tokens * kb, cached_blocks)]
+    return ids.masked_fill(ids == none, -1)
 
 
 if AVAILABLE:
@@ -86,14 +170,18 @@ if AVAILABLE:
             return tl.dot(a, b, acc)
 
     @triton.jit
-    def _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, qpos, m_i, l_i, acc, scale_log2,
-                kv_scale, ROWS: tl.constexpr, KEYS: tl.constexpr, KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr):
-        """One key tile of the online softmax: keys at slots `kpos` [KEYS] (`k_ok`: exist), masked at each row's
-        position `qpos` [ROWS]. Returns the updated (running max in log2 units, denominator, value sum)."""
+    def _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, qpos, takes, m_i, l_i, acc,
+                scale_log2, kv_scale, ROWS: tl.constexpr, KEYS: tl.constexpr, MASKED: tl.constexpr,
+                KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr):
+        """One key tile of the online softmax: keys at slots `kpos` [KEYS] (`k_ok`: exist). MASKED: a row reads
+        them only where `takes` [ROWS] (its token selected the block) and at or before its position `qpos` [ROWS];
+        else every row reads every key (a dense tile before all the rows' positions). Returns the updated (running
+        max in log2 units, denominator, value sum)."""
         load_ok = k_ok[:, None] & d_ok[None, :]
         kt = _kv_tile(k_base + kpos[:, None] * stride_kl + d[None, :], load_ok, kv_scale, KV_FP8, EXACT_FP32)
         s = _dot(q, tl.trans(kt), tl.zeros((ROWS, KEYS), dtype=tl.float32), EXACT_FP32) * scale_log2
-        s = tl.where(k_ok[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
+        if MASKED:
+            s = tl.where(takes[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: every term stays 0
         alpha = tl.exp2(m_i - m_use)
@@ -108,18 +196,20 @@ if AVAILABLE:
 
     @triton.jit
     def _attention_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, pos_ptr, blocks_ptr,
-        T, L, KB, BS, PER_SPLIT, scale_log2, kv_scale,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, pos_ptr, sel_ptr, union_ptr,
+        T, L, KB, BS, U, scale_log2, kv_scale,
         stride_qb, stride_qt, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
         stride_os, stride_ob, stride_ot, stride_oh, stride_ls, stride_lb, stride_lt, stride_pb, stride_pt,
-        stride_bb, stride_bh, stride_bt,
+        stride_sb, stride_sh, stride_st, stride_ub, stride_uh, stride_ut,
         G: tl.constexpr, GP: tl.constexpr, TOKENS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        KEYS: tl.constexpr, SPLITS: tl.constexpr, SPARSE: tl.constexpr, KV_FP8: tl.constexpr,
-        EXACT_FP32: tl.constexpr,
+        KEYS: tl.constexpr, BLOCK: tl.constexpr, KBP: tl.constexpr, UP: tl.constexpr, SPLITS: tl.constexpr,
+        SPARSE: tl.constexpr, KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr,
     ):
         """o[s, b, t, h*G + g] over split s of the keys of kv head h that query token t reads (`block_attention`),
         and with SPLITS > 1 the split's log2-sum-exp lse[s, b, t, h*G + g]. Grid: (token tiles, kv heads,
-        sequences x splits). Rows: TOKENS tokens times GP >= G heads (rows g >= G idle)."""
+        sequences x splits). Rows: TOKENS tokens times GP >= G heads (rows g >= G idle). Sparse: the tile's blocks
+        are union[b, h, tile, :U] (ascending, -1 after) for TOKENS > 1, the token's sel[b, h, t, :KB] (-1 = none)
+        for TOKENS == 1; BLOCK >= BS slots a block, read in tiles of KEYS."""
         pid_t = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2) // SPLITS
@@ -141,28 +231,54 @@ if AVAILABLE:
         acc = tl.zeros((ROWS, DP), dtype=tl.float32)
         n = tl.arange(0, KEYS)
         if SPARSE:
-            # TOKENS == 1: the token's own selection (this split's slots of it); an empty slot (-1) reads nothing
-            sel = blocks_ptr + b * stride_bb + h * stride_bh + pid_t * stride_bt
-            for j in range(split * PER_SPLIT, tl.minimum(split * PER_SPLIT + PER_SPLIT, KB)):
-                blk = tl.load(sel + j)
-                if blk >= 0:
-                    kpos = blk * BS + n
-                    k_ok = (n < BS) & (kpos < L)
+            if TOKENS > 1:
+                # the tile's union: its distinct ids first, so the slots to read are those >= 0
+                ids = union_ptr + b * stride_ub + h * stride_uh + pid_t * stride_ut
+                u = tl.arange(0, UP)
+                slots = tl.sum((tl.load(ids + u, mask=u < U, other=-1) >= 0).to(tl.int32), 0)
+                # each row's own selection, compared with every block read
+                kk = tl.arange(0, KBP)
+                mine = tl.load(sel_ptr + b * stride_sb + h * stride_sh + tok[:, None] * stride_st + kk[None, :],
+                               mask=row_ok[:, None] & (kk < KB)[None, :], other=-1)
+            else:
+                # one token: its own selection, empty slots (-1) anywhere in it
+                ids = sel_ptr + b * stride_sb + h * stride_sh + pid_t * stride_st
+                slots = KB
+            per = (slots + SPLITS - 1) // SPLITS
+            # no branch on the id in the loop (the pipeliner prefetches the next block's keys): an empty slot's
+            # slots are negative, masked (its tile costs the products, only in contexts shorter than kb blocks)
+            for j in range(split * per, tl.minimum(split * per + per, slots)):
+                blk = tl.load(ids + j)
+                if TOKENS > 1:
+                    takes = tl.max((mine == blk).to(tl.int32), 1) > 0
+                else:
+                    takes = row_ok
+                for c in tl.static_range(0, BLOCK, KEYS):
+                    kpos = blk * BS + c + n
+                    k_ok = (c + n < BS) & (kpos >= 0) & (kpos < L)
                     m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, qpos,
-                                            m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, KV_FP8, EXACT_FP32)
+                                            takes, m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8,
+                                            EXACT_FP32)
         else:
-            # the key tiles up to the tile's last query (its tokens' largest position), this split's share of them
-            last = tl.load(pos_ptr + b * stride_pb + pid_t * TOKENS * stride_pt)
-            for i in tl.static_range(1, TOKENS):
-                t_i = pid_t * TOKENS + i
-                last = tl.maximum(last, tl.load(pos_ptr + b * stride_pb + t_i * stride_pt, mask=t_i < T, other=0))
-            tiles = tl.minimum(last, L - 1) // KEYS + 1
+            # the key tiles up to the tile's last position (this split's share of them); those wholly at or before
+            # its first position need no mask
+            last = tl.minimum(tl.max(qpos, 0), L - 1)
+            first = tl.minimum(tl.min(tl.where(row_ok, qpos, L - 1), 0), L - 1)
+            tiles = last // KEYS + 1
+            full = (first + 1) // KEYS
             per = (tiles + SPLITS - 1) // SPLITS
-            for j in range(split * per, tl.minimum(split * per + per, tiles)):
+            lo = split * per
+            hi = tl.minimum(lo + per, tiles)
+            for j in range(lo, tl.minimum(hi, full)):
                 kpos = j * KEYS + n
-                k_ok = kpos < L
-                m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, qpos,
-                                        m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, KV_FP8, EXACT_FP32)
+                m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, kpos < L, d, d_ok, qpos,
+                                        row_ok, m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, False, KV_FP8,
+                                        EXACT_FP32)
+            for j in range(tl.maximum(lo, full), hi):
+                kpos = j * KEYS + n
+                m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, kpos < L, d, d_ok, qpos,
+                                        row_ok, m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8,
+                                        EXACT_FP32)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_rows = o_ptr + split * stride_os + b * stride_ob + tok[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh
         tl.store(o_rows + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
@@ -175,32 +291,36 @@ if AVAILABLE:
     # kernel through Triton's own compilation, the one the eager calls and the tests use.
     @torch.library.custom_op("minimax_ref::block_attention", mutates_args=())
     def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                      blocks: torch.Tensor | None, block_size: int, scale: float, kv_scale: float, splits: int,
+                      blocks: torch.Tensor | None, union: torch.Tensor | None, block_size: int, tokens: int,
+                      keys: int, scale: float, kv_scale: float, splits: int, num_warps: int, num_stages: int,
                       exact_fp32: bool) -> torch.Tensor:
-        """The launch (see `block_attention`); k, v as stored (fp8 as uint8), blocks int32 or None."""
+        """The launch (see `block_attention`); k, v as stored (fp8 as uint8), blocks int32 [B, Hkv, T, kb] or None,
+        union (`tile_blocks` of them for `tokens` > 1) or None."""
         B, T, Hq, D = q.shape
         L, Hkv = k.shape[1], k.shape[2]
         G = Hq // Hkv
         sparse = blocks is not None
-        tokens = 1 if sparse else _dense_tokens(G, T)
         gp = max(_pow2(G), MIN_TILE // tokens)
-        keys = max(MIN_TILE, _pow2(block_size)) if sparse else DENSE_KEYS
         kb = blocks.shape[-1] if sparse else 0
+        u = union.shape[-1] if union is not None else 0
         sel = blocks if sparse else q_pos  # unread when dense
+        ids = union if union is not None else q_pos  # unread unless a sparse tile has several tokens
         out = torch.empty(*((splits,) if splits > 1 else ()), B, T, Hq, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, B, T, Hq, dtype=torch.float32, device=q.device) if splits > 1 else q_pos  # unread
         per = (0,) if splits == 1 else (out.stride(0),)
         grid = (triton.cdiv(T, tokens), Hkv, B * splits)
         lse_strides = lse.stride()[:3] if splits > 1 else (0, 0, 0)
         sel_strides = sel.stride()[:3] if sparse else (0, 0, 0)
+        ids_strides = ids.stride()[:3] if union is not None else (0, 0, 0)
+        block = max(MIN_TILE, _pow2(block_size)) if sparse else keys
         _attention_kernel[grid](
-            q, k, v, out, lse, q_pos, sel,
-            T, L, kb, max(block_size, 1), -(-kb // splits), scale * LOG2E, kv_scale,
+            q, k, v, out, lse, q_pos, sel, ids,
+            T, L, kb, max(block_size, 1), u, scale * LOG2E, kv_scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *per, *out.stride()[-4:-1], *lse_strides,
-            *q_pos.stride(), *sel_strides,
-            G=G, GP=gp, TOKENS=tokens, D=D, DP=max(MIN_TILE, _pow2(D)), KEYS=keys, SPLITS=splits, SPARSE=sparse,
-            KV_FP8=k.dtype == torch.uint8, EXACT_FP32=exact_fp32, num_warps=4 if tokens * gp <= 32 else 8,
-            num_stages=2)
+            *q_pos.stride(), *sel_strides, *ids_strides,
+            G=G, GP=gp, TOKENS=tokens, D=D, DP=max(MIN_TILE, _pow2(D)), KEYS=min(keys, block), BLOCK=block,
+            KBP=_pow2(max(kb, 1)), UP=_pow2(max(u, 1)), SPLITS=splits, SPARSE=sparse, KV_FP8=k.dtype == torch.uint8,
+            EXACT_FP32=exact_fp32, num_warps=num_warps if tokens * gp >= 64 else 4, num_stages=num_stages)
         if splits == 1:
             return out
         # the splits merged: each split's normalised sum weighted by its share of the softmax denominator
@@ -208,7 +328,8 @@ if AVAILABLE:
         return (out * weight[..., None]).sum(0) / weight.sum(0)[..., None]
 
     @_attention_op.register_fake
-    def _(q, k, v, q_pos, blocks, block_size, scale, kv_scale, splits, exact_fp32):
+    def _(q, k, v, q_pos, blocks, union, block_size, tokens, keys, scale, kv_scale, splits, num_warps, num_stages,
+          exact_fp32):
         return q.new_empty(q.shape, dtype=torch.float32)
 
 
@@ -220,30 +341,41 @@ def splits_for(programs: int, max_splits: int, sms: int) -> int:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
                     blocks: torch.Tensor | None = None, block_size: int = 0, kv_scale: float = 1.0,
-                    sms: int = 1) -> torch.Tensor:
+                    sms: int = 1, tiles: Tiles | None = None) -> torch.Tensor:
     """Attention of bf16 queries q [B, T, Hq, D] at positions q_pos [B, T] over keys and values k, v [B, L, Hkv, D]
     as a cache stores them (slot = position; bf16, or float8_e4m3fn read as bf16(fp32(x) * kv_scale)).
 
-    blocks None: dense causal attention (`attention.causal_attention`). blocks [B, Hkv, T, kb] (-1 = empty slot):
-    each query token reads only the keys of its kv head's selected blocks of `block_size` slots, at or before its
-    position (`msa.gather_block_attention`). Returns fp32 [B, T, Hq, D]; the numerics are the module docstring's.
+    blocks None: dense causal attention (`attention.causal_attention`). blocks [B, Hkv, T, kb] (-1 = empty slot;
+    a query's ids distinct, as top-k gives them): each query token reads only the keys of its kv head's selected
+    blocks of `block_size` slots, at or before its position (`msa.gather_block_attention`). Returns fp32
+    [B, T, Hq, D]; the numerics are the module docstring's.
 
-    sms: the GPU's SM count: when the (sequence, kv head, query tile) programs are too few to fill it (decode
-    steps), each program's keys are split (`splits_for`) and the splits' partial results merged by their softmax
-    denominators (fp32). Static in the shapes, no host synchronisation: it runs in compiled layers and CUDA graphs
-    (a registered operator).
+    tiles: the launch configuration (default `tiles_for` this device and layer kind). sms: the GPU's SM count: when
+    the (sequence, kv head, query tile) programs are too few to fill it (decode steps), each program's blocks or key
+    tiles are split (`splits_for`) and the splits' partial results merged by their softmax denominators (fp32).
+    Static in the shapes, no host synchronisation: it runs in compiled layers and CUDA graphs (a registered
+    operator).
     """
     B, T, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
-    if blocks is not None:
-        blocks = blocks.to(torch.int32)
-        programs, most = B * Hkv * T, blocks.shape[-1]
+    sparse = blocks is not None
+    if tiles is None:
+        tiles = tiles_for("sparse" if sparse else "dense", q.device)
+    tokens = tile_tokens(tiles.rows, Hq // Hkv, T)
+    programs = B * Hkv * -(-T // tokens)
+    union = None
+    if sparse:
+        blocks = blocks.to(torch.int32).contiguous()
+        if tokens > 1:
+            union = tile_blocks(blocks, tokens, -(-L // block_size))
+        most = union.shape[-1] if union is not None else blocks.shape[-1]
     else:
-        programs, most = B * Hkv * -(-T // _dense_tokens(Hq // Hkv, T)), -(-L // DENSE_KEYS)
+        most = -(-L // tiles.keys)
     if k.dtype == torch.float8_e4m3fn:
         k, v = k.view(torch.uint8), v.view(torch.uint8)
-    return torch.ops.minimax_ref.block_attention(q, k, v, q_pos, blocks, block_size, scale, kv_scale,
-                                                 splits_for(programs, most, sms), interpreting())
+    return torch.ops.minimax_ref.block_attention(q, k, v, q_pos, blocks, union, block_size, tokens, tiles.keys, scale,
+                                                 kv_scale, splits_for(programs, most, sms), tiles.num_warps,
+                                                 tiles.num_stages, interpreting())
 
 
 def handles(device: torch.device, dtype: torch.dtype, stored: torch.dtype, head_dim: int) -> bool:

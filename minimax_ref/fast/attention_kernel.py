@@ -236,10 +236,11 @@ if AVAILABLE:
                 ids = union_ptr + b * stride_ub + h * stride_uh + pid_t * stride_ut
                 u = tl.arange(0, UP)
                 slots = tl.sum((tl.load(ids + u, mask=u < U, other=-1) >= 0).to(tl.int32), 0)
-                # each row's own selection, compared with every block read
+                # the tile's tokens' own selections [TOKENS, KBP], compared with every block read
                 kk = tl.arange(0, KBP)
-                mine = tl.load(sel_ptr + b * stride_sb + h * stride_sh + tok[:, None] * stride_st + kk[None, :],
-                               mask=row_ok[:, None] & (kk < KB)[None, :], other=-1)
+                tt = pid_t * TOKENS + tl.arange(0, TOKENS)
+                mine = tl.load(sel_ptr + b * stride_sb + h * stride_sh + tt[:, None] * stride_st + kk[None, :],
+                               mask=(tt < T)[:, None] & (kk < KB)[None, :], other=-1)
             else:
                 # one token: its own selection, empty slots (-1) anywhere in it
                 ids = sel_ptr + b * stride_sb + h * stride_sh + pid_t * stride_st
@@ -250,7 +251,9 @@ if AVAILABLE:
             for j in range(split * per, tl.minimum(split * per + per, slots)):
                 blk = tl.load(ids + j)
                 if TOKENS > 1:
-                    takes = tl.max((mine == blk).to(tl.int32), 1) > 0
+                    # whether each token selected the block, given to its GP rows (row r is token r // GP)
+                    hit = tl.max((mine == blk).to(tl.int32), 1)
+                    takes = tl.reshape(tl.broadcast_to(hit[:, None], (TOKENS, GP)), (ROWS,)) > 0
                 else:
                     takes = row_ok
                 for c in tl.static_range(0, BLOCK, KEYS):

@@ -164,8 +164,8 @@ def run(args: argparse.Namespace) -> None:
         best = {kind: min(t, key=t.get) for kind, t in totals.items()}
         out["sweep_totals_ms"], out["best"] = totals, best
         entry = ", ".join(f'"{kind}": Tiles({", ".join(t.split(","))})' for kind, t in best.items())
-        print(f"fast.attention_kernel.TUNED entry:\n    {torch.cuda.get_device_name(device)!r}: {{{entry}}},",
-              file=sys.stderr, flush=True)
+        name = torch.cuda.get_device_properties(device).name
+        print(f"fast.attention_kernel.TUNED entry:\n    {name!r}: {{{entry}}},", file=sys.stderr, flush=True)
     emit(out, args.out)
 
 

@@ -162,7 +162,7 @@ def test_tile_blocks_are_each_tiles_distinct_ids():
                     assert got[b, h, i].tolist() == ids + [-1] * (got.shape[-1] - len(ids))
 
 
-def test_tiles_are_checked():
+def test_tiles_are_checked(monkeypatch):
     assert pa.Tiles.parse("64,32,4,3") == pa.Tiles(64, 32, 4, 3) and pa.Tiles(64, 32, 4, 3).text() == "64,32,4,3"
     from minimax_ref.errors import ConfigError
 
@@ -173,6 +173,13 @@ def test_tiles_are_checked():
     with pytest.raises(ConfigError, match="give ROWS,KEYS,NUM_WARPS,NUM_STAGES"):
         pa.Tiles.parse("128,64")
     assert pa.tiles_for("sparse", torch.device("cpu")) == pa.DEFAULT["sparse"]
+    # a measured entry for this GPU's name, for its kind only
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(name="Some GPU"))
+    monkeypatch.setitem(pa.TUNED, "Some GPU", {"dense": pa.Tiles(64, 128, 4, 3)})
+    assert pa.tiles_for("dense", torch.device("cuda")) == pa.Tiles(64, 128, 4, 3)
+    assert pa.tiles_for("sparse", torch.device("cuda")) == pa.DEFAULT["sparse"]
     # 8 tokens of 16 heads; fewer for fewer queries; padded heads count (12 -> 16)
     assert [pa.tile_tokens(128, 16, t) for t in (1, 3, 8, 9000)] == [1, 4, 8, 8]
     assert pa.tile_tokens(128, 12, 100) == 8 and pa.tile_tokens(16, 16, 100) == 1

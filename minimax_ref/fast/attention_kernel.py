@@ -105,15 +105,16 @@ class Tiles:
 # rows (8 tokens x 16 heads at release widths) against key tiles of 64, 8 warps.
 DEFAULT = {"sparse": Tiles(), "dense": Tiles()}
 # Measured configurations (benchmarks/attention_kernel.py --sweep prints entries in this form):
-# torch.cuda.get_device_name() -> {"sparse" | "dense": Tiles}.
+# torch.cuda.get_device_properties().name -> {"sparse" | "dense": Tiles}.
 TUNED: dict[str, dict[str, Tiles]] = {}
 
 
 def tiles_for(kind: str, device: torch.device) -> Tiles:
     """The launch configuration of `kind` ("sparse": MSA layers, "dense") on `device`: `TUNED`'s entry for this GPU,
-    else `DEFAULT`."""
-    if device.type == "cuda":
-        entry = TUNED.get(torch.cuda.get_device_name(device), {})
+    else `DEFAULT`. Called in compiled layers too: the name comes from `get_device_properties`, which dynamo folds
+    into a constant (and only when `TUNED` has entries)."""
+    if device.type == "cuda" and TUNED:
+        entry = TUNED.get(torch.cuda.get_device_properties(device).name, {})
         if kind in entry:
             return entry[kind]
     return DEFAULT[kind]

@@ -53,6 +53,16 @@ if grouped.AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
 
+    # The shared decoders as globals of this module: a kernel compiled in inductor's worker process resolves its
+    # callees by global name, not through a module attribute.
+    _nvfp4_tile = grouped._nvfp4_tile
+    _mxfp8_tile = grouped._mxfp8_tile
+    _x_operand = grouped._x_operand
+    _e4m3_value = grouped._e4m3_value
+    _nibble = grouped._nibble
+    _e4m3_byte = grouped._e4m3_byte
+    _bf16_storable = grouped._bf16_storable
+
 AVAILABLE = grouped.AVAILABLE
 # Rows up to which the product is a GEMV on the CUDA cores; above, up to `MAX_ROWS`, the tensor cores' dot (16 rows
 # at least: from two rows on the tile is decoded once for all rows, and the dot's idle columns cost nothing that
@@ -187,11 +197,11 @@ if AVAILABLE:
             for ks in range(k_lo, k_hi):
                 # grouped's tile decoders read step * (TK's words per row): step ks * TN is tile ks of this layout
                 if NVFP4_FMT:
-                    w = grouped._nvfp4_tile(w_rows, s_rows, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
+                    w = _nvfp4_tile(w_rows, s_rows, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
                 else:
-                    w = grouped._mxfp8_tile(w_rows, s_rows, ks * TN, n_ok, TN, TK, EXACT_FP32)
+                    w = _mxfp8_tile(w_rows, s_rows, ks * TN, n_ok, TN, TK, EXACT_FP32)
                 kx = ks * TK + jk
-                xt = grouped._x_operand(x_rows[None, :] + kx[:, None], m_ok[None, :] & (kx < K)[:, None], EXACT_FP32)
+                xt = _x_operand(x_rows[None, :] + kx[:, None], m_ok[None, :] & (kx < K)[:, None], EXACT_FP32)
                 if EXACT_FP32:
                     acc = tl.dot(w, xt, acc, input_precision="ieee")
                 else:
@@ -216,10 +226,10 @@ if AVAILABLE:
                     r2 = tl.arange(0, 2)
                     sb = tl.load(s_rows[None, :, :] + ks * (TN * B) + q[:, None, None] * 2 + r2[None, None, :])
                     # the reference's block scale fp32(e4m3) * global (one rounding), times 2^126 (exact in range)
-                    blk = (grouped._e4m3_value(sb.to(tl.int32), EXACT_FP32) * g) * 8.507059173023462e37
+                    blk = (_e4m3_value(sb.to(tl.int32), EXACT_FP32) * g) * 8.507059173023462e37
                     scale = tl.reshape(tl.join(blk, blk), (W // 4, TN, 4))  # word r of a group: block r // 2
                     for j in tl.static_range(8):  # nibble j of word c is element 8c + j
-                        wj = grouped._nibble(words, scale, j, EXACT_FP32).to(tl.float32)
+                        wj = _nibble(words, scale, j, EXACT_FP32).to(tl.float32)
                         kx = ks * TK + word * 8 + j
                         xj = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))  # [W / 4, 4]
                         acc += wj * xj[:, None, :]
@@ -229,7 +239,7 @@ if AVAILABLE:
                     sb = tl.load(s_cols + ks * (TN * B) + (q // 2)[:, None]).to(tl.int32)  # [W / 4, TN]
                     scale = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
                     for i in tl.static_range(4):  # byte i of word c is element 4c + i
-                        wi = grouped._e4m3_byte(words, scale, i, EXACT_FP32).to(tl.float32)
+                        wi = _e4m3_byte(words, scale, i, EXACT_FP32).to(tl.float32)
                         kx = ks * TK + word * 4 + i
                         xi = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))
                         acc += wi * xi[:, None, :]
@@ -237,7 +247,7 @@ if AVAILABLE:
             y_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_n
             mask = offs_n < N
         if OUT_BF16:
-            tl.store(y_ptrs, grouped._bf16_storable(out, EXACT_FP32), mask=mask)
+            tl.store(y_ptrs, _bf16_storable(out, EXACT_FP32), mask=mask)
         else:
             tl.store(y_ptrs, out, mask=mask)
 

@@ -207,11 +207,17 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> dict:
 # ---------------------------------------------------------------------------------------------- roofline
 
 
+def _packed_bytes(pw: PackedWeight) -> int:
+    return sum(p.numel() * p.element_size() for p in pw.parts() if p is not None)
+
+
 def _stored_bytes(t) -> int:
+    """The bytes of a weight as the checkpoint stores it: a fast path's reordered copy of the same bits (held beside
+    the stored planes) is read instead of them, not as well."""
     if t is None:
         return 0
     if isinstance(t, PackedWeight):
-        return t.nbytes()
+        return _packed_bytes(t)
     return t.numel() * t.element_size()
 
 
@@ -320,7 +326,7 @@ def packed_weight_traffic(model, batch: int, rows_per_pass: int) -> dict:
     for m in model.modules():
         if isinstance(m, Linear) and m.packed is not None:
             pw = m.packed
-            add(pw.fmt, pw.nbytes() * passes, pw.shape.numel() * unfused_bytes_per_element(pw.fmt, elem))
+            add(pw.fmt, _packed_bytes(pw) * passes, pw.shape.numel() * unfused_bytes_per_element(pw.fmt, elem))
         elif isinstance(m, Experts):
             n_local = len(m.local_experts)
             pairs = batch * model.text.num_experts_per_tok
@@ -330,10 +336,10 @@ def packed_weight_traffic(model, batch: int, rows_per_pass: int) -> dict:
                     continue
                 per_elem = unfused_bytes_per_element(pw.fmt, elem)
                 if pairs < n_local:
-                    one = pw.nbytes() / n_local
+                    one = _packed_bytes(pw) / n_local
                     add("experts", one * pairs, pairs * (pw.shape[1:].numel() * per_elem + 2 * one))
                 else:
-                    add("experts", pw.nbytes() * passes, pw.shape.numel() * per_elem)
+                    add("experts", _packed_bytes(pw) * passes, pw.shape.numel() * per_elem)
     out = {k: {kk: int(vv) for kk, vv in v.items()} for k, v in fam.items()}
     return {"batch": batch, "fused_bytes": sum(v["fused"] for v in out.values()),
             "unfused_bytes": sum(v["unfused"] for v in out.values()), "by_family": out}

@@ -5,7 +5,8 @@ the folder the first run filled (`MINIMAX_REF_CACHE`: the compile cache, `fast.c
 Each run reports its wall time (process start to exit), and from the JSON stats the first decode step's time
 (`warmup_seconds`: compiling and capturing the step) and the time to the first token. The case `compile_caches` runs
 the same compiled model in a process of this script (`--child`) that also reports inductor's cache counters (graph
-and AOT cache hits and misses) and where the warm-up went (`torch._dynamo.utils.compile_times`).
+and AOT cache hits and misses), where the warm-up went (`torch._dynamo.utils.compile_times`) and which kernels were
+tuned by coordinate descent in that process.
 
     # 1 x H200 (BENCHMARKS.md, "Warm start"):
     python benchmarks/warm_start.py --layers 4
@@ -60,6 +61,7 @@ def child(layers: int, experts: int, device: str) -> None:
     from minimax_ref.generation.sampling import SamplingParams
     from minimax_ref.weights.loader import load_synthetic
 
+    tuned = _record_coordesc_tuning()
     t1 = time.perf_counter()
     model = load_synthetic("release", format="nvfp4", layers=layers, experts=experts, device=device,
                            weights="packed", fast="compiled")
@@ -70,7 +72,30 @@ def child(layers: int, experts: int, device: str) -> None:
                       "warmup_seconds": round(stats.warmup_seconds, 2), "torch": torch.__version__,
                       "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
                       "aot_autograd": dict(counters["aot_autograd"]),
-                      "slowest_phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8])}), flush=True)
+                      "slowest_phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8]),
+                      "coordesc_tuned": {"kernels": len(tuned), "seconds": round(sum(t for _, t in tuned), 2),
+                                         "slowest": sorted(tuned, key=lambda kt: -kt[1])[:12]}}), flush=True)
+
+
+def _record_coordesc_tuning() -> list[tuple[str, float]]:
+    """(kernel, seconds) of every kernel inductor tunes by coordinate descent in this process: in a warm process
+    each one is a kernel whose tuned configuration did not come back from the cache."""
+    from torch._inductor.runtime import triton_heuristics
+
+    tuned: list[tuple[str, float]] = []
+    tune = triton_heuristics.CachingAutotuner.coordinate_descent_tuning
+
+    def recorded(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return tune(self, *args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - t0
+            if seconds > 5e-3:  # not a kernel that returned at once (fixed configurations are not tuned)
+                tuned.append((str(self.inductor_meta.get("kernel_name") or self.fn.__name__), round(seconds, 3)))
+
+    triton_heuristics.CachingAutotuner.coordinate_descent_tuning = recorded
+    return tuned
 
 
 def run_child(args: argparse.Namespace, cache: str) -> dict:

@@ -14,7 +14,7 @@ from minimax_ref.cli.main import main
 from minimax_ref.cli.model_args import fast_mode
 from minimax_ref.errors import InputError
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.generation.decoding import GenerationStats, generate_ids
+from minimax_ref.generation.decoding import generate_ids
 from minimax_ref.generation.sampling import SamplingParams
 from minimax_ref.weights.loader import load_model
 
@@ -50,17 +50,6 @@ def test_stats_time_the_first_step_apart(tiny_nvfp4):
     for key in ("time_to_first_token_seconds", "warmup_seconds", "decode_tokens", "prefill_tokens_per_s",
                 "decode_tokens_per_s"):
         assert key in row
-
-
-def test_stats_of_groups_add_up():
-    a = GenerationStats(prompt_tokens=3, generated_tokens=4, first_token_seconds=0.5, warmup_seconds=1.0,
-                        decode_seconds=2.0, decode_steps=3, decode_tokens=2)
-    b = GenerationStats(prompt_tokens=1, generated_tokens=2, first_token_seconds=0.7, warmup_seconds=0.25,
-                        decode_seconds=1.0, decode_steps=1, decode_tokens=1)
-    a.merge(b)
-    assert (a.prompt_tokens, a.generated_tokens, a.decode_steps, a.decode_tokens) == (4, 6, 4, 3)
-    assert (a.first_token_seconds, a.warmup_seconds, a.decode_seconds) == (0.5, 1.25, 3.0)
-    assert a.decode_tokens_per_s == 1.0
 
 
 def test_no_new_tokens_means_no_step(tiny_nvfp4):

@@ -1,5 +1,5 @@
-"""Generation layers: the shared decode state, seeded sampling against a hand-written loop, batch groups in
-both loops, and the argument checks of the public generation functions (a string is one prompt; wrong
+"""Generation layers: the scheduler's emission rules, seeded sampling against a hand-written loop, continuous
+batching in both loops, and the argument checks of the public generation functions (a string is one prompt; wrong
 types are InputErrors naming the argument)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 import minimax_ref as mr
 from minimax_ref.errors import InputError
-from minimax_ref.generation.decoding import DecodeJob, DecodeState, GenerationStats, generate_ids
+from minimax_ref.generation.decoding import DecodeJob, Scheduler, generate_ids, pad_prompts
 from minimax_ref.generation.drafter import load_drafter
-from minimax_ref.generation.sampling import SamplingParams
+from minimax_ref.generation.sampling import RowSampling, SamplingParams, sample
 from minimax_ref.generation.speculative import speculative_generate_ids
 from minimax_ref.weights.loader import load_model
 
@@ -41,53 +41,47 @@ def _fake_model(max_batch_size: int | None = None):
     their prefill chunk (the fake has no memory to choose one from)."""
     rt = None if max_batch_size is None else SimpleNamespace(max_seq_len=64, kv_cache_dtype="auto",
                                                             max_batch_size=max_batch_size)
-    return SimpleNamespace(text=SimpleNamespace(vocab_size=100), device=torch.device("cpu"), runtime=rt)
+    return SimpleNamespace(text=SimpleNamespace(vocab_size=100), device=torch.device("cpu"), runtime=rt,
+                           new_cache=lambda slots, length, kv_cache_dtype: None)
 
 
-# ---------------------------------------------------------------------------------------------- decode state
+# ---------------------------------------------------------------------------------------------- emission rules
 
 
-def test_decode_state_pads_emits_and_stops():
+def test_emission_pads_stops_and_truncates():
     seen = []
     job = DecodeJob.make(_fake_model(), [[1, 2, 3], [4]], max_new_tokens=4, stop_ids=9, max_seq_len=6, prefill_chunk=8,
                          on_token=lambda row, t: seen.append((row, t)))
-    state = DecodeState(_fake_model(), job, GenerationStats())
-    assert state.ids.tolist() == [[1, 2, 3], [4, 0, 0]] and state.embeds is None
-    assert state.budget == 6  # min(max_seq_len 6, longest prompt 3 + 4 new tokens)
-    assert state.committed() == [3, 1] and state.room(0) == 3 and state.room(1) == 4
-    # row 0 reaches the budget (3 + 3 = 6 positions) after 3 tokens; the 4th is dropped
-    assert state.emit(0, [5, 6, 7, 8]) == 3
-    # row 1 stops at the stop token, which is kept; what follows is dropped
-    assert state.emit(1, [5, 9, 7]) == 2
-    assert state.done and state.stats.generated_tokens == 5 and state.stats.prompt_tokens == 4
+    ids, embeds = pad_prompts(_fake_model(), job.prompts, None)
+    assert ids.tolist() == [[1, 2, 3], [4, 0, 0]] and embeds is None
+    assert (job.budget(0), job.budget(1)) == (6, 5)  # min(max_seq_len 6, prompt + 4 new tokens)
+    sched = Scheduler(_fake_model(), job)
+    sched.running = [sched.waiting.popleft(), sched.waiting.popleft()]  # both admitted
+    assert sched.committed(0) == 3 and sched.committed(1) == 1
+    # request 0 reaches its budget (3 + 3 = 6 positions) after 3 tokens; the 4th is dropped
+    assert sched.emit(0, [5, 6, 7, 8]) == 3
+    # request 1 stops at the stop token, which is kept; what follows is dropped
+    assert sched.emit(1, [5, 9, 7]) == 2
+    assert sched.running == [None, None], "a finished request frees its slot"
+    assert sched.stats.generated_tokens == 5 and sched.stats.prompt_tokens == 4
     assert seen == [(0, 5), (0, 6), (0, 7), (1, 5), (1, 9)]
     # committed: the prompt and every emitted token but the last (fed next)
-    assert state.committed() == [3 + 2, 1 + 1]
-    seqs = state.finish()
-    assert [(s.generated, s.finish_reason) for s in seqs] == [([5, 6, 7], "length"), ([5, 9], "stop")]
+    assert sched.committed(0) == 3 + 2 and sched.committed(1) == 1 + 1
+    assert [(s.generated, s.finish_reason) for s in sched.seqs] == [([5, 6, 7], "length"), ([5, 9], "stop")]
 
 
-def test_decode_state_max_new_tokens():
-    job = DecodeJob.make(_fake_model(), [[1, 2]], max_new_tokens=2, max_seq_len=50, prefill_chunk=8)
-    state = DecodeState(_fake_model(), job, GenerationStats())
-    assert state.emit(0, [3]) == 1 and not state.done and state.room(0) == 1
-    assert state.emit(0, [4, 5]) == 1 and state.done
-    assert state.finish()[0].finish_reason == "length"
-    empty = DecodeJob.make(_fake_model(), [[1]], max_new_tokens=0, prefill_chunk=8)
-    none = DecodeState(_fake_model(), empty, GenerationStats())
-    assert none.done and [(s.generated, s.finish_reason) for s in none.finish()] == [([], "length")]
+def test_no_new_tokens_finishes_without_a_slot():
+    finished = []
+    job = DecodeJob.make(_fake_model(), [[1], [2, 3]], max_new_tokens=0, prefill_chunk=8)
+    seqs, stats = Scheduler(_fake_model(), job, on_finish=lambda i, s: finished.append(i)).run()
+    assert [(s.generated, s.finish_reason) for s in seqs] == [([], "length")] * 2
+    assert finished == [0, 1] and stats.decode_steps == 0 and stats.prefill_seconds == 0
 
 
-def test_jobs_split_into_seeded_groups():
-    seen = []
-    job = DecodeJob.make(_fake_model(max_batch_size=2), [[1], [2], [3], [4], [5]], seed=10, prefill_chunk=8,
-                         on_token=lambda row, t: seen.append(row))
-    groups = job.groups()
-    assert [g.prompts for g in groups] == [[[1], [2]], [[3], [4]], [[5]]]
-    assert [g.seeds for g in groups] == [(10, 11), (12, 13), (14,)]  # prompt i: seed + i
-    groups[1].on_token(1, 0)
-    groups[2].on_token(0, 0)
-    assert seen == [3, 4]  # rows are reported in the whole call's numbering
+def test_each_request_has_its_own_seed():
+    job = DecodeJob.make(_fake_model(max_batch_size=2), [[1], [2], [3], [4], [5]], seed=10, prefill_chunk=8)
+    assert job.seeds == (10, 11, 12, 13, 14) and job.batch_limit == 2  # request i: seed + i
+    assert DecodeJob.make(_fake_model(), [[1], [2]], seed=[7, 3], prefill_chunk=8).seeds == (7, 3)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -128,7 +122,25 @@ def test_seeded_sampling_equals_a_hand_written_loop(model):
     assert seqs[0].generated == ids[len(prompt):]
 
 
-# ---------------------------------------------------------------------------------------------- batch groups
+def test_row_sampling_draws_each_row_as_alone():
+    """A batch of rows with their own settings and generators: each row's token is the one it samples alone (a greedy
+    row draws nothing), and its distribution is its own setting's."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)) * 3
+    settings = (SamplingParams(0.8, 0.9, 20), GREEDY, SamplingParams(1.0), SamplingParams(0.8, 0.9, 20),
+                SamplingParams(1.5, 1.0, 5))
+    rows = RowSampling(settings, tuple(torch.Generator().manual_seed(10 + b) for b in range(5)))
+    tokens, probs = rows.sample(logits)
+    for b, params in enumerate(settings):
+        alone = sample(logits[b:b + 1], params, torch.Generator().manual_seed(10 + b))
+        assert int(tokens[b]) == int(alone[0]), b
+        torch.testing.assert_close(probs[b], rows.take([b]).probs(logits[b:b + 1])[0], rtol=0, atol=0)
+    assert rows.generators[1].initial_seed() == 11 and torch.equal(rows.generators[1].get_state(),
+                                                                    torch.Generator().manual_seed(11).get_state())
+    greedy_tokens, none = RowSampling((GREEDY,) * 2, (None, None)).sample(logits[:2])
+    assert torch.equal(greedy_tokens, logits[:2].argmax(-1)) and none is None
+
+
+# ---------------------------------------------------------------------------------------------- continuous batching
 
 
 def test_a_request_decodes_as_it_does_alone(model):
@@ -206,18 +218,17 @@ def test_generate_takes_per_prompt_settings(model, tok):
 
 
 
-def test_both_loops_run_large_batches_in_groups(spec_ckpt):
-    grouped = load_model(spec_ckpt, dtype=torch.float32, max_batch_size=2)
-    drafter = load_drafter(spec_ckpt / "dspark", grouped)
+def test_both_loops_batch_continuously(spec_ckpt):
+    """With more requests than slots, the speculative loop refills its slots as the plain loop does: every verify
+    step runs `max_batch_size` slots, and the greedy tokens are plain greedy decoding's."""
+    limited = load_model(spec_ckpt, dtype=torch.float32, max_batch_size=2)
+    drafter = load_drafter(spec_ckpt / "dspark", limited)
     prompts = _prompts(30, 12, 50, 7, 21)
-    plain, _ = generate_ids(grouped, prompts, max_new_tokens=8, sampling=GREEDY)
-    spec, stats = speculative_generate_ids(grouped, drafter, prompts, max_new_tokens=8, sampling=GREEDY)
+    plain, _ = generate_ids(limited, prompts, max_new_tokens=8, sampling=GREEDY)
+    spec, stats = speculative_generate_ids(limited, drafter, prompts, max_new_tokens=8, sampling=GREEDY)
     assert [s.generated for s in spec] == [s.generated for s in plain]
-    alone = [speculative_generate_ids(grouped, drafter, prompts[g:g + 2], max_new_tokens=8, sampling=GREEDY,
-                                      seed=g)[1] for g in (0, 2, 4)]
-    assert stats.prompt_tokens == sum(map(len, prompts)) == sum(a.prompt_tokens for a in alone)
-    assert stats.steps == sum(a.steps for a in alone) and stats.decode_steps == sum(a.decode_steps for a in alone)
-    assert stats.proposed_per_position == [sum(col) for col in zip(*(a.proposed_per_position for a in alone))]
+    assert stats.prompt_tokens == sum(map(len, prompts)) and stats.max_batch_size == 2
+    assert stats.generated_tokens == 5 * 8 and stats.steps >= 5
     assert stats.as_dict()["num_speculative_tokens"] == drafter.block_size
 
 

@@ -148,15 +148,84 @@ def test_confidence_threshold_only_shortens_the_verified_prefix(model, drafter):
     assert draft.confidence.shape == (1, 4) and bool(((draft.confidence > 0) & (draft.confidence < 1)).all())
 
 
+# ---------------------------------------------------------------------------------------------- continuous batching
+
+
+def test_a_request_decodes_as_it_does_alone(model, drafter):
+    """Six requests of mixed prompt lengths, max_new_tokens and sampling settings (greedy among them) through two
+    slots, a stop token among them: each request's tokens are those it gets alone (its own generator, seeded with its
+    own seed, draws its first token, its drafts and its acceptance uniforms), and the drafts were accepted often
+    enough to test the acceptance path (hot sampling makes a random drafter right)."""
+    prompts = _prompts(23, 5, 70, 9, 31, 14)
+    new = [14, 3, 18, 1, 9, 12]
+    settings = [SamplingParams(3.0), GREEDY, SamplingParams(3.0, 0.95, 200), SamplingParams(1.2),
+                SamplingParams(2.5, 0.99, 0), GREEDY]
+    seeds = [3, 4, 5, 6, 7, 8]
+    first, _ = generate_ids(model, [prompts[5]], max_new_tokens=12, sampling=GREEDY)
+    stop = [first[0].generated[6]]  # request 5 stops at its seventh token
+    kw = dict(stop_ids=stop, num_speculative_tokens=3)
+    batched, stats = speculative_generate_ids(model, drafter, prompts, max_new_tokens=new, sampling=settings,
+                                              seed=seeds, max_batch_size=2, **kw)
+    assert batched[5].finish_reason == "stop" and len(batched[5].generated) == 7
+    assert stats.mean_accepted_length > 1.5
+    for i in range(len(prompts)):
+        alone, _ = speculative_generate_ids(model, drafter, [prompts[i]], max_new_tokens=new[i], sampling=settings[i],
+                                            seed=seeds[i], **kw)
+        assert (batched[i].generated, batched[i].finish_reason) == (alone[0].generated, alone[0].finish_reason), i
+    for i in (1, 5):  # greedy requests beside sampled ones: plain greedy decoding's tokens
+        plain, _ = generate_ids(model, [prompts[i]], max_new_tokens=new[i], sampling=GREEDY, stop_ids=stop)
+        assert batched[i].generated == plain[0].generated, i
+    # the default seeds: request i is seeded with seed + i, whoever shares its batch
+    hot = SamplingParams(2.0)
+    together, _ = speculative_generate_ids(model, drafter, prompts[:3], max_new_tokens=6, sampling=hot, seed=10,
+                                           max_batch_size=3)
+    for i in range(3):
+        alone, _ = speculative_generate_ids(model, drafter, [prompts[i]], max_new_tokens=6, sampling=hot, seed=10 + i)
+        assert together[i].generated == alone[0].generated, i
+
+
+def test_finished_slots_are_refilled_and_steps_keep_one_shape(model, drafter, monkeypatch):
+    """Five requests through two slots: a finished request's slot is taken by the next waiting one at once, so a
+    later request starts long before the first slot's long request ends; every verify step runs both slots, k+1
+    tokens each; greedy output (stop tokens among it) is plain greedy decoding's."""
+    shapes, events = [], []
+    real = model.step_with_hidden
+
+    def spy(ids, positions, cache, layers):
+        shapes.append(tuple(ids.shape))
+        return real(ids, positions, cache, layers)
+
+    monkeypatch.setattr(model, "step_with_hidden", spy)
+    prompts = _prompts(40, 12, 66, 7, 21)
+    new = [30, 3, 4, 5, 6]
+    ref, _ = generate_ids(model, prompts, max_new_tokens=new, sampling=GREEDY)
+    stop = [ref[4].generated[2]]
+    ref, _ = generate_ids(model, prompts, max_new_tokens=new, sampling=GREEDY, stop_ids=stop)
+    out, stats = speculative_generate_ids(model, drafter, prompts, max_new_tokens=new, sampling=GREEDY, stop_ids=stop,
+                                          max_batch_size=2, on_token=lambda i, t: events.append(i))
+    _same_output(ref, out)
+    assert any(s.finish_reason == "stop" for s in out)
+    assert set(shapes) == {(2, drafter.block_size + 1)} and stats.decode_steps == len(shapes)
+    # requests 1..4 all run in the second slot while request 0 is still decoding in the first
+    last_of_0 = len(events) - 1 - events[::-1].index(0)
+    assert all(events.index(i) < last_of_0 for i in (1, 2, 3, 4))
+    # a random drafter emits about one token a step: request 0 alone needs about 29 steps, the others ride beside it
+    assert stats.decode_steps < sum(len(s.generated) - 1 for s in out)
+
+
 # ---------------------------------------------------------------------------------------------- rollback
 
 
 def test_caches_after_rollback_equal_a_plain_run(model, drafter):
-    prompts = _prompts(40, 70)
+    """After a run each slot's rows of both caches equal a plain run over the prompt and the tokens but the last of
+    the request it last held, also in a slot that a shorter request took over from a longer one."""
+    prompts = _prompts(40, 70, 25)
     dec = SpeculativeDecoder(model, drafter)
-    out, stats = dec.generate(prompts, max_new_tokens=30, sampling=GREEDY)
-    assert stats.steps > 0
-    for b, s in enumerate(out):
+    out, stats = dec.generate(prompts, max_new_tokens=[30, 6, 20], sampling=GREEDY, max_batch_size=2)
+    assert stats.steps > 0 and dec.held == [0, 2]  # request 2 took request 1's slot
+    assert dec.lengths[1] < len(out[1].prompt) + len(out[1].generated) - 1  # request 1 had left more positions there
+    for b, i in enumerate(dec.held):
+        s = out[i]
         L = len(s.prompt) + len(s.generated) - 1  # the last token is never run through the target
         assert dec.lengths[b] == L
         slots = dec.target_cache.max_seq_len
@@ -574,6 +643,9 @@ class _ToyCache:
     def rollback(self, lengths) -> None:
         pass
 
+    def rows(self, start, stop) -> _ToyCache:
+        return self
+
 
 class ToyTarget:
     """A Markov chain over V tokens behind the model interface: logits at a position are log P[token]."""
@@ -597,7 +669,8 @@ class ToyTarget:
 
 
 class ToyDrafter:
-    """Drafts from a different Markov chain (sampled from q after the same filtering, or greedy)."""
+    """Drafts from a different Markov chain (sampled from q after the same filtering, each row with its own setting
+    and generator, or greedy)."""
 
     block_size = 2
     capture_layer_ids: set[int] = set()
@@ -618,8 +691,8 @@ class ToyDrafter:
             if self.point_mass:
                 d = z.argmax(-1)
             else:
-                probs.append(filtered_probs(z, sampling))
-                d = torch.multinomial(probs[-1], 1, generator=generator).squeeze(-1)
+                d, q = sampling.sample(z)
+                probs.append(q)
             tokens.append(d)
             prev = d
         return Draft(torch.stack(tokens, 1), None if self.point_mass else torch.stack(probs, 1))

@@ -1,7 +1,7 @@
-"""Decoding token-id prompts: the checked arguments, the per-sequence decode state, and the plain loop.
+"""Decoding token-id prompts: the checked arguments, continuous batching, and the plain loop.
 
 The plain loop (`generate_ids`) and the speculative loop (`speculative.SpeculativeDecoder`) share their
-argument checks and stop rules here:
+argument checks, stop rules and scheduler here:
 
 * `DecodeJob.make` checks the arguments once (prompt types, lengths and ids, `max_new_tokens`, sampling and
   seed, each one value or one per prompt; stop ids, image embeddings) and resolves the limits from
@@ -9,20 +9,20 @@ argument checks and stop rules here:
 * A row finishes with "stop" at a stop token (the token is kept in `generated`) and with "length" once it has
   its `max_new_tokens` tokens or prompt + generated reaches `max_seq_len`; tokens after that are dropped.
 
-The plain loop is continuous batching (`Scheduler`): up to `batch_limit` requests (`runtime.max_batch_size`, or
-chosen from free memory with the prefill chunk: `sizing`) decode together, one token per step each, every row at its
-own position in its own slot of one KV cache. When a row finishes, the next waiting request takes its slot between
-two decode steps: its prompt is prefilled into that slot's rows of the cache (`KVCache.rows`) and its first token
-sampled; the batch stays full until the queue is empty. Requests admitted together into neighbouring free slots (at
-the start, every slot) share their prefill forwards: right-padded to the longest, as many as fit `prefill_chunk`
-tokens (a longer prompt goes alone, in chunks of at most `prefill_chunk` positions), so short prompts do not each
-pay a forward of their own. The step's shape (one token for each of the slots) never changes, so a fast model
-captures one step per batch size. Each request samples from its own settings with its own generator, seeded with its
-own seed, so its tokens do not depend on which requests share its batch (up to the rounding of batched products: in
-fp32 on a CPU the same tokens).
+Both loops are continuous batching (`Scheduler`): up to `batch_limit` requests (`runtime.max_batch_size`, or
+chosen from free memory with the prefill chunk: `sizing`) decode together, every row at its own position in its own
+slot of one KV cache. When a row finishes, the next waiting request takes its slot between two decode steps: its
+prompt is prefilled into that slot's rows of the cache (`KVCache.rows`) and its first token sampled; the batch stays
+full until the queue is empty. Requests admitted together into neighbouring free slots (at the start, every slot)
+share their prefill forwards: right-padded to the longest, as many as fit `prefill_chunk` tokens (a longer prompt
+goes alone, in chunks of at most `prefill_chunk` positions), so short prompts do not each pay a forward of their
+own. The step's shape never changes (the plain loop: one token for each of the slots; the speculative loop's verify
+step: k+1), so a fast model captures one step per batch size. Each request samples from its own settings with its
+own generator, seeded with its own seed (`sampling.RowSampling`), so its tokens do not depend on which requests
+share its batch (up to the rounding of batched products: in fp32 on a CPU the same tokens).
 
-The speculative loop decodes static batches (`DecodeState`, groups of at most `batch_limit` prompts, one
-generator seeded with the group's first seed): a finished row rides along until its group ends.
+The `Scheduler` does the admission, emission and finishing of requests, with the plain loop's step;
+`speculative.SpeculativeScheduler` keeps those and replaces the step (draft, verify, accept) and what the slots hold.
 """
 from __future__ import annotations
 
@@ -30,19 +30,20 @@ import operator
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import InputError
-from .sampling import SamplingParams, draw, filtered_probs, sample
+from .sampling import RowSampling, SamplingParams
 from .sizing import choose_sizes
 
 if TYPE_CHECKING:
     from ..model.decoder import MiniMaxM3
 
 DEFAULT_MAX_SEQ_LEN = 4096  # for models without runtime settings (`model.runtime`)
+GREEDY = SamplingParams(temperature=0)
 
 TokenCallback = Callable[[int, int], None]
 
@@ -62,12 +63,12 @@ class Sequence_:
 
 @dataclass
 class GenerationStats:
-    """Counts and wall times of one `generate` call (the speculative loop's: summed over its groups).
+    """Counts and wall times of one `generate` call.
 
     prefill_seconds: the prompts' forward passes, summed. first_token_seconds: from the start of the call to the
     first token chosen (the first request's time to first token; each request's own is `Sequence_`'s).
-    warmup_seconds: the first decode step (of each group), timed apart because on the fast paths it compiles the
-    step and captures it in a CUDA graph.
+    warmup_seconds: the first decode step, timed apart because on the fast paths it compiles the step and captures
+    it in a CUDA graph.
     decode_seconds / decode_steps / decode_tokens: the other decode steps and the tokens they chose, which give
     `decode_tokens_per_s`. Host clocks: every step reads its sampled tokens back, so each is complete when timed.
     max_batch_size / prefill_chunk: the sizes the call ran with (given, or chosen from memory: `sizing`).
@@ -92,12 +93,6 @@ class GenerationStats:
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
-    def merge(self, other: GenerationStats) -> None:
-        """Add the counts and times of another group of the same call (time to first token stays the first's)."""
-        for f in ("prompt_tokens", "generated_tokens", "prefill_seconds", "warmup_seconds", "decode_seconds",
-                  "decode_steps", "decode_tokens"):
-            setattr(self, f, getattr(self, f) + getattr(other, f))
-
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
                 "prefill_seconds": round(self.prefill_seconds, 6),
@@ -108,9 +103,6 @@ class GenerationStats:
                 "prefill_chunk": self.prefill_chunk,
                 "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 3)}
-
-
-Stats = TypeVar("Stats", bound=GenerationStats)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,21 +266,6 @@ class DecodeJob:
         """The most positions request i may reach: its prompt and `max_new_tokens[i]`, within `max_len`."""
         return min(self.max_len, len(self.prompts[i]) + self.max_new_tokens[i])
 
-    def groups(self) -> list[DecodeJob]:
-        """The job split into groups of at most `batch_limit` prompts, each reporting its rows to `on_token` as
-        g0 + row (the speculative loop's static batches)."""
-        n = self.batch_limit
-        if len(self.prompts) <= n:
-            return [self]
-        out = []
-        for g0 in range(0, len(self.prompts), n):
-            cb, rows = self.on_token, slice(g0, g0 + n)
-            out.append(replace(self, prompts=self.prompts[rows], max_new_tokens=self.max_new_tokens[rows],
-                               sampling=self.sampling[rows], seeds=self.seeds[rows],
-                               on_token=None if cb is None else (lambda row, tok, g0=g0, cb=cb: cb(g0 + row, tok)),
-                               inputs_embeds=None if self.inputs_embeds is None else self.inputs_embeds[rows]))
-        return out
-
 
 def _check_embeds(inputs_embeds: Any, prompts: list[list[int]]) -> None:
     """One entry per prompt: None or a [len(prompt), hidden] tensor (the hidden size is checked by `pad_prompts`)."""
@@ -303,103 +280,8 @@ def _check_embeds(inputs_embeds: Any, prompts: list[list[int]]) -> None:
                              f"token), got {shape}")
 
 
-def run_in_groups(job: DecodeJob, run: Callable[[DecodeJob], tuple[list[Sequence_], Stats]]
-                  ) -> tuple[list[Sequence_], Stats]:
-    """`run(group)` for each group of `job.groups()`; the sequences in order and the merged stats."""
-    seqs: list[Sequence_] = []
-    total = None
-    for group in job.groups():
-        s, st = run(group)
-        seqs += s
-        if total is None:
-            total = st
-        else:
-            total.merge(st)
-    return seqs, total
-
-
 # ----------------------------------------------------------------------------------------------
-# one batch
-
-
-class DecodeState:
-    """The bookkeeping of one static batch of `job` (at most `job.batch_limit` prompts; the speculative loop's).
-
-    `ids` [B, T] are the right-padded prompts, `embeds` [B, T, H] their embeddings with
-    `job.inputs_embeds` over the token embeddings (or None), `budget` the most positions any row
-    may reach, `generator` the CPU generator seeded with the group's first seed, `sampling` the one setting all
-    rows sample with. The caller times the run into `stats` (prefill_seconds, decode_seconds, decode_steps);
-    `emit` counts the generated tokens.
-    """
-
-    def __init__(self, model: MiniMaxM3, job: DecodeJob, stats: GenerationStats):
-        if len(set(job.sampling)) > 1:
-            raise InputError("speculative decoding samples every prompt of a call with one setting: give one "
-                             "temperature / top_p / top_k for all prompts")
-        self.job = job
-        self.sampling = job.sampling[0]
-        self.seqs = [Sequence_(list(p)) for p in job.prompts]
-        self.active = [m > 0 for m in job.max_new_tokens]
-        self.budget = max(job.budget(b) for b in range(len(self.seqs)))
-        self.generator = torch.Generator(device="cpu").manual_seed(job.seeds[0])
-        self.stats = stats
-        stats.prompt_tokens = sum(len(p) for p in job.prompts)
-        self.ids, self.embeds = pad_prompts(model, job.prompts, job.inputs_embeds)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def prompt_lengths(self) -> list[int]:
-        return [len(s.prompt) for s in self.seqs]
-
-    @property
-    def done(self) -> bool:
-        return not any(self.active)
-
-    def active_rows(self) -> list[int]:
-        return [b for b, a in enumerate(self.active) if a]
-
-    def committed(self) -> list[int]:
-        """Positions of each row the target has processed and keeps: the prompt and every emitted token
-        but the last (the next one fed; the position it goes to)."""
-        return [len(s.prompt) + max(0, len(s.generated) - 1) for s in self.seqs]
-
-    def room(self, b: int) -> int:
-        """How many more tokens row b may emit."""
-        s = self.seqs[b]
-        return self.job.budget(b) - len(s.prompt) - len(s.generated)
-
-    def emit(self, b: int, tokens: Sequence[int]) -> int:
-        """Append `tokens` to row b until it finishes (`finishes`); calls `job.on_token(b, token)` for each one
-        taken. Returns how many were taken."""
-        s, job = self.seqs[b], self.job
-        for n, tok in enumerate(tokens, start=1):
-            s.generated.append(tok)
-            self.stats.generated_tokens += 1
-            if job.on_token:
-                job.on_token(b, tok)
-            s.finish_reason = finishes(s, tok, job, b)
-            if s.finish_reason is not None:
-                self.active[b] = False
-                return n
-        return len(tokens)
-
-    def emit_sampled(self, logits: torch.Tensor) -> torch.Tensor:
-        """Sample one token per row from `logits` [B, V] (every row, so the generator advances the
-        same whoever is finished) and emit it to the active rows. Returns the tokens [B]."""
-        tokens = sample(logits, self.sampling, self.generator)
-        for b in self.active_rows():
-            self.emit(b, [int(tokens[b])])
-        return tokens
-
-    def finish(self) -> list[Sequence_]:
-        """The sequences, every unfinished one marked "length"."""
-        for s in self.seqs:
-            if s.finish_reason is None:
-                s.finish_reason = "length"
-        return self.seqs
+# stop rules, padding and prefill
 
 
 def finishes(seq: Sequence_, token: int, job: DecodeJob, i: int) -> str | None:
@@ -453,31 +335,43 @@ def prefill(forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, 
 
 
 # ----------------------------------------------------------------------------------------------
-# the plain loop: continuous batching
+# continuous batching, and the plain loop's step
 
 FinishCallback = Callable[[int, Sequence_], None]
 
 
 class Scheduler:
-    """Continuous batching of one job's requests over `slots` rows of one KV cache (module docstring).
+    """Continuous batching of one job's requests over the slots of one KV cache (module docstring), with the plain
+    loop's step: one token a slot.
 
     `running[s]` is the request decoding in slot s (None: free); `waiting` the requests not yet admitted, in order.
-    Request i samples with `job.sampling[i]` from its own generator, seeded with `job.seeds[i]`; `on_finish(i,
-    seq)` is called as request i finishes. The caller gets the sequences in request order and the stats.
+    Request i samples with `job.sampling[i]` from its own generator `generators[i]`, seeded with `job.seeds[i]` as it
+    is admitted; `on_finish(i, seq)` is called as request i finishes. `run` returns the sequences in request order
+    and the stats.
+
+    A subclass with another step (`speculative.SpeculativeScheduler`) keeps `run`, `admit`, `sample`, `emit` and
+    `finish`, and replaces `decode` (one step of every slot), and where its slots live: `new_cache` and
+    `prompt_forward` (the forward that prefills a run of slots).
     """
 
-    def __init__(self, model: MiniMaxM3, job: DecodeJob, on_finish: FinishCallback | None = None):
+    def __init__(self, model: MiniMaxM3, job: DecodeJob, on_finish: FinishCallback | None = None,
+                 stats: GenerationStats | None = None):
         self.model, self.job, self.on_finish = model, job, on_finish
         n = len(job.prompts)
         self.seqs = [Sequence_(list(p)) for p in job.prompts]
         self.generators: list[torch.Generator | None] = [None] * n
-        self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in job.prompts), max_batch_size=job.batch_limit,
-                                     prefill_chunk=job.prefill_chunk)
+        self.stats = GenerationStats() if stats is None else stats
+        self.stats.prompt_tokens = sum(len(p) for p in job.prompts)
+        self.stats.max_batch_size, self.stats.prefill_chunk = job.batch_limit, job.prefill_chunk
         self.waiting = deque(range(n))
         self.running: list[int | None] = [None] * min(job.batch_limit, n)
-        # A fast model may round the length up (its compiled steps are specialised on the cache length).
-        self.cache = model.new_cache(len(self.running), max(job.budget(i) for i in range(n)), job.kv_cache_dtype)
+        self.cache = self.new_cache(len(self.running), max(job.budget(i) for i in range(n)))
         self.start = time.perf_counter()
+
+    def new_cache(self, slots: int, length: int) -> Any:
+        """The KV cache of `slots` rows of `length` positions (a fast model may round the length up: its compiled
+        steps are specialised on the cache length)."""
+        return self.model.new_cache(slots, length, self.job.kv_cache_dtype)
 
     def run(self) -> tuple[list[Sequence_], GenerationStats]:
         """Admit requests into free slots, step the slots, until every request has finished."""
@@ -517,37 +411,30 @@ class Scheduler:
             logits = self.prefill(s0, group)
             self.stats.prefill_seconds += time.perf_counter() - t0
             for s, token in enumerate(self.sample(group, logits), start=s0):
-                self.emit(s, token)
+                self.emit(s, [token])
 
     def prefill(self, s0: int, requests: list[int]) -> torch.Tensor:
-        """The prompts of `requests` through the model into slots s0, s0 + 1, ... of the cache, right-padded, in
-        forwards of at most `prefill_chunk` tokens; the logits [len(requests), V] of each one's last prompt token.
+        """The prompts of `requests` through `prompt_forward` into slots s0, s0 + 1, ..., right-padded, in forwards
+        of at most `prefill_chunk` tokens; the logits [len(requests), V] of each one's last prompt token.
         (The padding's keys land past a prompt's end, in slots its own decode steps overwrite before reading.)"""
-        model, job = self.model, self.job
+        job = self.job
         embeds = None if job.inputs_embeds is None else [job.inputs_embeds[i] for i in requests]
-        ids, emb = pad_prompts(model, [job.prompts[i] for i in requests], embeds)
-        cache = self.cache.rows(s0, s0 + len(requests))
+        ids, emb = pad_prompts(self.model, [job.prompts[i] for i in requests], embeds)
         chunk = max(1, job.prefill_chunk // len(requests))
-        return prefill(lambda x, pos, e, index: model(x, positions=pos, cache=cache, inputs_embeds=e,
-                                                      logit_index=index),
-                       ids, [len(job.prompts[i]) for i in requests], emb, chunk)
+        return prefill(self.prompt_forward(s0, s0 + len(requests)), ids, [len(job.prompts[i]) for i in requests],
+                       emb, chunk)
+
+    def prompt_forward(self, start: int, stop: int
+                       ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]:
+        """The forward (`prefill`'s) that writes the rows of slots start..stop-1 of the cache."""
+        cache = self.cache.rows(start, stop)
+        return lambda x, pos, e, index: self.model(x, positions=pos, cache=cache, inputs_embeds=e, logit_index=index)
 
     def step(self) -> None:
-        """One decode step of every slot (free ones feed a token at position 0 of their own rows, which the next
-        request's prefill overwrites); each running request emits one token."""
-        device = self.model.device
-        tokens, positions = [], []
-        for i in self.running:
-            s = None if i is None else self.seqs[i]
-            tokens.append(0 if s is None else s.generated[-1])
-            positions.append(0 if s is None else len(s.prompt) + len(s.generated) - 1)
+        """One decode step of every slot (`decode`), timed into the stats: the first apart (`warmup_seconds`), the
+        others with the tokens they chose."""
         t1, before = time.perf_counter(), self.stats.generated_tokens
-        logits = self.model.step(torch.tensor(tokens, device=device)[:, None],
-                                 torch.tensor(positions, device=device)[:, None], self.cache)[:, 0]
-        rows = [s for s, i in enumerate(self.running) if i is not None]
-        chosen = self.sample([self.running[s] for s in rows], logits[rows])
-        for s, token in zip(rows, chosen):
-            self.emit(s, token)
+        self.decode()
         stats, seconds = self.stats, time.perf_counter() - t1
         if stats.decode_steps == 0:
             stats.warmup_seconds = seconds
@@ -556,39 +443,53 @@ class Scheduler:
             stats.decode_tokens += stats.generated_tokens - before
         stats.decode_steps += 1
 
-    def sample(self, requests: list[int], logits: torch.Tensor) -> list[int]:
-        """One token for each of `requests` from its row of `logits` [n, V], with its own settings and generator:
-        greedy rows by one argmax, the others' distributions computed together per setting, then drawn one by one
-        from their own generators."""
-        out = [0] * len(requests)
-        by_setting: dict[SamplingParams, list[int]] = {}
-        for r, i in enumerate(requests):
-            by_setting.setdefault(self.job.sampling[i], []).append(r)
-        for params, rows in by_setting.items():
-            if params.greedy:
-                picked = logits[rows].argmax(-1).tolist()
-            else:
-                probs = filtered_probs(logits[rows], params).cpu()  # the generators are the host's
-                picked = [int(draw(probs[j:j + 1], self.generators[requests[r]])) for j, r in enumerate(rows)]
-            for r, token in zip(rows, picked):
-                out[r] = token
-        return out
+    def decode(self) -> None:
+        """The plain step: one token of every slot (free ones feed a token at position 0 of their own rows, which
+        the next request's prefill overwrites); each running request emits one token."""
+        device = self.model.device
+        tokens = [0 if i is None else self.seqs[i].generated[-1] for i in self.running]
+        positions = [0 if i is None else self.committed(i) for i in self.running]
+        logits = self.model.step(torch.tensor(tokens, device=device)[:, None],
+                                 torch.tensor(positions, device=device)[:, None], self.cache)[:, 0]
+        rows = [s for s, i in enumerate(self.running) if i is not None]
+        chosen = self.sample([self.running[s] for s in rows], logits[rows])
+        for s, token in zip(rows, chosen):
+            self.emit(s, [token])
 
-    def emit(self, s: int, token: int) -> None:
-        """Append `token` to the request in slot s; free the slot if it finished."""
+    def row_sampling(self, requests: list[int | None]) -> RowSampling:
+        """How each of `requests` samples: its own setting and generator (None: a free slot, greedy, no draw)."""
+        return RowSampling(tuple(GREEDY if i is None else self.job.sampling[i] for i in requests),
+                           tuple(None if i is None else self.generators[i] for i in requests))
+
+    def sample(self, requests: list[int], logits: torch.Tensor) -> list[int]:
+        """One token for each of `requests` from its row of `logits` [n, V], with its own settings and generator."""
+        return self.row_sampling(requests).sample(logits)[0].tolist()
+
+    def committed(self, i: int) -> int:
+        """Positions of request i the model has processed and keeps: its prompt and every generated token but the
+        last (the one fed next, at this position)."""
+        s = self.seqs[i]
+        return len(s.prompt) + max(0, len(s.generated) - 1)
+
+    def emit(self, s: int, tokens: Sequence[int]) -> int:
+        """Append `tokens` to the request in slot s until it finishes (`finishes`: what follows is dropped), calling
+        `job.on_token` for each one taken; free the slot if it finished. Returns how many were taken."""
         i = self.running[s]
         seq = self.seqs[i]
-        seq.generated.append(token)
-        self.stats.generated_tokens += 1
-        if len(seq.generated) == 1:
-            seq.first_token_seconds = time.perf_counter() - self.start
-            self.stats.first_token_seconds = self.stats.first_token_seconds or seq.first_token_seconds
-        if self.job.on_token:
-            self.job.on_token(i, token)
-        reason = finishes(seq, token, self.job, i)
-        if reason is not None:
-            self.running[s] = None
-            self.finish(i, reason)
+        for n, token in enumerate(tokens, start=1):
+            seq.generated.append(token)
+            self.stats.generated_tokens += 1
+            if len(seq.generated) == 1:
+                seq.first_token_seconds = time.perf_counter() - self.start
+                self.stats.first_token_seconds = self.stats.first_token_seconds or seq.first_token_seconds
+            if self.job.on_token:
+                self.job.on_token(i, token)
+            reason = finishes(seq, token, self.job, i)
+            if reason is not None:
+                self.running[s] = None
+                self.finish(i, reason)
+                return n
+        return len(tokens)
 
     def finish(self, i: int, reason: str) -> None:
         seq = self.seqs[i]
@@ -627,6 +528,6 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
     return Scheduler(model, job, on_finish).run()
 
 
-__all__ = ["DecodeJob", "DecodeState", "GenerationStats", "Scheduler", "Sequence_",
-           "check_prompts", "finishes", "generate_ids", "pad_prompts", "per_prompt", "prefill", "run_in_groups",
+__all__ = ["DecodeJob", "GenerationStats", "Scheduler", "Sequence_",
+           "check_prompts", "finishes", "generate_ids", "pad_prompts", "per_prompt", "prefill",
            "stop_id_set", "token_prompts"]

@@ -26,7 +26,8 @@ tensor-parallel ranks like the target's own logits.
 
 Markov pass. `prev = a`; for k in 0..N-1: `z_k = U[k] + markov_w2 @ markov_w1[prev]`; the draft
 `d_k` is argmax(z_k) (greedy) or a sample of `q_k = filtered_probs(z_k, sampling)` (`sampling.py`; the same
-temperature/top-k/top-p as the target); `prev = d_k`. Block position k predicts position t+k+1.
+temperature/top-k/top-p as the target; in a batch of requests each row with its own setting and generator,
+`sampling.RowSampling`); `prev = d_k`. Block position k predicts position t+k+1.
 
 Confidence head. `c_k = sigmoid(proj([h_k ; markov_w1[prev_k]]))` with h_k the block's final-normed
 hidden state at position k (the LM head's input, as DeepSpec's reference feeds it) and prev_k the
@@ -73,7 +74,7 @@ from ..weights.checkpoint import (
     _linear_format,
     scan_shards,
 )
-from .sampling import SamplingParams, draw, filtered_probs
+from .sampling import RowSampling, SamplingParams
 
 if TYPE_CHECKING:
     from ..model.decoder import MiniMaxM3
@@ -168,6 +169,15 @@ class DraftCache:
         for b, n in enumerate(torch.as_tensor(lengths).tolist()):
             for buf in (*self.k, *self.v):
                 buf[b, n:] = 0
+
+    def rows(self, start: int, stop: int) -> DraftCache:
+        """Sequences start..stop-1 as a cache of their own: views of this cache's buffers, so what is written
+        through it lands here (a request prefilled into its slot of a running batch)."""
+        view = object.__new__(DraftCache)
+        view.batch_size, view.max_len = stop - start, self.max_len
+        view.k = [k[start:stop] for k in self.k]
+        view.v = [v[start:stop] for v in self.v]
+        return view
 
 
 @dataclass
@@ -421,12 +431,14 @@ class DSparkDrafter(nn.Module):
 
     @torch.no_grad()
     def markov_pass(self, base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
-                    sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+                    sampling: SamplingParams | RowSampling, generator: torch.Generator | None) -> Draft:
         """The sequential stage: z_k = U[k] + markov_w2 @ markov_w1[prev]; greedy argmax or a sample
-        of q_k = filtered_probs(z_k, sampling); prev = d_k (the anchor for k = 0)."""
+        of q_k = filtered_probs(z_k, sampling); prev = d_k (the anchor for k = 0). `sampling`: one setting for
+        every row, drawing from `generator`, or a `RowSampling` (each row its own setting and generator)."""
         B, N = base_logits.shape[:2]
+        rows = sampling if isinstance(sampling, RowSampling) else RowSampling.same(sampling, B, generator)
         tokens = torch.empty(B, N, dtype=torch.long, device=base_logits.device)
-        probs = None if sampling.greedy else torch.empty_like(base_logits)
+        probs = None if rows.greedy else torch.empty_like(base_logits)
         conf = None if self.confidence_head is None else torch.empty(B, N, device=base_logits.device)
         prev = anchors
         for k in range(N):
@@ -436,20 +448,18 @@ class DSparkDrafter(nn.Module):
                 feats = hidden[:, k] if not self.config.confidence_head_with_markov else torch.cat(
                     (hidden[:, k], e.to(hidden.dtype)), dim=-1)
                 conf[:, k] = self.confidence_head(feats)
-            if sampling.greedy:
-                d = z.argmax(-1)
-            else:
-                probs[:, k] = filtered_probs(z, sampling)
-                d = draw(probs[:, k], generator)
+            d, q = rows.sample(z)
+            if probs is not None:
+                probs[:, k] = q
             tokens[:, k] = d
             prev = d
         return Draft(tokens, probs, conf)
 
     @torch.no_grad()
     def draft(self, target: MiniMaxM3, cache: DraftCache, anchors: torch.Tensor, positions: torch.Tensor,
-              num_tokens: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+              num_tokens: int, sampling: SamplingParams | RowSampling, generator: torch.Generator | None) -> Draft:
         """Draft `num_tokens` (<= block size) tokens after each anchor [B] at positions t [B]; the
-        context cache must hold the rows of positions < t."""
+        context cache must hold the rows of positions < t. Sampling as `markov_pass`."""
         if not 1 <= num_tokens <= self.block_size:
             raise InputError(f"num_tokens={num_tokens}: the drafter proposes 1..{self.block_size} tokens")
         U, h = self.block_logits(target, cache, anchors, positions, num_tokens)

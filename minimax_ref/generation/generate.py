@@ -5,7 +5,7 @@ text, or a chat with the chat template), embeds its images once (`multimodal.py`
 loop (`decoding.generate_ids`) or, given a drafter, the speculative one (`speculative.py`), then
 decodes each output and splits it into reasoning, content and tool calls (`chat.parse_output`).
 The layers below: `sampling.py` (the sampling distribution and seeded draws), `decoding.py` (checked
-arguments, the decode state both loops share, the plain loop), `drafter.py` and `speculative.py`.
+arguments, the continuous-batching scheduler both loops run on, the plain loop), `drafter.py` and `speculative.py`.
 
 Stop tokens come from `generation_config.json` (`eos_token_id`), else the tokenizer's end-of-turn;
 they end a sequence and are not part of its text.
@@ -236,8 +236,8 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
     draft: speculative decoding (`speculative.py`): a loaded `drafter.DSparkDrafter`
     (`drafter.load_drafter`), "dspark" to load the checkpoint's own `dspark/` folder on each call, or a
     drafter folder. num_speculative_tokens: drafts verified per step (default: the drafter's block
-    size). Greedy output is identical to `draft=None`; sampled output has the same distribution (one sampling
-    setting for all prompts).
+    size). Greedy output is identical to `draft=None`; sampled output has the same distribution. Requests are
+    batched continuously and sample with their own settings and seeds, as with `draft=None`.
     The stats then include `mean_accepted_length` and `acceptance_rate_per_position`.
     Arguments of the wrong type or value raise InputError naming the argument.
     """

@@ -7,6 +7,9 @@ always at least one; 1.0 = off), then one draw with `torch.multinomial` from an 
 `torch.Generator`. The same seed gives the same tokens. Speculative decoding draws its drafts and
 checks them against the target with these same distributions, and draws its emitted token by
 inverse CDF (`sample_inverse_cdf`).
+
+A batch whose rows are separate requests samples with `RowSampling`: each row with its own setting, from its own
+generator, so a row's tokens do not depend on which rows share its batch.
 """
 
 from __future__ import annotations
@@ -87,6 +90,59 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return draw(filtered_probs(logits, params), generator)
 
 
+@dataclass(frozen=True, eq=False)
+class RowSampling:
+    """How each row of a batch samples: row b with `params[b]` from `generators[b]` (a CPU generator, or None: the
+    default generator; greedy rows never draw). Distributions of rows that share a setting are computed together;
+    each sampled row then draws alone from its own generator (`draw` of its one row), so what it draws does not
+    depend on the other rows."""
+
+    params: tuple[SamplingParams, ...]
+    generators: tuple[torch.Generator | None, ...]
+
+    @classmethod
+    def same(cls, params: SamplingParams, rows: int, generator: torch.Generator | None) -> RowSampling:
+        """Every one of `rows` rows with `params`, drawing one row after another from the one `generator`."""
+        return cls((params,) * rows, (generator,) * rows)
+
+    @property
+    def greedy(self) -> bool:
+        """Every row is greedy (no draw, no distribution needed)."""
+        return all(p.greedy for p in self.params)
+
+    def take(self, rows: list[int]) -> RowSampling:
+        """The settings and generators of `rows` only, in that order."""
+        return RowSampling(tuple(self.params[r] for r in rows), tuple(self.generators[r] for r in rows))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's `filtered_probs` [B, ..., V] fp32 of `logits` [B, ..., V] with its own setting (greedy rows:
+        one-hot on the argmax)."""
+        by_setting: dict[SamplingParams, list[int]] = {}
+        for b, p in enumerate(self.params):
+            by_setting.setdefault(p, []).append(b)
+        if len(by_setting) == 1:
+            return filtered_probs(logits, self.params[0])
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for params, rows in by_setting.items():
+            out[rows] = filtered_probs(logits[rows], params)
+        return out
+
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row of `logits` [B, V]: the argmax for a greedy row, else one `draw` from its filtered
+        distribution with its own generator. Returns (tokens [B] on logits' device, the distributions [B, V] fp32,
+        or None when every row is greedy)."""
+        tokens = logits.argmax(-1)
+        if self.greedy:
+            return tokens, None
+        probs = self.probs(logits)
+        host = probs.cpu()  # the generators are the host's: one copy for every row
+        picked = tokens.tolist()
+        for b, (p, g) in enumerate(zip(self.params, self.generators)):
+            if not p.greedy:
+                picked[b] = int(draw(host[b:b + 1], g))
+        return torch.tensor(picked, device=logits.device), probs
+
+
 def sample_inverse_cdf(probs: torch.Tensor, u: float | torch.Tensor) -> int:
     """The token i whose interval [cdf[i-1], cdf[i]) of the cumulative distribution contains u.
 
@@ -102,4 +158,4 @@ def sample_inverse_cdf(probs: torch.Tensor, u: float | torch.Tensor) -> int:
     return i
 
 
-__all__ = ["SamplingParams", "draw", "filtered_probs", "sample", "sample_inverse_cdf"]
+__all__ = ["RowSampling", "SamplingParams", "draw", "filtered_probs", "sample", "sample_inverse_cdf"]

@@ -1,16 +1,19 @@
 """Speculative decoding: a drafter proposes tokens, the target verifies them in one forward.
 
-The loop (spec `dspark.md`, "Verification"), for a batch of right-padded prompts of different lengths:
+The loop (spec `dspark.md`, "Verification") runs on the plain loop's continuous batching
+(`decoding.Scheduler`, here `SpeculativeScheduler`): up to `batch_limit` requests verify together, each in
+its own slot of the target's KV cache and of the drafter's context cache, at its own positions.
 
-1. Prefill the target with a `Trace` capturing the drafter's target layers; every prompt position
-   becomes a context row of the drafter (`drafter.add_context`). The first token is sampled from the
-   last prompt position's logits exactly as `decoding.generate_ids` does; it is the first anchor.
-2. Each step, per row: the anchor `a` sits at position t = the row's committed length (the number of
-   positions the target has processed and kept). The drafter proposes d_0..d_{k-1} (d_i for position
-   t+i+1); the target runs `[a, d_0..d_{k-1}]` at positions t..t+k in ONE step (each row at its
-   own positions, `MiniMaxM3.step_with_hidden`: on the GPU fast paths replayed from a CUDA graph) and
+1. Admission: a request taking a free slot has its prompt prefilled into that slot's rows of the target's
+   cache with a `Trace` capturing the drafter's target layers; every prompt position becomes a context
+   row of the drafter in the same slot (`drafter.add_context`). The first token is sampled from the last
+   prompt position's logits exactly as `decoding.generate_ids` does; it is the first anchor.
+2. Each step, per slot: the anchor `a` sits at position t = the request's committed length (the number
+   of positions the target has processed and kept). The drafter proposes d_0..d_{k-1} (d_i for position
+   t+i+1); the target runs `[a, d_0..d_{k-1}]` at positions t..t+k in ONE step (each slot at its own
+   positions, `MiniMaxM3.step_with_hidden`: on the GPU fast paths replayed from a CUDA graph) and
    returns the logits of all k+1 positions and the drafter's layers' residual streams.
-3. Acceptance per row (`accept_greedy` / `accept_drafts`): j drafts are accepted and one more token is
+3. Acceptance per request (`accept_greedy` / `accept_drafts`): j drafts are accepted and one more token is
    emitted (the correction at the first rejection, or the bonus token when all k are accepted), so a
    step emits j+1 tokens. Greedy output is token-identical to plain greedy decoding; sampled output
    has exactly the target's distribution.
@@ -19,22 +22,28 @@ The loop (spec `dspark.md`, "Verification"), for a batch of right-padded prompts
    captures of those j+1 positions are the new context rows (the last of them is the row whose logits
    produced the emitted token). The emitted token is the next anchor, at position t+j+1.
 
-The argument checks, batch groups, padding, stop tokens, `max_new_tokens` and the maximum length are
-the plain loop's own (`decoding.DecodeJob`, `decoding.DecodeState`): tokens past a stop token or the
-limits are dropped and the caches keep only the row's committed positions (all but its last emitted
-token), so after a run the caches equal those of a plain run over `prompt + generated[:-1]`.
+The argument checks, padding, stop tokens, `max_new_tokens` and the maximum length are the plain
+loop's own (`decoding.DecodeJob`, `decoding.Scheduler`): tokens past a stop token or the limits are
+dropped and the caches keep only the request's committed positions (all but its last emitted token),
+so after a run each slot's rows equal those of a plain run over `prompt + generated[:-1]` of the last
+request that ran in it (`SpeculativeDecoder.held`).
 
-Every step drafts and verifies k = `num_speculative_tokens` (default: the drafter's block size) for
-the whole batch, so every verify step has one shape (on the GPU fast paths: one CUDA graph). Near the
-end a row verifies only as many drafts as it may still emit minus one (its own target token); the
-others are rolled back with the rejected ones. Finished rows ride along, as in `generate_ids`, and
-are rolled back to their frozen length. An optional
-confidence threshold verifies, per row, only the drafts before the first one whose confidence score
-is below it; this changes how many tokens a step may emit, never which (off by default).
+When a request finishes, the next waiting one takes its slot between two steps, so the batch stays full
+until the queue is empty. Every step drafts and verifies k = `num_speculative_tokens` (default: the
+drafter's block size) in every slot, so every verify step has one shape, k+1 tokens a slot (on the GPU
+fast paths: one CUDA graph per batch size). Near the end a request verifies only as many drafts as it
+may still emit minus one (its own target token); the others are rolled back with the rejected ones. A
+free slot verifies a block of padding at its frozen length (the positions of the request it last held)
+and is rolled back to it. An optional confidence threshold verifies, per request, only the drafts before
+the first one whose confidence score is below it; this changes how many tokens a step may emit, never
+which (off by default).
 
-Sampling randomness comes from one `torch.Generator` seeded with `seed`: the first token (as
-`sampling.sample`), the drafter's samples, then per step a [B, k+1] block of uniforms for the
-acceptance rule. Every tensor-parallel rank therefore makes the same decisions.
+Sampling randomness: request i has its own CPU `torch.Generator`, seeded with its own seed (`seeds[i]`,
+default `seed + i`) as it is admitted, and its own sampling setting (`sampling.RowSampling`). From it
+come, in order, its first token (as `decoding.generate_ids`), then per step the drafter's k samples of
+its row and k+1 uniforms for the acceptance rule (a greedy request draws nothing). What it draws does not
+depend on which requests share its batch, so neither do its tokens (in fp32 on a CPU: the same tokens
+alone and in a batch), and every tensor-parallel rank makes the same decisions.
 """
 
 from __future__ import annotations
@@ -49,18 +58,9 @@ import torch
 from ..errors import InputError
 from ..model.decoder import MiniMaxM3
 from ..research.trace import Trace
-from .decoding import (
-    DecodeJob,
-    DecodeState,
-    FinishCallback,
-    GenerationStats,
-    Sequence_,
-    TokenCallback,
-    prefill,
-    run_in_groups,
-)
+from .decoding import DecodeJob, FinishCallback, GenerationStats, Scheduler, Sequence_, TokenCallback
 from .drafter import Draft
-from .sampling import SamplingParams, filtered_probs, sample_inverse_cdf
+from .sampling import RowSampling, SamplingParams, sample_inverse_cdf
 
 # (drafts [K], draft_probs [K, V] | None, target_probs [K+1, V], uniforms [K+1]) -> (accepted, token)
 AcceptFn = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor], tuple[int, int]]
@@ -73,7 +73,7 @@ class Drafter(Protocol):
     capture_layer_ids: set[int]  # target layers whose residual streams the drafter reads
 
     def new_cache(self, batch_size: int, max_len: int) -> Any:
-        """A context cache with `rollback(lengths)`."""
+        """A context cache with `rollback(lengths)` and `rows(start, stop)` (a view of those sequences)."""
 
     def add_context(self, target: MiniMaxM3, cache: Any, hidden: Mapping[int, torch.Tensor],
                     positions: torch.Tensor) -> None:
@@ -81,8 +81,9 @@ class Drafter(Protocol):
         [B, T] into context rows."""
 
     def draft(self, target: MiniMaxM3, cache: Any, anchors: torch.Tensor, positions: torch.Tensor, num_tokens: int,
-              sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
-        """Propose `num_tokens` tokens after the anchors [B] at positions [B]."""
+              sampling: SamplingParams | RowSampling, generator: torch.Generator | None) -> Draft:
+        """Propose `num_tokens` tokens after the anchors [B] at positions [B]; the loop passes a `RowSampling` (each
+        row samples with its own setting from its own generator) and no generator."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,8 +149,8 @@ def accept_drafts(drafts: torch.Tensor, draft_probs: torch.Tensor | None, target
 
 @dataclass
 class SpeculativeStats(GenerationStats):
-    """GenerationStats plus acceptance. A "step" is one (row, verify pass) in which the row may still take a
-    draft (it may emit at least two more tokens).
+    """GenerationStats plus acceptance. A "step" is one (request, verify pass) in which the request may still take
+    a draft (it may emit at least two more tokens).
 
     mean_accepted_length: tokens emitted per step before stop/length truncation (accepted drafts + the
         target's own token), in [1, k+1].
@@ -176,15 +177,6 @@ class SpeculativeStats(GenerationStats):
     def acceptance_rate_per_position(self) -> list[float | None]:
         return [a / p if p else None for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
 
-    def merge(self, other: SpeculativeStats) -> None:  # type: ignore[override]
-        super().merge(other)
-        self.steps += other.steps
-        self.emitted_in_steps += other.emitted_in_steps
-        self.proposed_per_position = [a + b for a, b in zip(self.proposed_per_position, other.proposed_per_position)]
-        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
-        self.draft_seconds += other.draft_seconds
-        self.verify_seconds += other.verify_seconds
-
     def as_dict(self) -> dict:
         d = super().as_dict()
         d.update({"num_speculative_tokens": self.num_speculative_tokens, "speculative_steps": self.steps,
@@ -210,12 +202,12 @@ class SpeculativeDecoder:
     """Speculative generation for `model` with `drafter` (a `drafter.DSparkDrafter`, or any `Drafter`).
 
     num_speculative_tokens: drafts verified per step, 1..block_size (default: the block size).
-    confidence_threshold: None (default) verifies all drafts; a value cuts each row's drafts before
+    confidence_threshold: None (default) verifies all drafts; a value cuts each request's drafts before
         the first one whose confidence score is below it (drafters without a confidence head: no cut).
     accept_fn: the sampling acceptance rule (default `accept_drafts`; tests substitute wrong rules).
 
-    After `generate`, `target_cache`, `draft_cache` and `lengths` (committed positions per row) hold
-    the final state of its last batch group, for inspection.
+    After `generate`, `target_cache`, `draft_cache` and `lengths` (committed positions per slot) hold the run's
+    final state, for inspection: slot s holds the positions of request `held[s]`, the last one that ran in it.
     """
 
     def __init__(self, model: MiniMaxM3, drafter: Drafter, *, num_speculative_tokens: int | None = None,
@@ -228,132 +220,145 @@ class SpeculativeDecoder:
         self.num_speculative_tokens = n
         self.confidence_threshold = confidence_threshold
         self.accept_fn = accept_fn
-        self.target_cache = self.draft_cache = self.lengths = None
-
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, embeds: torch.Tensor | None = None,
-                 logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        """A target forward at positions `pos` that also writes the drafter's context rows."""
-        trace = Trace(layers=self.drafter.capture_layer_ids)
-        logits = self.model(ids, positions=pos, cache=self.target_cache, trace=trace, inputs_embeds=embeds,
-                            logit_index=logit_index)
-        self.drafter.add_context(self.model, self.draft_cache, trace.hidden_states, pos)
-        return logits
+        self.target_cache = self.draft_cache = self.lengths = self.held = None
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 128,
-                 sampling: SamplingParams | None = None, seed: int | Sequence[int] = 0,
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None, seed: int | Sequence[int] = 0,
                  stop_ids: Sequence[int] | int = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
                  prefill_chunk: int | None = None, on_token: TokenCallback | None = None,
                  inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None,
                  on_finish: FinishCallback | None = None) -> tuple[list[Sequence_], SpeculativeStats]:
-        """Generate for a batch of token-id prompts; the arguments, checks and results are
-        `decoding.generate_ids`'s (one sampling setting for all prompts; default `SamplingParams()`), decoded in
-        static groups of at most `max_batch_size` prompts (a group's generator seeded with its first prompt's
-        seed); on_finish(row, sequence) as each group ends."""
+        """Generate for token-id prompts; the arguments, checks and results are `decoding.generate_ids`'s
+        (max_new_tokens, sampling and seed: one value or one per prompt; default `SamplingParams()`), decoded by
+        continuous batching of at most `max_batch_size` requests (`SpeculativeScheduler`); on_finish(row, sequence)
+        as each request finishes."""
         job = DecodeJob.make(self.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                              stop_ids=stop_ids, max_seq_len=max_seq_len, kv_cache_dtype=kv_cache_dtype,
                              prefill_chunk=prefill_chunk, on_token=on_token, inputs_embeds=inputs_embeds,
                              max_batch_size=max_batch_size)
-        done = 0
+        scheduler = SpeculativeScheduler(self, job, on_finish)
+        seqs, stats = scheduler.run()
+        self.target_cache, self.draft_cache = scheduler.cache, scheduler.draft_cache
+        self.lengths, self.held = scheduler.lengths, scheduler.held
+        return seqs, stats
 
-        def run(group: DecodeJob) -> tuple[list[Sequence_], SpeculativeStats]:
-            nonlocal done
-            seqs, stats = self._decode(group)
-            for row, seq in enumerate(seqs if on_finish else ()):
-                on_finish(done + row, seq)
-            done += len(seqs)
-            return seqs, stats
 
-        return run_in_groups(job, run)
+class SpeculativeScheduler(Scheduler):
+    """`decoding.Scheduler` with the speculative step (module docstring): admission, sampling of the first token,
+    emission and finishing are the plain loop's; each slot also has rows in the drafter's context cache, and a step
+    drafts, verifies and accepts for every slot.
 
-    def _decode(self, job: DecodeJob) -> tuple[list[Sequence_], SpeculativeStats]:
-        """One group: prefill with context capture, the first token, then draft / verify / accept steps."""
-        model, drafter, N = self.model, self.drafter, self.num_speculative_tokens
-        state = DecodeState(model, job, SpeculativeStats(num_speculative_tokens=N, proposed_per_position=[0] * N,
-                                                         accepted_per_position=[0] * N,
-                                                         max_batch_size=job.batch_limit,
-                                                         prefill_chunk=job.prefill_chunk))
-        sampling = state.sampling
-        stats, B, device = state.stats, state.batch_size, model.device
-        # Verify passes write up to k+1 slots past a row's length; finished rows ride along.
-        slots = state.budget + N + 1
-        self.target_cache = model.new_cache(B, slots, job.kv_cache_dtype)
-        self.draft_cache = drafter.new_cache(B, slots)
+    `lengths[s]`: the positions slot s's rows of both caches keep; `held[s]`: the request they belong to (the one
+    running there, or the last that did; None: none yet). A free slot keeps its last request's positions.
+    """
 
-        # ---- prefill: every prompt position becomes a context row
-        t0 = time.perf_counter()
-        last_logits = prefill(self._forward, state.ids, state.prompt_lengths, state.embeds, job.prefill_chunk)
-        self._rollback(state.committed())  # forget the padding of shorter prompts
-        stats.prefill_seconds = time.perf_counter() - t0
+    def __init__(self, decoder: SpeculativeDecoder, job: DecodeJob, on_finish: FinishCallback | None = None):
+        self.decoder, self.drafter, self.k = decoder, decoder.drafter, decoder.num_speculative_tokens
+        stats = SpeculativeStats(num_speculative_tokens=self.k, proposed_per_position=[0] * self.k,
+                                 accepted_per_position=[0] * self.k)
+        super().__init__(decoder.model, job, on_finish, stats)
+        self.lengths = [0] * len(self.running)
+        self.held: list[int | None] = [None] * len(self.running)
 
-        anchors = torch.zeros(B, dtype=torch.long, device=device)
-        if not state.done:
-            anchors = state.emit_sampled(last_logits).to(device)
-        stats.first_token_seconds = time.perf_counter() - t0
-        while not state.done:
-            t1, before = time.perf_counter(), stats.generated_tokens
-            t = torch.tensor(state.committed(), device=device)
-            td = _now(device)
-            draft = drafter.draft(model, self.draft_cache, anchors, t, N, sampling, state.generator)
-            drafts = draft.tokens
-            tv = _now(device)
-            pos = t[:, None] + torch.arange(N + 1, device=device)
-            verify_ids = torch.cat((anchors[:, None], drafts), dim=1)
-            logits, hidden = model.step_with_hidden(verify_ids, pos, self.target_cache, drafter.capture_layer_ids)
-            tc = _now(device)
-            drafter.add_context(model, self.draft_cache, hidden, pos)
-            draft_seconds, verify_seconds = (tv - td) + (_now(device) - tc), tc - tv
+    def new_cache(self, slots: int, length: int) -> Any:
+        """The target's KV cache, and the drafter's context cache as `draft_cache`: a verify step writes k+1
+        positions from a slot's committed length, which is below `length`."""
+        self.draft_cache = self.drafter.new_cache(slots, length + self.k + 1)
+        return super().new_cache(slots, length + self.k + 1)
 
-            proposed = self._proposed(draft, N, B)
-            if sampling.greedy:
-                argmax = logits.argmax(-1)
+    def prompt_forward(self, start: int, stop: int
+                       ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]:
+        """The target's forward into slots start..stop-1 that also writes their context rows in the drafter's
+        cache (a `Trace` of the drafter's target layers)."""
+        cache, context = self.cache.rows(start, stop), self.draft_cache.rows(start, stop)
+        model, drafter = self.model, self.drafter
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, embeds: torch.Tensor | None,
+                    index: torch.Tensor) -> torch.Tensor:
+            trace = Trace(layers=drafter.capture_layer_ids)
+            logits = model(ids, positions=pos, cache=cache, trace=trace, inputs_embeds=embeds, logit_index=index)
+            drafter.add_context(model, context, trace.hidden_states, pos)
+            return logits
+
+        return forward
+
+    def prefill(self, s0: int, requests: list[int]) -> torch.Tensor:
+        """`Scheduler.prefill`, then each slot's rows of both caches rolled back to its prompt: the padding of
+        shorter prompts, and what the slot's previous request left past the prompt, are forgotten."""
+        logits = super().prefill(s0, requests)
+        s1 = s0 + len(requests)
+        for s, i in enumerate(requests, start=s0):
+            self.lengths[s], self.held[s] = len(self.job.prompts[i]), i
+        self.cache.rows(s0, s1).rollback(self.lengths[s0:s1])
+        self.draft_cache.rows(s0, s1).rollback(self.lengths[s0:s1])
+        return logits
+
+    def decode(self) -> None:
+        """One speculative step of every slot: the drafter proposes k tokens after each anchor, the target verifies
+        [anchor, drafts] in one step of k+1 tokens a slot (its captures become context rows), each running request
+        accepts (`accept`), and both caches are rolled back to what each slot keeps. A free slot's anchor is a
+        padding token at its kept length, drafted greedily."""
+        model, drafter, k, device, stats = self.model, self.drafter, self.k, self.model.device, self.stats
+        anchors = torch.tensor([0 if i is None else self.seqs[i].generated[-1] for i in self.running], device=device)
+        t = torch.tensor(self.lengths, device=device)
+        sampling = self.row_sampling(self.running)
+        td = _now(device)
+        draft = drafter.draft(model, self.draft_cache, anchors, t, k, sampling, None)
+        tv = _now(device)
+        pos = t[:, None] + torch.arange(k + 1, device=device)
+        verify_ids = torch.cat((anchors[:, None], draft.tokens), dim=1)
+        logits, hidden = model.step_with_hidden(verify_ids, pos, self.cache, drafter.capture_layer_ids)
+        tc = _now(device)
+        drafter.add_context(model, self.draft_cache, hidden, pos)
+        if stats.decode_steps:  # the first step is timed apart (`warmup_seconds`): it captures the verify step
+            stats.draft_seconds += (tv - td) + (_now(device) - tc)
+            stats.verify_seconds += tc - tv
+        self.accept(draft, logits, sampling)
+        self.cache.rollback(self.lengths)
+        self.draft_cache.rollback(self.lengths)
+
+    def accept(self, draft: Draft, logits: torch.Tensor, sampling: RowSampling) -> None:
+        """Each running request's acceptance of its drafts against the verify step's `logits` [slots, k+1, V]: greedy
+        ones by argmax (`accept_greedy`), sampled ones by `decoder.accept_fn` with k+1 uniforms from their own
+        generator. Emits the accepted drafts and the target's token, and sets the slot's kept length."""
+        k, stats, job = self.k, self.stats, self.job
+        active = [s for s, i in enumerate(self.running) if i is not None]
+        sampled = [s for s in active if not sampling.params[s].greedy]
+        drafts = draft.tokens.cpu()
+        argmax = logits.argmax(-1).cpu()
+        probs = dict(zip(sampled, sampling.take(sampled).probs(logits[sampled]))) if sampled else {}
+        proposed = self.proposed(draft)
+        for s in active:
+            i, seq = self.running[s], self.seqs[self.running[s]]
+            # no more drafts than the request may still emit besides the target's own token
+            room = job.budget(i) - len(seq.prompt) - len(seq.generated) - 1
+            n = min(proposed[s], room)
+            if s in probs:
+                u = torch.rand(k + 1, generator=self.generators[i])
+                q = None if draft.probs is None else draft.probs[s, :n]
+                j, token = self.decoder.accept_fn(draft.tokens[s, :n], q, probs[s][:n + 1], u[:n + 1])
             else:
-                p = filtered_probs(logits, sampling)
-                u = torch.rand(B, N + 1, generator=state.generator)
-            for b in state.active_rows():
-                # no more drafts than the row may still emit besides its own target token
-                room = state.room(b) - 1
-                n_prop = min(proposed[b], room)
-                if sampling.greedy:
-                    j, tok = accept_greedy(drafts[b, :n_prop], argmax[b, : n_prop + 1])
-                else:
-                    q = None if draft.probs is None else draft.probs[b, :n_prop]
-                    j, tok = self.accept_fn(drafts[b, :n_prop], q, p[b, : n_prop + 1], u[b, : n_prop + 1])
-                if room > 0:
-                    stats.steps += 1
-                    stats.emitted_in_steps += j + 1
-                    for i in range(n_prop):
-                        stats.proposed_per_position[i] += 1
-                        stats.accepted_per_position[i] += int(i < j)
-                # the anchor and the kept drafts stay in the caches; the last token taken is the next anchor
-                state.emit(b, drafts[b, :j].tolist() + [tok])
-                anchors[b] = state.seqs[b].generated[-1]
-            self._rollback(state.committed())
-            seconds = time.perf_counter() - t1
-            if stats.decode_steps == 0:  # on the fast paths the first step captures the verify step
-                stats.warmup_seconds = seconds
-            else:
-                stats.decode_seconds += seconds
-                stats.decode_tokens += stats.generated_tokens - before
-                stats.draft_seconds += draft_seconds
-                stats.verify_seconds += verify_seconds
-            stats.decode_steps += 1
-        self.lengths = state.committed()
-        return state.finish(), stats
+                j, token = accept_greedy(drafts[s, :n], argmax[s, :n + 1])
+            if room > 0:
+                stats.steps += 1
+                stats.emitted_in_steps += j + 1
+                for p in range(n):
+                    stats.proposed_per_position[p] += 1
+                    stats.accepted_per_position[p] += int(p < j)
+            # the anchor and the kept drafts stay in the caches; the last token taken is the next anchor
+            self.emit(s, drafts[s, :j].tolist() + [token])
+            self.lengths[s] = self.committed(i)
 
-    def _proposed(self, draft: Draft, k: int, B: int) -> list[int]:
-        """Drafts each row verifies: k, or fewer when a confidence threshold cuts the row's prefix."""
-        if self.confidence_threshold is None or draft.confidence is None:
+    def proposed(self, draft: Draft) -> list[int]:
+        """Drafts each slot verifies: k, or fewer when a confidence threshold cuts the slot's prefix."""
+        k, B, threshold = self.k, len(self.running), self.decoder.confidence_threshold
+        if threshold is None or draft.confidence is None:
             return [k] * B
-        low = draft.confidence[:, :k] < self.confidence_threshold
+        low = draft.confidence[:, :k] < threshold
         # the first low-confidence position, or k when there is none
         first = torch.where(low.any(-1), low.float().argmax(-1), torch.full((B,), k, device=low.device))
         return first.tolist()
-
-    def _rollback(self, lengths: list[int]) -> None:
-        """Forget every slot of row b at or past lengths[b] in both caches."""
-        self.target_cache.rollback(lengths)
-        self.draft_cache.rollback(lengths)
 
 
 def speculative_generate_ids(model: MiniMaxM3, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
@@ -367,5 +372,5 @@ def speculative_generate_ids(model: MiniMaxM3, drafter: Drafter, prompts: Sequen
     return decoder.generate(prompts, **kwargs)
 
 
-__all__ = ["accept_drafts", "accept_greedy", "sample_inverse_cdf", "Drafter", "SpeculativeDecoder", "SpeculativeStats",
-           "speculative_generate_ids"]
+__all__ = ["accept_drafts", "accept_greedy", "sample_inverse_cdf", "Drafter", "SpeculativeDecoder",
+           "SpeculativeScheduler", "SpeculativeStats", "speculative_generate_ids"]

@@ -12,12 +12,18 @@ its seed):
   "What number is this?";
 * (d) plain text from the Python standard library sources on this machine (optional; the files
   differ between Python versions, so this part is reproducible only on the same installation);
+* (e) copying ("copy", only in a mix that names it): the tool turns of (b) on arguments the model
+  has never seen, so that it learns to copy rather than recall: random letter sequences (varied case,
+  diacritics, digits), made-up place names (several words, hyphens, apostrophes, joiners like
+  "-sur-", digits), training-city words recombined, training cities with a few letters changed, and
+  order ids in other formats; one to three names per turn;
 plus a few greetings, so that a first "Hello" gets a sensible answer.
 
 Held-out split (`Heldout`, written to JSON by `write_heldout`): 100 cities, 50 long city names and
 50 order ids that no training example contains, 200 arithmetic problems (17*23 among them) and 100
 image numbers (427 among them) that are never trained on. Training generators reject them; tests
-check it.
+check it. The fresh strings that measure copying (`fresh_copy_strings`) come from a stream of their
+own and from a reserved eighth of all strings (`eval_only`, a keyed hash) that the copy kind rejects.
 
 Chat formatting is the release's: prompts are `minimax_ref.generation.chat.render_chat` (which renders exactly
 what the release's chat template renders, and what `Tokenizer.apply_chat_template` renders with the
@@ -31,6 +37,7 @@ the end-of-turn token). Only completion tokens carry loss.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import random
 import re
@@ -198,8 +205,10 @@ ORDER_TOOL: dict[str, Any] = {
 #: The tool list of the seed's checks and of `examples/nano/tools.json`.
 TOOLS: list[dict[str, Any]] = [WEATHER_TOOL, ORDER_TOOL]
 
-KINDS = ("arith", "tool", "image", "greet", "text")
+KINDS = ("arith", "tool", "image", "greet", "text", "copy")
 #: Share of each generator in the training stream ("text" is dropped when no text source is given).
+#: "copy" (tool calls on never-seen strings, `TaskGenerator.copy`) is only in a `--mix` that names it,
+#: so the stages run before it existed mean what they meant.
 DEFAULT_MIX: dict[str, float] = {"arith": 0.35, "tool": 0.35, "image": 0.15, "greet": 0.03, "text": 0.12}
 THINKING_WEIGHTS: dict[str, float] = {"enabled": 0.35, "adaptive": 0.45, "disabled": 0.20}
 
@@ -523,6 +532,225 @@ def order_answer(result: Mapping[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# copying: tool-call arguments never seen before (the "copy" kind)
+
+#: Lower-case Latin letters with diacritics (Latin-1 Supplement, Latin Extended-A and the Romanian
+#: comma letters, as in the city names: ł ø ş ă é ü ...); `_cased` keeps ß and ı lower (their
+#: capitals are not one letter).
+DIACRITIC_LETTERS = "àáâãäåæçèéêëìíîïðñòóôõöøùúûüýþÿāăąćčďđēėęěğħīįıķĺļľłńņňōőœŕřśşšţťũūůűųŵŷźżžșțß"
+_ASCII_LOWER = "abcdefghijklmnopqrstuvwxyz"
+_VOWEL_MARKS = {"a": "áàâäåãăāą", "e": "éèêëěēę", "i": "íìîïīı", "o": "óòôöøõőō", "u": "úùûüůűū", "y": "ýÿ"}
+_CONSONANT_MARKS = {"c": "čćç", "s": "šśşș", "z": "žźż", "n": "ñńň", "r": "řŕ", "l": "łľ", "t": "ťţț", "d": "ďđ",
+                    "g": "ğ"}
+#: Styles of `random_string`; the fresh evaluation set cycles through them so each is measured.
+COPY_STRING_STYLES = ("lower", "title", "upper", "mixed", "diacritics", "digits")
+_ONSETS = ("b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "br", "ch",
+           "dr", "gr", "kr", "pl", "sh", "st", "tr", "th", "sk", "sv", "zh", "gw", "ny", "kh", "ts", "")
+_NUCLEI = ("a", "e", "i", "o", "u", "a", "e", "o", "y", "ai", "au", "ei", "ou", "ia", "ee", "oo", "ua")
+_CODAS = ("n", "r", "s", "l", "m", "k", "t", "rg", "nd", "st", "sk", "x", "ck", "rn", "lt")
+#: Familiar first words and joiners of place names: a name that starts like a training city and goes
+#: on differently must be copied on, not completed from memory.
+NAME_PREFIXES = ("San", "Santa", "Saint", "Sankt", "Port", "Puerto", "Fort", "Mont", "Bad", "New", "Nova", "Ciudad",
+                 "Villa", "Nueva", "Novi", "Kota", "Ban", "Mar", "Grand", "Little", "Lake", "Cape", "Nowy")
+NAME_JOINERS = (" de ", " del ", " da ", " do ", " la ", "-sur-", "-en-", "-on-", "-le-", " am ", " an der ", " on ",
+                "-upon-", " nad ", " im ", " bei ", " di ", " el ", "-de-", " y ", " of ")
+NAME_SUFFIXES = ("City", "Bay", "Falls", "Springs", "Beach", "Town", "Harbour", "Hills", "Park", "Valley", "Heights")
+
+
+def _cased(c: str, upper: bool) -> str:
+    u = c.upper()
+    return u if upper and len(u) == 1 else c
+
+
+def random_string(rng: random.Random, lo: int = 6, hi: int = 20, style: str | None = None) -> str:
+    """A random letter sequence of `lo`..`hi` characters in `style` (drawn from `COPY_STRING_STYLES`
+    when None): "lower"; "title" (first letter capital); "upper"; "mixed" (each letter's case drawn);
+    "diacritics" (about a quarter of the letters from `DIACRITIC_LETTERS`, at least one; title or lower
+    case); "digits" (1 to 3 digits among the letters; title or lower case)."""
+    style = style or rng.choice(COPY_STRING_STYLES)
+    n = rng.randint(lo, hi)
+    if style == "diacritics":
+        chars = [rng.choice(DIACRITIC_LETTERS) if rng.random() < 0.25 else rng.choice(_ASCII_LOWER) for _ in range(n)]
+        if all(c.isascii() for c in chars):
+            chars[rng.randrange(n)] = rng.choice(DIACRITIC_LETTERS)
+    else:
+        chars = [rng.choice(_ASCII_LOWER) for _ in range(n)]
+    if style == "digits":
+        for i in rng.sample(range(n), rng.randint(1, min(3, n - 1))):
+            chars[i] = rng.choice("0123456789")
+    if style == "upper":
+        chars = [_cased(c, True) for c in chars]
+    elif style == "mixed":
+        chars = [_cased(c, rng.random() < 0.5) for c in chars]
+    elif style == "title" or (style in ("diacritics", "digits") and rng.random() < 0.5):
+        chars[0] = _cased(chars[0], True)
+    return "".join(chars)
+
+
+def pseudo_word(rng: random.Random, syllables: int | None = None, marks: float = 0.0) -> str:
+    """A pronounceable capitalised non-word of 1-4 syllables (at least two letters); `marks`: the
+    chance of each vowel (half of it for some consonants) to carry a diacritic."""
+    while True:
+        n = syllables or rng.choice((1, 2, 2, 2, 3, 3, 4))
+        w = "".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) + (rng.choice(_CODAS) if rng.random() < 0.4 else "")
+                    for _ in range(n))
+        if len(w) >= 2:
+            break
+    if marks:
+        w = "".join(rng.choice(_VOWEL_MARKS[c]) if c in _VOWEL_MARKS and rng.random() < marks
+                    else rng.choice(_CONSONANT_MARKS[c]) if c in _CONSONANT_MARKS and rng.random() < marks / 2
+                    else c for c in w)
+    return _cased(w[0], True) + w[1:]
+
+
+def pseudo_name(rng: random.Random) -> str:
+    """A place-like name made of `pseudo_word`s: one long word, two or three words, hyphenated, with a
+    joiner (`NAME_JOINERS`), after a familiar first word (`NAME_PREFIXES`) or before a suffix word,
+    with an apostrophe, or with digits (apart or inside a word); without, or with some, diacritics."""
+    marks = rng.choice((0.0, 0.0, 0.15, 0.35))
+
+    def word(syllables: int | None = None) -> str:
+        return pseudo_word(rng, syllables, marks)
+
+    form = rng.choices(("one", "two", "hyphen", "joined", "prefix", "suffix", "apostrophe", "digits", "three"),
+                       weights=(20, 15, 12, 12, 10, 6, 8, 8, 9))[0]
+    if form == "one":
+        return word(rng.choice((2, 3, 3, 4, 5)))
+    if form == "two":
+        return word() + " " + word()
+    if form == "hyphen":
+        return word() + "-" + word()
+    if form == "joined":
+        return word() + rng.choice(NAME_JOINERS) + word()
+    if form == "prefix":
+        return rng.choice(NAME_PREFIXES) + rng.choice((" ", " ", "-")) + word()
+    if form == "suffix":
+        return word() + " " + rng.choice(NAME_SUFFIXES)
+    w, r = word(), rng.random()
+    if form == "apostrophe":
+        if r < 0.3:  # Sana'a, Xi'an
+            i = rng.randint(1, len(w) - 1)
+            return w[:i] + "'" + w[i:]
+        if r < 0.6:  # N'Djamena
+            return rng.choice(("L'", "D'", "N'", "l'", "d'")) + word()
+        return w + "'s " + word()  # Cox's Bazar
+    if form == "digits":
+        if r < 0.4:
+            return f"{w} {rng.randint(1, 999)}"
+        if r < 0.7:
+            return f"{w}-{rng.randint(1, 99)}{rng.choice(('', '', 'A', 'B', 'C'))}"
+        i = rng.randint(1, len(w))
+        return w[:i] + str(rng.randint(0, 99)) + w[i:]
+    return word() + " " + word() + " " + word()
+
+
+def recombined_name(rng: random.Random, words: Sequence[str]) -> str:
+    """Two or three words of training city names (`words`) put together with spaces, hyphens or
+    joiners: every word is familiar, the whole is not (Stoke-on-Trent must not become Stoke-on-Tars)."""
+    parts = rng.sample(list(words), rng.choice((2, 2, 2, 3)))
+    seps = [rng.choice((" ", " ", "-", *NAME_JOINERS)) for _ in parts[1:]]
+    return parts[0] + "".join(s + p for s, p in zip(seps, parts[1:]))
+
+
+def mutated_name(rng: random.Random, name: str) -> str:
+    """`name` with one to three letters replaced, inserted or deleted (the case of a replaced capital
+    kept): close to a known name, but to be copied, not recalled."""
+    chars = list(name)
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        letters = [i for i, c in enumerate(chars) if c.isalpha()]
+        if not letters:
+            break
+        i = rng.choice(letters)
+        new = rng.choice(DIACRITIC_LETTERS) if rng.random() < 0.2 else rng.choice(_ASCII_LOWER)
+        new = _cased(new, chars[i].isupper())
+        op = rng.random()
+        if op < 0.5:
+            chars[i] = new
+        elif op < 0.8:
+            chars.insert(i + 1, _cased(new, False))
+        elif len(letters) > 4:
+            del chars[i]
+    return "".join(chars)
+
+
+def random_code(rng: random.Random) -> str:
+    """An order-id-like code in one of several formats other than `ORDER_ID_RE`'s (#K7Q2M9X, ORD-4471902,
+    KQZ4821XP, 7KQ2-XP91, 3fa9c0e1d2...): copying letters and digits exactly, whatever the layout."""
+    up, dig = "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "0123456789"
+
+    def pick(alphabet: str, k: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(k))
+
+    while True:
+        form = rng.randrange(6)
+        if form == 0:
+            s = "#" + pick(up + dig, rng.randint(6, 10))
+        elif form == 1:
+            prefix = rng.choice(("ORD", "INV", "PO", "SO", "RMA")) + rng.choice(("-", "", "/"))
+            s = prefix + pick(dig, rng.randint(5, 9))
+        elif form == 2:
+            s = pick(up, rng.randint(2, 4)) + pick(dig, rng.randint(3, 6)) + pick(up, rng.randint(1, 3))
+        elif form == 3:
+            s = "-".join(pick(up + dig, rng.randint(3, 5)) for _ in range(rng.randint(2, 4)))
+        elif form == 4:
+            s = pick("0123456789abcdef", rng.randint(8, 14))
+        else:
+            s = f"{pick(up, 1)}{pick(dig, 3)}-{pick(up, 2)}{pick(dig, 2)}"
+        if not ORDER_ID_RE.fullmatch(s):
+            return s
+
+
+def eval_only(s: str) -> bool:
+    """True for the eighth of all strings reserved to evaluation (`fresh_copy_strings`): a keyed hash
+    of the string, so the split holds whatever generator or size either side uses; the copy kind's
+    training strings are never among them."""
+    return hashlib.blake2b(s.encode("utf-8"), digest_size=1, key=b"nano-copy-eval").digest()[0] < 32
+
+
+def fresh_copy_strings(n: int, seed: int = 0, lo: int = 6, hi: int = 20) -> list[tuple[str, str]]:
+    """`n` distinct (string, style) pairs for measuring copying: `random_string`s of `lo`..`hi`
+    characters, the styles in turn, from a stream of their own, each `eval_only` (so no training
+    draw can produce one) and no city name or `ORDER_ID_RE` id."""
+    rng = random.Random(f"nano-eval-fresh-strings-{seed}")
+    out: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    while len(out) < n:
+        style = COPY_STRING_STYLES[len(out) % len(COPY_STRING_STYLES)]
+        s = random_string(rng, lo, hi, style)
+        if eval_only(s) and s not in seen and s not in CITIES and not ORDER_ID_RE.fullmatch(s):
+            seen.add(s)
+            out.append((s, style))
+    return out
+
+
+_DAYS_PHRASE = {1: "today", 7: "this week"}
+
+
+def several_cities_request(cities: Sequence[str], days: int, rng: random.Random) -> str:
+    """A user message asking for the weather in two or more cities (verbatim) over the same days."""
+    names = ", ".join(cities[:-1]) + " and " + cities[-1]
+    if days == 1:
+        return rng.choice(("What's the weather in {c} today?", "Weather today in {c}?",
+                           "Is it sunny in {c} today?")).format(c=names)
+    n = _days_text(days, rng)
+    return rng.choice((
+        "Compare the weather in {c} for the next {n} days.", "Weather in {c} for {n} days?",
+        "What's the forecast for {c} over the next {n} days?", "I'm visiting {c}. Weather for the next {n} days?",
+        "Check the {n}-day forecast for {c}.",
+    )).format(c=names, n=n)
+
+
+def copy_request(city: str, days: int, rng: random.Random) -> str:
+    """Phrasings beside `weather_request`'s, for the copy kind: the name quoted, first or labelled."""
+    n = _days_text(days, rng)
+    return rng.choice((
+        'Weather for "{c}" for {n} days?', "{c}: weather for the next {n} days?",
+        "Forecast please. City: {c}. Days: {n}.", "Get me the {n}-day forecast for {c}, please.",
+        "The city is {c}. What's the weather for {n} days?",
+    )).format(c=city, n=n)
+
+
+# ----------------------------------------------------------------------------------------------
 # images of numbers
 
 
@@ -762,6 +990,50 @@ class TaskGenerator:
             if oid not in self.heldout.order_set:
                 return oid
 
+    @functools.cached_property
+    def _heldout_names(self) -> re.Pattern[str] | None:
+        names = sorted(self.heldout.city_set, key=len, reverse=True)
+        return re.compile("|".join(re.escape(n) for n in names)) if names else None
+
+    @functools.cached_property
+    def _train_words(self) -> tuple[str, ...]:
+        """The words of the training city names (split at spaces and hyphens), for `recombined_name`."""
+        return tuple(sorted({w for c in self.heldout.train_cities for w in re.split(r"[ -]", c) if len(w) > 1}))
+
+    def _novel_ok(self, s: str) -> bool:
+        """A copy-kind string: no held-out city inside, not a held-out order id, not reserved to
+        evaluation (`eval_only`), no surrounding or doubled spaces."""
+        return (2 <= len(s) <= 32 and s == s.strip() and "  " not in s and not eval_only(s)
+                and s not in self.heldout.order_set
+                and (self._heldout_names is None or self._heldout_names.search(s) is None))
+
+    def copy_string(self, rng: random.Random) -> str:
+        """A city argument for the copy kind: random letters of 4-24 characters (35 %: `random_string`,
+        its diacritics style drawn more often), a `pseudo_name` (35 %), training-city words recombined
+        (15 %) or a training city mutated by a few letters (15 %); never a held-out or evaluation string."""
+        while True:
+            r = rng.random()
+            if r < 0.25:
+                s = random_string(rng, 4, 24)
+            elif r < 0.35:
+                s = random_string(rng, 4, 24, "diacritics")
+            elif r < 0.70:
+                s = pseudo_name(rng)
+            elif r < 0.85:
+                s = recombined_name(rng, self._train_words)
+            else:
+                pool = self.heldout.train_long_cities if rng.random() < 0.5 else self.heldout.train_cities
+                s = mutated_name(rng, rng.choice(pool or self.heldout.train_cities))
+            if self._novel_ok(s):
+                return s
+
+    def copy_code(self, rng: random.Random) -> str:
+        """An order id for the copy kind (`random_code`), never a held-out or evaluation string."""
+        while True:
+            s = random_code(rng)
+            if self._novel_ok(s):
+                return s
+
     def train_problem(self, rng: random.Random) -> tuple[int, str, int]:
         while True:
             p = _random_problem(rng)
@@ -833,6 +1105,12 @@ class TaskGenerator:
             asks.append(order_request(o, rng))
             reasons.append(f"get_order with order_id {o}")
         user = " Also, ".join([asks[0]] + [a[0].lower() + a[1:] for a in asks[1:]])
+        return self._tool_turn(rng, "tool", calls, user, reasons, thinking, stage)
+
+    def _tool_turn(self, rng: random.Random, kind: str, calls: list[dict[str, Any]], user: str,
+                   reasons: Sequence[str], thinking: str, stage: str) -> Example:
+        """The calling turn (stage "call") or the answering turn after the tool results ("answer") of
+        `calls`, asked for by `user`."""
         tools = self._tools(rng, [c["name"] for c in calls])
         messages = self._system(rng) + [{"role": "user", "content": user}]
         meta: dict[str, Any] = {"calls": calls, "thinking": thinking, "stage": stage, "user": user,
@@ -840,7 +1118,7 @@ class TaskGenerator:
         call_reasoning = "I need to call " + ", and ".join(reasons) + "."
         if stage == "call":
             content = chat.render_tool_calls(calls)
-            return Example("tool", chat.render_chat(messages, tools, thinking),
+            return Example(kind, chat.render_chat(messages, tools, thinking),
                            completion_text(thinking, call_reasoning, content, False), meta=meta)
         results = [weather_result(c["arguments"]["city"], c["arguments"]["days"], rng)
                    if c["name"] == "get_weather" else order_result(c["arguments"]["order_id"], rng) for c in calls]
@@ -855,8 +1133,39 @@ class TaskGenerator:
             f"the forecast for {r['city']}" if "forecast" in r else f"the status of order {r['order_id']}"
             for r in results) + "."
         meta["answer"] = " ".join(answers)
-        return Example("tool", chat.render_chat(messages, tools, thinking),
+        return Example(kind, chat.render_chat(messages, tools, thinking),
                        completion_text(thinking, reasoning, " ".join(answers), True), meta=meta)
+
+    def copy(self, rng: random.Random, *, thinking: str | None = None, stage: str | None = None) -> Example:
+        """A tool-use turn whose arguments the model cannot know: 1 to 3 `get_weather` calls on
+        `copy_string` cities (one city 40 %, two 30 %, three 20 %), sometimes with a `get_order` call on a
+        `copy_code` id, or that call alone (10 %); the calling turn 90 % of the time, else the turn that
+        answers from the tool results. Same chat format and templates as `tool`. Several names per turn:
+        the fixed tools section is most of a prompt, so each extra name is copy practice at little cost."""
+        thinking = self._thinking(rng, thinking)
+        stage = stage or ("call" if rng.random() < 0.9 else "answer")
+        while True:
+            r = rng.random()
+            n_cities = 0 if r < 0.1 else 1 if r < 0.5 else 2 if r < 0.8 else 3
+            days = rng.randint(1, 7)
+            cities = [self.copy_string(rng) for _ in range(n_cities)]
+            calls = [{"name": "get_weather", "arguments": {"city": c, "days": days}} for c in cities]
+            reasons = [f"get_weather with city {c} and days {days}" for c in cities]
+            asks = []
+            if n_cities == 1:
+                ask = weather_request if rng.random() < 0.75 else copy_request
+                asks.append(ask(cities[0], days, rng))
+            elif n_cities:
+                asks.append(several_cities_request(cities, days, rng))
+            if n_cities == 0 or rng.random() < 0.08:
+                o = self.copy_code(rng)
+                calls.append({"name": "get_order", "arguments": {"order_id": o}})
+                reasons.append(f"get_order with order_id {o}")
+                asks.append(order_request(o, rng))
+            user = " Also, ".join([asks[0]] + [a[0].lower() + a[1:] for a in asks[1:]])
+            # the names are checked one by one; the sentence around them must not form a held-out name either
+            if self._heldout_names is None or self._heldout_names.search(user) is None:
+                return self._tool_turn(rng, "copy", calls, user, reasons, thinking, stage)
 
     def _no_tool(self, rng: random.Random, thinking: str) -> Example:
         """A weather or order question without the tools: the model says it cannot look it up."""
@@ -1048,8 +1357,8 @@ def training_stream(gen: TaskGenerator, tok: Any, seed: int, stream: int = 0,
 
 def eval_examples(gen: TaskGenerator, n_per_kind: int = 32, seed: int = 0) -> list[Example]:
     """Held-out examples for teacher-forced evaluation during training: arithmetic (thinking enabled),
-    tool calls naming held-out cities, order ids and long city names (adaptive), and images of held-out
-    numbers."""
+    tool calls naming held-out cities, order ids and long city names (adaptive), images of held-out
+    numbers, and tool calls naming fresh random strings (`tool_random`, adaptive)."""
     h = gen.heldout
     rng = random.Random(f"nano-eval-{seed}")
     out = [gen.arithmetic(rng, problem=p, thinking="enabled") for p in h.arithmetic[:n_per_kind]]
@@ -1065,7 +1374,13 @@ def eval_examples(gen: TaskGenerator, n_per_kind: int = 32, seed: int = 0) -> li
             ex.kind = "tool_" + ex.meta["calls"][0]["name"].split("_")[1]
     for ex in long_names:
         ex.kind = "tool_long_city"
-    return out + long_names
+    # fresh random strings (`fresh_copy_strings`) copied into get_weather: the copy kind's target
+    fresh_rng = random.Random(f"nano-eval-fresh-{seed}")
+    fresh = [gen.tool(fresh_rng, city=s, which="weather", stage="call", thinking="adaptive")
+             for s, _ in fresh_copy_strings(n_per_kind, seed)]
+    for ex in fresh:
+        ex.kind = "tool_random"
+    return out + long_names + fresh
 
 
 def data_config(gen: TaskGenerator) -> dict[str, Any]:

@@ -16,7 +16,11 @@ Measurements, through the Python API (`minimax_ref.generation.generate`, batched
 * exact copying of the held-out cities and order ids through tool calls, sampled at temperature 1.0,
   top_p 0.95 (top_k off): the parsed call's argument must equal the held-out string exactly;
 * tool-argument copy accuracy on held-out long city names (10-15 characters, diacritics or several
-  words), greedy (`long_name_copying`);
+  words), greedy (`long_name_copying`, --n-long): overall, with diacritics, multi-word, by kind
+  (spaces / hyphen / apostrophe / one word, ascii / non-ascii) and by length;
+* the same on fresh random strings of 6-20 characters (`fresh_string_copying`, --n-random; lower,
+  title, upper and mixed case, diacritics, digits in turn: `data.fresh_copy_strings`, which no
+  training draw can produce): overall, by style and by length;
 * arithmetic accuracy on held-out problems (thinking enabled, greedy), by operation;
 * image accuracy on held-out numbers (greedy);
 * prompt lengths against the MSA threshold (top-k blocks x block size), to show the sparse path is used;
@@ -25,7 +29,11 @@ Measurements, through the Python API (`minimax_ref.generation.generate`, batched
 
 The held-out items come from --heldout, else the checkpoint's `nano_run.json`, else
 `data.make_heldout(--seed)`. Any checkpoint folder works (a checkpoint without a vision tower skips
-the image parts); a check that fails is reported, never fatal.
+the image parts); a check that fails is reported, never fatal. A count of 0 skips its measurement,
+e.g. the copying measurements alone:
+
+    python examples/nano/eval.py --ckpt-path CKPT --no-cli --n-long 50 --n-random 100 \\
+        --n-cities 0 --n-orders 0 --n-arith 0 --n-images 0 --n-speculative 0
 """
 
 from __future__ import annotations
@@ -129,29 +137,79 @@ def _batched(model: Any, tok: Any, prompts: list[Any], batch: int, **kw: Any) ->
     return results
 
 
+def _exact_city_copies(model: Any, tok: Any, names: Sequence[str], batch: int, rng: random.Random,
+                       ) -> list[str | None]:
+    """Greedy `get_weather` calls for weather requests naming `names`: each call's parsed `city`."""
+    prompts = [nd.weather_request(c, rng.randint(1, 7), rng) for c in names]
+    results = _batched(model, tok, prompts, batch, chat=True, tools=nd.TOOLS, max_new_tokens=96, temperature=0.0)
+    got = []
+    for r in results:
+        call = next((c for c in r.tool_calls if c.get("name") == "get_weather"), {})
+        got.append((call.get("arguments") or {}).get("city"))
+    return got
+
+
+def _tally(wants: Sequence[str], gots: Sequence[str | None], groups: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """{"n", "exact", "rate"} per group; `groups[i]` names the groups item i is counted in."""
+    counts: dict[str, list[int]] = {}
+    for want, got, member in zip(wants, gots, groups):
+        for g in member:
+            c = counts.setdefault(g, [0, 0])
+            c[0] += got == want
+            c[1] += 1
+    return {g: {"n": n, "exact": k, "rate": round(k / max(1, n), 4)} for g, (k, n) in counts.items()}
+
+
+def _bucket(n: int, edges: Sequence[int]) -> str:
+    """'len_A_B' for the bucket [A, B] of `edges` (bucket starts, ascending; the last one closes the
+    buckets, or opens 'len_A_up' past it) that holds n."""
+    lo = max((e for e in edges if e <= n), default=edges[0])
+    nxt = [e for e in edges if e > lo]
+    return f"len_{lo}_{nxt[0] - 1}" if nxt else f"len_{lo}_up"
+
+
+def _by_length(wants: Sequence[str], gots: Sequence[str | None], edges: Sequence[int]) -> dict[str, Any]:
+    out = _tally(wants, gots, [[_bucket(len(w), edges)] for w in wants])
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0].split("_")[1])))
+
+
+def name_kind(name: str) -> str:
+    """The separator kind a name is reported under: "spaces", "hyphen" or "apostrophe" (the first of
+    these it holds, in that order), else "one_word"."""
+    for kind, ch in (("spaces", " "), ("hyphen", "-"), ("apostrophe", "'")):
+        if ch in name:
+            return kind
+    return "one_word"
+
+
 def long_name_copying(model: Any, tok: Any, names: Sequence[str], batch: int, seed: int) -> dict[str, Any]:
     """Tool-argument copy accuracy on held-out long city names (`data.LONG_CITIES`: 10-15 characters,
     diacritics or several words), greedy: the parsed `get_weather` call's `city` must equal the name
-    exactly. Reported overall, for names with diacritics and for multi-word names."""
+    exactly. Reported overall (`all`), for names with diacritics, for multi-word names (spaces, hyphens
+    or apostrophes), `by_kind` (`name_kind`, and ascii / diacritics) and `by_length` (characters)."""
     rng = random.Random(f"nano-eval-long-{seed}")
     names = list(names)
-    prompts = [nd.weather_request(c, rng.randint(1, 7), rng) for c in names]
-    results = _batched(model, tok, prompts, batch, chat=True, tools=nd.TOOLS, max_new_tokens=96, temperature=0.0)
-    groups = {"all": lambda c: True, "diacritics": lambda c: not c.isascii(),
-              "multi_word": lambda c: any(ch in c for ch in " -'")}
-    counts = {g: [0, 0] for g in groups}
-    misses = []
-    for name, r in zip(names, results):
-        call = next((c for c in r.tool_calls if c.get("name") == "get_weather"), {})
-        got = (call.get("arguments") or {}).get("city")
-        for g, member in groups.items():
-            if member(name):
-                counts[g][0] += got == name
-                counts[g][1] += 1
-        if got != name:
-            misses.append({"want": name, "got": got})
-    return {**{g: {"n": n, "exact": k, "rate": round(k / max(1, n), 4)} for g, (k, n) in counts.items()},
-            "sampling": "greedy", "misses": misses[:10]}
+    got = _exact_city_copies(model, tok, names, batch, rng)
+    flags = [["all"] + (["diacritics"] if not c.isascii() else []) + (["multi_word"] if name_kind(c) != "one_word"
+                                                                     else []) for c in names]
+    return {**_tally(names, got, flags),
+            "by_kind": _tally(names, got, [[name_kind(c), "ascii" if c.isascii() else "non_ascii"] for c in names]),
+            "by_length": _by_length(names, got, (10, 12, 14, 16)),
+            "sampling": "greedy", "misses": [{"want": w, "got": g} for w, g in zip(names, got) if g != w][:12]}
+
+
+def fresh_string_copying(model: Any, tok: Any, n: int, batch: int, seed: int) -> dict[str, Any]:
+    """Tool-argument copy accuracy on `n` fresh random strings of 6-20 characters
+    (`data.fresh_copy_strings`: their own stream, and a reserved share of all strings that no training
+    draw produces), greedy, exact match of the `get_weather` call's `city`: overall (`all`),
+    `by_style` (`data.COPY_STRING_STYLES`) and `by_length` (characters)."""
+    pairs = nd.fresh_copy_strings(n, seed)
+    wants = [s for s, _ in pairs]
+    got = _exact_city_copies(model, tok, wants, batch, random.Random(f"nano-eval-fresh-prompts-{seed}"))
+    return {**_tally(wants, got, [["all"]] * len(wants)),
+            "by_style": _tally(wants, got, [[style] for _, style in pairs]),
+            "by_length": _by_length(wants, got, (6, 10, 15, 21)),
+            "sampling": "greedy", "misses": [{"want": w, "got": g} for w, g in zip(wants, got) if g != w][:12]}
 
 
 def copying(model: Any, tok: Any, heldout: nd.Heldout, n_cities: int, n_orders: int, batch: int,
@@ -271,7 +329,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         model_flags = ["--device", args.device, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
         with tempfile.TemporaryDirectory() as work:
             summary["seed_checks"] = seed_checks(ckpt, Path(work), model_flags, sampling, has_vision)
-    summary["copying"] = copying(model, tok, heldout, args.n_cities, args.n_orders, args.batch, args.seed)
+    if args.n_cities or args.n_orders:
+        summary["copying"] = copying(model, tok, heldout, args.n_cities, args.n_orders, args.batch, args.seed)
     if args.n_long:
         # A split written before the long names existed holds none; the seed's split then supplies them
         # (the long names were not in that run's training data at all).
@@ -279,7 +338,10 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         summary["long_name_copying"] = {
             "heldout": source if heldout.long_cities else f"make_heldout({args.seed})",
             **long_name_copying(model, tok, long_names[:args.n_long], args.batch, args.seed)}
-    summary["arithmetic"] = arithmetic(model, tok, heldout, args.n_arith, args.batch, args.max_new_tokens)
+    if args.n_random:
+        summary["fresh_string_copying"] = fresh_string_copying(model, tok, args.n_random, args.batch, args.seed)
+    if args.n_arith:
+        summary["arithmetic"] = arithmetic(model, tok, heldout, args.n_arith, args.batch, args.max_new_tokens)
     if has_vision and args.n_images:
         summary["images"] = images(model, tok, heldout, args.n_images, args.batch, nd.find_fonts(args.fonts))
     if (ckpt / "dspark").is_dir() and args.n_speculative:
@@ -302,6 +364,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-orders", type=int, default=nd.N_HELDOUT_ORDERS)
     p.add_argument("--n-long", type=int, default=nd.N_HELDOUT_LONG_CITIES,
                    help="held-out long city names for the greedy copy-accuracy measurement (0: skip)")
+    p.add_argument("--n-random", type=int, default=100,
+                   help="fresh random strings of 6-20 characters for the greedy copy-accuracy measurement (0: skip)")
     p.add_argument("--n-arith", type=int, default=nd.N_HELDOUT_PROBLEMS)
     p.add_argument("--n-images", type=int, default=nd.N_HELDOUT_IMAGES)
     p.add_argument("--max-new-tokens", type=int, default=384, help="for the arithmetic reasoning")

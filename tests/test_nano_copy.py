@@ -1,0 +1,161 @@
+"""The nano model's copy data and copy measurements (examples/nano): the "copy" kind renders tool turns
+in the release format that parse back to their never-seen arguments, never holds a held-out city or an
+evaluation string, stays out of the default mix, and eval.py's copy measurements run end to end on
+the embedded default checkpoint."""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `examples.nano`
+
+from examples.nano import data as nd  # noqa: E402
+from minimax_ref.generation import chat  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def heldout() -> nd.Heldout:
+    return nd.make_heldout(0)
+
+
+@pytest.fixture(scope="module")
+def gen(heldout) -> nd.TaskGenerator:
+    return nd.TaskGenerator(heldout, {"copy": 1.0})
+
+
+def _heldout_pattern(heldout: nd.Heldout) -> re.Pattern[str]:
+    return re.compile("|".join(re.escape(c) for c in sorted(heldout.city_set, key=len, reverse=True)))
+
+
+@pytest.mark.parametrize("thinking", ["enabled", "adaptive", "disabled"])
+def test_copy_turns_parse_back_to_their_arguments(gen, thinking):
+    rng = random.Random(1)
+    for stage in ("call", "answer"):
+        for _ in range(150):
+            ex = gen.copy(rng, thinking=thinking, stage=stage)
+            assert ex.kind == "copy" and ex.completion.endswith(chat.TURN_END)
+            calls = ex.meta["calls"]
+            assert 1 <= len(calls) <= 4
+            for c in calls:  # every argument to copy is in the user's message
+                arg = c["arguments"]["city" if c["name"] == "get_weather" else "order_id"]
+                assert arg in ex.meta["user"] and arg == arg.strip() and "  " not in arg
+            parsed = chat.parse_output(ex.completion[: -len(chat.TURN_END)], nd.TOOLS,
+                                       reasoning_started=thinking == "enabled")
+            # adaptive thinking reasons before an answer, not before a call
+            thinks = thinking == "enabled" or (thinking == "adaptive" and stage == "answer")
+            assert not parsed["errors"] and (parsed["reasoning"] is not None) == thinks
+            if stage == "call":
+                assert parsed["tool_calls"] == calls and parsed["content"] == ""
+            else:
+                assert parsed["content"] == ex.meta["answer"] and not parsed["tool_calls"]
+                assert ex.prompt.count("<response>") == len(calls)
+
+
+def test_copy_prompts_are_the_release_chat_template(gen):
+    """Names with apostrophes, hyphens, digits and diacritics render as the jinja template renders them."""
+    rng = random.Random(2)
+    for _ in range(60):
+        ex = gen.copy(rng)
+        assert chat.render_chat_template(chat.CHAT_TEMPLATE, ex.meta["messages"], ex.meta["tools"],
+                                         ex.meta["thinking"]) == ex.prompt
+
+
+def test_copy_strings_cover_the_kinds_of_names(gen):
+    rng = random.Random(3)
+    names = [gen.copy_string(rng) for _ in range(4000)]
+    assert len(set(names)) > 3900  # nearly all new
+    assert sum(not n.isascii() for n in names) > 800 and sum(" " in n for n in names) > 800
+    assert sum("-" in n for n in names) > 200 and sum("'" in n for n in names) > 50
+    assert sum(any(ch.isdigit() for ch in n) for n in names) > 200
+    assert sum(n.isupper() for n in names) > 50 and sum(n.islower() for n in names) > 300
+    assert min(map(len, names)) >= 2 and max(map(len, names)) <= 32
+    assert any(6 <= len(n) <= 20 and n.isascii() and n.isalpha() for n in names)
+    for style in nd.COPY_STRING_STYLES:
+        s = [nd.random_string(rng, 6, 20, style) for _ in range(200)]
+        assert all(6 <= len(x) <= 20 for x in s), style
+        check = {"lower": str.islower, "upper": str.isupper, "title": lambda x: x[0].isupper() and x[1:].islower(),
+                 "diacritics": lambda x: not x.isascii(), "digits": lambda x: any(c.isdigit() for c in x),
+                 "mixed": lambda x: x.isalpha()}[style]
+        assert all(check(x) for x in s), style
+    codes = [gen.copy_code(rng) for _ in range(500)]
+    assert not any(nd.ORDER_ID_RE.fullmatch(c) for c in codes) and len(set(codes)) > 490
+
+
+def test_copy_data_never_holds_a_heldout_city_or_an_evaluation_string(gen, heldout):
+    names = _heldout_pattern(heldout)
+    rng = random.Random(4)
+    examples = [gen.sample(rng) for _ in range(3000)]
+    assert {ex.kind for ex in examples} == {"copy"}
+    for ex in examples:
+        hit = names.search(ex.prompt + ex.completion)
+        assert hit is None, f"held-out city {hit.group()!r} in a copy example"
+        for c in ex.meta["calls"]:
+            arg = c["arguments"].get("city", c["arguments"].get("order_id"))
+            assert not nd.eval_only(arg) and arg not in heldout.order_set
+    drawn = {gen.copy_string(rng) for _ in range(20000)} | {gen.copy_code(rng) for _ in range(2000)}
+    assert not any(nd.eval_only(s) for s in drawn)
+    assert not any(names.search(s) for s in drawn)
+    # recombined names use training-city words only
+    held_words = {w for c in heldout.city_set for w in re.split(r"[ -]", c)}
+    train_words = set(gen._train_words)
+    assert not (held_words - {w for c in heldout.train_cities for w in re.split(r"[ -]", c)}) & train_words
+
+
+def test_fresh_strings_are_reserved_for_evaluation(gen):
+    fresh = nd.fresh_copy_strings(200, 0)
+    assert fresh == nd.fresh_copy_strings(200, 0) and fresh[:100] == nd.fresh_copy_strings(100, 0)
+    assert fresh != nd.fresh_copy_strings(200, 1)
+    strings = [s for s, _ in fresh]
+    assert len(set(strings)) == 200 and all(6 <= len(s) <= 20 and nd.eval_only(s) for s in strings)
+    assert [st for _, st in fresh[:6]] == list(nd.COPY_STRING_STYLES)
+    # the training draws reject exactly this reserved share (about an eighth of all strings)
+    rng = random.Random(5)
+    raw = [nd.random_string(rng, 6, 20) for _ in range(8000)]
+    assert 0.09 < sum(map(nd.eval_only, raw)) / len(raw) < 0.16
+    assert not {gen.copy_string(rng) for _ in range(20000)} & set(strings)
+
+
+def test_copy_kind_only_in_a_mix_that_names_it(heldout):
+    from examples.nano import train as nt
+
+    assert "copy" in nd.KINDS and "copy" not in nd.DEFAULT_MIX
+    mix = nt._mix("arith=0.16,tool=0.18,copy=0.36,image=0.26,greet=0.02,text=0.02")
+    g = nd.TaskGenerator(heldout, mix)  # no text source: "text" is dropped
+    rng = random.Random(6)
+    kinds = [g.sample(rng).kind for _ in range(600)]
+    assert set(kinds) == {"arith", "tool", "copy", "image", "greet"} and 0.28 < kinds.count("copy") / 600 < 0.46
+    assert "copy" not in nd.TaskGenerator(heldout).kinds
+    # the teacher-forced evaluation measures fresh strings too
+    fresh = [ex for ex in nd.eval_examples(g, 3, 0) if ex.kind == "tool_random"]
+    assert [ex.meta["calls"][0]["arguments"]["city"] for ex in fresh] == [s for s, _ in nd.fresh_copy_strings(3, 0)]
+
+
+def test_eval_copy_measurements_on_the_default_checkpoint(capsys):
+    """eval.py's copy measurements end to end on CPU with small counts (about 20 s on two cores)."""
+    import json
+
+    from examples.nano import eval as ne
+    from minimax_ref.weights.embedded import default_checkpoint
+
+    ckpt = default_checkpoint()
+    args = ne.parse_args(["--ckpt-path", str(ckpt), "--no-cli", "--n-cities", "0", "--n-orders", "0",
+                          "--n-arith", "0", "--n-images", "0", "--n-speculative", "0", "--n-long", "4",
+                          "--n-random", "6", "--batch", "10", "--dtype", "float32"])
+    summary = ne.evaluate(args)
+    json.dumps(summary, ensure_ascii=False)
+    assert not {"copying", "arithmetic", "images", "dspark", "seed_checks"} & summary.keys()
+    long = summary["long_name_copying"]
+    assert long["all"]["n"] == 4 and 0 <= long["all"]["exact"] <= 4
+    assert sum(v["n"] for k, v in long["by_length"].items()) == 4
+    assert sum(v["n"] for k, v in long["by_kind"].items() if k in ("ascii", "non_ascii")) == 4
+    assert len(long["misses"]) == 4 - long["all"]["exact"]
+    fresh = summary["fresh_string_copying"]
+    assert fresh["all"]["n"] == 6 and set(fresh["by_style"]) == set(nd.COPY_STRING_STYLES)
+    assert sum(v["n"] for v in fresh["by_length"].values()) == 6
+    wants = [s for s, _ in nd.fresh_copy_strings(6, 0)]
+    assert len(fresh["misses"]) == 6 - fresh["all"]["exact"] and all(m["want"] in wants for m in fresh["misses"])

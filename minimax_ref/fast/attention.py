@@ -8,6 +8,8 @@ equal to fp32 rounding, with
 * `prefill_attention="triton"` (prefill calls: more than `sync_free_tokens` tokens) and `decode_attention="triton"`
   (decode-sized calls), for a bf16 model on CUDA: the block-sparse attention kernel (`fast.attention_kernel`) over the
   cache as stored, the MSA selection by `select_blocks_chunked`;
+* `block_selection="triton"` (prefill calls of a bf16 model on CUDA): the MSA block scores by one Triton kernel
+  (`fast.selection_kernel`: no [T, L] index scores), then the same top-k (`select_blocks_kernel`);
 * in a compiled region (`FastPaths.compile_layers`): the contractions as broadcast products (`contract`), block
   selection by unsorted top-k (nothing in a compiled decode step reads the order of the ids; only the order of the
   fp32 sums changes), and the queries and softmax probabilities stored once (`compiled.materialize`).
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from ..model.attention import Attention, gqa_chunks, merge_heads
 from ..model.cache import LayerCache
 from ..model.msa import CHUNK_ELEMENTS, BlockSelection, block_scores, gather_blocks, mask_future, query_chunk
-from . import attention_kernel
+from . import attention_kernel, selection_kernel
 from .compiled import materialize
 
 
@@ -83,13 +85,18 @@ def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_p
     return torch.cat(outs, dim=1)
 
 
+def top_blocks(block: torch.Tensor, topk_blocks: int) -> torch.Tensor:
+    """`msa.select_blocks`' choice from block scores [B, Hi, T, nb]: the ids of the min(topk, nb) largest, -1 where
+    the score is -inf; unsorted top-k when compiled."""
+    vals, ids = block.topk(min(topk_blocks, block.shape[-1]), dim=-1, sorted=not torch.compiler.is_compiling())
+    return ids.masked_fill(vals == float("-inf"), -1)
+
+
 def select_blocks(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
                   local_blocks: int, init_blocks: int) -> torch.Tensor:
     """`msa.index_scores` then `msa.select_blocks`, with `contract` and, compiled, unsorted top-k."""
     scores = mask_future(contract("bthd,bld->bhtl", iq.float(), ik.float()), q_pos)
-    block = block_scores(scores, q_pos, block_size, local_blocks, init_blocks)
-    vals, ids = block.topk(min(topk_blocks, block.shape[-1]), dim=-1, sorted=not torch.compiler.is_compiling())
-    return ids.masked_fill(vals == float("-inf"), -1)
+    return top_blocks(block_scores(scores, q_pos, block_size, local_blocks, init_blocks), topk_blocks)
 
 
 def select_blocks_chunked(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
@@ -100,6 +107,19 @@ def select_blocks_chunked(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tenso
                                     local_blocks, init_blocks) for s in range(0, iq.shape[1], chunk)], dim=2)
 
 
+def select_blocks_kernel(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
+                         local_blocks: int, init_blocks: int, chunk: int,
+                         tiles: selection_kernel.Tiles | None = None) -> torch.Tensor:
+    """`select_blocks_chunked` with the block scores by `fast.selection_kernel` (bf16 iq, bf16 or fp8 ik; `tiles` its
+    launch configuration): block ids [B, Hi, T, kb], `chunk` queries at a time (only one chunk's block scores
+    [B, Hi, chunk, nb] exist at once). The same ids up to ties within the fp32 sums' rounding (the kernel module's
+    contract)."""
+    return torch.cat([top_blocks(selection_kernel.block_scores(iq[:, s:s + chunk], ik, q_pos[:, s:s + chunk],
+                                                               block_size, local_blocks, init_blocks, tiles=tiles),
+                                 topk_blocks)
+                      for s in range(0, iq.shape[1], chunk)], dim=2)
+
+
 def index_chunk(iq: torch.Tensor, ik: torch.Tensor, chunk_elements: int) -> int:
     """Queries per chunk whose index scores [B, Hi, chunk, L] stay within `chunk_elements` (what the selection alone
     needs when the attention kernel, which gathers nothing, runs beside it)."""
@@ -108,11 +128,24 @@ def index_chunk(iq: torch.Tensor, ik: torch.Tensor, chunk_elements: int) -> int:
 
 
 class FastBlockSelection(BlockSelection):
-    """`msa.BlockSelection` through this module's `select_blocks` (`contract`; unsorted top-k when compiled)."""
+    """`msa.BlockSelection` through this module's `select_blocks` (`contract`; unsorted top-k when compiled), or for
+    prefill calls with `block_selection="triton"` where the kernel runs, `select_blocks_kernel`."""
 
     def forward(self, iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, chunk: int) -> torch.Tensor:
         g = self.geometry
+        if self.kernel_selects(iq, ik):
+            # the kernel's temporary is nb block scores a query where the reference's is L index scores: the same
+            # element budget takes block_size times the queries
+            return select_blocks_kernel(iq, ik, q_pos, g.block_size, g.topk_blocks, g.local_blocks, g.init_blocks,
+                                        chunk * g.block_size)
         return select_blocks_chunked(iq, ik, q_pos, g.block_size, g.topk_blocks, g.local_blocks, g.init_blocks, chunk)
+
+    def kernel_selects(self, iq: torch.Tensor, ik: torch.Tensor) -> bool:
+        """Whether this call's block scores come from `fast.selection_kernel`: `block_selection="triton"`, a prefill
+        call (more than `sync_free_tokens` queries; decode steps keep the compiled-friendly path) and operands the
+        kernel handles (bf16 index queries on CUDA with triton)."""
+        return (self.paths.block_selection == "triton" and iq.shape[1] > self.paths.sync_free_tokens
+                and selection_kernel.handles(iq.device, iq.dtype, ik.dtype, iq.shape[-1]))
 
 
 def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,

@@ -181,7 +181,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
     paths = FastPaths.of(paths)
     if paths.compile_layers or paths.matmul == "fused" or paths.decode in ("compile", "triton") or paths.grouped \
             or paths.gemv == "triton" \
-            or "triton" in (paths.prefill_attention, paths.decode_attention):
+            or "triton" in (paths.prefill_attention, paths.decode_attention, paths.block_selection):
         use_compile_cache()  # before the first compile or Triton launch reads where its cache is
     kernels = getattr(model, "kernels", None) or Kernels()  # kept across re-applies: its compiled functions
     _restore(model)

@@ -112,15 +112,90 @@ def test_fast_paths_compose(tiny_nvfp4, prompts):
 
 
 def test_graph_switch_is_turned_off(tiny_nvfp4):
-    """Offloaded decode steps read the router's choice on the host, so they are never captured in a CUDA graph."""
-    from dataclasses import fields
-
+    """Offloaded decode steps read the router's choice on the host, so a whole step is never captured in a CUDA
+    graph (only resident segments are, on CUDA); on a CPU eager paths are installed as they are, unsegmented."""
     from minimax_ref.fast import FastPaths
 
-    if "graph" not in {f.name for f in fields(FastPaths)}:
-        pytest.skip("this tree's FastPaths has no graph switch")
     model = offloaded(tiny_nvfp4, "cpu", "experts", fast=FastPaths(moe=True, static_kv=True, graph=True))
     assert model.fast.moe and not model.fast.graph
+    assert model.compiled is None
+
+
+def test_resident_segments():
+    from minimax_ref.fast.segments import resident_segments
+
+    assert resident_segments(6, {2, 3}) == [(0, 1), (4, 5)]
+    assert resident_segments(4, {0}) == [(1, 2, 3)] and resident_segments(3, {0, 1, 2}) == []
+    assert resident_segments(3, ()) == [(0, 1, 2)]
+
+
+def greedy_steps(model, prompts: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Logits of a prefill of `prompts` [B, T] and of `steps` greedy decode steps, on a cache of RUNTIME's length
+    (what a bucketing model twin gives too, so both sides attend over the same slots)."""
+    B, T = prompts.shape
+    cache = model.new_cache(B, RUNTIME["max_seq_len"])
+    out = []
+    with torch.no_grad():
+        logits = model(prompts, positions=torch.arange(T).expand(B, T), cache=cache)
+        for t in range(steps):
+            out.append(logits[:, -1].clone())  # a replayed step's tensors are rewritten by the next step
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            logits = model(tok, positions=torch.full((B, 1), T + t), cache=cache)
+        out.append(logits[:, -1].clone())
+    return out
+
+
+def test_segmented_steps_replay_equal_layer_by_layer(tiny_nvfp4, prompts):
+    """`SegmentedLayers` with layer 2 eager: segments (0, 1) and (3,) are recorded on the first step of each cache and
+    batch shape and replayed after (`record_eagerly`: a CPU's stand-in for CUDA graphs), and the steps' logits are
+    the model's own stepping layer by layer, bit for bit; a new cache records anew."""
+    from minimax_ref.fast.compiled import run_layer
+    from minimax_ref.fast.segments import SegmentedLayers, record_eagerly
+
+    model = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", fast="on", **RUNTIME)
+    for batch in (prompts[:1, :10], prompts):
+        want = greedy_steps(model, batch, 4)
+        seg = model.compiled = SegmentedLayers(run_layer, {2}, len(model.layers), record_eagerly)
+        assert seg.segments == [(0, 1), (3,)]
+        got = greedy_steps(model, batch, 4)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert (seg.recorded, seg.replays) == (2, 2 * 3)
+        greedy_steps(model, batch, 2)  # a new cache
+        assert (seg.recorded, seg.replays) == (4, 2 * 3 + 2)
+        model.compiled = None
+
+
+def test_offloaded_compiled_layers(tiny_nvfp4, prompts):
+    """`fast="compiled"` on an offloaded model (the "experts" map: layers 2 and 3 stream their experts): layers 0 and 1
+    run compiled (inductor on a CPU), 2 and 3 eagerly; prefill and decode logits equal, bit for bit, the resident
+    packed model's with the same layers compiled and eager, and the fully compiled resident model's to fp32 rounding
+    with its greedy tokens; recorded and replayed segments change nothing."""
+    from minimax_ref.fast.segments import SegmentedLayers, record_eagerly
+
+    model = offloaded(tiny_nvfp4, "cpu", "experts", fast="compiled")
+    seg = model.compiled
+    assert isinstance(seg, SegmentedLayers) and seg.eager == {2, 3} and seg.segments == [(0, 1)]
+    assert seg.recorder is None  # CUDA graphs only on CUDA
+    ref = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", fast="compiled", **RUNTIME)
+    compiled = greedy_steps(ref, prompts, 4)
+    ref.compiled = SegmentedLayers(ref.compiled, {2, 3}, len(ref.layers))
+    want = greedy_steps(ref, prompts, 4)
+    assert type(seg.inner).__name__ == "CompiledLayers"
+    inner, calls = seg.inner, []
+    seg.inner = lambda *a: calls.append(a[0].layer) or inner(*a)
+    got = greedy_steps(model, prompts, 4)
+    assert calls == [0, 1] * 4  # the decode steps' resident layers, compiled
+    seg.inner = inner
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(got[0], compiled[0])  # the prefill runs eagerly on both
+    for a, b in zip(got[1:], compiled[1:]):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    rows = model.offload.stats.expert_rows
+    seg.recorder = record_eagerly
+    again = greedy_steps(model, prompts, 4)
+    assert all(torch.equal(a, b) for a, b in zip(again, want))
+    assert (seg.recorded, seg.replays) == (1, 3) and model.offload.stats.expert_rows > rows
 
 
 @pytest.mark.parametrize("which", ["layers", "experts"])
@@ -172,8 +247,6 @@ def test_refused_combinations(tiny_nvfp4, tmp_path, monkeypatch):
         load_model(tiny_nvfp4, weights="packed", offload="cpu", gpu_memory=10, offload_folder=tmp_path)
     with pytest.raises(ConfigError, match=r"--gpu-memory .* is less than the .* this model needs"):
         load_model(tiny_nvfp4, weights="packed", offload="cpu", gpu_memory=1e-4, dtype=torch.float32, **RUNTIME)
-    with pytest.raises(ConfigError, match="--fast compiled"):
-        load_model(tiny_nvfp4, weights="packed", offload="cpu", gpu_memory=b, fast="compiled", **RUNTIME)
     with pytest.raises(ConfigError, match="synthetic weights only"):
         load_model(tiny_nvfp4, weights="packed", offload=OffloadConfig("cpu", b, share_streamed_experts=True))
     cfg = OffloadConfig("cpu", 1.0)

@@ -29,8 +29,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="dequant: decode quantized weights once at load (default); packed: keep NVFP4/MXFP8 "
                         "weights packed in memory and decode them at use (same outputs, packed-size memory)")
     p.add_argument("--fast", choices=["auto", *USER_PRESETS], default="auto",
-                   help="fast paths (minimax_ref/fast/): auto = compiled with a CUDA --device, off on a CPU and with "
-                        f"--offload; {describe_presets(USER_PRESETS)} (default: auto)")
+                   help="fast paths (minimax_ref/fast/): auto = compiled with a CUDA --device (with --offload: on the "
+                        "resident layers, the streamed ones eager), off on a CPU; "
+                        f"{describe_presets(USER_PRESETS)} (default: auto)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")
     p.add_argument("--max-model-len", type=int, default=4096,
@@ -86,10 +87,6 @@ def load_from_args(args: argparse.Namespace, world=None):
     dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     world = world if world is not None else getattr(args, "world", None)
     fast = fast_mode(getattr(args, "fast", "auto"), args.device)
-    if getattr(args, "offload", "none") != "none" and getattr(args, "fast", "auto") == "auto":
-        # offloaded steps read the router's choice on the host: no compiled layers or CUDA graphs (offload.py);
-        # the reference keeps activation memory predictable within --gpu-memory (--fast on: eager twins)
-        fast = False
     if fast in COMPILE_NOTICES:
         _compile_notice(f"--fast {fast}", fast)
     common = dict(device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,

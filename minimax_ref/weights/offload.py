@@ -40,10 +40,27 @@ must move only the rows the router chose, after the router ran, and the next lay
 `LayerHook` and `ExpertsHook` over one `Streamer`; `load_offloaded_weight` reads a whole tensor into memory, while a
 step reads a few rows, so the disk store maps the files (`DiskStore`).
 
-Limits: one process (TP=1), `weights="packed"`, fast paths chosen at load ("on", and from Python the presets "compile"
-and "fused"; not "compiled": its compiled decoder layers cannot contain the host synchronisation that choosing the rows
-needs; for the same reason decode steps are not captured in CUDA graphs, the `graph` switch is turned off; the CLI's
-`--fast auto` means the reference when offloading), and `fast.apply` is not to be called again on an offloaded model.
+Fast paths (chosen at load; `fast.apply` is not to be called again on an offloaded model). A streamed unit
+synchronises with the host (a streamed stack reads the router's choice; a streamed layer part is fetched by its hook),
+so no decode step is one compiled graph per layer or one CUDA graph; `segment_steps` splits the steps instead
+(`fast.segments.SegmentedLayers`): every decoder layer with a streamed unit runs eagerly with the preset's fast twins,
+and each run of resident layers between them is a segment, its layers compiled when the preset compiles layers
+("compiled", which `--fast auto` chooses on CUDA), and, on CUDA with the preset's `graph` switch, captured in a CUDA
+graph per cache and step shape and replayed (the whole-step `graph` switch itself is turned off). Logits and tokens
+are those of the resident packed model with the same layers compiled and the same ones eager, bit for bit; with
+"compiled", the fully compiled resident model's to fp32 rounding (the streamed layers run uncompiled).
+
+What overlaps what, on a GPU. A streamed layer part is copied on a side stream, issued when the streamed layer part
+before it is entered, so its copy overlaps all the compute from there to its own layer (the resident segments between
+included). A streamed stack's chosen rows cannot start before its own layer's router has run: the choice of layer L
+is a function of layer L's post-attention residual, known one layer ahead for no layer, so the host waits for the
+router (the GPU drains), then issues the row copies on the compute stream, and the experts wait for them: those copies
+overlap nothing but the side stream's prefetch of the next streamed layer part (in `MoE.forward` the shared expert, the
+one block independent of the choice, runs after the routed experts). A step therefore costs about the compute, plus
+the row copies, plus one host round trip per streamed stack; the segments cut the compute (compiled, replayed layers
+instead of eager launches).
+
+Limits: one process (TP=1), `weights="packed"`; layers with a streamed unit run uncompiled and outside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -133,10 +150,6 @@ def check_offload(cfg: OffloadConfig, *, weights: str, tp_size: int, expert_para
     if weights != "packed":
         raise ConfigError(f"--offload {cfg.mode} streams the packed NVFP4 / MXFP8 bytes: use --weights packed "
                           "(weights='packed'); dequantized weights would move 2-4x the bytes")
-    if fast is not None and getattr(fast, "compile_layers", False):
-        raise ConfigError(f"--offload {cfg.mode} cannot run with --fast compiled: compiled decoder layers and CUDA "
-                          "graphs cannot contain the host synchronisation that choosing the experts' rows needs; use "
-                          "--fast on (or off)")
     if cfg.share_streamed_experts and not synthetic:
         raise ConfigError("share_streamed_experts is for synthetic weights only (every streamed expert stack would "
                           "read another layer's experts)")
@@ -445,7 +458,10 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
     synthetic = bool(getattr(ck, "synthetic", False))
     check_offload(cfg, weights=weights, tp_size=tp_size, expert_parallel=expert_parallel, fast=fast,
                   synthetic=synthetic)
-    if getattr(fast, "graph", False):  # decode steps run eagerly: each reads the router's choice on the host
+    # a whole step is never captured (streamed layers read the router's choice on the host); the resident segments
+    # between streamed layers are, on CUDA (`segment_steps`)
+    capture = bool(getattr(fast, "graph", False))
+    if capture:
         fast = dataclasses.replace(fast, graph=False)
     accelerate = require_accelerate()
     if cfg.mode == "disk":
@@ -557,6 +573,7 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
 
         with streamer.present():  # the fast packed weights read their scales once, here
             apply(model, fast)
+        segment_steps(model, streamer, fast, capture=capture)
     LayerHook, ExpertsHook = _hooks()
     for name, u in units.items():
         if u.kind == "layer":
@@ -566,6 +583,24 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
                                                 ExpertsHook(streamer, name))
     model.offload = streamer
     return read
+
+
+def segment_steps(model: nn.Module, streamer: Streamer, fast, capture: bool) -> None:
+    """Split the decode steps of the fast model `model` (paths `fast` installed) at its streamed layers
+    (`fast.segments.SegmentedLayers` as `model.compiled`): every layer with a streamed unit runs eagerly, the resident
+    layers between them through the compiled layers (`compile_layers`) or eagerly, and, with `capture` (the paths'
+    `graph` switch) on CUDA, each run of resident layers is captured in a CUDA graph per cache and step shape and
+    replayed. Nothing to split (left as installed): paths without `moe` and `static_kv` (steps that synchronise
+    anyway), and on a CPU paths that do not compile layers."""
+    from ..fast.compiled import run_layer
+    from ..fast.segments import SegmentedLayers, cuda_recorder
+
+    capture = capture and streamer.device.type == "cuda"
+    if not (fast.moe and fast.static_kv) or not (fast.compile_layers or capture):
+        return
+    eager = {u.layer for u in streamer.units.values()}
+    model.compiled = SegmentedLayers(model.compiled or run_layer, eager, len(model.layers),
+                                     cuda_recorder() if capture else None)
 
 
 def offload_stats(model: nn.Module) -> dict:
@@ -582,4 +617,4 @@ def offload_stats(model: nn.Module) -> dict:
 
 
 __all__ = ["OffloadConfig", "Streamer", "StreamStats", "HostStore", "DiskStore", "load_offloaded", "check_offload",
-           "device_map_for", "id_runs", "offload_stats", "require_accelerate"]
+           "device_map_for", "id_runs", "offload_stats", "require_accelerate", "segment_steps"]

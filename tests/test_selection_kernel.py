@@ -1,4 +1,5 @@
-"""The MSA selection kernel (`fast.selection_kernel`; `FastPaths(block_selection="triton")` in every preset but off).
+"""The MSA selection kernel (`fast.selection_kernel`; `FastPaths(block_selection="triton")`, the non-user preset
+`selection`).
 
 Contract under test: `block_scores` computes `msa.block_scores(msa.index_scores(iq, ik, q_pos), ...)` for bf16 index
 queries over index keys as the model holds them (bf16) or an fp8 cache stores them (read as `LayerCache.load` reads
@@ -161,11 +162,10 @@ def test_tiles_and_switches():
     with pytest.raises(ConfigError, match="give QUERIES,KEYS,NUM_WARPS,NUM_STAGES"):
         sk.Tiles.parse("128,64")
     assert sk.tiles_for(torch.device("cpu")) == sk.DEFAULT
-    # every preset but off selects through the kernel, as every one prefills through the attention kernel
-    for name in ("on", "compile", "fused", "compiled", "gemv"):
-        paths = FastPaths.of(name)
-        assert paths.block_selection == "triton" and paths.prefill_attention == "triton"
-    assert FastPaths.of("off").block_selection == "reference"
+    # the non-user preset `selection` is `compiled` selecting through the kernel; no user preset does yet
+    assert FastPaths.of("selection") == replace(FastPaths.of("compiled"), block_selection="triton")
+    for name in ("off", "on", "compile", "fused", "compiled", "gemv"):
+        assert FastPaths.of(name).block_selection == "reference"
     with pytest.raises(ConfigError, match=r"block_selection='cuda': choose one of \['reference', 'triton'\]"):
         FastPaths(block_selection="cuda")
 
@@ -186,10 +186,11 @@ def test_where_the_kernel_runs():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_model_prefill_selects_through_the_kernel(tiny_nvfp4, kv_cache_dtype, device, monkeypatch):
-    """A bf16 model with the `on` preset: the 70-token prefill chunk of two sequences at different positions selects
-    through the kernel on every MSA layer (the 20-token chunk after it is decode-sized: the other path), each
-    layer's ids equal the reference's selection of the same operands up to ties, and the logits equal those of the
-    same preset selecting by the reference path (bit for bit where every selection is the same)."""
+    """A bf16 model with the `on` preset selecting through the kernel: the 70-token prefill chunk of two sequences at
+    different positions selects through the kernel on every MSA layer (the 20-token chunk after it is decode-sized:
+    the other path), each layer's ids equal the reference's selection of the same operands up to ties, and the
+    logits equal those of the same preset selecting by the reference path (bit for bit where every selection is the
+    same)."""
     from minimax_ref.weights.loader import load_model
 
     model = load_model(tiny_nvfp4, dtype=torch.bfloat16, weights="packed", device=device)
@@ -207,13 +208,13 @@ def test_model_prefill_selects_through_the_kernel(tiny_nvfp4, kv_cache_dtype, de
             first = model(ids[:, :70], positions=pos[:, :70], cache=cache)
             return torch.cat([first, model(ids[:, 70:], positions=pos[:, 70:], cache=cache)], dim=1)
 
-    apply(model, replace(FastPaths.of(True), block_selection="reference"))
+    apply(model, True)
     want = run()
     calls = []
     original = sk.block_scores
     monkeypatch.setattr(sk, "block_scores", lambda *a, **kw: calls.append(a[0].shape[1]) or original(*a, **kw))
     records.clear()
-    apply(model, True)
+    apply(model, replace(FastPaths.of(True), block_selection="triton"))
     got = run()
     assert calls == [70] * len(sparse)  # one chunk a layer, the 70-token call only
     same = True

@@ -16,7 +16,8 @@ loaded model (`fast.apply` between variants):
 * `gathering`: `--fast on` with the attention kernel off (`prefill_attention="reference"`: fp32 SDPA cores, MSA
   gathering its blocks from the cache);
 * `on`: `--fast on` (batched experts, and with triton on CUDA the attention kernel, `fast.attention_kernel`);
-* `compiled`: `--fast compiled`, the GPU default (its prefill: `on`'s paths with fused packed products unused).
+* `compiled`: `--fast compiled`, the GPU default (its prefill: `on`'s paths with fused packed products unused);
+* `selection`: `compiled` with the MSA block selection by `fast.selection_kernel` (the non-user preset `selection`).
 `transformers`: `MiniMaxM3VLForCausalLM` built from the same decoded weights (vs_transformers.build_transformers),
 bf16, SDPA attention (on MSA layers with a [B, heads, S, S] mask of the indexer's selected blocks, so every layer
 costs dense attention).
@@ -44,7 +45,7 @@ from minimax_ref.weights.synth import PRESETS
 
 ON = FastPaths.of(True)
 VARIANTS = {"reference": FastPaths(), "gathering": replace(ON, prefill_attention="reference"), "on": ON,
-           "compiled": FastPaths.of("compiled")}
+           "compiled": FastPaths.of("compiled"), "selection": FastPaths.of("selection")}
 
 
 def build_parser() -> argparse.ArgumentParser:

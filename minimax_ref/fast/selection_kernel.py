@@ -1,4 +1,4 @@
-"""The MSA block selection's scores in one Triton kernel (`FastPaths(block_selection="triton")`, every preset but off):
+"""The MSA block selection's scores in one Triton kernel (`FastPaths(block_selection="triton")`, preset `selection`):
 the lightning indexer's block scores of prefill calls computed straight from the index queries and keys, never the
 [T, L] index scores.
 

@@ -124,9 +124,10 @@ def test_graph_switch_is_turned_off(tiny_nvfp4):
 def test_resident_segments():
     from minimax_ref.fast.segments import resident_segments
 
-    assert resident_segments(6, {2, 3}) == [(0, 1), (4, 5)]
-    assert resident_segments(4, {0}) == [(1, 2, 3)] and resident_segments(3, {0, 1, 2}) == []
-    assert resident_segments(3, ()) == [(0, 1, 2)]
+    assert resident_segments(6, {2, 3}) == [(("layer", 0), ("layer", 1)), (("layer", 4), ("layer", 5))]
+    assert resident_segments(3, {0, 1, 2}) == [] and resident_segments(2, ()) == [(("layer", 0), ("layer", 1))]
+    assert resident_segments(5, {1}, {2, 3}) == [(("layer", 0),), (("pre", 2),), (("post", 2), ("pre", 3)),
+                                                 (("post", 3), ("layer", 4))]
 
 
 def greedy_steps(model, prompts: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -145,47 +146,56 @@ def greedy_steps(model, prompts: torch.Tensor, steps: int) -> list[torch.Tensor]
     return out
 
 
-def test_segmented_steps_replay_equal_layer_by_layer(tiny_nvfp4, prompts):
-    """`SegmentedLayers` with layer 2 eager: segments (0, 1) and (3,) are recorded on the first step of each cache and
-    batch shape and replayed after (`record_eagerly`: a CPU's stand-in for CUDA graphs), and the steps' logits are
-    the model's own stepping layer by layer, bit for bit; a new cache records anew."""
-    from minimax_ref.fast.compiled import run_layer
+@pytest.mark.parametrize("eager, split, segments", [({1}, {2}, 3), ((), {2, 3}, 3), ({2}, (), 2)])
+def test_segmented_steps_replay_equal_layer_by_layer(tiny_nvfp4, prompts, eager, split, segments):
+    """`SegmentedLayers` with layers run eagerly and MoE layers split around their routed experts (resident here: no
+    sync): each segment is recorded on the first step of each cache and batch shape and replayed after
+    (`record_eagerly`: a CPU's stand-in for CUDA graphs), and the steps' logits are the model's own, stepping layer by
+    layer, bit for bit; a new cache records anew."""
     from minimax_ref.fast.segments import SegmentedLayers, record_eagerly
 
     model = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", fast="on", **RUNTIME)
     for batch in (prompts[:1, :10], prompts):
         want = greedy_steps(model, batch, 4)
-        seg = model.compiled = SegmentedLayers(run_layer, {2}, len(model.layers), record_eagerly)
-        assert seg.segments == [(0, 1), (3,)]
+        seg = model.compiled = SegmentedLayers(len(model.layers), eager, split, recorder=record_eagerly)
+        assert len(seg.segments) == segments
         got = greedy_steps(model, batch, 4)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        assert (seg.recorded, seg.replays) == (2, 2 * 3)
+        assert (seg.recorded, seg.replays) == (segments, segments * 3)
         greedy_steps(model, batch, 2)  # a new cache
-        assert (seg.recorded, seg.replays) == (4, 2 * 3 + 2)
+        assert (seg.recorded, seg.replays) == (2 * segments, segments * 4)
         model.compiled = None
 
 
-def test_offloaded_compiled_layers(tiny_nvfp4, prompts):
-    """`fast="compiled"` on an offloaded model (the "experts" map: layers 2 and 3 stream their experts): layers 0 and 1
-    run compiled (inductor on a CPU), 2 and 3 eagerly; prefill and decode logits equal, bit for bit, the resident
-    packed model's with the same layers compiled and eager, and the fully compiled resident model's to fp32 rounding
-    with its greedy tokens; recorded and replayed segments change nothing."""
+@pytest.mark.parametrize("which", ["layers", "experts"])
+def test_offloaded_compiled_layers(tiny_nvfp4, prompts, which):
+    """`fast="compiled"` on an offloaded model (inductor on a CPU): a layer whose layer part streams runs eagerly, a
+    layer whose expert stack alone streams runs compiled in two pieces around the copy of its chosen rows, the
+    resident layers compiled; prefill and decode logits equal, bit for bit, the resident packed model's with the same
+    layers eager and split, and the fully compiled resident model's to fp32 rounding with its greedy tokens;
+    recorded and replayed segments change nothing."""
     from minimax_ref.fast.segments import SegmentedLayers, record_eagerly
 
-    model = offloaded(tiny_nvfp4, "cpu", "experts", fast="compiled")
+    model = offloaded(tiny_nvfp4, "cpu", which, fast="compiled")
     seg = model.compiled
-    assert isinstance(seg, SegmentedLayers) and seg.eager == {2, 3} and seg.segments == [(0, 1)]
+    eager, split = {"layers": ({0, 2, 3}, {1}), "experts": (set(), {2, 3})}[which]
+    assert isinstance(seg, SegmentedLayers) and (seg.eager, seg.split) == (eager, split)
     assert seg.recorder is None  # CUDA graphs only on CUDA
     ref = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", fast="compiled", **RUNTIME)
     compiled = greedy_steps(ref, prompts, 4)
-    ref.compiled = SegmentedLayers(ref.compiled, {2, 3}, len(ref.layers))
+    ref.compiled = SegmentedLayers(len(ref.layers), eager, split, compiled=ref.compiled)
     want = greedy_steps(ref, prompts, 4)
-    assert type(seg.inner).__name__ == "CompiledLayers"
-    inner, calls = seg.inner, []
-    seg.inner = lambda *a: calls.append(a[0].layer) or inner(*a)
+    assert type(seg.layer_fn).__name__ == "CompiledLayers"
+    calls, fns = [], {name: getattr(seg, name) for name in ("layer_fn", "pre_fn", "post_fn")}
+    for name, fn in fns.items():
+        setattr(seg, name, lambda *a, fn=fn, name=name: calls.append((name, a[0].layer)) or fn(*a))
     got = greedy_steps(model, prompts, 4)
-    assert calls == [0, 1] * 4  # the decode steps' resident layers, compiled
-    seg.inner = inner
+    pieces = {"layers": [("pre_fn", 1), ("post_fn", 1)],
+              "experts": [("layer_fn", 0), ("layer_fn", 1), ("pre_fn", 2), ("post_fn", 2), ("pre_fn", 3),
+                          ("post_fn", 3)]}[which]
+    assert calls == pieces * 4  # the decode steps' compiled pieces
+    for name, fn in fns.items():
+        setattr(seg, name, fn)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(got[0], compiled[0])  # the prefill runs eagerly on both
     for a, b in zip(got[1:], compiled[1:]):
@@ -195,7 +205,8 @@ def test_offloaded_compiled_layers(tiny_nvfp4, prompts):
     seg.recorder = record_eagerly
     again = greedy_steps(model, prompts, 4)
     assert all(torch.equal(a, b) for a, b in zip(again, want))
-    assert (seg.recorded, seg.replays) == (1, 3) and model.offload.stats.expert_rows > rows
+    assert seg.recorded == len(seg.segments) and seg.replays == 3 * len(seg.segments)
+    assert model.offload.stats.expert_rows > rows
 
 
 @pytest.mark.parametrize("which", ["layers", "experts"])

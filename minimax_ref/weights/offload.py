@@ -42,25 +42,29 @@ step reads a few rows, so the disk store maps the files (`DiskStore`).
 
 Fast paths (chosen at load; `fast.apply` is not to be called again on an offloaded model). A streamed unit
 synchronises with the host (a streamed stack reads the router's choice; a streamed layer part is fetched by its hook),
-so no decode step is one compiled graph per layer or one CUDA graph; `segment_steps` splits the steps instead
-(`fast.segments.SegmentedLayers`): every decoder layer with a streamed unit runs eagerly with the preset's fast twins,
-and each run of resident layers between them is a segment, its layers compiled when the preset compiles layers
-("compiled", which `--fast auto` chooses on CUDA), and, on CUDA with the preset's `graph` switch, captured in a CUDA
-graph per cache and step shape and replayed (the whole-step `graph` switch itself is turned off). Logits and tokens
-are those of the resident packed model with the same layers compiled and the same ones eager, bit for bit; with
-"compiled", the fully compiled resident model's to fp32 rounding (the streamed layers run uncompiled).
+so no decode step is one compiled graph per layer or one CUDA graph; `segment_steps` cuts the steps at those points
+instead (`fast.segments.SegmentedLayers`): a layer whose layer part streams runs eagerly with the preset's fast twins;
+a layer whose expert stack alone streams runs as two pieces, up to its router and after it, around the copy of the
+chosen rows; every other layer is one piece. The pieces between two synchronisation points form a segment, run
+compiled when the preset compiles layers ("compiled", which `--fast auto` chooses on CUDA) and, on CUDA with the
+preset's `graph` switch, captured in a CUDA graph per cache and step shape and replayed (the staging stacks keep their
+addresses, so a graph reads the rows copied before its replay; the whole-step `graph` switch itself is turned off).
+Logits and tokens are those of the resident packed model cut into the same pieces, bit for bit; with "compiled",
+the fully compiled resident model's to fp32 rounding (a split layer is two compiled graphs, not one).
 
 What overlaps what, on a GPU. A streamed layer part is copied on a side stream, issued when the streamed layer part
-before it is entered, so its copy overlaps all the compute from there to its own layer (the resident segments between
-included). A streamed stack's chosen rows cannot start before its own layer's router has run: the choice of layer L
-is a function of layer L's post-attention residual, known one layer ahead for no layer, so the host waits for the
-router (the GPU drains), then issues the row copies on the compute stream, and the experts wait for them: those copies
-overlap nothing but the side stream's prefetch of the next streamed layer part (in `MoE.forward` the shared expert, the
-one block independent of the choice, runs after the routed experts). A step therefore costs about the compute, plus
-the row copies, plus one host round trip per streamed stack; the segments cut the compute (compiled, replayed layers
-instead of eager launches).
+before it is entered, so its copy overlaps all the compute from there to its own layer (the segments between
+included). A streamed stack's chosen rows cannot be copied before its own layer's router has run: the choice of layer
+L is a function of layer L's post-attention residual, known one layer ahead for no layer. So the host waits for the
+segment ending with that router (the GPU drains), issues the row copies on the compute stream, and then the segment
+starting with the experts, which waits for them: those copies overlap nothing but the side stream's prefetch of the
+next streamed layer part (in `MoE.forward` the shared expert, the one block independent of the choice, runs after the
+routed experts, and stays in that order here). A step therefore costs about the compute, plus the row copies, plus
+one host round trip per streamed stack; the segments cut the compute (compiled, replayed pieces instead of eager
+launches).
 
-Limits: one process (TP=1), `weights="packed"`; layers with a streamed unit run uncompiled and outside CUDA graphs.
+Limits: one process (TP=1), `weights="packed"`; a layer whose layer part streams runs uncompiled and outside CUDA
+graphs.
 """
 
 from __future__ import annotations
@@ -586,21 +590,26 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
 
 
 def segment_steps(model: nn.Module, streamer: Streamer, fast, capture: bool) -> None:
-    """Split the decode steps of the fast model `model` (paths `fast` installed) at its streamed layers
-    (`fast.segments.SegmentedLayers` as `model.compiled`): every layer with a streamed unit runs eagerly, the resident
-    layers between them through the compiled layers (`compile_layers`) or eagerly, and, with `capture` (the paths'
-    `graph` switch) on CUDA, each run of resident layers is captured in a CUDA graph per cache and step shape and
+    """Split the decode steps of the fast model `model` (paths `fast` installed) at their host synchronisation points
+    (`fast.segments.SegmentedLayers` as `model.compiled`): a layer whose layer part streams runs eagerly; a layer whose
+    expert stack alone streams runs as two pieces around `Streamer.enter_experts`; the other layers and pieces run
+    compiled when the paths compile layers (else eagerly), and, with `capture` (the paths' `graph` switch) on CUDA,
+    each run of pieces between synchronisation points is captured in a CUDA graph per cache and step shape and
     replayed. Nothing to split (left as installed): paths without `moe` and `static_kv` (steps that synchronise
     anyway), and on a CPU paths that do not compile layers."""
-    from ..fast.compiled import run_layer
     from ..fast.segments import SegmentedLayers, cuda_recorder
 
     capture = capture and streamer.device.type == "cuda"
     if not (fast.moe and fast.static_kv) or not (fast.compile_layers or capture):
         return
-    eager = {u.layer for u in streamer.units.values()}
-    model.compiled = SegmentedLayers(model.compiled or run_layer, eager, len(model.layers),
-                                     cuda_recorder() if capture else None)
+    eager = {u.layer for u in streamer.units.values() if u.kind == "layer"}
+    split = {u.layer for u in streamer.units.values() if u.kind == "experts"} - eager
+
+    def sync(layer: nn.Module, routing) -> None:
+        streamer.enter_experts(f"layers.{layer.layer}.experts", routing.expert_ids)
+
+    model.compiled = SegmentedLayers(len(model.layers), eager, split, sync, compiled=model.compiled,
+                                     recorder=cuda_recorder() if capture else None)
 
 
 def offload_stats(model: nn.Module) -> dict:

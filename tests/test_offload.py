@@ -209,6 +209,42 @@ def test_offloaded_compiled_layers(tiny_nvfp4, prompts, which):
     assert model.offload.stats.expert_rows > rows
 
 
+def test_streamed_twins_launch_for_the_compute_device(tiny_nvfp4, monkeypatch):
+    """The fast twins of streamed units are configured on their host copies; `launch_on_device` derives what depends
+    on the device (a streamed layer part's attention SM count, a streamed packed weight's kernel launches) for the
+    streamer's device, and leaves the resident twins as configured."""
+    from minimax_ref.fast import grouped
+    from minimax_ref.weights.offload import launch_on_device
+
+    model = offloaded(tiny_nvfp4, "cpu", "layers", fast="compiled")
+    s = model.offload
+    seen = []
+    monkeypatch.setattr(grouped, "sm_count", lambda d: seen.append(d) or 132)
+    monkeypatch.setattr(grouped, "tiles_for", lambda fmt, d: seen.append(d) or "device tiles")
+    monkeypatch.setattr(grouped, "launch_for", lambda fmt, e, n, k, d: seen.append(d) or ("device launch", e, n, k))
+    w = model.layers[2].block_sparse_moe.experts.w1  # a streamed stack's packed weight
+    w.grouped_tokens, w.decode_tiles = 64, "host tiles"
+    launch_on_device(model, s)
+    assert [model.layers[i].self_attn.sm_count for i in range(4)] == [132, 1, 132, 132]  # layer 1's part resident
+    assert w.decode_tiles == "device tiles" and w.grouped_launch == ("device launch", *w.shape)
+    assert seen and set(seen) == {s.device}
+
+
+def test_fast_auto_when_offloading(tiny_nvfp4, monkeypatch):
+    """`fast="auto"` (`--fast auto`) with offloading: chosen before the weights load, by the checkpoint's size
+    (`auto_preset`): the reference on a CPU; "compiled" (what it gives on CUDA) installs the segmented steps."""
+    from minimax_ref.fast import paths
+    from minimax_ref.fast.segments import SegmentedLayers
+
+    model = offloaded(tiny_nvfp4, "cpu", "experts", fast="auto")
+    assert model.fast_preset == "off" and type(model).__name__ == "MiniMaxM3"
+    asked = []
+    monkeypatch.setattr(paths, "auto_preset", lambda device, nbytes: asked.append(nbytes) or "compiled")
+    model = offloaded(tiny_nvfp4, "cpu", "experts", fast="auto")
+    assert model.fast_preset == "compiled" and isinstance(model.compiled, SegmentedLayers)
+    assert asked == [model.load_stats["checkpoint_bytes"]]
+
+
 @pytest.mark.parametrize("which", ["layers", "experts"])
 def test_synthetic_shared_experts_move_the_same_bytes(which):
     """load_synthetic with share_streamed_experts: the streamed stacks read one host copy (the first streamed stack's),

@@ -577,6 +577,7 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
 
         with streamer.present():  # the fast packed weights read their scales once, here
             apply(model, fast)
+        launch_on_device(model, streamer)
         segment_steps(model, streamer, fast, capture=capture)
     LayerHook, ExpertsHook = _hooks()
     for name, u in units.items():
@@ -587,6 +588,32 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
                                                 ExpertsHook(streamer, name))
     model.offload = streamer
     return read
+
+
+def launch_on_device(model: nn.Module, streamer: Streamer) -> None:
+    """The fast twins of the streamed units were configured while their host copies were present
+    (`Streamer.present`), so what `fast.apply` derived from their device is the host's: the grouped kernel's launch
+    configuration and K splits and the decode tiles of a streamed packed weight, the SM count a streamed layer part's
+    attention splits its keys over. Derive them again for the compute device (a weight's other settings come from its
+    values, the same wherever they sit)."""
+    from ..fast import grouped
+    from ..fast.attention import FastAttention
+    from ..fast.packed import FastPackedWeight
+
+    device = streamer.device
+    for u in streamer.units.values():
+        if u.kind == "layer":
+            for m in model.layers[u.layer].modules():
+                if isinstance(m, FastAttention):
+                    m.sm_count = grouped.sm_count(device)
+        for m in {id(r.module): r.module for r in u.records}.values():
+            if not isinstance(m, FastPackedWeight):
+                continue
+            if m.grouped_tokens:
+                entries = m.weight.shape[0] if m.weight.dim() == 3 else 1
+                m.grouped_launch = grouped.launch_for(m.fmt, entries, *m.shape[-2:], device)
+            if m.decode_tiles is not None:
+                m.decode_tiles = grouped.tiles_for(m.fmt, device)
 
 
 def segment_steps(model: nn.Module, streamer: Streamer, fast, capture: bool) -> None:
@@ -626,4 +653,5 @@ def offload_stats(model: nn.Module) -> dict:
 
 
 __all__ = ["OffloadConfig", "Streamer", "StreamStats", "HostStore", "DiskStore", "load_offloaded", "check_offload",
-           "device_map_for", "id_runs", "offload_stats", "require_accelerate", "segment_steps"]
+           "device_map_for", "id_runs", "offload_stats", "require_accelerate", "segment_steps",
+           "launch_on_device"]

@@ -134,14 +134,15 @@ def greedy_steps(model, prompts: torch.Tensor, steps: int) -> list[torch.Tensor]
     """Logits of a prefill of `prompts` [B, T] and of `steps` greedy decode steps, on a cache of RUNTIME's length
     (what a bucketing model twin gives too, so both sides attend over the same slots)."""
     B, T = prompts.shape
+    device = prompts.device
     cache = model.new_cache(B, RUNTIME["max_seq_len"])
     out = []
     with torch.no_grad():
-        logits = model(prompts, positions=torch.arange(T).expand(B, T), cache=cache)
+        logits = model(prompts, positions=torch.arange(T, device=device).expand(B, T), cache=cache)
         for t in range(steps):
             out.append(logits[:, -1].clone())  # a replayed step's tensors are rewritten by the next step
             tok = logits[:, -1].argmax(-1, keepdim=True)
-            logits = model(tok, positions=torch.full((B, 1), T + t), cache=cache)
+            logits = model(tok, positions=torch.full((B, 1), T + t, device=device), cache=cache)
         out.append(logits[:, -1].clone())
     return out
 
@@ -207,6 +208,28 @@ def test_offloaded_compiled_layers(tiny_nvfp4, prompts, which):
     assert all(torch.equal(a, b) for a, b in zip(again, want))
     assert seg.recorded == len(seg.segments) and seg.replays == 3 * len(seg.segments)
     assert model.offload.stats.expert_rows > rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", ["on", "compiled"])
+@pytest.mark.parametrize("which", ["layers", "experts"])
+def test_offloaded_segments_replay_cuda_graphs(tiny_nvfp4, prompts, fast, which):
+    """On CUDA the segments between an offloaded model's synchronisation points are captured in CUDA graphs (one per
+    segment, cache and batch shape) and replayed; logits equal, bit for bit, the resident packed model's cut into the
+    same pieces run without graphs, at batch 1 and 3."""
+    from minimax_ref.fast.segments import SegmentedLayers
+
+    model = offloaded(tiny_nvfp4, "cpu", which, fast=fast, device="cuda")
+    seg = model.compiled
+    assert isinstance(seg, SegmentedLayers) and seg.recorder is not None and not model.fast.graph
+    ref = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", fast=fast, device="cuda", **RUNTIME)
+    ref.compiled = SegmentedLayers(len(ref.layers), seg.eager, seg.split, compiled=ref.compiled)
+    for batch in (prompts[:1, :10].cuda(), prompts.cuda()):
+        recorded, replays = seg.recorded, seg.replays
+        want = greedy_steps(ref, batch, 4)
+        got = greedy_steps(model, batch, 4)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert seg.recorded - recorded == len(seg.segments) and seg.replays - replays == 3 * len(seg.segments)
 
 
 def test_streamed_twins_launch_for_the_compute_device(tiny_nvfp4, monkeypatch):

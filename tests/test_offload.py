@@ -208,6 +208,11 @@ def test_offloaded_compiled_layers(tiny_nvfp4, prompts, which):
     assert all(torch.equal(a, b) for a, b in zip(again, want))
     assert seg.recorded == len(seg.segments) and seg.replays == 3 * len(seg.segments)
     assert model.offload.stats.expert_rows > rows
+    four = torch.cat([prompts, prompts[:1].flip(1)]).tolist()  # generate's continuous batching, its steps replayed
+    want, _ = generate_ids(ref, four, max_new_tokens=5, sampling=GREEDY)
+    got, _ = generate_ids(model, four, max_new_tokens=5, sampling=GREEDY)
+    assert [q.generated for q in got] == [q.generated for q in want]
+    assert seg.replays > 3 * len(seg.segments)
 
 
 @pytest.mark.gpu

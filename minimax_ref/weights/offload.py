@@ -55,7 +55,7 @@ the fully compiled resident model's to fp32 rounding (a split layer is two compi
 What overlaps what, on a GPU. A streamed layer part is copied on a side stream, issued when the streamed layer part
 before it is entered, so its copy overlaps all the compute from there to its own layer (the segments between
 included). A streamed stack's chosen rows cannot be copied before its own layer's router has run: the choice of layer
-L is a function of layer L's post-attention residual, known one layer ahead for no layer. So the host waits for the
+L is a function of layer L's post-attention residual, so it is never known a layer ahead. So the host waits for the
 segment ending with that router (the GPU drains), issues the row copies on the compute stream, and then the segment
 starting with the experts, which waits for them: those copies overlap nothing but the side stream's prefetch of the
 next streamed layer part (in `MoE.forward` the shared expert, the one block independent of the choice, runs after the

@@ -222,14 +222,23 @@ class Record:
     is_param: bool
     key: str
     meta: torch.Tensor
+    # the parameters made for tensors put with `keep` (the placeholder, staging stacks): id -> (tensor, parameter)
+    kept: dict = field(default_factory=dict, repr=False)
 
-    def put(self, t: torch.Tensor) -> None:
-        """Make `t` the module's tensor. (`accelerate.utils.set_module_tensor_to_device` does this with dtype casts
-        and, by default, a cache flush per tensor; here shape and dtype are known equal, and this runs every step.)"""
-        if self.is_param:
-            self.module._parameters[self.leaf] = nn.Parameter(t, requires_grad=False)
-        else:
+    def put(self, t: torch.Tensor, keep: bool = False) -> None:
+        """Make `t` the module's tensor; `keep`: `t` lives as long as the streamer (the placeholder, a staging stack),
+        so the parameter made for it is kept and reused (every streamed stack swaps to and from those every step).
+        (`accelerate.utils.set_module_tensor_to_device` does this with dtype casts and, by default, a cache flush per
+        tensor; here shape and dtype are known equal, and this runs every step.)"""
+        if not self.is_param:
             self.module._buffers[self.leaf] = t
+            return
+        entry = self.kept.get(id(t)) if keep else None
+        if entry is None or entry[0] is not t:
+            entry = (t, nn.Parameter(t, requires_grad=False))
+            if keep:
+                self.kept[id(t)] = entry
+        self.module._parameters[self.leaf] = entry[1]
 
 
 @dataclass
@@ -312,7 +321,7 @@ class Streamer:
         previous = self.holding.pop(kind, None)
         if previous is not None and previous != name:
             for r in self.units[previous].records:
-                r.put(r.meta)
+                r.put(r.meta, keep=True)
         if name is not None:
             self.holding[kind] = name
 
@@ -348,7 +357,7 @@ class Streamer:
             for a, b in runs:
                 stage[a:b].copy_(src[a:b], non_blocking=True)
             self.stats.expert_bytes += rows * src[0].numel() * src.element_size()
-            r.put(stage)
+            r.put(stage, keep=True)
         self.stats.expert_rows += rows
 
     @contextmanager
@@ -365,7 +374,7 @@ class Streamer:
         finally:
             for u in self.units.values():
                 for r in u.records:
-                    r.put(r.meta)
+                    r.put(r.meta, keep=True)
 
     def device_bytes(self) -> int:
         """Bytes of the staging stacks (the layer parts' copies come and go)."""

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reserve", type=float, default=None,
                    help="GiB reserved for activations beyond the KV cache (default: 5 on a GPU, 0.01 on a CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    fast_presets = ["off", "on", "compile", "fused"]  # not compiled: offloaded steps synchronise with the host
+    fast_presets = ["off", "on", "compile", "fused", "compiled"]
     p.add_argument("--fast", default="off", choices=fast_presets,
                    help=f"fast paths: {describe_presets(fast_presets)} (default: off; on decodes every expert of a "
                         "batch-32 step)")

@@ -29,8 +29,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="dequant: decode quantized weights once at load (default); packed: keep NVFP4/MXFP8 "
                         "weights packed in memory and decode them at use (same outputs, packed-size memory)")
     p.add_argument("--fast", choices=["auto", *USER_PRESETS], default="auto",
-                   help="fast paths (minimax_ref/fast/): auto = compiled with a CUDA --device (with --offload: steps "
-                        "cut where streamed weights are fetched, fast/segments.py), off on a CPU; "
+                   help="fast paths (minimax_ref/fast/): auto = compiled with a CUDA --device, off on a CPU and "
+                        "with --offload (name on or compiled for an offloaded model's steps cut where streamed "
+                        "weights are fetched, fast/segments.py); "
                         f"{describe_presets(USER_PRESETS)} (default: auto)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")

@@ -259,8 +259,9 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     False/None/"off" = the reference, which never imports `minimax_ref.fast`; True = "on"; a preset's name of
     `minimax_ref.fast.paths.PRESETS`, a dict of switches or a `FastPaths`; "auto" = the CLI's `--fast auto`, chosen
     once the weights are loaded by `fast.paths.auto_preset`: "compiled" on CUDA for models whose weights take at
-    least `AUTO_COMPILE_MIN_BYTES` on the device (offloaded: in the checkpoint), "on" for smaller ones, the reference
-    on a CPU; `model.fast_preset` names what was chosen; `minimax_ref.fast.apply(model, ...)` changes them later).
+    least `AUTO_COMPILE_MIN_BYTES` on the device, "on" for smaller ones, the reference on a CPU and for offloaded
+    models (their segmented steps, `fast.segments`, are taken by naming a preset until they have run on a GPU);
+    `model.fast_preset` names what was chosen; `minimax_ref.fast.apply(model, ...)` changes them later).
     runtime: `RuntimeConfig`
     fields (max_seq_len, max_batch_size, kv_cache_dtype, max_images_per_prompt, attention_chunk_elements),
     kept on `model.runtime`.
@@ -391,12 +392,6 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
         model = MiniMaxM3(cfg, world, expert_parallel, numerics=numerics, formats=formats)
     if offload is not None:  # group by group, each part where the device map puts it (offload.py)
         from .offload import load_offloaded
-
-        if auto:  # chosen before loading (the streamed weights are present only then), by the checkpoint's size
-            from ..fast.paths import FastPaths, auto_preset
-
-            preset = auto_preset(device, sum(ck.family_bytes().values()))
-            fast = None if preset == "off" else FastPaths.of(preset)
 
         by_family = load_offloaded(model, ck, offload, load_weights, device=device, dtype=dtype, weights=weights,
                                    validate=validate, fast=fast, tp_size=world.size, expert_parallel=expert_parallel,

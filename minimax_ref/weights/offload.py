@@ -46,9 +46,10 @@ so no decode step is one compiled graph per layer or one CUDA graph; `segment_st
 instead (`fast.segments.SegmentedLayers`): a layer whose layer part streams runs eagerly with the preset's fast twins;
 a layer whose expert stack alone streams runs as two pieces, up to its router and after it, around the copy of the
 chosen rows; every other layer is one piece. The pieces between two synchronisation points form a segment, run
-compiled when the preset compiles layers ("compiled", which `--fast auto` chooses on CUDA) and, on CUDA with the
-preset's `graph` switch, captured in a CUDA graph per cache and step shape and replayed (the staging stacks keep their
-addresses, so a graph reads the rows copied before its replay; the whole-step `graph` switch itself is turned off).
+compiled when the preset compiles layers ("compiled"; `--fast auto` keeps the reference when offloading) and, with the
+preset's `graph` switch on CUDA, captured in a CUDA graph per cache and step shape and replayed (the staging stacks
+keep their addresses, so a graph reads the rows copied before its replay; the whole-step `graph` switch itself is
+turned off).
 Logits and tokens are those of the resident packed model cut into the same pieces, bit for bit; with "compiled",
 the fully compiled resident model's to fp32 rounding (a split layer is two compiled graphs, not one).
 

@@ -6,6 +6,8 @@ measured in the same run.
     # one H200 (139 GiB; the build is 151.7 GiB in GPU memory), about 2-3 minutes (the reference path decodes each
     # chosen expert's weights at every step: at batch 32 that compute, not the copies, sets the pace):
     PYTHONPATH=$PWD python3 benchmarks/offload.py --device cuda --gpu-memory 100 --out offload.jsonl
+    # the same without copying the predicted experts' rows ahead:
+    PYTHONPATH=$PWD python3 benchmarks/offload.py --device cuda --gpu-memory 100 --prefetch off --out offload.jsonl
     # CPU dry run (the compute device is the CPU, the store separate host tensors):
     PYTHONPATH=$PWD python3 benchmarks/offload.py --device cpu --preset tiny
 
@@ -20,16 +22,19 @@ What it does:
    moves the chosen experts' rows of every streamed layer, the same bytes as distinct stacks would;
 3. for each batch of `--batches` (default 1,32): prefills a `--prompt-len`-token random prompt per sequence, then
    runs `--warmup` + `--steps` greedy decode steps, timing each (synchronised) and reading the bytes the streamer
-   moved (`model.offload.stats`);
+   moved and its expert rows (`model.offload.stats`: chosen rows, hits among them copied ahead on the prediction
+   with `--prefetch on`, misses copied after the router, rows copied ahead);
 4. prints and writes one JSON line: parameters, the device map (resident and streamed layers), peak GPU memory
    (`torch.cuda.max_memory_allocated`) against `--gpu-memory`, and per batch: tok/s, bytes moved per step (measured,
-   and planned from top-k routing: `device_map.DeviceMap.bytes_per_step`), the PCIe roofline
-   `tok/s = B / (bytes moved per step / h2d rate)` and the fraction of it reached.
+   and planned from top-k routing: `device_map.DeviceMap.bytes_per_step`), the prediction's hit rate (hits / chosen
+   rows), the PCIe roofline `tok/s = B / (bytes needed per step / h2d rate)` (needed: the layer parts and the chosen
+   rows, not the rows copied ahead that were not chosen) and the fraction of it reached.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -96,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fast", default="off", choices=fast_presets,
                    help=f"fast paths: {describe_presets(fast_presets)} (default: off; on decodes every expert of a "
                         "batch-32 step)")
+    p.add_argument("--prefetch", default="on", choices=["on", "off"],
+                   help="copy the next streamed stack's predicted experts' rows ahead, on a side stream (default: on)")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--warmup", type=int, default=1)
@@ -133,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_synthetic(args.preset, format=args.format, layers=args.layers, experts=args.experts, seed=args.seed,
                            device=device, dtype=dtype, weights="packed", fast=args.fast,
                            offload=OffloadConfig(args.offload, gpu_memory, folder=args.offload_folder,
-                                                 reserve_gib=reserve, share_streamed_experts=True),
+                                                 reserve_gib=reserve, share_streamed_experts=True,
+                                                 prefetch=args.prefetch == "on"),
                            max_seq_len=max_len, max_batch_size=max(batches))
     load_s = time.perf_counter() - t0
     streamer = model.offload
@@ -150,26 +158,42 @@ def main(argv: list[str] | None = None) -> dict:
         pos = torch.arange(args.prompt_len, device=device).expand(B, -1)
         with torch.inference_mode():
             tok = model(ids, positions=pos, cache=cache)[:, -1].argmax(-1, keepdim=True)
-            times, moved = [], []
+            times, moved, needed = [], [], []
+            rows = dict.fromkeys(("chosen_rows", "hit_rows", "miss_rows", "prefetched_rows"), 0)
             for step in range(args.warmup + args.steps):
                 here = torch.full((B, 1), args.prompt_len + step, device=device)
                 sync(device)
-                before, s0 = streamer.stats.bytes_moved, time.perf_counter()
+                before, s0 = dataclasses.replace(streamer.stats), time.perf_counter()
                 tok = model(tok, positions=here, cache=cache)[:, -1].argmax(-1, keepdim=True)
                 sync(device)
                 if step >= args.warmup:
                     times.append(time.perf_counter() - s0)
-                    moved.append(streamer.stats.bytes_moved - before)
+                    st = streamer.stats
+                    moved.append(st.bytes_moved - before.bytes_moved)
+                    copied = st.expert_rows - before.expert_rows
+                    step_rows = {key: getattr(st, key) - getattr(before, key) for key in rows}
+                    wasted = step_rows["prefetched_rows"] - step_rows["hit_rows"]
+                    row_bytes = (st.expert_bytes - before.expert_bytes) / copied if copied else 0
+                    needed.append(moved[-1] - wasted * row_bytes)
+                    for key, v in step_rows.items():
+                        rows[key] += v
         step_s = sum(times) / len(times)
         step_bytes = sum(moved) / len(moved)
-        roofline = B / (step_bytes / rate) if step_bytes else None
+        need_bytes = sum(needed) / len(needed)
+        roofline = B / (need_bytes / rate) if need_bytes else None
         tok_s = B / step_s
         row = {"batch": B, "step_ms": 1e3 * step_s, "tok_s": tok_s, "bytes_moved_per_step": step_bytes,
-               "bytes_moved_per_token": step_bytes / B, "planned_bytes_per_step": dm.bytes_per_step(B, k),
+               "bytes_needed_per_step": need_bytes, "bytes_moved_per_token": step_bytes / B,
+               "planned_bytes_per_step": dm.bytes_per_step(B, k),
+               **{f"{key}_per_step": v / len(times) for key, v in rows.items()},
+               "hit_rate": rows["hit_rows"] / rows["chosen_rows"] if rows["chosen_rows"] else None,
                "roofline_tok_s": roofline, "fraction_of_roofline": (tok_s / roofline) if roofline else None}
         results.append(row)
-        log(f"batch {B}: {row['step_ms']:.1f} ms/step, {tok_s:.2f} tok/s; {step_bytes / 1e9:.3f} GB moved per step "
-            f"(planned {row['planned_bytes_per_step'] / 1e9:.3f}); PCIe roofline "
+        log(f"batch {B}: {row['step_ms']:.1f} ms/step, {tok_s:.2f} tok/s; {step_bytes / 1e9:.3f} GB moved per step, "
+            f"{need_bytes / 1e9:.3f} needed (planned {row['planned_bytes_per_step'] / 1e9:.3f}); expert rows per step: "
+            f"{row['chosen_rows_per_step']:.1f} chosen, {row['hit_rows_per_step']:.1f} hits "
+            + (f"({100 * row['hit_rate']:.1f} %)" if row["hit_rate"] is not None else "")
+            + f", {row['prefetched_rows_per_step']:.1f} copied ahead; PCIe roofline "
             + (f"{roofline:.2f} tok/s, {100 * tok_s / roofline:.1f} %" if roofline else "none (nothing streamed)"))
         del cache
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -177,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
            "torch": torch.__version__, "preset": args.preset, "format": args.format,
            "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_local_experts, "top_k": k,
            "dtype": str(dtype).removeprefix("torch."), "fast": args.fast, "offload": args.offload,
+           "prefetch": args.prefetch,
            "gpu_memory_gib": gpu_memory, "reserve_gib": reserve, "prompt_len": args.prompt_len,
            "steps": args.steps, "warmup": args.warmup, "load_s": load_s, "h2d_gbps": rate / 1e9,
            "weights_gib": (model.load_stats["memory_bytes"]) / GIB,
@@ -187,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
            "peak_within_budget": None if peak is None else peak <= gpu_memory * GIB,
            "host_storage": "synthetic: every streamed expert stack shares the first streamed stack's host tensors "
                            "(pinned, or mapped from disk; bytes moved per step as with distinct stacks)",
-           "roofline": "tok/s = B / (bytes moved per step / h2d bytes/s), bytes and rate measured in this run",
+           "roofline": "tok/s = B / (bytes needed per step / h2d bytes/s), bytes and rate measured in this run "
+                       "(needed: moved less the rows copied ahead that were not chosen)",
            "results": results}
     if peak is not None:
         log(f"peak GPU memory {peak / GIB:.2f} GiB of --gpu-memory {gpu_memory:g} GiB "

@@ -27,18 +27,19 @@ RUNTIME = {"max_seq_len": 64, "max_batch_size": 4}
 GREEDY = SamplingParams(temperature=0)
 
 
-def budgets(path) -> dict[str, float]:
+def budgets(path, prefetch: bool = True) -> dict[str, float]:
     """GPU budgets (GiB, reserve 0) for the tiny model in fp32: "layers" streams layer parts (and every expert stack),
-    "experts" keeps every layer part and the first expert stack resident and streams the other stacks. Computed from
-    the plan's unit sizes and the rule in device_map.propose_device_map's docstring."""
+    "experts" keeps every layer part resident and streams the expert stacks. Computed from the plan's unit sizes and
+    the rule in device_map.propose_device_map's docstring (with `prefetch`, two staging stacks for the experts: the
+    same maps either way)."""
     cfg = load_model_config(path)
     always, units = offload_units(cfg, dtype_bytes=4, ckpt_dir=path)
     kv = kv_bytes_per_token(cfg, 1, "auto", 4) * RUNTIME["max_seq_len"] * RUNTIME["max_batch_size"]
     layers = [u.nbytes for u in units if u.kind == "layer"]
     stack = max(u.nbytes for u in units if u.kind == "experts")
-    base = always + kv + stack
+    base = always + kv + (2 if prefetch else 1) * stack
     return {"layers": (base + 2 * max(layers) + min(layers)) / GIB,  # room for the smallest layer part only
-            "experts": (base + sum(layers) + stack) / GIB}
+            "experts": (base + sum(layers)) / GIB}
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +53,17 @@ def prompts():
     return torch.randint(0, 1000, (3, 24), generator=g)
 
 
-def offloaded(path, mode, which, tmp_path=None, **kw):
-    cfg = OffloadConfig(mode, budgets(path)[which], folder=None if tmp_path is None else tmp_path / "store",
-                        reserve_gib=0.0)
+def offloaded(path, mode, which, tmp_path=None, prefetch: bool = True, **kw):
+    cfg = OffloadConfig(mode, budgets(path, prefetch)[which], folder=None if tmp_path is None else tmp_path / "store",
+                        reserve_gib=0.0, prefetch=prefetch)
     return load_model(path, dtype=torch.float32, weights="packed", offload=cfg, **RUNTIME, **kw)
 
 
 EXPECTED = {  # the device maps of the two budgets (tiny: layer 0 dense MLP, layers 1-3 MoE)
     "layers": (["layers.1"], ["layers.0", "layers.1.experts", "layers.2", "layers.2.experts", "layers.3",
                               "layers.3.experts"]),
-    "experts": (["layers.0", "layers.1", "layers.1.experts", "layers.2", "layers.3"],
-                ["layers.2.experts", "layers.3.experts"]),
+    "experts": (["layers.0", "layers.1", "layers.2", "layers.3"],
+                ["layers.1.experts", "layers.2.experts", "layers.3.experts"]),
 }
 
 
@@ -179,7 +180,7 @@ def test_offloaded_compiled_layers(tiny_nvfp4, prompts, which):
 
     model = offloaded(tiny_nvfp4, "cpu", which, fast="compiled")
     seg = model.compiled
-    eager, split = {"layers": ({0, 2, 3}, {1}), "experts": (set(), {2, 3})}[which]
+    eager, split = {"layers": ({0, 2, 3}, {1}), "experts": (set(), {1, 2, 3})}[which]
     assert isinstance(seg, SegmentedLayers) and (seg.eager, seg.split) == (eager, split)
     assert seg.recorder is None  # CUDA graphs only on CUDA
     ref = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", fast="compiled", **RUNTIME)
@@ -192,8 +193,8 @@ def test_offloaded_compiled_layers(tiny_nvfp4, prompts, which):
         setattr(seg, name, lambda *a, fn=fn, name=name: calls.append((name, a[0].layer)) or fn(*a))
     got = greedy_steps(model, prompts, 4)
     pieces = {"layers": [("pre_fn", 1), ("post_fn", 1)],
-              "experts": [("layer_fn", 0), ("layer_fn", 1), ("pre_fn", 2), ("post_fn", 2), ("pre_fn", 3),
-                          ("post_fn", 3)]}[which]
+              "experts": [("layer_fn", 0), ("pre_fn", 1), ("post_fn", 1), ("pre_fn", 2), ("post_fn", 2),
+                          ("pre_fn", 3), ("post_fn", 3)]}[which]
     assert calls == pieces * 4  # the decode steps' compiled pieces
     for name, fn in fns.items():
         setattr(seg, name, fn)
@@ -208,6 +209,8 @@ def test_offloaded_compiled_layers(tiny_nvfp4, prompts, which):
     assert all(torch.equal(a, b) for a, b in zip(again, want))
     assert seg.recorded == len(seg.segments) and seg.replays == 3 * len(seg.segments)
     assert model.offload.stats.expert_rows > rows
+    st = model.offload.stats  # the first streamed stack of a step is never predicted; the others are
+    assert st.hit_rows + st.miss_rows == st.chosen_rows and st.prefetched_rows > 0
     four = torch.cat([prompts, prompts[:1].flip(1)]).tolist()  # generate's continuous batching, its steps replayed
     want, _ = generate_ids(ref, four, max_new_tokens=5, sampling=GREEDY)
     got, _ = generate_ids(model, four, max_new_tokens=5, sampling=GREEDY)
@@ -281,7 +284,7 @@ def test_synthetic_shared_experts_move_the_same_bytes(which):
     stack = max(u.nbytes for u in units if u.kind == "experts")
     layers = [u.nbytes for u in units if u.kind == "layer"]
     kv = kv_bytes_per_token(full.config, 1, "auto", 4) * 64 * 4
-    budget = always + kv + stack + (sum(layers) + stack if which == "experts" else 2 * max(layers) + min(layers))
+    budget = always + kv + 2 * stack + (sum(layers) if which == "experts" else 2 * max(layers) + min(layers))
     model = load_synthetic("tiny", offload=OffloadConfig("cpu", budget / GIB, reserve_gib=0.0,
                                                          share_streamed_experts=True), **kw)
     s = model.offload
@@ -295,10 +298,120 @@ def test_synthetic_shared_experts_move_the_same_bytes(which):
     assert torch.isfinite(model(ids, trace=b)).all()
     # up to the first streamed stack the model is the resident one
     assert torch.equal(a.hidden_states[first], b.hidden_states[first])
-    rows = s.stats.expert_rows
+    chosen = s.stats.chosen_rows
     model(ids)
-    assert s.stats.expert_rows - rows == sum(len(torch.unique(b.routing[u.layer].expert_ids))
-                                             for u in s.units.values() if u.kind == "experts")
+    assert s.stats.chosen_rows - chosen == sum(len(torch.unique(b.routing[u.layer].expert_ids))
+                                               for u in s.units.values() if u.kind == "experts")
+    assert s.stats.hit_rows + s.stats.miss_rows == s.stats.chosen_rows
+
+
+class Chosen:
+    """Wraps `Streamer.enter_experts` to record each call's stack and distinct chosen experts (what the stats count)."""
+
+    def __init__(self, monkeypatch, streamer):
+        self.calls: list[tuple[str, list[int]]] = []
+        enter = streamer.enter_experts
+
+        def wrapped(name, expert_ids, x=None):
+            self.calls.append((name, sorted(set(expert_ids.reshape(-1).tolist()))))
+            return enter(name, expert_ids, x)
+
+        monkeypatch.setattr(streamer, "enter_experts", wrapped)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(c) for _, c in self.calls)
+
+
+def check_counters(s, chosen_rows: int) -> None:
+    """The streamer's row counters agree: hits + misses = the chosen rows, rows copied = copied ahead + misses."""
+    st = s.stats
+    assert st.chosen_rows == chosen_rows and st.hit_rows + st.miss_rows == st.chosen_rows
+    assert st.expert_rows == st.prefetched_rows + st.miss_rows and st.hit_rows <= st.prefetched_rows
+
+
+@pytest.mark.parametrize("fast", [None, "on"])
+@pytest.mark.parametrize("which", ["layers", "experts"])
+def test_prefetch_equals_resident_and_no_prefetch(tiny_nvfp4, prompts, monkeypatch, fast, which):
+    """Rows copied ahead on the predicted experts of the next streamed stack change nothing: prefill and decode
+    logits and greedy tokens (batch 1 and 4, the batch-4 steps reading every staged row through the dense branch of
+    the fast path) equal, bit for bit, the resident packed model's and the offloaded model's without prefetch; the
+    counters agree with the chosen experts (hits + misses = chosen) and some chosen rows were hits; the stacks
+    alternate between two staging sets."""
+    kw = {} if fast is None else {"fast": fast}
+    ref = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", **kw, **RUNTIME)
+    off = offloaded(tiny_nvfp4, "cpu", which, prefetch=False, **kw)
+    model = offloaded(tiny_nvfp4, "cpu", which, **kw)
+    s = model.offload
+    assert s.prefetch and not off.offload.prefetch
+    assert s.stage_set == {"layers.1.experts": 0, "layers.2.experts": 1, "layers.3.experts": 0}
+    assert s.next_stack == {"layers.1.experts": "layers.2.experts", "layers.2.experts": "layers.3.experts"}
+    seen = Chosen(monkeypatch, s)
+    four = torch.cat([prompts, prompts[:1].flip(1)])
+    for batch in (prompts[:1, :10], four):
+        want = greedy_steps(ref, batch, 4)
+        for m in (model, off):
+            got = greedy_steps(m, batch, 4)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        want, _ = generate_ids(ref, batch.tolist(), max_new_tokens=4, sampling=GREEDY)
+        for m in (model, off):
+            got, _ = generate_ids(m, batch.tolist(), max_new_tokens=4, sampling=GREEDY)
+            assert [q.generated for q in got] == [q.generated for q in want]
+    check_counters(s, seen.rows)
+    assert s.stats.prefetched_rows > 0 and s.stats.hit_rows > 0 and 0 < s.stats.hit_rate <= 1
+    o = off.offload.stats
+    assert o.prefetched_rows == o.hit_rows == 0 and o.miss_rows == o.chosen_rows == s.stats.chosen_rows
+    assert o.expert_rows == o.chosen_rows and o.hit_rate == 0
+
+
+def test_prefetch_always_wrong(tiny_nvfp4, prompts, monkeypatch):
+    """A prediction that never holds (every expert but the ones the next stack will choose, from a recorded run)
+    still gives the resident model's logits and tokens bit for bit: every chosen row is a miss, copied after the
+    router, and every row copied ahead is one the experts do not read (or multiply by 0)."""
+    ref = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed", fast="on", **RUNTIME)
+    four = torch.cat([prompts, prompts[:1].flip(1)])
+    record = offloaded(tiny_nvfp4, "cpu", "experts", prefetch=False, fast="on")
+    rec = Chosen(monkeypatch, record.offload)
+    greedy_steps(record, four, 3)
+    model = offloaded(tiny_nvfp4, "cpu", "experts", fast="on")
+    s = model.offload
+    seen = Chosen(monkeypatch, s)
+    E = model.config.text.num_local_experts
+
+    def wrong(name, x):  # called during call i for the stack of call i + 1
+        nxt_name, nxt = rec.calls[len(seen.calls)]
+        assert nxt_name == name
+        return torch.tensor([e for e in range(E) if e not in nxt], dtype=torch.long)
+
+    monkeypatch.setattr(s, "predict", wrong)
+    want = greedy_steps(ref, four, 3)
+    got = greedy_steps(model, four, 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert seen.calls == rec.calls
+    check_counters(s, rec.rows)
+    assert s.stats.hit_rows == 0 and s.stats.miss_rows == rec.rows
+    assert s.stats.prefetched_rows == sum(E - len(c) for name, c in rec.calls if name != "layers.1.experts")
+
+
+def test_prefetch_reserves_second_staging(tiny_nvfp4):
+    """With prefetch the device map reserves a second layer's expert stacks of staging (so `--gpu-memory` holds) and
+    the streamer allocates it; without, one; a budget that holds one staging stack but not two refuses prefetch."""
+    from minimax_ref.weights.device_map import propose_device_map
+
+    cfg = load_model_config(tiny_nvfp4)
+    always, units = offload_units(cfg, dtype_bytes=4, ckpt_dir=tiny_nvfp4)
+    stack = max(u.nbytes for u in units if u.kind == "experts")
+    b = budgets(tiny_nvfp4)["experts"]
+    on, off = offloaded(tiny_nvfp4, "cpu", "experts"), offloaded(tiny_nvfp4, "cpu", "experts", prefetch=False)
+    dm_on, dm_off = on.offload.device_map, off.offload.device_map
+    assert dm_on.streamed == dm_off.streamed and dm_on.staging_bytes == dm_off.staging_bytes + stack
+    assert dm_on.staging_bytes == 2 * stack and dm_on.gpu_bytes <= dm_on.budget_bytes == int(b * GIB)
+    assert on.offload.device_bytes() == 2 * off.offload.device_bytes() <= 2 * stack
+    assert on.load_stats["memory_bytes"] - off.load_stats["memory_bytes"] == off.offload.device_bytes()
+    tight = always + sum(u.nbytes for u in units if u.kind == "layer") + stack  # one staging stack, reserve 0
+    assert propose_device_map(units, always, tight, 0).streamed
+    with pytest.raises(ConfigError, match="is less than"):
+        propose_device_map(units, always, tight, 0, expert_stages=2)
 
 
 def test_id_runs():
@@ -335,9 +448,14 @@ def test_refused_combinations(tiny_nvfp4, tmp_path, monkeypatch):
         load_model(tiny_nvfp4, weights="packed", offload="cpu", gpu_memory=b, **RUNTIME)
 
 
-def test_cli_generate_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys):
-    """`minimax-ref generate --offload disk --gpu-memory ...` prints what the resident run prints; a bad combination is
-    one `error:` line, exit status 2."""
+def test_cli_generate_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys, monkeypatch):
+    """`minimax-ref generate --offload disk --gpu-memory ...` prints what the resident run prints, and so does
+    `--no-offload-prefetch`; a bad combination is one `error:` line, exit status 2."""
+    from minimax_ref.weights import offload
+
+    prefetch, load = [], offload.load_offloaded
+    monkeypatch.setattr(offload, "load_offloaded", lambda model, ck, cfg, *a, **kw: prefetch.append(cfg.prefetch)
+                        or load(model, ck, cfg, *a, **kw))
     common = ["generate", "--ckpt-path", str(tiny_nvfp4), "--weights", "packed", "--prompt", "Hello there",
               "--max-new-tokens", "5", "--temperature", "0", "--output-format", "json", "--max-model-len", "64"]
     assert main(common) == 0
@@ -350,6 +468,12 @@ def test_cli_generate_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys):
     assert json.loads((store / "device_map.json").read_text())["streamed"]
     assert main(common[:-2] + ["--offload", "cpu", "--gpu-memory", "8", "--weights", "dequant"]) == 2
     assert "--weights packed" in capsys.readouterr().err
+    assert main(common + ["--offload", "cpu", "--gpu-memory", str(5 + 2 / 1024), "--no-offload-prefetch"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+    assert prefetch[0] and not prefetch[-1]  # on by default; the refused dequant run checks in between
+    assert main(common + ["--no-offload-prefetch"]) == 2
+    assert "--no-offload-prefetch needs --offload" in capsys.readouterr().err
 
 
 def test_cli_score_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys):
@@ -382,12 +506,19 @@ def test_benchmark_runs_on_cpu(capsys):
     spec = importlib.util.spec_from_file_location("offload_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = bench.main(["--device", "cpu", "--preset", "tiny", "--batches", "1,2", "--steps", "1", "--warmup", "0",
-                      "--h2d-mib", "1", "--h2d-repeats", "1"])
-    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
-    assert out["streamed_units"] and [r["batch"] for r in out["results"]] == [1, 2]
-    for r in out["results"]:
-        assert r["tok_s"] > 0 and r["roofline_tok_s"] > 0 and r["bytes_moved_per_step"] > 0
+    for prefetch in ("on", "off"):
+        out = bench.main(["--device", "cpu", "--preset", "tiny", "--batches", "1,2", "--steps", "2", "--warmup", "0",
+                          "--h2d-mib", "1", "--h2d-repeats", "1", "--prefetch", prefetch])
+        assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
+        assert out["streamed_units"] and [r["batch"] for r in out["results"]] == [1, 2]
+        assert out["prefetch"] == prefetch
+        for r in out["results"]:
+            assert r["tok_s"] > 0 and r["roofline_tok_s"] > 0 and r["bytes_moved_per_step"] > 0
+            assert r["hit_rows_per_step"] + r["miss_rows_per_step"] == r["chosen_rows_per_step"] > 0
+            assert 0 <= r["hit_rate"] <= 1 and r["bytes_needed_per_step"] <= r["bytes_moved_per_step"]
+            if prefetch == "off":
+                assert r["prefetched_rows_per_step"] == r["hit_rate"] == 0
+                assert r["bytes_needed_per_step"] == r["bytes_moved_per_step"]
 
 
 def test_golden_bundle_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys):

@@ -11,9 +11,11 @@ into pieces:
 
 * a layer in `eager` (its layer part streams) is one eager call (`run_layer`, the fast twins): its hooks fetch it;
 * a layer in `split` (a MoE layer whose expert stack streams, its layer part resident) is two pieces around its
-  synchronisation point: `pre_experts` (attention, the post-attention norm, the router), then `sync(layer, routing)`
-  (the host reads the choice and copies the chosen rows), then `post_experts` (the routed experts on the staged rows,
-  the shared expert, the residual): `DecoderLayer.forward` and `MoE.forward` in the same operations and order;
+  synchronisation point: `pre_experts` (attention, the post-attention norm, the router), then `sync(layer, routing,
+  flat)` (the host reads the choice and copies the chosen rows; `flat`, the normed tokens the experts run on, also
+  predicts the next streamed stack's experts, whose rows the streamer copies ahead), then `post_experts` (the routed
+  experts on the staged rows, the shared expert, the residual): `DecoderLayer.forward` and `MoE.forward` in the same
+  operations and order;
 * every other layer is one piece, the whole layer.
 
 A segment is a maximal run of pieces between synchronisation points and eager layers: e.g. layers 0, 1 and the
@@ -163,9 +165,9 @@ class _Pending:
 class SegmentedLayers:
     """A step's layers as pieces and segments (module docstring): called as `CompiledLayers` is, `(layer, x, pos, cos,
     sin, cache, kv_len) -> x` with `layer.layer` its index. `eager`, `split`: layer indices (disjoint); `sync(layer,
-    routing)`: the synchronisation point of a split layer (None: nothing); `compiled`: the model's `CompiledLayers`
-    (None: every piece eager); `recorder`: how segments are recorded (None: not at all). `replays` and `recorded`
-    count replays of segments and recordings made."""
+    routing, flat)`: the synchronisation point of a split layer, `flat` the normed tokens [T, H] its experts run on
+    (None: nothing); `compiled`: the model's `CompiledLayers` (None: every piece eager); `recorder`: how segments are
+    recorded (None: not at all). `replays` and `recorded` count replays of segments and recordings made."""
 
     def __init__(self, num_layers: int, eager: Iterable[int] = (), split: Iterable[int] = (), sync=None,
                  compiled=None, recorder: Recorder | None = None):
@@ -196,7 +198,7 @@ class SegmentedLayers:
             return self._piece(("layer", i), layer, x, pos, cos, sin, cache, kv_len)
         pre = self._piece(("pre", i), layer, x, pos, cos, sin, cache, kv_len)
         if self.sync is not None:
-            self.sync(layer, Routing(*pre[2:]))
+            self.sync(layer, Routing(*pre[2:]), pre[1])
         return self._piece(("post", i), layer, pre, pos, cos, sin, cache, kv_len)
 
     def _run(self, piece: tuple, layer, v, pos, cos, sin, cache, kv_len):

@@ -92,9 +92,10 @@ class DeviceMap:
     """Which units stay on the GPU (`resident`) and which stream (`streamed`), with the GPU bytes each use takes.
 
     resident_bytes: the always-resident tensors (`unit_of`) plus the resident units. staging_bytes: GPU buffers of
-    the streamed units: two of the largest streamed layer units (the one running and the next, prefetched) and one
-    layer's full expert stacks (the chosen experts' rows are copied into it, at their places, so the expert code
-    runs unchanged). reserve_bytes: activations and KV cache. gpu_bytes = the three: what the run needs at most,
+    the streamed units: two of the largest streamed layer units (the one running and the next, prefetched) and
+    `expert_stages` layers' full expert stacks (the chosen experts' rows are copied into one, at their places, so
+    the expert code runs unchanged; with prefetch a second one takes the next streamed stack's predicted rows while
+    the first is read). reserve_bytes: activations and KV cache. gpu_bytes = the three: what the run needs at most,
     within budget_bytes."""
 
     units: tuple[OffloadUnit, ...]
@@ -127,14 +128,15 @@ class DeviceMap:
 
 
 def propose_device_map(units: list[OffloadUnit], always_bytes: int, budget_bytes: int,
-                       reserve_bytes: int) -> DeviceMap:
+                       reserve_bytes: int, expert_stages: int = 1) -> DeviceMap:
     """The device map for a GPU budget (decided here; weights.md "Offload").
 
     Everything is resident when it all fits. Otherwise units are made resident by the bytes they save per step for
     each byte they hold: a layer unit saves all its bytes every step, an expert stack only the chosen experts' share
     (k / E at batch 1), so every layer unit comes before any expert stack; within a kind, in layer order (first fit).
-    Staging is reserved first: one layer's expert stacks when any stack streams, and two of the largest layer units
-    (running + prefetched) when any layer unit streams. Raises ConfigError naming the smallest budget that runs when
+    Staging is reserved first: `expert_stages` layers' expert stacks when any stack streams (2 when the rows of the
+    next streamed stack are copied ahead, offload.py), and two of the largest layer units (running + prefetched) when
+    any layer unit streams. Raises ConfigError naming the smallest budget that runs when
     the always-resident tensors, the reserve and the staging buffers do not fit."""
     layers = [u for u in units if u.kind == "layer"]
     experts = [u for u in units if u.kind == "experts"]
@@ -142,7 +144,7 @@ def propose_device_map(units: list[OffloadUnit], always_bytes: int, budget_bytes
     if everything <= budget_bytes:
         return DeviceMap(tuple(units), tuple(u.name for u in units), (), always_bytes + sum(u.nbytes for u in units),
                          0, reserve_bytes, budget_bytes)
-    exp_stage = max((u.nbytes for u in experts), default=0)
+    exp_stage = expert_stages * max((u.nbytes for u in experts), default=0)
     sum_layers = sum(u.nbytes for u in layers)
     layer_stage = min(2 * max((u.nbytes for u in layers), default=0), sum_layers)
     minimum = always_bytes + reserve_bytes + exp_stage + layer_stage

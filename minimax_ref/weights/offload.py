@@ -16,7 +16,29 @@ Units that do not fit `gpu_memory` (after a reserve for activations and the KV c
   are copied into one GPU staging stack of the layer's full shape, at their own places, so `moe.Experts` and its fast
   twin run unchanged on it (they read only the chosen rows; rows left from another layer are finite weights that the
   fast path's dense branch multiplies by 0); the module holds the staging stacks until the next streamed stack is
-  fetched, then its meta placeholders again.
+  fetched, then its meta placeholders again. With prefetch (below) the rows of the experts predicted for a stack are
+  copied ahead, and after its router only the chosen experts not among them (the misses).
+
+Prefetch of expert rows (pre-gating; `OffloadConfig.prefetch`, on by default). Decided here:
+* what predicts: at a streamed stack's synchronisation point (the host reads its router's choice), the next streamed
+  stack of the step (layer order) is predicted by its own router (resident) applied to the tokens the synchronising
+  stack runs on: the residual stream leaving that layer's attention, normed by its post-attention norm (the one
+  state every path has there: the reference hook's `x`, the segments' `flat`); the residual stream drifts little
+  from layer to layer, and this needs no state the steps do not already have. The first streamed stack of a step
+  has nothing before it to predict it (the previous step's states are another token's) and copies all its rows
+  after its router;
+* when the host reads it: with the choice, in one transfer (`enter_experts`: ids and prediction concatenated, one
+  `tolist`), so prefetch adds no synchronisation, only the router's product and top-k on the compute stream;
+* where the rows go: two staging sets, the streamed stacks alternating between them in layer order (each stack always
+  the same set: CUDA graphs replay on recorded addresses), so the rows copied ahead for the next stack never
+  overwrite those the current stack's experts read; the device map reserves the second set
+  (`propose_device_map(expert_stages=2)`, so `--gpu-memory` still holds); without prefetch one set, as before;
+* what the experts read: only the chosen rows (the gather path), or every row with the unchosen ones multiplied by 0
+  (the dense branch): a predicted row that was not chosen is a real, finite row of the stack, so outputs do not
+  depend on the prediction (tests/test_offload.py checks a prediction that is always wrong);
+* rows copied ahead serve only the next stack entered (a step that stops before it discards them), and
+  `Streamer.stats` counts, per stack entered, the chosen rows, hits (copied ahead), misses and rows copied ahead
+  (hits + misses = chosen; `benchmarks/offload.py` prints the hit rate per step).
 
 Weights stay packed everywhere: what moves is the stored NVFP4 / MXFP8 bytes, decoded on the GPU by the same decoder,
 so an offloaded model's logits and greedy tokens equal the resident `weights="packed"` model's bit for bit (the
@@ -55,14 +77,17 @@ the fully compiled resident model's to fp32 rounding (a split layer is two compi
 
 What overlaps what, on a GPU. A streamed layer part is copied on a side stream, issued when the streamed layer part
 before it is entered, so its copy overlaps all the compute from there to its own layer (the segments between
-included). A streamed stack's chosen rows cannot be copied before its own layer's router has run: the choice of layer
-L is a function of layer L's post-attention residual, so it is never known a layer ahead. So the host waits for the
-segment ending with that router (the GPU drains), issues the row copies on the compute stream, and then the segment
-starting with the experts, which waits for them: those copies overlap nothing but the side stream's prefetch of the
-next streamed layer part (in `MoE.forward` the shared expert, the one block independent of the choice, runs after the
-routed experts, and stays in that order here). A step therefore costs about the compute, plus the row copies, plus
-one host round trip per streamed stack; the segments cut the compute (compiled, replayed pieces instead of eager
-launches).
+included). A streamed stack's chosen rows are known only once its own router has run (the choice of layer L is a
+function of layer L's post-attention residual), so at that point the host waits for the segment ending with the
+router (the GPU drains), issues the misses' copies on the compute stream, and then the segment starting with the
+experts, which waits for them: the misses overlap nothing but the side stream's copies. The rows predicted for the
+next streamed stack are issued on the side stream right after, so their copy overlaps the current stack's experts,
+its shared expert and every layer up to the next stack's router (the misses of the current stack are queued first
+and share the link with them). A step therefore costs about the compute, plus the misses' copies (all the chosen rows
+of the step's first streamed stack), plus one host round trip per streamed stack; rows copied ahead and not chosen
+cost link time, hidden while the compute is longer than them. The segments cut the compute (compiled, replayed pieces
+instead of eager launches). From the "disk" store (pageable memory) a copy blocks the host, so there prefetch moves
+the rows earlier but overlaps little.
 
 Limits: one process (TP=1), `weights="packed"`; a layer whose layer part streams runs uncompiled and outside CUDA
 graphs.
@@ -86,6 +111,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..model.cache import kv_bytes_per_token
+from ..model.moe import route
 from ..research.plan import DEFAULT_ACTIVATION_RESERVE_GIB, offload_units
 from .device_map import GIB, OFFLOAD_MODES, DeviceMap, id_runs, propose_device_map, unit_of
 
@@ -108,15 +134,17 @@ class OffloadConfig:
     model takes on the GPU: resident weights, staging buffers, and the reserve), the disk store's `folder` (default: a
     new folder under the cache folder, removed with the model), `reserve_gib` kept for activations on top of the KV
     cache of the runtime's `max_batch_size` (one when chosen per call: it then fits what is left) x `max_seq_len`,
-    and `share_streamed_experts` (synthetic weights only: every streamed expert stack reads the host stacks of the
+    `share_streamed_experts` (synthetic weights only: every streamed expert stack reads the host stacks of the
     first streamed one, so a release-width model whose experts exceed host memory can run; the bytes moved per step
-    are the same)."""
+    are the same), and `prefetch`: copy the next streamed stack's predicted experts' rows ahead (module docstring;
+    the device map then reserves a second staging stack; outputs are the same either way)."""
 
     mode: str = "none"
     gpu_memory_gib: float | None = None
     folder: Path | None = None
     reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB
     share_streamed_experts: bool = False
+    prefetch: bool = True
 
     @classmethod
     def of(cls, offload: str | OffloadConfig | None, gpu_memory: float | None = None,
@@ -255,15 +283,27 @@ class Unit:
 
 @dataclass
 class StreamStats:
-    """Bytes copied host -> device: whole layer parts, chosen experts' rows, and how many rows."""
+    """Bytes copied host -> device: whole layer parts, experts' rows, and how many rows (`expert_rows`: copied ahead
+    on a prediction or after the router). Of the distinct chosen experts of every streamed stack entered
+    (`chosen_rows`), `hit_rows` were already copied ahead and `miss_rows` were copied after the router;
+    `prefetched_rows` counts the rows copied ahead, chosen or not (hits + misses = chosen)."""
 
     layer_bytes: int = 0
     expert_bytes: int = 0
     expert_rows: int = 0
+    chosen_rows: int = 0
+    hit_rows: int = 0
+    miss_rows: int = 0
+    prefetched_rows: int = 0
 
     @property
     def bytes_moved(self) -> int:
         return self.layer_bytes + self.expert_bytes
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Hits / chosen rows (None before any streamed stack ran)."""
+        return self.hit_rows / self.chosen_rows if self.chosen_rows else None
 
 
 @dataclass
@@ -280,22 +320,35 @@ class Streamer:
     stream: object = field(default=None, repr=False)
     # the streamed unit of each kind whose weights its module holds now ("layer" / "experts" -> unit name)
     holding: dict[str, str] = field(default_factory=dict, repr=False)
+    # copy the next streamed stack's predicted rows ahead (module docstring, "Prefetch of expert rows")
+    prefetch: bool = False
+    # streamed stack name -> its router (resident), which predicts the stack's experts
+    routers: dict = field(default_factory=dict, repr=False)
+    # the rows copied ahead for the next stack entered: (stack name, expert ids, event on the side stream or None)
+    ahead: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
         self.layer_order = [u.name for u in self.units.values() if u.kind == "layer"]
-        # one staging stack per (tensor of a stack, shape, dtype): shared by every streamed layer of that shape
-        for u in self.units.values():
-            if u.kind == "experts":
-                for r in u.records:
-                    key = self.staging_key(r)
-                    if key not in self.staging:
-                        self.staging[key] = torch.zeros(r.meta.shape, dtype=r.meta.dtype, device=self.device)
+        stacks = sorted((u for u in self.units.values() if u.kind == "experts"), key=lambda u: u.layer)
+        # the stack predicted at a stack's synchronisation point: the next streamed one of the same step
+        self.next_stack = {a.name: b.name for a, b in zip(stacks, stacks[1:])}
+        # two staging sets when prefetching, stacks alternating between them in layer order, so the rows copied
+        # ahead for a stack never overwrite those the stack before it reads; each stack always uses the same set
+        # (a CUDA graph replays on the addresses it was recorded with)
+        sets = 2 if self.prefetch and len(stacks) > 1 else 1
+        self.stage_set = {u.name: i % sets for i, u in enumerate(stacks)}
+        # one staging stack per (set, tensor of a stack, shape, dtype): shared by the streamed layers of that shape
+        for u in stacks:
+            for r in u.records:
+                key = self.staging_key(r, self.stage_set[u.name])
+                if key not in self.staging:
+                    self.staging[key] = torch.zeros(r.meta.shape, dtype=r.meta.dtype, device=self.device)
 
     @staticmethod
-    def staging_key(r: Record) -> tuple:
-        return (r.key.rsplit("experts.", 1)[-1], tuple(r.meta.shape), r.meta.dtype)
+    def staging_key(r: Record, stage_set: int = 0) -> tuple:
+        return (stage_set, r.key.rsplit("experts.", 1)[-1], tuple(r.meta.shape), r.meta.dtype)
 
     # ---- layer parts
     def _copy(self, unit: Unit) -> tuple[list[torch.Tensor], object]:
@@ -346,20 +399,65 @@ class Streamer:
             self.pending[nxt] = self._copy(self.units[nxt])
 
     # ---- expert stacks
-    def enter_experts(self, name: str, expert_ids: torch.Tensor) -> None:
+    def predict(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The experts stack `name` is predicted to choose for tokens `x` [T, H] (the post-attention-normed stream of
+        the layer synchronising now): its own router on `x`, called functionally (hooks on the router, golden's or a
+        trace's, see only its real calls). Ids [T, k] on the device; they choose which rows are copied ahead, never
+        what the experts compute."""
+        g = self.routers[name]
+        return route(x, g.weight, g.e_score_correction_bias, g.top_k, g.expert_mask).expert_ids
+
+    def _copy_rows(self, unit: Unit, ids: list[int], ahead: bool) -> object:
+        """Copy the rows `ids` (sorted, distinct) of `unit`'s stacks into its staging stacks, on the compute stream,
+        or with `ahead` on the side stream after the work queued so far on the compute stream (the set being written
+        may still be read there); returns the side stream's event (None on the compute stream or on a CPU)."""
+        runs = id_runs(ids)
+        rows = len(ids)
+        side = ahead and self.stream is not None
+        if side:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream) if side else nullcontext():
+            for r in unit.records:
+                stage, src = self.staging[self.staging_key(r, self.stage_set[unit.name])], self.store[r.key]
+                for a, b in runs:
+                    stage[a:b].copy_(src[a:b], non_blocking=True)
+                self.stats.expert_bytes += rows * src[0].numel() * src.element_size()
+            self.stats.expert_rows += rows
+            if not side:
+                return None
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def enter_experts(self, name: str, expert_ids: torch.Tensor, x: torch.Tensor | None = None) -> None:
         """Before streamed expert stacks `name` run on tokens routed to `expert_ids` (local ids, any shape): the rows
-        of the distinct chosen experts copied into the staging stacks, which the module then holds."""
+        of the distinct chosen experts not already copied ahead copied into the stack's staging stacks, which the
+        module then holds. With prefetch on and `x` (the tokens the experts run on) given, the next streamed stack's
+        experts are predicted from `x` (`predict`) and their rows copied ahead, on the side stream."""
         unit = self.units[name]
-        self.hold("experts", name)  # the stacks held before point at the staging stacks being overwritten
-        runs = id_runs(torch.unique(expert_ids).tolist())  # reads the choice on the host: the one synchronisation
-        rows = sum(b - a for a, b in runs)
+        self.hold("experts", name)  # the stacks held before point at staging stacks that may be overwritten
+        ahead, self.ahead = self.ahead, None  # rows copied ahead serve only the next stack entered
+        nxt = self.next_stack.get(name) if self.prefetch and x is not None else None
+        ids = expert_ids.reshape(-1)
+        n = ids.numel()
+        if nxt is not None:
+            ids = torch.cat([ids, self.predict(nxt, x).reshape(-1).to(ids.device)])
+        host = ids.tolist()  # reads the choice (and the prediction with it) on the host: the one synchronisation
+        chosen = sorted(set(host[:n]))
+        present, event = (ahead[1], ahead[2]) if ahead is not None and ahead[0] == name else (frozenset(), None)
+        misses = [e for e in chosen if e not in present]
+        self.stats.chosen_rows += len(chosen)
+        self.stats.hit_rows += len(chosen) - len(misses)
+        self.stats.miss_rows += len(misses)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self._copy_rows(unit, misses, ahead=False)
         for r in unit.records:
-            stage, src = self.staging[self.staging_key(r)], self.store[r.key]
-            for a, b in runs:
-                stage[a:b].copy_(src[a:b], non_blocking=True)
-            self.stats.expert_bytes += rows * src[0].numel() * src.element_size()
-            r.put(stage, keep=True)
-        self.stats.expert_rows += rows
+            r.put(self.staging[self.staging_key(r, self.stage_set[name])], keep=True)
+        if nxt is not None:
+            predicted = sorted(set(host[n:]))
+            self.stats.prefetched_rows += len(predicted)
+            self.ahead = (nxt, frozenset(predicted), self._copy_rows(self.units[nxt], predicted, ahead=True))
 
     @contextmanager
     def present(self) -> Iterator[None]:
@@ -406,7 +504,7 @@ def _hooks():
             self.streamer, self.name = streamer, name
 
         def pre_forward(self, module, x, routing, *args, **kwargs):
-            self.streamer.enter_experts(self.name, routing.expert_ids)
+            self.streamer.enter_experts(self.name, routing.expert_ids, x)
             return (x, routing, *args), kwargs
 
     return LayerHook, ExpertsHook
@@ -457,7 +555,8 @@ def device_map_for(model: nn.Module, ck, cfg: OffloadConfig, dtype: torch.dtype,
     always, units = offload_units(ck.config, dtype_bytes=dtype_bytes, ckpt_dir=ckpt_dir)
     kv = kv_bytes_per_token(ck.config, 1, runtime.kv_cache_dtype, dtype_bytes) * runtime.max_seq_len \
         * (runtime.max_batch_size or 1)
-    return propose_device_map(units, always, int(cfg.gpu_memory_gib * GIB), int(cfg.reserve_gib * GIB) + kv)
+    return propose_device_map(units, always, int(cfg.gpu_memory_gib * GIB), int(cfg.reserve_gib * GIB) + kv,
+                              expert_stages=2 if cfg.prefetch else 1)
 
 
 def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, device: torch.device,
@@ -581,7 +680,8 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
         store.save_index()
         (store.folder / "device_map.json").write_text(json.dumps(
             {"resident": list(dm.resident), "streamed": list(dm.streamed)}, indent=1))
-    streamer = Streamer(device, store, dm, units)
+    routers = {name: model.layers[u.layer].block_sparse_moe.gate for name, u in units.items() if u.kind == "experts"}
+    streamer = Streamer(device, store, dm, units, prefetch=cfg.prefetch, routers=routers)
     if fast not in (None, False, "off") and fast.any:
         from ..fast import apply
 
@@ -642,8 +742,8 @@ def segment_steps(model: nn.Module, streamer: Streamer, fast, capture: bool) -> 
     eager = {u.layer for u in streamer.units.values() if u.kind == "layer"}
     split = {u.layer for u in streamer.units.values() if u.kind == "experts"} - eager
 
-    def sync(layer: nn.Module, routing) -> None:
-        streamer.enter_experts(f"layers.{layer.layer}.experts", routing.expert_ids)
+    def sync(layer: nn.Module, routing, x: torch.Tensor) -> None:
+        streamer.enter_experts(f"layers.{layer.layer}.experts", routing.expert_ids, x)
 
     model.compiled = SegmentedLayers(len(model.layers), eager, split, sync, compiled=model.compiled,
                                      recorder=cuda_recorder() if capture else None)

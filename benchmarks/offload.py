@@ -74,7 +74,8 @@ def h2d_rate(device: torch.device, mib: int, repeats: int) -> float:
 
 
 def default_budget(cfg, dtype_bytes: int, reserve_bytes: int) -> float:
-    """A budget (GiB) under which about half of the expert stacks stream: everything else resident."""
+    """A budget (GiB) under which about half of the expert stacks stream (one more with prefetch, whose second
+    staging stack takes a resident stack's room): everything else resident."""
     always, units = offload_units(cfg, dtype_bytes=dtype_bytes)
     layers = sum(u.nbytes for u in units if u.kind == "layer")
     stacks = [u.nbytes for u in units if u.kind == "experts"]

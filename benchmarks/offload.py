@@ -7,7 +7,7 @@ measured in the same run.
     # chosen expert's weights at every step: at batch 32 that compute, not the copies, sets the pace):
     PYTHONPATH=$PWD python3 benchmarks/offload.py --device cuda --gpu-memory 100 --out offload.jsonl
     # the same without copying the predicted experts' rows ahead:
-    PYTHONPATH=$PWD python3 benchmarks/offload.py --device cuda --gpu-memory 100 --prefetch off --out offload.jsonl
+    PYTHONPATH=$PWD python3 benchmarks/offload.py --device cuda --gpu-memory 100 --prefetch on --out offload.jsonl
     # CPU dry run (the compute device is the CPU, the store separate host tensors):
     PYTHONPATH=$PWD python3 benchmarks/offload.py --device cpu --preset tiny
 
@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fast", default="off", choices=fast_presets,
                    help=f"fast paths: {describe_presets(fast_presets)} (default: off; on decodes every expert of a "
                         "batch-32 step)")
-    p.add_argument("--prefetch", default="on", choices=["on", "off"],
-                   help="copy the next streamed stack's predicted experts' rows ahead, on a side stream (default: on)")
+    p.add_argument("--prefetch", default="off", choices=["on", "off"],
+                   help="copy the next streamed stack's predicted experts' rows ahead, on a side stream (default: off, "
+                        "the engine's default)")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--warmup", type=int, default=1)

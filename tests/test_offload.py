@@ -288,7 +288,7 @@ def test_synthetic_shared_experts_move_the_same_bytes(which):
     kv = kv_bytes_per_token(full.config, 1, "auto", 4) * 64 * 4
     budget = always + kv + 2 * stack + (sum(layers) if which == "experts" else 2 * max(layers) + min(layers))
     model = load_synthetic("tiny", offload=OffloadConfig("cpu", budget / GIB, reserve_gib=0.0,
-                                                         share_streamed_experts=True), **kw)
+                                                         share_streamed_experts=True, prefetch=True), **kw)
     s = model.offload
     assert list(s.device_map.streamed) == EXPECTED[which][1]
     first = min(u.layer for u in s.units.values() if u.kind == "experts")
@@ -452,7 +452,7 @@ def test_refused_combinations(tiny_nvfp4, tmp_path, monkeypatch):
 
 def test_cli_generate_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys, monkeypatch):
     """`minimax-ref generate --offload disk --gpu-memory ...` prints what the resident run prints, and so does
-    `--no-offload-prefetch`; a bad combination is one `error:` line, exit status 2."""
+    `--offload-prefetch`; a bad combination is one `error:` line, exit status 2."""
     from minimax_ref.weights import offload
 
     prefetch, load = [], offload.load_offloaded
@@ -470,12 +470,12 @@ def test_cli_generate_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys, mo
     assert json.loads((store / "device_map.json").read_text())["streamed"]
     assert main(common[:-2] + ["--offload", "cpu", "--gpu-memory", "8", "--weights", "dequant"]) == 2
     assert "--weights packed" in capsys.readouterr().err
-    assert main(common + ["--offload", "cpu", "--gpu-memory", str(5 + 2 / 1024), "--no-offload-prefetch"]) == 0
+    assert main(common + ["--offload", "cpu", "--gpu-memory", str(5 + 2 / 1024), "--offload-prefetch"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
-    assert prefetch[0] and not prefetch[-1]  # on by default; the refused dequant run checks in between
-    assert main(common + ["--no-offload-prefetch"]) == 2
-    assert "--no-offload-prefetch needs --offload" in capsys.readouterr().err
+    assert not prefetch[0] and prefetch[-1]  # off by default; the refused dequant run checks in between
+    assert main(common + ["--offload-prefetch"]) == 2
+    assert "--offload-prefetch needs --offload" in capsys.readouterr().err
 
 
 def test_cli_score_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys):

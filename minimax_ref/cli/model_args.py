@@ -62,9 +62,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-folder", type=Path, default=None, metavar="DIR",
                    help="with --offload disk: where the streamed weights are written (default: a new folder under "
                         "the cache folder, removed at exit)")
-    p.add_argument("--no-offload-prefetch", action="store_true",
-                   help="with --offload (generate, golden): do not copy the predicted experts' rows of the next "
-                        "streamed stack ahead (saves one expert stack of staging; same outputs)")
+    p.add_argument("--offload-prefetch", action="store_true",
+                   help="with --offload (generate, golden): copy the predicted experts' rows of the next streamed "
+                        "stack ahead, overlapping compute (one more expert stack of staging; same outputs)")
 
 
 def add_intervention_flags(p: argparse.ArgumentParser) -> None:
@@ -99,11 +99,11 @@ def load_from_args(args: argparse.Namespace, world=None):
                   expert_parallel=getattr(args, "expert_parallel", False), fast=fast,
                   offload=getattr(args, "offload", "none"), gpu_memory=getattr(args, "gpu_memory", None),
                   offload_folder=getattr(args, "offload_folder", None))
-    if getattr(args, "no_offload_prefetch", False) and common["offload"] != "none":
+    if getattr(args, "offload_prefetch", False) and common["offload"] != "none":
         from ..weights.offload import OffloadConfig
 
         common["offload"] = OffloadConfig.of(common["offload"], common["gpu_memory"], common["offload_folder"])
-        common["offload"] = dataclasses.replace(common["offload"], prefetch=False)
+        common["offload"] = dataclasses.replace(common["offload"], prefetch=True)
     preset = getattr(args, "synthetic_weights", None)
     if preset is None:
         if getattr(args, "synthetic_layers", None) is not None or getattr(args, "synthetic_experts", None) is not None:
@@ -127,7 +127,7 @@ def load_from_args(args: argparse.Namespace, world=None):
 
 # The commands that pass --offload to the models they load (`load_from_args`, `score.load_for_args`).
 OFFLOAD_COMMANDS = ("generate", "golden", "score", "prune")
-# The commands whose models take --no-offload-prefetch (`load_from_args`).
+# The commands whose models take --offload-prefetch (`load_from_args`).
 PREFETCH_SWITCH_COMMANDS = ("generate", "golden")
 
 
@@ -139,10 +139,10 @@ def check_offload_command(args: argparse.Namespace) -> None:
     if asked and args.command not in OFFLOAD_COMMANDS:
         raise InputError(f"--offload is not available for `minimax-ref {args.command}` yet (it loads its models "
                          f"itself); commands that offload: {', '.join(OFFLOAD_COMMANDS)}")
-    if getattr(args, "no_offload_prefetch", False):
+    if getattr(args, "offload_prefetch", False):
         # score and prune load through `score.load_for_args`, which passes the mode alone
         if args.offload == "none" or args.command not in PREFETCH_SWITCH_COMMANDS:
-            raise InputError(f"--no-offload-prefetch needs --offload cpu|disk and one of: "
+            raise InputError(f"--offload-prefetch needs --offload cpu|disk and one of: "
                              f"{', '.join(PREFETCH_SWITCH_COMMANDS)}")
 
 

@@ -19,7 +19,8 @@ Units that do not fit `gpu_memory` (after a reserve for activations and the KV c
   fetched, then its meta placeholders again. With prefetch (below) the rows of the experts predicted for a stack are
   copied ahead, and after its router only the chosen experts not among them (the misses).
 
-Prefetch of expert rows (pre-gating; `OffloadConfig.prefetch`, on by default). Decided here:
+Prefetch of expert rows (pre-gating; `OffloadConfig.prefetch`, off by default until its side-stream copies have run on
+a GPU). Decided here:
 * what predicts: at a streamed stack's synchronisation point (the host reads its router's choice), the next streamed
   stack of the step (layer order) is predicted by its own router (resident) applied to the tokens the synchronising
   stack runs on: the residual stream leaving that layer's attention, normed by its post-attention norm (the one
@@ -144,7 +145,7 @@ class OffloadConfig:
     folder: Path | None = None
     reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB
     share_streamed_experts: bool = False
-    prefetch: bool = True
+    prefetch: bool = False
 
     @classmethod
     def of(cls, offload: str | OffloadConfig | None, gpu_memory: float | None = None,

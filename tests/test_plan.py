@@ -206,6 +206,11 @@ def test_cli_offload_plan_pruned80(capsys, tmp_path):
     assert b1["bytes_per_token"] == pytest.approx(len(streamed) * 4 * expert)
     assert b32["bytes_per_step"] == pytest.approx(len(streamed) * 80 * (1 - (1 - 4 / 80) ** 32) * expert)
     assert b1["roofline_tok_s"] == pytest.approx(50e9 / b1["bytes_per_step"])
+    # with --offload-prefetch a second stack of staging: exactly one more stack streams
+    assert main(args + ["--offload-prefetch", "--output-format", "json"]) == 0
+    pre = json.loads(capsys.readouterr().out)["offload_plan"]
+    assert pre["staging_bytes"] == pytest.approx(2 * 80 * expert)
+    assert pre["streamed_expert_layers"] == list(range(streamed[0] - 1, 60))
     assert main(args) == 0
     text = capsys.readouterr().out
     assert f"expert stacks of layers {streamed[0]}-59" in text and "PCIe roofline at 50 GB/s" in text

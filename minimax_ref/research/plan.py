@@ -345,6 +345,9 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--h2d-gbps", type=float, default=DEFAULT_H2D_GBPS,
                    help=f"with --offload: host-to-device GB/s assumed for the roofline (default: {DEFAULT_H2D_GBPS}, "
                         "PCIe Gen5 x16 from pinned memory; benchmarks/offload.py measures it)")
+    p.add_argument("--offload-prefetch", action="store_true",
+                   help="with --offload: the map of a load with --offload-prefetch (one more expert stack of "
+                        "staging)")
     p.add_argument("--output-format", choices=["text", "json"], default="text")
 
 
@@ -419,11 +422,12 @@ def offload_units(cfg: ModelConfig, *, dtype_bytes: int = 2, ckpt_dir: Path | No
 def plan_offload(cfg: ModelConfig, *, gpu_memory_gib: float, offload: str, max_model_len: int, batch: int = 1,
                  kv_cache_dtype: str = "auto", dtype_bytes: int = 2,
                  activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB, h2d_gbps: float = DEFAULT_H2D_GBPS,
-                 ckpt_dir: Path | None = None) -> dict:
+                 ckpt_dir: Path | None = None, prefetch: bool = False) -> dict:
     """The offload proposal as a JSON-ready dict: the device map for `gpu_memory_gib` (the whole budget: resident
     weights, staging buffers, and a reserve of `activation_reserve_gib` plus the KV cache of `batch` sequences of
     `max_model_len` tokens), the bytes moved per decode step and per token at batch 1 and at `batch`, and the PCIe
-    roofline `tok/s = B / (bytes_per_step(B) / h2d)` at an assumed host-to-device rate `h2d_gbps` (GB/s, 1e9)."""
+    roofline `tok/s = B / (bytes_per_step(B) / h2d)` at an assumed host-to-device rate `h2d_gbps` (GB/s, 1e9).
+    prefetch: the map of a load with expert-row prefetch (`--offload-prefetch`: a second expert staging stack)."""
     if offload not in OFFLOAD_MODES or offload == "none":
         raise InputError(f"--offload {offload!r}: choose cpu or disk for an offload plan")
     if batch < 1 or h2d_gbps <= 0 or gpu_memory_gib <= 0:
@@ -433,7 +437,8 @@ def plan_offload(cfg: ModelConfig, *, gpu_memory_gib: float, offload: str, max_m
     reserve = int(activation_reserve_gib * GIB) + kv
     problems: list[str] = []
     try:
-        dm = propose_device_map(units, always, int(gpu_memory_gib * GIB), reserve)
+        dm = propose_device_map(units, always, int(gpu_memory_gib * GIB), reserve,
+                                expert_stages=2 if prefetch else 1)
     except MiniMaxRefError as e:
         problems.append(str(e))
         dm = None
@@ -474,7 +479,7 @@ def run_offload(args: argparse.Namespace, cfg: ModelConfig, plan: dict) -> int:
     off = plan_offload(cfg, gpu_memory_gib=args.gpu_memory, offload=args.offload, max_model_len=args.max_model_len,
                        batch=args.batch, kv_cache_dtype=args.kv_cache_dtype,
                        dtype_bytes=2 if args.dtype == "bfloat16" else 4, activation_reserve_gib=args.activation_reserve,
-                       h2d_gbps=args.h2d_gbps, ckpt_dir=args.ckpt_path)
+                       h2d_gbps=args.h2d_gbps, ckpt_dir=args.ckpt_path, prefetch=args.offload_prefetch)
     if args.max_model_len > cfg.text.max_position_embeddings:
         off["problems"].append(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings="
                                f"{cfg.text.max_position_embeddings}")

@@ -32,7 +32,7 @@ import sys
 from collections import defaultdict
 
 import torch
-from common import BenchmarkError, emit, main_guard
+from common import BenchmarkError, add_attention_workload_flags, add_kernel_bench_flags, emit, main_guard
 from fused_matmul import per_call_s
 
 from minimax_ref.model.attention import causal_attention
@@ -172,19 +172,10 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--prompt-len", type=int, default=8192, help="queries of the call (default: 8192)")
-    p.add_argument("--context", type=int, default=0, help="cached keys before them (default: 0)")
-    p.add_argument("--correlation", type=float, default=0.9,
-                   help="of one token's index query with the previous token's (default: 0.9)")
+    add_attention_workload_flags(p)
     p.add_argument("--kinds", default="sparse,dense", help="layers: sparse (MSA), dense (default: both)")
     p.add_argument("--caches", default="bf16,fp8", help="cache storage (default: bf16,fp8)")
-    p.add_argument("--iters", type=int, default=5, help="graph replays timed (default: 5)")
-    p.add_argument("--check", type=int, default=256, help="last queries checked against the reference (0: none)")
-    p.add_argument("--tiles", default=None, metavar="ROWS,KEYS,WARPS,STAGES",
-                   help="one launch configuration (default: fast.attention_kernel.tiles_for)")
-    p.add_argument("--sweep", action="store_true", help="time every configuration of --sweep-tiles instead")
-    p.add_argument("--sweep-tiles", default=";".join(SWEEP), help="configurations to sweep, ';'-separated")
-    p.add_argument("--out", default=None, help="also append the JSON line to this file")
+    add_kernel_bench_flags(p, "ROWS,KEYS,WARPS,STAGES", "fast.attention_kernel.tiles_for", SWEEP, iters=5)
     args = p.parse_args(argv)
     return main_guard(lambda: run(args), [])
 

@@ -106,6 +106,28 @@ FUSED_ROWS_HELP = ("fused matmul: rows of the input per pass over a weight (defa
                    "fused 8)")
 
 
+def add_kernel_bench_flags(p: argparse.ArgumentParser, tiles_metavar: str, tiles_default: str, sweep: list[str],
+                           iters: int) -> None:
+    """The flags every kernel benchmark takes: --iters, one launch configuration (--tiles) or a --sweep over
+    --sweep-tiles, --out."""
+    p.add_argument("--iters", type=int, default=iters, help=f"graph replays timed (default: {iters})")
+    p.add_argument("--tiles", default=None, metavar=tiles_metavar,
+                   help=f"one launch configuration (default: {tiles_default})")
+    p.add_argument("--sweep", action="store_true", help="time every configuration of --sweep-tiles instead")
+    p.add_argument("--sweep-tiles", default=";".join(sweep), help="configurations to sweep, ';'-separated")
+    p.add_argument("--out", default=None, help="also append the JSON line to this file")
+
+
+def add_attention_workload_flags(p: argparse.ArgumentParser) -> None:
+    """An MSA prefill call's queries: --prompt-len after --context cached keys, neighbouring tokens' index queries
+    correlated by --correlation, the last --check queries compared with the reference."""
+    p.add_argument("--prompt-len", type=int, default=8192, help="queries of the call (default: 8192)")
+    p.add_argument("--context", type=int, default=0, help="cached keys before them (default: 0)")
+    p.add_argument("--correlation", type=float, default=0.9,
+                   help="of one token's index query with the previous token's (default: 0.9)")
+    p.add_argument("--check", type=int, default=256, help="last queries checked against the reference (0: none)")
+
+
 def fused_rows_arg(text: str) -> int:
     """`--fused-rows`: a positive row count."""
     rows = int(text)

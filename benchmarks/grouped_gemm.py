@@ -21,7 +21,7 @@ import sys
 from collections import defaultdict
 
 import torch
-from common import GIB, BenchmarkError, copy_bandwidth, emit, main_guard
+from common import GIB, BenchmarkError, add_kernel_bench_flags, copy_bandwidth, emit, main_guard
 from fused_matmul import operands, per_call_s
 
 from minimax_ref.fast.packed import decode_fast, packed_matmul_reference
@@ -104,12 +104,7 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=32, help="rows of x (tokens of a decode step; default: 32)")
-    p.add_argument("--iters", type=int, default=30, help="graph replays timed (default: 30)")
-    p.add_argument("--tiles", default=None, metavar="BN,BK,WARPS,STAGES",
-                   help="one launch configuration of the grouped kernel (default: fast.grouped.tiles_for)")
-    p.add_argument("--sweep", action="store_true", help="time every configuration of --sweep-tiles instead")
-    p.add_argument("--sweep-tiles", default=";".join(SWEEP), help="configurations to sweep, ';'-separated")
-    p.add_argument("--out", default=None, help="also append the JSON line to this file")
+    add_kernel_bench_flags(p, "BN,BK,WARPS,STAGES", "fast.grouped.tiles_for", SWEEP, iters=30)
     args = p.parse_args(argv)
     return main_guard(lambda: run(args), [])
 

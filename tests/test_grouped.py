@@ -145,6 +145,16 @@ def _ptxas() -> str | None:
     return path if os.path.exists(path) else None
 
 
+def _ptxas_report(ptx: str) -> str:
+    """What `ptxas -v` says of `ptx` assembled for sm_90a (registers, spills)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as fh:
+            fh.write(ptx)
+        return subprocess.run([_ptxas(), "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+
+
 @pytest.mark.skipif(not grouped.AVAILABLE or INTERP, reason="compiles the CUDA kernel (triton, not interpreted)")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 def test_kernel_compiles_for_h200_without_spills(fmt):
@@ -171,12 +181,7 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
                              options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
         ptx = out.asm["ptx"]
         assert "mma" in ptx  # tensor-core products
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "kernel.ptx")
-            with open(path, "w") as fh:
-                fh.write(ptx)
-            info = subprocess.run([_ptxas(), "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull],
-                                  capture_output=True, text=True, check=True).stderr
+        info = _ptxas_report(ptx)
         assert " 0 bytes spill stores" in info, info
 
 
@@ -199,12 +204,7 @@ def test_decoder_compiles_for_h200_without_spills(fmt):
     constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
     out = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.num_warps})
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as fh:
-            fh.write(out.asm["ptx"])
-        info = subprocess.run([_ptxas(), "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull],
-                              capture_output=True, text=True, check=True).stderr
+    info = _ptxas_report(out.asm["ptx"])
     assert " 0 bytes spill stores" in info, info
 
 

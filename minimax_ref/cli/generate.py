@@ -90,13 +90,9 @@ def _read_tools(path: Path | None):
     if path is None:
         return None
     from ..generation.chat import normalize_tools
+    from ..research.records import read_json
 
-    try:
-        tools = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise InputError(f"--tools {path}: cannot read ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"--tools {path}: not valid UTF-8 JSON ({e})") from None
+    tools = read_json(path, flag="--tools")
     if isinstance(tools, dict):
         tools = [tools]
     normalize_tools(tools)

@@ -19,7 +19,6 @@ hooks are attached. The tokens are the reference's under the same edits.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import InputError
+from .records import read_json
 from .trace import Interventions, Trace
 
 if TYPE_CHECKING:
@@ -117,12 +117,7 @@ def read_expert_mask(path: str | Path, num_experts: int) -> dict[int, torch.Tens
     [ids]}, "source_num_experts": E, ...}`), or an object `{"L": [kept ids]}`. A pruning.json written for a model
     of another expert count is refused (the mask applies to the checkpoint that was pruned, not to the pruned one)."""
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise InputError(f"--expert-mask {path}: cannot read ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"--expert-mask {path}: not valid UTF-8 JSON ({e})") from None
+    raw = read_json(path, flag="--expert-mask")
     if not isinstance(raw, dict):
         raise InputError(f"--expert-mask {path}: expected a JSON object, got {type(raw).__name__}")
     kept = raw.get("kept", raw)

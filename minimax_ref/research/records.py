@@ -1,5 +1,6 @@
-"""Reading a JSONL file of records (score traces, eval tasks): one record a non-blank line, each parsed by the caller,
-the first bad line named as `path:line` in the error."""
+"""Reading the JSON files a flag names: a JSONL file of records (score traces, eval tasks: one record a non-blank line,
+each parsed by the caller, the first bad line named as `path:line` in the error), or one JSON document (`--tools`,
+`--expert-mask`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ from typing import TypeVar
 from ..errors import InputError, MiniMaxRefError
 
 Record = TypeVar("Record")
+
+
+def read_json(path: str | Path, *, flag: str) -> object:
+    """The JSON document in `path`. InputError naming the `flag` and the path: unreadable, not UTF-8, not JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot read ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{flag} {path}: not valid UTF-8 JSON ({e})") from None
 
 
 def read_jsonl(path: str | Path, parse: Callable[[object, int], Record], *, flag: str, what: str) -> list[Record]:

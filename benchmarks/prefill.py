@@ -13,11 +13,13 @@ The model: `--preset release --layers 6 --experts 16` (3 dense layers, 3 MSA + M
 (`--weights dequant`: the tensors transformers gets), bf16 KV cache. Each variant of minimax-ref runs on the same
 loaded model (`fast.apply` between variants):
 * `reference`: the reference engine (`FastPaths()`: MSA gathers its selected key blocks per query chunk);
-* `gathering`: `--fast on` with the attention kernel off (`prefill_attention="reference"`: fp32 SDPA cores, MSA
-  gathering its blocks from the cache);
-* `on`: `--fast on` (batched experts, and with triton on CUDA the attention kernel, `fast.attention_kernel`);
+* `gathering`: `--fast on` with the attention and selection kernels off (`prefill_attention="reference"`,
+  `block_selection="reference"`: fp32 SDPA cores, MSA gathering its blocks from the cache);
+* `on`: `--fast on` (batched experts, and with triton on CUDA the attention and selection kernels,
+  `fast.attention_kernel`, `fast.selection_kernel`);
 * `compiled`: `--fast compiled`, the GPU default (its prefill: `on`'s paths with fused packed products unused);
-* `selection`: `compiled` with the MSA block selection by `fast.selection_kernel` (the non-user preset `selection`).
+* `reference-selection`: `compiled` with the MSA block selection of the reference's chunked scores
+  (`block_selection="reference"`), to measure what `fast.selection_kernel` saves.
 `transformers`: `MiniMaxM3VLForCausalLM` built from the same decoded weights (vs_transformers.build_transformers),
 bf16, SDPA attention (on MSA layers with a [B, heads, S, S] mask of the indexer's selected blocks, so every layer
 costs dense attention).
@@ -44,8 +46,10 @@ from minimax_ref.weights.loader import load_synthetic
 from minimax_ref.weights.synth import PRESETS
 
 ON = FastPaths.of(True)
-VARIANTS = {"reference": FastPaths(), "gathering": replace(ON, prefill_attention="reference"), "on": ON,
-           "compiled": FastPaths.of("compiled"), "selection": FastPaths.of("selection")}
+VARIANTS = {"reference": FastPaths(),
+            "gathering": replace(ON, prefill_attention="reference", block_selection="reference"), "on": ON,
+            "compiled": FastPaths.of("compiled"),
+            "reference-selection": replace(FastPaths.of("compiled"), block_selection="reference")}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -162,10 +162,10 @@ def test_tiles_and_switches():
     with pytest.raises(ConfigError, match="give QUERIES,KEYS,NUM_WARPS,NUM_STAGES"):
         sk.Tiles.parse("128,64")
     assert sk.tiles_for(torch.device("cpu")) == sk.DEFAULT
-    # the non-user preset `selection` is `compiled` selecting through the kernel; no user preset does yet
-    assert FastPaths.of("selection") == replace(FastPaths.of("compiled"), block_selection="triton")
-    for name in ("off", "on", "compile", "fused", "compiled", "gemv"):
-        assert FastPaths.of(name).block_selection == "reference"
+    # every preset but the reference selects through the kernel where it runs
+    assert FastPaths.of("off").block_selection == "reference"
+    for name in ("on", "compile", "fused", "compiled", "gemv"):
+        assert FastPaths.of(name).block_selection == "triton"
     with pytest.raises(ConfigError, match=r"block_selection='cuda': choose one of \['reference', 'triton'\]"):
         FastPaths(block_selection="cuda")
 
@@ -186,11 +186,11 @@ def test_where_the_kernel_runs():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_model_prefill_selects_through_the_kernel(tiny_nvfp4, kv_cache_dtype, device, monkeypatch):
-    """A bf16 model with the `on` preset selecting through the kernel: the 70-token prefill chunk of two sequences at
-    different positions selects through the kernel on every MSA layer (the 20-token chunk after it is decode-sized:
-    the other path), each layer's ids equal the reference's selection of the same operands up to ties, and the
-    logits equal those of the same preset selecting by the reference path (bit for bit where every selection is the
-    same)."""
+    """A bf16 model with the `on` preset (which selects through the kernel): the 70-token prefill chunk of two
+    sequences at different positions selects through the kernel on every MSA layer (the 20-token chunk after it is
+    decode-sized: the other path), each layer's ids equal the reference's selection of the same operands up to
+    ties, and the logits equal those of the same preset selecting by the reference path (bit for bit where every
+    selection is the same)."""
     from minimax_ref.weights.loader import load_model
 
     model = load_model(tiny_nvfp4, dtype=torch.bfloat16, weights="packed", device=device)
@@ -208,13 +208,13 @@ def test_model_prefill_selects_through_the_kernel(tiny_nvfp4, kv_cache_dtype, de
             first = model(ids[:, :70], positions=pos[:, :70], cache=cache)
             return torch.cat([first, model(ids[:, 70:], positions=pos[:, 70:], cache=cache)], dim=1)
 
-    apply(model, True)
+    apply(model, replace(FastPaths.of(True), block_selection="reference"))
     want = run()
     calls = []
     original = sk.block_scores
     monkeypatch.setattr(sk, "block_scores", lambda *a, **kw: calls.append(a[0].shape[1]) or original(*a, **kw))
     records.clear()
-    apply(model, replace(FastPaths.of(True), block_selection="triton"))
+    apply(model, True)
     got = run()
     assert calls == [70] * len(sparse)  # one chunk a layer, the 70-token call only
     same = True

@@ -28,12 +28,12 @@ take.
   cores that reads each query's selected key blocks (dense layers: its causal keys) from the cache as stored. Scores
   exact products summed in fp32; probabilities split into two bf16 parts for the value sum (2^-18 relative). Equal
   to fp32 rounding plus that split (tests/test_attention_kernel.py). Elsewhere (fp32 models, CPU) the gathering path.
-* `block_selection="triton"` (the non-user preset `selection`: `compiled` with it; the user presets take it once it
-  has run on a GPU): the MSA block selection of prefill calls (more than `sync_free_tokens`
-  tokens) of a bf16 model on CUDA by one Triton kernel (`fast.selection_kernel`) that computes each block's max index
-  score straight from the index queries and keys (tensor-core dot of the bf16 values, fp32 sums; future keys
-  excluded, forced blocks +inf), never the [T, L] index scores, then the same top-k. The same block scores up to the
-  order of the fp32 sums, so the same ids except at ties within that rounding (tests/test_selection_kernel.py).
+* `block_selection="triton"` (every preset but "off"): the MSA block selection of prefill calls (more than
+  `sync_free_tokens` tokens) of a bf16 model on CUDA by one Triton kernel (`fast.selection_kernel`) that computes
+  each block's max index score straight from the index queries and keys (tensor-core dot of the bf16 values, fp32
+  sums; future keys excluded, forced blocks +inf), never the [T, L] index scores, then the same top-k. The same
+  block scores up to the order of the fp32 sums, so the same ids except at ties within that rounding
+  (tests/test_selection_kernel.py).
   Elsewhere (fp32 models, CPU, decode steps) `fast.attention.select_blocks`.
 * `decode_attention="triton"` (the `compiled` preset): decode steps (up to `sync_free_tokens` tokens a sequence) attend
   through the same kernel, inside compiled layers and CUDA graphs, each program's keys split over the GPU and the
@@ -226,16 +226,18 @@ class Preset(NamedTuple):
     user: bool = True
 
 
-_ON = FastPaths(decode="fast", moe=True, static_kv=True, sdpa=True, prefill_attention="triton", graph=True)
+_ON = FastPaths(decode="fast", moe=True, static_kv=True, sdpa=True, prefill_attention="triton",
+                block_selection="triton", graph=True)
 
 # The presets, by name: `FastPaths.of(name)`, `load_model(fast=name)`, `minimax-ref --fast name` (the user ones) and
-# the benchmarks' `--fast`. Every preset but "off" prefills with the Triton attention kernel where it runs
-# (`prefill_attention="triton"`) and replays decode steps from CUDA graphs on a GPU (`graph`).
+# the benchmarks' `--fast`. Every preset but "off" prefills with the Triton attention and selection kernels where they
+# run (`prefill_attention="triton"`, `block_selection="triton"`) and replays decode steps from CUDA graphs on a GPU
+# (`graph`).
 PRESETS: dict[str, Preset] = {
     "off": Preset(REFERENCE, "the reference: no fast path"),
     "on": Preset(_ON, "batched experts without host synchronisation, static-shape cached attention, the SDPA "
                       "attention core, two-pass packed decoding, a bf16 prefill on CUDA through the Triton attention "
-                      "kernel, decode steps replayed from CUDA graphs on a GPU"),
+                      "and block-selection kernels, decode steps replayed from CUDA graphs on a GPU"),
     "compile": Preset(replace(_ON, decode="compile"), "on, with the packed-weight decoder compiled by torch.compile",
                       user=False),
     "fused": Preset(replace(_ON, matmul="fused"),
@@ -248,7 +250,7 @@ PRESETS: dict[str, Preset] = {
     "compiled": Preset(
         FastPaths(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", fused_rows=1,
                   compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True,
-                  prefill_attention="triton", decode_attention="triton", graph=True),
+                  prefill_attention="triton", block_selection="triton", decode_attention="triton", graph=True),
         "on without SDPA, plus each decoder layer of a decode step compiled by torch.compile (on first use: "
         "minutes on a GPU), one-row products with packed weights by a compiled dequantize-and-multiply and, on CUDA "
         f"with triton, products of 2 to {SYNC_FREE_TOKENS} rows (batches, verify steps) by a grouped Triton kernel, "
@@ -260,11 +262,6 @@ PRESETS: dict[str, Preset] = {
 PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
-# `compiled` with the MSA block selection of prefill by `fast.selection_kernel` (the user presets take it once its GPU
-# tests have passed and benchmarks/prefill.py has measured it against `compiled`)
-PRESETS["selection"] = Preset(replace(PRESETS["compiled"].paths, block_selection="triton"),
-                              "compiled, with the MSA block selection of prefill calls by one Triton kernel (block "
-                              "scores straight from the index keys)", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

@@ -95,12 +95,14 @@ class Tiles:
         return f"{self.queries},{self.keys},{self.num_warps},{self.num_stages}"
 
 
-# Untuned default (no measurement yet): 128 queries of one index head against key tiles of 64 slots, 8 warps, the
+# Where `TUNED` has no entry: 128 queries of one index head against key tiles of 64 slots, 8 warps, the
 # attention kernel's shape for 128-channel operands.
 DEFAULT = Tiles()
 # Measured configurations (benchmarks/selection_kernel.py --sweep prints an entry in this form):
 # torch.cuda.get_device_properties().name -> Tiles.
-TUNED: dict[str, Tiles] = {}
+TUNED: dict[str, Tiles] = {
+    "NVIDIA H200": Tiles(128, 128, 8, 2),
+}
 
 
 def tiles_for(device: torch.device) -> Tiles:

@@ -236,7 +236,8 @@ def test_offloaded_segments_replay_cuda_graphs(tiny_nvfp4, prompts, fast, which)
         recorded, replays = seg.recorded, seg.replays
         want = greedy_steps(ref, batch, 4)
         got = greedy_steps(model, batch, 4)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        diffs = [(a - b).abs().max().item() for a, b in zip(got, want)]
+        assert diffs == [0.0] * len(want), f"batch {len(batch)}: max |logit difference| by step {diffs}"
         assert seg.recorded - recorded == len(seg.segments) and seg.replays - replays == 3 * len(seg.segments)
     st = model.offload.stats  # rows copied ahead on the side stream, waited on before the experts read them
     assert st.hit_rows + st.miss_rows == st.chosen_rows and st.prefetched_rows > 0 and st.hit_rows > 0

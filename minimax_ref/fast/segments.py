@@ -31,8 +31,7 @@ A replay runs the recorded kernels on the copied inputs, so a segmented step com
 run one by one (`record_eagerly`, which re-runs the segment at each replay, lets a CPU test the bookkeeping); split
 pieces run eagerly compute what the whole layer computes eagerly, bit for bit. What a replay returns is overwritten by
 the next replay of its recording: as with `CapturedSteps`, read a step's outputs before the next step. Recordings
-hold their cache weakly (a recording is used only while the cache it was recorded on is alive and is the one passed)
-and share one memory pool.
+hold their cache weakly (a recording is used only while the cache it was recorded on is alive and is the one passed).
 """
 
 from __future__ import annotations
@@ -120,14 +119,14 @@ def record_eagerly(fn, device: torch.device) -> tuple[Callable[[], None], list]:
 
 
 def cuda_recorder() -> Recorder:
-    """A recorder capturing CUDA graphs (`graph.record`), all in one memory pool: the segments of a step replay one
-    after another on one stream, and every recording's outputs stay allocated while it is kept."""
+    """A recorder capturing CUDA graphs (`graph.record`), each in a memory pool of its own, which holds its outputs
+    while the recording is kept. Not one shared pool: the allocator frees a pool once its last graph is gone (a cache's
+    recordings go with the cache) and refuses to capture into it again; a segment's intermediates are a few of its
+    layers' activations at decode-step size."""
     from .graph import record
 
-    pool = torch.cuda.graph_pool_handle()
-
     def recorder(fn, device: torch.device) -> tuple[Callable[[], None], list]:
-        graph, outputs = record(fn, device, pool=pool)
+        graph, outputs = record(fn, device)
         return graph.replay, outputs
 
     return recorder

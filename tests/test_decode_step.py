@@ -92,26 +92,6 @@ def test_fast_auto_compiles_large_models_on_cuda_only(tiny_nvfp4):
     assert load_model(tiny_nvfp4, dtype=torch.float32, fast={"moe": True}).fast_preset is None
 
 
-def test_compile_workers_start_before_the_load_when_steps_will_compile(tiny_nvfp4, monkeypatch):
-    """The loader starts inductor's compile workers before reading weights exactly when the decode steps will be
-    compiled: a preset with compiled layers, or "auto" for a checkpoint of at least AUTO_COMPILE_MIN_BYTES (what
-    auto_preset will choose) that is not offloaded."""
-    from minimax_ref.fast import FastPaths, paths
-    from minimax_ref.weights import loader
-    from minimax_ref.weights.checkpoint import open_checkpoint
-
-    ck = open_checkpoint(tiny_nvfp4)
-    size = sum(ck.family_bytes().values())
-    assert loader._will_compile(ck, FastPaths.of("compiled"), False, None)
-    assert not loader._will_compile(ck, FastPaths.of("on"), False, None)
-    assert not loader._will_compile(ck, None, False, None)
-    assert not loader._will_compile(ck, None, True, None)  # a small checkpoint: "auto" takes "on"
-    monkeypatch.setattr(paths, "AUTO_COMPILE_MIN_BYTES", size)
-    assert loader._will_compile(ck, None, True, None)
-    assert not loader._will_compile(ck, None, True, object())  # offloaded: "auto" keeps the reference
-    ck.close()
-
-
 def test_cli_json_stats(tiny_nvfp4, capsys):
     assert main(["generate", "--ckpt-path", str(tiny_nvfp4), "--prompt", "hello", "--max-new-tokens", "4",
                  "--temperature", "0", "--output-format", "json"]) == 0

@@ -223,8 +223,8 @@ def test_offloaded_compiled_layers(tiny_nvfp4, prompts, which):
 @pytest.mark.parametrize("which", ["layers", "experts"])
 def test_offloaded_segments_replay_cuda_graphs(tiny_nvfp4, prompts, fast, which):
     """On CUDA the segments between an offloaded model's synchronisation points are captured in CUDA graphs (one per
-    segment, cache and batch shape) and replayed; logits equal, bit for bit, the resident packed model's cut into the
-    same pieces run without graphs, at batch 1 and 3."""
+    segment, cache and batch shape) and replayed; logits equal the resident packed model's cut into the same pieces run
+    without segment graphs, within fp32 rounding, the same greedy tokens, at batch 1 and 3."""
     from minimax_ref.fast.segments import SegmentedLayers
 
     model = offloaded(tiny_nvfp4, "cpu", which, fast=fast, device="cuda")
@@ -236,8 +236,13 @@ def test_offloaded_segments_replay_cuda_graphs(tiny_nvfp4, prompts, fast, which)
         recorded, replays = seg.recorded, seg.replays
         want = greedy_steps(ref, batch, 4)
         got = greedy_steps(model, batch, 4)
-        diffs = [(a - b).abs().max().item() for a, b in zip(got, want)]
-        assert diffs == [0.0] * len(want), f"batch {len(batch)}: max |logit difference| by step {diffs}"
+        # the prefill runs eagerly on both sides; the steps within fp32 rounding: the reference side replays whole
+        # steps from its own CUDA graphs, and cuBLAS may take another algorithm inside a capture than outside it
+        # (the CPU tests check the bookkeeping bit for bit)
+        assert torch.equal(got[0], want[0])
+        errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got[1:], want[1:])]
+        assert max(errors) < 1e-5, f"batch {len(batch)}: relative logit error by step {errors}"
+        assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(got, want))
         assert seg.recorded - recorded == len(seg.segments) and seg.replays - replays == 3 * len(seg.segments)
     st = model.offload.stats  # rows copied ahead on the side stream, waited on before the experts read them
     assert st.hit_rows + st.miss_rows == st.chosen_rows and st.prefetched_rows > 0 and st.hit_rows > 0

@@ -88,18 +88,6 @@ def use_compile_cache() -> Path:
     return folder
 
 
-def start_compile_workers() -> None:
-    """Start inductor's compile worker processes now, while the weights load, so that the first compiled step finds
-    them ready. A step's Triton kernels compile (or, from the cache, load) in those workers when they are ready and
-    one after another in this process when they are not: seconds of a warm start. Nothing else changes: what is
-    compiled and how is the same either way."""
-    use_compile_cache()
-    from torch._inductor.async_compile import AsyncCompile
-
-    AsyncCompile.warm_pool()
-    AsyncCompile.use_process_pool()  # submits the pool's readiness job, which starts the workers
-
-
 def run_layer(layer, x, pos, cos, sin, cache, kv_len):
     """One decoder layer's forward (what `CompiledLayers` compiles)."""
     return layer(x, pos, cos, sin, cache, kv_len)

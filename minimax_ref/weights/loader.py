@@ -361,17 +361,6 @@ def _on_every_rank(world: World, build, what: str) -> MiniMaxM3:
     return model
 
 
-def _will_compile(ck: Checkpoint, fast, auto: bool, offload) -> bool:
-    """Whether the model's decode steps will be compiled (`compile_layers`): known before the load for a preset, and
-    for `fast="auto"` guessed from the checkpoint's bytes (what `auto_preset` sees once the weights are loaded, up to
-    the packed / decoded difference; a wrong guess costs idle worker processes or the early start)."""
-    if auto:  # offloaded models keep the reference under "auto"
-        from ..fast.paths import AUTO_COMPILE_MIN_BYTES
-
-        return offload is None and sum(ck.family_bytes().values()) >= AUTO_COMPILE_MIN_BYTES
-    return fast not in (None, False, "off") and fast.compile_layers
-
-
 def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.device, dtype: torch.dtype | str,
           act_quant: str, weights: str, fast, runtime: dict, validate: bool, offload=None) -> MiniMaxM3:
     """load_model on one rank, without communication."""
@@ -390,10 +379,6 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
         from ..fast import FastPaths
 
         fast = FastPaths.of(fast)  # refuses bad switches before any weight is read
-    if device.type == "cuda" and _will_compile(ck, fast, auto, offload):
-        from ..fast.compiled import start_compile_workers
-
-        start_compile_workers()
     rt = RuntimeConfig.from_kwargs("load_model", **runtime)
     t0 = time.perf_counter()
     cfg = ck.config

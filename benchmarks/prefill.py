@@ -18,6 +18,7 @@ loaded model (`fast.apply` between variants):
 * `on`: `--fast on` (batched experts, and with triton on CUDA the attention and selection kernels,
   `fast.attention_kernel`, `fast.selection_kernel`);
 * `compiled`: `--fast compiled`, the GPU default (its prefill: `on`'s paths with fused packed products unused);
+* `fusion`: `compiled` with prefill's norms and rotations fused (`fast.prefill`; the non-user preset `fusion`);
 * `reference-selection`: `compiled` with the MSA block selection of the reference's chunked scores
   (`block_selection="reference"`), to measure what `fast.selection_kernel` saves.
 `transformers`: `MiniMaxM3VLForCausalLM` built from the same decoded weights (vs_transformers.build_transformers),
@@ -48,7 +49,7 @@ from minimax_ref.weights.synth import PRESETS
 ON = FastPaths.of(True)
 VARIANTS = {"reference": FastPaths(),
             "gathering": replace(ON, prefill_attention="reference", block_selection="reference"), "on": ON,
-            "compiled": FastPaths.of("compiled"),
+            "compiled": FastPaths.of("compiled"), "fusion": FastPaths.of("fusion"),
             "reference-selection": replace(FastPaths.of("compiled"), block_selection="reference")}
 
 

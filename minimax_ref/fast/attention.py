@@ -23,12 +23,14 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..model.attention import Attention, gqa_chunks, merge_heads
 from ..model.cache import LayerCache
 from ..model.msa import CHUNK_ELEMENTS, BlockSelection, block_scores, gather_blocks, mask_future, query_chunk
 from . import attention_kernel, selection_kernel
 from .compiled import materialize
+from .prefill import fused_norm_rope
 
 
 def contract(equation: str, a: torch.Tensor, b: torch.Tensor, broadcast: bool | None = None) -> torch.Tensor:
@@ -192,6 +194,30 @@ class FastAttention(Attention):
     selection goes through `self.selection` on every path (its twin, `FastBlockSelection`), so what records or
     replaces it attaches as on the reference; what attaches to the reference core (its operands) gets the
     reference forward."""
+
+    def fuses(self, x: torch.Tensor, *norms: nn.Module) -> bool:
+        """Whether this call's `norms` and rotations run fused (`prefill_fusion`, a prefill call, nothing attached to
+        the norms: they are not called as modules then)."""
+        return (self.paths.prefill_fusion and x.shape[1] > self.paths.sync_free_tokens
+                and not any(n._forward_hooks or n._forward_pre_hooks for n in norms))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.fuses(x, self.q_norm, self.k_norm):
+            return super().qkv(x, cos, sin)
+        B, T, _ = x.shape
+        qn, kn = self.q_norm, self.k_norm
+        q = fused_norm_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), qn.weight, qn.eps, cos, sin)
+        k = fused_norm_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), kn.weight, kn.eps, cos, sin)
+        return q, k, self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+
+    def index_qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fuses(x, self.index_q_norm, self.index_k_norm):
+            return super().index_qk(x, cos, sin)
+        B, T, _ = x.shape
+        qn, kn = self.index_q_norm, self.index_k_norm
+        iq = fused_norm_rope(self.index_q_proj(x).view(B, T, self.n_kv, self.index_dim), qn.weight, qn.eps, cos, sin)
+        ik = fused_norm_rope(self.index_k_proj(x).view(B, T, 1, self.index_dim), kn.weight, kn.eps, cos, sin)
+        return iq, ik[:, :, 0]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None, kv_len: int | None = None) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from ..model.norm import RMSNorm
 from .launch import ReductionConfigs, compiled_with_fixed_reductions
 from .packed import FUSED_INDUCTOR_OPTIONS
+from .prefill import fused_rms_norm
 
 # The fused matmul's options (a packed weight's decoding stays inside the matmul that reads it, the bf16 roundings
 # kept), with coordinate-descent tuning of each Triton kernel's block sizes and warps (along one axis at a time:
@@ -68,9 +69,11 @@ def register_materialize_lowering() -> None:
 class StoredNorm(RMSNorm):
     """A decoder layer's input or post-attention norm whose output is stored once when compiled (`materialize`):
     fused into a matmul with one row per program, its mean over the hidden size was recomputed for every output
-    row. Same function as `RMSNorm`."""
+    row. Same function as `RMSNorm`. In prefill calls with `prefill_fusion`, one compiled kernel (`fast.prefill`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.paths.prefill_fusion and x.shape[1] > self.paths.sync_free_tokens:
+            return fused_rms_norm(x, self.weight, self.eps)
         return materialize(super().forward(x))
 
 

@@ -181,6 +181,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
     paths = FastPaths.of(paths)
     if paths.compile_layers or paths.matmul == "fused" or paths.decode in ("compile", "triton") or paths.grouped \
             or paths.gemv == "triton" \
+            or paths.prefill_fusion \
             or "triton" in (paths.prefill_attention, paths.decode_attention, paths.block_selection):
         use_compile_cache()  # before the first compile or Triton launch reads where its cache is
     kernels = getattr(model, "kernels", None) or Kernels()  # kept across re-applies: its compiled functions
@@ -193,6 +194,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
         twin = TWINS.get(type(m))
         if type(m) is RMSNorm and id(m) in stored:
             m.__class__ = StoredNorm
+            m.paths = paths
         elif twin is not None:
             m.__class__ = twin
             m.paths = paths

@@ -35,6 +35,12 @@ take.
   block scores up to the order of the fp32 sums, so the same ids except at ties within that rounding
   (tests/test_selection_kernel.py).
   Elsewhere (fp32 models, CPU, decode steps) `fast.attention.select_blocks`.
+* `prefill_fusion=True` (the non-user preset `fusion`: `compiled` with it; a user preset takes it once
+  benchmarks/prefill.py has measured it on a GPU): in prefill calls (more than `sync_free_tokens` tokens) each
+  decoder layer's input and post-attention RMSNorm, and each q / k / index-q / index-k norm with the RoPE rotation
+  after it, run as one kernel compiled by torch.compile with dynamic shapes (`fast.prefill`), instead of a chain of
+  fp32 elementwise kernels. The same operations and roundings; the norm's fp32 mean summed in another order, so an
+  element differs by at most one unit in the last place (tests/test_prefill_fusion.py).
 * `decode_attention="triton"` (the `compiled` preset): decode steps (up to `sync_free_tokens` tokens a sequence) attend
   through the same kernel, inside compiled layers and CUDA graphs, each program's keys split over the GPU and the
   splits merged by their softmax denominators (fp32). The same contract.
@@ -124,6 +130,9 @@ class FastPaths:
     decode_attention: str = "reference"
     # "triton": the MSA block scores of prefill calls by the selection kernel (`fast.selection_kernel`)
     block_selection: str = "reference"
+    # prefill calls' RMSNorms, and q / k / index norms with their RoPE rotation, as one compiled kernel each
+    # (`fast.prefill`)
+    prefill_fusion: bool = False
     # products of more than `fused_tokens` and up to `sync_free_tokens` rows through the grouped Triton kernel
     grouped: bool = False
     # "triton": products of up to `sync_free_tokens` rows through `fast.gemv` (weights reordered at configuration)
@@ -262,6 +271,11 @@ PRESETS: dict[str, Preset] = {
 PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
+# `compiled` with prefill's norms and rotations fused (a user preset takes it once benchmarks/prefill.py has measured
+# it against `compiled` on a GPU)
+PRESETS["fusion"] = Preset(replace(PRESETS["compiled"].paths, prefill_fusion=True),
+                           "compiled, with the RMSNorms and the norm + RoPE of queries and keys of prefill calls as "
+                           "one compiled kernel each", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

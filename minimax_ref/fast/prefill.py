@@ -1,0 +1,51 @@
+"""Prefill's norms and rotations fused (`FastPaths(prefill_fusion=True)`): each RMSNorm, and each q / k / index
+norm with the RoPE rotation after it, of a prefill call (more than `sync_free_tokens` tokens) as one compiled kernel.
+
+Eagerly each is a chain of fp32 elementwise kernels over [tokens, heads x dim]: the norm's upcast, square, mean,
+rsqrt and two products and its downcast; the rotation's upcast, halves, negation, concatenations, products, sum and
+downcast; about a dozen passes over the activations where one suffices. `torch.compile` (dynamic shapes: one graph
+for every prompt length) fuses each into one kernel that reads the input once and writes the output once.
+
+Numerics: the same operations in the same dtypes as `model.norm.gemma_rms_norm` and `model.rope.apply_rope`, the
+bf16 rounding between the norm and the rotation kept (`emulate_precision_casts`); only the order of the fp32 sum in
+the norm's mean differs, so an output element differs from the reference's by at most one unit in the last place of
+its dtype, where the fp32 value lies at a rounding boundary (tests/test_prefill_fusion.py).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from ..model.norm import gemma_rms_norm
+from ..model.rope import apply_rope
+
+# emulate_precision_casts keeps the norm's downcast before the rotation's upcast; disable_ftz keeps fp32 subnormals
+PREFILL_INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.disable_ftz": True}
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope(gemma_rms_norm(x, weight, eps), cos, sin)`: x [B, T, heads, D], cos / sin fp32 [B, T, rot]."""
+    return apply_rope(gemma_rms_norm(x, weight, eps), cos, sin)
+
+
+@cache
+def _compiled(fn):
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(fn, dynamic=True, fullgraph=True, options=dict(PREFILL_INDUCTOR_OPTIONS))
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`gemma_rms_norm` as one compiled kernel (compiled on first use; one graph for every shape)."""
+    return _compiled(gemma_rms_norm)(x, weight, eps)
+
+
+def fused_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
+    """`norm_rope` as one compiled kernel (compiled on first use; one graph for every shape)."""
+    return _compiled(norm_rope)(x, weight, eps, cos, sin)
+
+
+__all__ = ["PREFILL_INDUCTOR_OPTIONS", "norm_rope", "fused_rms_norm", "fused_norm_rope"]

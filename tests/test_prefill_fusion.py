@@ -14,6 +14,9 @@ from minimax_ref.fast import prefill as fp
 from minimax_ref.model.norm import gemma_rms_norm
 from minimax_ref.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                 reason="needs a CUDA device")])]
+
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
     """One unit in the last place of each element of `x` in its dtype (bf16: 8 significant bits)."""
@@ -37,12 +40,14 @@ def _operands(shape, rot: int, seed: int):
     return x, w, cos, sin
 
 
-@pytest.mark.parametrize("shape", [(1, 300, 96), (2, 70, 4, 32), (3, 65, 1, 64)])
-def test_fused_norm_within_one_ulp(shape):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(1, 300, 96), (2, 70, 4, 32), (3, 65, 1, 64), (1, 1000, 6144)])
+def test_fused_norm_within_one_ulp(shape, device):
     """The compiled norm equals `gemma_rms_norm` except where the fp32 value lies at a bf16 rounding boundary: at
     most one unit in the last place, on few elements; both are the float64 norm rounded once to bf16 (within one
     ulp of it, from the fp32 arithmetic before the rounding)."""
     x, w, *_ = _operands(shape, 16, seed=len(shape))
+    x, w = x.to(device), w.to(device)
     want = gemma_rms_norm(x, w, 1e-6)
     got = fp.fused_rms_norm(x, w, 1e-6)
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
@@ -54,24 +59,61 @@ def test_fused_norm_within_one_ulp(shape):
         assert ((y.double() - exact).abs() <= _ulp(y).double() * 1.01).all()
 
 
-@pytest.mark.parametrize("shape, rot", [((2, 70, 4, 32), 16), ((1, 130, 8, 64), 64), ((2, 66, 1, 32), 32)])
-def test_fused_norm_rope_within_one_ulp(shape, rot):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape, rot", [((2, 70, 4, 32), 16), ((1, 130, 8, 64), 64), ((2, 66, 1, 32), 32),
+                                        ((1, 700, 64, 128), 64)])
+def test_fused_norm_rope_within_one_ulp(shape, rot, device):
     """The compiled norm + rotation equals `apply_rope(gemma_rms_norm(...))`, the norm's bf16 rounding kept before
-    the rotation (which a fused kernel could elide): at most one ulp where the norm's value sits at a boundary, and
-    exactly on the channels that do not rotate wherever the norm agrees."""
-    x, w, cos, sin = _operands(shape, rot, seed=rot)
+    the rotation (which a fused kernel could elide): off only where the norm's value sits at a bf16 boundary, by what
+    one ulp of the norm moves the rotation, and bit-identical elsewhere."""
+    x, w, cos, sin = (t.to(device) for t in _operands(shape, rot, seed=rot))
     want = apply_rope(gemma_rms_norm(x, w, 1e-6), cos, sin)
     got = fp.fused_norm_rope(x, w, 1e-6, cos, sin)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     normed = gemma_rms_norm(x, w, 1e-6).float()
-    # the rotation of an exactly bf16-rounded norm: one ulp of the norm moves a rotated value by at most that much
-    bound = _ulp(normed).amax(-1, keepdim=True) + _ulp(want)
+    # a rotated value combines two normed values (cos and sin terms), each at most one ulp off, then rounds to bf16
+    bound = 2 * (_ulp(normed).amax(-1, keepdim=True) + _ulp(want))
     diff = (got.float() - want.float()).abs()
     assert (diff <= bound).all()
     assert (diff > 0).float().mean() < 0.02
     # without the bf16 rounding between norm and rotation the errors would be of the norm's full fp32 precision
     # everywhere; with it, most elements are bit-identical
     assert (diff == 0).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("ep_rank", [None, 0, 1])
+def test_fused_combine_equals_the_unfused_and_the_reference(ep_rank):
+    """The routed experts of 150 tokens sorted by expert with the fused combine: within fp32 rounding of the unfused
+    sorted path and of the reference's loop over experts, also under expert parallelism (the other rank's pairs add
+    nothing) and with an expert no token chose; and `combine_sorted` on a hand-made case."""
+    from minimax_ref.model.moe import Experts, Routing, route
+    from minimax_ref.model.parallel import World
+
+    world = None if ep_rank is None else World(ep_rank, 2)
+    g = torch.Generator().manual_seed(5)
+    ex = Experts(16, 64, 32, 1.702, 7.0, world, ep_rank is not None)
+    n, c = len(ex.local_experts), ex.channels.stop - ex.channels.start
+    for leaf, shape in (("w1", (n, c, 64)), ("w3", (n, c, 64)), ("w2", (n, 64, c))):
+        setattr(ex, leaf, torch.nn.Parameter(torch.randn(shape, generator=g) * 0.125, requires_grad=False))
+    x = torch.randn(150, 64, generator=g)
+    r = route(x, torch.randn(16, 64, generator=g), None, 4)
+    r = Routing(torch.where(r.expert_ids == 5, 6, r.expert_ids), r.weights, r.logits)
+    want = ex(x, r)
+    apply(ex, FastPaths(moe=True))
+    unfused = ex(x, r)
+    apply(ex, FastPaths(moe=True, prefill_fusion=True))
+    got = ex(x, r)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert ((got - unfused).abs().max() / unfused.abs().max()).item() < 1e-6
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
+
+    y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]).bfloat16()
+    inv = torch.tensor([[2, 0], [1, 3]])  # token 1's second pair is another rank's (row 3 >= 3 rows)
+    w = torch.tensor([[0.5, 0.25], [2.0, 0.75]])
+    want = torch.tensor([[0.5 * 5 + 0.25 * 1, 0.5 * 6 + 0.25 * 2], [2.0 * 3, 2.0 * 4]])
+    assert torch.equal(fp.combine_sorted(y, inv, w, 3), want)
+    assert torch.equal(fp.fused_combine_sorted(y, inv, w, 3), want)
+    assert torch.equal(fp.fused_combine_sorted(y[:0], inv + 3, w, 0), torch.zeros(2, 2))
 
 
 def test_model_prefill_through_the_fused_kernels(tiny_nvfp4, monkeypatch):
@@ -92,26 +134,29 @@ def test_model_prefill_through_the_fused_kernels(tiny_nvfp4, monkeypatch):
 
     apply(model, True)
     want = run()
-    calls = {"norm": 0, "norm_rope": 0}
-    norm, norm_rope = fp.fused_rms_norm, fp.fused_norm_rope
+    calls = {"norm": 0, "norm_rope": 0, "combine": 0}
+    norm, norm_rope, combine = fp.fused_rms_norm, fp.fused_norm_rope, fp.fused_combine_sorted
 
     def count(name, fn):
         def wrapped(x, *args):
-            assert x.shape[1] == 90
+            assert name == "combine" or x.shape[1] == 90
             calls[name] += 1
             return fn(x, *args)
         return wrapped
 
     import minimax_ref.fast.attention as fa
     import minimax_ref.fast.compiled as fc
+    import minimax_ref.fast.moe as fm
 
+    monkeypatch.setattr(fm, "fused_combine_sorted", count("combine", combine))
     monkeypatch.setattr(fc, "fused_rms_norm", count("norm", norm))
     monkeypatch.setattr(fa, "fused_norm_rope", count("norm_rope", norm_rope))
     apply(model, replace(FastPaths.of(True), prefill_fusion=True))
     got = run()
     layers = model.layers
     sparse = sum(layer.self_attn.sparse for layer in layers)
-    assert calls == {"norm": 2 * len(layers), "norm_rope": 2 * len(layers) + 2 * sparse}
+    moe = sum(hasattr(layer, "block_sparse_moe") for layer in layers)
+    assert moe and calls == {"norm": 2 * len(layers), "norm_rope": 2 * len(layers) + 2 * sparse, "combine": moe}
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95  # a near tie may flip under one ulp
     # one ulp in an index query can turn a near tie of MSA block scores: that token attends over another block and
     # its logits move; the others stay within bf16 rounding

@@ -24,6 +24,7 @@ from ..model.moe import Experts, Router, Routing, router_scores, routing_of
 from ..weights.packed import PackedWeight
 from .compiled import materialize
 from .packed import FastPackedWeight
+from .prefill import fused_combine_sorted
 
 
 class FastRouter(Router):
@@ -74,17 +75,18 @@ class FastExperts(Experts):
         summed in slot order. Equal to `forward` up to fp32 rounding (the reference adds a token's experts in expert
         order). Like `forward` it reads the per-expert counts on the host; the chosen experts' weights are decoded
         (packed stacks) in groups of at most `SORTED_DECODED_BYTES`. Pairs routed to another rank's experts
-        (expert parallel) contribute nothing.
+        (expert parallel) contribute nothing. With `prefill_fusion` the weighting and the sum are one kernel
+        (`fast.prefill.combine_sorted`).
 
         x: `[T, H]`; returns fp32 `[T, H]` (this rank's partial sum under tensor parallelism)."""
         T, k = routing.expert_ids.shape
         E = len(self.local_experts)
         local = (routing.expert_ids - self.local_experts.start).flatten()
         key = torch.where((local >= 0) & (local < E), local, E)  # another rank's pairs sort last
-        order = torch.argsort(key, stable=True)
+        everything = torch.argsort(key, stable=True)
         counts = torch.bincount(key, minlength=E + 1)[:E].tolist()
         mine = sum(counts)
-        order = order[:mine]
+        order = everything[:mine]
         xs = x[order // k]
         y = x.new_empty(mine, x.shape[1])
         per_expert = sum(math.prod(getattr(self, leaf).shape[1:]) for leaf in ("w1", "w2", "w3")) * x.element_size()
@@ -99,6 +101,10 @@ class FastExperts(Experts):
                 y[start:start + n] = self.grouped(xs[start:start + n], group, [counts[g] for g in group])
                 start += n
                 group = []
+        if self.paths.prefill_fusion:  # each pair's row in y, then one kernel reads each row once
+            inv = torch.empty_like(everything)
+            inv[everything] = torch.arange(T * k, device=x.device)
+            return fused_combine_sorted(y, inv.view(T, k), routing.weights, mine)
         pairs = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)
         pairs.index_copy_(0, order, y.float() * routing.weights.flatten()[order, None])
         return pairs.view(T, k, -1).sum(1)

@@ -1,5 +1,6 @@
-"""Prefill's norms and rotations fused (`FastPaths(prefill_fusion=True)`): each RMSNorm, and each q / k / index
-norm with the RoPE rotation after it, of a prefill call (more than `sync_free_tokens` tokens) as one compiled kernel.
+"""Prefill's elementwise glue fused (`FastPaths(prefill_fusion=True)`): each RMSNorm, and each q / k / index norm
+with the RoPE rotation after it, of a prefill call (more than `sync_free_tokens` tokens) as one compiled kernel; and
+the routed experts' weighted combine (`combine_sorted`) as one kernel that reads each expert row once.
 
 Eagerly each is a chain of fp32 elementwise kernels over [tokens, heads x dim]: the norm's upcast, square, mean,
 rsqrt and two products and its downcast; the rotation's upcast, halves, negation, concatenations, products, sum and
@@ -9,7 +10,9 @@ for every prompt length) fuses each into one kernel that reads the input once an
 Numerics: the same operations in the same dtypes as `model.norm.gemma_rms_norm` and `model.rope.apply_rope`, the
 bf16 rounding between the norm and the rotation kept (`emulate_precision_casts`); only the order of the fp32 sum in
 the norm's mean differs, so an output element differs from the reference's by at most one unit in the last place of
-its dtype, where the fp32 value lies at a rounding boundary (tests/test_prefill_fusion.py).
+its dtype, where the fp32 value lies at a rounding boundary (tests/test_prefill_fusion.py). The combine computes
+the same fp32 products and sums a token's k slots in slot order as `FastExperts.forward_sorted` does unfused: equal
+to fp32 rounding of that sum's order.
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     return apply_rope(gemma_rms_norm(x, weight, eps), cos, sin)
 
 
+def combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int) -> torch.Tensor:
+    """The routed experts' output of each token: fp32 [T, H], token t's sum over its slots j = 0..k-1 (in that order)
+    of `weights[t, j] * y[inv[t, j]]` (fp32 products), where `y` [rows, H] holds the expert outputs of the (token,
+    slot) pairs sorted by expert and `inv` [T, k] (int64) is each pair's row in it; a pair whose row is `rows` or more
+    (another rank's expert) adds 0. Reads each row of y once; no [T*k, H] fp32 intermediate."""
+    mine = inv < rows
+    picked = y[inv.clamp(max=max(rows - 1, 0))].float()  # [T, k, H]
+    return torch.where(mine[..., None], picked * weights[..., None], 0.0).sum(1)
+
+
 @cache
 def _compiled(fn):
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -48,4 +61,12 @@ def fused_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torc
     return _compiled(norm_rope)(x, weight, eps, cos, sin)
 
 
-__all__ = ["PREFILL_INDUCTOR_OPTIONS", "norm_rope", "fused_rms_norm", "fused_norm_rope"]
+def fused_combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int) -> torch.Tensor:
+    """`combine_sorted` as one compiled kernel (compiled on first use; one graph for every shape)."""
+    if rows == 0:  # nothing of this rank's: no row to read
+        return torch.zeros(*weights.shape[:1], y.shape[-1], dtype=torch.float32, device=y.device)
+    return _compiled(combine_sorted)(y, inv, weights, rows)
+
+
+__all__ = ["PREFILL_INDUCTOR_OPTIONS", "norm_rope", "combine_sorted", "fused_rms_norm", "fused_norm_rope",
+           "fused_combine_sorted"]

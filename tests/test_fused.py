@@ -552,7 +552,8 @@ def test_fused_switch_is_explicit():
     assert FastPaths.of(True).matmul == "reference" and FastPaths.of(True).fused_tokens == 0  # fast=True unchanged
     fused = FastPaths.of("fused")
     # one pass over the weight at most: larger calls decode then multiply (measured faster at batch 32)
-    assert fused == FastPaths("fast", True, True, True, matmul="fused", prefill_attention="triton", graph=True)
+    assert fused == FastPaths("fast", True, True, True, matmul="fused", prefill_attention="triton",
+                              block_selection="triton", graph=True)
     assert fused.fused_tokens == FUSED_ROWS == 8
     assert FastPaths.of({"matmul": "fused", "sync_free_tokens": 4}).fused_tokens == 4
     assert FastPaths.of({"matmul": "fused", "fused_rows": 16}).fused_tokens == 16

@@ -389,7 +389,8 @@ def test_fast_model_equals_reference(checkpoints, kv_cache_dtype):
 
     want = run()
     apply(model, True)
-    assert model.fast == FastPaths("fast", True, True, True, prefill_attention="triton", graph=True)
+    assert model.fast == FastPaths("fast", True, True, True, prefill_attention="triton", block_selection="triton",
+                                   graph=True)
     # fp8 storage: an fp32-rounding difference before the store can move a key by one E4M3 step
     assert _rel(run(), want) < (1e-5 if kv_cache_dtype == "auto" else 1e-3)
     fast_tokens = _greedy(model)

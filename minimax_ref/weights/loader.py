@@ -260,7 +260,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     `minimax_ref.fast.paths.PRESETS`, a dict of switches or a `FastPaths`; "auto" = the CLI's `--fast auto`, chosen
     once the weights are loaded by `fast.paths.auto_preset`: "compiled" on CUDA for models whose weights take at
     least `AUTO_COMPILE_MIN_BYTES` on the device, "on" for smaller ones, the reference on a CPU and for offloaded
-    models (their segmented steps, `fast.segments`, are taken by naming a preset until they have run on a GPU);
+    models (their segmented steps, `fast.segments`, are taken by naming a preset);
     `model.fast_preset` names what was chosen; `minimax_ref.fast.apply(model, ...)` changes them later).
     runtime: `RuntimeConfig`
     fields (max_seq_len, max_batch_size, kv_cache_dtype, max_images_per_prompt, attention_chunk_elements),

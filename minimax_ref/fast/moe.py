@@ -10,7 +10,8 @@
   (`forward_grouped`, `fast.grouped`). Equal to fp32 rounding.
 * `FastRouter`: in a compiled region, the chosen experts unsorted (the order only changes the fp32 sum order of
   their outputs, and the sort is a kernel of its own).
-* `FastMLP`: the SwiGLU output stored once when compiled (`compiled.materialize`), not recomputed per weight row.
+* `FastMLP`: the SwiGLU output stored once when compiled (`compiled.materialize`), not recomputed per weight row; in
+  prefill calls with `prefill_fusion`, one compiled kernel (`fast.prefill`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..model.moe import Experts, Router, Routing, router_scores, routing_of
 from ..weights.packed import PackedWeight
 from .compiled import materialize
 from .packed import FastPackedWeight
-from .prefill import fused_combine_sorted
+from .prefill import fused_combine_sorted, fused_swiglu
 
 
 class FastRouter(Router):
@@ -37,6 +38,8 @@ class FastRouter(Router):
 
 class FastMLP(MLP):
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.paths.prefill_fusion and gate.numel() // gate.shape[-1] > self.paths.sync_free_tokens:
+            return fused_swiglu(gate, up, self.alpha, self.limit)
         return materialize(super().act(gate, up))
 
 
@@ -117,7 +120,8 @@ class FastExperts(Experts):
         w1, w3, w2 = (self.weight(leaf, index) for leaf in ("w1", "w3", "w2"))  # decoded [n, out, in]
         gate = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
         up = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
-        h = swiglu_oai(gate, up, self.alpha, self.limit)
+        act = fused_swiglu if self.paths.prefill_fusion else swiglu_oai
+        h = act(gate, up, self.alpha, self.limit)
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
     def forward_sync_free(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -39,10 +39,10 @@ take.
   benchmarks/prefill.py has measured it on a GPU): in prefill calls (more than `sync_free_tokens` tokens) each
   decoder layer's input and post-attention RMSNorm, and each q / k / index-q / index-k norm with the RoPE rotation
   after it, run as one kernel compiled by torch.compile with dynamic shapes (`fast.prefill`), instead of a chain of
-  fp32 elementwise kernels; the routed experts' weighted combine reads each expert row once (no [pairs, H] fp32
-  buffer). The same operations and roundings; the norm's fp32 mean and the combine's slot sum in another order, so
-  a norm's element differs by at most one unit in the last place, the combine by fp32 rounding
-  (tests/test_prefill_fusion.py).
+  fp32 elementwise kernels; so does each SwiGLU activation (MLPs, shared and routed experts); the routed experts'
+  weighted combine reads each expert row once (no [pairs, H] fp32 buffer). The same operations and roundings; the
+  norm's fp32 mean and the combine's slot sum in another order, so a norm's element differs by at most one unit in
+  the last place, the combine by fp32 rounding (tests/test_prefill_fusion.py).
 * `decode_attention="triton"` (the `compiled` preset): decode steps (up to `sync_free_tokens` tokens a sequence) attend
   through the same kernel, inside compiled layers and CUDA graphs, each program's keys split over the GPU and the
   splits merged by their softmax denominators (fp32). The same contract.
@@ -132,8 +132,8 @@ class FastPaths:
     decode_attention: str = "reference"
     # "triton": the MSA block scores of prefill calls by the selection kernel (`fast.selection_kernel`)
     block_selection: str = "reference"
-    # prefill calls' RMSNorms, q / k / index norms with their RoPE rotation and the experts' combine, as one compiled
-    # kernel each (`fast.prefill`)
+    # prefill calls' RMSNorms, q / k / index norms with their RoPE rotation, SwiGLU activations and the experts'
+    # combine, as one compiled kernel each (`fast.prefill`)
     prefill_fusion: bool = False
     # products of more than `fused_tokens` and up to `sync_free_tokens` rows through the grouped Triton kernel
     grouped: bool = False
@@ -276,8 +276,9 @@ PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
 # `compiled` with prefill's norms and rotations fused (a user preset takes it once benchmarks/prefill.py has measured
 # it against `compiled` on a GPU)
 PRESETS["fusion"] = Preset(replace(PRESETS["compiled"].paths, prefill_fusion=True),
-                           "compiled, with the RMSNorms, the norm + RoPE of queries and keys and the experts' "
-                           "combine of prefill calls as one compiled kernel each", user=False)
+                           "compiled, with the RMSNorms, the norm + RoPE of queries and keys, the SwiGLU "
+                           "activations and the experts' combine of prefill calls as one compiled kernel each",
+                           user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

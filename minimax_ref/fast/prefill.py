@@ -1,6 +1,7 @@
 """Prefill's elementwise glue fused (`FastPaths(prefill_fusion=True)`): each RMSNorm, and each q / k / index norm
 with the RoPE rotation after it, of a prefill call (more than `sync_free_tokens` tokens) as one compiled kernel; and
-the routed experts' weighted combine (`combine_sorted`) as one kernel that reads each expert row once.
+the routed experts' weighted combine (`combine_sorted`) as one kernel that reads each expert row once; and the
+SwiGLU-OAI activation of the MLPs and routed experts as one kernel.
 
 Eagerly each is a chain of fp32 elementwise kernels over [tokens, heads x dim]: the norm's upcast, square, mean,
 rsqrt and two products and its downcast; the rotation's upcast, halves, negation, concatenations, products, sum and
@@ -12,7 +13,8 @@ bf16 rounding between the norm and the rotation kept (`emulate_precision_casts`)
 the norm's mean differs, so an output element differs from the reference's by at most one unit in the last place of
 its dtype, where the fp32 value lies at a rounding boundary (tests/test_prefill_fusion.py). The combine computes
 the same fp32 products and sums a token's k slots in slot order as `FastExperts.forward_sorted` does unfused: equal
-to fp32 rounding of that sum's order.
+to fp32 rounding of that sum's order. The activation keeps each operation's rounding to the inputs' dtype
+(`emulate_precision_casts`), as eager computes it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from functools import cache
 
 import torch
 
+from ..model.mlp import swiglu_oai
 from ..model.norm import gemma_rms_norm
 from ..model.rope import apply_rope
 
@@ -61,6 +64,11 @@ def fused_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torc
     return _compiled(norm_rope)(x, weight, eps, cos, sin)
 
 
+def fused_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """`swiglu_oai` as one compiled kernel (compiled on first use; one graph for every shape)."""
+    return _compiled(swiglu_oai)(gate, up, alpha, limit)
+
+
 def fused_combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int) -> torch.Tensor:
     """`combine_sorted` as one compiled kernel (compiled on first use; one graph for every shape)."""
     if rows == 0:  # nothing of this rank's: no row to read
@@ -69,4 +77,4 @@ def fused_combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tens
 
 
 __all__ = ["PREFILL_INDUCTOR_OPTIONS", "norm_rope", "combine_sorted", "fused_rms_norm", "fused_norm_rope",
-           "fused_combine_sorted"]
+           "fused_swiglu", "fused_combine_sorted"]

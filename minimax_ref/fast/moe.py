@@ -91,19 +91,23 @@ class FastExperts(Experts):
         mine = sum(counts)
         order = everything[:mine]
         xs = x[order // k]
-        y = x.new_empty(mine, x.shape[1])
         per_expert = sum(math.prod(getattr(self, leaf).shape[1:]) for leaf in ("w1", "w2", "w3")) * x.element_size()
         group: list[int] = []
         start = 0
+        outs = []  # each group's rows; one group (all the chosen experts' weights fit) is y itself, no copy
         chosen = [e for e in range(E) if counts[e]]
         for j, e in enumerate(chosen):
             group.append(e)
             last = j + 1 == len(chosen)
             if last or (len(group) + 1) * per_expert > SORTED_DECODED_BYTES:
                 n = sum(counts[g] for g in group)
-                y[start:start + n] = self.grouped(xs[start:start + n], group, [counts[g] for g in group])
+                outs.append(self.grouped(xs[start:start + n], group, [counts[g] for g in group]))
                 start += n
                 group = []
+        if len(outs) == 1:
+            y = outs[0]
+        else:  # several groups, or none of this rank's pairs
+            y = torch.cat(outs) if outs else x.new_empty(0, x.shape[1])
         if self.paths.prefill_fusion:  # each pair's row in y, then one kernel reads each row once
             inv = torch.empty_like(everything)
             inv[everything] = torch.arange(T * k, device=x.device)

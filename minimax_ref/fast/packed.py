@@ -175,7 +175,7 @@ def _e2m1_times_2_pow_minus_126(data: torch.Tensor) -> list[torch.Tensor]:
     return [_e2m1_nibble(data, 0), _e2m1_nibble(data, 1)]
 
 
-def _widen_bf16_bits(b: torch.Tensor) -> torch.Tensor:
+def widen_bf16_bits(b: torch.Tensor) -> torch.Tensor:
     """bfloat16 `b` as float32, exactly, by shifting its 16 bits into place: in compiled kernels a cast would be
     emulated as a round trip through bf16, and a computed bf16 passed on as its bits keeps its rounding."""
     return (b.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
@@ -183,11 +183,11 @@ def _widen_bf16_bits(b: torch.Tensor) -> torch.Tensor:
 
 def _to_bf16_by_conversion(v: torch.Tensor) -> torch.Tensor:
     """float32 `v` (finite, not NaN) rounded to the nearest bfloat16, ties to even, by the conversion instruction,
-    and widened back to float32 on the bits (`_widen_bf16_bits`). Passing the bfloat16 through its int16 bits is
+    and widened back to float32 on the bits (`widen_bf16_bits`). Passing the bfloat16 through its int16 bits is
     what keeps a compiled kernel from eliding the rounding (which it does to `.to(bfloat16).to(float32)`, see
     `round_to_bf16_bits`): one conversion, one widening and a shift instead of `round_to_bf16_bits`' five integer
     operations."""
-    return _widen_bf16_bits(v.to(torch.bfloat16))
+    return widen_bf16_bits(v.to(torch.bfloat16))
 
 
 def normal_range_planes(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -316,7 +316,7 @@ def activation_planes(fmt: str, x: torch.Tensor) -> list[torch.Tensor]:
     *lead, k = x.shape
     if fmt == NVFP4 and x.dtype == torch.bfloat16:
         return list(_pair_halves(_bf16_pairs_as_int32(x).view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2)))
-    x = _widen_bf16_bits(x) if x.dtype == torch.bfloat16 else x.float()
+    x = widen_bf16_bits(x) if x.dtype == torch.bfloat16 else x.float()
     if fmt == NVFP4:
         pairs = x.view(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK // 2, 2)
         return [pairs[..., 0], pairs[..., 1]]

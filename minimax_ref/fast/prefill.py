@@ -9,7 +9,7 @@ downcast; about a dozen passes over the activations where one suffices. `torch.c
 for every prompt length) fuses each into one kernel that reads the input once and writes the output once.
 
 Numerics: the same operations in the same dtypes as `model.norm.gemma_rms_norm` and `model.rope.apply_rope`, the
-bf16 rounding between the norm and the rotation kept (`emulate_precision_casts`); only the order of the fp32 sum in
+bf16 rounding between the norm and the rotation kept (on the bits: `norm_rope`); only the order of the fp32 sum in
 the norm's mean differs, so an output element differs from the reference's by at most one unit in the last place of
 its dtype, where the fp32 value lies at a rounding boundary (tests/test_prefill_fusion.py). The combine computes
 the same fp32 products and sums a token's k slots in slot order as `FastExperts.forward_sorted` does unfused: equal
@@ -26,15 +26,24 @@ import torch
 from ..model.mlp import swiglu_oai
 from ..model.norm import gemma_rms_norm
 from ..model.rope import apply_rope
+from .packed import widen_bf16_bits
 
-# emulate_precision_casts keeps the norm's downcast before the rotation's upcast; disable_ftz keeps fp32 subnormals
+# emulate_precision_casts keeps eager's rounding after each bf16 operation (the SwiGLU); disable_ftz keeps fp32
+# subnormals
 PREFILL_INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.disable_ftz": True}
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope(gemma_rms_norm(x, weight, eps), cos, sin)`: x [B, T, heads, D], cos / sin fp32 [B, T, rot]."""
-    return apply_rope(gemma_rms_norm(x, weight, eps), cos, sin)
+    """`apply_rope(gemma_rms_norm(x, weight, eps), cos, sin)`: x [B, T, heads, D], cos / sin fp32 [B, T, rot].
+
+    A bf16 norm reaches the rotation as its bits widened to fp32 (`packed.widen_bf16_bits`, exact): compiled Triton
+    kernels can elide a `.to(bfloat16)` followed by `.float()` even with `emulate_precision_casts`, and would rotate
+    the unrounded norm; the rotation then computes in fp32 from the same values as `apply_rope` and casts once."""
+    n = gemma_rms_norm(x, weight, eps)
+    if n.dtype == torch.bfloat16:
+        n = widen_bf16_bits(n)
+    return apply_rope(n, cos, sin).to(x.dtype)
 
 
 def combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int) -> torch.Tensor:

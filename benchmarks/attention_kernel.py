@@ -32,7 +32,7 @@ import sys
 from collections import defaultdict
 
 import torch
-from common import BenchmarkError, add_attention_workload_flags, add_kernel_bench_flags, emit, main_guard
+from common import BenchmarkError, add_attention_workload_flags, add_kernel_bench_flags, emit, main_guard, tile_configs
 from fused_matmul import per_call_s
 
 from minimax_ref.model.attention import causal_attention
@@ -146,10 +146,7 @@ def run(args: argparse.Namespace) -> None:
         raise BenchmarkError("attention_kernel.py needs triton (pip install triton)")
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if args.sweep:
-        configs = [pa.Tiles.parse(t) for t in args.sweep_tiles.split(";")]
-    else:
-        configs = [pa.Tiles.parse(args.tiles) if args.tiles else None]
+    configs = tile_configs(args, pa.Tiles)
     ops = operands(args.prompt_len, args.context, args.correlation, device)
     cases = [measure(ops, kind, cache, configs, args.iters, args.check, sms, args.context)
              for kind in args.kinds.split(",") for cache in args.caches.split(",")]

@@ -118,6 +118,14 @@ def add_kernel_bench_flags(p: argparse.ArgumentParser, tiles_metavar: str, tiles
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
 
 
+def tile_configs(args: argparse.Namespace, tiles_cls, default=None) -> list:
+    """The launch configurations a kernel benchmark measures (`add_kernel_bench_flags`): every one of --sweep-tiles
+    with --sweep, else --tiles, else `default` (None: the kernel's own choice). `tiles_cls`: the kernel's `Tiles`."""
+    if args.sweep:
+        return [tiles_cls.parse(t) for t in args.sweep_tiles.split(";")]
+    return [tiles_cls.parse(args.tiles) if args.tiles else default]
+
+
 def add_attention_workload_flags(p: argparse.ArgumentParser) -> None:
     """An MSA prefill call's queries: --prompt-len after --context cached keys, neighbouring tokens' index queries
     correlated by --correlation, the last --check queries compared with the reference."""

@@ -21,7 +21,7 @@ import sys
 from collections import defaultdict
 
 import torch
-from common import GIB, BenchmarkError, add_kernel_bench_flags, copy_bandwidth, emit, main_guard
+from common import GIB, BenchmarkError, add_kernel_bench_flags, copy_bandwidth, emit, main_guard, tile_configs
 from fused_matmul import operands, per_call_s
 
 from minimax_ref.fast.packed import decode_fast, packed_matmul_reference
@@ -78,10 +78,7 @@ def run(args: argparse.Namespace) -> None:
         raise BenchmarkError("grouped_gemm.py needs triton (pip install triton)")
     device = torch.device("cuda")
     bw = copy_bandwidth(device, 2 * GIB)["bytes_per_s"]
-    if args.sweep:
-        configs = [grouped.Tiles.parse(t) for t in args.sweep_tiles.split(";")]
-    else:
-        configs = [grouped.Tiles.parse(args.tiles) if args.tiles else None]
+    configs = tile_configs(args, grouped.Tiles)
     cases = [measure(shape, args.rows, args.iters, bw, configs, device, not args.sweep) for shape in SHAPES]
     out: dict = {"benchmark": "grouped_gemm", "command": " ".join(sys.argv), "torch": torch.__version__,
                  "triton": grouped.triton.__version__, "device_name": torch.cuda.get_device_name(device),

@@ -29,7 +29,7 @@ import argparse
 import sys
 
 import torch
-from common import BenchmarkError, add_attention_workload_flags, add_kernel_bench_flags, emit, main_guard
+from common import BenchmarkError, add_attention_workload_flags, add_kernel_bench_flags, emit, main_guard, tile_configs
 from fused_matmul import per_call_s
 
 from minimax_ref.model.msa import CHUNK_ELEMENTS, block_scores, index_scores
@@ -109,10 +109,7 @@ def run(args: argparse.Namespace) -> None:
     iq, ik, pos = ops["iq"], ops["ik"], ops["pos"]
     T = iq.shape[1]
     chunk = index_chunk(iq, ik, CHUNK_ELEMENTS)
-    if args.sweep:
-        configs = [sk.Tiles.parse(t) for t in args.sweep_tiles.split(";")]
-    else:
-        configs = [sk.Tiles.parse(args.tiles) if args.tiles else sk.tiles_for(device)]
+    configs = tile_configs(args, sk.Tiles, sk.tiles_for(device))
 
     def reference():
         return select_blocks_chunked(iq, ik, pos, BLOCK, TOPK, LOCAL, 0, chunk)

@@ -723,9 +723,6 @@ def fresh_copy_strings(n: int, seed: int = 0, lo: int = 6, hi: int = 20) -> list
     return out
 
 
-_DAYS_PHRASE = {1: "today", 7: "this week"}
-
-
 def several_cities_request(cities: Sequence[str], days: int, rng: random.Random) -> str:
     """A user message asking for the weather in two or more cities (verbatim) over the same days."""
     names = ", ".join(cities[:-1]) + " and " + cities[-1]

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from . import grouped
 from .grouped import AVAILABLE, interpreting
+from .launch import KernelTiles
 
 if AVAILABLE:
     import triton
@@ -67,38 +68,23 @@ LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
-class Tiles:
+class Tiles(KernelTiles):
     """One launch configuration of the attention kernel: `rows` query rows a program (tokens times the group's
     heads, the heads padded to a power of two), `keys` key slots a tile (on MSA layers at most a block: a block of
     more slots is read as several tiles), `num_warps` and `num_stages` for programs of at least 64 rows (smaller
     ones, decode steps, run with 4 warps). All powers of two, at least 16 rows and keys."""
+
+    KIND = "attention"
 
     rows: int = 128
     keys: int = 64
     num_warps: int = 8
     num_stages: int = 2
 
-    def __post_init__(self) -> None:
-        for name in ("rows", "keys", "num_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ConfigError(f"attention tiles: {name}={v}: give a power of two")
+    def check(self) -> None:
         if self.rows < MIN_TILE or self.keys < MIN_TILE or self.num_stages < 1:
             raise ConfigError(f"attention tiles: rows={self.rows}, keys={self.keys} (>= {MIN_TILE}), "
                               f"num_stages={self.num_stages} (>= 1)")
-
-    @classmethod
-    def parse(cls, text: str) -> Tiles:
-        """`"ROWS,KEYS,NUM_WARPS,NUM_STAGES"`, e.g. `"128,64,8,2"` (the benchmarks' form)."""
-        try:
-            rows, keys, num_warps, num_stages = (int(v) for v in text.split(","))
-        except ValueError:
-            raise ConfigError(f"attention tiles {text!r}: give ROWS,KEYS,NUM_WARPS,NUM_STAGES, e.g. 128,64,8,2") \
-                from None
-        return cls(rows, keys, num_warps, num_stages)
-
-    def text(self) -> str:
-        return f"{self.rows},{self.keys},{self.num_warps},{self.num_stages}"
 
 
 # Untuned defaults, flash attention's usual shape for 128-channel heads on sm_90 without a measurement here: 128 query

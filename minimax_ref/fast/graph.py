@@ -21,11 +21,10 @@ import torch
 from ..model.cache import KVCache
 
 
-def record(fn, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+def record(fn, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
     """`fn()` (no host synchronisation, static shapes) captured in a CUDA graph: two warm-up calls on a side stream
     first (allocator pools, library handles, NCCL, compiles), then the capture. Returns the graph and what the
-    captured call returned: the buffers each replay rewrites. `pool` (`torch.cuda.graph_pool_handle()`): a memory
-    pool shared with other graphs replayed one after another on one stream (None: a pool of its own)."""
+    captured call returned: the buffers each replay rewrites."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -34,7 +33,7 @@ def record(fn, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, o
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph):
         out = fn()
     return graph, out
 

@@ -40,6 +40,7 @@ import torch
 
 from ..errors import ConfigError
 from ..weights.checkpoint import MXFP8, NVFP4
+from .launch import KernelTiles
 
 try:
     import triton
@@ -74,36 +75,21 @@ def runs_on(device: torch.device) -> bool:
 
 
 @dataclass(frozen=True)
-class Tiles:
+class Tiles(KernelTiles):
     """One launch configuration of the grouped kernel: `block_n` output columns (weight rows) and `block_k` decoded
     elements of K per program step (powers of two, at least 32), `num_warps`, `num_stages` (software pipelining of the
     loads)."""
+
+    KIND = "grouped"
 
     block_n: int = 128
     block_k: int = 128
     num_warps: int = 8
     num_stages: int = 3
 
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ConfigError(f"grouped tiles: {name}={v}: give a power of two")
+    def check(self) -> None:
         if self.block_n < 16 or self.block_k < 32:
             raise ConfigError(f"grouped tiles: block_n={self.block_n} (>= 16), block_k={self.block_k} (>= 32)")
-
-    @classmethod
-    def parse(cls, text: str) -> Tiles:
-        """`"BLOCK_N,BLOCK_K,NUM_WARPS,NUM_STAGES"`, e.g. `"128,128,8,3"` (the benchmarks' form)."""
-        try:
-            block_n, block_k, num_warps, num_stages = (int(v) for v in text.split(","))
-        except ValueError:
-            raise ConfigError(f"grouped tiles {text!r}: give BLOCK_N,BLOCK_K,NUM_WARPS,NUM_STAGES, e.g. 128,128,8,3") \
-                from None
-        return cls(block_n, block_k, num_warps, num_stages)
-
-    def text(self) -> str:
-        return f"{self.block_n},{self.block_k},{self.num_warps},{self.num_stages}"
 
 
 # Untuned defaults, chosen for H200 without a measurement: 128 weight rows and 64 elements of K a step with 8 warps.

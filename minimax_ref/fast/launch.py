@@ -11,17 +11,57 @@ matmul kernels are the same in every compile and run.
 The configurations are a table keyed by GPU name and torch version (`TUNED`, `tuned_for`); on any other GPU or torch
 version the kernels keep inductor's own tuning. The configuration changes only the order of the fp32 sums, never what
 is summed (`tests/test_launch.py`, `tests/test_fused.py`).
+
+`KernelTiles` is the common form of the engine's own Triton kernels' launch configurations (`grouped.Tiles`,
+`attention_kernel.Tiles`, `selection_kernel.Tiles`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
 from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KernelTiles:
+    """A Triton kernel's launch configuration: four ints, two tile sides (powers of two), `num_warps` (a power of
+    two) and `num_stages`, written "SIDE,SIDE,NUM_WARPS,NUM_STAGES" as the benchmarks take them (`parse`, `text`).
+    A subclass declares the four fields with their defaults, `KIND` (the kernel's name in errors) and its further
+    bounds (`check`)."""
+
+    KIND: ClassVar[str] = "kernel"
+
+    def __post_init__(self) -> None:
+        for f in fields(self)[:3]:
+            v = getattr(self, f.name)
+            if v < 1 or v & (v - 1):
+                raise ConfigError(f"{self.KIND} tiles: {f.name}={v}: give a power of two")
+        self.check()
+
+    def check(self) -> None:
+        """The subclass's bounds beyond powers of two (raises ConfigError)."""
+
+    @classmethod
+    def parse(cls, text: str) -> KernelTiles:
+        """The configuration written as "SIDE,SIDE,NUM_WARPS,NUM_STAGES" (the field names upper-cased)."""
+        names = [f.name for f in fields(cls)]
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != len(names):
+            raise ConfigError(f"{cls.KIND} tiles {text!r}: give {','.join(n.upper() for n in names)}, e.g. "
+                              f"{cls().text()}")
+        return cls(*values)
+
+    def text(self) -> str:
+        return ",".join(str(getattr(self, f.name)) for f in fields(self))
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,10 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
 def combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int) -> torch.Tensor:
     """The routed experts' output of each token: fp32 [T, H], token t's sum over its slots j = 0..k-1 (in that order)
     of `weights[t, j] * y[inv[t, j]]` (fp32 products), where `y` [rows, H] holds the expert outputs of the (token,
-    slot) pairs sorted by expert and `inv` [T, k] (int64) is each pair's row in it; a pair whose row is `rows` or more
-    (another rank's expert) adds 0. Reads each row of y once; no [T*k, H] fp32 intermediate."""
+    slot) pairs sorted by expert (`rows` >= 1) and `inv` [T, k] (int64) is each pair's row in it; a pair whose row is
+    `rows` or more (another rank's expert) adds 0. Reads each row of y once; no [T*k, H] fp32 intermediate."""
     mine = inv < rows
-    picked = y[inv.clamp(max=max(rows - 1, 0))].float()  # [T, k, H]
+    picked = y[inv.clamp(max=rows - 1)].float()  # [T, k, H]
     return torch.where(mine[..., None], picked * weights[..., None], 0.0).sum(1)
 
 

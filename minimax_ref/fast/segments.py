@@ -28,7 +28,8 @@ return the recording's outputs, computing nothing (each checks that its input is
 output, else it runs its piece).
 
 A replay runs the recorded kernels on the copied inputs, so a segmented step computes what the same pieces compute
-run one by one (`record_eagerly`, which re-runs the segment at each replay, lets a CPU test the bookkeeping); split
+run one by one, to fp32 rounding where a library call takes another algorithm inside a capture (`record_eagerly`,
+which re-runs the segment at each replay, lets a CPU test the bookkeeping bit for bit); split
 pieces run eagerly compute what the whole layer computes eagerly, bit for bit. What a replay returns is overwritten by
 the next replay of its recording: as with `CapturedSteps`, read a step's outputs before the next step. Recordings
 hold their cache weakly (a recording is used only while the cache it was recorded on is alive and is the one passed).

@@ -49,6 +49,7 @@ import torch
 from ..errors import ConfigError
 from . import attention_kernel
 from .grouped import AVAILABLE, interpreting
+from .launch import KernelTiles
 
 if AVAILABLE:
     import triton
@@ -62,37 +63,22 @@ MAX_INDEX_DIM = 256
 
 
 @dataclass(frozen=True)
-class Tiles:
+class Tiles(KernelTiles):
     """One launch configuration of the selection kernel: `queries` query tokens a program (the dot's M), `keys` key
     slots a key tile (a block of more slots is read as several tiles), `num_warps`, `num_stages` (software pipelining
     of the key loads). Powers of two, queries and keys at least 16."""
+
+    KIND = "selection"
 
     queries: int = 128
     keys: int = 64
     num_warps: int = 8
     num_stages: int = 2
 
-    def __post_init__(self) -> None:
-        for name in ("queries", "keys", "num_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ConfigError(f"selection tiles: {name}={v}: give a power of two")
+    def check(self) -> None:
         if self.queries < MIN_TILE or self.keys < MIN_TILE or self.num_stages < 1:
             raise ConfigError(f"selection tiles: queries={self.queries}, keys={self.keys} (>= {MIN_TILE}), "
                               f"num_stages={self.num_stages} (>= 1)")
-
-    @classmethod
-    def parse(cls, text: str) -> Tiles:
-        """`"QUERIES,KEYS,NUM_WARPS,NUM_STAGES"`, e.g. `"128,64,8,2"` (the benchmark's form)."""
-        try:
-            queries, keys, num_warps, num_stages = (int(v) for v in text.split(","))
-        except ValueError:
-            raise ConfigError(f"selection tiles {text!r}: give QUERIES,KEYS,NUM_WARPS,NUM_STAGES, e.g. 128,64,8,2") \
-                from None
-        return cls(queries, keys, num_warps, num_stages)
-
-    def text(self) -> str:
-        return f"{self.queries},{self.keys},{self.num_warps},{self.num_stages}"
 
 
 # Where `TUNED` has no entry: 128 queries of one index head against key tiles of 64 slots, 8 warps, the

@@ -19,8 +19,7 @@ Units that do not fit `gpu_memory` (after a reserve for activations and the KV c
   fetched, then its meta placeholders again. With prefetch (below) the rows of the experts predicted for a stack are
   copied ahead, and after its router only the chosen experts not among them (the misses).
 
-Prefetch of expert rows (pre-gating; `OffloadConfig.prefetch`, off by default until its side-stream copies have run on
-a GPU). Decided here:
+Prefetch of expert rows (pre-gating; `OffloadConfig.prefetch`, off by default). Decided here:
 * what predicts: at a streamed stack's synchronisation point (the host reads its router's choice), the next streamed
   stack of the step (layer order) is predicted by its own router (resident) applied to the tokens the synchronising
   stack runs on: the residual stream leaving that layer's attention, normed by its post-attention norm (the one
@@ -73,8 +72,9 @@ compiled when the preset compiles layers ("compiled"; `--fast auto` keeps the re
 preset's `graph` switch on CUDA, captured in a CUDA graph per cache and step shape and replayed (the staging stacks
 keep their addresses, so a graph reads the rows copied before its replay; the whole-step `graph` switch itself is
 turned off).
-Logits and tokens are those of the resident packed model cut into the same pieces, bit for bit; with "compiled",
-the fully compiled resident model's to fp32 rounding (a split layer is two compiled graphs, not one).
+Logits and tokens are those of the resident packed model cut into the same pieces, bit for bit (a replayed CUDA
+graph: to fp32 rounding, its library calls may take other algorithms inside a capture); with "compiled", the fully
+compiled resident model's to fp32 rounding (a split layer is two compiled graphs, not one).
 
 What overlaps what, on a GPU. A streamed layer part is copied on a side stream, issued when the streamed layer part
 before it is entered, so its copy overlaps all the compute from there to its own layer (the segments between

@@ -3,11 +3,12 @@
 packed weights streamed from pinned host memory (`load_synthetic(..., offload="cpu")`), against the PCIe roofline
 measured in the same run.
 
-    # one H200 (139 GiB; the build is 151.7 GiB in GPU memory), about 2-3 minutes (the reference path decodes each
-    # chosen expert's weights at every step: at batch 32 that compute, not the copies, sets the pace):
+    # one H200 (139 GiB; the build is 151.7 GiB in GPU memory), about 3 minutes a budget: the engine's defaults
+    # (`--fast auto`: compiled segments replayed from CUDA graphs; prefetch of the predicted experts' rows)
     PYTHONPATH=$PWD python3 benchmarks/offload.py --device cuda --gpu-memory 100 --out offload.jsonl
-    # the same without copying the predicted experts' rows ahead:
-    PYTHONPATH=$PWD python3 benchmarks/offload.py --device cuda --gpu-memory 100 --prefetch on --out offload.jsonl
+    # the reference paths, nothing copied ahead (each chosen expert's weights decoded at every step: at batch 32 that
+    # compute, not the copies, sets the pace):
+    PYTHONPATH=$PWD python3 benchmarks/offload.py --device cuda --gpu-memory 100 --fast off --prefetch off
     # CPU dry run (the compute device is the CPU, the store separate host tensors):
     PYTHONPATH=$PWD python3 benchmarks/offload.py --device cpu --preset tiny
 
@@ -99,12 +100,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="GiB reserved for activations beyond the KV cache (default: 5 on a GPU, 0.01 on a CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     fast_presets = ["off", "on", "compile", "fused", "compiled"]
-    p.add_argument("--fast", default="off", choices=fast_presets,
-                   help=f"fast paths: {describe_presets(fast_presets)} (default: off; on decodes every expert of a "
-                        "batch-32 step)")
-    p.add_argument("--prefetch", default="off", choices=["on", "off"],
-                   help="copy the next streamed stack's predicted experts' rows ahead, on a side stream (default: off, "
-                        "the engine's default)")
+    p.add_argument("--fast", default="auto", choices=["auto", *fast_presets],
+                   help=f"fast paths: auto = the engine's choice (compiled on CUDA); {describe_presets(fast_presets)} "
+                        "(default: auto; on decodes every expert of a batch-32 step)")
+    p.add_argument("--prefetch", default="auto", choices=["auto", "on", "off"],
+                   help="copy the next streamed stack's predicted experts' rows ahead, on a side stream (default: "
+                        "auto, the engine's default: on for --offload cpu on CUDA)")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--warmup", type=int, default=1)
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
                            device=device, dtype=dtype, weights="packed", fast=args.fast,
                            offload=OffloadConfig(args.offload, gpu_memory, folder=args.offload_folder,
                                                  reserve_gib=reserve, share_streamed_experts=True,
-                                                 prefetch=args.prefetch == "on"),
+                                                 prefetch=None if args.prefetch == "auto" else args.prefetch == "on"),
                            max_seq_len=max_len, max_batch_size=max(batches))
     load_s = time.perf_counter() - t0
     streamer = model.offload
@@ -202,8 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"benchmark": "offload", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "preset": args.preset, "format": args.format,
            "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_local_experts, "top_k": k,
-           "dtype": str(dtype).removeprefix("torch."), "fast": args.fast, "offload": args.offload,
-           "prefetch": args.prefetch,
+           "dtype": str(dtype).removeprefix("torch."), "fast": model.fast_preset, "offload": args.offload,
+           "prefetch": "on" if streamer.prefetch else "off",
            "gpu_memory_gib": gpu_memory, "reserve_gib": reserve, "prompt_len": args.prompt_len,
            "steps": args.steps, "warmup": args.warmup, "load_s": load_s, "h2d_gbps": rate / 1e9,
            "weights_gib": (model.load_stats["memory_bytes"]) / GIB,

@@ -17,8 +17,9 @@ loaded model (`fast.apply` between variants):
   `block_selection="reference"`: fp32 SDPA cores, MSA gathering its blocks from the cache);
 * `on`: `--fast on` (batched experts, and with triton on CUDA the attention and selection kernels,
   `fast.attention_kernel`, `fast.selection_kernel`);
-* `compiled`: `--fast compiled`, the GPU default (its prefill: `on`'s paths with fused packed products unused);
-* `fusion`: `compiled` with prefill's norms and rotations fused (`fast.prefill`; the non-user preset `fusion`);
+* `compiled`: `--fast compiled`, the GPU default (its prefill: `on`'s paths, packed weights decoded by one Triton
+  kernel, the norms, rotations, activations and expert combine fused, `fast.prefill`);
+* `unfused`: `compiled` without prefill's fusions (`prefill_fusion=False`), to measure what `fast.prefill` saves;
 * `reference-selection`: `compiled` with the MSA block selection of the reference's chunked scores
   (`block_selection="reference"`), to measure what `fast.selection_kernel` saves.
 `transformers`: `MiniMaxM3VLForCausalLM` built from the same decoded weights (vs_transformers.build_transformers),
@@ -49,7 +50,8 @@ from minimax_ref.weights.synth import PRESETS
 ON = FastPaths.of(True)
 VARIANTS = {"reference": FastPaths(),
             "gathering": replace(ON, prefill_attention="reference", block_selection="reference"), "on": ON,
-            "compiled": FastPaths.of("compiled"), "fusion": FastPaths.of("fusion"),
+            "compiled": FastPaths.of("compiled"),
+            "unfused": replace(FastPaths.of("compiled"), prefill_fusion=False),
             "reference-selection": replace(FastPaths.of("compiled"), block_selection="reference")}
 
 

@@ -242,10 +242,13 @@ def test_offloaded_segments_replay_cuda_graphs(tiny_nvfp4, prompts, fast, which)
         want = greedy_steps(ref, batch, 4)
         got = greedy_steps(model, batch, 4)
         # the prefill and the first step (which the segments run piece by piece, then record) run without graphs on
-        # both sides: bit for bit; the replayed steps within fp32 rounding (cuBLAS may take another algorithm inside
+        # both sides: bit for bit with `on`; `compiled`'s first step within fp32 rounding (its pieces are compiled
+        # per segment over the streamed weights' copies, so inductor may choose other reduction splits than for the
+        # resident model's layers); the replayed steps within fp32 rounding (cuBLAS may take another algorithm inside
         # a capture than outside it; the CPU tests check the replays' bookkeeping bit for bit)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got[2:], want[2:])]
+        exact = 1 if fast == "compiled" else 2
+        assert all(torch.equal(a, b) for a, b in zip(got[:exact], want[:exact]))
+        errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got[exact:], want[exact:])]
         assert max(errors) < 1e-5, f"batch {len(batch)}: relative logit error by step {errors}"
         assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(got, want))
         assert seg.recorded - recorded == len(seg.segments) and seg.replays - replays == 3 * len(seg.segments)
@@ -275,16 +278,34 @@ def test_streamed_twins_launch_for_the_compute_device(tiny_nvfp4, monkeypatch):
 
 
 def test_fast_auto_when_offloading(tiny_nvfp4, monkeypatch):
-    """`fast="auto"` (`--fast auto`) with offloading is the reference whatever the device and size (the segmented
-    steps are taken by naming a preset); naming "compiled" installs them."""
+    """`fast="auto"` (`--fast auto`) with offloading takes `auto_preset` before the load, sized by the whole
+    checkpoint (not by what stays resident): the reference on a CPU; where it names "compiled" (CUDA, >= 1 GiB), the
+    segmented steps are installed."""
     from minimax_ref.fast import paths
     from minimax_ref.fast.segments import SegmentedLayers
+    from minimax_ref.weights.checkpoint import open_checkpoint
 
-    monkeypatch.setattr(paths, "auto_preset", lambda device, nbytes: "compiled")
     model = offloaded(tiny_nvfp4, "cpu", "experts", fast="auto")
     assert model.fast_preset == "off" and type(model).__name__ == "MiniMaxM3"
-    model = offloaded(tiny_nvfp4, "cpu", "experts", fast="compiled")
+    asked = []
+    monkeypatch.setattr(paths, "auto_preset", lambda device, nbytes: asked.append(nbytes) or "compiled")
+    model = offloaded(tiny_nvfp4, "cpu", "experts", fast="auto")
     assert model.fast_preset == "compiled" and isinstance(model.compiled, SegmentedLayers)
+    ck = open_checkpoint(tiny_nvfp4)
+    assert asked == [sum(ck.family_bytes().values())]
+    ck.close()
+
+
+def test_prefetch_default():
+    """`OffloadConfig.prefetch` None (the default) is on for the "cpu" store on CUDA, where the copies run
+    asynchronously, and off on a CPU and for the "disk" store; an explicit value stays."""
+    assert OffloadConfig("cpu", 10).prefetch is None
+    assert OffloadConfig("cpu", 10).resolved("cuda").prefetch is True
+    assert OffloadConfig("cpu", 10).resolved("cuda:1").prefetch is True
+    assert OffloadConfig("cpu", 10).resolved("cpu").prefetch is False
+    assert OffloadConfig("disk", 10).resolved("cuda").prefetch is False
+    assert OffloadConfig("cpu", 10, prefetch=False).resolved("cuda").prefetch is False
+    assert OffloadConfig("disk", 10, prefetch=True).resolved("cpu").prefetch is True
 
 
 @pytest.mark.parametrize("which", ["layers", "experts"])
@@ -484,9 +505,11 @@ def test_cli_generate_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys, mo
     assert main(common + ["--offload", "cpu", "--gpu-memory", str(5 + 2 / 1024), "--offload-prefetch"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
-    assert not prefetch[0] and prefetch[-1]  # off by default; the refused dequant run checks in between
+    assert prefetch[0] is None and prefetch[-1] is True  # by default decided at load; the refused run in between
+    assert main(common + ["--offload", "cpu", "--gpu-memory", str(5 + 2 / 1024), "--no-offload-prefetch"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want["token_ids"] and prefetch[-1] is False
     assert main(common + ["--offload-prefetch"]) == 2
-    assert "--offload-prefetch needs --offload" in capsys.readouterr().err
+    assert "--offload-prefetch / --no-offload-prefetch need --offload" in capsys.readouterr().err
 
 
 def test_cli_score_offloaded_equals_resident(tiny_nvfp4, tmp_path, capsys):

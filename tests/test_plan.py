@@ -191,7 +191,7 @@ def test_cli_offload_plan_pruned80(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(build_config("pruned-80", "nvfp4")))
     args = ["plan", "--ckpt-path", str(tmp_path), "--tp", "1", "--gpu-memory", "120", "--max-model-len", "4096",
             "--kv-cache-dtype", "fp8", "--offload", "cpu", "--batch", "32"]
-    assert main(args + ["--output-format", "json"]) == 0
+    assert main(args + ["--no-offload-prefetch", "--output-format", "json"]) == 0
     off = json.loads(capsys.readouterr().out)["offload_plan"]
     assert off["weights_bytes"] == pytest.approx(hand_per_card(80, 1), abs=2)
     assert off["resident_layers"] == list(range(LAYERS)) and off["streamed_layers"] == []
@@ -206,12 +206,17 @@ def test_cli_offload_plan_pruned80(capsys, tmp_path):
     assert b1["bytes_per_token"] == pytest.approx(len(streamed) * 4 * expert)
     assert b32["bytes_per_step"] == pytest.approx(len(streamed) * 80 * (1 - (1 - 4 / 80) ** 32) * expert)
     assert b1["roofline_tok_s"] == pytest.approx(50e9 / b1["bytes_per_step"])
-    # with --offload-prefetch a second stack of staging: exactly one more stack streams
-    assert main(args + ["--offload-prefetch", "--output-format", "json"]) == 0
-    pre = json.loads(capsys.readouterr().out)["offload_plan"]
-    assert pre["staging_bytes"] == pytest.approx(2 * 80 * expert)
-    assert pre["streamed_expert_layers"] == list(range(streamed[0] - 1, 60))
-    assert main(args) == 0
+    # with prefetch (the default for --offload cpu, as a load on a GPU) a second stack of staging: exactly one more
+    # stack streams; --offload disk maps without it by default
+    for extra in (["--offload-prefetch"], []):
+        assert main(args + extra + ["--output-format", "json"]) == 0
+        pre = json.loads(capsys.readouterr().out)["offload_plan"]
+        assert pre["staging_bytes"] == pytest.approx(2 * 80 * expert)
+        assert pre["streamed_expert_layers"] == list(range(streamed[0] - 1, 60))
+    disk = [a if a != "cpu" else "disk" for a in args]
+    assert main(disk + ["--output-format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["offload_plan"]["staging_bytes"] == pytest.approx(80 * expert)
+    assert main(args + ["--no-offload-prefetch"]) == 0
     text = capsys.readouterr().out
     assert f"expert stacks of layers {streamed[0]}-59" in text and "PCIe roofline at 50 GB/s" in text
     assert main(args[:4] + ["2"] + args[5:]) == 2  # --tp 2

@@ -1,5 +1,5 @@
-"""Prefill's fused norms and rotations (`fast.prefill`; `FastPaths(prefill_fusion=True)`, the non-user preset
-`fusion`): each compiled function against the reference functions it fuses (`gemma_rms_norm`, `apply_rope`) and a
+"""Prefill's fused norms and rotations (`fast.prefill`; `FastPaths(prefill_fusion=True)`, in the `compiled`
+preset): each compiled function against the reference functions it fuses (`gemma_rms_norm`, `apply_rope`) and a
 float64 computation of the same contract, and a model's prefill through them."""
 
 from __future__ import annotations
@@ -194,8 +194,6 @@ def test_model_prefill_through_the_fused_kernels(tiny_nvfp4, monkeypatch):
 
 
 def test_presets():
-    assert FastPaths.of("fusion") == replace(FastPaths.of("compiled"), prefill_fusion=True)
-    from minimax_ref.fast.paths import PRESETS, USER_PRESETS
-
-    assert "fusion" not in USER_PRESETS
-    assert not any(PRESETS[name].paths.prefill_fusion for name in USER_PRESETS)
+    """`compiled` (what `--fast auto` takes on a GPU) fuses prefill; `on` compiles nothing, so it does not."""
+    assert FastPaths.of("compiled").prefill_fusion
+    assert not FastPaths.of("on").prefill_fusion and not FastPaths.of("off").prefill_fusion

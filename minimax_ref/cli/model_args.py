@@ -62,9 +62,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-folder", type=Path, default=None, metavar="DIR",
                    help="with --offload disk: where the streamed weights are written (default: a new folder under "
                         "the cache folder, removed at exit)")
-    p.add_argument("--offload-prefetch", action="store_true",
+    p.add_argument("--offload-prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="with --offload (generate, golden): copy the predicted experts' rows of the next streamed "
-                        "stack ahead, overlapping compute (one more expert stack of staging; same outputs)")
+                        "stack ahead, overlapping compute (one more expert stack of staging; same outputs) (default: "
+                        "on for --offload cpu on a CUDA device, off otherwise)")
 
 
 def add_intervention_flags(p: argparse.ArgumentParser) -> None:
@@ -99,11 +100,11 @@ def load_from_args(args: argparse.Namespace, world=None):
                   expert_parallel=getattr(args, "expert_parallel", False), fast=fast,
                   offload=getattr(args, "offload", "none"), gpu_memory=getattr(args, "gpu_memory", None),
                   offload_folder=getattr(args, "offload_folder", None))
-    if getattr(args, "offload_prefetch", False) and common["offload"] != "none":
+    if getattr(args, "offload_prefetch", None) is not None and common["offload"] != "none":
         from ..weights.offload import OffloadConfig
 
         common["offload"] = OffloadConfig.of(common["offload"], common["gpu_memory"], common["offload_folder"])
-        common["offload"] = dataclasses.replace(common["offload"], prefetch=True)
+        common["offload"] = dataclasses.replace(common["offload"], prefetch=args.offload_prefetch)
     preset = getattr(args, "synthetic_weights", None)
     if preset is None:
         if getattr(args, "synthetic_layers", None) is not None or getattr(args, "synthetic_experts", None) is not None:
@@ -139,10 +140,10 @@ def check_offload_command(args: argparse.Namespace) -> None:
     if asked and args.command not in OFFLOAD_COMMANDS:
         raise InputError(f"--offload is not available for `minimax-ref {args.command}` yet (it loads its models "
                          f"itself); commands that offload: {', '.join(OFFLOAD_COMMANDS)}")
-    if getattr(args, "offload_prefetch", False):
-        # score and prune load through `score.load_for_args`, which passes the mode alone
+    if getattr(args, "offload_prefetch", None) is not None:
+        # score and prune load through `score.load_for_args`, which passes the mode alone (prefetch as by default)
         if args.offload == "none" or args.command not in PREFETCH_SWITCH_COMMANDS:
-            raise InputError(f"--offload-prefetch needs --offload cpu|disk and one of: "
+            raise InputError(f"--offload-prefetch / --no-offload-prefetch need --offload cpu|disk and one of: "
                              f"{', '.join(PREFETCH_SWITCH_COMMANDS)}")
 
 

@@ -35,8 +35,7 @@ take.
   block scores up to the order of the fp32 sums, so the same ids except at ties within that rounding
   (tests/test_selection_kernel.py).
   Elsewhere (fp32 models, CPU, decode steps) `fast.attention.select_blocks`.
-* `prefill_fusion=True` (the non-user preset `fusion`: `compiled` with it; a user preset takes it once
-  benchmarks/prefill.py has measured it on a GPU): in prefill calls (more than `sync_free_tokens` tokens) each
+* `prefill_fusion=True` (the `compiled` preset): in prefill calls (more than `sync_free_tokens` tokens) each
   decoder layer's input and post-attention RMSNorm, and each q / k / index-q / index-k norm with the RoPE rotation
   after it, run as one kernel compiled by torch.compile with dynamic shapes (`fast.prefill`), instead of a chain of
   fp32 elementwise kernels; so does each SwiGLU activation (MLPs, shared and routed experts); the routed experts'
@@ -261,24 +260,19 @@ PRESETS: dict[str, Preset] = {
     "compiled": Preset(
         FastPaths(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", fused_rows=1,
                   compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True,
-                  prefill_attention="triton", block_selection="triton", decode_attention="triton", graph=True),
+                  prefill_attention="triton", block_selection="triton", decode_attention="triton",
+                  prefill_fusion=True, graph=True),
         "on without SDPA, plus each decoder layer of a decode step compiled by torch.compile (on first use: "
         "minutes on a GPU), one-row products with packed weights by a compiled dequantize-and-multiply and, on CUDA "
         f"with triton, products of 2 to {SYNC_FREE_TOKENS} rows (batches, verify steps) by a grouped Triton kernel, "
-        "decode steps attending through the Triton attention kernel, and packed weights decoded for prefill by one "
-        "Triton kernel"),
+        "decode steps attending through the Triton attention kernel, packed weights decoded for prefill by one "
+        "Triton kernel, and prefill's norms, rotations, activations and expert combine as compiled kernels"),
 }
 # `compiled` with the reordered-weight products of `fast.gemv` for every decode row count (benchmarks measure it
 # against `compiled` before a user preset takes it)
 PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
-# `compiled` with prefill's norms and rotations fused (a user preset takes it once benchmarks/prefill.py has measured
-# it against `compiled` on a GPU)
-PRESETS["fusion"] = Preset(replace(PRESETS["compiled"].paths, prefill_fusion=True),
-                           "compiled, with the RMSNorms, the norm + RoPE of queries and keys, the SwiGLU "
-                           "activations and the experts' combine of prefill calls as one compiled kernel each",
-                           user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

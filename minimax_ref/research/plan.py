@@ -345,9 +345,10 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--h2d-gbps", type=float, default=DEFAULT_H2D_GBPS,
                    help=f"with --offload: host-to-device GB/s assumed for the roofline (default: {DEFAULT_H2D_GBPS}, "
                         "PCIe Gen5 x16 from pinned memory; benchmarks/offload.py measures it)")
-    p.add_argument("--offload-prefetch", action="store_true",
-                   help="with --offload: the map of a load with --offload-prefetch (one more expert stack of "
-                        "staging)")
+    p.add_argument("--offload-prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --offload: the map of a load with expert-row prefetch (one more expert stack of "
+                        "staging) or without (default: as generate on a GPU: with for --offload cpu, without for "
+                        "disk)")
     p.add_argument("--output-format", choices=["text", "json"], default="text")
 
 
@@ -422,14 +423,17 @@ def offload_units(cfg: ModelConfig, *, dtype_bytes: int = 2, ckpt_dir: Path | No
 def plan_offload(cfg: ModelConfig, *, gpu_memory_gib: float, offload: str, max_model_len: int, batch: int = 1,
                  kv_cache_dtype: str = "auto", dtype_bytes: int = 2,
                  activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB, h2d_gbps: float = DEFAULT_H2D_GBPS,
-                 ckpt_dir: Path | None = None, prefetch: bool = False) -> dict:
+                 ckpt_dir: Path | None = None, prefetch: bool | None = None) -> dict:
     """The offload proposal as a JSON-ready dict: the device map for `gpu_memory_gib` (the whole budget: resident
     weights, staging buffers, and a reserve of `activation_reserve_gib` plus the KV cache of `batch` sequences of
     `max_model_len` tokens), the bytes moved per decode step and per token at batch 1 and at `batch`, and the PCIe
     roofline `tok/s = B / (bytes_per_step(B) / h2d)` at an assumed host-to-device rate `h2d_gbps` (GB/s, 1e9).
-    prefetch: the map of a load with expert-row prefetch (`--offload-prefetch`: a second expert staging stack)."""
+    prefetch: the map of a load with expert-row prefetch (`--offload-prefetch`: a second expert staging stack); None:
+    as a load on a GPU decides (`OffloadConfig.resolved`: with it for "cpu", without for "disk")."""
     if offload not in OFFLOAD_MODES or offload == "none":
         raise InputError(f"--offload {offload!r}: choose cpu or disk for an offload plan")
+    if prefetch is None:
+        prefetch = offload == "cpu"
     if batch < 1 or h2d_gbps <= 0 or gpu_memory_gib <= 0:
         raise InputError("--batch must be >= 1, --h2d-gbps and --gpu-memory > 0")
     always, units = offload_units(cfg, dtype_bytes=dtype_bytes, ckpt_dir=ckpt_dir)

@@ -259,8 +259,8 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     False/None/"off" = the reference, which never imports `minimax_ref.fast`; True = "on"; a preset's name of
     `minimax_ref.fast.paths.PRESETS`, a dict of switches or a `FastPaths`; "auto" = the CLI's `--fast auto`, chosen
     once the weights are loaded by `fast.paths.auto_preset`: "compiled" on CUDA for models whose weights take at
-    least `AUTO_COMPILE_MIN_BYTES` on the device, "on" for smaller ones, the reference on a CPU and for offloaded
-    models (their segmented steps, `fast.segments`, are taken by naming a preset);
+    least `AUTO_COMPILE_MIN_BYTES` on the device, "on" for smaller ones, the reference on a CPU (an offloaded model:
+    chosen before the load, by its checkpoint's bytes; its steps then run as segments, `fast.segments`);
     `model.fast_preset` names what was chosen; `minimax_ref.fast.apply(model, ...)` changes them later).
     runtime: `RuntimeConfig`
     fields (max_seq_len, max_batch_size, kv_cache_dtype, max_images_per_prompt, attention_chunk_elements),
@@ -370,7 +370,12 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
     if weights not in WEIGHT_MODES:
         raise ConfigError(f"weights={weights!r}: choose one of {list(WEIGHT_MODES)}")
     auto = isinstance(fast, str) and fast == "auto"
-    if auto:  # decided once the model's size on the device is known
+    if auto and offload is not None:
+        # an offloaded model installs its fast paths while loading: sized by the whole checkpoint it streams from
+        from ..fast.paths import auto_preset
+
+        fast, auto = auto_preset(device, sum(ck.family_bytes().values())), False
+    elif auto:  # decided once the model's size on the device is known
         fast = None
     # the preset's name (None for a dict of switches or a FastPaths)
     preset = {None: "off", False: "off", True: "on"}.get(fast, fast) if fast is None or isinstance(fast, (bool, str)) \

@@ -19,7 +19,9 @@ Units that do not fit `gpu_memory` (after a reserve for activations and the KV c
   fetched, then its meta placeholders again. With prefetch (below) the rows of the experts predicted for a stack are
   copied ahead, and after its router only the chosen experts not among them (the misses).
 
-Prefetch of expert rows (pre-gating; `OffloadConfig.prefetch`, off by default). Decided here:
+Prefetch of expert rows (pre-gating; `OffloadConfig.prefetch`, by default on for the "cpu" store on a CUDA device,
+where the copies run asynchronously; off on a CPU and for the "disk" store, where a copy blocks the host and little
+overlaps, so the second staging stack would cost memory for nothing). Decided here:
 * what predicts: at a streamed stack's synchronisation point (the host reads its router's choice), the next streamed
   stack of the step (layer order) is predicted by its own router (resident) applied to the tokens the synchronising
   stack runs on: the residual stream leaving that layer's attention, normed by its post-attention norm (the one
@@ -68,10 +70,10 @@ so no decode step is one compiled graph per layer or one CUDA graph; `segment_st
 instead (`fast.segments.SegmentedLayers`): a layer whose layer part streams runs eagerly with the preset's fast twins;
 a layer whose expert stack alone streams runs as two pieces, up to its router and after it, around the copy of the
 chosen rows; every other layer is one piece. The pieces between two synchronisation points form a segment, run
-compiled when the preset compiles layers ("compiled"; `--fast auto` keeps the reference when offloading) and, with the
-preset's `graph` switch on CUDA, captured in a CUDA graph per cache and step shape and replayed (the staging stacks
-keep their addresses, so a graph reads the rows copied before its replay; the whole-step `graph` switch itself is
-turned off).
+compiled when the preset compiles layers ("compiled", what `--fast auto` takes on CUDA from 1 GiB of checkpoint)
+and, with the preset's `graph` switch on CUDA, captured in a CUDA graph per cache and step shape and replayed (the
+staging stacks keep their addresses, so a graph reads the rows copied before its replay; the whole-step `graph`
+switch itself is turned off).
 Logits and tokens are those of the resident packed model cut into the same pieces, bit for bit (a replayed CUDA
 graph: to fp32 rounding, its library calls may take other algorithms inside a capture); with "compiled", the fully
 compiled resident model's to fp32 rounding (a split layer is two compiled graphs, not one).
@@ -138,14 +140,21 @@ class OffloadConfig:
     `share_streamed_experts` (synthetic weights only: every streamed expert stack reads the host stacks of the
     first streamed one, so a release-width model whose experts exceed host memory can run; the bytes moved per step
     are the same), and `prefetch`: copy the next streamed stack's predicted experts' rows ahead (module docstring;
-    the device map then reserves a second staging stack; outputs are the same either way)."""
+    the device map then reserves a second staging stack; outputs are the same either way); None (default): on for
+    the "cpu" store on a CUDA device, off otherwise (`resolved`)."""
 
     mode: str = "none"
     gpu_memory_gib: float | None = None
     folder: Path | None = None
     reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB
     share_streamed_experts: bool = False
-    prefetch: bool = False
+    prefetch: bool | None = None
+
+    def resolved(self, device: torch.device | str) -> OffloadConfig:
+        """This config with `prefetch` decided for the compute `device` (None: on for "cpu" on CUDA)."""
+        if self.prefetch is not None:
+            return self
+        return dataclasses.replace(self, prefetch=self.mode == "cpu" and torch.device(device).type == "cuda")
 
     @classmethod
     def of(cls, offload: str | OffloadConfig | None, gpu_memory: float | None = None,
@@ -570,6 +579,7 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
     device map, store and `stats`). Returns the bytes read per family."""
 
     synthetic = bool(getattr(ck, "synthetic", False))
+    cfg = cfg.resolved(device)
     check_offload(cfg, weights=weights, tp_size=tp_size, expert_parallel=expert_parallel, fast=fast,
                   synthetic=synthetic)
     # a whole step is never captured (streamed layers read the router's choice on the host); the resident segments

@@ -34,8 +34,10 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import sys
 import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -352,6 +354,25 @@ def test_packed_weight_takes_the_kernel_above_the_fused_rows(device, monkeypatch
         apply(pw, FastPaths())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_rows_preset_takes_one_row(device, monkeypatch):
+    """The non-user preset `grouped-rows` (`compiled` without the fused product) multiplies one-row inputs by the
+    grouped kernel too; `compiled` keeps them on the fused product."""
+    calls = []
+    real = grouped.packed_matmul_grouped
+    monkeypatch.setattr(grouped, "packed_matmul_grouped", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    pw = _packed_linear("nvfp4", 48, 128, device)
+    want_w = pw.decode()
+    apply(pw, FastPaths.of("grouped-rows"))
+    assert pw.fused_tokens == 0 and pw.grouped_tokens == 64
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(2)).to(BF16).to(device)
+    y = pw.linear(x)
+    assert calls == [(1, 128)] and _bound_ok(y, x, want_w)[0]
+    apply(pw, FastPaths.of("compiled"))
+    assert pw.fused_tokens == 1
+    apply(pw, FastPaths())
+
+
 @pytest.fixture(scope="module")
 def tiny(ckpt_factory):
     return ckpt_factory("tiny", "nvfp4")
@@ -484,3 +505,35 @@ def test_compiled_decode_step_at_batch_16_equals_reference(tiny):
     err = captured_step_error(tiny, "compiled", 16, "grouped_tokens")
     assert math.isfinite(err) and err < 5e-2
 
+
+
+def test_main_loop_is_the_longest_backward_branch():
+    """benchmarks/kernel_sass.py's loop finder on hand-written SASS: the instructions from the target of the
+    longest backward branch to the branch (a forward branch and a shorter inner loop do not count)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    if not grouped.AVAILABLE:
+        pytest.skip("kernel_sass.py needs triton")
+    from kernel_sass import main_loop
+
+    lines = [(0x00, "MOV", "MOV R1, R2 ;"), (0x10, "BRA", "@P0 BRA 0x60 ;"), (0x20, "FFMA", "FFMA R1, R2, R3, R1 ;"),
+             (0x30, "LOP3", "LOP3.LUT R4, R5, 0xf, RZ, 0xc0, !PT ;"), (0x40, "BRA", "@P1 BRA 0x30 ;"),
+             (0x50, "BRA", "@P2 BRA 0x20 ;"), (0x60, "EXIT", "EXIT ;")]
+    assert [a for a, _, _ in main_loop(lines)] == [0x20, 0x30, 0x40, 0x50]
+    assert main_loop(lines[:2]) == []
+
+
+@pytest.mark.skipif(not grouped.AVAILABLE or INTERP, reason="compiles the CUDA kernel (triton, not interpreted)")
+def test_kernel_sass_counts_the_gemv_loop():
+    """benchmarks/kernel_sass.py on the one-row NVFP4 GEMV, compiled for sm_90 offline: the launch is intercepted
+    (nothing runs), the main loop found, and it holds the CUDA-core products (one FFMA per weight element of a
+    thread's iteration: 32 rows x 256 elements over 128 threads) and no tensor-core instruction."""
+    if _ptxas() is None:
+        pytest.skip("triton's ptxas is not installed")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from kernel_sass import main
+
+    rows = {r["kernel"]: r for r in main(["--cases", "gemv-nvfp4"])}
+    gemv_row = rows["_gemv_kernel"]
+    assert gemv_row["elements_per_thread_iteration"] == 64
+    assert gemv_row["loop_ops"]["FFMA"] == 64 and not any("MMA" in op for op in gemv_row["loop_ops"])
+    assert gemv_row["loop_instructions_per_element"] > 1 and gemv_row["local_bytes"] == 0

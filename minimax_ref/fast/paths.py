@@ -58,6 +58,9 @@ take.
   rows and the tensor cores' dot above, fp32 sums; the routed experts read only the chosen experts. Takes precedence
   over `matmul="fused"` and `grouped` where it applies (as `grouped`: scales in the normal range, bf16). Equal to fp32
   rounding.
+* The non-user preset `grouped-rows` (`compiled` with `matmul="reference"`): one-row products with packed weights by
+  the grouped kernel too (its decoded tile padded to the tensor cores' 16 rows); to be measured before a user preset
+  takes it.
 * `compile_layers=True`: in decode steps (one token per sequence, and the speculative loop's verify steps of k+1
   tokens, `MiniMaxM3.step_with_hidden`; with a cache and no trace), each decoder layer runs through `torch.compile`
   (`fast.compiled.CompiledLayers`), one graph per kind of layer and step shape, in which inductor fuses the norms,
@@ -273,6 +276,12 @@ PRESETS: dict[str, Preset] = {
 PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
+# `compiled` with one-row products too by the grouped kernel (its tensor-core decode costs fewer instructions an
+# element than the fused product's and the GEMV's: benchmarks/kernel_sass.py); measured against `compiled` on a GPU
+# before a user preset takes it
+PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),
+                                 "compiled, with products of 1 to 64 rows (one-row decode steps included) by the "
+                                 "grouped Triton kernel instead of the fused dequantize-and-multiply", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

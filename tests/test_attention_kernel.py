@@ -119,6 +119,25 @@ def test_kernel_equals_the_reference_cores(name, fp8, sms, tiles, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_scale", [1.0, 0.5, 3.0])
+def test_scaled_fp8_cache_read_as_the_cache_loads_it(kv_scale, device):
+    """An fp8 cache read with a scale: keys and values as `LayerCache.load` gives them, bf16(fp32(e4m3) * scale)
+    (the kernel multiplies only where the scale is not 1.0: `fp8_mode`), against the reference cores on those."""
+    q, _, _, k, v, pos, blocks, bs, scale = _operands(GEOMETRIES["long"], False, device, seed=4)
+    ks, vs = store_kv(k, torch.float8_e4m3fn, kv_scale), store_kv(v, torch.float8_e4m3fn, kv_scale)
+    k, v = (ks.float() * kv_scale).bfloat16(), (vs.float() * kv_scale).bfloat16()
+    got = pa.block_attention(q, ks, vs, pos, scale, blocks, bs, kv_scale=kv_scale)
+    assert _err(got, gather_block_attention(q, k, v, blocks, pos, bs, scale), v) < BOUND
+    got = pa.block_attention(q, ks, vs, pos, scale, kv_scale=kv_scale)
+    assert _err(got, causal_attention(q, k, v, pos, scale), v) < BOUND
+
+
+def test_fp8_mode():
+    assert pa.fp8_mode(torch.bfloat16, 1.0) == 0 and pa.fp8_mode(torch.bfloat16, 0.5) == 0
+    assert pa.fp8_mode(torch.uint8, 1.0) == 1 and pa.fp8_mode(torch.uint8, 0.5) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("name", "tiles"), [("long", "default"), ("long", "small"), ("wide", "default"),
                                              ("odd", "token")])
 def test_each_query_reads_exactly_its_keys(name, tiles, device):

@@ -141,11 +141,15 @@ if AVAILABLE:
 
     @triton.jit
     def _kv_tile(ptrs, mask, kv_scale, KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr):
-        """A tile of stored keys or values as a dot operand, in the compute dtype bf16: bf16 as stored; fp8 (loaded
-        as bytes) as `LayerCache.load` converts, bf16(fp32(e4m3) * scale). EXACT_FP32: the bf16 value held in fp32."""
+        """A tile of stored keys or values as a dot operand, in the compute dtype bf16: bf16 as stored (KV_FP8 0); fp8
+        (loaded as bytes) as `LayerCache.load` converts, bf16(fp32(e4m3) * scale): KV_FP8 2, or 1 for a scale of
+        1.0, whose product is the value itself (no multiply an element). EXACT_FP32: the bf16 value held in fp32."""
         if KV_FP8:
             code = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-            return _bf16_value(_e4m3_value(code, EXACT_FP32) * kv_scale, EXACT_FP32)
+            v = _e4m3_value(code, EXACT_FP32)
+            if KV_FP8 == 2:
+                v = v * kv_scale
+            return _bf16_value(v, EXACT_FP32)
         else:
             return _x_operand(ptrs, mask, EXACT_FP32)
 
@@ -309,8 +313,9 @@ if AVAILABLE:
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *per, *out.stride()[-4:-1], *lse_strides,
             *q_pos.stride(), *sel_strides, *ids_strides,
             G=G, GP=gp, TOKENS=tokens, D=D, DP=max(MIN_TILE, _pow2(D)), KEYS=min(keys, block), BLOCK=block,
-            KBP=_pow2(max(kb, 1)), UP=_pow2(max(u, 1)), SPLITS=splits, SPARSE=sparse, KV_FP8=k.dtype == torch.uint8,
-            EXACT_FP32=exact_fp32, num_warps=num_warps if tokens * gp >= 64 else 4, num_stages=num_stages)
+            KBP=_pow2(max(kb, 1)), UP=_pow2(max(u, 1)), SPLITS=splits, SPARSE=sparse,
+            KV_FP8=fp8_mode(k.dtype, kv_scale), EXACT_FP32=exact_fp32,
+            num_warps=num_warps if tokens * gp >= 64 else 4, num_stages=num_stages)
         if splits == 1:
             return out
         # the splits merged: each split's normalised sum weighted by its share of the softmax denominator
@@ -321,6 +326,14 @@ if AVAILABLE:
     def _(q, k, v, q_pos, blocks, union, block_size, tokens, keys, scale, kv_scale, splits, num_warps, num_stages,
           exact_fp32):
         return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def fp8_mode(stored: torch.dtype, scale: float) -> int:
+    """The kernels' KV_FP8 constexpr for keys stored as `stored` (fp8 passed as uint8 bytes) read with `scale`: 0
+    bf16, 1 fp8 at scale 1.0 (the cache's rule: no multiply an element), 2 fp8 scaled."""
+    if stored != torch.uint8:
+        return 0
+    return 1 if scale == 1.0 else 2
 
 
 def splits_for(programs: int, max_splits: int, sms: int) -> int:

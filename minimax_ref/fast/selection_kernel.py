@@ -191,7 +191,8 @@ if AVAILABLE:
             iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), *q_pos.stride(),
             out.stride(0), out.stride(1), out.stride(2),
             DI=Di, DP=max(MIN_TILE, _pow2(Di)), BS=block_size, QUERIES=queries,
-            KEYS=min(keys, max(MIN_TILE, _pow2(block_size))), IK_FP8=ik.dtype == torch.uint8, EXACT_FP32=exact_fp32,
+            KEYS=min(keys, max(MIN_TILE, _pow2(block_size))), IK_FP8=attention_kernel.fp8_mode(ik.dtype, ik_scale),
+            EXACT_FP32=exact_fp32,
             num_warps=num_warps, num_stages=num_stages)
         return out
 

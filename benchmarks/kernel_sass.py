@@ -155,12 +155,14 @@ def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int):
     return run, elements
 
 
-def case_grouped(fmt: str, entries: int, n: int, k: int, rows: int):
-    """`grouped.packed_matmul_grouped` of `rows` rows over a stack (every entry active)."""
+def case_grouped(fmt: str, entries: int, n: int, k: int, rows: int, table: bool = False):
+    """`grouped.packed_matmul_grouped` of `rows` rows over a stack (every entry active); `table`: NVFP4 through the
+    blocks' tables."""
     def run():
         w, s, g = _packed(fmt, entries, n, k)
         x = torch.zeros(rows, k, dtype=torch.bfloat16)
-        grouped.packed_matmul_grouped(x, fmt, w, s, g, active=torch.ones(entries, dtype=torch.int32), split=1)
+        grouped.packed_matmul_grouped(x, fmt, w, s, g, active=torch.ones(entries, dtype=torch.int32), split=1,
+                                      table=table)
 
     def elements(kernel: dict) -> float | None:
         c = kernel["constexprs"]
@@ -212,6 +214,8 @@ CASES = {
     "gemv-nvfp4": (case_gemv, (NVFP4, 16, 3072, 6144, 4), "1 row, 4 of 16 routed experts' w1 (NVFP4)"),
     "gemv-mxfp8": (case_gemv, (MXFP8, 1, 8192, 6144, 0), "1 row, q_proj (MXFP8)"),
     "grouped-nvfp4": (case_grouped, (NVFP4, 16, 3072, 6144, 32), "32 rows, 16 routed experts' w1 (NVFP4)"),
+    "grouped-nvfp4-table": (case_grouped, (NVFP4, 16, 3072, 6144, 32, True),
+                            "32 rows, 16 routed experts' w1 (NVFP4) through the blocks' tables"),
     "grouped-mxfp8": (case_grouped, (MXFP8, 1, 8192, 6144, 32), "32 rows, q_proj (MXFP8)"),
     "decode-nvfp4": (case_decode, (NVFP4, 3072, 6144), "prefill's decode of one expert's w1 (NVFP4)"),
     "attention-msa": (case_attention, (8192, 8192, True), "prefill attention, MSA layer, 8K queries"),

@@ -161,8 +161,8 @@ def _ptxas_report(ptx: str) -> str:
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 def test_kernel_compiles_for_h200_without_spills(fmt):
     """The kernel as the GPU runs it (EXACT_FP32 off: conversion instructions, bf16 tensor-core dots) compiles for
-    sm_90 on any machine with triton (its ptxas), for the default tiles at 32 rows, flagged and split launches, with
-    no register spills (ptxas -v)."""
+    sm_90 on any machine with triton (its ptxas), for the default tiles at 32 rows, flagged and split launches and
+    the NVFP4 table decoder (its inline assembly), with no register spills (ptxas -v)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -171,9 +171,9 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
         pytest.skip("triton's ptxas is not installed")
     kernel = grouped._packed_matmul_kernel
     tiles = grouped.DEFAULT[fmt]
-    for has_active, out_bf16 in ((True, True), (False, False)):
+    for has_active, out_bf16, table in ((True, True, False), (False, False, False), (True, True, fmt == "nvfp4")):
         consts = {"NVFP4_FMT": fmt == "nvfp4", "HAS_ACTIVE": has_active, "OUT_BF16": out_bf16, "EXACT_FP32": False,
-                  "BLOCK_M": 32, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k}
+                  "BLOCK_M": 32, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "TABLE": table}
         pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "active_ptr": "*i32",
                     "y_ptr": "*bf16" if out_bf16 else "*fp32"}
         signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
@@ -296,6 +296,153 @@ def test_one_linear_with_a_scalar_global(device, fmt):
     assert y.shape == (20, N)
     ok, ratio = _bound_ok(y, x, _decoded(fmt, w, s, g))
     assert ok, ratio
+
+
+# ---------------------------------------------------------------------------------------------- the table decoder
+
+
+def _run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
+    """`grouped._TABLE_ASM` executed instruction by instruction on 32-bit integers, by the PTX ISA's definitions of
+    each instruction it uses (prmt.b32's default mode: bytes {b, a} indexed 0..7, a selector nibble's bit 3 replicating
+    the picked byte's sign bit; lop3.b32 by its truth table; mad.lo / add / shifts modulo 2^32; mov.b32 {lo, hi}
+    splitting a word into halves). Returns every register and output ($0..$7 as 16-bit values)."""
+    regs = dict(operands)
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return int(tok, 0) & 0xFFFFFFFF
+
+    def prmt(a: int, b: int, c: int) -> int:
+        src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+        out = 0
+        for i in range(4):
+            n = (c >> 4 * i) & 0xF
+            byte = src[n & 7]
+            out |= ((0xFF if byte & 0x80 else 0) if n & 8 else byte) << 8 * i
+        return out
+
+    for line in text.replace("{\n", "\n").splitlines():
+        line = line.strip().rstrip(";").strip()
+        if not line or line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b32":
+            halves, src = rest.split("}")
+            lo, hi = (h.strip() for h in halves.strip(" {").split(","))
+            word = val(src.strip(" ,"))
+            regs[lo], regs[hi] = word & 0xFFFF, word >> 16
+            continue
+        d, *a = (t.strip() for t in rest.split(","))
+        x = [val(t) for t in a]
+        if op == "mad.lo.u32":
+            r = x[0] * x[1] + x[2]
+        elif op == "add.u32":
+            r = x[0] + x[1]
+        elif op == "prmt.b32":
+            r = prmt(*x)
+        elif op == "shl.b32":
+            r = x[0] << x[1]
+        elif op == "shr.u32":
+            r = x[0] >> x[1]
+        elif op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "lop3.b32":
+            r = sum(((x[3] >> ((x[0] >> i & 1) << 2 | (x[1] >> i & 1) << 1 | (x[2] >> i & 1))) & 1) << i
+                    for i in range(32))
+        else:
+            raise AssertionError(f"instruction {op} is not modelled")
+        regs[d] = r & 0xFFFFFFFF
+    return regs
+
+
+def _table_words(s: torch.Tensor) -> list[int]:
+    """The four table words of a block scale s (fp32), built as `grouped._table_words` states: entries (s's signed
+    zero, A/2, A, B, 2A, 2B, 4A, 4B) as bf16 bits, A = bf16(s), B = bf16(fp32(1.5 s)); every entry s's zero for s = 0.
+    Computed here from the values (halving and doubling bf16 numbers), not from the kernel's bit arithmetic."""
+    a, b = s.to(BF16), (s * 1.5).to(BF16)
+    if s == 0:
+        entries = [a] * 8
+    else:
+        entries = [a * 0.0, a / 2, a, b, a * 2, b * 2, a * 4, b * 4]
+    bits = [int(e.view(torch.int16)) & 0xFFFF for e in entries]
+    return [bits[2 * i] | bits[2 * i + 1] << 16 for i in range(4)]
+
+
+@needs_triton
+def test_table_assembly_decodes_the_reference_bits():
+    """The table decoder's PTX text (`grouped._TABLE_ASM`), run through a model of each instruction, gives
+    `decode_reference(...).to(bf16)` bit for bit: every E4M3 block scale (negative and zero ones included) whose
+    product with the global is in the normal range, globals from 1e-7 to 1/448, and words covering every code and
+    sign of every nibble (signed zeros included)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    value = codes.view(torch.float8_e4m3fn).float()
+    words = [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567, 0x88888888, 0xF0F0F0F0, 0x0F1E2D3C, 0xFFFFFFFF]
+    data = torch.tensor([(w >> 8 * i) & 0xFF for w in words for i in range(4)], dtype=torch.uint8)
+    checked = 0
+    for g in (1 / 448, 2.0**-20 * 3, 1 / 2688, 7.77e-6, 1.3e-7):
+        glob = torch.tensor(g, dtype=torch.float32)
+        block = value * glob
+        keep = torch.isfinite(value) & ((block == 0) | ((block.abs() >= 2.0**-125) & (block.abs() < 4)))
+        s = codes[keep].view(torch.float8_e4m3fn)[:, None].expand(-1, len(words) // 2).contiguous()
+        assert scales_in_normal_range("nvfp4", s, glob)
+        want = decode_reference("nvfp4", data.expand(len(s), -1).contiguous(), s, glob).to(BF16)
+        want = want.view(torch.int16).int() & 0xFFFF  # [scales, 8 words x 8 elements]
+        for r, scale in enumerate(block[keep]):
+            table = dict(zip(("$9", "$10", "$11", "$12"), _table_words(scale)))
+            for w_i, word in enumerate(words):
+                out = _run_ptx(grouped._TABLE_ASM.value, {"$8": word, **table})
+                got = [out[f"${j}"] for j in range(8)]
+                assert got == want[r, 8 * w_i:8 * w_i + 8].tolist(), (g, float(scale), hex(word))
+                checked += 8
+    assert checked > 5 * 200 * 64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", [SMALL, WIDE, None], ids=["small", "wide", "default"])
+def test_table_decoder_reads_out_the_decoded_weight(device, tiles):
+    """`packed_matmul_grouped(..., table=True)` (under the interpreter its integer form of the table, on the GPU the
+    assembly): identity rows read out `decode_reference(...).to(bf16)` bit for bit at the normal range's low end, in
+    the middle and near its top (block scales of both signs and zeros); products within the fp32 bound; MXFP8
+    ignores the switch."""
+    E, N, K = 3, 40, 128
+    eye = torch.eye(K, dtype=BF16, device=device)
+    for case in range(3):
+        w, s, g = _operands("nvfp4", E, N, K, case, device)
+        want = _decoded("nvfp4", w, s, g)
+        for k0 in range(0, K, MAX_ROWS):
+            got = packed_matmul_grouped(eye[k0:k0 + MAX_ROWS], "nvfp4", w, s, g, tiles=tiles, table=True)
+            assert torch.equal(got.transpose(-1, -2), want[..., k0:k0 + MAX_ROWS]), (case, k0)
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(5)).to(BF16).to(device)
+    w, s, g = _operands("nvfp4", E, N, K, 1, device)
+    assert _bound_ok(packed_matmul_grouped(x, "nvfp4", w, s, g, tiles=tiles, split=2, table=True),
+                     x.expand(E, 9, K), _decoded("nvfp4", w, s, g))[0]
+    w, s, _ = _operands("mxfp8", E, N, K, 1, device)
+    assert torch.equal(packed_matmul_grouped(x, "mxfp8", w, s, None, tiles=tiles, table=True),
+                       packed_matmul_grouped(x, "mxfp8", w, s, None, tiles=tiles))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_table_preset_configures_nvfp4_weights(device, monkeypatch):
+    """The non-user preset `table` (`grouped-rows` with `nvfp4_table`): NVFP4 weights are multiplied through the
+    table decoder, MXFP8 weights are not, and `compiled` leaves it off."""
+    seen = []
+    real = grouped.packed_matmul_grouped
+    monkeypatch.setattr(grouped, "packed_matmul_grouped",
+                        lambda *a, **kw: seen.append(kw.get("table")) or real(*a, **kw))
+    assert FastPaths.of("table") == replace(FastPaths.of("grouped-rows"), nvfp4_table=True)
+    pw = _packed_linear("nvfp4", 48, 128, device)
+    want_w = pw.decode()
+    apply(pw, FastPaths.of("table"))
+    assert pw.table
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6)).to(BF16).to(device)
+    assert _bound_ok(pw.linear(x), x, want_w)[0] and seen == [True]
+    mx = _packed_linear("mxfp8", 48, 128, device)
+    apply(mx, FastPaths.of("table"))
+    assert not mx.table and mx.grouped_tokens == 64
+    apply(pw, FastPaths.of("compiled"))
+    assert not pw.table
 
 
 # ---------------------------------------------------------------------------------------------- wiring

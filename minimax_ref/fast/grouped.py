@@ -17,6 +17,9 @@ decoding on the CUDA cores, not the tensor cores, bounds it below the copy bandw
   flag is 0 are not read at all and their output rows are zeros: the experts no token chose cost nothing, without a
   host synchronisation and with static shapes (a grouped GEMM over the selected experts, each multiplied by all M
   rows, since at these sizes the tensor cores idle while the weight bytes stream in).
+* `table=True` (`FastPaths.nvfp4_table`): NVFP4 decoded through each block's table of its 8 values (`_TABLE_ASM`:
+  byte permutes, no multiply or conversion an element; 7.2 instructions an element in the loop against 9.2,
+  benchmarks/kernel_sass.py). The same bits.
 * Decoded bits: the decoding needs the weight's scales in the normal range (`packed.scales_in_normal_range`: every
   fp32 intermediate is then a normal number or a placed subnormal that a plain multiply keeps) and, for MXFP8, no
   E4M3 NaN byte; `FastPackedWeight` checks both at configuration and keeps its other paths otherwise.
@@ -261,6 +264,99 @@ if AVAILABLE:
                       tl.join(_nibble(words, scale, 3, EXACT_FP32), _nibble(words, scale, 7, EXACT_FP32)))
         return tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
 
+    # One int32 word of NVFP4 bytes (element 8w + j in nibble j) decoded through its block's table: with
+    # A = bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S (the reference's roundings), e2m1 * S rounded to
+    # bf16 is, for the codes 0..7 of a nibble's e e m bits, one of {0, A/2, A, B, 2A, 2B, 4A, 4B} (powers of two
+    # scale exactly) with the nibble's sign applied (an exclusive or: the table's entries carry S's sign, its zero
+    # is S's signed zero). The table comes as four words of two entries each, $9..$12 = (t0 | t1 << 16), (t2 | t3 <<
+    # 16), ...; `prmt` splits them into a low-byte and a high-byte table and looks both up with the codes as
+    # selectors (four elements an instruction), replicates each nibble's sign bit over a byte to flip the entries'
+    # signs, and pairs the bytes into bf16. $0..$7: the 8 elements (b16); $8: the word. tests/test_grouped.py runs
+    # this text through a model of each instruction against `decode_reference`.
+    _TABLE_ASM = tl.constexpr("""
+    {
+    .reg .b32 tl0, tl1, th0, th1, q4, s1, s2, l1, h1, l2, h2, g1, g2, r0, r1, r2, r3;
+    prmt.b32 tl0, $9, $10, 0x6420;
+    prmt.b32 th0, $9, $10, 0x7531;
+    prmt.b32 tl1, $11, $12, 0x6420;
+    prmt.b32 th1, $11, $12, 0x7531;
+    shl.b32 q4, $8, 4;
+    and.b32 s1, $8, 0x7777;
+    shr.u32 s2, $8, 16;
+    and.b32 s2, s2, 0x7777;
+    prmt.b32 l1, tl0, tl1, s1;
+    prmt.b32 h1, th0, th1, s1;
+    prmt.b32 l2, tl0, tl1, s2;
+    prmt.b32 h2, th0, th1, s2;
+    prmt.b32 g1, q4, $8, 0xD9C8;
+    prmt.b32 g2, q4, $8, 0xFBEA;
+    lop3.b32 h1, h1, g1, 0x80808080, 0x78;
+    lop3.b32 h2, h2, g2, 0x80808080, 0x78;
+    prmt.b32 r0, l1, h1, 0x5140;
+    prmt.b32 r1, l1, h1, 0x7362;
+    prmt.b32 r2, l2, h2, 0x5140;
+    prmt.b32 r3, l2, h2, 0x7362;
+    mov.b32 {$0, $1}, r0;
+    mov.b32 {$2, $3}, r1;
+    mov.b32 {$4, $5}, r2;
+    mov.b32 {$6, $7}, r3;
+    }
+    """)
+
+    @triton.jit
+    def _table_words(s, EXACT_FP32: tl.constexpr):
+        """Block scales s (fp32, 0 or 2^-125 <= |s| < 4: `packed.scales_in_normal_range`) as their tables' four words
+        (`_TABLE_ASM`): entries t0..t7 = (S's signed zero, A/2, A, B, 2A, 2B, 4A, 4B) as bf16 bits, two a word; for
+        s = +-0 every entry s's signed zero."""
+        a = (_bf16_value(s, EXACT_FP32).to(tl.int32, bitcast=True) >> 16) & 0xFFFF if EXACT_FP32 else \
+            s.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        b = (_bf16_value(s * 1.5, EXACT_FP32).to(tl.int32, bitcast=True) >> 16) & 0xFFFF if EXACT_FP32 else \
+            (s * 1.5).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        ab = a | (b << 16)
+        zero = (a & 0x8000) * 0x10001  # S's signed zero in both entries (every entry of a zero scale's table)
+        nz = s != 0.0
+        # a power of two times a bf16 normal: its exponent field plus that power (no carry into the sign or the
+        # other entry: A / 2 normal, 4B finite in the range)
+        w0 = tl.where(nz, ((a - 128) << 16) | (a & 0x8000), zero)
+        w2 = tl.where(nz, ab + 0x00800080, zero)
+        w3 = tl.where(nz, ab + 0x01000100, zero)
+        return w0, ab, w2, w3
+
+    @triton.jit
+    def _table_element(words, w0, w1, w2, w3, J: tl.constexpr):
+        """Element 8w + J of each word through its block's table words, by integer operations (the interpreter's form
+        of `_TABLE_ASM`): entry `code` of the table, its sign flipped by the nibble's; the bf16 value held in fp32."""
+        code = (words >> (4 * J)) & 7
+        pair = tl.where(code < 2, w0, tl.where(code < 4, w1, tl.where(code < 6, w2, w3)))
+        entry = (pair >> ((code & 1) * 16)) & 0xFFFF
+        bits = entry ^ (((words >> (4 * J + 3)) & 1) << 15)
+        return (bits << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nvfp4_table_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          EXACT_FP32: tl.constexpr):
+        """`_nvfp4_tile` through the blocks' tables (`_TABLE_ASM`): the same bf16 bits, no multiply or conversion an
+        element. With EXACT_FP32 (the interpreter, which has no inline assembly) `_table_element`."""
+        BLOCKS: tl.constexpr = BLOCK_K // 16
+        words, sc = _step_words(w_rows, s_rows, ks, n_ok, BLOCK_K // 8, BLOCKS)
+        w0, w1, w2, w3 = _table_words(_e4m3_value(sc, EXACT_FP32) * g, EXACT_FP32)  # the reference's block scale
+        w0 = _broadcast_blocks(w0, BLOCK_N, BLOCKS, 2)  # [BN, WORDS]: each word's block
+        w1 = _broadcast_blocks(w1, BLOCK_N, BLOCKS, 2)
+        w2 = _broadcast_blocks(w2, BLOCK_N, BLOCKS, 2)
+        w3 = _broadcast_blocks(w3, BLOCK_N, BLOCKS, 2)
+        if EXACT_FP32:
+            p0, p1 = _table_element(words, w0, w1, w2, w3, 0), _table_element(words, w0, w1, w2, w3, 1)
+            p2, p3 = _table_element(words, w0, w1, w2, w3, 2), _table_element(words, w0, w1, w2, w3, 3)
+            p4, p5 = _table_element(words, w0, w1, w2, w3, 4), _table_element(words, w0, w1, w2, w3, 5)
+            p6, p7 = _table_element(words, w0, w1, w2, w3, 6), _table_element(words, w0, w1, w2, w3, 7)
+        else:
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                _TABLE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, w0, w1, w2, w3], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+        even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
+        odd = tl.join(tl.join(p1, p5), tl.join(p3, p7))
+        return tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+
     @triton.jit
     def _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_FP32: tl.constexpr):
         """Step `ks` of a packed MXFP8 weight decoded, as `_nvfp4_tile` (E8M0 scales, no global)."""
@@ -282,7 +378,7 @@ if AVAILABLE:
         stride_xe, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ge,
         stride_ys, stride_ye, stride_ym,
         NVFP4_FMT: tl.constexpr, HAS_ACTIVE: tl.constexpr, OUT_BF16: tl.constexpr, EXACT_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TABLE: tl.constexpr,
     ):
         """y[split, e, m, n] = sum over this split's K steps of x[e, m, k] * w_hat[e, n, k] (fp32 accumulation),
         w_hat the decoded weight in bf16 (`packed_matmul_grouped`). Grid: (column tiles, entries, splits)."""
@@ -306,7 +402,9 @@ if AVAILABLE:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         g = tl.load(g_ptr + e * stride_ge)  # NVFP4's global (MXFP8: an unread one)
         for ks in range(k_lo, k_hi):
-            if NVFP4_FMT:
+            if NVFP4_FMT and TABLE:
+                w = _nvfp4_table_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+            elif NVFP4_FMT:
                 w = _nvfp4_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
             else:
                 w = _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
@@ -361,7 +459,7 @@ if AVAILABLE:
     @triton_op("minimax_ref::packed_matmul_grouped", mutates_args=())
     def _grouped_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
                     active: torch.Tensor | None, nvfp4: bool, n: int, block_n: int, block_k: int, num_warps: int,
-                    num_stages: int, split: int, exact_fp32: bool) -> torch.Tensor:
+                    num_stages: int, split: int, exact_fp32: bool, table: bool = False) -> torch.Tensor:
         """The launch (see `packed_matmul_grouped`): x bf16 `[Ex, M, K]` (Ex 1: shared by every entry), weight int32
         `[E, N, K/8]` (NVFP4's packed bytes as little-endian words) or `[E, N, K/4]` (MXFP8's E4M3 bytes), scale
         uint8 `[E, N, K/16 or K/32]`, scale_2 fp32 `[E]` or `[1]` (NVFP4's global; unused for MXFP8), active int32
@@ -381,7 +479,7 @@ if AVAILABLE:
             scale.stride(1), 1 if scale_2.numel() > 1 else 0,
             stride_s, out.stride(-3), out.stride(-2),
             NVFP4_FMT=nvfp4, HAS_ACTIVE=active is not None, OUT_BF16=split == 1, EXACT_FP32=exact_fp32,
-            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, TABLE=table and nvfp4,
             num_warps=num_warps, num_stages=num_stages)
         if split == 1:
             return out
@@ -445,7 +543,7 @@ def _packed_operands(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
 
 def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
                           weight_scale_2: torch.Tensor | None, active: torch.Tensor | None = None,
-                          tiles: Tiles | None = None, split: int | None = None) -> torch.Tensor:
+                          tiles: Tiles | None = None, split: int | None = None, table: bool = False) -> torch.Tensor:
     """`x @ w_hat^T` for a packed weight, its decoding inside the Triton kernel (one launch).
 
     x: bf16 `[M, K]` (shared by every entry) or `[E, M, K]` (one per entry), 1 <= M <= `MAX_ROWS`. weight,
@@ -463,8 +561,9 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     unit roundoff: |y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final rounding.
 
     tiles: the launch configuration (default `tiles_for`); split: splits of K (default `split_for` on this GPU's SM
-    count). Static in the shapes: no host synchronisation, capturable in a CUDA graph, and `torch.compile` launches
-    it as an opaque Triton kernel.
+    count). table: NVFP4 decoded through each block's 8-value table (`_TABLE_ASM`; the same bits); MXFP8 ignores
+    it. Static in the shapes: no host synchronisation, capturable in a CUDA graph, and `torch.compile` launches it
+    as an opaque Triton kernel.
     """
     if not AVAILABLE:
         raise RuntimeError("packed_matmul_grouped needs triton")
@@ -483,5 +582,5 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     split = -(-k_steps // -(-k_steps // split))  # no empty split
     y = torch.ops.minimax_ref.packed_matmul_grouped(
         xs.contiguous(), words, scale, g, None if active is None else active.to(torch.int32), fmt == NVFP4, n,
-        tiles.block_n, block_k, tiles.num_warps, tiles.num_stages, split, _INTERPRET)
+        tiles.block_n, block_k, tiles.num_warps, tiles.num_stages, split, _INTERPRET, table)
     return y[0] if linear and x.dim() == 2 else y

@@ -202,7 +202,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
                 m.sm_count = sm_count(m.q_norm.weight.device)
         if isinstance(m, FastPackedWeight):
             m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
-                        paths.grouped_tokens, paths.gemv_tokens)
+                        paths.grouped_tokens, paths.gemv_tokens, paths.nvfp4_table)
     if isinstance(model, FastMiniMaxM3):
         model.fast, model.kernels = paths, kernels
         reductions = tuned_for(model.device) if paths.layer_reductions == "auto" else paths.layer_reductions

@@ -508,11 +508,13 @@ class FastPackedWeight(PackedWeight):
     decode_tiles: grouped.Tiles | None = None  # decode="triton" where the kernel decodes this weight: its launch
     gemv_tokens: int = 0
     gemv_sms: int = 1  # the device's SM count, for `fast.gemv.splits`
+    table: bool = False  # the grouped kernel decodes this NVFP4 weight through its blocks' tables
 
     def configure(self, kernels: Kernels, mode: str, fused_tokens: int, fused_rows: int, words: bool,
-                  grouped_tokens: int = 0, gemv_tokens: int = 0) -> None:
+                  grouped_tokens: int = 0, gemv_tokens: int = 0, table: bool = False) -> None:
         """Set the decoders; reads the scales (and, for MXFP8 words, the bytes) on the host once. With `gemv_tokens`
-        and a weight the kernels decode, stores `fast.gemv.reorder`'s copy as the buffers `GEMV_BUFFERS`."""
+        and a weight the kernels decode, stores `fast.gemv.reorder`'s copy as the buffers `GEMV_BUFFERS`. With
+        `table`, an NVFP4 weight is decoded by the grouped kernel through its blocks' tables."""
         self.kernels, self.mode = kernels, mode
         self.fused_tokens, self.fused_rows = fused_tokens, fused_rows
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
@@ -523,8 +525,10 @@ class FastPackedWeight(PackedWeight):
         # the Triton kernels' tile decoding gives the reference's bf16 bits for scales in the normal range
         kernel_decodes = (self.normal_range and no_nan and self.dtype == torch.bfloat16 and grouped.AVAILABLE
                           and grouped.supports(self.fmt, self.shape[-1]))
+        self.table = False
         if grouped_tokens > 0 and kernel_decodes:
             self.grouped_tokens = min(grouped_tokens, grouped.MAX_ROWS)
+            self.table = table and self.fmt == NVFP4
             # chosen here, not while a compiled region is traced (it reads device properties)
             entries = self.weight.shape[0] if self.weight.dim() == 3 else 1
             self.grouped_launch = grouped.launch_for(self.fmt, entries, *self.shape[-2:], self.device)
@@ -581,7 +585,7 @@ class FastPackedWeight(PackedWeight):
         if self.takes_grouped(x, rows):
             tiles, split = self.grouped_launch
             y = grouped.packed_matmul_grouped(x.reshape(rows, x.shape[-1]), self.fmt, *self.parts(), tiles=tiles,
-                                              split=split)
+                                              split=split, table=self.table)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.decode())
 
@@ -599,7 +603,8 @@ class FastPackedWeight(PackedWeight):
                                        self.normal_range, self.words)
         if index is None and self._grouped_operand(x) and self.takes_grouped(x, x.shape[-2]):
             tiles, split = self.grouped_launch
-            return grouped.packed_matmul_grouped(x, self.fmt, *self.parts(), active=active, tiles=tiles, split=split)
+            return grouped.packed_matmul_grouped(x, self.fmt, *self.parts(), active=active, tiles=tiles, split=split,
+                                                 table=self.table)
         return torch.matmul(x, self.decode(index).transpose(-1, -2))
 
     def _gemv_matmul(self, x: torch.Tensor, index: torch.Tensor | None, active: torch.Tensor | None,

@@ -58,6 +58,11 @@ take.
   rows and the tensor cores' dot above, fp32 sums; the routed experts read only the chosen experts. Takes precedence
   over `matmul="fused"` and `grouped` where it applies (as `grouped`: scales in the normal range, bf16). Equal to fp32
   rounding.
+* `nvfp4_table=True` (the non-user preset `table`: `grouped-rows` with it): the grouped kernel decodes NVFP4 through
+  each block's table: with A = bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S, every decoded element is one
+  of {0, A/2, A, B, 2A, 2B, 4A, 4B} with its sign, looked up by byte permutes (`fast.grouped._TABLE_ASM`). The same
+  bits as the reference decoder for every weight the grouped kernel takes (tests: the assembly text run through a
+  model of each instruction, and the kernel under the interpreter).
 * The non-user preset `grouped-rows` (`compiled` with `matmul="reference"`): one-row products with packed weights by
   the grouped kernel too (its decoded tile padded to the tensor cores' 16 rows); to be measured before a user preset
   takes it.
@@ -139,6 +144,8 @@ class FastPaths:
     prefill_fusion: bool = False
     # products of more than `fused_tokens` and up to `sync_free_tokens` rows through the grouped Triton kernel
     grouped: bool = False
+    # the grouped kernel decodes NVFP4 through each block's 8-value table (`fast.grouped._TABLE_ASM`; the same bits)
+    nvfp4_table: bool = False
     # "triton": products of up to `sync_free_tokens` rows through `fast.gemv` (weights reordered at configuration)
     gemv: str = "reference"
     # decode steps (`MiniMaxM3.step`) on CUDA captured in a CUDA graph per KV cache and shape, then replayed
@@ -282,6 +289,11 @@ PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
 PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),
                                  "compiled, with products of 1 to 64 rows (one-row decode steps included) by the "
                                  "grouped Triton kernel instead of the fused dequantize-and-multiply", user=False)
+# `grouped-rows` with NVFP4 decoded through the blocks' tables (benchmarks/kernel_sass.py: 6.8 instructions an element
+# against 9.2); measured against `compiled` on a GPU before a user preset takes it
+PRESETS["table"] = Preset(replace(PRESETS["grouped-rows"].paths, nvfp4_table=True),
+                          "grouped-rows, with the grouped kernel decoding NVFP4 through each block's table of its 8 "
+                          "values (byte permutes, no multiply or conversion an element)", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

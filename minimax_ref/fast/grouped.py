@@ -308,10 +308,12 @@ if AVAILABLE:
         """Block scales s (fp32, 0 or 2^-125 <= |s| < 4: `packed.scales_in_normal_range`) as their tables' four words
         (`_TABLE_ASM`): entries t0..t7 = (S's signed zero, A/2, A, B, 2A, 2B, 4A, 4B) as bf16 bits, two a word; for
         s = +-0 every entry s's signed zero."""
-        a = (_bf16_value(s, EXACT_FP32).to(tl.int32, bitcast=True) >> 16) & 0xFFFF if EXACT_FP32 else \
-            s.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        b = (_bf16_value(s * 1.5, EXACT_FP32).to(tl.int32, bitcast=True) >> 16) & 0xFFFF if EXACT_FP32 else \
-            (s * 1.5).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        if EXACT_FP32:  # bf16 values held in fp32: their top 16 bits
+            a = (_bf16_value(s, EXACT_FP32).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+            b = (_bf16_value(s * 1.5, EXACT_FP32).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+        else:
+            a = s.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            b = (s * 1.5).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         ab = a | (b << 16)
         zero = (a & 0x8000) * 0x10001  # S's signed zero in both entries (every entry of a zero scale's table)
         nz = s != 0.0

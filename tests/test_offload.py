@@ -296,6 +296,23 @@ def test_fast_auto_when_offloading(tiny_nvfp4, monkeypatch):
     ck.close()
 
 
+def test_default_prefetch_gives_way_to_a_tight_budget(tiny_nvfp4, monkeypatch, capsys):
+    """Prefetch by default (as on CUDA) under a budget that holds one expert staging stack but not two: the model
+    loads without prefetch and says so on stderr; asked for explicitly, prefetch is refused as before."""
+    import dataclasses
+
+    budget = budgets(tiny_nvfp4, prefetch=False)["experts"]
+    monkeypatch.setattr(OffloadConfig, "resolved", lambda self, device: self if self.prefetch is not None
+                        else dataclasses.replace(self, prefetch=True))
+    model = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed",
+                       offload=OffloadConfig("cpu", budget, reserve_gib=0.0), **RUNTIME)
+    assert not model.offload.prefetch and model.offload.device_map.streamed
+    assert "not the two that prefetch needs" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="is less than"):
+        load_model(tiny_nvfp4, dtype=torch.float32, weights="packed",
+                   offload=OffloadConfig("cpu", budget, reserve_gib=0.0, prefetch=True), **RUNTIME)
+
+
 def test_prefetch_default():
     """`OffloadConfig.prefetch` None (the default) is on for the "cpu" store on CUDA, where the copies run
     asynchronously, and off on a CPU and for the "disk" store; an explicit value stays."""

@@ -4,6 +4,7 @@ arithmetic written here and the seed's vLLM figures (spec `targets.md`)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -213,9 +214,20 @@ def test_cli_offload_plan_pruned80(capsys, tmp_path):
         pre = json.loads(capsys.readouterr().out)["offload_plan"]
         assert pre["staging_bytes"] == pytest.approx(2 * 80 * expert)
         assert pre["streamed_expert_layers"] == list(range(streamed[0] - 1, 60))
+    assert pre["prefetch"] and not off["prefetch"]
     disk = [a if a != "cpu" else "disk" for a in args]
     assert main(disk + ["--output-format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["offload_plan"]["staging_bytes"] == pytest.approx(80 * expert)
+    # by default prefetch gives way where its second stack does not fit, as a load does; asked for, it is refused
+    # the least budget without prefetch (from the refusal of a 1 GiB one), which cannot hold prefetch's second stack
+    assert main(args[:6] + ["1"] + args[7:] + ["--no-offload-prefetch", "--output-format", "json"]) == 1
+    need = re.search(r"less than the ([0-9.]+) GiB", capsys.readouterr().err)
+    args_tight = args[:6] + [f"{float(need.group(1)) + 0.01:.2f}"] + args[7:]
+    assert main(args_tight + ["--output-format", "json"]) == 0
+    fallback = json.loads(capsys.readouterr().out)["offload_plan"]
+    assert fallback["runs"] and not fallback["prefetch"]
+    assert main(args_tight + ["--offload-prefetch"]) == 1
+    assert "less than the" in capsys.readouterr().err
     assert main(args + ["--no-offload-prefetch"]) == 0
     text = capsys.readouterr().out
     assert f"expert stacks of layers {streamed[0]}-59" in text and "PCIe roofline at 50 GB/s" in text

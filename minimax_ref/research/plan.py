@@ -432,7 +432,8 @@ def plan_offload(cfg: ModelConfig, *, gpu_memory_gib: float, offload: str, max_m
     as a load on a GPU decides (`OffloadConfig.resolved`: with it for "cpu", without for "disk")."""
     if offload not in OFFLOAD_MODES or offload == "none":
         raise InputError(f"--offload {offload!r}: choose cpu or disk for an offload plan")
-    if prefetch is None:
+    chosen = prefetch is None
+    if chosen:
         prefetch = offload == "cpu"
     if batch < 1 or h2d_gbps <= 0 or gpu_memory_gib <= 0:
         raise InputError("--batch must be >= 1, --h2d-gbps and --gpu-memory > 0")
@@ -440,14 +441,19 @@ def plan_offload(cfg: ModelConfig, *, gpu_memory_gib: float, offload: str, max_m
     kv = kv_bytes_per_token(cfg, 1, kv_cache_dtype, dtype_bytes) * max_model_len * batch
     reserve = int(activation_reserve_gib * GIB) + kv
     problems: list[str] = []
-    try:
-        dm = propose_device_map(units, always, int(gpu_memory_gib * GIB), reserve,
-                                expert_stages=2 if prefetch else 1)
-    except MiniMaxRefError as e:
-        problems.append(str(e))
-        dm = None
+    dm, error = None, None
+    for stages in ((2, 1) if prefetch and chosen else (2,) if prefetch else (1,)):
+        try:
+            dm = propose_device_map(units, always, int(gpu_memory_gib * GIB), reserve, expert_stages=stages)
+            prefetch = stages == 2  # by default, prefetch gives way where its second stack does not fit (as a load)
+            break
+        except MiniMaxRefError as e:
+            error = str(e)
+    if dm is None:
+        problems.append(error)
     k = cfg.text.num_experts_per_tok
-    out = {"offload": offload, "gpu_memory_gib": gpu_memory_gib, "always_resident_bytes": always,
+    out = {"offload": offload, "gpu_memory_gib": gpu_memory_gib, "prefetch": prefetch,
+           "always_resident_bytes": always,
            "reserve_bytes": reserve, "kv_bytes": kv, "units": len(units),
            "weights_bytes": always + sum(u.nbytes for u in units), "problems": problems, "runs": not problems}
     if dm is None:
@@ -512,7 +518,8 @@ def run_offload(args: argparse.Namespace, cfg: ModelConfig, plan: dict) -> int:
     print(f"             streamed: layers {spans(off['streamed_layers'])}; expert stacks of layers "
           f"{spans(off['streamed_expert_layers'])} ({off['streamed_bytes'] / GIB:.2f} GiB off the GPU)")
     print(f"GPU memory   {off['resident_bytes'] / GIB:.2f} GiB resident + {off['staging_bytes'] / GIB:.2f} GiB "
-          f"staging + {off['reserve_bytes'] / GIB:.2f} GiB reserve = {off['gpu_bytes'] / GIB:.2f} GiB")
+          f"staging ({'two expert stacks: prefetch' if off['prefetch'] else 'one expert stack: no prefetch'}) + "
+          f"{off['reserve_bytes'] / GIB:.2f} GiB reserve = {off['gpu_bytes'] / GIB:.2f} GiB")
     for b, row in off["per_batch"].items():
         roof = "no streaming" if row["roofline_tok_s"] is None else f"{row['roofline_tok_s']:.1f} tok/s"
         print(f"batch {b:<6} {row['bytes_per_step'] / 1e9:.3f} GB moved per step, "

@@ -21,7 +21,8 @@ Units that do not fit `gpu_memory` (after a reserve for activations and the KV c
 
 Prefetch of expert rows (pre-gating; `OffloadConfig.prefetch`, by default on for the "cpu" store on a CUDA device,
 where the copies run asynchronously; off on a CPU and for the "disk" store, where a copy blocks the host and little
-overlaps, so the second staging stack would cost memory for nothing). Decided here:
+overlaps, so the second staging stack would cost memory for nothing; where the budget holds one staging stack but not
+two, the default loads without it and says so). Decided here:
 * what predicts: at a streamed stack's synchronisation point (the host reads its router's choice), the next streamed
   stack of the step (layer order) is predicted by its own router (resident) applied to the tokens the synchronising
   stack runs on: the residual stream leaving that layer's attention, normed by its post-attention norm (the one
@@ -102,6 +103,7 @@ import dataclasses
 import inspect
 import json
 import shutil
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterator
@@ -579,6 +581,7 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
     device map, store and `stats`). Returns the bytes read per family."""
 
     synthetic = bool(getattr(ck, "synthetic", False))
+    chosen = cfg.prefetch is None  # prefetch by default: given up where its second staging stack does not fit
     cfg = cfg.resolved(device)
     check_offload(cfg, weights=weights, tp_size=tp_size, expert_parallel=expert_parallel, fast=fast,
                   synthetic=synthetic)
@@ -612,7 +615,16 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
             weakref.finalize(store, shutil.rmtree, folder, True)
     else:
         store = HostStore(pin=device.type == "cuda")
-    dm = device_map_for(model, ck, cfg, dtype, runtime)
+    try:
+        dm = device_map_for(model, ck, cfg, dtype, runtime)
+    except ConfigError:
+        if not (chosen and cfg.prefetch):
+            raise
+        cfg = dataclasses.replace(cfg, prefetch=False)
+        dm = device_map_for(model, ck, cfg, dtype, runtime)  # a budget too small even for this raises as before
+        print(f"[offload] --gpu-memory {cfg.gpu_memory_gib:g} GiB holds one expert staging stack, not the two that "
+              "prefetch needs: loading without it (--no-offload-prefetch says so; more --gpu-memory keeps it)",
+              file=sys.stderr)
     streamed = set(dm.streamed)
     host = torch.device("cpu")
     read: dict[str, int] = {}

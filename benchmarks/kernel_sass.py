@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -56,15 +56,13 @@ _BRA = re.compile(r"\bBRA\s+(?:`\()?(?:\.L_x_\d+\))?\s*(0x[0-9a-f]+)")
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str, str]], dict[str, int]]:
     """(address, opcode, text) of every instruction of a cubin (`cuobjdump -sass`), and its resource usage
     (`cuobjdump -res-usage`: registers, stack, shared and local bytes)."""
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_sass_{os.getpid()}.cubin"
-    path.write_bytes(cubin)
-    try:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
         out = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(path)], capture_output=True, text=True,
                              check=True).stdout
         usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True,
                                check=True).stdout
-    finally:
-        path.unlink(missing_ok=True)
     resources = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
     lines = []
     for line in out.splitlines():
@@ -151,7 +149,7 @@ def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int):
         c = kernel["constexprs"]
         if kernel["kernel"] != "_gemv_kernel":
             return None
-        return c["TN"] * c["TK"] * c["BLOCK_M"] / (32 * kernel["num_warps"]) / c["BLOCK_M"]
+        return c["TN"] * c["TK"] / (32 * kernel["num_warps"])
     return run, elements
 
 

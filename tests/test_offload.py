@@ -297,32 +297,40 @@ def test_fast_auto_when_offloading(tiny_nvfp4, monkeypatch):
 
 
 def test_default_prefetch_gives_way_to_a_tight_budget(tiny_nvfp4, monkeypatch, capsys):
-    """Prefetch by default (as on CUDA) under a budget that holds one expert staging stack but not two: the model
-    loads without prefetch and says so on stderr; asked for explicitly, prefetch is refused as before."""
-    import dataclasses
+    """Prefetch by default (as on CUDA: "where it fits") under a budget that holds one expert staging stack but not
+    two: the model loads without prefetch and says so on stderr; asked for explicitly, prefetch is refused as before."""
+    from minimax_ref.weights import offload
 
     budget = budgets(tiny_nvfp4, prefetch=False)["experts"]
-    monkeypatch.setattr(OffloadConfig, "resolved", lambda self, device: self if self.prefetch is not None
-                        else dataclasses.replace(self, prefetch=True))
+    monkeypatch.setattr(offload, "default_prefetch", lambda mode, cuda: None)
     model = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed",
                        offload=OffloadConfig("cpu", budget, reserve_gib=0.0), **RUNTIME)
     assert not model.offload.prefetch and model.offload.device_map.streamed
     assert "not the two that prefetch needs" in capsys.readouterr().err
+    roomy = load_model(tiny_nvfp4, dtype=torch.float32, weights="packed",
+                       offload=OffloadConfig("cpu", budgets(tiny_nvfp4)["experts"], reserve_gib=0.0), **RUNTIME)
+    assert roomy.offload.prefetch and not capsys.readouterr().err
     with pytest.raises(ConfigError, match="is less than"):
         load_model(tiny_nvfp4, dtype=torch.float32, weights="packed",
                    offload=OffloadConfig("cpu", budget, reserve_gib=0.0, prefetch=True), **RUNTIME)
 
 
 def test_prefetch_default():
-    """`OffloadConfig.prefetch` None (the default) is on for the "cpu" store on CUDA, where the copies run
-    asynchronously, and off on a CPU and for the "disk" store; an explicit value stays."""
+    """Prefetch not asked for either way: "where it fits" (None) for the "cpu" store on CUDA, off on a CPU and for
+    the "disk" store; `propose_staged_map` then takes the second staging stack only where it fits."""
+    from minimax_ref.weights.device_map import OffloadUnit, default_prefetch, propose_staged_map
+
     assert OffloadConfig("cpu", 10).prefetch is None
-    assert OffloadConfig("cpu", 10).resolved("cuda").prefetch is True
-    assert OffloadConfig("cpu", 10).resolved("cuda:1").prefetch is True
-    assert OffloadConfig("cpu", 10).resolved("cpu").prefetch is False
-    assert OffloadConfig("disk", 10).resolved("cuda").prefetch is False
-    assert OffloadConfig("cpu", 10, prefetch=False).resolved("cuda").prefetch is False
-    assert OffloadConfig("disk", 10, prefetch=True).resolved("cpu").prefetch is True
+    assert default_prefetch("cpu", cuda=True) is None
+    assert default_prefetch("cpu", cuda=False) is False and default_prefetch("disk", cuda=True) is False
+    units = [OffloadUnit("layers.0", "layer", 0, 100)] + [OffloadUnit(f"layers.{i}.experts", "experts", i, 1000, 8)
+                                                          for i in range(3)]
+    dm, on = propose_staged_map(units, 0, 2100, 0, None)
+    assert on and dm.staging_bytes == 2000
+    dm, on = propose_staged_map(units, 0, 1100, 0, None)
+    assert not on and dm.staging_bytes == 1000
+    with pytest.raises(ConfigError, match="is less than"):
+        propose_staged_map(units, 0, 1100, 0, True)
 
 
 @pytest.mark.parametrize("which", ["layers", "experts"])

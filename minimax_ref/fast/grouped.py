@@ -481,7 +481,7 @@ if AVAILABLE:
             scale.stride(1), 1 if scale_2.numel() > 1 else 0,
             stride_s, out.stride(-3), out.stride(-2),
             NVFP4_FMT=nvfp4, HAS_ACTIVE=active is not None, OUT_BF16=split == 1, EXACT_FP32=exact_fp32,
-            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, TABLE=table and nvfp4,
+            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, TABLE=table,
             num_warps=num_warps, num_stages=num_stages)
         if split == 1:
             return out

@@ -283,13 +283,12 @@ PRESETS: dict[str, Preset] = {
 PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
-# `compiled` with one-row products too by the grouped kernel (its tensor-core decode costs fewer instructions an
-# element than the fused product's and the GEMV's: benchmarks/kernel_sass.py); measured against `compiled` on a GPU
-# before a user preset takes it
+# `compiled` with one-row products too by the grouped kernel (its loop issues 9.2 instructions an NVFP4 element, the
+# GEMV's 11.1: benchmarks/kernel_sass.py); measured against `compiled` on a GPU before a user preset takes it
 PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),
                                  "compiled, with products of 1 to 64 rows (one-row decode steps included) by the "
                                  "grouped Triton kernel instead of the fused dequantize-and-multiply", user=False)
-# `grouped-rows` with NVFP4 decoded through the blocks' tables (benchmarks/kernel_sass.py: 6.8 instructions an element
+# `grouped-rows` with NVFP4 decoded through the blocks' tables (benchmarks/kernel_sass.py: 7.2 instructions an element
 # against 9.2); measured against `compiled` on a GPU before a user preset takes it
 PRESETS["table"] = Preset(replace(PRESETS["grouped-rows"].paths, nvfp4_table=True),
                           "grouped-rows, with the grouped kernel decoding NVFP4 through each block's table of its 8 "

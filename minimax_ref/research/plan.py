@@ -73,9 +73,10 @@ from ..weights.device_map import (
     GIB,
     OFFLOAD_MODES,
     OffloadUnit,
+    default_prefetch,
     expected_distinct_experts,
     id_runs,
-    propose_device_map,
+    propose_staged_map,
     unit_of,
 )
 
@@ -429,28 +430,22 @@ def plan_offload(cfg: ModelConfig, *, gpu_memory_gib: float, offload: str, max_m
     `max_model_len` tokens), the bytes moved per decode step and per token at batch 1 and at `batch`, and the PCIe
     roofline `tok/s = B / (bytes_per_step(B) / h2d)` at an assumed host-to-device rate `h2d_gbps` (GB/s, 1e9).
     prefetch: the map of a load with expert-row prefetch (`--offload-prefetch`: a second expert staging stack); None:
-    as a load on a GPU decides (`OffloadConfig.resolved`: with it for "cpu", without for "disk")."""
+    as a load on a GPU decides (`device_map.default_prefetch`)."""
     if offload not in OFFLOAD_MODES or offload == "none":
         raise InputError(f"--offload {offload!r}: choose cpu or disk for an offload plan")
-    chosen = prefetch is None
-    if chosen:
-        prefetch = offload == "cpu"
+    if prefetch is None:
+        prefetch = default_prefetch(offload, cuda=True)
     if batch < 1 or h2d_gbps <= 0 or gpu_memory_gib <= 0:
         raise InputError("--batch must be >= 1, --h2d-gbps and --gpu-memory > 0")
     always, units = offload_units(cfg, dtype_bytes=dtype_bytes, ckpt_dir=ckpt_dir)
     kv = kv_bytes_per_token(cfg, 1, kv_cache_dtype, dtype_bytes) * max_model_len * batch
     reserve = int(activation_reserve_gib * GIB) + kv
     problems: list[str] = []
-    dm, error = None, None
-    for stages in ((2, 1) if prefetch and chosen else (2,) if prefetch else (1,)):
-        try:
-            dm = propose_device_map(units, always, int(gpu_memory_gib * GIB), reserve, expert_stages=stages)
-            prefetch = stages == 2  # by default, prefetch gives way where its second stack does not fit (as a load)
-            break
-        except MiniMaxRefError as e:
-            error = str(e)
-    if dm is None:
-        problems.append(error)
+    try:
+        dm, prefetch = propose_staged_map(units, always, int(gpu_memory_gib * GIB), reserve, prefetch)
+    except MiniMaxRefError as e:
+        problems.append(str(e))
+        dm = None
     k = cfg.text.num_experts_per_tok
     out = {"offload": offload, "gpu_memory_gib": gpu_memory_gib, "prefetch": prefetch,
            "always_resident_bytes": always,

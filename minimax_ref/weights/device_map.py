@@ -175,5 +175,24 @@ def propose_device_map(units: list[OffloadUnit], always_bytes: int, budget_bytes
                      always_bytes + sum(u.nbytes for u in resident), staging, reserve_bytes, budget_bytes)
 
 
-__all__ = ["GIB", "OFFLOAD_MODES", "DeviceMap", "OffloadUnit", "expected_distinct_experts", "fmt_bytes",
-           "id_runs", "propose_device_map", "unit_of"]
+def default_prefetch(mode: str, cuda: bool) -> bool | None:
+    """Expert-row prefetch when not asked for either way (decided here; offload.py): None, "where its second staging
+    stack fits", for the "cpu" store on a CUDA device, whose pinned copies run asynchronously; False on a CPU and for
+    the "disk" store, where a copy blocks the host and overlaps little."""
+    return None if mode == "cpu" and cuda else False
+
+
+def propose_staged_map(units: list[OffloadUnit], always_bytes: int, budget_bytes: int, reserve_bytes: int,
+                       prefetch: bool | None) -> tuple[DeviceMap, bool]:
+    """`propose_device_map` with prefetch's second expert staging stack (`prefetch` True), without it (False), or with
+    it where it fits and else without (None: `default_prefetch`'s). Returns the map and whether it has the stack."""
+    if prefetch is None:
+        try:
+            return propose_device_map(units, always_bytes, budget_bytes, reserve_bytes, expert_stages=2), True
+        except ConfigError:
+            prefetch = False
+    return propose_device_map(units, always_bytes, budget_bytes, reserve_bytes, 2 if prefetch else 1), prefetch
+
+
+__all__ = ["GIB", "OFFLOAD_MODES", "DeviceMap", "OffloadUnit", "default_prefetch", "expected_distinct_experts",
+           "fmt_bytes", "id_runs", "propose_device_map", "propose_staged_map", "unit_of"]

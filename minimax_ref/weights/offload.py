@@ -118,7 +118,7 @@ from ..errors import ConfigError
 from ..model.cache import kv_bytes_per_token
 from ..model.moe import route
 from ..research.plan import DEFAULT_ACTIVATION_RESERVE_GIB, offload_units
-from .device_map import GIB, OFFLOAD_MODES, DeviceMap, id_runs, propose_device_map, unit_of
+from .device_map import GIB, OFFLOAD_MODES, DeviceMap, default_prefetch, id_runs, propose_staged_map, unit_of
 
 EXTRA_HINT = "pip install 'minimax-ref[offload]' (or: pip install 'accelerate>=1.0')"
 
@@ -142,8 +142,8 @@ class OffloadConfig:
     `share_streamed_experts` (synthetic weights only: every streamed expert stack reads the host stacks of the
     first streamed one, so a release-width model whose experts exceed host memory can run; the bytes moved per step
     are the same), and `prefetch`: copy the next streamed stack's predicted experts' rows ahead (module docstring;
-    the device map then reserves a second staging stack; outputs are the same either way); None (default): on for
-    the "cpu" store on a CUDA device, off otherwise (`resolved`)."""
+    the device map then reserves a second staging stack; outputs are the same either way); None (default):
+    `device_map.default_prefetch`'s."""
 
     mode: str = "none"
     gpu_memory_gib: float | None = None
@@ -151,12 +151,6 @@ class OffloadConfig:
     reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB
     share_streamed_experts: bool = False
     prefetch: bool | None = None
-
-    def resolved(self, device: torch.device | str) -> OffloadConfig:
-        """This config with `prefetch` decided for the compute `device` (None: on for "cpu" on CUDA)."""
-        if self.prefetch is not None:
-            return self
-        return dataclasses.replace(self, prefetch=self.mode == "cpu" and torch.device(device).type == "cuda")
 
     @classmethod
     def of(cls, offload: str | OffloadConfig | None, gpu_memory: float | None = None,
@@ -557,18 +551,20 @@ def _placeholders_like(experts: nn.Module, template: nn.Module) -> None:
                                                 dtype=w.dtype))
 
 
-def device_map_for(model: nn.Module, ck, cfg: OffloadConfig, dtype: torch.dtype, runtime) -> DeviceMap:
-    """The device map of `model` (built from checkpoint `ck`) for `cfg`: `device_map.propose_device_map` over
+def device_map_for(model: nn.Module, ck, cfg: OffloadConfig, dtype: torch.dtype, runtime,
+                   prefetch: bool | None) -> tuple[DeviceMap, bool]:
+    """The device map of `model` (built from checkpoint `ck`) for `cfg`: `device_map.propose_staged_map` over
     `plan.offload_units` (sizes from the shards' headers, or the config for synthetic weights) with a reserve of
     `cfg.reserve_gib` plus the KV cache of `runtime.max_batch_size` sequences (one when it is chosen per call, from
-    the memory the device map leaves) of `runtime.max_seq_len` tokens."""
+    the memory the device map leaves) of `runtime.max_seq_len` tokens, and `prefetch`'s staging. Returns the map and
+    whether it prefetches."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     ckpt_dir = None if getattr(ck, "synthetic", False) else Path(ck.path)
     always, units = offload_units(ck.config, dtype_bytes=dtype_bytes, ckpt_dir=ckpt_dir)
     kv = kv_bytes_per_token(ck.config, 1, runtime.kv_cache_dtype, dtype_bytes) * runtime.max_seq_len \
         * (runtime.max_batch_size or 1)
-    return propose_device_map(units, always, int(cfg.gpu_memory_gib * GIB), int(cfg.reserve_gib * GIB) + kv,
-                              expert_stages=2 if cfg.prefetch else 1)
+    return propose_staged_map(units, always, int(cfg.gpu_memory_gib * GIB), int(cfg.reserve_gib * GIB) + kv,
+                              prefetch)
 
 
 def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, device: torch.device,
@@ -581,8 +577,6 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
     device map, store and `stats`). Returns the bytes read per family."""
 
     synthetic = bool(getattr(ck, "synthetic", False))
-    chosen = cfg.prefetch is None  # prefetch by default: given up where its second staging stack does not fit
-    cfg = cfg.resolved(device)
     check_offload(cfg, weights=weights, tp_size=tp_size, expert_parallel=expert_parallel, fast=fast,
                   synthetic=synthetic)
     # a whole step is never captured (streamed layers read the router's choice on the host); the resident segments
@@ -615,16 +609,12 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
             weakref.finalize(store, shutil.rmtree, folder, True)
     else:
         store = HostStore(pin=device.type == "cuda")
-    try:
-        dm = device_map_for(model, ck, cfg, dtype, runtime)
-    except ConfigError:
-        if not (chosen and cfg.prefetch):
-            raise
-        cfg = dataclasses.replace(cfg, prefetch=False)
-        dm = device_map_for(model, ck, cfg, dtype, runtime)  # a budget too small even for this raises as before
+    wanted = cfg.prefetch if cfg.prefetch is not None else default_prefetch(cfg.mode, device.type == "cuda")
+    dm, prefetch = device_map_for(model, ck, cfg, dtype, runtime, wanted)
+    if wanted is None and not prefetch:
         print(f"[offload] --gpu-memory {cfg.gpu_memory_gib:g} GiB holds one expert staging stack, not the two that "
-              "prefetch needs: loading without it (--no-offload-prefetch says so; more --gpu-memory keeps it)",
-              file=sys.stderr)
+              "prefetch needs: loading without it (more --gpu-memory keeps it)", file=sys.stderr)
+    cfg = dataclasses.replace(cfg, prefetch=prefetch)
     streamed = set(dm.streamed)
     host = torch.device("cpu")
     read: dict[str, int] = {}

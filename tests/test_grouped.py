@@ -323,9 +323,9 @@ def _run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
             out |= ((0xFF if byte & 0x80 else 0) if n & 8 else byte) << 8 * i
         return out
 
-    for line in text.replace("{\n", "\n").splitlines():
-        line = line.strip().rstrip(";").strip()
-        if not line or line in ("{", "}") or line.startswith(".reg"):
+    for line in text.split(";"):
+        line = line.strip().removeprefix("{").strip()
+        if not line or line == "}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
         if op == "mov.b32":
@@ -424,24 +424,24 @@ def test_table_decoder_reads_out_the_decoded_weight(device, tiles):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_table_preset_configures_nvfp4_weights(device, monkeypatch):
-    """The non-user preset `table` (`grouped-rows` with `nvfp4_table`): NVFP4 weights are multiplied through the
-    table decoder, MXFP8 weights are not, and `compiled` leaves it off."""
+def test_compiled_multiplies_nvfp4_through_the_table(device, monkeypatch):
+    """`compiled` sets `nvfp4_table`: NVFP4 weights are multiplied through the table decoder, MXFP8 weights are not,
+    and `grouped=True` alone leaves it off."""
     seen = []
     real = grouped.packed_matmul_grouped
     monkeypatch.setattr(grouped, "packed_matmul_grouped",
                         lambda *a, **kw: seen.append(kw.get("table")) or real(*a, **kw))
-    assert FastPaths.of("table") == replace(FastPaths.of("grouped-rows"), nvfp4_table=True)
+    assert FastPaths.of("compiled").nvfp4_table
     pw = _packed_linear("nvfp4", 48, 128, device)
     want_w = pw.decode()
-    apply(pw, FastPaths.of("table"))
+    apply(pw, FastPaths.of("compiled"))
     assert pw.table
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6)).to(BF16).to(device)
     assert _bound_ok(pw.linear(x), x, want_w)[0] and seen == [True]
     mx = _packed_linear("mxfp8", 48, 128, device)
-    apply(mx, FastPaths.of("table"))
+    apply(mx, FastPaths.of("compiled"))
     assert not mx.table and mx.grouped_tokens == 64
-    apply(pw, FastPaths.of("compiled"))
+    apply(pw, FastPaths(grouped=True))
     assert not pw.table
 
 
@@ -684,3 +684,21 @@ def test_kernel_sass_counts_the_gemv_loop():
     assert gemv_row["elements_per_thread_iteration"] == 64
     assert gemv_row["loop_ops"]["FFMA"] == 64 and not any("MMA" in op for op in gemv_row["loop_ops"])
     assert gemv_row["loop_instructions_per_element"] > 1 and gemv_row["local_bytes"] == 0
+
+
+@pytest.mark.skipif(not grouped.AVAILABLE, reason="needs triton")
+@pytest.mark.parametrize("module", ["grouped", "gemv", "attention_kernel", "selection_kernel"])
+def test_kernels_survive_the_compilers_embedding(module):
+    """torch.compile writes each Triton kernel it launches, with the functions and constants it reads, into its own
+    module inside a '''-quoted string: every kernel's source must still be Python after that string is read."""
+    import importlib
+
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code as closure
+    from triton import JITFunction
+
+    mod = importlib.import_module(f"minimax_ref.fast.{module}")
+    kernels = [v for v in vars(mod).values() if isinstance(v, JITFunction)]
+    assert kernels, f"no Triton kernel in minimax_ref.fast.{module}"
+    for kernel in kernels:
+        embedded = eval("'''" + closure(kernel) + "'''")  # the string literal as the compiled module reads it
+        compile(embedded, f"<{kernel.__name__} as torch.compile embeds it>", "exec")

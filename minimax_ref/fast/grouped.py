@@ -273,35 +273,37 @@ if AVAILABLE:
     # selectors (four elements an instruction), replicates each nibble's sign bit over a byte to flip the entries'
     # signs, and pairs the bytes into bf16. $0..$7: the 8 elements (b16); $8: the word. tests/test_grouped.py runs
     # this text through a model of each instruction against `decode_reference`.
-    _TABLE_ASM = tl.constexpr("""
-    {
-    .reg .b32 tl0, tl1, th0, th1, q4, s1, s2, l1, h1, l2, h2, g1, g2, r0, r1, r2, r3;
-    prmt.b32 tl0, $9, $10, 0x6420;
-    prmt.b32 th0, $9, $10, 0x7531;
-    prmt.b32 tl1, $11, $12, 0x6420;
-    prmt.b32 th1, $11, $12, 0x7531;
-    shl.b32 q4, $8, 4;
-    and.b32 s1, $8, 0x7777;
-    shr.u32 s2, $8, 16;
-    and.b32 s2, s2, 0x7777;
-    prmt.b32 l1, tl0, tl1, s1;
-    prmt.b32 h1, th0, th1, s1;
-    prmt.b32 l2, tl0, tl1, s2;
-    prmt.b32 h2, th0, th1, s2;
-    prmt.b32 g1, q4, $8, 0xD9C8;
-    prmt.b32 g2, q4, $8, 0xFBEA;
-    lop3.b32 h1, h1, g1, 0x80808080, 0x78;
-    lop3.b32 h2, h2, g2, 0x80808080, 0x78;
-    prmt.b32 r0, l1, h1, 0x5140;
-    prmt.b32 r1, l1, h1, 0x7362;
-    prmt.b32 r2, l2, h2, 0x5140;
-    prmt.b32 r3, l2, h2, 0x7362;
-    mov.b32 {$0, $1}, r0;
-    mov.b32 {$2, $3}, r1;
-    mov.b32 {$4, $5}, r2;
-    mov.b32 {$6, $7}, r3;
-    }
-    """)
+    # One line: torch.compile embeds a kernel's source, its constants by repr, in a '''-quoted string, where an escaped
+    # newline would become a real one.
+    _TABLE_ASM = tl.constexpr(" ".join((
+        "{",
+        ".reg .b32 tl0, tl1, th0, th1, q4, s1, s2, l1, h1, l2, h2, g1, g2, r0, r1, r2, r3;",
+        "prmt.b32 tl0, $9, $10, 0x6420;",
+        "prmt.b32 th0, $9, $10, 0x7531;",
+        "prmt.b32 tl1, $11, $12, 0x6420;",
+        "prmt.b32 th1, $11, $12, 0x7531;",
+        "shl.b32 q4, $8, 4;",
+        "and.b32 s1, $8, 0x7777;",
+        "shr.u32 s2, $8, 16;",
+        "and.b32 s2, s2, 0x7777;",
+        "prmt.b32 l1, tl0, tl1, s1;",
+        "prmt.b32 h1, th0, th1, s1;",
+        "prmt.b32 l2, tl0, tl1, s2;",
+        "prmt.b32 h2, th0, th1, s2;",
+        "prmt.b32 g1, q4, $8, 0xD9C8;",
+        "prmt.b32 g2, q4, $8, 0xFBEA;",
+        "lop3.b32 h1, h1, g1, 0x80808080, 0x78;",
+        "lop3.b32 h2, h2, g2, 0x80808080, 0x78;",
+        "prmt.b32 r0, l1, h1, 0x5140;",
+        "prmt.b32 r1, l1, h1, 0x7362;",
+        "prmt.b32 r2, l2, h2, 0x5140;",
+        "prmt.b32 r3, l2, h2, 0x7362;",
+        "mov.b32 {$0, $1}, r0;",
+        "mov.b32 {$2, $3}, r1;",
+        "mov.b32 {$4, $5}, r2;",
+        "mov.b32 {$6, $7}, r3;",
+        "}",
+    )))
 
     @triton.jit
     def _table_words(s, EXACT_FP32: tl.constexpr):

@@ -1,7 +1,8 @@
 """The grouped dequantize-and-multiply (`fast.grouped.packed_matmul_grouped`, `FastPaths(grouped=True)`) at the
 release's shapes and a batch-decode row count, against what it replaces at more than `fused_rows` rows: decoding the
 weight to bf16, then cuBLAS (`decode_then_matmul`, `decode_fast` then `torch.matmul`), and cuBLAS on a weight decoded
-beforehand (`cublas_bf16`, 3.6x the bytes for NVFP4; no decoding). Each figure is microseconds per product (a CUDA
+beforehand (`cublas_bf16`, 3.6x the bytes for NVFP4; no decoding); for NVFP4 also the kernel decoding through each
+block's 8-value table (`grouped table`, `table=True`). Each figure is microseconds per product (a CUDA
 graph of 10 products, replayed) with the packed bytes read per second and the fraction of the weight-read roofline
 (packed bytes and scales over the device-to-device copy bandwidth measured in the same run). Every product is first
 checked against `fast.packed.packed_matmul_reference`.
@@ -51,6 +52,8 @@ def measure(shape: tuple, rows: int, iters: int, bw: float, configs: list, devic
                   "packed_bytes": nbytes, "roofline_us": 1e6 * nbytes / bw}
     variants = {f"grouped {c.text() if c else 'default'}": (lambda c=c: packed_matmul_grouped(x, fmt, w, s, g, tiles=c))
                 for c in configs}
+    if baselines and fmt == "nvfp4":
+        variants["grouped table"] = lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=configs[0], table=True)
     if baselines:
         dense = decode_fast(fmt, w, s, g, torch.bfloat16)
         variants["cublas_bf16"] = lambda: torch.matmul(x, dense.transpose(-1, -2))

@@ -58,14 +58,14 @@ take.
   rows and the tensor cores' dot above, fp32 sums; the routed experts read only the chosen experts. Takes precedence
   over `matmul="fused"` and `grouped` where it applies (as `grouped`: scales in the normal range, bf16). Equal to fp32
   rounding.
-* `nvfp4_table=True` (the non-user preset `table`: `grouped-rows` with it): the grouped kernel decodes NVFP4 through
-  each block's table: with A = bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S, every decoded element is one
-  of {0, A/2, A, B, 2A, 2B, 4A, 4B} with its sign, looked up by byte permutes (`fast.grouped._TABLE_ASM`). The same
-  bits as the reference decoder for every weight the grouped kernel takes (tests: the assembly text run through a
-  model of each instruction, and the kernel under the interpreter).
+* `nvfp4_table=True` (the `compiled` preset): the grouped kernel decodes NVFP4 through each block's table: with A =
+  bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S, every decoded element is one of {0, A/2, A, B, 2A, 2B, 4A,
+  4B} with its sign, looked up by byte permutes (`fast.grouped._TABLE_ASM`: no multiply or conversion an element).
+  The same bits as the reference decoder for every weight the grouped kernel takes (tests: the assembly text run
+  through a model of each instruction, the kernel under the interpreter and on a GPU).
 * The non-user preset `grouped-rows` (`compiled` with `matmul="reference"`): one-row products with packed weights by
-  the grouped kernel too (its decoded tile padded to the tensor cores' 16 rows); to be measured before a user preset
-  takes it.
+  the grouped kernel too (its decoded tile padded to the tensor cores' 16 rows); slower than the fused product at one
+  row, so no user preset takes it.
 * `compile_layers=True`: in decode steps (one token per sequence, and the speculative loop's verify steps of k+1
   tokens, `MiniMaxM3.step_with_hidden`; with a cache and no trace), each decoder layer runs through `torch.compile`
   (`fast.compiled.CompiledLayers`), one graph per kind of layer and step shape, in which inductor fuses the norms,
@@ -269,7 +269,7 @@ PRESETS: dict[str, Preset] = {
     # once for all rows and multiplies on the tensor cores
     "compiled": Preset(
         FastPaths(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", fused_rows=1,
-                  compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True,
+                  compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True, nvfp4_table=True,
                   prefill_attention="triton", block_selection="triton", decode_attention="triton",
                   prefill_fusion=True, graph=True),
         "on without SDPA, plus each decoder layer of a decode step compiled by torch.compile (on first use: "
@@ -283,16 +283,11 @@ PRESETS: dict[str, Preset] = {
 PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
-# `compiled` with one-row products too by the grouped kernel (its loop issues 9.2 instructions an NVFP4 element, the
-# GEMV's 11.1: benchmarks/kernel_sass.py); measured against `compiled` on a GPU before a user preset takes it
+# `compiled` with one-row products too by the grouped kernel (its loop issues fewer instructions an NVFP4 element than
+# the GEMV's: benchmarks/kernel_sass.py); slower than the fused product at one row on a GPU (BENCHMARKS.md)
 PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),
                                  "compiled, with products of 1 to 64 rows (one-row decode steps included) by the "
                                  "grouped Triton kernel instead of the fused dequantize-and-multiply", user=False)
-# `grouped-rows` with NVFP4 decoded through the blocks' tables (benchmarks/kernel_sass.py: 7.2 instructions an element
-# against 9.2); measured against `compiled` on a GPU before a user preset takes it
-PRESETS["table"] = Preset(replace(PRESETS["grouped-rows"].paths, nvfp4_table=True),
-                          "grouped-rows, with the grouped kernel decoding NVFP4 through each block's table of its 8 "
-                          "values (byte permutes, no multiply or conversion an element)", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

@@ -2,7 +2,8 @@
 release's shapes and a batch-decode row count, against what it replaces at more than `fused_rows` rows: decoding the
 weight to bf16, then cuBLAS (`decode_then_matmul`, `decode_fast` then `torch.matmul`), and cuBLAS on a weight decoded
 beforehand (`cublas_bf16`, 3.6x the bytes for NVFP4; no decoding); for NVFP4 also the kernel decoding through each
-block's 8-value table (`grouped table`, `table=True`). Each figure is microseconds per product (a CUDA
+block's 8-value table (`grouped table`, `table=True`), and the kernel in the other orientation (`x_major`:
+`grouped.Tiles.x_major` flipped; NVFP4 through the tables). Each figure is microseconds per product (a CUDA
 graph of 10 products, replayed) with the packed bytes read per second and the fraction of the weight-read roofline
 (packed bytes and scales over the device-to-device copy bandwidth measured in the same run). Every product is first
 checked against `fast.packed.packed_matmul_reference`.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from common import GIB, BenchmarkError, add_kernel_bench_flags, copy_bandwidth, emit, main_guard, tile_configs
@@ -35,13 +37,13 @@ SHAPES = [("16 routed experts w1", "nvfp4", 16, 3072, 6144), ("16 routed experts
           ("dense gate_proj", "mxfp8", 0, 12288, 6144), ("dense down_proj", "mxfp8", 0, 6144, 12288)]
 # Configurations that compile for sm_90 without register spills at 16 and 32 rows, both formats (ptxas -v)
 SWEEP = ["128,64,8,4", "128,64,8,3", "128,128,8,3", "128,128,8,4", "64,64,4,4", "128,32,4,4", "64,128,4,4",
-         "256,128,8,3"]
+         "256,128,8,3", "128,64,8,4,1", "128,128,8,3,1"]
 
 
 def measure(shape: tuple, rows: int, iters: int, bw: float, configs: list, device: torch.device,
             baselines: bool) -> dict:
     """One shape (`SHAPES`): microseconds, packed bytes per second and roofline fraction per variant."""
-    from minimax_ref.fast.grouped import packed_matmul_grouped
+    from minimax_ref.fast.grouped import packed_matmul_grouped, tiles_for
 
     name, fmt, experts, n, k = shape
     w, s, g = operands(fmt, experts, n, k, device)
@@ -52,8 +54,14 @@ def measure(shape: tuple, rows: int, iters: int, bw: float, configs: list, devic
                   "packed_bytes": nbytes, "roofline_us": 1e6 * nbytes / bw}
     variants = {f"grouped {c.text() if c else 'default'}": (lambda c=c: packed_matmul_grouped(x, fmt, w, s, g, tiles=c))
                 for c in configs}
-    if baselines and fmt == "nvfp4":
+    table = fmt == "nvfp4"  # as `compiled` multiplies
+    if baselines and table:
         variants["grouped table"] = lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=configs[0], table=True)
+    if baselines:
+        tiles = configs[0] or tiles_for(fmt, device)
+        flipped = replace(tiles, x_major=1 - tiles.x_major)
+        variants[f"grouped{' table' * table} x_major={flipped.x_major}"] = (
+            lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=flipped, table=table))
     if baselines:
         dense = decode_fast(fmt, w, s, g, torch.bfloat16)
         variants["cublas_bf16"] = lambda: torch.matmul(x, dense.transpose(-1, -2))

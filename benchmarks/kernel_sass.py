@@ -29,6 +29,7 @@ measured on the GPU (benchmarks/packed_gemv.py, grouped_gemm.py, attention_kerne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -153,14 +154,15 @@ def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int):
     return run, elements
 
 
-def case_grouped(fmt: str, entries: int, n: int, k: int, rows: int, table: bool = False):
-    """`grouped.packed_matmul_grouped` of `rows` rows over a stack (every entry active); `table`: NVFP4 through the
-    blocks' tables."""
+def case_grouped(fmt: str, entries: int, n: int, k: int, rows: int, table: bool = False, x_major: int = 0):
+    """`grouped.packed_matmul_grouped` of `rows` rows over a stack (every entry active) with the default tiles;
+    `table`: NVFP4 through the blocks' tables; `x_major`: the tiles' orientation (`grouped.Tiles.x_major`)."""
     def run():
         w, s, g = _packed(fmt, entries, n, k)
         x = torch.zeros(rows, k, dtype=torch.bfloat16)
+        tiles = dataclasses.replace(grouped.DEFAULT[fmt], x_major=x_major)
         grouped.packed_matmul_grouped(x, fmt, w, s, g, active=torch.ones(entries, dtype=torch.int32), split=1,
-                                      table=table)
+                                      table=table, tiles=tiles)
 
     def elements(kernel: dict) -> float | None:
         c = kernel["constexprs"]
@@ -215,6 +217,10 @@ CASES = {
     "grouped-nvfp4-table": (case_grouped, (NVFP4, 16, 3072, 6144, 32, True),
                             "32 rows, 16 routed experts' w1 (NVFP4) through the blocks' tables"),
     "grouped-mxfp8": (case_grouped, (MXFP8, 1, 8192, 6144, 32), "32 rows, q_proj (MXFP8)"),
+    "grouped-nvfp4-table-xmajor": (case_grouped, (NVFP4, 16, 3072, 6144, 32, True, 1),
+                                   "32 rows, 16 routed experts' w1 (NVFP4), tables, x as the MMA's row side"),
+    "grouped-mxfp8-xmajor": (case_grouped, (MXFP8, 1, 8192, 6144, 32, False, 1),
+                             "32 rows, q_proj (MXFP8), x as the MMA's row side"),
     "decode-nvfp4": (case_decode, (NVFP4, 3072, 6144), "prefill's decode of one expert's w1 (NVFP4)"),
     "attention-msa": (case_attention, (8192, 8192, True), "prefill attention, MSA layer, 8K queries"),
     "attention-dense": (case_attention, (8192, 8192, False), "prefill attention, dense layer, 8K queries"),

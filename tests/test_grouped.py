@@ -66,6 +66,7 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(INTERP or not grouped.AVAILABLE,
 DEVICES = [pytest.param("cpu", marks=interp), pytest.param("cuda", marks=gpu)]
 SMALL = Tiles(32, 64, 4, 1)  # partial column tiles and several K steps on tiny weights
 WIDE = Tiles(16, 128, 4, 2)  # the narrowest column tiles, two K steps of 128
+XMAJOR = Tiles(32, 64, 4, 2, x_major=1)  # x's rows as the MMA's row side, the decoded tile from shared memory
 
 
 
@@ -109,7 +110,8 @@ def _bound_ok(y: torch.Tensor, x: torch.Tensor, w_hat: torch.Tensor) -> tuple[bo
 
 def test_tiles_and_split_are_data():
     assert Tiles.parse("64,256,4,2") == Tiles(64, 256, 4, 2) and Tiles(64, 256, 4, 2).text() == "64,256,4,2"
-    for bad in ("64,256,4", "48,128,4,3", "8,128,4,3", "64,16,4,3"):
+    assert Tiles.parse("64,256,4,2,1") == Tiles(64, 256, 4, 2, 1) and Tiles(64, 256, 4, 2, 1).text() == "64,256,4,2,1"
+    for bad in ("64,256,4", "48,128,4,3", "8,128,4,3", "64,16,4,3", "64,256,4,2,2", "64,256,4,2,1,0"):
         with pytest.raises(ConfigError):
             Tiles.parse(bad)
     assert tiles_for("nvfp4", torch.device("cpu")) == grouped.DEFAULT["nvfp4"]
@@ -161,8 +163,8 @@ def _ptxas_report(ptx: str) -> str:
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 def test_kernel_compiles_for_h200_without_spills(fmt):
     """The kernel as the GPU runs it (EXACT_FP32 off: conversion instructions, bf16 tensor-core dots) compiles for
-    sm_90 on any machine with triton (its ptxas), for the default tiles at 32 rows, flagged and split launches and
-    the NVFP4 table decoder (its inline assembly), with no register spills (ptxas -v)."""
+    sm_90 on any machine with triton (its ptxas), for the default tiles at 32 rows, flagged and split launches, the
+    NVFP4 table decoder (its inline assembly) and both orientations, with no register spills (ptxas -v)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -171,9 +173,12 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
         pytest.skip("triton's ptxas is not installed")
     kernel = grouped._packed_matmul_kernel
     tiles = grouped.DEFAULT[fmt]
-    for has_active, out_bf16, table in ((True, True, False), (False, False, False), (True, True, fmt == "nvfp4")):
+    for has_active, out_bf16, table, x_major in ((True, True, False, 0), (False, False, False, 0),
+                                                 (True, True, fmt == "nvfp4", 0), (True, True, fmt == "nvfp4", 1),
+                                                 (False, False, False, 1)):
         consts = {"NVFP4_FMT": fmt == "nvfp4", "HAS_ACTIVE": has_active, "OUT_BF16": out_bf16, "EXACT_FP32": False,
-                  "BLOCK_M": 32, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "TABLE": table}
+                  "BLOCK_M": 64 if x_major else 32, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
+                  "TABLE": table, "X_MAJOR": x_major}
         pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "active_ptr": "*i32",
                     "y_ptr": "*bf16" if out_bf16 else "*fp32"}
         signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
@@ -212,7 +217,7 @@ def test_decoder_compiles_for_h200_without_spills(fmt):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
-@pytest.mark.parametrize("tiles", [SMALL, WIDE, None], ids=["small", "wide", "default"])
+@pytest.mark.parametrize("tiles", [SMALL, WIDE, XMAJOR, None], ids=["small", "wide", "x_major", "default"])
 def test_identity_rows_read_out_the_decoded_weight(device, fmt, tiles):
     E, N, K = 3, 40, 128
     for case in range(3):
@@ -248,7 +253,7 @@ def test_pairs_of_rows_add_the_rounded_weights(fmt):
     want_w = _decoded(fmt, w, s, g).float()
     x = (torch.eye(K) + torch.eye(K).roll(1, dims=1))[: K - 1].to(BF16)  # row k: e_k + e_k+1
     want = (want_w[..., :-1] + want_w[..., 1:]).to(BF16).transpose(-1, -2)  # one fp32 add, one rounding
-    for tiles in (SMALL, WIDE):
+    for tiles in (SMALL, WIDE, XMAJOR):
         assert torch.equal(packed_matmul_grouped(x, fmt, w, s, g, tiles=tiles), want)
 
 
@@ -262,7 +267,7 @@ def test_products_are_fp32_sums_of_the_decoded_weight(device, fmt):
     rows = (1, 9, 33, 64) if device == "cuda" else (1, 9, 33)
     for M in rows:
         x = torch.randn(M, K, generator=gen).to(BF16).to(device)
-        for split, tiles in ((1, SMALL), (3, SMALL), (2, WIDE)):
+        for split, tiles in ((1, SMALL), (3, SMALL), (2, WIDE), (3, XMAJOR)):
             y = packed_matmul_grouped(x, fmt, w, s, g, tiles=tiles, split=split)
             assert y.shape == (E, M, N) and y.dtype == BF16
             ok, ratio = _bound_ok(y, x.expand(E, M, K), w_hat)
@@ -400,7 +405,7 @@ def test_table_assembly_decodes_the_reference_bits():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tiles", [SMALL, WIDE, None], ids=["small", "wide", "default"])
+@pytest.mark.parametrize("tiles", [SMALL, WIDE, XMAJOR, None], ids=["small", "wide", "x_major", "default"])
 def test_table_decoder_reads_out_the_decoded_weight(device, tiles):
     """`packed_matmul_grouped(..., table=True)` (under the interpreter its integer form of the table, on the GPU the
     assembly): identity rows read out `decode_reference(...).to(bf16)` bit for bit at the normal range's low end, in
@@ -686,7 +691,7 @@ def test_kernel_sass_counts_the_gemv_loop():
     assert gemv_row["loop_instructions_per_element"] > 1 and gemv_row["local_bytes"] == 0
 
 
-@pytest.mark.skipif(not grouped.AVAILABLE, reason="needs triton")
+@pytest.mark.skipif(not grouped.AVAILABLE or grouped.interpreting(), reason="needs triton, compiled (not interpreted)")
 @pytest.mark.parametrize("module", ["grouped", "gemv", "attention_kernel", "selection_kernel"])
 def test_kernels_survive_the_compilers_embedding(module):
     """torch.compile writes each Triton kernel it launches, with the functions and constants it reads, into its own

@@ -8,9 +8,11 @@ packed bytes (NVFP4). Here one program per (weight entry, tile of `block_n` outp
 tile's packed bytes as int32 words (8 NVFP4 or 4 MXFP8 elements a load) and its block scales, decodes them to bf16
 exactly as `quant.decode_nvfp4` / `decode_mxfp8` followed by `.to(bfloat16)` do (one plane per nibble or byte of the
 words, interleaved back into K order with `tl.join`), and accumulates `tl.dot(w_tile, x_tile^T)` in fp32 for all M
-rows at once. Computed transposed (y^T = W x^T): the weight's rows fill the tensor core's large dimension and the few
-tokens its small one. Compiled for sm_90 the loop spends about 10 instructions a decoded element (SASS), so the
-decoding on the CUDA cores, not the tensor cores, bounds it below the copy bandwidth for NVFP4.
+rows at once. Computed transposed (y^T = W x^T): the weight's rows fill the tensor core's large dimension and the
+few tokens its small one, and the decoded tile goes from registers to the MMA (`Tiles.x_major` 1 computes y = x W^T
+instead, the decoded tile through shared memory: a launch choice, the same contract). Compiled for sm_90 the loop
+spends about 10 instructions a decoded element (SASS), so the decoding on the CUDA cores, not the tensor cores,
+bounds it below the copy bandwidth for NVFP4.
 
 * `packed_matmul_grouped(x, fmt, weight, ...)`: x `[M, K]` (or `[E, M, K]`, one per entry) against a packed linear
   `[N, K]` or a stack `[E, N, K]` (the routed experts), M <= `MAX_ROWS`. With `active` (int32 `[E]`), entries whose
@@ -81,7 +83,9 @@ def runs_on(device: torch.device) -> bool:
 class Tiles(KernelTiles):
     """One launch configuration of the grouped kernel: `block_n` output columns (weight rows) and `block_k` decoded
     elements of K per program step (powers of two, at least 32), `num_warps`, `num_stages` (software pipelining of the
-    loads)."""
+    loads), `x_major` (1: the product as y = x W^T, x's rows padded to the MMA's 64-row side and the decoded tile its
+    shared-memory operand; 0: as y^T = W x^T, the decoded tile the register operand). Either gives the contract of
+    `packed_matmul_grouped`."""
 
     KIND = "grouped"
 
@@ -89,16 +93,21 @@ class Tiles(KernelTiles):
     block_k: int = 128
     num_warps: int = 8
     num_stages: int = 3
+    x_major: int = 0
 
     def check(self) -> None:
-        if self.block_n < 16 or self.block_k < 32:
-            raise ConfigError(f"grouped tiles: block_n={self.block_n} (>= 16), block_k={self.block_k} (>= 32)")
+        if self.block_n < 16 or self.block_k < 32 or self.x_major not in (0, 1):
+            raise ConfigError(f"grouped tiles: block_n={self.block_n} (>= 16), block_k={self.block_k} (>= 32), "
+                              f"x_major={self.x_major} (0 or 1)")
 
 
 # Untuned defaults, chosen for H200 without a measurement: 128 weight rows and 64 elements of K a step with 8 warps.
 # Compiled for sm_90 (ptxas -v, 32 rows): 127 registers a thread for either format (two programs an SM), no spills,
 # about 10 instructions a decoded element (SASS of the loop). Only x's tiles go through shared memory (the dot's
 # pipelined operand); the packed words are loaded to registers, so the programs resident on an SM hide their latency.
+# The decoded tile as the register operand (x_major 0): x_major 1 issues fewer instructions an element and its MMAs
+# back to back (benchmarks/kernel_sass.py), yet on an H200 it is slower (BENCHMARKS.md: the round trip of each decoded
+# tile through shared memory).
 DEFAULT = {NVFP4: Tiles(128, 64, 8, 4), MXFP8: Tiles(128, 64, 8, 4)}
 # Measured configurations (benchmarks/grouped_gemm.py --sweep prints entries in this form):
 # (torch.cuda.get_device_name(), torch "major.minor", triton "major.minor") -> {format: Tiles}.
@@ -383,6 +392,7 @@ if AVAILABLE:
         stride_ys, stride_ye, stride_ym,
         NVFP4_FMT: tl.constexpr, HAS_ACTIVE: tl.constexpr, OUT_BF16: tl.constexpr, EXACT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TABLE: tl.constexpr,
+        X_MAJOR: tl.constexpr,
     ):
         """y[split, e, m, n] = sum over this split's K steps of x[e, m, k] * w_hat[e, n, k] (fp32 accumulation),
         w_hat the decoded weight in bf16 (`packed_matmul_grouped`). Grid: (column tiles, entries, splits)."""
@@ -399,12 +409,16 @@ if AVAILABLE:
             # an entry no row uses reads nothing and writes zeros
             if tl.load(active_ptr + e) == 0:
                 k_hi = k_lo
-        x_rows = x_ptr + e * stride_xe + offs_m[None, :] * stride_xm  # [1, BLOCK_M]
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
         s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
         jk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         g = tl.load(g_ptr + e * stride_ge)  # NVFP4's global (MXFP8: an unread one)
+        if X_MAJOR:  # y = x W^T: x's rows are the MMA's M side, the decoded tile its shared-memory operand
+            x_rows = x_ptr + e * stride_xe + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:  # y^T = W x^T: the weight's rows are the M side, the decoded tile the register operand
+            x_rows = x_ptr + e * stride_xe + offs_m[None, :] * stride_xm  # [1, BLOCK_M]
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for ks in range(k_lo, k_hi):
             if NVFP4_FMT and TABLE:
                 w = _nvfp4_table_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
@@ -412,13 +426,22 @@ if AVAILABLE:
                 w = _nvfp4_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
             else:
                 w = _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
-            xt = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
-            if EXACT_FP32:
-                acc = tl.dot(w, xt, acc, input_precision="ieee")
+            if X_MAJOR:
+                a = _x_operand(x_rows + ks * BLOCK_K + jk[None, :], m_ok[:, None], EXACT_FP32)  # [BLOCK_M, BLOCK_K]
+                b = tl.trans(w)
             else:
-                acc = tl.dot(w, xt, acc)
-        y_ptrs = y_ptr + sid * stride_ys + e * stride_ye + offs_m[None, :] * stride_ym + offs_n[:, None]
-        mask = n_ok[:, None] & m_ok[None, :]
+                a = w
+                b = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
+            if EXACT_FP32:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if X_MAJOR:
+            y_ptrs = y_ptr + sid * stride_ys + e * stride_ye + offs_m[:, None] * stride_ym + offs_n[None, :]
+            mask = m_ok[:, None] & n_ok[None, :]
+        else:
+            y_ptrs = y_ptr + sid * stride_ys + e * stride_ye + offs_m[None, :] * stride_ym + offs_n[:, None]
+            mask = n_ok[:, None] & m_ok[None, :]
         if OUT_BF16:
             tl.store(y_ptrs, _bf16_storable(acc, EXACT_FP32), mask=mask)
         else:
@@ -463,7 +486,8 @@ if AVAILABLE:
     @triton_op("minimax_ref::packed_matmul_grouped", mutates_args=())
     def _grouped_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
                     active: torch.Tensor | None, nvfp4: bool, n: int, block_n: int, block_k: int, num_warps: int,
-                    num_stages: int, split: int, exact_fp32: bool, table: bool = False) -> torch.Tensor:
+                    num_stages: int, split: int, exact_fp32: bool, table: bool = False,
+                    x_major: bool = False) -> torch.Tensor:
         """The launch (see `packed_matmul_grouped`): x bf16 `[Ex, M, K]` (Ex 1: shared by every entry), weight int32
         `[E, N, K/8]` (NVFP4's packed bytes as little-endian words) or `[E, N, K/4]` (MXFP8's E4M3 bytes), scale
         uint8 `[E, N, K/16 or K/32]`, scale_2 fp32 `[E]` or `[1]` (NVFP4's global; unused for MXFP8), active int32
@@ -483,8 +507,8 @@ if AVAILABLE:
             scale.stride(1), 1 if scale_2.numel() > 1 else 0,
             stride_s, out.stride(-3), out.stride(-2),
             NVFP4_FMT=nvfp4, HAS_ACTIVE=active is not None, OUT_BF16=split == 1, EXACT_FP32=exact_fp32,
-            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, TABLE=table,
-            num_warps=num_warps, num_stages=num_stages)
+            BLOCK_M=max(64 if x_major else 16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+            TABLE=table, X_MAJOR=x_major, num_warps=num_warps, num_stages=num_stages)
         if split == 1:
             return out
         y = torch.empty((e, m, n), dtype=torch.bfloat16, device=x.device)
@@ -586,5 +610,5 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     split = -(-k_steps // -(-k_steps // split))  # no empty split
     y = torch.ops.minimax_ref.packed_matmul_grouped(
         xs.contiguous(), words, scale, g, None if active is None else active.to(torch.int32), fmt == NVFP4, n,
-        tiles.block_n, block_k, tiles.num_warps, tiles.num_stages, split, _INTERPRET, table)
+        tiles.block_n, block_k, tiles.num_warps, tiles.num_stages, split, _INTERPRET, table, bool(tiles.x_major))
     return y[0] if linear and x.dim() == 2 else y

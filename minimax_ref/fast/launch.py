@@ -30,10 +30,10 @@ from ..errors import ConfigError
 
 @dataclass(frozen=True)
 class KernelTiles:
-    """A Triton kernel's launch configuration: four ints, two tile sides (powers of two), `num_warps` (a power of
-    two) and `num_stages`, written "SIDE,SIDE,NUM_WARPS,NUM_STAGES" as the benchmarks take them (`parse`, `text`).
-    A subclass declares the four fields with their defaults, `KIND` (the kernel's name in errors) and its further
-    bounds (`check`)."""
+    """A Triton kernel's launch configuration: ints, first two tile sides (powers of two), `num_warps` (a power of
+    two) and `num_stages`, then any further choices of the kernel's own, written "SIDE,SIDE,NUM_WARPS,NUM_STAGES[,...]"
+    as the benchmarks take them (`parse`, `text`; trailing fields left out keep their defaults). A subclass declares
+    the fields with their defaults, `KIND` (the kernel's name in errors) and its further bounds (`check`)."""
 
     KIND: ClassVar[str] = "kernel"
 
@@ -55,13 +55,17 @@ class KernelTiles:
             values = [int(v) for v in text.split(",")]
         except ValueError:
             values = []
-        if len(values) != len(names):
-            raise ConfigError(f"{cls.KIND} tiles {text!r}: give {','.join(n.upper() for n in names)}, e.g. "
+        if not 4 <= len(values) <= len(names):
+            raise ConfigError(f"{cls.KIND} tiles {text!r}: give {','.join(n.upper() for n in names)} (from the fifth "
+                              f"on optional), e.g. "
                               f"{cls().text()}")
         return cls(*values)
 
     def text(self) -> str:
-        return ",".join(str(getattr(self, f.name)) for f in fields(self))
+        values = [getattr(self, f.name) for f in fields(self)]
+        while len(values) > 4 and values[-1] == fields(self)[len(values) - 1].default:
+            values.pop()  # trailing defaults left out, as `parse` takes them
+        return ",".join(str(v) for v in values)
 
 
 @dataclass(frozen=True)

@@ -161,18 +161,25 @@ if AVAILABLE:
             return tl.dot(a, b, acc)
 
     @triton.jit
-    def _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, qpos, takes, m_i, l_i, acc,
+    def _limit(last, takes):
+        """Each row's last readable slot: `last` (its position, or less) where `takes` (its token reads the tile's
+        keys), else -2^30, below every slot (an empty block slot's are >= -BS). A key at slot kpos <= limit exists
+        (kpos <= position < L)."""
+        return tl.where(takes, last, -1073741824)
+
+    @triton.jit
+    def _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, limit, m_i, l_i, acc,
                 scale_log2, kv_scale, ROWS: tl.constexpr, KEYS: tl.constexpr, MASKED: tl.constexpr,
                 KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr):
-        """One key tile of the online softmax: keys at slots `kpos` [KEYS] (`k_ok`: exist). MASKED: a row reads
-        them only where `takes` [ROWS] (its token selected the block) and at or before its position `qpos` [ROWS];
-        else every row reads every key (a dense tile before all the rows' positions). Returns the updated (running
-        max in log2 units, denominator, value sum)."""
+        """One key tile of the online softmax: keys at slots `kpos` [KEYS] (`k_ok`: exist). MASKED: row r reads the
+        keys at slots <= `limit[r]` (`_limit`: its position where its token takes the tile's keys, else below every
+        slot); else every row reads every key (a dense tile before all the rows' positions). Returns the updated
+        (running max in log2 units, denominator, value sum)."""
         load_ok = k_ok[:, None] & d_ok[None, :]
         kt = _kv_tile(k_base + kpos[:, None] * stride_kl + d[None, :], load_ok, kv_scale, KV_FP8, EXACT_FP32)
         s = _dot(q, tl.trans(kt), tl.zeros((ROWS, KEYS), dtype=tl.float32), EXACT_FP32) * scale_log2
-        if MASKED:
-            s = tl.where(takes[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
+        if MASKED:  # one comparison an element: the row's conditions are folded into its limit
+            s = tl.where(kpos[None, :] <= limit[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: every term stays 0
         alpha = tl.exp2(m_i - m_use)
@@ -247,11 +254,13 @@ if AVAILABLE:
                     takes = tl.reshape(tl.broadcast_to(hit[:, None], (TOKENS, GP)), (ROWS,)) > 0
                 else:
                     takes = row_ok
+                # the block's own BS slots, at or before the row's position; an empty slot (-1) none
+                limit = _limit(tl.minimum(qpos, blk * BS + BS - 1), takes & (blk >= 0))
                 for c in tl.static_range(0, BLOCK, KEYS):
                     kpos = blk * BS + c + n
-                    k_ok = (c + n < BS) & (kpos >= 0) & (kpos < L)
-                    m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, qpos,
-                                            takes, m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8,
+                    k_ok = (c + n < BS) & (kpos >= 0) & (kpos < L)  # what the loads may read
+                    m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, limit,
+                                            m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8,
                                             EXACT_FP32)
         else:
             # the key tiles up to the tile's last position (this split's share of them); those wholly at or before
@@ -263,16 +272,15 @@ if AVAILABLE:
             per = (tiles + SPLITS - 1) // SPLITS
             lo = split * per
             hi = tl.minimum(lo + per, tiles)
+            limit = _limit(qpos, row_ok)
             for j in range(lo, tl.minimum(hi, full)):
                 kpos = j * KEYS + n
-                m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, kpos < L, d, d_ok, qpos,
-                                        row_ok, m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, False, KV_FP8,
-                                        EXACT_FP32)
+                m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, kpos < L, d, d_ok, limit,
+                                        m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, False, KV_FP8, EXACT_FP32)
             for j in range(tl.maximum(lo, full), hi):
                 kpos = j * KEYS + n
-                m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, kpos < L, d, d_ok, qpos,
-                                        row_ok, m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8,
-                                        EXACT_FP32)
+                m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, kpos < L, d, d_ok, limit,
+                                        m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8, EXACT_FP32)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_rows = o_ptr + split * stride_os + b * stride_ob + tok[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh
         tl.store(o_rows + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])

@@ -136,15 +136,15 @@ def _packed(fmt: str, entries: int, n: int, k: int) -> tuple[torch.Tensor, torch
             torch.full((entries, n, k // 32), 127, dtype=torch.uint8), None)
 
 
-def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int):
+def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, table: bool = False):
     """`gemv.packed_product`, one row: an `entries`-entry stack read at `chosen` entries (the routed experts' w1)
-    or a linear (entries 1, chosen 0)."""
+    or a linear (entries 1, chosen 0); `table`: NVFP4 through the blocks' tables."""
     def run():
         w, s, g = _packed(fmt, entries, n, k)
         words, scales, glob = gemv.reorder(fmt, w, s, g)
         x = torch.zeros(1, k, dtype=torch.bfloat16)
         index = torch.arange(chosen) if chosen else None
-        gemv.packed_product(x, fmt, n, words, scales, glob, index=index, sms=132)
+        gemv.packed_product(x, fmt, n, words, scales, glob, index=index, sms=132, table=table)
 
     def elements(kernel: dict) -> float | None:
         c = kernel["constexprs"]
@@ -212,6 +212,8 @@ def case_selection(queries: int, keys: int):
 # Release shapes: routed experts [3072, 6144] (4 chosen of 16 at batch 1), q_proj [8192, 6144] (MXFP8).
 CASES = {
     "gemv-nvfp4": (case_gemv, (NVFP4, 16, 3072, 6144, 4), "1 row, 4 of 16 routed experts' w1 (NVFP4)"),
+    "gemv-nvfp4-table": (case_gemv, (NVFP4, 16, 3072, 6144, 4, True),
+                         "1 row, 4 of 16 routed experts' w1 (NVFP4) through the blocks' tables"),
     "gemv-mxfp8": (case_gemv, (MXFP8, 1, 8192, 6144, 0), "1 row, q_proj (MXFP8)"),
     "grouped-nvfp4": (case_grouped, (NVFP4, 16, 3072, 6144, 32), "32 rows, 16 routed experts' w1 (NVFP4)"),
     "grouped-nvfp4-table": (case_grouped, (NVFP4, 16, 3072, 6144, 32, True),

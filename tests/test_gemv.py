@@ -46,6 +46,7 @@ interp = pytest.mark.skipif(not (gemv.AVAILABLE and INTERP),
 gpu = [pytest.mark.gpu, pytest.mark.skipif(INTERP or not gemv.AVAILABLE,
                                            reason="compiled Triton kernels (not under TRITON_INTERPRET=1)")]
 DEVICES = [pytest.param("cpu", marks=interp), pytest.param("cuda", marks=gpu)]
+TABLE_CASES = [("nvfp4", False), ("nvfp4", True), ("mxfp8", False)]  # NVFP4 through its blocks' tables, or not
 FMTS = ["nvfp4", "mxfp8"]
 
 
@@ -104,7 +105,7 @@ def test_benchmark_refuses_a_cpu_machine(capsys, monkeypatch):
 def test_kernel_compiles_for_h200_without_spills(fmt):
     """The kernel as the GPU runs it (conversion instructions, bf16 tensor-core dots) compiles for sm_90 with
     triton's ptxas on any machine, with no register spills: the GEMV (ids and split partials, flags and bf16 out), the
-    dot at 16, 32 and 64 rows (ids, flags; bf16 out, split partials)."""
+    dot at 16, 32 and 64 rows (ids, flags; bf16 out, split partials); NVFP4 also through the blocks' tables."""
     import triton
     from test_grouped import _ptxas, _ptxas_report
     from triton.backends.compiler import GPUTarget
@@ -113,10 +114,13 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
     if _ptxas() is None:
         pytest.skip("triton's ptxas is not installed")
     kernel = gemv._gemv_kernel
-    for block_m, select, out_bf16 in ((1, 1, False), (1, 2, True), (16, 1, True), (32, 2, False), (64, 2, True)):
+    table = fmt == "nvfp4"
+    for block_m, select, out_bf16, tab in ((1, 1, False, False), (1, 2, True, False), (16, 1, True, False),
+                                           (32, 2, False, False), (64, 2, True, False), (1, 1, False, table),
+                                           (1, 2, True, table), (32, 2, False, table)):
         consts = {"NVFP4_FMT": fmt == "nvfp4", "SELECT": select, "DOT": block_m > gemv.GEMV_ROWS,
                   "OUT_BF16": out_bf16, "EXACT_FP32": False, "BLOCK_M": block_m, "TN": gemv.TILE_N,
-                  "TK": gemv.TILE_K[fmt], "W": gemv.WORDS, "B": gemv.TILE_K[fmt] // gemv.BLOCK[fmt]}
+                  "TK": gemv.TILE_K[fmt], "W": gemv.WORDS, "B": gemv.TILE_K[fmt] // gemv.BLOCK[fmt], "TABLE": tab}
         pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
                     "sel_ptr": "*i64" if select == 1 else "*i32", "y_ptr": "*bf16" if out_bf16 else "*fp32"}
         signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
@@ -139,30 +143,30 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
         assert " 0 bytes spill stores" in info, (block_m, info)
 
 
-def _read_out(fmt, tiles, n, k, rows):
+def _read_out(fmt, tiles, n, k, rows, table=False):
     """The decoded weight [E, N, K] as the kernel multiplies it: one-hot rows, `rows` columns a launch."""
     parts = []
     for k0 in range(0, k, rows):
         m = min(rows, k - k0)
         x = torch.zeros(m, k, dtype=BF16)
         x[torch.arange(m), k0 + torch.arange(m)] = 1
-        parts.append(gemv.packed_product(x, fmt, n, *tiles).transpose(-1, -2))  # [E, N, m]
+        parts.append(gemv.packed_product(x, fmt, n, *tiles, table=table).transpose(-1, -2))  # [E, N, m]
     return torch.cat(parts, dim=-1)
 
 
 @interp
-@pytest.mark.parametrize("fmt", FMTS)
-def test_one_hot_rows_read_out_the_reference_bits(fmt):
+@pytest.mark.parametrize(("fmt", "table"), TABLE_CASES)
+def test_one_hot_rows_read_out_the_reference_bits(fmt, table):
     E, N, K = 2, 40, 96
     for case in range(3):
         w, s, g = _operands(fmt, E, N, K, case)
         want = _decoded(fmt, w, s, g)
         tiles = gemv.reorder(fmt, w, s, g)
-        assert torch.equal(_read_out(fmt, tiles, N, K, gemv.MAX_ROWS), want), case  # the dot
+        assert torch.equal(_read_out(fmt, tiles, N, K, gemv.MAX_ROWS, table), want), case  # the dot
     # the GEMV, one column a launch, on a weight of one K tile (every byte and the last case's scales' range)
     w, s, g = _operands(fmt, E, N, 32, 2)
     tiles = gemv.reorder(fmt, w, s, g)
-    assert torch.equal(_read_out(fmt, tiles, N, 32, gemv.GEMV_ROWS), _decoded(fmt, w, s, g))
+    assert torch.equal(_read_out(fmt, tiles, N, 32, gemv.GEMV_ROWS, table), _decoded(fmt, w, s, g))
 
 
 @interp
@@ -182,8 +186,8 @@ def test_e8m0_extremes_and_out_of_range_scales():
 
 
 @interp
-@pytest.mark.parametrize("fmt", FMTS)
-def test_products_are_fp32_sums_of_the_decoded_weight(fmt):
+@pytest.mark.parametrize(("fmt", "table"), TABLE_CASES)
+def test_products_are_fp32_sums_of_the_decoded_weight(fmt, table):
     E, N, K = 3, 40, 288 if fmt == "nvfp4" else 160  # partial tiles in N and K
     w, s, g = _operands(fmt, E, N, K, 1)
     w_hat = _decoded(fmt, w, s, g)
@@ -191,14 +195,14 @@ def test_products_are_fp32_sums_of_the_decoded_weight(fmt):
     gen = torch.Generator().manual_seed(7)
     for M in (1, 3, 12):
         x = torch.randn(M, K, generator=gen).to(BF16)
-        whole = gemv.packed_product(x, fmt, N, *tiles, split=1)
+        whole = gemv.packed_product(x, fmt, N, *tiles, split=1, table=table)
         assert whole.shape == (E, M, N) and whole.dtype == BF16
         for split in (1, 2):
-            y = gemv.packed_product(x, fmt, N, *tiles, split=split)
+            y = gemv.packed_product(x, fmt, N, *tiles, split=split, table=table)
             ok, ratio = _bound_ok(y, x.expand(E, M, K), w_hat)
             assert ok, (M, split, ratio)
     xe = torch.randn(E, 2, K, generator=gen).to(BF16)  # one x per entry
-    ok, ratio = _bound_ok(gemv.packed_product(xe, fmt, N, *tiles), xe, w_hat)
+    ok, ratio = _bound_ok(gemv.packed_product(xe, fmt, N, *tiles, table=table), xe, w_hat)
     assert ok, ratio
     # small integers: every sum is exact, so the splits' partials added in order give the unsplit bits
     xi = torch.randint(-2, 3, (2, K), generator=gen).to(BF16)
@@ -212,7 +216,7 @@ def test_products_are_fp32_sums_of_the_decoded_weight(fmt):
         ti = gemv.reorder(fmt, wi.to(torch.float8_e4m3fn), torch.full((E, N, K // 32), 127, dtype=torch.uint8), None)
     exact = (xi.float() @ wi.transpose(-1, -2)).to(BF16)
     for split in (1, 2):
-        assert torch.equal(gemv.packed_product(xi, fmt, N, *ti, split=split), exact), split
+        assert torch.equal(gemv.packed_product(xi, fmt, N, *ti, split=split, table=table), exact), split
 
 
 @interp
@@ -328,8 +332,8 @@ def test_decode_step_through_the_kernel(tiny, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERP or not gemv.AVAILABLE, reason="compiled Triton kernels")
-@pytest.mark.parametrize("fmt", FMTS)
-def test_kernel_on_cuda_compiled_and_captured(fmt):
+@pytest.mark.parametrize(("fmt", "table"), TABLE_CASES)
+def test_kernel_on_cuda_compiled_and_captured(fmt, table):
     """On CUDA: the read-out bits and the bound (GEMV and dot, split and not), and through `torch.compile(fullgraph)`
     and a CUDA graph the eager launch's bits."""
     E, N, K = 3, 72, 544 if fmt == "nvfp4" else 288
@@ -338,19 +342,25 @@ def test_kernel_on_cuda_compiled_and_captured(fmt):
     w_hat = _decoded(fmt, w, s, g)
     for rows in (gemv.GEMV_ROWS, gemv.MAX_ROWS):
         eye = torch.eye(K, dtype=BF16, device="cuda")
-        got = torch.cat([gemv.packed_product(eye[k0:k0 + rows], fmt, N, *tiles).transpose(-1, -2)
+        got = torch.cat([gemv.packed_product(eye[k0:k0 + rows], fmt, N, *tiles, table=table).transpose(-1, -2)
                          for k0 in range(0, K, rows)], dim=-1)
         assert torch.equal(got, w_hat), rows
     for m in (1, 4, 32, 64):
         x = torch.randn(m, K, device="cuda").to(BF16)
         for split in (1, 3):
-            ok, ratio = _bound_ok(gemv.packed_product(x, fmt, N, *tiles, split=split), x.expand(E, m, K), w_hat)
+            ok, ratio = _bound_ok(gemv.packed_product(x, fmt, N, *tiles, split=split, table=table),
+                                  x.expand(E, m, K), w_hat)
             assert ok, (m, split, ratio)
     x = torch.randn(1, K, device="cuda").to(BF16)
+    # an x at an odd element offset (contiguous, its base not 8-byte aligned) gives the same bits
+    odd = torch.zeros(K + 1, dtype=BF16, device="cuda")[1:].view(1, K)
+    odd.copy_(x)
+    assert torch.equal(gemv.packed_product(odd, fmt, N, *tiles, table=table), gemv.packed_product(x, fmt, N, *tiles,
+                                                                                                    table=table))
     ids = torch.tensor([2, 0], device="cuda")
 
     def fn(x):
-        return gemv.packed_product(x, fmt, N, *tiles, index=ids, split=3)
+        return gemv.packed_product(x, fmt, N, *tiles, index=ids, split=3, table=table)
 
     eager = fn(x)
     assert torch.equal(torch.compile(fn, fullgraph=True)(x), eager)

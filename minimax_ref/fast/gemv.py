@@ -20,10 +20,11 @@ contiguous range). Zero padding decodes to +0 (code 0 times any scale, any code 
 masked zeros. `restore` is the inverse (the bits are the same: `reorder` only moves bytes).
 
 Numerics contract (`packed_product`): y[p, m, n] = bf16( sum_k x[p, m, k] * w_hat[e(p), n, k] ) with
-w_hat = `packed.decode_reference(...).to(bfloat16)` bit for bit, decoded by bit operations (no table): an E2M1
-nibble placed on fp32 bits as e2m1 * 2^-126, times the reference's block scale fp32(e4m3) * weight_scale_2 (one
-rounding, as the reference) times 2^126, rounded to bf16 (`grouped._nibble`); an E4M3 byte placed on fp32 bits, times
-2^(code - 127) built from the E8M0 code's bits (exact, `grouped._e4m3_byte`). This needs the scales in the normal
+w_hat = `packed.decode_reference(...).to(bfloat16)` bit for bit, decoded by bit operations: an E2M1 nibble placed
+on fp32 bits as e2m1 * 2^-126, times the reference's block scale fp32(e4m3) * weight_scale_2 (one rounding, as the
+reference) times 2^126, rounded to bf16 (`grouped._nibble`), or with `table` looked up in the block's table of its 8
+values (`grouped._TABLE_ASM`, the same bits); an E4M3 byte placed on fp32 bits, times 2^(code - 127) built from the
+E8M0 code's bits (exact, `grouped._e4m3_byte`). This needs the scales in the normal
 range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3 NaN byte; `FastPackedWeight.configure` checks both and
 keeps its other paths otherwise. Every product is exact in fp32 (two bf16 values); the GEMV accumulates the row's
 products in fp32, per (weight row, word lane) across the K steps of a split and the elements of a word, then adds
@@ -56,6 +57,10 @@ if grouped.AVAILABLE:
     # The shared decoders as globals of this module: a kernel compiled in inductor's worker process resolves its
     # callees by global name, not through a module attribute.
     _nvfp4_tile = grouped._nvfp4_tile
+    _nvfp4_table_tile = grouped._nvfp4_table_tile
+    _table_words = grouped._table_words
+    _table_element = grouped._table_element
+    _TABLE_ASM = grouped._TABLE_ASM
     _mxfp8_tile = grouped._mxfp8_tile
     _x_operand = grouped._x_operand
     _e4m3_value = grouped._e4m3_value
@@ -157,13 +162,18 @@ if AVAILABLE:
         return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _quad_field(quad, i: tl.constexpr):
+        """Element i of four bf16 held in an int64 (little-endian: bits 16i..16i+15), as fp32 (exact)."""
+        return (((quad >> (16 * i)) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr,
         M, N, K, K_TILES, STEPS_PER_SPLIT,
         stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
         NVFP4_FMT: tl.constexpr, SELECT: tl.constexpr, DOT: tl.constexpr, OUT_BF16: tl.constexpr,
         EXACT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr, W: tl.constexpr,
-        B: tl.constexpr,
+        B: tl.constexpr, TABLE: tl.constexpr,
     ):
         """y[split, p, m, n] = sum over this split's K steps of x[p, m, k] * w_hat[e, n, k] (fp32), e = p (SELECT 0),
         index[p] (SELECT 1), or p with entries whose flag active[p] is 0 read as nothing (SELECT 2). Grid:
@@ -196,7 +206,9 @@ if AVAILABLE:
             acc = tl.zeros((TN, BLOCK_M), dtype=tl.float32)
             for ks in range(k_lo, k_hi):
                 # grouped's tile decoders read step * (TK's words per row): step ks * TN is tile ks of this layout
-                if NVFP4_FMT:
+                if NVFP4_FMT and TABLE:
+                    w = _nvfp4_table_tile(w_rows, s_rows, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
+                elif NVFP4_FMT:
                     w = _nvfp4_tile(w_rows, s_rows, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
                 else:
                     w = _mxfp8_tile(w_rows, s_rows, ks * TN, n_ok, TN, TK, EXACT_FP32)
@@ -221,7 +233,41 @@ if AVAILABLE:
             acc = tl.zeros((W // 4, TN, 4), dtype=tl.float32)
             for ks in range(k_lo, k_hi):
                 words = tl.load(w_rows[None, :, :] + ks * (TN * W) + word[:, None, :])  # a contiguous 4 KB chunk
-                if NVFP4_FMT:
+                if NVFP4_FMT and TABLE:
+                    # each block's table (`grouped._TABLE_ASM`), its four words repeated over the block's two words
+                    r2 = tl.arange(0, 2)
+                    sb = tl.load(s_rows[None, :, :] + ks * (TN * B) + q[:, None, None] * 2 + r2[None, None, :])
+                    t0, t1, t2, t3 = _table_words(_e4m3_value(sb.to(tl.int32), EXACT_FP32) * g, EXACT_FP32)
+                    t0 = tl.reshape(tl.join(t0, t0), (W // 4, TN, 4))
+                    t1 = tl.reshape(tl.join(t1, t1), (W // 4, TN, 4))
+                    t2 = tl.reshape(tl.join(t2, t2), (W // 4, TN, 4))
+                    t3 = tl.reshape(tl.join(t3, t3), (W // 4, TN, 4))
+                    # element 8c + j is nibble j of word c; x's 8 elements of word c as two int64 loads (4 bf16
+                    # each), whose 16-bit fields are the elements (K is a multiple of 32: a quad is in or past K)
+                    quad = (ks * TK + word * 8) // 4  # [W / 4, 4]
+                    quad_ok = quad * 4 < K
+                    xa = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + p * (stride_xp // 4) + quad, mask=quad_ok,
+                                 other=0)
+                    xb = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + p * (stride_xp // 4) + quad + 1,
+                                 mask=quad_ok, other=0)
+                    if EXACT_FP32:
+                        e0, e1 = _table_element(words, t0, t1, t2, t3, 0), _table_element(words, t0, t1, t2, t3, 1)
+                        e2, e3 = _table_element(words, t0, t1, t2, t3, 2), _table_element(words, t0, t1, t2, t3, 3)
+                        e4, e5 = _table_element(words, t0, t1, t2, t3, 4), _table_element(words, t0, t1, t2, t3, 5)
+                        e6, e7 = _table_element(words, t0, t1, t2, t3, 6), _table_element(words, t0, t1, t2, t3, 7)
+                    else:
+                        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+                            _TABLE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, t0, t1, t2, t3],
+                            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+                    acc += e0.to(tl.float32) * _quad_field(xa, 0)[:, None, :]
+                    acc += e1.to(tl.float32) * _quad_field(xa, 1)[:, None, :]
+                    acc += e2.to(tl.float32) * _quad_field(xa, 2)[:, None, :]
+                    acc += e3.to(tl.float32) * _quad_field(xa, 3)[:, None, :]
+                    acc += e4.to(tl.float32) * _quad_field(xb, 0)[:, None, :]
+                    acc += e5.to(tl.float32) * _quad_field(xb, 1)[:, None, :]
+                    acc += e6.to(tl.float32) * _quad_field(xb, 2)[:, None, :]
+                    acc += e7.to(tl.float32) * _quad_field(xb, 3)[:, None, :]
+                elif NVFP4_FMT:
                     # two blocks (two words each) a group: their E4M3 scales, each repeated over its two words
                     r2 = tl.arange(0, 2)
                     sb = tl.load(s_rows[None, :, :] + ks * (TN * B) + q[:, None, None] * 2 + r2[None, None, :])
@@ -254,7 +300,7 @@ if AVAILABLE:
     @triton_op("minimax_ref::packed_gemv", mutates_args=())
     def _gemv_op(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                  sel: torch.Tensor | None, select: int, outputs: int, nvfp4: bool, n: int, split: int,
-                 exact_fp32: bool) -> torch.Tensor:
+                 exact_fp32: bool, table: bool = False) -> torch.Tensor:
         """The launch (see `packed_product`): x bf16 `[Px, M, K]` (Px 1: shared by every output entry), words /
         scales / glob in `reorder`'s layout, sel int `[outputs]` (ids, select 1; flags, select 2) or None. Returns
         bf16 `[outputs, M, N]`."""
@@ -273,7 +319,7 @@ if AVAILABLE:
             0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2),
             NVFP4_FMT=nvfp4, SELECT=select, DOT=dot, OUT_BF16=split == 1, EXACT_FP32=exact_fp32,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if dot else triton.next_power_of_2(m),
-            TN=TILE_N, TK=TILE_K[fmt], W=WORDS, B=TILE_K[fmt] // BLOCK[fmt],
+            TN=TILE_N, TK=TILE_K[fmt], W=WORDS, B=TILE_K[fmt] // BLOCK[fmt], TABLE=table and nvfp4,
             num_warps=DOT_WARPS_ABOVE_32_ROWS if m > 32 else NUM_WARPS, num_stages=NUM_STAGES)
         if split == 1:
             return out
@@ -285,7 +331,8 @@ if AVAILABLE:
 
 def packed_product(x: torch.Tensor, fmt: str, n: int, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                    index: torch.Tensor | None = None, active: torch.Tensor | None = None,
-                   split: int | None = None, sms: int = 1, busy: int | None = None) -> torch.Tensor:
+                   split: int | None = None, sms: int = 1, busy: int | None = None, table: bool = False
+                   ) -> torch.Tensor:
     """`x @ w_hat^T` for a weight in `reorder`'s layout (N = `n` rows), one launch (two with K splits).
 
     x: bf16 `[M, K]` (shared by every entry) or `[P, M, K]` (one per output entry), 1 <= M <= `MAX_ROWS`; K is the
@@ -294,7 +341,10 @@ def packed_product(x: torch.Tensor, fmt: str, n: int, words: torch.Tensor, scale
     entries read nothing and give zero rows. Returns bf16 `[P, M, N]` (P = E without index, 1 for a linear).
     Contract: the module docstring (decoded bits of the reference, fp32 sums, splits added in split order).
     split: K splits (default `splits` for `sms` SMs, counting `busy` entries: with `active`, at most that many are
-    flagged, e.g. a step's tokens times top-k; default all). Static in the shapes: no host synchronisation.
+    flagged, e.g. a step's tokens times top-k; default all). table: NVFP4 decoded through each block's table of its
+    8 values (`grouped._TABLE_ASM`; the same bits; MXFP8 ignores it); the one-row GEMV then reads x as int64 quads
+    (x 8-byte aligned: torch's allocations and their row views are; an eager call copies another x). Static in the
+    shapes: no host synchronisation.
     """
     if not AVAILABLE:
         raise RuntimeError("packed_product needs triton")
@@ -311,10 +361,12 @@ def packed_product(x: torch.Tensor, fmt: str, n: int, words: torch.Tensor, scale
         split = splits(working * -(-n // TILE_N), k_tiles, sms)
     split = max(1, min(split, k_tiles))
     split = -(-k_tiles // -(-k_tiles // split))  # no empty split
+    if table and fmt == NVFP4 and not torch.compiler.is_compiling() and xs.data_ptr() % 8:
+        xs = xs.clone()  # the table GEMV reads x four elements (8 bytes) a load
     select, sel = 0, None
     if index is not None:
         select, sel = 1, index
     elif active is not None:
         select, sel = 2, active.to(torch.int32)
     return torch.ops.minimax_ref.packed_gemv(xs.contiguous(), words, scales, glob, sel, select, outputs, fmt == NVFP4,
-                                             n, split, grouped.interpreting())
+                                             n, split, grouped.interpreting(), table)

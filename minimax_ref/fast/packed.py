@@ -508,13 +508,13 @@ class FastPackedWeight(PackedWeight):
     decode_tiles: grouped.Tiles | None = None  # decode="triton" where the kernel decodes this weight: its launch
     gemv_tokens: int = 0
     gemv_sms: int = 1  # the device's SM count, for `fast.gemv.splits`
-    table: bool = False  # the grouped kernel decodes this NVFP4 weight through its blocks' tables
+    table: bool = False  # the grouped and GEMV kernels decode this NVFP4 weight through its blocks' tables
 
     def configure(self, kernels: Kernels, mode: str, fused_tokens: int, fused_rows: int, words: bool,
                   grouped_tokens: int = 0, gemv_tokens: int = 0, table: bool = False) -> None:
         """Set the decoders; reads the scales (and, for MXFP8 words, the bytes) on the host once. With `gemv_tokens`
         and a weight the kernels decode, stores `fast.gemv.reorder`'s copy as the buffers `GEMV_BUFFERS`. With
-        `table`, an NVFP4 weight is decoded by the grouped kernel through its blocks' tables."""
+        `table`, an NVFP4 weight is decoded by the grouped and GEMV kernels through its blocks' tables."""
         self.kernels, self.mode = kernels, mode
         self.fused_tokens, self.fused_rows = fused_tokens, fused_rows
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
@@ -525,10 +525,9 @@ class FastPackedWeight(PackedWeight):
         # the Triton kernels' tile decoding gives the reference's bf16 bits for scales in the normal range
         kernel_decodes = (self.normal_range and no_nan and self.dtype == torch.bfloat16 and grouped.AVAILABLE
                           and grouped.supports(self.fmt, self.shape[-1]))
-        self.table = False
+        self.table = table and self.fmt == NVFP4 and kernel_decodes
         if grouped_tokens > 0 and kernel_decodes:
             self.grouped_tokens = min(grouped_tokens, grouped.MAX_ROWS)
-            self.table = table and self.fmt == NVFP4
             # chosen here, not while a compiled region is traced (it reads device properties)
             entries = self.weight.shape[0] if self.weight.dim() == 3 else 1
             self.grouped_launch = grouped.launch_for(self.fmt, entries, *self.shape[-2:], self.device)
@@ -551,7 +550,7 @@ class FastPackedWeight(PackedWeight):
                      busy: int | None = None) -> torch.Tensor:
         """`fast.gemv.packed_product` on the reordered copy: x `[M, K]` or `[P, M, K]`; bf16 `[P, M, N]`."""
         return gemv.packed_product(x, self.fmt, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
-                                   index=index, active=active, sms=self.gemv_sms, busy=busy)
+                                   index=index, active=active, sms=self.gemv_sms, busy=busy, table=self.table)
 
     def takes_grouped(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a product of `rows` rows of `x` goes through the grouped kernel: more rows than the fused matmul

@@ -58,11 +58,12 @@ take.
   rows and the tensor cores' dot above, fp32 sums; the routed experts read only the chosen experts. Takes precedence
   over `matmul="fused"` and `grouped` where it applies (as `grouped`: scales in the normal range, bf16). Equal to fp32
   rounding.
-* `nvfp4_table=True` (the `compiled` preset): the grouped kernel decodes NVFP4 through each block's table: with A =
-  bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S, every decoded element is one of {0, A/2, A, B, 2A, 2B, 4A,
-  4B} with its sign, looked up by byte permutes (`fast.grouped._TABLE_ASM`: no multiply or conversion an element).
-  The same bits as the reference decoder for every weight the grouped kernel takes (tests: the assembly text run
-  through a model of each instruction, the kernel under the interpreter and on a GPU).
+* `nvfp4_table=True` (the `compiled` preset): the grouped kernel (and the GEMV of `gemv="triton"`) decodes NVFP4
+  through each block's table: with A = bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S, every decoded element
+  is one of {0, A/2, A, B, 2A, 2B, 4A, 4B} with its sign, looked up by byte permutes (`fast.grouped._TABLE_ASM`: no
+  multiply or conversion an element). The same bits as the reference decoder for every weight the kernels take (tests:
+  the assembly text run through a model of each instruction, the kernels under the interpreter, the grouped kernel on
+  a GPU).
 * The non-user preset `grouped-rows` (`compiled` with `matmul="reference"`): one-row products with packed weights by
   the grouped kernel too (its decoded tile padded to the tensor cores' 16 rows); slower than the fused product at one
   row, so no user preset takes it.

@@ -19,19 +19,20 @@ loading 16-byte vectors, and the K steps of one tile column follow each other in
 contiguous range). Zero padding decodes to +0 (code 0 times any scale, any code times a zero scale) and meets x's
 masked zeros. `restore` is the inverse (the bits are the same: `reorder` only moves bytes).
 
-Numerics contract (`packed_product`): y[p, m, n] = bf16( sum_k x[p, m, k] * w_hat[e(p), n, k] ) with
-w_hat = `packed.decode_reference(...).to(bfloat16)` bit for bit, decoded by bit operations: an E2M1 nibble placed
-on fp32 bits as e2m1 * 2^-126, times the reference's block scale fp32(e4m3) * weight_scale_2 (one rounding, as the
-reference) times 2^126, rounded to bf16 (`grouped._nibble`), or with `table` looked up in the block's table of its 8
-values (`grouped._TABLE_ASM`, the same bits); an E4M3 byte placed on fp32 bits, times 2^(code - 127) built from the
-E8M0 code's bits (exact, `grouped._e4m3_byte`). This needs the scales in the normal
-range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3 NaN byte; `FastPackedWeight.configure` checks both and
-keeps its other paths otherwise. Every product is exact in fp32 (two bf16 values); the GEMV accumulates the row's
-products in fp32, per (weight row, word lane) across the K steps of a split and the elements of a word, then adds
-the 32 lanes in a tree (`tl.sum`); the dot accumulates in fp32 on the tensor cores; splits of K write fp32 partial
-sums that a second kernel adds in split order (0, 1, 2, ...) and rounds once to bf16. Bound (tests): |y - exact| <=
-gamma_K(2u) * sum_k |x w_hat| before the final rounding, gamma_K(2u) = 2Ku / (1 - 2Ku), u = 2^-24 (twice the unit
-roundoff: tensor cores may truncate when they align addends). Eager calls and compiled regions give the same bits.
+Numerics contract (`packed_product`): y[p, m, n] = bf16( sum_k x[p, m, k] * w_hat[e(p), n, k] ) with w_hat =
+`packed.decode_reference(...).to(bfloat16)` bit for bit, decoded by bit operations: an E2M1 nibble placed on fp32 bits
+as e2m1 * 2^-126, times the reference's block scale fp32(e4m3) * weight_scale_2 (one rounding, as the reference) times
+2^126, rounded to bf16 (`grouped._nibble`), or with `table` looked up in the block's table of its 8 values
+(`grouped._TABLE_ASM`, the same bits); an E4M3 byte converted to fp32, times 2^(code - 127) built from the E8M0 code's
+bits (exact, and already a bf16 value in range: the GEMV multiplies it as it is, the dot's tile rounds it,
+`grouped._e4m3_byte`). This needs the scales in the normal range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3
+NaN byte; `FastPackedWeight.configure` checks both and keeps its other paths otherwise. Every product is exact in fp32
+(two bf16 values); the GEMV accumulates the row's products in fp32, per (weight row, word lane) across the K steps of
+a split and the elements of a word, then adds the 32 lanes in a tree (`tl.sum`); the dot accumulates in fp32 on the
+tensor cores; splits of K write fp32 partial sums that a second kernel adds in split order (0, 1, 2, ...) and rounds
+once to bf16. Bound (tests): |y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final rounding, gamma_K(2u) = 2Ku
+/ (1 - 2Ku), u = 2^-24 (twice the unit roundoff: tensor cores may truncate when they align addends). Eager calls and
+compiled regions give the same bits.
 
 Routed experts: `index` (a device LongTensor of chosen experts, e.g. the router's top-k ids) makes program p read
 entry index[p] only; `active` (int32 flags over the stack) makes the unflagged entries read nothing and give zero
@@ -65,7 +66,6 @@ if grouped.AVAILABLE:
     _x_operand = grouped._x_operand
     _e4m3_value = grouped._e4m3_value
     _nibble = grouped._nibble
-    _e4m3_byte = grouped._e4m3_byte
     _bf16_storable = grouped._bf16_storable
 
 AVAILABLE = grouped.AVAILABLE
@@ -285,7 +285,9 @@ if AVAILABLE:
                     sb = tl.load(s_cols + ks * (TN * B) + (q // 2)[:, None]).to(tl.int32)  # [W / 4, TN]
                     scale = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
                     for i in tl.static_range(4):  # byte i of word c is element 4c + i
-                        wi = _e4m3_byte(words, scale, i, EXACT_FP32).to(tl.float32)
+                        # E4M3 times a power of two in range is a bf16 value already (at most 4 significant bits,
+                        # no bf16 subnormal below 2^-133): the fp32 product is w_hat, no rounding to do
+                        wi = _e4m3_value((words >> (8 * i)) & 0xFF, EXACT_FP32) * scale
                         kx = ks * TK + word * 4 + i
                         xi = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))
                         acc += wi * xi[:, None, :]

@@ -1,12 +1,12 @@
 """The grouped dequantize-and-multiply (`fast.grouped.packed_matmul_grouped`, `FastPaths(grouped=True)`) at the
-release's shapes and a batch-decode row count, against what it replaces at more than `fused_rows` rows: decoding the
-weight to bf16, then cuBLAS (`decode_then_matmul`, `decode_fast` then `torch.matmul`), and cuBLAS on a weight decoded
-beforehand (`cublas_bf16`, 3.6x the bytes for NVFP4; no decoding); for NVFP4 also the kernel decoding through each
-block's 8-value table (`grouped table`, `table=True`), and the kernel in the other orientation (`x_major`:
-`grouped.Tiles.x_major` flipped; NVFP4 through the tables). Each figure is microseconds per product (a CUDA
-graph of 10 products, replayed) with the packed bytes read per second and the fraction of the weight-read roofline
-(packed bytes and scales over the device-to-device copy bandwidth measured in the same run). Every product is first
-checked against `fast.packed.packed_matmul_reference`.
+release's shapes and a batch-decode row count, against what it replaces at more than `fused_rows` rows: decoding
+the weight to bf16, then cuBLAS (`decode_then_matmul`, `decode_fast` then `torch.matmul`), and cuBLAS on a weight
+decoded beforehand (`cublas_bf16`, 3.6x the bytes for NVFP4; no decoding). The grouped kernel runs as `compiled`
+runs it (NVFP4 through each block's 8-value table); beside it, NVFP4 by bit operations (`grouped bits`,
+`table=False`) and the kernel in the other orientation (`x_major`: `grouped.Tiles.x_major` flipped). Each figure is
+microseconds per product (a CUDA graph of 10 products, replayed) with the packed bytes read per second and the
+fraction of the weight-read roofline (packed bytes and scales over the device-to-device copy bandwidth measured in
+the same run). Every product is first checked against `fast.packed.packed_matmul_reference`.
 
 `--sweep` times every launch configuration of `--sweep-tiles` on each shape and prints, per format, the one with the
 least total time as an entry for `fast.grouped.TUNED`. `--tiles` times one configuration.
@@ -52,15 +52,15 @@ def measure(shape: tuple, rows: int, iters: int, bw: float, configs: list, devic
     want = packed_matmul_reference(x, fmt, w, s, g, torch.bfloat16).float()
     case: dict = {"name": name, "format": fmt, "experts": experts, "N": n, "K": k, "rows": rows,
                   "packed_bytes": nbytes, "roofline_us": 1e6 * nbytes / bw}
-    variants = {f"grouped {c.text() if c else 'default'}": (lambda c=c: packed_matmul_grouped(x, fmt, w, s, g, tiles=c))
-                for c in configs}
-    table = fmt == "nvfp4"  # as `compiled` multiplies
-    if baselines and table:
-        variants["grouped table"] = lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=configs[0], table=True)
+    table = fmt == "nvfp4"  # as `compiled` multiplies: NVFP4 through the blocks' tables
+    variants = {f"grouped {c.text() if c else 'default'}": (
+        lambda c=c: packed_matmul_grouped(x, fmt, w, s, g, tiles=c, table=table)) for c in configs}
     if baselines:
         tiles = configs[0] or tiles_for(fmt, device)
+        if table:
+            variants["grouped bits"] = lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=tiles)
         flipped = replace(tiles, x_major=1 - tiles.x_major)
-        variants[f"grouped{' table' * table} x_major={flipped.x_major}"] = (
+        variants[f"grouped x_major={flipped.x_major}"] = (
             lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=flipped, table=table))
     if baselines:
         dense = decode_fast(fmt, w, s, g, torch.bfloat16)

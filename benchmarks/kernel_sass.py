@@ -239,7 +239,13 @@ def analyse(kernel: dict, per_thread_elements, show_loop: bool) -> dict:
            "constexprs": {k: v for k, v in kernel["constexprs"].items() if isinstance(v, (int, float, bool, str))},
            "registers": resources.get("reg"), "local_bytes": resources.get("local"),
            "shared_bytes": resources.get("shared"), "instructions": len(lines),
-           "loop_instructions": len(loop), "loop_ops": dict(ops.most_common())}
+           "loop_instructions": len(loop), "loop_ops": dict(ops.most_common()),
+           # what moves through shared memory in the loop, and what waits: a decoded tile's round trip to the MMA's
+           # operand layout shows as stores and loads with barriers; DEPBAR after each HGMMA as a wait on it
+           "loop_shared": {"stores": sum(n for op, n in ops.items() if op.startswith("STS")),
+                           "loads": sum(n for op, n in ops.items() if op.startswith("LDS")),
+                           "barriers": ops.get("BAR", 0),
+                           "mma_waits": sum("WARPGROUP.DEPBAR" in text for _, _, text in loop)}}
     elements = per_thread_elements(kernel)
     if elements:
         row["elements_per_thread_iteration"] = elements
@@ -276,9 +282,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(row)
             per = row.get("loop_instructions_per_element")
             top = ", ".join(f"{op} {n}" for op, n in list(row["loop_ops"].items())[:8])
+            sh = row["loop_shared"]
             print(f"{name:18s} {row['kernel']:24s} regs {row['registers']!s:>4s} local {row['local_bytes']!s:>4s} "
                   f"loop {row['loop_instructions']:5d}"
-                  + (f" = {per:6.2f}/element" if per else "") + f"  [{top}]", file=sys.stderr)
+                  + (f" = {per:6.2f}/element" if per else "")
+                  + f"  shared st/ld/bar {sh['stores']}/{sh['loads']}/{sh['barriers']}, mma waits {sh['mma_waits']}"
+                  + f"  [{top}]", file=sys.stderr)
             if args.show_loop:
                 print("\n".join(row["loop_sass"]), file=sys.stderr)
             if args.out:

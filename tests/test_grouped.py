@@ -678,17 +678,21 @@ def test_main_loop_is_the_longest_backward_branch():
 def test_kernel_sass_counts_the_gemv_loop():
     """benchmarks/kernel_sass.py on the one-row NVFP4 GEMV, compiled for sm_90 offline: the launch is intercepted
     (nothing runs), the main loop found, and it holds the CUDA-core products (one FFMA per weight element of a
-    thread's iteration: 32 rows x 256 elements over 128 threads) and no tensor-core instruction."""
+    thread's iteration: 32 rows x 256 elements over 128 threads), no tensor-core instruction and no shared-memory
+    traffic; the same through the blocks' tables."""
     if _ptxas() is None:
         pytest.skip("triton's ptxas is not installed")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from kernel_sass import main
 
-    rows = {r["kernel"]: r for r in main(["--cases", "gemv-nvfp4"])}
-    gemv_row = rows["_gemv_kernel"]
-    assert gemv_row["elements_per_thread_iteration"] == 64
-    assert gemv_row["loop_ops"]["FFMA"] == 64 and not any("MMA" in op for op in gemv_row["loop_ops"])
-    assert gemv_row["loop_instructions_per_element"] > 1 and gemv_row["local_bytes"] == 0
+    for case in ("gemv-nvfp4", "gemv-nvfp4-table"):
+        rows = {r["kernel"]: r for r in main(["--cases", case])}
+        gemv_row = rows["_gemv_kernel"]
+        assert gemv_row["elements_per_thread_iteration"] == 64
+        assert gemv_row["loop_ops"]["FFMA"] == 64 and not any("MMA" in op for op in gemv_row["loop_ops"])
+        assert gemv_row["loop_instructions_per_element"] > 1 and gemv_row["local_bytes"] == 0
+        # words and x go from global memory to registers: nothing through shared memory, no barrier
+        assert gemv_row["loop_shared"] == {"stores": 0, "loads": 0, "barriers": 0, "mma_waits": 0}, case
 
 
 @pytest.mark.skipif(not grouped.AVAILABLE or grouped.interpreting(), reason="needs triton, compiled (not interpreted)")

@@ -294,6 +294,25 @@ def test_packed_weight_takes_the_kernel(fmt, monkeypatch):
     apply(lin, False)
 
 
+@interp
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gemv_preset_decodes_nvfp4_through_the_tables(fmt, monkeypatch):
+    """The `gemv` preset (`compiled`, whose `nvfp4_table` it keeps, with `gemv="triton"`): an NVFP4 weight's GEMV
+    decodes through the blocks' tables, an MXFP8 one does not; the same product either way."""
+    tables = []
+    real = gemv.packed_product
+    monkeypatch.setattr(gemv, "packed_product", lambda *a, **k: tables.append(k.get("table")) or real(*a, **k))
+    w, s, g = _operands(fmt, 1, 40, 128, 1)
+    lin = PackedWeight(fmt, w[0], s[0], None if g is None else g[0])
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(3)).to(BF16)
+    want = F.linear(x, lin.decode())
+    assert FastPaths.of("gemv").nvfp4_table
+    apply(lin, FastPaths.of("gemv"))
+    assert lin.table == (fmt == "nvfp4") and tables == []
+    assert _rel(lin.linear(x), want) < 1e-2 and tables == [fmt == "nvfp4"]
+    apply(lin, False)
+
+
 @pytest.fixture(scope="module")
 def tiny(ckpt_factory):
     return ckpt_factory("tiny", "nvfp4")

@@ -50,10 +50,16 @@ def combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, ro
     """The routed experts' output of each token: fp32 [T, H], token t's sum over its slots j = 0..k-1 (in that order)
     of `weights[t, j] * y[inv[t, j]]` (fp32 products), where `y` [rows, H] holds the expert outputs of the (token,
     slot) pairs sorted by expert (`rows` >= 1) and `inv` [T, k] (int64) is each pair's row in it; a pair whose row is
-    `rows` or more (another rank's expert) adds 0. Reads each row of y once; no [T*k, H] fp32 intermediate."""
-    mine = inv < rows
-    picked = y[inv.clamp(max=rows - 1)].float()  # [T, k, H]
-    return torch.where(mine[..., None], picked * weights[..., None], 0.0).sum(1)
+    `rows` or more (another rank's expert) adds 0. Reads each row of y once; no [T*k, H] fp32 intermediate.
+
+    The slots are added one after another (k is small: the routing's top-k), so that a compiled kernel is one
+    elementwise pass over [T, H] with k gathers, not a reduction over a dimension of k."""
+    out = None
+    for j in range(inv.shape[1]):
+        row = inv[:, j]
+        term = torch.where((row < rows)[:, None], y[row.clamp(max=rows - 1)].float() * weights[:, j, None], 0.0)
+        out = term if out is None else out + term
+    return out
 
 
 @cache

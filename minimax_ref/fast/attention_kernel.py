@@ -28,10 +28,11 @@ registers as `LayerCache.load` converts), with an online softmax:
 
 Numerics (the contract the tests check against the reference, which computes in fp32 on bf16-valued operands):
 * scores: q . k with bf16 queries and keys (exact in fp32: a product of two bf16 values fits), summed in fp32 on
-  the tensor cores in an unspecified order, then times `scale`;
-* softmax: online, in fp32, with exp2 of the scores times log2(e) (the GPU's approximate exp2, about 2 ulp); the
-  keys in an unspecified order (on MSA layers a tile's union ascending, a one-token tile's selection in its own
-  order; on dense layers key tiles ascending);
+  the tensor cores in an unspecified order;
+* softmax: online, in fp32, with exp2 of (score * scale * log2(e) - the row's running max in those units), the
+  argument one fused multiply-add on the GPU (one rounding where the reference rounds the scaled score first), the
+  GPU's approximate exp2 (about 2 ulp); the keys in an unspecified order (on MSA layers a tile's union ascending, a
+  one-token tile's selection in its own order; on dense layers key tiles ascending);
 * values: the probabilities split into two bf16 parts, p = hi + lo + r with |r| <= 2^-18 p, and two tensor-core
   products with the bf16 values (exact products, fp32 sums), so the value sum is the reference's to about 2^-17
   relative, far below the bf16 rounding the layer's output gets next;
@@ -177,13 +178,15 @@ if AVAILABLE:
         (running max in log2 units, denominator, value sum)."""
         load_ok = k_ok[:, None] & d_ok[None, :]
         kt = _kv_tile(k_base + kpos[:, None] * stride_kl + d[None, :], load_ok, kv_scale, KV_FP8, EXACT_FP32)
-        s = _dot(q, tl.trans(kt), tl.zeros((ROWS, KEYS), dtype=tl.float32), EXACT_FP32) * scale_log2
+        s = _dot(q, tl.trans(kt), tl.zeros((ROWS, KEYS), dtype=tl.float32), EXACT_FP32)  # q . k
         if MASKED:  # one comparison an element: the row's conditions are folded into its limit
             s = tl.where(kpos[None, :] <= limit[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # the row's max of s * scale_log2 is its max of s times scale_log2 (> 0; rounding is monotone): one product
+        # a row, and each exponent's argument one fused multiply-add
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: every term stays 0
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
+        p = tl.exp2(s * scale_log2 - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = _kv_tile(v_base + kpos[:, None] * stride_vl + d[None, :], load_ok, kv_scale, KV_FP8, EXACT_FP32)
         p_hi = _bf16_value(p, EXACT_FP32)

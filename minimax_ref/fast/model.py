@@ -97,6 +97,15 @@ class FastMiniMaxM3(MiniMaxM3):
                 return False
         return True
 
+    @property
+    def decode_scheduler(self):
+        """The loop `generate_ids` runs requests with: `fast.overlap.OverlapScheduler` with `overlap_steps`, else
+        the plain `Scheduler`."""
+        from ..generation.decoding import Scheduler
+        from .overlap import OverlapScheduler
+
+        return OverlapScheduler if self.fast.overlap_steps else Scheduler
+
     def step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """`MiniMaxM3.step`; with `graph` on CUDA, replayed from the step's CUDA graph (`CapturedSteps`, captured on
         the first step of each shape on each cache). The logits are the graph's output buffer: read them before the

@@ -525,7 +525,9 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
                          stop_ids=stop_ids, max_seq_len=max_seq_len, kv_cache_dtype=kv_cache_dtype,
                          prefill_chunk=prefill_chunk, on_token=on_token, inputs_embeds=inputs_embeds,
                          max_batch_size=max_batch_size)
-    return Scheduler(model, job, on_finish).run()
+    # a fast model may run the same requests with another loop (`fast.overlap.OverlapScheduler`)
+    scheduler = getattr(model, "decode_scheduler", Scheduler)
+    return scheduler(model, job, on_finish).run()
 
 
 __all__ = ["DecodeJob", "GenerationStats", "Scheduler", "Sequence_",

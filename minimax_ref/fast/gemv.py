@@ -60,8 +60,7 @@ if grouped.AVAILABLE:
     _nvfp4_tile = grouped._nvfp4_tile
     _nvfp4_table_tile = grouped._nvfp4_table_tile
     _table_words = grouped._table_words
-    _table_element = grouped._table_element
-    _TABLE_ASM = grouped._TABLE_ASM
+    _table_planes = grouped._table_planes
     _mxfp8_tile = grouped._mxfp8_tile
     _x_operand = grouped._x_operand
     _e4m3_value = grouped._e4m3_value
@@ -250,15 +249,7 @@ if AVAILABLE:
                                  other=0)
                     xb = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + p * (stride_xp // 4) + quad + 1,
                                  mask=quad_ok, other=0)
-                    if EXACT_FP32:
-                        e0, e1 = _table_element(words, t0, t1, t2, t3, 0), _table_element(words, t0, t1, t2, t3, 1)
-                        e2, e3 = _table_element(words, t0, t1, t2, t3, 2), _table_element(words, t0, t1, t2, t3, 3)
-                        e4, e5 = _table_element(words, t0, t1, t2, t3, 4), _table_element(words, t0, t1, t2, t3, 5)
-                        e6, e7 = _table_element(words, t0, t1, t2, t3, 6), _table_element(words, t0, t1, t2, t3, 7)
-                    else:
-                        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
-                            _TABLE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, t0, t1, t2, t3],
-                            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+                    e0, e1, e2, e3, e4, e5, e6, e7 = _table_planes(words, t0, t1, t2, t3, EXACT_FP32)
                     acc += e0.to(tl.float32) * _quad_field(xa, 0)[:, None, :]
                     acc += e1.to(tl.float32) * _quad_field(xa, 1)[:, None, :]
                     acc += e2.to(tl.float32) * _quad_field(xa, 2)[:, None, :]

@@ -346,17 +346,10 @@ if AVAILABLE:
         return (bits << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _nvfp4_table_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EXACT_FP32: tl.constexpr):
-        """`_nvfp4_tile` through the blocks' tables (`_TABLE_ASM`): the same bf16 bits, no multiply or conversion an
-        element. With EXACT_FP32 (the interpreter, which has no inline assembly) `_table_element`."""
-        BLOCKS: tl.constexpr = BLOCK_K // 16
-        words, sc = _step_words(w_rows, s_rows, ks, n_ok, BLOCK_K // 8, BLOCKS)
-        w0, w1, w2, w3 = _table_words(_e4m3_value(sc, EXACT_FP32) * g, EXACT_FP32)  # the reference's block scale
-        w0 = _broadcast_blocks(w0, BLOCK_N, BLOCKS, 2)  # [BN, WORDS]: each word's block
-        w1 = _broadcast_blocks(w1, BLOCK_N, BLOCKS, 2)
-        w2 = _broadcast_blocks(w2, BLOCK_N, BLOCKS, 2)
-        w3 = _broadcast_blocks(w3, BLOCK_N, BLOCKS, 2)
+    def _table_planes(words, w0, w1, w2, w3, EXACT_FP32: tl.constexpr):
+        """The 8 elements of each int32 word of NVFP4 bytes (plane j: element 8w + j) through their block's table words
+        w0..w3 (`_table_words`, one set a word): bf16 by `_TABLE_ASM`, or with EXACT_FP32 (the interpreter, which has
+        no inline assembly) `_table_element`'s bf16 values held in fp32."""
         if EXACT_FP32:
             p0, p1 = _table_element(words, w0, w1, w2, w3, 0), _table_element(words, w0, w1, w2, w3, 1)
             p2, p3 = _table_element(words, w0, w1, w2, w3, 2), _table_element(words, w0, w1, w2, w3, 3)
@@ -366,6 +359,21 @@ if AVAILABLE:
             p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
                 _TABLE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, w0, w1, w2, w3], dtype=(tl.bfloat16,) * 8,
                 is_pure=True, pack=1)
+        return p0, p1, p2, p3, p4, p5, p6, p7
+
+    @triton.jit
+    def _nvfp4_table_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          EXACT_FP32: tl.constexpr):
+        """`_nvfp4_tile` through the blocks' tables (`_table_planes`): the same bf16 bits, no multiply or conversion an
+        element."""
+        BLOCKS: tl.constexpr = BLOCK_K // 16
+        words, sc = _step_words(w_rows, s_rows, ks, n_ok, BLOCK_K // 8, BLOCKS)
+        w0, w1, w2, w3 = _table_words(_e4m3_value(sc, EXACT_FP32) * g, EXACT_FP32)  # the reference's block scale
+        w0 = _broadcast_blocks(w0, BLOCK_N, BLOCKS, 2)  # [BN, WORDS]: each word's block
+        w1 = _broadcast_blocks(w1, BLOCK_N, BLOCKS, 2)
+        w2 = _broadcast_blocks(w2, BLOCK_N, BLOCKS, 2)
+        w3 = _broadcast_blocks(w3, BLOCK_N, BLOCKS, 2)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _table_planes(words, w0, w1, w2, w3, EXACT_FP32)
         even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
         odd = tl.join(tl.join(p1, p5), tl.join(p3, p7))
         return tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))

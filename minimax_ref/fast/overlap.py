@@ -95,14 +95,8 @@ class OverlapScheduler(Scheduler):
             if i is not None and self.running[s] == i:
                 self.emit(s, [tokens[s]])
         now = time.perf_counter()
-        stats, seconds = self.stats, now - self.since
+        self.stats.count_step(now - self.since, self.stats.generated_tokens - before)
         self.since = now
-        if stats.decode_steps == 0:
-            stats.warmup_seconds = seconds
-        else:
-            stats.decode_seconds += seconds
-            stats.decode_tokens += stats.generated_tokens - before
-        stats.decode_steps += 1
 
 
 __all__ = ["OverlapScheduler"]

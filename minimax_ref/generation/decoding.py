@@ -85,6 +85,15 @@ class GenerationStats:
     max_batch_size: int = 0
     prefill_chunk: int = 0
 
+    def count_step(self, seconds: float, tokens: int) -> None:
+        """One decode step of `seconds` that chose `tokens` tokens: the first is the warm-up, the others add up."""
+        if self.decode_steps == 0:
+            self.warmup_seconds = seconds
+        else:
+            self.decode_seconds += seconds
+            self.decode_tokens += tokens
+        self.decode_steps += 1
+
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
@@ -435,13 +444,7 @@ class Scheduler:
         others with the tokens they chose."""
         t1, before = time.perf_counter(), self.stats.generated_tokens
         self.decode()
-        stats, seconds = self.stats, time.perf_counter() - t1
-        if stats.decode_steps == 0:
-            stats.warmup_seconds = seconds
-        else:
-            stats.decode_seconds += seconds
-            stats.decode_tokens += stats.generated_tokens - before
-        stats.decode_steps += 1
+        self.stats.count_step(time.perf_counter() - t1, self.stats.generated_tokens - before)
 
     def decode(self) -> None:
         """The plain step: one token of every slot (free ones feed a token at position 0 of their own rows, which

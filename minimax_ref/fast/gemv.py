@@ -354,7 +354,7 @@ def packed_product(x: torch.Tensor, fmt: str, n: int, words: torch.Tensor, scale
         split = splits(working * -(-n // TILE_N), k_tiles, sms)
     split = max(1, min(split, k_tiles))
     split = -(-k_tiles // -(-k_tiles // split))  # no empty split
-    if table and fmt == NVFP4 and not torch.compiler.is_compiling() and xs.data_ptr() % 8:
+    if table and fmt == NVFP4 and m <= GEMV_ROWS and not torch.compiler.is_compiling() and xs.data_ptr() % 8:
         xs = xs.clone()  # the table GEMV reads x four elements (8 bytes) a load
     select, sel = 0, None
     if index is not None:

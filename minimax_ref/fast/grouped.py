@@ -9,10 +9,11 @@ tile's packed bytes as int32 words (8 NVFP4 or 4 MXFP8 elements a load) and its 
 exactly as `quant.decode_nvfp4` / `decode_mxfp8` followed by `.to(bfloat16)` do (one plane per nibble or byte of the
 words, interleaved back into K order with `tl.join`), and accumulates `tl.dot(w_tile, x_tile^T)` in fp32 for all M
 rows at once. Computed transposed (y^T = W x^T): the weight's rows fill the tensor core's large dimension and the
-few tokens its small one, and the decoded tile goes from registers to the MMA (`Tiles.x_major` 1 computes y = x W^T
-instead, the decoded tile through shared memory: a launch choice, the same contract). Compiled for sm_90 the loop
-spends about 10 instructions a decoded element (SASS), so the decoding on the CUDA cores, not the tensor cores,
-bounds it below the copy bandwidth for NVFP4.
+few tokens its small one (`Tiles.x_major` 1 computes y = x W^T instead, x's rows padded to the MMA's 64: a launch
+choice, the same contract). Compiled for sm_90 the loop spends about 9 instructions a decoded NVFP4 element (7
+through the blocks' tables) and moves each decoded tile through shared memory into the MMA's operand layout
+(benchmarks/kernel_sass.py), so the decoding on the CUDA cores, not the tensor cores, bounds it below the copy
+bandwidth.
 
 * `packed_matmul_grouped(x, fmt, weight, ...)`: x `[M, K]` (or `[E, M, K]`, one per entry) against a packed linear
   `[N, K]` or a stack `[E, N, K]` (the routed experts), M <= `MAX_ROWS`. With `active` (int32 `[E]`), entries whose
@@ -102,12 +103,10 @@ class Tiles(KernelTiles):
 
 
 # Untuned defaults, chosen for H200 without a measurement: 128 weight rows and 64 elements of K a step with 8 warps.
-# Compiled for sm_90 (ptxas -v, 32 rows): 127 registers a thread for either format (two programs an SM), no spills,
-# about 10 instructions a decoded element (SASS of the loop). Only x's tiles go through shared memory (the dot's
-# pipelined operand); the packed words are loaded to registers, so the programs resident on an SM hide their latency.
-# The decoded tile as the register operand (x_major 0): x_major 1 issues fewer instructions an element and its MMAs
-# back to back (benchmarks/kernel_sass.py), yet on an H200 it is slower (BENCHMARKS.md: the round trip of each decoded
-# tile through shared memory).
+# Compiled for sm_90 at 32 rows (benchmarks/kernel_sass.py): 57 to 70 registers a thread, no spills; the packed words
+# are loaded to registers, so the programs resident on an SM hide their latency. x_major 0: x_major 1 issues fewer
+# instructions an element and waits on its MMAs once an iteration instead of after each, yet on an H200 it is slower
+# (BENCHMARKS.md).
 DEFAULT = {NVFP4: Tiles(128, 64, 8, 4), MXFP8: Tiles(128, 64, 8, 4)}
 # Measured configurations (benchmarks/grouped_gemm.py --sweep prints entries in this form):
 # (torch.cuda.get_device_name(), torch "major.minor", triton "major.minor") -> {format: Tiles}.

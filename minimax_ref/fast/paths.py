@@ -150,7 +150,7 @@ class FastPaths:
     prefill_fusion: bool = False
     # products of more than `fused_tokens` and up to `sync_free_tokens` rows through the grouped Triton kernel
     grouped: bool = False
-    # the grouped kernel decodes NVFP4 through each block's 8-value table (`fast.grouped._TABLE_ASM`; the same bits)
+    # the grouped and GEMV kernels decode NVFP4 through each block's 8-value table (`fast.grouped._TABLE_ASM`)
     nvfp4_table: bool = False
     # "triton": products of up to `sync_free_tokens` rows through `fast.gemv` (weights reordered at configuration)
     gemv: str = "reference"

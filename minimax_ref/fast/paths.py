@@ -67,11 +67,10 @@ take.
 * The non-user preset `grouped-rows` (`compiled` with `matmul="reference"`): one-row products with packed weights by
   the grouped kernel too (its decoded tile padded to the tensor cores' 16 rows); slower than the fused product at one
   row, so no user preset takes it.
-* `overlap_steps=True` (the non-user preset `overlap`: `compiled` with it; to be measured before a user preset takes
-  it): `generate_ids` runs jobs whose requests are all greedy through `fast.overlap.OverlapScheduler`, which launches
-  each decode step on the previous step's argmax on the device and reads the tokens one step behind (pinned copies
-  and events on CUDA), so the GPU does not wait for the host between steps. The same tokens as the plain loop; a
-  request that stops has one more step computed and dropped.
+* `overlap_steps=True` (the `compiled` preset): `generate_ids` runs jobs whose requests are all greedy through
+  `fast.overlap.OverlapScheduler`, which launches each decode step on the previous step's argmax on the device and
+  reads the tokens one step behind (pinned copies and events on CUDA), so the GPU does not wait for the host between
+  steps. The same tokens as the plain loop; a request that stops has one more step computed and dropped.
 * `compile_layers=True`: in decode steps (one token per sequence, and the speculative loop's verify steps of k+1
   tokens, `MiniMaxM3.step_with_hidden`; with a cache and no trace), each decoder layer runs through `torch.compile`
   (`fast.compiled.CompiledLayers`), one graph per kind of layer and step shape, in which inductor fuses the norms,
@@ -280,12 +279,13 @@ PRESETS: dict[str, Preset] = {
         FastPaths(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", fused_rows=1,
                   compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True, nvfp4_table=True,
                   prefill_attention="triton", block_selection="triton", decode_attention="triton",
-                  prefill_fusion=True, graph=True),
+                  prefill_fusion=True, graph=True, overlap_steps=True),
         "on without SDPA, plus each decoder layer of a decode step compiled by torch.compile (on first use: "
         "minutes on a GPU), one-row products with packed weights by a compiled dequantize-and-multiply and, on CUDA "
         f"with triton, products of 2 to {SYNC_FREE_TOKENS} rows (batches, verify steps) by a grouped Triton kernel, "
         "decode steps attending through the Triton attention kernel, packed weights decoded for prefill by one "
-        "Triton kernel, and prefill's norms, rotations, activations and expert combine as compiled kernels"),
+        "Triton kernel, prefill's norms, rotations, activations and expert combine as compiled kernels, and greedy "
+        "decode steps launched on the previous step's tokens on the device before the host reads them"),
 }
 # `compiled` with the reordered-weight products of `fast.gemv` for every decode row count (benchmarks measure it
 # against `compiled` before a user preset takes it)
@@ -297,11 +297,6 @@ PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
 PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),
                                  "compiled, with products of 1 to 64 rows (one-row decode steps included) by the "
                                  "grouped Triton kernel instead of the fused dequantize-and-multiply", user=False)
-# `compiled` with greedy decode steps chained on the device (`overlap_steps`); measured against `compiled` on a GPU
-# before a user preset takes it
-PRESETS["overlap"] = Preset(replace(PRESETS["compiled"].paths, overlap_steps=True),
-                            "compiled, with each greedy decode step launched on the previous step's tokens on the "
-                            "device before the host reads them", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

@@ -3,7 +3,8 @@ call and the tensor cores' share, MSA and dense layers, bf16 and fp8 caches.
 
     # 1 x H200: one 8K prompt (the prefill figure's attention: 60 layers x this call)
     python benchmarks/attention_kernel.py --prompt-len 8192
-    # every launch configuration of --sweep-tiles on each case; prints the best as a `TUNED` entry
+    # every launch configuration of --sweep-tiles on each case; prints the best per layer kind and cache storage as
+    # a `TUNED` entry
     python benchmarks/attention_kernel.py --prompt-len 8192 --sweep
     # one configuration (ROWS,KEYS,WARPS,STAGES); 16,128,4,2 is one token a program reading whole blocks
     python benchmarks/attention_kernel.py --tiles 16,128,4,2
@@ -42,7 +43,8 @@ HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 # Configurations to sweep: the default, key tiles of 32 and 128, pipelining depths 1 and 3, 64 rows, and one token a
 # program reading whole blocks (no union). All compile for sm_90 without register spills at release widths (ptxas -v,
 # triton 3.6; 256 rows and 128 rows on 4 warps spill).
-SWEEP = ["128,64,8,2", "128,128,8,2", "128,32,8,2", "128,64,8,3", "128,64,8,1", "64,64,4,2", "16,128,4,2"]
+SWEEP = ["128,64,8,2", "128,128,8,2", "128,32,8,2", "128,64,8,3", "128,64,8,1", "64,64,4,2", "64,64,4,3", "64,128,4,2",
+         "16,128,4,2"]
 
 
 def operands(prompt_len: int, context: int, correlation: float, device: torch.device, seed: int = 0) -> dict:
@@ -119,7 +121,7 @@ def measure(ops: dict, kind: str, cache: str, configs: list, iters: int, check: 
         if err > 2e-5:
             raise BenchmarkError(f"{kind} {cache}: error {err:.3g} of max |v| against the reference core (> 2e-5)")
     for tiles in configs:
-        cfg = tiles or pa.tiles_for(kind, q.device)
+        cfg = tiles or pa.tiles_for(kind, q.device, cache)
         tokens = pa.tile_tokens(cfg.rows, HQ // HKV, q.shape[1])
         t = per_call_s(lambda cfg=cfg: pa.block_attention(q, k, v, pos, scale, *sel, sms=sms, tiles=cfg), iters)
         useful, executed, union = executed_flops(kind, cfg, ops, tokens, context)
@@ -155,13 +157,15 @@ def run(args: argparse.Namespace) -> None:
                  "prompt_len": args.prompt_len, "context": args.context, "correlation": args.correlation,
                  "cases": cases}
     if args.sweep:
-        totals: dict[str, dict[str, float]] = defaultdict(dict)
+        totals: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
         for case in cases:
             for c in configs:
-                totals[case["kind"]][c.text()] = totals[case["kind"]].get(c.text(), 0.0) + case[c.text()]["ms"]
-        best = {kind: min(t, key=t.get) for kind, t in totals.items()}
-        out["sweep_totals_ms"], out["best"] = totals, best
-        entry = ", ".join(f'"{kind}": Tiles({", ".join(t.split(","))})' for kind, t in best.items())
+                key = case["kind"], case["cache"]
+                totals[key][c.text()] = totals[key].get(c.text(), 0.0) + case[c.text()]["ms"]
+        best = {key: min(t, key=t.get) for key, t in totals.items()}
+        out["sweep_totals_ms"] = {" ".join(key): t for key, t in totals.items()}
+        out["best"] = {" ".join(key): t for key, t in best.items()}
+        entry = ", ".join(f'{key!r}: Tiles({", ".join(t.split(","))})' for key, t in best.items())
         name = torch.cuda.get_device_properties(device).name
         print(f"fast.attention_kernel.TUNED entry:\n    {name!r}: {{{entry}}},", file=sys.stderr, flush=True)
     emit(out, args.out)

@@ -202,8 +202,11 @@ def test_tiles_are_checked(monkeypatch):
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(name="Some GPU"))
-    monkeypatch.setitem(pa.TUNED, "Some GPU", {"dense": pa.Tiles(64, 128, 4, 3)})
+    monkeypatch.setitem(pa.TUNED, "Some GPU", {("dense", "bf16"): pa.Tiles(64, 128, 4, 3),
+                                               ("sparse", "fp8"): pa.Tiles(64, 64, 4, 2)})
     assert pa.tiles_for("dense", torch.device("cuda")) == pa.Tiles(64, 128, 4, 3)
+    assert pa.tiles_for("dense", torch.device("cuda"), "fp8") == pa.DEFAULT["dense"]
+    assert pa.tiles_for("sparse", torch.device("cuda"), "fp8") == pa.Tiles(64, 64, 4, 2)
     assert pa.tiles_for("sparse", torch.device("cuda")) == pa.DEFAULT["sparse"]
     # 8 tokens of 16 heads; fewer for fewer queries; padded heads count (12 -> 16)
     assert [pa.tile_tokens(128, 16, t) for t in (1, 3, 8, 9000)] == [1, 4, 8, 8]

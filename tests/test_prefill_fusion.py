@@ -139,6 +139,54 @@ def test_fused_combine_equals_the_unfused_and_the_reference(ep_rank):
     assert torch.equal(fp.fused_combine_sorted(y[:0], inv + 3, w, 0), torch.zeros(2, 2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_moe_block_equals_the_reference_block(dtype, shared):
+    """A MoE block (router, 16 experts of which one is never chosen, a shared expert or none, scaling 2.5) on 150
+    tokens: with `prefill_fusion` its output comes from `moe_output` in one kernel and equals the reference block's
+    `MoE.forward` within fp32 rounding (fp32), within one bf16 unit in the last place (bf16: the one rounding of an
+    fp32 sum whose order differs); `moe_output` on a hand-made case equals the formula exactly."""
+    from minimax_ref.model.moe import MoE
+
+    g = torch.Generator().manual_seed(11)
+    moe = MoE(64, 16, 4, 32, 48, int(shared), 2.5, True, 1.702, 7.0)
+    for name, p in moe.named_parameters():
+        p.data = (torch.randn(p.shape, generator=g) * (0.02 if "bias" in name else 0.125))
+    moe.gate.e_score_correction_bias.data[5] = -100.0  # expert 5 is never chosen
+    moe = moe.to(dtype)
+    x = torch.randn(150, 64, generator=g).to(dtype)
+    with torch.no_grad():
+        want = moe(x)
+        apply(moe, FastPaths(moe=True, prefill_fusion=True))
+        assert type(moe).__name__ == "FastMoE"
+        seen = []
+        fused = fp.fused_moe_output
+        import minimax_ref.fast.moe as fm
+
+        fm.fused_moe_output = lambda *a: seen.append(a) or fused(*a)
+        try:
+            got = moe(x)
+        finally:
+            fm.fused_moe_output = fused
+        unfused = MoE.forward(moe, x)  # the twin's experts without the block's fusion
+    assert len(seen) == 1 and got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
+    else:
+        assert ((got.float() - unfused.float()).abs() <= _ulp(unfused)).all()
+        assert ((got.float() - want.float()).abs() <= 2 * _ulp(want) + 1e-6).all()
+
+    y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    inv = torch.tensor([[2, 0], [1, 2]])
+    w = torch.tensor([[0.5, 0.25], [2.0, 0.75]])
+    sh = torch.tensor([[0.125, -1.0], [1.0, 0.0]])
+    routed = torch.tensor([[0.5 * 5 + 0.25 * 1, 0.5 * 6 + 0.25 * 2], [2.0 * 3 + 0.75 * 5, 2.0 * 4 + 0.75 * 6]])
+    assert torch.equal(fp.moe_output(y, inv, w, 3, 3.0, sh), routed * 3.0 + sh)
+    assert torch.equal(fp.fused_moe_output(y, inv, w, 3, 3.0, None), routed * 3.0)
+    assert torch.equal(fp.fused_moe_output(y.bfloat16(), inv, w, 3, 3.0, sh.bfloat16()),
+                       (routed * 3.0 + sh).bfloat16())
+
+
 def test_model_prefill_through_the_fused_kernels(tiny_nvfp4, monkeypatch):
     """A bf16 model prefilling 90 tokens of two sequences with `prefill_fusion`: every decoder layer's two norms and
     every attention's q / k (and, on MSA layers, index q / k) go through the compiled functions, decode-sized calls
@@ -157,12 +205,12 @@ def test_model_prefill_through_the_fused_kernels(tiny_nvfp4, monkeypatch):
 
     apply(model, True)
     want = run()
-    calls = {"norm": 0, "norm_rope": 0, "combine": 0, "swiglu": 0}
+    calls = {"norm": 0, "norm_rope": 0, "combine": 0, "moe_output": 0, "swiglu": 0}
     norm, norm_rope, combine, swiglu = fp.fused_rms_norm, fp.fused_norm_rope, fp.fused_combine_sorted, fp.fused_swiglu
 
     def count(name, fn):
         def wrapped(x, *args):
-            assert name in ("combine", "swiglu") or x.shape[1] == 90
+            assert name in ("combine", "moe_output", "swiglu") or x.shape[1] == 90
             calls[name] += 1
             return fn(x, *args)
         return wrapped
@@ -172,6 +220,7 @@ def test_model_prefill_through_the_fused_kernels(tiny_nvfp4, monkeypatch):
     import minimax_ref.fast.moe as fm
 
     monkeypatch.setattr(fm, "fused_combine_sorted", count("combine", combine))
+    monkeypatch.setattr(fm, "fused_moe_output", count("moe_output", fp.fused_moe_output))
     monkeypatch.setattr(fm, "fused_swiglu", count("swiglu", swiglu))
     monkeypatch.setattr(fc, "fused_rms_norm", count("norm", norm))
     monkeypatch.setattr(fa, "fused_norm_rope", count("norm_rope", norm_rope))
@@ -181,9 +230,10 @@ def test_model_prefill_through_the_fused_kernels(tiny_nvfp4, monkeypatch):
     sparse = sum(layer.self_attn.sparse for layer in layers)
     moe = sum(hasattr(layer, "block_sparse_moe") for layer in layers)
     mlps = sum(type(m).__name__ == "FastMLP" for m in layers.modules())  # dense MLPs and shared experts
-    # each MLP once, each MoE layer's routed experts once (one group: their decoded weights fit together)
-    assert moe and calls == {"norm": 2 * len(layers), "norm_rope": 2 * len(layers) + 2 * sparse, "combine": moe,
-                             "swiglu": mlps + moe}
+    # each MLP once, each MoE layer's routed experts once (one group: their decoded weights fit together), finished
+    # with the shared expert in one kernel (one rank)
+    assert moe and calls == {"norm": 2 * len(layers), "norm_rope": 2 * len(layers) + 2 * sparse, "combine": 0,
+                             "moe_output": moe, "swiglu": mlps + moe}
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95  # a near tie may flip under one ulp
     # one ulp in an index query can turn a near tie of MSA block scores: that token attends over another block and
     # its logits move; the others stay within bf16 rounding

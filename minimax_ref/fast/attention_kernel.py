@@ -92,18 +92,19 @@ class Tiles(KernelTiles):
 # rows (8 tokens x 16 heads at release widths) against key tiles of 64, 8 warps.
 DEFAULT = {"sparse": Tiles(), "dense": Tiles()}
 # Measured configurations (benchmarks/attention_kernel.py --sweep prints entries in this form):
-# torch.cuda.get_device_properties().name -> {"sparse" | "dense": Tiles}.
-TUNED: dict[str, dict[str, Tiles]] = {}
+# torch.cuda.get_device_properties().name -> {(kind, cache): Tiles}, kind "sparse" (MSA layers) or "dense", cache
+# "bf16" or "fp8" (how the keys are stored: an fp8 tile is converted in the loop, which shifts the best shape).
+TUNED: dict[str, dict[tuple[str, str], Tiles]] = {}
 
 
-def tiles_for(kind: str, device: torch.device) -> Tiles:
-    """The launch configuration of `kind` ("sparse": MSA layers, "dense") on `device`: `TUNED`'s entry for this GPU,
-    else `DEFAULT`. Called in compiled layers too: the name comes from `get_device_properties`, which dynamo folds
-    into a constant (and only when `TUNED` has entries)."""
+def tiles_for(kind: str, device: torch.device, cache: str = "bf16") -> Tiles:
+    """The launch configuration of `kind` ("sparse": MSA layers, "dense") over keys stored as `cache` ("bf16",
+    "fp8") on `device`: `TUNED`'s entry for this GPU, else `DEFAULT`. Called in compiled layers too: the name comes
+    from `get_device_properties`, which dynamo folds into a constant (and only when `TUNED` has entries)."""
     if device.type == "cuda" and TUNED:
         entry = TUNED.get(torch.cuda.get_device_properties(device).name, {})
-        if kind in entry:
-            return entry[kind]
+        if (kind, cache) in entry:
+            return entry[kind, cache]
     return DEFAULT[kind]
 
 
@@ -364,9 +365,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     blocks of `block_size` slots, at or before its position (`msa.gather_block_attention`). Returns fp32
     [B, T, Hq, D]; the numerics are the module docstring's.
 
-    tiles: the launch configuration (default `tiles_for` this device and layer kind). sms: the GPU's SM count: when
-    the (sequence, kv head, query tile) programs are too few to fill it (decode steps), each program's blocks or key
-    tiles are split (`splits_for`) and the splits' partial results merged by their softmax denominators (fp32).
+    tiles: the launch configuration (default `tiles_for` this device, layer kind and cache storage). sms: the GPU's
+    SM count: when the (sequence, kv head, query tile) programs are too few to fill it (decode steps), each program's
+    blocks or key tiles are split (`splits_for`) and the splits' partial results merged by their softmax denominators
+    (fp32).
     Static in the shapes, no host synchronisation: it runs in compiled layers and CUDA graphs (a registered
     operator).
     """
@@ -374,7 +376,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     L, Hkv = k.shape[1], k.shape[2]
     sparse = blocks is not None
     if tiles is None:
-        tiles = tiles_for("sparse" if sparse else "dense", q.device)
+        tiles = tiles_for("sparse" if sparse else "dense", q.device,
+                          "fp8" if k.dtype == torch.float8_e4m3fn else "bf16")
     tokens = tile_tokens(tiles.rows, Hq // Hkv, T)
     programs = B * Hkv * -(-T // tokens)
     union = None

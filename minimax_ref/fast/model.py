@@ -19,7 +19,7 @@ from ..model.cache import KVCache
 from ..model.config import check_layer_ids
 from ..model.decoder import DecoderLayer, MiniMaxM3
 from ..model.mlp import MLP
-from ..model.moe import Experts, Router
+from ..model.moe import Experts, MoE, Router
 from ..model.msa import BlockSelection
 from ..model.norm import RMSNorm
 from ..research.trace import Interventions, Trace
@@ -30,7 +30,7 @@ from .drafter import FastDSparkDrafter
 from .graph import CapturedSteps
 from .grouped import sm_count
 from .launch import tuned_for
-from .moe import FastExperts, FastMLP, FastRouter
+from .moe import FastExperts, FastMLP, FastMoE, FastRouter
 from .packed import GEMV_BUFFERS, FastPackedWeight, Kernels
 from .paths import CACHE_BUCKET, REFERENCE, FastPaths
 
@@ -168,7 +168,7 @@ class FastMiniMaxM3(MiniMaxM3):
 
 # reference class -> its twin; swapped only on modules of exactly the reference class
 TWINS: dict[type, type] = {Attention: FastAttention, BlockSelection: FastBlockSelection, Experts: FastExperts,
-                           Router: FastRouter, MLP: FastMLP,
+                           Router: FastRouter, MLP: FastMLP, MoE: FastMoE,
                            PackedWeight: FastPackedWeight, MiniMaxM3: FastMiniMaxM3, DSparkDrafter: FastDSparkDrafter}
 REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
 # what `apply` gives the twins, removed when the reference is restored

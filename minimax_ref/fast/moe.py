@@ -12,6 +12,8 @@
   their outputs, and the sort is a kernel of its own).
 * `FastMLP`: the SwiGLU output stored once when compiled (`compiled.materialize`), not recomputed per weight row; in
   prefill calls with `prefill_fusion`, one compiled kernel (`fast.prefill`).
+* `FastMoE`: in prefill calls with `prefill_fusion` on one rank, the routed experts' combine, the scaling, the shared
+  expert's output and the rounding to the compute dtype as one compiled kernel (`fast.prefill.moe_output`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import math
 import torch
 
 from ..model.mlp import MLP, swiglu_oai
-from ..model.moe import Experts, Router, Routing, router_scores, routing_of
+from ..model.moe import Experts, MoE, Router, Routing, router_scores, routing_of
 from ..weights.packed import PackedWeight
 from .compiled import materialize
 from .packed import FastPackedWeight
-from .prefill import fused_combine_sorted, fused_swiglu
+from .prefill import fused_combine_sorted, fused_moe_output, fused_swiglu
 
 
 class FastRouter(Router):
@@ -41,6 +43,13 @@ class FastMLP(MLP):
         if self.paths.prefill_fusion and gate.numel() // gate.shape[-1] > self.paths.sync_free_tokens:
             return fused_swiglu(gate, up, self.alpha, self.limit)
         return materialize(super().act(gate, up))
+
+
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation `order` [n]: each pair's row in the sorted order."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
 
 
 # Decoded expert weights one grouped product of `FastExperts.forward_sorted` may hold at once (the three stacks of a
@@ -62,13 +71,22 @@ def grouped_mm_runs(x: torch.Tensor) -> bool:
 class FastExperts(Experts):
     """`Experts` with the fast paths `paths` (a `FastPaths`, set by `fast.apply`). Same parameters."""
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self.paths.moe and not self.emulate_act_quant:
-            if x.shape[0] <= self.paths.sync_free_tokens:
-                return self.forward_sync_free(x, routing)
-            if grouped_mm_runs(x):
-                return self.forward_sorted(x, routing)
+    def forward(self, x: torch.Tensor, routing: Routing, sorted_rows: bool = False):
+        """`Experts.forward`; with `sorted_rows` (where `sorts(x)`), `sorted_products` instead: the expert outputs
+        before their weighting (`FastMoE` finishes them with the shared expert's). Called through the module, so
+        that hooks on it (offload's staging of the chosen experts) run either way."""
+        if sorted_rows:
+            return self.sorted_products(x, routing)
+        if self.paths.moe and not self.emulate_act_quant and x.shape[0] <= self.paths.sync_free_tokens:
+            return self.forward_sync_free(x, routing)
+        if self.sorts(x):
+            return self.forward_sorted(x, routing)
         return super().forward(x, routing)
+
+    def sorts(self, x: torch.Tensor) -> bool:
+        """Whether `forward` takes the tokens x [T, H] through `forward_sorted` (many tokens, `torch._grouped_mm`)."""
+        return (self.paths.moe and not self.emulate_act_quant and x.shape[0] > self.paths.sync_free_tokens
+                and grouped_mm_runs(x))
 
     def forward_sorted(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """`forward` for many tokens (prefill) in a few kernels a layer instead of a dozen per expert: the (token,
@@ -83,14 +101,26 @@ class FastExperts(Experts):
 
         x: `[T, H]`; returns fp32 `[T, H]` (this rank's partial sum under tensor parallelism)."""
         T, k = routing.expert_ids.shape
+        y, everything, mine = self.sorted_products(x, routing)
+        if self.paths.prefill_fusion:  # each pair's row in y, then one kernel reads each row once
+            return fused_combine_sorted(y, inverse_order(everything).view(T, k), routing.weights, mine)
+        order = everything[:mine]
+        pairs = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)
+        pairs.index_copy_(0, order, y.float() * routing.weights.flatten()[order, None])
+        return pairs.view(T, k, -1).sum(1)
+
+    def sorted_products(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The chosen experts of this rank on the (token, slot) pairs of x [T, H], sorted by expert: (y [mine, H] in
+        x's dtype, the expert outputs in sorted order; `everything` [T*k], the pairs (token * k + slot) in that order
+        followed by the pairs of other ranks' experts; mine, the rows of y)."""
+        k = routing.expert_ids.shape[1]
         E = len(self.local_experts)
         local = (routing.expert_ids - self.local_experts.start).flatten()
         key = torch.where((local >= 0) & (local < E), local, E)  # another rank's pairs sort last
         everything = torch.argsort(key, stable=True)
         counts = torch.bincount(key, minlength=E + 1)[:E].tolist()
         mine = sum(counts)
-        order = everything[:mine]
-        xs = x[order // k]
+        xs = x[everything[:mine] // k]
         per_expert = sum(math.prod(getattr(self, leaf).shape[1:]) for leaf in ("w1", "w2", "w3")) * x.element_size()
         group: list[int] = []
         start = 0
@@ -108,13 +138,7 @@ class FastExperts(Experts):
             y = outs[0]
         else:  # several groups, or none of this rank's pairs
             y = torch.cat(outs) if outs else x.new_empty(0, x.shape[1])
-        if self.paths.prefill_fusion:  # each pair's row in y, then one kernel reads each row once
-            inv = torch.empty_like(everything)
-            inv[everything] = torch.arange(T * k, device=x.device)
-            return fused_combine_sorted(y, inv.view(T, k), routing.weights, mine)
-        pairs = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)
-        pairs.index_copy_(0, order, y.float() * routing.weights.flatten()[order, None])
-        return pairs.view(T, k, -1).sum(1)
+        return y, everything, mine
 
     def grouped(self, xs: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """The experts `experts` (local ids) on their rows of `xs` (`counts[i]` consecutive rows each, in order), each
@@ -204,3 +228,22 @@ class FastExperts(Experts):
         if isinstance(w, PackedWeight):
             return w.matmul(x, index)
         return torch.matmul(x, (w if index is None else w[index]).transpose(-1, -2))
+
+
+class FastMoE(MoE):
+    """`MoE` whose prefill calls on one rank (no all-reduce between the sum and the rounding) finish in one kernel:
+    the routed experts' sorted rows weighted and summed, scaled, the shared expert's output added and the result
+    rounded to the compute dtype (`fast.prefill.moe_output`), where the experts take the sorted path with
+    `prefill_fusion`. Other calls (decode steps, compiled regions, tensor parallelism) are `MoE.forward`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts = self.experts
+        flat = x.reshape(-1, x.shape[-1])
+        if not (self.paths.prefill_fusion and self.world.size == 1 and isinstance(experts, FastExperts)
+                and experts.sorts(flat) and not torch.compiler.is_compiling()):
+            return super().forward(x)
+        routing = self.gate(flat)
+        y, everything, mine = experts(flat, routing, sorted_rows=True)
+        shared = self.shared_experts(flat) if self.shared_experts is not None else None
+        inv = inverse_order(everything).view(routing.expert_ids.shape)
+        return fused_moe_output(y, inv, routing.weights, mine, self.scaling, shared).reshape(x.shape)

@@ -1,7 +1,8 @@
 """Prefill's elementwise glue fused (`FastPaths(prefill_fusion=True)`): each RMSNorm, and each q / k / index norm
-with the RoPE rotation after it, of a prefill call (more than `sync_free_tokens` tokens) as one compiled kernel; and
-the routed experts' weighted combine (`combine_sorted`) as one kernel that reads each expert row once; and the
-SwiGLU-OAI activation of the MLPs and routed experts as one kernel.
+with the RoPE rotation after it, of a prefill call (more than `sync_free_tokens` tokens) as one compiled kernel; the
+routed experts' weighted combine (`combine_sorted`) as one kernel that reads each expert row once, on one rank with
+the block's scaling, the shared expert's output and the rounding to the compute dtype in the same kernel
+(`moe_output`); and the SwiGLU-OAI activation of the MLPs and routed experts as one kernel.
 
 Eagerly each is a chain of fp32 elementwise kernels over [tokens, heads x dim]: the norm's upcast, square, mean,
 rsqrt and two products and its downcast; the rotation's upcast, halves, negation, concatenations, products, sum and
@@ -13,8 +14,10 @@ bf16 rounding between the norm and the rotation kept (on the bits: `norm_rope`);
 the norm's mean differs, so an output element differs from the reference's by at most one unit in the last place of
 its dtype, where the fp32 value lies at a rounding boundary (tests/test_prefill_fusion.py). The combine computes
 the same fp32 products and sums a token's k slots in slot order as `FastExperts.forward_sorted` does unfused: equal
-to fp32 rounding of that sum's order. The activation keeps each operation's rounding to the inputs' dtype
-(`emulate_precision_casts`), as eager computes it.
+to fp32 rounding of that sum's order; `moe_output` then multiplies, adds and rounds as `MoE.forward` does (fp32, then
+one rounding to the compute dtype), so its output is within one unit in the last place of that dtype of the
+unfused block's where the fp32 sums differ at a rounding boundary. The activation keeps each operation's rounding to
+the inputs' dtype (`emulate_precision_casts`), as eager computes it.
 """
 
 from __future__ import annotations
@@ -62,6 +65,17 @@ def combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, ro
     return out
 
 
+def moe_output(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int, scaling: float,
+               shared: torch.Tensor | None) -> torch.Tensor:
+    """A MoE block's output on one rank (`model.moe.MoE.forward` without tensor parallelism) from its routed experts'
+    sorted rows (`combine_sorted`'s y, inv, weights, rows >= 1) and its shared expert's output `shared` [T, H] (or
+    None): `combine_sorted(...) * scaling + shared` in fp32, rounded once to y's dtype. [T, H] in y's dtype."""
+    out = combine_sorted(y, inv, weights, rows) * scaling
+    if shared is not None:
+        out = out + shared.float()
+    return out.to(y.dtype)
+
+
 @cache
 def _compiled(fn):
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -91,5 +105,11 @@ def fused_combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tens
     return _compiled(combine_sorted)(y, inv, weights, rows)
 
 
-__all__ = ["PREFILL_INDUCTOR_OPTIONS", "norm_rope", "combine_sorted", "fused_rms_norm", "fused_norm_rope",
-           "fused_swiglu", "fused_combine_sorted"]
+def fused_moe_output(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int, scaling: float,
+                     shared: torch.Tensor | None) -> torch.Tensor:
+    """`moe_output` as one compiled kernel (compiled on first use; one graph for every shape)."""
+    return _compiled(moe_output)(y, inv, weights, rows, scaling, shared)
+
+
+__all__ = ["PREFILL_INDUCTOR_OPTIONS", "norm_rope", "combine_sorted", "moe_output", "fused_rms_norm",
+           "fused_norm_rope", "fused_swiglu", "fused_combine_sorted", "fused_moe_output"]

@@ -185,12 +185,13 @@ def case_decode(fmt: str, n: int, k: int):
     return run, elements
 
 
-def case_attention(queries: int, keys: int, sparse: bool):
-    """`attention_kernel.block_attention` at release head shapes (64 query / 4 kv heads of 128), fp8 cache; MSA:
-    16 selected blocks of 128 per query."""
+def case_attention(queries: int, keys: int, sparse: bool, stored: torch.dtype = torch.float8_e4m3fn):
+    """`attention_kernel.block_attention` at release head shapes (64 query / 4 kv heads of 128), keys and values as
+    `stored` (fp8: a decode step's reads; bf16: a prefill's, which widens an fp8 cache first); MSA: 16 selected
+    blocks of 128 per query."""
     def run():
         q = torch.zeros(1, queries, 64, 128, dtype=torch.bfloat16)
-        k = torch.zeros(1, keys, 4, 128, dtype=torch.float8_e4m3fn)
+        k = torch.zeros(1, keys, 4, 128, dtype=stored)
         pos = torch.arange(keys - queries, keys)[None]
         blocks = None
         if sparse:
@@ -224,8 +225,12 @@ CASES = {
     "grouped-mxfp8-xmajor": (case_grouped, (MXFP8, 1, 8192, 6144, 32, False, 1),
                              "32 rows, q_proj (MXFP8), x as the MMA's row side"),
     "decode-nvfp4": (case_decode, (NVFP4, 3072, 6144), "prefill's decode of one expert's w1 (NVFP4)"),
-    "attention-msa": (case_attention, (8192, 8192, True), "prefill attention, MSA layer, 8K queries"),
-    "attention-dense": (case_attention, (8192, 8192, False), "prefill attention, dense layer, 8K queries"),
+    "attention-msa": (case_attention, (8192, 8192, True), "8K queries, MSA layer, fp8 keys read as stored"),
+    "attention-dense": (case_attention, (8192, 8192, False), "8K queries, dense layer, fp8 keys read as stored"),
+    "attention-msa-bf16": (case_attention, (8192, 8192, True, torch.bfloat16),
+                           "prefill attention, MSA layer, 8K queries, bf16 keys (an fp8 cache widened first)"),
+    "attention-dense-bf16": (case_attention, (8192, 8192, False, torch.bfloat16),
+                             "prefill attention, dense layer, 8K queries, bf16 keys"),
     "attention-decode": (case_attention, (1, 8192, True), "decode step attention, MSA layer, 8K context"),
     "selection": (case_selection, (8192, 8192), "prefill block selection, 8K queries"),
 }

@@ -132,6 +132,29 @@ def test_scaled_fp8_cache_read_as_the_cache_loads_it(kv_scale, device):
     assert _err(got, causal_attention(q, k, v, pos, scale), v) < BOUND
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_scale", [1.0, 0.5])
+def test_keys_widened_before_the_kernel_give_the_same_bits(kv_scale, device):
+    """Prefill converts an fp8 cache's keys and values once (`fast.attention.widen_keys`) and runs the kernel on
+    bf16: the same operands as the kernel's own conversion, so the same output bits, MSA and dense; every e4m3 value
+    (all 256 bit patterns but NaN) widens to its exact value."""
+    from minimax_ref.fast.attention import widen_keys
+    from minimax_ref.model.cache import LayerCache
+
+    q, _, _, k, v, pos, blocks, bs, scale = _operands(GEOMETRIES["long"], False, device, seed=6)
+    ks, vs = store_kv(k, torch.float8_e4m3fn, kv_scale), store_kv(v, torch.float8_e4m3fn, kv_scale)
+    cache = LayerCache(ks, vs, None, torch.bfloat16, kv_scale)
+    kw, vw = widen_keys(cache, ks, torch.bfloat16), widen_keys(cache, vs, torch.bfloat16)
+    assert kw.dtype == torch.bfloat16 and torch.equal(kw, (ks.float() * kv_scale).bfloat16())
+    for sel in ((blocks, bs), ()):
+        got = pa.block_attention(q, kw, vw, pos, scale, *sel)
+        assert torch.equal(got, pa.block_attention(q, ks, vs, pos, scale, *sel, kv_scale=kv_scale))
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~every.float().isnan()
+    one = LayerCache(every, every, None, torch.bfloat16, 1.0)
+    assert torch.equal(widen_keys(one, every, torch.bfloat16)[finite].double(), every.double()[finite])
+
+
 def test_fp8_mode():
     assert pa.fp8_mode(torch.bfloat16, 1.0) == 0 and pa.fp8_mode(torch.bfloat16, 0.5) == 0
     assert pa.fp8_mode(torch.uint8, 1.0) == 1 and pa.fp8_mode(torch.uint8, 0.5) == 2
@@ -342,15 +365,17 @@ def test_model_prefill_takes_the_kernel(tiny_nvfp4, device, monkeypatch):
     want = run()
     calls = []
     original = pa.block_attention
-    monkeypatch.setattr(pa, "block_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(pa, "block_attention", lambda *a, **kw: calls.append(a[1].dtype) or original(*a, **kw))
     apply(model, True)
     got = run()
-    assert len(calls) == len(model.layers)  # the 70-token call; the 20-token one is a decode-sized call
+    # the 70-token call, its fp8 keys widened to bf16 once (`widen_keys`); the 20-token one is a decode-sized call
+    assert calls == [torch.bfloat16] * len(model.layers)
     _agree(got, want)
     calls.clear()
     apply(model, replace(FastPaths.of(True), decode_attention="triton"))
     got = run()
-    assert len(calls) == 2 * len(model.layers)  # both calls
+    # both calls; the decode-sized one reads the keys as stored
+    assert calls == [torch.bfloat16] * len(model.layers) + [torch.float8_e4m3fn] * len(model.layers)
     _agree(got, want)
 
 

@@ -7,7 +7,8 @@ equal to fp32 rounding, with
   from the cache's storage and converts only those (an fp8 cache is never converted whole);
 * `prefill_attention="triton"` (prefill calls: more than `sync_free_tokens` tokens) and `decode_attention="triton"`
   (decode-sized calls), for a bf16 model on CUDA: the block-sparse attention kernel (`fast.attention_kernel`) over the
-  cache as stored, the MSA selection by `select_blocks_chunked`;
+  cache as stored in decode steps; a prefill widens an fp8 cache's keys and values to bf16 once (`widen_keys`: the
+  same values) rather than in every query tile; the MSA selection by `select_blocks_chunked`;
 * `block_selection="triton"` (prefill calls of a bf16 model on CUDA): the MSA block scores by one Triton kernel
   (`fast.selection_kernel`: no [T, L] index scores), then the same top-k (`select_blocks_kernel`);
 * in a compiled region (`FastPaths.compile_layers`): the contractions as broadcast products (`contract`), block
@@ -189,6 +190,12 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                       for s in range(0, q.shape[1], chunk)], dim=1)
 
 
+def widen_keys(cache: LayerCache, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored keys or values (fp8) in the compute dtype `dtype`: `cache.load`'s bf16(fp32(x) * scale); at the
+    cache's unit scale one conversion (every e4m3 value is a bf16 value: the same bits without the multiply)."""
+    return stored.to(dtype) if cache.scale == 1.0 else cache.load(stored)
+
+
 class FastAttention(Attention):
     """`Attention` with the fast paths `paths` (a `FastPaths`, set by `fast.apply`). Same parameters. The block
     selection goes through `self.selection` on every path (its twin, `FastBlockSelection`), so what records or
@@ -243,6 +250,10 @@ class FastAttention(Attention):
             if kernel:  # the kernel reads the cache as stored and converts in registers
                 k, v = cache.stored_keys_values(length)
                 kv_scale = cache.scale
+                if prefill and k.dtype != x.dtype:
+                    # a prefill's query tiles read each key many times: convert the keys once, not in every tile
+                    k, v = widen_keys(cache, k, x.dtype), widen_keys(cache, v, x.dtype)
+                    kv_scale = 1.0
             elif self.sparse and sdpa:  # gather blocks from storage, convert only those
                 k, v = cache.stored_keys_values(length)
                 load = cache.load

@@ -62,6 +62,7 @@ if grouped.AVAILABLE:
     _table_words = grouped._table_words
     _table_planes = grouped._table_planes
     _mxfp8_tile = grouped._mxfp8_tile
+    _step_scales = grouped._step_scales
     _x_operand = grouped._x_operand
     _e4m3_value = grouped._e4m3_value
     _nibble = grouped._nibble
@@ -166,6 +167,16 @@ if AVAILABLE:
         return (((quad >> (16 * i)) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _x_quads(x_ptr, row, k0, word, K):
+        """x's 8 elements of each word c of the step starting at element k0 (elements k0 + 8c .. k0 + 8c + 7) as two
+        int64 loads of 4 bf16 each ([W / 4, 4] each; `row`: the row's offset in int64 units); zeros past K (a
+        multiple of 32: a quad is in or past K)."""
+        quad = (k0 + word * 8) // 4
+        ok = quad * 4 < K
+        x64 = x_ptr.to(tl.pointer_type(tl.int64)) + row
+        return tl.load(x64 + quad, mask=ok, other=0), tl.load(x64 + quad + 1, mask=ok, other=0)
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr,
         M, N, K, K_TILES, STEPS_PER_SPLIT,
@@ -205,12 +216,13 @@ if AVAILABLE:
             acc = tl.zeros((TN, BLOCK_M), dtype=tl.float32)
             for ks in range(k_lo, k_hi):
                 # grouped's tile decoders read step * (TK's words per row): step ks * TN is tile ks of this layout
+                sc = _step_scales(s_rows, ks * TN, n_ok, B)
                 if NVFP4_FMT and TABLE:
-                    w = _nvfp4_table_tile(w_rows, s_rows, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
+                    w = _nvfp4_table_tile(w_rows, sc, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
                 elif NVFP4_FMT:
-                    w = _nvfp4_tile(w_rows, s_rows, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
+                    w = _nvfp4_tile(w_rows, sc, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
                 else:
-                    w = _mxfp8_tile(w_rows, s_rows, ks * TN, n_ok, TN, TK, EXACT_FP32)
+                    w = _mxfp8_tile(w_rows, sc, ks * TN, n_ok, TN, TK, EXACT_FP32)
                 kx = ks * TK + jk
                 xt = _x_operand(x_rows[None, :] + kx[:, None], m_ok[None, :] & (kx < K)[:, None], EXACT_FP32)
                 if EXACT_FP32:
@@ -230,12 +242,25 @@ if AVAILABLE:
             r4 = tl.arange(0, 4)
             word = q[:, None] * 4 + r4[None, :]  # [W / 4, 4]: word index within the tile row
             acc = tl.zeros((W // 4, TN, 4), dtype=tl.float32)
+            # a step's words (a contiguous 4 KB chunk) and block scales: NVFP4 two blocks (two words each) a group of
+            # four words, MXFP8 one E8M0 scale for two groups (8 words)
+            w_step = w_rows[None, :, :] + word[:, None, :]  # [W / 4, TN, 4]
+            if NVFP4_FMT:
+                s_step = s_rows[None, :, :] + q[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]  # [W / 4, TN, 2]
+            else:
+                s_step = s_ptr + tile * (TN * B) + rows[None, :] * B + (q // 2)[:, None]  # [W / 4, TN]
+            # software pipelining by hand (the compiler pipelines only the loads of dots): each step's words and
+            # scales are loaded before the previous step is decoded, so that their memory latency overlaps its work
+            words_next = tl.load(w_step + k_lo * (TN * W), mask=k_lo < k_hi, other=0)
+            sb_next = tl.load(s_step + k_lo * (TN * B), mask=k_lo < k_hi, other=0)
+            if NVFP4_FMT and TABLE:
+                xa_next, xb_next = _x_quads(x_ptr, p * (stride_xp // 4), k_lo * TK, word, K)
             for ks in range(k_lo, k_hi):
-                words = tl.load(w_rows[None, :, :] + ks * (TN * W) + word[:, None, :])  # a contiguous 4 KB chunk
+                words, sb = words_next, sb_next
+                words_next = tl.load(w_step + (ks + 1) * (TN * W), mask=ks + 1 < k_hi, other=0)
+                sb_next = tl.load(s_step + (ks + 1) * (TN * B), mask=ks + 1 < k_hi, other=0)
                 if NVFP4_FMT and TABLE:
                     # each block's table (`grouped._TABLE_ASM`), its four words repeated over the block's two words
-                    r2 = tl.arange(0, 2)
-                    sb = tl.load(s_rows[None, :, :] + ks * (TN * B) + q[:, None, None] * 2 + r2[None, None, :])
                     t0, t1, t2, t3 = _table_words(_e4m3_value(sb.to(tl.int32), EXACT_FP32) * g, EXACT_FP32)
                     t0 = tl.reshape(tl.join(t0, t0), (W // 4, TN, 4))
                     t1 = tl.reshape(tl.join(t1, t1), (W // 4, TN, 4))
@@ -243,12 +268,8 @@ if AVAILABLE:
                     t3 = tl.reshape(tl.join(t3, t3), (W // 4, TN, 4))
                     # element 8c + j is nibble j of word c; x's 8 elements of word c as two int64 loads (4 bf16
                     # each), whose 16-bit fields are the elements (K is a multiple of 32: a quad is in or past K)
-                    quad = (ks * TK + word * 8) // 4  # [W / 4, 4]
-                    quad_ok = quad * 4 < K
-                    xa = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + p * (stride_xp // 4) + quad, mask=quad_ok,
-                                 other=0)
-                    xb = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + p * (stride_xp // 4) + quad + 1,
-                                 mask=quad_ok, other=0)
+                    xa, xb = xa_next, xb_next
+                    xa_next, xb_next = _x_quads(x_ptr, p * (stride_xp // 4), (ks + 1) * TK, word, K)
                     e0, e1, e2, e3, e4, e5, e6, e7 = _table_planes(words, t0, t1, t2, t3, EXACT_FP32)
                     acc += e0.to(tl.float32) * _quad_field(xa, 0)[:, None, :]
                     acc += e1.to(tl.float32) * _quad_field(xa, 1)[:, None, :]
@@ -260,8 +281,6 @@ if AVAILABLE:
                     acc += e7.to(tl.float32) * _quad_field(xb, 3)[:, None, :]
                 elif NVFP4_FMT:
                     # two blocks (two words each) a group: their E4M3 scales, each repeated over its two words
-                    r2 = tl.arange(0, 2)
-                    sb = tl.load(s_rows[None, :, :] + ks * (TN * B) + q[:, None, None] * 2 + r2[None, None, :])
                     # the reference's block scale fp32(e4m3) * global (one rounding), times 2^126 (exact in range)
                     blk = (_e4m3_value(sb.to(tl.int32), EXACT_FP32) * g) * 8.507059173023462e37
                     scale = tl.reshape(tl.join(blk, blk), (W // 4, TN, 4))  # word r of a group: block r // 2
@@ -272,9 +291,7 @@ if AVAILABLE:
                         acc += wj * xj[:, None, :]
                 else:
                     # one E8M0 scale for two groups (8 words): code c -> 2^(c - 127) on the bits (c >= 1 in range)
-                    s_cols = s_ptr + tile * (TN * B) + rows[None, :] * B  # [1, TN]
-                    sb = tl.load(s_cols + ks * (TN * B) + (q // 2)[:, None]).to(tl.int32)  # [W / 4, TN]
-                    scale = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
+                    scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]
                     for i in tl.static_range(4):  # byte i of word c is element 4c + i
                         # E4M3 times a power of two in range is a bf16 value already (at most 4 significant bits,
                         # no bf16 subnormal below 2^-133): the fp32 product is w_hat, no rounding to do

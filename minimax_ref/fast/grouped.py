@@ -103,10 +103,10 @@ class Tiles(KernelTiles):
 
 
 # Untuned defaults, chosen for H200 without a measurement: 128 weight rows and 64 elements of K a step with 8 warps.
-# Compiled for sm_90 at 32 rows (benchmarks/kernel_sass.py): 57 to 70 registers a thread, no spills; the packed words
-# are loaded to registers, so the programs resident on an SM hide their latency. x_major 0: x_major 1 issues fewer
-# instructions an element and waits on its MMAs once an iteration instead of after each, yet on an H200 it is slower
-# (BENCHMARKS.md).
+# Compiled for sm_90 at 32 rows (benchmarks/kernel_sass.py): 64 to 72 registers a thread, no spills; the packed words
+# reach shared memory through the compiler's pipelined asynchronous copies (`num_stages`), the block scales are
+# loaded a step ahead by the loop itself. x_major 0: x_major 1 issues fewer instructions an element and waits on its
+# MMAs once an iteration instead of after each, yet on an H200 it is slower (BENCHMARKS.md).
 DEFAULT = {NVFP4: Tiles(128, 64, 8, 4), MXFP8: Tiles(128, 64, 8, 4)}
 # Measured configurations (benchmarks/grouped_gemm.py --sweep prints entries in this form):
 # (torch.cuda.get_device_name(), torch "major.minor", triton "major.minor") -> {format: Tiles}.
@@ -249,22 +249,27 @@ if AVAILABLE:
         return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCKS, PER)), (BLOCK_N, BLOCKS * PER))
 
     @triton.jit
-    def _step_words(w_rows, s_rows, ks, n_ok, WORDS: tl.constexpr, BLOCKS: tl.constexpr):
-        """K step `ks` of a tile: its int32 words of packed bytes [BLOCK_N, WORDS] and its block scale codes as int32
-        [BLOCK_N, BLOCKS] (rows past N read as zeros)."""
+    def _step_words(w_rows, ks, n_ok, WORDS: tl.constexpr):
+        """K step `ks` of a tile: its int32 words of packed bytes [BLOCK_N, WORDS] (rows past N read as zeros)."""
         jw = tl.arange(0, WORDS)
-        js = tl.arange(0, BLOCKS)
-        words = tl.load(w_rows + ks * WORDS + jw[None, :], mask=n_ok[:, None], other=0)
-        sc = tl.load(s_rows + ks * BLOCKS + js[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-        return words, sc
+        return tl.load(w_rows + ks * WORDS + jw[None, :], mask=n_ok[:, None], other=0)
 
     @triton.jit
-    def _nvfp4_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _step_scales(s_rows, ks, ok, BLOCKS: tl.constexpr):
+        """K step `ks` of a tile: its block scale codes as int32 [BLOCK_N, BLOCKS] (rows where `ok` is false read as
+        zeros). Loaded apart from the words so that a loop can load the next step's early: the compiler pipelines
+        the words (they feed the dot), not these few bytes a row."""
+        js = tl.arange(0, BLOCKS)
+        return tl.load(s_rows + ks * BLOCKS + js[None, :], mask=ok[:, None], other=0).to(tl.int32)
+
+    @triton.jit
+    def _nvfp4_tile(w_rows, sc, g, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EXACT_FP32: tl.constexpr):
         """Step `ks` of a packed NVFP4 weight decoded: [BLOCK_N, BLOCK_K] bf16 (with EXACT_FP32, bf16 values held in
-        fp32). w_rows, s_rows: the tile's rows of int32 words and of E4M3 block scales; g: the global scale."""
+        fp32). w_rows: the tile's rows of int32 words; sc: the step's E4M3 block scale codes (`_step_scales`,
+        BLOCK_K / 16 a row); g: the global scale."""
         BLOCKS: tl.constexpr = BLOCK_K // 16  # block scales a step (2 words each)
-        words, sc = _step_words(w_rows, s_rows, ks, n_ok, BLOCK_K // 8, BLOCKS)  # 8 elements a word
+        words = _step_words(w_rows, ks, n_ok, BLOCK_K // 8)  # 8 elements a word
         # the reference's block scale fp32(e4m3) * global (one rounding), then times 2^126 (exact: |s| < 4)
         block = (_e4m3_value(sc, EXACT_FP32) * g) * 8.507059173023462e37  # 2^126
         scale = _broadcast_blocks(block, BLOCK_N, BLOCKS, 2)  # [BN, WORDS]: each word's block scale
@@ -365,12 +370,12 @@ if AVAILABLE:
         return p0, p1, p2, p3, p4, p5, p6, p7
 
     @triton.jit
-    def _nvfp4_table_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _nvfp4_table_tile(w_rows, sc, g, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           EXACT_FP32: tl.constexpr):
         """`_nvfp4_tile` through the blocks' tables (`_table_planes`): the same bf16 bits, no multiply or conversion an
         element."""
         BLOCKS: tl.constexpr = BLOCK_K // 16
-        words, sc = _step_words(w_rows, s_rows, ks, n_ok, BLOCK_K // 8, BLOCKS)
+        words = _step_words(w_rows, ks, n_ok, BLOCK_K // 8)
         w0, w1, w2, w3 = _table_words(_e4m3_value(sc, EXACT_FP32) * g, EXACT_FP32)  # the reference's block scale
         w0 = _broadcast_blocks(w0, BLOCK_N, BLOCKS, 2)  # [BN, WORDS]: each word's block
         w1 = _broadcast_blocks(w1, BLOCK_N, BLOCKS, 2)
@@ -382,10 +387,11 @@ if AVAILABLE:
         return tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
 
     @triton.jit
-    def _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_FP32: tl.constexpr):
-        """Step `ks` of a packed MXFP8 weight decoded, as `_nvfp4_tile` (E8M0 scales, no global)."""
+    def _mxfp8_tile(w_rows, sc, ks, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_FP32: tl.constexpr):
+        """Step `ks` of a packed MXFP8 weight decoded, as `_nvfp4_tile` (E8M0 scale codes, BLOCK_K / 32 a row; no
+        global)."""
         BLOCKS8: tl.constexpr = BLOCK_K // 32  # E8M0 scales a step (8 words each)
-        words, sc = _step_words(w_rows, s_rows, ks, n_ok, BLOCK_K // 4, BLOCKS8)  # 4 E4M3 bytes a word
+        words = _step_words(w_rows, ks, n_ok, BLOCK_K // 4)  # 4 E4M3 bytes a word
         # E8M0 code c -> 2^(c - 127) on the bits (c >= 1 in the normal range), for each word
         scale = _broadcast_blocks((sc << 23).to(tl.float32, bitcast=True), BLOCK_N, BLOCKS8, 8)
         # byte i of word w is element 4w + i: exact products (an E4M3 value times a power of two in range has at most
@@ -430,13 +436,19 @@ if AVAILABLE:
         else:  # y^T = W x^T: the weight's rows are the M side, the decoded tile the register operand
             x_rows = x_ptr + e * stride_xe + offs_m[None, :] * stride_xm  # [1, BLOCK_M]
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        BLOCKS: tl.constexpr = BLOCK_K // 16 if NVFP4_FMT else BLOCK_K // 32  # block scales a row a step
+        # the scales one step ahead (software pipelining by hand: the compiler pipelines only the words, which feed
+        # the dot; a step's scales loaded at its start would make every step wait for memory before decoding)
+        sc_next = _step_scales(s_rows, k_lo, n_ok & (k_lo < k_hi), BLOCKS)
         for ks in range(k_lo, k_hi):
+            sc = sc_next
+            sc_next = _step_scales(s_rows, ks + 1, n_ok & (ks + 1 < k_hi), BLOCKS)
             if NVFP4_FMT and TABLE:
-                w = _nvfp4_table_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+                w = _nvfp4_table_tile(w_rows, sc, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
             elif NVFP4_FMT:
-                w = _nvfp4_tile(w_rows, s_rows, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+                w = _nvfp4_tile(w_rows, sc, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
             else:
-                w = _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+                w = _mxfp8_tile(w_rows, sc, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
             if X_MAJOR:
                 a = _x_operand(x_rows + ks * BLOCK_K + jk[None, :], m_ok[:, None], EXACT_FP32)  # [BLOCK_M, BLOCK_K]
                 b = tl.trans(w)
@@ -471,9 +483,11 @@ if AVAILABLE:
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
         s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
         if NVFP4_FMT:
-            w = _nvfp4_tile(w_rows, s_rows, tl.load(g_ptr + e * stride_ge), ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+            sc = _step_scales(s_rows, ks, n_ok, BLOCK_K // 16)
+            w = _nvfp4_tile(w_rows, sc, tl.load(g_ptr + e * stride_ge), ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
         else:
-            w = _mxfp8_tile(w_rows, s_rows, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+            w = _mxfp8_tile(w_rows, _step_scales(s_rows, ks, n_ok, BLOCK_K // 32), ks, n_ok, BLOCK_N, BLOCK_K,
+                            EXACT_FP32)
         offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
         y_ptrs = y_ptr + e * stride_ye + offs_n[:, None] * stride_yn + offs_k[None, :]
         if EXACT_FP32:  # bf16 values held in fp32: their bits

@@ -25,7 +25,8 @@ take.
   products read the packed bytes as int32 words (`mxfp8_words="gate_up"`: only the gate and up projections).
 * `prefill_attention="triton"` (every preset): calls of more than `sync_free_tokens` tokens (prefill) of a bf16
   model on CUDA attend through one Triton kernel (`fast.attention_kernel`): block-sparse flash attention on the tensor
-  cores that reads each query's selected key blocks (dense layers: its causal keys) from the cache as stored. Scores
+  cores that reads each query's selected key blocks (dense layers: its causal keys) from the cache (an fp8 cache's
+  keys and values widened to bf16 once a call, not in every query tile; decode steps read them as stored). Scores
   exact products summed in fp32; probabilities split into two bf16 parts for the value sum (2^-18 relative). Equal
   to fp32 rounding plus that split (tests/test_attention_kernel.py). Elsewhere (fp32 models, CPU) the gathering path.
 * `block_selection="triton"` (every preset but "off"): the MSA block selection of prefill calls (more than

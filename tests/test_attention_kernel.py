@@ -155,6 +155,20 @@ def test_keys_widened_before_the_kernel_give_the_same_bits(kv_scale, device):
     assert torch.equal(widen_keys(one, every, torch.bfloat16)[finite].double(), every.double()[finite])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sms", [1, 1000])
+def test_bf16_output_is_the_fp32_output_rounded_once(sms, device):
+    """`out_dtype=bfloat16`: the fp32 result rounded to nearest (ties to even) by the kernel, or after the splits'
+    merge (sms 1000), bit for bit `.to(bfloat16)` of the fp32 output; MSA and dense; other dtypes refused."""
+    q, ks, vs, _, _, pos, blocks, bs, scale = _operands(GEOMETRIES["long"], True, device, seed=8)
+    for sel in ((blocks, bs), ()):
+        want = pa.block_attention(q, ks, vs, pos, scale, *sel, sms=sms)
+        got = pa.block_attention(q, ks, vs, pos, scale, *sel, sms=sms, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out_dtype"):
+        pa.block_attention(q, ks, vs, pos, scale, out_dtype=torch.float16)
+
+
 def test_fp8_mode():
     assert pa.fp8_mode(torch.bfloat16, 1.0) == 0 and pa.fp8_mode(torch.bfloat16, 0.5) == 0
     assert pa.fp8_mode(torch.uint8, 1.0) == 1 and pa.fp8_mode(torch.uint8, 0.5) == 2

@@ -265,10 +265,12 @@ class FastAttention(Attention):
         sp = self.geometry if self.sparse else None
         if kernel and self.sparse:
             blocks = self.selection(iq, ik, pos, index_chunk(iq, ik, self.chunk_elements))
+            # the output in the model's dtype, rounded once by the kernel as the `.to` below would
             o = attention_kernel.block_attention(q, k, v, pos, self.scale, blocks, sp.block_size, kv_scale,
-                                                 self.sm_count)
+                                                 self.sm_count, out_dtype=x.dtype)
         elif kernel:
-            o = attention_kernel.block_attention(q, k, v, pos, self.scale, kv_scale=kv_scale, sms=self.sm_count)
+            o = attention_kernel.block_attention(q, k, v, pos, self.scale, kv_scale=kv_scale, sms=self.sm_count,
+                                                 out_dtype=x.dtype)
         elif self.sparse:
             chunk = query_chunk(q, k, iq, sp.block_size, sp.topk_blocks, self.chunk_elements)
             blocks = self.selection(iq, ik, pos, chunk)

@@ -36,7 +36,9 @@ Numerics (the contract the tests check against the reference, which computes in 
 * values: the probabilities split into two bf16 parts, p = hi + lo + r with |r| <= 2^-18 p, and two tensor-core
   products with the bf16 values (exact products, fp32 sums), so the value sum is the reference's to about 2^-17
   relative, far below the bf16 rounding the layer's output gets next;
-* output fp32 [B, T, Hq, D], the sum divided by the softmax denominator once (0 for a query with no key).
+* output fp32 [B, T, Hq, D], the sum divided by the softmax denominator once (0 for a query with no key); or, with
+  `out_dtype` bf16 (a prefill's and decode step's attention in a bf16 model), that fp32 value rounded once to bf16
+  (to nearest, ties to even), the bits its `.to(bfloat16)` gives.
 The caller selects the blocks (`fast.attention.select_blocks_chunked`: msa.py's rule, the same ids); memory stays
 linear in the context (no [Q, K] tensor).
 
@@ -138,6 +140,7 @@ def tile_blocks(blocks: torch.Tensor, tokens: int, cached_blocks: int) -> torch.
 
 if AVAILABLE:
     _bf16_value = grouped._bf16_value
+    _bf16_storable = grouped._bf16_storable
     _e4m3_value = grouped._e4m3_value
     _x_operand = grouped._x_operand
 
@@ -205,13 +208,14 @@ if AVAILABLE:
         stride_sb, stride_sh, stride_st, stride_ub, stride_uh, stride_ut,
         G: tl.constexpr, GP: tl.constexpr, TOKENS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         KEYS: tl.constexpr, BLOCK: tl.constexpr, KBP: tl.constexpr, UP: tl.constexpr, SPLITS: tl.constexpr,
-        SPARSE: tl.constexpr, KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr,
+        SPARSE: tl.constexpr, KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr, OUT_BF16: tl.constexpr,
     ):
-        """o[s, b, t, h*G + g] over split s of the keys of kv head h that query token t reads (`block_attention`),
-        and with SPLITS > 1 the split's log2-sum-exp lse[s, b, t, h*G + g]. Grid: (token tiles, kv heads,
-        sequences x splits). Rows: TOKENS tokens times GP >= G heads (rows g >= G idle). Sparse: the tile's blocks
-        are union[b, h, tile, :U] (ascending, -1 after) for TOKENS > 1, the token's sel[b, h, t, :KB] (-1 = none)
-        for TOKENS == 1; BLOCK >= BS slots a block, read in tiles of KEYS."""
+        """o[s, b, t, h*G + g] (fp32, or rounded once to bf16 with OUT_BF16) over split s of the keys of kv head h
+        that query token t reads (`block_attention`), and with SPLITS > 1 the split's log2-sum-exp
+        lse[s, b, t, h*G + g]. Grid: (token tiles, kv heads, sequences x splits). Rows: TOKENS tokens times GP >= G
+        heads (rows g >= G idle). Sparse: the tile's blocks are union[b, h, tile, :U] (ascending, -1 after) for
+        TOKENS > 1, the token's sel[b, h, t, :KB] (-1 = none) for TOKENS == 1; BLOCK >= BS slots a block, read in
+        tiles of KEYS."""
         pid_t = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2) // SPLITS
@@ -287,7 +291,10 @@ if AVAILABLE:
                                         m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8, EXACT_FP32)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_rows = o_ptr + split * stride_os + b * stride_ob + tok[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh
-        tl.store(o_rows + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        if OUT_BF16:
+            tl.store(o_rows + d[None, :], _bf16_storable(o, EXACT_FP32), mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(o_rows + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
         if SPLITS > 1:
             # a split that read no key weighs nothing in the merge
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -299,9 +306,10 @@ if AVAILABLE:
     def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                       blocks: torch.Tensor | None, union: torch.Tensor | None, block_size: int, tokens: int,
                       keys: int, scale: float, kv_scale: float, splits: int, num_warps: int, num_stages: int,
-                      exact_fp32: bool) -> torch.Tensor:
+                      exact_fp32: bool, out_bf16: bool = False) -> torch.Tensor:
         """The launch (see `block_attention`); k, v as stored (fp8 as uint8), blocks int32 [B, Hkv, T, kb] or None,
-        union (`tile_blocks` of them for `tokens` > 1) or None."""
+        union (`tile_blocks` of them for `tokens` > 1) or None; out_bf16: the output rounded once to bf16 (by the
+        kernel, or after the splits' fp32 merge)."""
         B, T, Hq, D = q.shape
         L, Hkv = k.shape[1], k.shape[2]
         G = Hq // Hkv
@@ -311,7 +319,9 @@ if AVAILABLE:
         u = union.shape[-1] if union is not None else 0
         sel = blocks if sparse else q_pos  # unread when dense
         ids = union if union is not None else q_pos  # unread unless a sparse tile has several tokens
-        out = torch.empty(*((splits,) if splits > 1 else ()), B, T, Hq, D, dtype=torch.float32, device=q.device)
+        direct = out_bf16 and splits == 1  # the kernel rounds its one result; splits merge in fp32 first
+        out = torch.empty(*((splits,) if splits > 1 else ()), B, T, Hq, D,
+                          dtype=torch.bfloat16 if direct else torch.float32, device=q.device)
         lse = torch.empty(splits, B, T, Hq, dtype=torch.float32, device=q.device) if splits > 1 else q_pos  # unread
         per = (0,) if splits == 1 else (out.stride(0),)
         grid = (triton.cdiv(T, tokens), Hkv, B * splits)
@@ -326,18 +336,19 @@ if AVAILABLE:
             *q_pos.stride(), *sel_strides, *ids_strides,
             G=G, GP=gp, TOKENS=tokens, D=D, DP=max(MIN_TILE, _pow2(D)), KEYS=min(keys, block), BLOCK=block,
             KBP=_pow2(max(kb, 1)), UP=_pow2(max(u, 1)), SPLITS=splits, SPARSE=sparse,
-            KV_FP8=fp8_mode(k.dtype, kv_scale), EXACT_FP32=exact_fp32,
+            KV_FP8=fp8_mode(k.dtype, kv_scale), EXACT_FP32=exact_fp32, OUT_BF16=direct,
             num_warps=num_warps if tokens * gp >= 64 else 4, num_stages=num_stages)
         if splits == 1:
             return out
         # the splits merged: each split's normalised sum weighted by its share of the softmax denominator
         weight = torch.exp2(lse - lse.amax(0))
-        return (out * weight[..., None]).sum(0) / weight.sum(0)[..., None]
+        merged = (out * weight[..., None]).sum(0) / weight.sum(0)[..., None]
+        return merged.to(torch.bfloat16) if out_bf16 else merged
 
     @_attention_op.register_fake
     def _(q, k, v, q_pos, blocks, union, block_size, tokens, keys, scale, kv_scale, splits, num_warps, num_stages,
-          exact_fp32):
-        return q.new_empty(q.shape, dtype=torch.float32)
+          exact_fp32, out_bf16=False):
+        return q.new_empty(q.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)
 
 
 def fp8_mode(stored: torch.dtype, scale: float) -> int:
@@ -356,14 +367,15 @@ def splits_for(programs: int, max_splits: int, sms: int) -> int:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
                     blocks: torch.Tensor | None = None, block_size: int = 0, kv_scale: float = 1.0,
-                    sms: int = 1, tiles: Tiles | None = None) -> torch.Tensor:
+                    sms: int = 1, tiles: Tiles | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Attention of bf16 queries q [B, T, Hq, D] at positions q_pos [B, T] over keys and values k, v [B, L, Hkv, D]
     as a cache stores them (slot = position; bf16, or float8_e4m3fn read as bf16(fp32(x) * kv_scale)).
 
     blocks None: dense causal attention (`attention.causal_attention`). blocks [B, Hkv, T, kb] (-1 = empty slot;
     a query's ids distinct, as top-k gives them): each query token reads only the keys of its kv head's selected
-    blocks of `block_size` slots, at or before its position (`msa.gather_block_attention`). Returns fp32
-    [B, T, Hq, D]; the numerics are the module docstring's.
+    blocks of `block_size` slots, at or before its position (`msa.gather_block_attention`). Returns [B, T, Hq, D] in
+    `out_dtype`: fp32, or bf16 rounded once (to nearest, ties to even) from that fp32 result, as `.to(bfloat16)` of
+    it gives (the kernel stores it so, skipping the fp32 tensor); the numerics are the module docstring's.
 
     tiles: the launch configuration (default `tiles_for` this device, layer kind and cache storage). sms: the GPU's
     SM count: when the (sequence, kv head, query tile) programs are too few to fill it (decode steps), each program's
@@ -372,6 +384,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     Static in the shapes, no host synchronisation: it runs in compiled layers and CUDA graphs (a registered
     operator).
     """
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"block_attention: out_dtype {out_dtype} (float32 or bfloat16)")
     B, T, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
     sparse = blocks is not None
@@ -392,7 +406,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     return torch.ops.minimax_ref.block_attention(q, k, v, q_pos, blocks, union, block_size, tokens, tiles.keys, scale,
                                                  kv_scale, splits_for(programs, most, sms), tiles.num_warps,
-                                                 tiles.num_stages, interpreting())
+                                                 tiles.num_stages, interpreting(), out_dtype == torch.bfloat16)
 
 
 def handles(device: torch.device, dtype: torch.dtype, stored: torch.dtype, head_dim: int) -> bool:

@@ -185,6 +185,7 @@ def test_fused_moe_block_equals_the_reference_block(dtype, shared):
     assert torch.equal(fp.fused_moe_output(y, inv, w, 3, 3.0, None), routed * 3.0)
     assert torch.equal(fp.fused_moe_output(y.bfloat16(), inv, w, 3, 3.0, sh.bfloat16()),
                        (routed * 3.0 + sh).bfloat16())
+    assert torch.equal(fp.fused_moe_output(y[:0], inv + 3, w, 0, 3.0, sh), sh)  # no routed row of this rank
 
 
 def test_model_prefill_through_the_fused_kernels(tiny_nvfp4, monkeypatch):

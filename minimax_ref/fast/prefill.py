@@ -108,6 +108,9 @@ def fused_combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tens
 def fused_moe_output(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int, scaling: float,
                      shared: torch.Tensor | None) -> torch.Tensor:
     """`moe_output` as one compiled kernel (compiled on first use; one graph for every shape)."""
+    if rows == 0:  # no routed row to read: the shared expert's output alone
+        out = torch.zeros(*weights.shape[:1], y.shape[-1], dtype=torch.float32, device=y.device)
+        return (out if shared is None else out + shared.float()).to(y.dtype)
     return _compiled(moe_output)(y, inv, weights, rows, scaling, shared)
 
 

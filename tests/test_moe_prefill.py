@@ -49,20 +49,47 @@ def test_sorted_experts_equal_the_reference(ep_rank):
     assert calls and _rel(got, want) < 1e-6
 
 
-def test_decoded_experts_go_in_groups(monkeypatch):
-    """With room for two experts' decoded weights at a time the experts run in groups, with the same result."""
+def test_whole_stacks_take_one_call_without_a_host_read(monkeypatch):
+    """Without expert parallelism and with the stacks at hand (plain here; packed ones that decode within
+    `SORTED_DECODED_BYTES`): one grouped call over every local expert whose offsets stay on the device (nothing read
+    back on the host), an expert no pair chose an empty group; the reference's result."""
     ex = _experts()
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(7)
     x = torch.randn(120, 64, generator=g)
     r = route(x, torch.randn(16, 64, generator=g), None, 4)
+    r = Routing(torch.where(r.expert_ids == 5, 6, r.expert_ids), r.weights, r.logits)
     want = ex(x, r)
     apply(ex, FastPaths(moe=True))
-    per_expert = 3 * 32 * 64 * 4
+    calls = []
+    grouped = fast_moe.FastExperts.grouped
+    monkeypatch.setattr(fast_moe.FastExperts, "grouped", lambda self, xs, index, offs: calls.append((index, offs))
+                        or grouped(self, xs, index, offs))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a host read in the sorted products"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a host read in the sorted products"))
+    got = ex(x, r)
+    monkeypatch.undo()
+    assert len(calls) == 1 and calls[0][0] is None
+    offs = calls[0][1]
+    assert offs.dtype == torch.int32 and len(offs) == 16 and offs[5] == offs[4] and offs[-1] == 120 * 4
+    assert _rel(got, want) < 1e-6
+
+
+def test_decoded_experts_go_in_groups(nvfp4_ckpt, monkeypatch):
+    """Packed stacks whose decoded weights exceed `SORTED_DECODED_BYTES` (room for two experts' here) decode the
+    chosen experts in groups, with the counts read on the host; the same result."""
+    model = load_model(nvfp4_ckpt, dtype=torch.float32, weights="packed")
+    ex = model.layers[1].block_sparse_moe.experts
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(120, model.text.hidden_size, generator=g)
+    r = model.layers[1].block_sparse_moe.gate(x)
+    want = ex(x, r)
+    apply(ex, FastPaths(moe=True))
+    per_expert = sum(getattr(ex, leaf).shape[1] * getattr(ex, leaf).shape[2] for leaf in ("w1", "w2", "w3")) * 4
     monkeypatch.setattr(fast_moe, "SORTED_DECODED_BYTES", 2 * per_expert)
     groups = []
     grouped = fast_moe.FastExperts.grouped
-    monkeypatch.setattr(fast_moe.FastExperts, "grouped", lambda self, xs, e, c: groups.append(len(e))
-                        or grouped(self, xs, e, c))
+    monkeypatch.setattr(fast_moe.FastExperts, "grouped", lambda self, xs, index, offs: groups.append(len(index))
+                        or grouped(self, xs, index, offs))
     assert _rel(ex(x, r), want) < 1e-6
     assert max(groups) == 2 and sum(groups) == len(r.expert_ids.unique())
 
@@ -91,14 +118,15 @@ def test_sorted_experts_on_packed_stacks_and_in_a_model(nvfp4_ckpt):
 
 @pytest.mark.gpu
 def test_sorted_experts_on_the_gpu_in_bf16():
-    """On a GPU (compute capability 9.0+) the grouped products of bf16 experts: the reference's function within
-    bf16 rounding of the products' outputs."""
+    """On a GPU (compute capability 9.0+) the grouped products of bf16 experts, one an empty group (no pair chose
+    it): the reference's function within bf16 rounding of the products' outputs."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs a CUDA device of compute capability 9.0 or later")
     ex = _experts(E=16, H=256, I=128).to("cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(300, 256, generator=g).to("cuda", torch.bfloat16)
     r = route(x, torch.randn(16, 256, generator=g).to("cuda", torch.bfloat16), None, 4)
+    r = Routing(torch.where(r.expert_ids == 5, 6, r.expert_ids), r.weights, r.logits)
     want = ex(x, r)
     apply(ex, FastPaths(moe=True))
     calls = _sorted_calls(ex)

@@ -94,8 +94,10 @@ class FastExperts(Experts):
         the chosen experts (`torch._grouped_mm`: expert e multiplies its contiguous rows, bf16 products summed in
         fp32 as `F.linear`), the activation once, then each pair's row weighted in fp32 and each token's k rows
         summed in slot order. Equal to `forward` up to fp32 rounding (the reference adds a token's experts in expert
-        order). Like `forward` it reads the per-expert counts on the host; the chosen experts' weights are decoded
-        (packed stacks) in groups of at most `SORTED_DECODED_BYTES`. Pairs routed to another rank's experts
+        order). Where every pair is this rank's and the whole stacks are plain or decode within
+        `SORTED_DECODED_BYTES`, one call over every local expert with the offsets on the device (no host read);
+        otherwise, like `forward`, it reads the per-expert counts on the host and decodes the chosen experts'
+        weights (packed stacks) in groups of at most `SORTED_DECODED_BYTES`. Pairs routed to another rank's experts
         (expert parallel) contribute nothing. With `prefill_fusion` the weighting and the sum are one kernel
         (`fast.prefill.combine_sorted`).
 
@@ -113,15 +115,22 @@ class FastExperts(Experts):
         """The chosen experts of this rank on the (token, slot) pairs of x [T, H], sorted by expert: (y [mine, H] in
         x's dtype, the expert outputs in sorted order; `everything` [T*k], the pairs (token * k + slot) in that order
         followed by the pairs of other ranks' experts; mine, the rows of y)."""
-        k = routing.expert_ids.shape[1]
+        T, k = routing.expert_ids.shape
         E = len(self.local_experts)
         local = (routing.expert_ids - self.local_experts.start).flatten()
         key = torch.where((local >= 0) & (local < E), local, E)  # another rank's pairs sort last
         everything = torch.argsort(key, stable=True)
+        per_expert = sum(math.prod(getattr(self, leaf).shape[1:]) for leaf in ("w1", "w2", "w3")) * x.element_size()
+        packed = isinstance(self.w1, PackedWeight)
+        if not self.expert_parallel and (not packed or E * per_expert <= SORTED_DECODED_BYTES):
+            # every pair is this rank's and the whole stacks are at hand (or decode at once): the groups' offsets
+            # stay on the device, so the host does not wait for the GPU here (an expert no pair chose is an empty
+            # group)
+            offs = torch.bincount(key, minlength=E).cumsum(0).to(torch.int32)
+            return self.grouped(x[everything // k], None, offs), everything, T * k
         counts = torch.bincount(key, minlength=E + 1)[:E].tolist()
         mine = sum(counts)
         xs = x[everything[:mine] // k]
-        per_expert = sum(math.prod(getattr(self, leaf).shape[1:]) for leaf in ("w1", "w2", "w3")) * x.element_size()
         group: list[int] = []
         start = 0
         outs = []  # each group's rows; one group (all the chosen experts' weights fit) is y itself, no copy
@@ -131,7 +140,8 @@ class FastExperts(Experts):
             last = j + 1 == len(chosen)
             if last or (len(group) + 1) * per_expert > SORTED_DECODED_BYTES:
                 n = sum(counts[g] for g in group)
-                outs.append(self.grouped(xs[start:start + n], group, [counts[g] for g in group]))
+                offs = torch.tensor([counts[g] for g in group], device=x.device).cumsum(0).to(torch.int32)
+                outs.append(self.grouped(xs[start:start + n], torch.tensor(group, device=x.device), offs))
                 start += n
                 group = []
         if len(outs) == 1:
@@ -140,11 +150,10 @@ class FastExperts(Experts):
             y = torch.cat(outs) if outs else x.new_empty(0, x.shape[1])
         return y, everything, mine
 
-    def grouped(self, xs: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
-        """The experts `experts` (local ids) on their rows of `xs` (`counts[i]` consecutive rows each, in order), each
-        projection one `torch._grouped_mm`; [rows, H] in x's dtype."""
-        index = torch.tensor(experts, device=xs.device)
-        offs = torch.tensor(counts, device=xs.device).cumsum(0).to(torch.int32)
+    def grouped(self, xs: torch.Tensor, index: torch.Tensor | None, offs: torch.Tensor) -> torch.Tensor:
+        """The local experts `index` (a LongTensor; None: every local expert) on their rows of `xs`: expert i's rows
+        end at offs[i] (int32, cumulative, on the device; equal ends: no rows), each projection one
+        `torch._grouped_mm`; [rows, H] in x's dtype."""
         w1, w3, w2 = (self.weight(leaf, index) for leaf in ("w1", "w3", "w2"))  # decoded [n, out, in]
         gate = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
         up = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)

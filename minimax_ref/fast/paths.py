@@ -13,7 +13,8 @@ take.
 * `moe=True`: the routed experts of small batches (up to `sync_free_tokens` tokens) by batched matmuls over the
   chosen experts, with no host synchronisation and static shapes (`fast.moe.FastExperts`); of larger calls (prefill)
   sorted by expert, each projection one grouped matmul over the chosen experts (`torch._grouped_mm`, where it runs:
-  CPUs, bf16 on CUDA 9.0+). Equal to fp32 rounding.
+  CPUs, bf16 on CUDA 9.0+; without expert parallelism and with the stacks decodable at once, over every local expert
+  with the groups' offsets on the device, so the host does not wait for the GPU). Equal to fp32 rounding.
 * `static_kv=True`: in decode steps (up to `sync_free_tokens` tokens per sequence), attention over the whole
   cache (static shapes, no host synchronisation; later slots are masked as future keys). Equal to fp32 rounding.
 * `sdpa=True`: the fp32 attention core through `F.scaled_dot_product_attention`, and MSA gathers its selected key
@@ -103,8 +104,8 @@ MATMUL_MODES = ("reference", "fused")
 GEMV_MODES = ("reference", "triton")
 SELECTION_MODES = ("reference", "triton")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
-# cache (decode steps); larger calls (prefill) group tokens by expert, which needs the per-expert counts
-# on the host, and attend over the filled slots only.
+# cache (decode steps); larger calls (prefill) group tokens by expert (`FastExperts.forward_sorted`) and attend over
+# the filled slots only.
 SYNC_FREE_TOKENS = 64
 # With compiled layers, `FastMiniMaxM3.new_cache` sizes the KV cache in multiples of this many slots: each cache
 # length is a compiled graph of its own (static shapes), so prompts of different lengths would otherwise each compile

@@ -126,7 +126,10 @@ class FastExperts(Experts):
             # every pair is this rank's and the whole stacks are at hand (or decode at once): the groups' offsets
             # stay on the device, so the host does not wait for the GPU here (an expert no pair chose is an empty
             # group)
-            offs = torch.bincount(key, minlength=E).cumsum(0).to(torch.int32)
+            # (a scatter-add: CUDA's bincount reads the ids' max on the host to size its output)
+            ones = torch.ones_like(key, dtype=torch.int32)
+            counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, key, ones)
+            offs = counts.cumsum(0, dtype=torch.int32)
             return self.grouped(x[everything // k], None, offs), everything, T * k
         counts = torch.bincount(key, minlength=E + 1)[:E].tolist()
         mine = sum(counts)

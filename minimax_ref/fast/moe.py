@@ -125,8 +125,7 @@ class FastExperts(Experts):
         if not self.expert_parallel and (not packed or E * per_expert <= SORTED_DECODED_BYTES):
             # every pair is this rank's and the whole stacks are at hand (or decode at once): the groups' offsets
             # stay on the device, so the host does not wait for the GPU here (an expert no pair chose is an empty
-            # group)
-            # (a scatter-add: CUDA's bincount reads the ids' max on the host to size its output)
+            # group); counted by a scatter-add, since CUDA's bincount reads the ids' max on the host
             ones = torch.ones_like(key, dtype=torch.int32)
             counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, key, ones)
             offs = counts.cumsum(0, dtype=torch.int32)

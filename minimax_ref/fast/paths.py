@@ -41,9 +41,10 @@ take.
   decoder layer's input and post-attention RMSNorm, and each q / k / index-q / index-k norm with the RoPE rotation
   after it, run as one kernel compiled by torch.compile with dynamic shapes (`fast.prefill`), instead of a chain of
   fp32 elementwise kernels; so does each SwiGLU activation (MLPs, shared and routed experts); the routed experts'
-  weighted combine reads each expert row once (no [pairs, H] fp32 buffer). The same operations and roundings; the
-  norm's fp32 mean and the combine's slot sum in another order, so a norm's element differs by at most one unit in
-  the last place, the combine by fp32 rounding (tests/test_prefill_fusion.py).
+  weighted combine reads each expert row once (no [pairs, H] fp32 buffer) and, on one rank, adds the block's scaling
+  and shared expert and rounds to the compute dtype in the same kernel (`fast.moe.FastMoE`). The same operations and
+  roundings; the norm's fp32 mean and the combine's slot sum in another order, so a norm's element differs by at
+  most one unit in the last place, the combine by fp32 rounding (tests/test_prefill_fusion.py).
 * `decode_attention="triton"` (the `compiled` preset): decode steps (up to `sync_free_tokens` tokens a sequence) attend
   through the same kernel, inside compiled layers and CUDA graphs, each program's keys split over the GPU and the
   splits merged by their softmax denominators (fp32). The same contract.

@@ -172,11 +172,12 @@ def case_grouped(fmt: str, entries: int, n: int, k: int, rows: int, table: bool 
     return run, elements
 
 
-def case_decode(fmt: str, n: int, k: int):
-    """`grouped.decode_grouped`: a packed weight decoded to bf16 (prefill's products)."""
+def case_decode(fmt: str, n: int, k: int, table: bool = False):
+    """`grouped.decode_grouped`: a packed weight decoded to bf16 (prefill's products); `table`: NVFP4 through the
+    blocks' tables."""
     def run():
         w, s, g = _packed(fmt, 1, n, k)
-        grouped.decode_grouped(fmt, w[0], s[0], g[0] if g is not None else None)
+        grouped.decode_grouped(fmt, w[0], s[0], g[0] if g is not None else None, table=table)
 
     def elements(kernel: dict) -> float | None:
         c = kernel["constexprs"]
@@ -225,6 +226,8 @@ CASES = {
     "grouped-mxfp8-xmajor": (case_grouped, (MXFP8, 1, 8192, 6144, 32, False, 1),
                              "32 rows, q_proj (MXFP8), x as the MMA's row side"),
     "decode-nvfp4": (case_decode, (NVFP4, 3072, 6144), "prefill's decode of one expert's w1 (NVFP4)"),
+    "decode-nvfp4-table": (case_decode, (NVFP4, 3072, 6144, True),
+                           "prefill's decode of one expert's w1 (NVFP4) through the blocks' tables"),
     "attention-msa": (case_attention, (8192, 8192, True), "8K queries, MSA layer, fp8 keys read as stored"),
     "attention-dense": (case_attention, (8192, 8192, False), "8K queries, dense layer, fp8 keys read as stored"),
     "attention-msa-bf16": (case_attention, (8192, 8192, True, torch.bfloat16),

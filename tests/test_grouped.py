@@ -230,18 +230,19 @@ def test_identity_rows_read_out_the_decoded_weight(device, fmt, tiles):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize(("fmt", "table"), [("nvfp4", False), ("nvfp4", True), ("mxfp8", False)],
+                         ids=["nvfp4", "nvfp4-table", "mxfp8"])
 @pytest.mark.parametrize("tiles", [SMALL, WIDE, None], ids=["small", "wide", "default"])
-def test_decoder_writes_the_reference_bits(device, fmt, tiles):
-    """`decode_grouped` (the same tile decoding, written out) is `decode_reference(...).to(bf16)` bit for bit: stacks
-    at the normal range's low end, middle and top, partial column tiles, and a linear with a scalar global whose K
-    (192) the default block_k does not divide."""
+def test_decoder_writes_the_reference_bits(device, fmt, table, tiles):
+    """`decode_grouped` (the same tile decoding, written out; NVFP4 also through the blocks' tables) is
+    `decode_reference(...).to(bf16)` bit for bit: stacks at the normal range's low end, middle and top, partial
+    column tiles, and a linear with a scalar global whose K (192) the default block_k does not divide."""
     for case in range(3):
         w, s, g = _operands(fmt, 3, 40, 128, case, device)
-        assert torch.equal(decode_grouped(fmt, w, s, g, tiles=tiles), _decoded(fmt, w, s, g)), case
+        assert torch.equal(decode_grouped(fmt, w, s, g, tiles=tiles, table=table), _decoded(fmt, w, s, g)), case
     w, s, g = _operands(fmt, 1, 72, 192, 1, device)
     w, s, g = w[0], s[0], None if g is None else g[0]
-    got = decode_grouped(fmt, w, s, g, tiles=tiles)
+    got = decode_grouped(fmt, w, s, g, tiles=tiles, table=table)
     assert got.shape == (72, 192) and torch.equal(got, _decoded(fmt, w, s, g))
 
 

@@ -473,7 +473,7 @@ if AVAILABLE:
     @triton.jit
     def _decode_kernel(w_ptr, s_ptr, g_ptr, y_ptr, N, stride_we, stride_wn, stride_se, stride_sn, stride_ge,
                        stride_ye, stride_yn, NVFP4_FMT: tl.constexpr, EXACT_FP32: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TABLE: tl.constexpr):
         """y[e, n, k] = w_hat[e, n, k] in bf16, one tile a program. Grid: (column tiles, entries, K steps)."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
@@ -482,7 +482,11 @@ if AVAILABLE:
         n_ok = offs_n < N
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
         s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
-        if NVFP4_FMT:
+        if NVFP4_FMT and TABLE:
+            sc = _step_scales(s_rows, ks, n_ok, BLOCK_K // 16)
+            w = _nvfp4_table_tile(w_rows, sc, tl.load(g_ptr + e * stride_ge), ks, n_ok, BLOCK_N, BLOCK_K,
+                                  EXACT_FP32)
+        elif NVFP4_FMT:
             sc = _step_scales(s_rows, ks, n_ok, BLOCK_K // 16)
             w = _nvfp4_tile(w_rows, sc, tl.load(g_ptr + e * stride_ge), ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
         else:
@@ -545,7 +549,7 @@ if AVAILABLE:
 if AVAILABLE:
     @triton_op("minimax_ref::decode_grouped", mutates_args=())
     def _decode_op(words: torch.Tensor, scale: torch.Tensor, g: torch.Tensor, k: int, nvfp4: bool, block_n: int,
-                   block_k: int, num_warps: int, exact_fp32: bool) -> torch.Tensor:
+                   block_k: int, num_warps: int, exact_fp32: bool, table: bool = False) -> torch.Tensor:
         """The launch (see `decode_grouped`): words int32 `[E, N, K/8 or K/4]`, scale uint8, g fp32 `[E]` or `[1]`.
         Returns bf16 `[E, N, K]`."""
         e, n = words.shape[0], words.shape[1]
@@ -554,17 +558,20 @@ if AVAILABLE:
         wrap_triton(_decode_kernel)[grid](
             words, scale, g, y, n, words.stride(0), words.stride(1), scale.stride(0), scale.stride(1),
             1 if g.numel() > 1 else 0, y.stride(0), y.stride(1),
-            NVFP4_FMT=nvfp4, EXACT_FP32=exact_fp32, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+            NVFP4_FMT=nvfp4, EXACT_FP32=exact_fp32, BLOCK_N=block_n, BLOCK_K=block_k, TABLE=table and nvfp4,
+            num_warps=num_warps)
         return y
 
 
 def decode_grouped(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   weight_scale_2: torch.Tensor | None, tiles: Tiles | None = None) -> torch.Tensor:
+                   weight_scale_2: torch.Tensor | None, tiles: Tiles | None = None, table: bool = False
+                   ) -> torch.Tensor:
     """`decode_reference(fmt, weight, weight_scale, weight_scale_2).to(bfloat16)`, bit for bit, by one Triton kernel
     that reads the packed bytes and scales once and writes the bf16 weight once (the tile decoding of
     `packed_matmul_grouped`). weight, weight_scale, weight_scale_2: a packed linear `[N, K]` or stack `[E, N, K]` whose
     scales pass `scales_in_normal_range` and, MXFP8, with no E4M3 NaN byte (the caller checks both once), K a multiple
-    of 32. Returns bf16 `[N, K]` or `[E, N, K]`. Static in the shapes (no host synchronisation)."""
+    of 32. table: NVFP4 through each block's table (`_TABLE_ASM`: the same bits, fewer instructions an element).
+    Returns bf16 `[N, K]` or `[E, N, K]`. Static in the shapes (no host synchronisation)."""
     if not AVAILABLE:
         raise RuntimeError("decode_grouped needs triton")
     linear, words, scale, g = _packed_operands(fmt, weight, weight_scale, weight_scale_2)
@@ -574,7 +581,7 @@ def decode_grouped(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
         raise ValueError(f"decode_grouped: {fmt} {list(weight.shape)}")
     tiles = tiles or tiles_for(fmt, weight.device)
     y = torch.ops.minimax_ref.decode_grouped(words, scale, g, k, nvfp4, tiles.block_n, _fit_block_k(tiles, k),
-                                             tiles.num_warps, _INTERPRET)
+                                             tiles.num_warps, _INTERPRET, table)
     return y[0] if linear else y
 
 

@@ -565,7 +565,7 @@ class FastPackedWeight(PackedWeight):
         w, s, g = self.parts(index)
         dtype = dtype or self.dtype
         if self.decode_tiles is not None and dtype == torch.bfloat16 and w.dim() <= 3 and grouped.runs_on(w.device):
-            return grouped.decode_grouped(self.fmt, w, s, g, tiles=self.decode_tiles)
+            return grouped.decode_grouped(self.fmt, w, s, g, tiles=self.decode_tiles, table=self.table)
         if self.mode in ("fast", "triton"):
             return decode_fast(self.fmt, w, s, g, dtype)
         if self.mode == "compile":

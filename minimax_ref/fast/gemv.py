@@ -249,8 +249,8 @@ if AVAILABLE:
                 s_step = s_rows[None, :, :] + q[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]  # [W / 4, TN, 2]
             else:
                 s_step = s_ptr + tile * (TN * B) + rows[None, :] * B + (q // 2)[:, None]  # [W / 4, TN]
-            # software pipelining by hand (the compiler pipelines only the loads of dots): each step's words and
-            # scales are loaded before the previous step is decoded, so that their memory latency overlaps its work
+            # software pipelining by hand (the compiler pipelines only the loads of dots): the next step's words and
+            # scales (and x's quads) are loaded before this step is decoded, so that their latency overlaps its work
             words_next = tl.load(w_step + k_lo * (TN * W), mask=k_lo < k_hi, other=0)
             sb_next = tl.load(s_step + k_lo * (TN * B), mask=k_lo < k_hi, other=0)
             if NVFP4_FMT and TABLE:

@@ -169,6 +169,20 @@ def test_bf16_output_is_the_fp32_output_rounded_once(sms, device):
         pa.block_attention(q, ks, vs, pos, scale, out_dtype=torch.float16)
 
 
+def test_widening_pays_where_tiles_would_convert_more_keys_than_the_cache_holds():
+    """`widening_pays` at release geometry (16 query heads a kv head, MSA top-16 blocks of 128): an 8K prompt widens
+    its cache once; 100 or 1,000 new tokens over a 131K cache convert in the kernel (fewer tiles times their blocks
+    than twice the cache), 4,000 widen; dense layers' causal tiles read far more keys, so they widen."""
+    from minimax_ref.fast.attention import widening_pays
+
+    cpu = torch.device("cpu")
+    assert widening_pays(8192, 8192, 16, 16 * 128, cpu)
+    assert not widening_pays(100, 131072, 16, 16 * 128, cpu)
+    assert not widening_pays(1000, 131072, 16, 16 * 128, cpu)
+    assert widening_pays(4000, 131072, 16, 16 * 128, cpu)
+    assert widening_pays(100, 131072, 16, None, cpu) and widening_pays(65, 8192, 16, None, cpu)
+
+
 def test_fp8_mode():
     assert pa.fp8_mode(torch.bfloat16, 1.0) == 0 and pa.fp8_mode(torch.bfloat16, 0.5) == 0
     assert pa.fp8_mode(torch.uint8, 1.0) == 1 and pa.fp8_mode(torch.uint8, 0.5) == 2
@@ -382,14 +396,22 @@ def test_model_prefill_takes_the_kernel(tiny_nvfp4, device, monkeypatch):
     monkeypatch.setattr(pa, "block_attention", lambda *a, **kw: calls.append(a[1].dtype) or original(*a, **kw))
     apply(model, True)
     got = run()
-    # the 70-token call, its fp8 keys widened to bf16 once (`widen_keys`); the 20-token one is a decode-sized call
-    assert calls == [torch.bfloat16] * len(model.layers)
+    # the 70-token call (cache length 75), its fp8 keys widened to bf16 once where `widening_pays`; the 20-token one
+    # is a decode-sized call
+    from minimax_ref.fast.attention import widening_pays
+
+    def widened(attn) -> bool:
+        sparse_keys = attn.geometry.topk_blocks * attn.geometry.block_size if attn.sparse else None
+        return widening_pays(70, 75, attn.n_heads // attn.n_kv, sparse_keys, torch.device(device))
+
+    prefill = [torch.bfloat16 if widened(layer.self_attn) else torch.float8_e4m3fn for layer in model.layers]
+    assert torch.bfloat16 in prefill and calls == prefill
     _agree(got, want)
     calls.clear()
     apply(model, replace(FastPaths.of(True), decode_attention="triton"))
     got = run()
     # both calls; the decode-sized one reads the keys as stored
-    assert calls == [torch.bfloat16] * len(model.layers) + [torch.float8_e4m3fn] * len(model.layers)
+    assert calls == prefill + [torch.float8_e4m3fn] * len(model.layers)
     _agree(got, want)
 
 

@@ -8,7 +8,8 @@ equal to fp32 rounding, with
 * `prefill_attention="triton"` (prefill calls: more than `sync_free_tokens` tokens) and `decode_attention="triton"`
   (decode-sized calls), for a bf16 model on CUDA: the block-sparse attention kernel (`fast.attention_kernel`) over the
   cache as stored in decode steps; a prefill widens an fp8 cache's keys and values to bf16 once (`widen_keys`: the
-  same values) rather than in every query tile; the MSA selection by `select_blocks_chunked`;
+  same values) where its query tiles would convert more keys than the cache holds (`widening_pays`); the MSA
+  selection by `select_blocks_chunked`;
 * `block_selection="triton"` (prefill calls of a bf16 model on CUDA): the MSA block scores by one Triton kernel
   (`fast.selection_kernel`: no [T, L] index scores), then the same top-k (`select_blocks_kernel`);
 * in a compiled region (`FastPaths.compile_layers`): the contractions as broadcast products (`contract`), block
@@ -190,6 +191,19 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                       for s in range(0, q.shape[1], chunk)], dim=1)
 
 
+def widening_pays(queries: int, cached: int, group: int, sparse_keys: int | None, device: torch.device) -> bool:
+    """Whether a call of `queries` tokens over `cached` stored fp8 keys (a kv head's query `group`) converts fewer
+    keys by widening the cache once (`widen_keys`: every cached key read, converted and written, counted as two) than
+    the attention kernel converts in its tiles: each query tile (`tile_tokens` of the kernel's default fp8 tiles)
+    converts at least the keys one of its tokens reads: `sparse_keys` (MSA: its top-k blocks' slots) or, dense, half
+    the cache (causal tiles read up to their position). A long cache and a short prefill call convert in the
+    kernel; an 8K prompt widens."""
+    tiles = attention_kernel.tiles_for("sparse" if sparse_keys else "dense", device, "fp8")
+    n_tiles = -(-queries // attention_kernel.tile_tokens(tiles.rows, group, queries))
+    per_tile = min(cached, sparse_keys) if sparse_keys else cached // 2
+    return n_tiles * per_tile >= 2 * cached
+
+
 def widen_keys(cache: LayerCache, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stored keys or values (fp8) in the compute dtype `dtype`: `cache.load`'s bf16(fp32(x) * scale); at the
     cache's unit scale one conversion (every e4m3 value is a bf16 value: the same bits without the multiply)."""
@@ -250,7 +264,9 @@ class FastAttention(Attention):
             if kernel:  # the kernel reads the cache as stored and converts in registers
                 k, v = cache.stored_keys_values(length)
                 kv_scale = cache.scale
-                if prefill and k.dtype != x.dtype:
+                sparse_keys = self.geometry.topk_blocks * self.geometry.block_size if self.sparse else None
+                if prefill and k.dtype != x.dtype and widening_pays(T, length, self.n_heads // self.n_kv, sparse_keys,
+                                                                  x.device):
                     # a prefill's query tiles read each key many times: convert the keys once, not in every tile
                     k, v = widen_keys(cache, k, x.dtype), widen_keys(cache, v, x.dtype)
                     kv_scale = 1.0

@@ -27,7 +27,8 @@ take.
 * `prefill_attention="triton"` (every preset): calls of more than `sync_free_tokens` tokens (prefill) of a bf16
   model on CUDA attend through one Triton kernel (`fast.attention_kernel`): block-sparse flash attention on the tensor
   cores that reads each query's selected key blocks (dense layers: its causal keys) from the cache (an fp8 cache's
-  keys and values widened to bf16 once a call, not in every query tile; decode steps read them as stored). Scores
+  keys and values widened to bf16 once a call where the query tiles would convert more keys than it holds;
+  decode steps read them as stored). Scores
   exact products summed in fp32; probabilities split into two bf16 parts for the value sum (2^-18 relative). Equal
   to fp32 rounding plus that split (tests/test_attention_kernel.py). Elsewhere (fp32 models, CPU) the gathering path.
 * `block_selection="triton"` (every preset but "off"): the MSA block selection of prefill calls (more than

@@ -14,7 +14,7 @@ from ..errors import InputError
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model."""
-    from ..fast.paths import USER_PRESETS, describe_presets
+    from ..fast.paths import AUTO_COMPILE_MIN_BYTES, USER_PRESETS, describe_presets
 
     p.add_argument("--ckpt-path", type=Path, default=None,
                    help="checkpoint folder (default: the embedded nano checkpoint shipped with the package)")
@@ -30,9 +30,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="dequant: decode quantized weights once at load (default); packed: keep NVFP4/MXFP8 "
                         "weights packed in memory and decode them at use (same outputs, packed-size memory)")
     p.add_argument("--fast", choices=["auto", *USER_PRESETS], default="auto",
-                   help="fast paths (minimax_ref/fast/): auto = compiled with a CUDA --device, off on a CPU and "
-                        "with --offload (name on or compiled for an offloaded model's steps cut where streamed "
-                        "weights are fetched, fast/segments.py); "
+                   help="fast paths (minimax_ref/fast/): auto = with a CUDA --device compiled for models of "
+                        f"{AUTO_COMPILE_MIN_BYTES >> 30} GiB of weights or more and on below (a compile does not pay "
+                        "back on a small model), off on a CPU and with --offload (name on or compiled for an "
+                        "offloaded model's steps cut where streamed weights are fetched, fast/segments.py); "
                         f"{describe_presets(USER_PRESETS)} (default: auto)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")

@@ -527,8 +527,8 @@ def test_tp2_packed_equals_dequant_and_tp1(two_ranks, checkpoints, name, dtype, 
         elif os.environ.get("TRITON_INTERPRET") == "1":
             # the bf16 attention kernel runs on these CPU ranks under the interpreter: a rounding difference can flip
             # a near tie of expert or block choices, which moves that position's logits a lot; the typical position
-            # stays within bf16 rounding
-            assert o["fast_err_median"] < 0.05
+            # stays within bf16 rounding (the bound of the attention kernel's model tests, `_agree`)
+            assert o["fast_err_median"] < 1e-2
         else:
             assert o["fast_err"] < 0.05
         if dt == torch.bfloat16:  # packed: memory = this rank's bytes read (+ norms widened to fp32)

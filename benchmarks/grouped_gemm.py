@@ -62,7 +62,6 @@ def measure(shape: tuple, rows: int, iters: int, bw: float, configs: list, devic
         flipped = replace(tiles, x_major=1 - tiles.x_major)
         variants[f"grouped x_major={flipped.x_major}"] = (
             lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=flipped, table=table))
-    if baselines:
         dense = decode_fast(fmt, w, s, g, torch.bfloat16)
         variants["cublas_bf16"] = lambda: torch.matmul(x, dense.transpose(-1, -2))
         variants["decode_then_matmul"] = lambda: torch.matmul(x, decode_fast(fmt, w, s, g, torch.bfloat16)

@@ -141,7 +141,7 @@ def test_fused_combine_equals_the_unfused_and_the_reference(ep_rank):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [True, False])
-def test_fused_moe_block_equals_the_reference_block(dtype, shared):
+def test_fused_moe_block_equals_the_reference_block(dtype, shared, monkeypatch):
     """A MoE block (router, 16 experts of which one is never chosen, a shared expert or none, scaling 2.5) on 150
     tokens: with `prefill_fusion` its output comes from `moe_output` in one kernel and equals the reference block's
     `MoE.forward` within fp32 rounding (fp32), within one bf16 unit in the last place (bf16: the one rounding of an
@@ -160,14 +160,11 @@ def test_fused_moe_block_equals_the_reference_block(dtype, shared):
         apply(moe, FastPaths(moe=True, prefill_fusion=True))
         assert type(moe).__name__ == "FastMoE"
         seen = []
-        fused = fp.fused_moe_output
         import minimax_ref.fast.moe as fm
 
-        fm.fused_moe_output = lambda *a: seen.append(a) or fused(*a)
-        try:
-            got = moe(x)
-        finally:
-            fm.fused_moe_output = fused
+        monkeypatch.setattr(fm, "fused_moe_output", lambda *a: seen.append(a) or fp.fused_moe_output(*a))
+        got = moe(x)
+        monkeypatch.undo()
         unfused = MoE.forward(moe, x)  # the twin's experts without the block's fusion
     assert len(seen) == 1 and got.dtype == dtype and got.shape == want.shape
     if dtype == torch.float32:

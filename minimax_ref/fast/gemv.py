@@ -57,11 +57,9 @@ if grouped.AVAILABLE:
 
     # The shared decoders as globals of this module: a kernel compiled in inductor's worker process resolves its
     # callees by global name, not through a module attribute.
-    _nvfp4_tile = grouped._nvfp4_tile
-    _nvfp4_table_tile = grouped._nvfp4_table_tile
+    _decoded_tile = grouped._decoded_tile
     _table_words = grouped._table_words
     _table_planes = grouped._table_planes
-    _mxfp8_tile = grouped._mxfp8_tile
     _step_scales = grouped._step_scales
     _x_operand = grouped._x_operand
     _e4m3_value = grouped._e4m3_value
@@ -217,12 +215,7 @@ if AVAILABLE:
             for ks in range(k_lo, k_hi):
                 # grouped's tile decoders read step * (TK's words per row): step ks * TN is tile ks of this layout
                 sc = _step_scales(s_rows, ks * TN, n_ok, B)
-                if NVFP4_FMT and TABLE:
-                    w = _nvfp4_table_tile(w_rows, sc, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
-                elif NVFP4_FMT:
-                    w = _nvfp4_tile(w_rows, sc, g, ks * TN, n_ok, TN, TK, EXACT_FP32)
-                else:
-                    w = _mxfp8_tile(w_rows, sc, ks * TN, n_ok, TN, TK, EXACT_FP32)
+                w = _decoded_tile(w_rows, sc, g, ks * TN, n_ok, NVFP4_FMT, TABLE, TN, TK, EXACT_FP32)
                 kx = ks * TK + jk
                 xt = _x_operand(x_rows[None, :] + kx[:, None], m_ok[None, :] & (kx < K)[:, None], EXACT_FP32)
                 if EXACT_FP32:

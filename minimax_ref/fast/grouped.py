@@ -402,6 +402,19 @@ if AVAILABLE:
                                           _e4m3_byte(words, scale, 3, EXACT_FP32))), (BLOCK_N, BLOCK_K))
 
     @triton.jit
+    def _decoded_tile(w_rows, sc, g, ks, n_ok, NVFP4_FMT: tl.constexpr, TABLE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EXACT_FP32: tl.constexpr):
+        """Step `ks` of a packed weight decoded by its format's tile decoder (NVFP4 through the blocks' tables with
+        TABLE); sc: the step's scale codes (`_step_scales`: BLOCK_K / 16 a row NVFP4, / 32 MXFP8), g: NVFP4's
+        global scale (MXFP8: unread)."""
+        if NVFP4_FMT and TABLE:
+            return _nvfp4_table_tile(w_rows, sc, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+        elif NVFP4_FMT:
+            return _nvfp4_tile(w_rows, sc, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+        else:
+            return _mxfp8_tile(w_rows, sc, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+
+    @triton.jit
     def _packed_matmul_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, active_ptr, y_ptr,
         M, N, K_STEPS, STEPS_PER_SPLIT,
@@ -443,12 +456,7 @@ if AVAILABLE:
         for ks in range(k_lo, k_hi):
             sc = sc_next
             sc_next = _step_scales(s_rows, ks + 1, n_ok & (ks + 1 < k_hi), BLOCKS)
-            if NVFP4_FMT and TABLE:
-                w = _nvfp4_table_tile(w_rows, sc, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
-            elif NVFP4_FMT:
-                w = _nvfp4_tile(w_rows, sc, g, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
-            else:
-                w = _mxfp8_tile(w_rows, sc, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
+            w = _decoded_tile(w_rows, sc, g, ks, n_ok, NVFP4_FMT, TABLE, BLOCK_N, BLOCK_K, EXACT_FP32)
             if X_MAJOR:
                 a = _x_operand(x_rows + ks * BLOCK_K + jk[None, :], m_ok[:, None], EXACT_FP32)  # [BLOCK_M, BLOCK_K]
                 b = tl.trans(w)
@@ -482,16 +490,10 @@ if AVAILABLE:
         n_ok = offs_n < N
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
         s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
-        if NVFP4_FMT and TABLE:
-            sc = _step_scales(s_rows, ks, n_ok, BLOCK_K // 16)
-            w = _nvfp4_table_tile(w_rows, sc, tl.load(g_ptr + e * stride_ge), ks, n_ok, BLOCK_N, BLOCK_K,
-                                  EXACT_FP32)
-        elif NVFP4_FMT:
-            sc = _step_scales(s_rows, ks, n_ok, BLOCK_K // 16)
-            w = _nvfp4_tile(w_rows, sc, tl.load(g_ptr + e * stride_ge), ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
-        else:
-            w = _mxfp8_tile(w_rows, _step_scales(s_rows, ks, n_ok, BLOCK_K // 32), ks, n_ok, BLOCK_N, BLOCK_K,
-                            EXACT_FP32)
+        BLOCKS: tl.constexpr = BLOCK_K // 16 if NVFP4_FMT else BLOCK_K // 32  # block scales a row a step
+        sc = _step_scales(s_rows, ks, n_ok, BLOCKS)
+        w = _decoded_tile(w_rows, sc, tl.load(g_ptr + e * stride_ge), ks, n_ok, NVFP4_FMT, TABLE, BLOCK_N, BLOCK_K,
+                          EXACT_FP32)
         offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
         y_ptrs = y_ptr + e * stride_ye + offs_n[:, None] * stride_yn + offs_k[None, :]
         if EXACT_FP32:  # bf16 values held in fp32: their bits

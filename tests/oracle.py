@@ -55,12 +55,22 @@ def hf_text_state_dict(model) -> dict:
         if t.moe_layers[L]:
             m = layer.block_sparse_moe
             sd[p + "mlp.gate.weight"] = m.gate.weight
-            sd[p + "mlp.gate.e_score_correction_bias"] = m.gate.e_score_correction_bias
+            # transformers always builds the routing bias and a shared expert: a model without them is transformers'
+            # with a zero bias (the same choice) and a zero shared expert (adding nothing)
+            bias = m.gate.e_score_correction_bias
+            sd[p + "mlp.gate.e_score_correction_bias"] = (bias if bias is not None
+                                                          else torch.zeros(t.num_local_experts))
             sd[p + "mlp.experts.gate_up_proj"] = torch.cat([m.experts.w1, m.experts.w3], dim=1)
             sd[p + "mlp.experts.down_proj"] = m.experts.w2
             s = m.shared_experts
-            sd[p + "mlp.shared_experts.gate_up_proj.weight"] = torch.cat([s.gate_proj.weight, s.up_proj.weight], 0)
-            sd[p + "mlp.shared_experts.down_proj.weight"] = s.down_proj.weight
+            if s is None:
+                H, inter = t.hidden_size, t.shared_intermediate_size
+                sd[p + "mlp.shared_experts.gate_up_proj.weight"] = torch.zeros(2 * inter, H)
+                sd[p + "mlp.shared_experts.down_proj.weight"] = torch.zeros(H, inter)
+            else:
+                sd[p + "mlp.shared_experts.gate_up_proj.weight"] = torch.cat([s.gate_proj.weight, s.up_proj.weight],
+                                                                             0)
+                sd[p + "mlp.shared_experts.down_proj.weight"] = s.down_proj.weight
         else:
             d = layer.mlp
             sd[p + "mlp.gate_up_proj.weight"] = torch.cat([d.gate_proj.weight, d.up_proj.weight], 0)

@@ -87,6 +87,87 @@ def test_layer_schedule_comes_from_frequency_lists():
     assert t.moe_layers == (False, True, False, True) and t.sparse_layers == (False, False, True, True)
 
 
+def test_absent_routed_scaling_factor_is_the_release_value_as_in_transformers(ckpt_factory, tmp_path):
+    from tests.oracle import hf_text_model, relative_max_error
+
+    ck = _copy(ckpt_factory("tiny", "nvfp4"), tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    del cfg["text_config"]["routed_scaling_factor"]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    model = load_model(ck, dtype=torch.float32)
+    assert model.config.text.routed_scaling_factor == 2.0  # model.md's release value
+    ids = torch.randint(0, model.config.text.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # transformers, given the same config without the field, computes the same logits
+        assert relative_max_error(model(ids), hf_text_model(model)(ids).logits) < 1e-4
+
+
+def test_rotary_dim_disagreeing_with_partial_rotary_factor_names_both():
+    raw = build_config("tiny", "bf16")
+    head_dim = raw["text_config"]["head_dim"]
+    raw["text_config"].update(rotary_dim=head_dim // 2, partial_rotary_factor=1.0)
+    with pytest.raises(ConfigError, match=r"rotary_dim=.* disagrees with partial_rotary_factor=1\.0"):
+        parse_model_config(raw)
+    raw["text_config"]["partial_rotary_factor"] = 0.5  # agreeing: accepted
+    assert parse_model_config(raw).text.rotary_dim == head_dim // 2
+
+
+def test_missing_required_fields_are_named_together():
+    raw = build_config("tiny", "bf16")
+    del raw["text_config"]["num_hidden_layers"], raw["text_config"]["num_attention_heads"]
+    with pytest.raises(ConfigError, match="num_hidden_layers.*num_attention_heads"):
+        parse_model_config(raw)
+    with pytest.raises(ConfigError, match="no text model: neither a 'text_config' object"):
+        parse_model_config({"model_type": "minimax_m3_vl", "vision_config": raw.get("vision_config")})
+
+
+def test_default_cache_length_is_capped_by_max_position_embeddings(ckpt_factory, tmp_path):
+    ck = _copy(ckpt_factory("tiny", "nvfp4"), tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["text_config"]["max_position_embeddings"] = 96
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert load_model(ck, dtype=torch.float32).max_seq_len == 96  # the default 4096, capped
+    assert load_model(ck, dtype=torch.float32, max_seq_len=64).max_seq_len == 64
+    with pytest.raises(ConfigError, match="max_seq_len .*--max-model-len.*=200 exceeds the model's "
+                                          "max_position_embeddings=96"):
+        load_model(ck, dtype=torch.float32, max_seq_len=200)
+
+
+def _hf_quant_config(ck, quantization: dict) -> None:
+    """ModelOpt's layout: the quantization config under "quantization", beside a producer."""
+    (ck / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.37"},
+                                                         "quantization": quantization}))
+
+
+def test_hf_quant_config_alone_describes_the_quantization(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    quant = cfg.pop("quantization_config")
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config.json has no quantization_config"):
+        open_checkpoint(ck)
+    _hf_quant_config(ck, {k: v for k, v in quant.items() if k != "quant_method"})
+    a = load_model(ck, dtype=torch.float32)
+    b = load_model(tiny_nvfp4, dtype=torch.float32)
+    ids = torch.arange(1, 30)[None]
+    with torch.no_grad():
+        assert torch.equal(a(ids), b(ids))
+
+
+def test_hf_quant_config_disagreeing_with_config_json_is_reported(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    quant = json.loads((ck / "config.json").read_text())["quantization_config"]
+    _hf_quant_config(ck, dict(quant))  # the same: accepted
+    open_checkpoint(ck)
+    layers = dict(quant["quantized_layers"])
+    layers[LAYER1 + "self_attn.q_proj"] = {"quant_algo": "NVFP4", "group_size": 16}
+    _hf_quant_config(ck, {**quant, "quantized_layers": layers, "quant_algo": "NVFP4"})
+    with pytest.raises(ConfigError) as e:
+        open_checkpoint(ck)
+    msg = str(e.value)
+    assert "hf_quant_config.json" in msg and "quant_algo ('MIXED_PRECISION' in config.json, 'NVFP4' here)" in msg
+    assert "quantized_layers (1 entries differ" in msg and LAYER1 + "self_attn.q_proj" in msg
+
+
 # ------------------------------------------------------------------ reader and decoding
 
 
@@ -204,6 +285,25 @@ def test_missing_tensor(tiny_nvfp4, tmp_path):
     name = LAYER1 + "self_attn.k_norm.weight"
     _rewrite(ck, name, lambda t: t.pop(name))
     _problem(ck, "missing tensor", name)
+
+
+def test_a_missing_quantized_weight_is_one_problem_not_its_scales_as_unexpected(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    name = LAYER1 + "self_attn.q_proj.weight"
+    _rewrite(ck, name, lambda t: t.pop(name))
+    err = _problem(ck, "missing tensor " + name)
+    assert not any("unexpected" in p for p in err.problems), err.problems
+
+
+def test_a_packed_weight_of_another_integer_dtype_names_the_dtype_it_needs(tiny_nvfp4, tmp_path):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    name = "language_model.model.layers.2.block_sparse_moe.experts.0.w2.weight"
+
+    def as_int8(t):
+        t[name] = t[name].view(torch.int8)
+    _rewrite(ck, name, as_int8)
+    err = _problem(ck, f"{name} in", "dtype I8, expected U8")
+    assert len(err.problems) == 1, err.problems
 
 
 def test_extra_unknown_tensor_and_ignored_mtp(tiny_nvfp4, tmp_path):

@@ -311,7 +311,8 @@ def _capture_generate(monkeypatch):
             on_result(row, _FakeResult())
         return [_FakeResult() for _ in prompts]
 
-    monkeypatch.setattr(cli_generate, "load_from_args", lambda args: (object(), object(), None))
+    model = type("Model", (), {"max_seq_len": 4096})()  # what the command reads of the model itself
+    monkeypatch.setattr(cli_generate, "load_from_args", lambda args: (model, object(), None))
     monkeypatch.setattr(gen, "generate", generate)
     return calls
 

@@ -258,6 +258,9 @@ def test_batches_larger_than_max_batch_size_run_in_groups(tiny_nvfp4):
     {"head_dim": 64, "rotary_dim": 32},                            # head_dim != hidden / heads
     {"num_local_experts": 6, "num_experts_per_tok": 2},            # other expert counts
     {"tie_word_embeddings": True},                                 # no lm_head tensor
+    {"n_shared_experts": 0},                                       # no shared expert
+    {"use_routing_bias": False},                                   # routing without the selection bias
+    {"num_local_experts": 5, "num_experts_per_tok": 5},            # every expert chosen, an odd count
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_other_geometries_match_transformers(ckpt_factory, overrides):
     model = load_model(ckpt_factory("tiny", "nvfp4", overrides=overrides), dtype=torch.float32)

@@ -168,11 +168,14 @@ def _length_checker(args: argparse.Namespace):
     if getattr(args, "synthetic_weights", None) is not None:
         return None
     from ..generation.tokenizer import load_tokenizer
-    from ..model.config import RuntimeConfig
+    from ..model.config import RuntimeConfig, load_model_config
     from ..weights.embedded import default_checkpoint
 
+    path = args.ckpt_path or default_checkpoint()
     try:
-        return load_tokenizer(args.ckpt_path or default_checkpoint()), args.max_model_len or RuntimeConfig().max_seq_len
+        limit = RuntimeConfig(max_seq_len=args.max_model_len).resolved(
+            load_model_config(path).text.max_position_embeddings, "--max-model-len").max_seq_len
+        return load_tokenizer(path), limit
     except MiniMaxRefError:
         return None
 
@@ -352,6 +355,7 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_prompt_lengths(args, tools)
     cli_interventions(args)  # a bad --expert-mask / --drop-experts is refused before the model loads
     model, tok, _ = load_from_args(args)
+    args.max_model_len = model.max_seq_len  # the default resolved against the model's limit, for the notes
     if args.limit_images is not None:
         import dataclasses
 

@@ -37,8 +37,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         f"{describe_presets(USER_PRESETS)} (default: auto)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")
-    p.add_argument("--max-model-len", type=int, default=4096,
-                   help="longest sequence (prompt + generated tokens) the KV cache holds (default: 4096)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + generated tokens) the KV cache holds (default: 4096, or the "
+                        "model's max_position_embeddings where that is smaller)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="tensor parallel (torchrun examples/generate.py): each rank holds whole routed experts "
                         "(E/TP per rank) instead of a slice of every expert")

@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import InputError
+from ..model.config import RuntimeConfig
 from .sampling import RowSampling, SamplingParams
 from .sizing import choose_sizes
 
 if TYPE_CHECKING:
     from ..model.decoder import MiniMaxM3
 
-DEFAULT_MAX_SEQ_LEN = 4096  # for models without runtime settings (`model.runtime`)
 GREEDY = SamplingParams(temperature=0)
 
 TokenCallback = Callable[[int, int], None]
@@ -244,7 +244,8 @@ class DecodeJob:
         """Check the arguments of `generate_ids` (documented there); InputError names the bad one. The batch and
         prefill chunk not given (here or in `model.runtime`) are chosen from free memory (`sizing.choose_sizes`)."""
         rt = getattr(model, "runtime", None)
-        max_len = _integer(max_seq_len or (rt.max_seq_len if rt else DEFAULT_MAX_SEQ_LEN), "max_seq_len", minimum=2)
+        default = (rt or RuntimeConfig()).resolved(model.text.max_position_embeddings).max_seq_len
+        max_len = _integer(max_seq_len or default, "max_seq_len", minimum=2)
         kv_dtype = kv_cache_dtype or (rt.kv_cache_dtype if rt else "auto")
         if prefill_chunk is not None:
             prefill_chunk = _integer(prefill_chunk, "prefill_chunk", minimum=1)

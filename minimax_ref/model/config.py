@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ from ..errors import ConfigError, InputError
 
 SPARSE_LAYER = "minimax_m3_sparse"
 DENSE_LAYER = "full_attention"
+#: The KV cache's length when none is given (`RuntimeConfig.max_seq_len`), capped by the model's position limit.
+DEFAULT_MAX_SEQ_LEN = 4096
 
 
 _REQUIRED = object()
@@ -223,8 +225,9 @@ class DrafterConfig:
 class RuntimeConfig:
     """Settings chosen when loading, not stored in the checkpoint.
 
-    max_seq_len: longest sequence (prompt + generated) the KV cache holds; default 4096, capped by
-        the model's `max_position_embeddings`.
+    max_seq_len: longest sequence (prompt + generated) the KV cache holds; default None: 4096
+        (`DEFAULT_MAX_SEQ_LEN`), or the model's `max_position_embeddings` where that is smaller
+        (`resolved`). A value given above `max_position_embeddings` is refused when the model loads.
     max_batch_size: sequences decoded together; default None: chosen per call from the memory left
         (`generation.sizing`).
     kv_cache_dtype: "auto" (the compute dtype) or "fp8" (float8_e4m3fn, saturating, scale 1.0).
@@ -233,14 +236,14 @@ class RuntimeConfig:
         elements (default 2**24: 64 MiB in fp32); queries are chunked so memory is linear in context.
     """
 
-    max_seq_len: int = 4096
+    max_seq_len: int | None = None
     max_batch_size: int | None = None
     kv_cache_dtype: str = "auto"
     max_images_per_prompt: int = 1
     attention_chunk_elements: int = 1 << 24
 
     def __post_init__(self) -> None:
-        if self.max_seq_len < 1:
+        if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"runtime setting max_seq_len={self.max_seq_len!r} must be >= 1")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ConfigError(f"runtime setting max_batch_size={self.max_batch_size!r} must be >= 1")
@@ -255,6 +258,19 @@ class RuntimeConfig:
             raise ConfigError(
                 f"runtime setting max_images_per_prompt={self.max_images_per_prompt!r} must be >= 0"
             )
+
+    def resolved(self, max_position_embeddings: int,
+                 flag: str = "max_seq_len (--max-model-len on the command line)") -> RuntimeConfig:
+        """These settings for a model of `max_position_embeddings`: max_seq_len given (None: the default, capped
+        by the model's limit). A given max_seq_len above the limit is a ConfigError naming `flag` (the setting as
+        the caller spelled it, e.g. the CLI's --max-model-len)."""
+        if self.max_seq_len is None:
+            return replace(self, max_seq_len=min(DEFAULT_MAX_SEQ_LEN, max_position_embeddings))
+        if self.max_seq_len > max_position_embeddings:
+            raise ConfigError(f"{flag}={self.max_seq_len} exceeds the model's max_position_embeddings="
+                              f"{max_position_embeddings} (config.json): give {flag} "
+                              f"{max_position_embeddings} or less")
+        return self
 
     @classmethod
     def from_kwargs(cls, where: str = "load_model", **kwargs: Any) -> RuntimeConfig:
@@ -299,10 +315,17 @@ def _type_list(values: Any, n_layers: int, where: str, name: str, yes: str, no: 
     return tuple(out)
 
 
+# The text model's fields without a default: a config lacking them describes no model.
+TEXT_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
 def parse_text_config(tc: dict, where: str = "config.json text_config") -> TextConfig:
     """Parse the text model's config from either the raw release form or the transformers form."""
     if not isinstance(tc, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(tc).__name__}")
+    absent = [key for key in TEXT_REQUIRED if tc.get(key) is None]
+    if len(absent) > 1:  # all of them in one message (one alone gets _int's)
+        raise ConfigError(f"{where}: required fields {absent} are missing or null; each must be an integer")
     n_layers = _int(tc, "num_hidden_layers", where)
     hidden = _int(tc, "hidden_size", where)
     n_heads = _int(tc, "num_attention_heads", where)
@@ -347,11 +370,16 @@ def parse_text_config(tc: dict, where: str = "config.json text_config") -> TextC
     else:
         theta = _float(tc, "rope_theta", where, 5_000_000.0, positive=True)
     partial = rope_params.get("partial_rotary_factor", tc.get("partial_rotary_factor"))
+    from_partial = None if partial is None else int(
+        head_dim * _float({"partial_rotary_factor": partial}, "partial_rotary_factor", where, 0.5, positive=True))
     if "rotary_dim" in tc and tc["rotary_dim"] is not None:
         rotary_dim = _int(tc, "rotary_dim", where)
-    elif partial is not None:
-        rotary_dim = int(head_dim * _float({"partial_rotary_factor": partial}, "partial_rotary_factor", where, 0.5,
-                                           positive=True))
+        if from_partial is not None and from_partial != rotary_dim:
+            raise ConfigError(f"{where}: rotary_dim={rotary_dim} disagrees with partial_rotary_factor={partial} "
+                              f"(head_dim={head_dim} x {partial} = {from_partial} rotated channels): give one, or "
+                              "make them agree")
+    elif from_partial is not None:
+        rotary_dim = from_partial
     else:
         rotary_dim = head_dim // 2
     _require(0 < rotary_dim <= head_dim and rotary_dim % 2 == 0, where, "rotary_dim", rotary_dim,
@@ -446,7 +474,7 @@ def parse_text_config(tc: dict, where: str = "config.json text_config") -> TextC
         num_local_experts=n_experts,
         num_experts_per_tok=top_k,
         n_shared_experts=n_shared,
-        routed_scaling_factor=_float(tc, "routed_scaling_factor", where, 1.0, positive=True),
+        routed_scaling_factor=_float(tc, "routed_scaling_factor", where, 2.0, positive=True),
         use_routing_bias=_bool(tc, "use_routing_bias", where, True),
         rms_norm_eps=_float(tc, "rms_norm_eps", where, 1e-6, positive=True),
         rope_theta=theta,
@@ -509,6 +537,9 @@ def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
             else None
         )
     else:
+        if all(raw.get(key) is None for key in TEXT_REQUIRED):
+            raise ConfigError(f"{where}: no text model: neither a 'text_config' object (the release's layout) nor "
+                              f"the text model's fields {list(TEXT_REQUIRED)} at the top level")
         text = parse_text_config(raw, where)
         vision = None
     quant = raw.get("quantization_config")
@@ -604,8 +635,49 @@ def read_json(path: Path, what: str) -> dict:
 
 
 def load_model_config(ckpt_dir: str | Path) -> ModelConfig:
+    """The checkpoint folder's `config.json`, with the quantization config of `hf_quant_config.json` (ModelOpt's
+    copy) where the folder has one (`with_hf_quant_config`)."""
     path = Path(ckpt_dir) / "config.json"
-    return parse_model_config(read_json(path, "config.json"), str(path))
+    cfg = parse_model_config(read_json(path, "config.json"), str(path))
+    hf_quant = Path(ckpt_dir) / HF_QUANT_CONFIG
+    if hf_quant.is_file():
+        cfg = with_hf_quant_config(cfg, read_json(hf_quant, HF_QUANT_CONFIG), str(hf_quant))
+    return cfg
+
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+# The keys of a ModelOpt quantization config that decide which linear is stored in which format.
+_DECIDING_KEYS = ("quant_algo", "quantized_layers", "exclude_modules", "group_size")
+
+
+def with_hf_quant_config(cfg: ModelConfig, raw: Any, where: str) -> ModelConfig:
+    """`cfg` with ModelOpt's `hf_quant_config.json` (`raw`: {"producer": ..., "quantization": {...}}) read: its
+    `quantization` object (quant_method "modelopt" unless it names one) is the quantization config where
+    config.json has none; where config.json has a ModelOpt one too, every key that decides a linear's format
+    (`_DECIDING_KEYS`) present in both must agree, or a ConfigError lists each disagreement (decided here: a
+    config.json of another quant_method, e.g. compressed-tensors, is taken as it is)."""
+    q = raw.get("quantization") if isinstance(raw, dict) else None
+    if not isinstance(q, dict):
+        raise ConfigError(f"{where}: expected an object with a 'quantization' object (ModelOpt's layout), got "
+                          f"{type(q).__name__ if isinstance(raw, dict) else type(raw).__name__}")
+    q = {"quant_method": raw.get("quant_method", "modelopt"), **q}
+    if cfg.quantization is None:
+        return replace(cfg, quantization=q)
+    if cfg.quantization.get("quant_method") != "modelopt" or q["quant_method"] != "modelopt":
+        return cfg
+    differ = []
+    for key in _DECIDING_KEYS:
+        a, b = cfg.quantization.get(key), q.get(key)
+        if key in cfg.quantization and key in q and a != b:
+            if isinstance(a, dict) and isinstance(b, dict):
+                names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
+                differ.append(f"{key} ({len(names)} entries differ, e.g. {names[:3]})")
+            else:
+                differ.append(f"{key} ({a!r} in config.json, {b!r} here)")
+    if differ:
+        raise ConfigError(f"{where}: its quantization disagrees with config.json's quantization_config on "
+                          f"{'; '.join(differ)}: the two files must describe the same checkpoint")
+    return cfg
 
 
 def check_layer_ids(layers: Iterable, n: int, what: str) -> None:

@@ -498,11 +498,13 @@ def load_for_args(path: Path, args: argparse.Namespace, role: str = "model"):
 def load_traces_for_args(path: Path, ckpt: Path, args: argparse.Namespace) -> list[ScoreTrace]:
     """Read a traces file with the checkpoint's tokenizer and vocabulary (before any weights load)."""
     from ..generation.tokenizer import load_tokenizer
-    from ..model.config import load_model_config
+    from ..model.config import RuntimeConfig, load_model_config
 
     cfg = load_model_config(ckpt)
     tok = load_tokenizer(ckpt)
-    return read_traces(path, tok, chat=args.chat, vocab_size=cfg.text.vocab_size, max_len=args.max_model_len)
+    max_len = RuntimeConfig(max_seq_len=args.max_model_len).resolved(cfg.text.max_position_embeddings,
+                                                                     "--max-model-len").max_seq_len
+    return read_traces(path, tok, chat=args.chat, vocab_size=cfg.text.vocab_size, max_len=max_len)
 
 
 def free(model) -> None:

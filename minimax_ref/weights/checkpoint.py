@@ -481,10 +481,13 @@ def _linear_format(prefix: str, tensors: dict[str, TensorInfo]) -> LinearFormat 
     if w not in tensors:
         return None
     dt = tensors[w].dtype
-    if dt == "U8":
+    # a weight of another dtype beside a format's scales was meant in that format: checked as one, its dtype is the
+    # problem named (not a dense weight of the wrong shape with unexpected scales)
+    odd = dt not in FLOAT_DTYPES and dt not in ("U8", "F8_E4M3")
+    if dt == "U8" or (odd and prefix + ".weight_scale_2" in tensors):
         return LinearFormat(NVFP4, w, prefix + ".weight_scale", prefix + ".weight_scale_2",
                             prefix + ".input_scale" if prefix + ".input_scale" in tensors else None)
-    if dt == "F8_E4M3":
+    if dt == "F8_E4M3" or (odd and (prefix + ".weight_scale_inv" in tensors or prefix + ".weight_scale" in tensors)):
         scale = prefix + ".weight_scale_inv" if prefix + ".weight_scale_inv" in tensors else prefix + ".weight_scale"
         return LinearFormat(MXFP8, w, scale)
     return LinearFormat(DENSE, w)
@@ -658,10 +661,9 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     for prefix, spec in linears.items():
         f = _linear_format(prefix, tensors)
         if f is None:
-            if unreadable.covers(prefix + ".weight", prefix):
-                # its scales may sit in a readable shard: they belong to this linear, not to "unexpected"
-                known.update(prefix + s for s in LINEAR_SUFFIXES)
-            else:
+            # its scales, if present, belong to this linear: the missing weight is the problem, not "unexpected" scales
+            known.update(prefix + s for s in LINEAR_SUFFIXES)
+            if not unreadable.covers(prefix + ".weight", prefix):
                 problems.append(f"missing tensor {prefix}.weight ({spec.family}, [{spec.out_features}, "
                                 f"{spec.in_features}])")
             continue

@@ -387,9 +387,7 @@ def _load(ck: Checkpoint, world: World, expert_parallel: bool, device: torch.dev
     rt = RuntimeConfig.from_kwargs("load_model", **runtime)
     t0 = time.perf_counter()
     cfg = ck.config
-    if rt.max_seq_len > cfg.text.max_position_embeddings:
-        raise ConfigError(f"max_seq_len={rt.max_seq_len} exceeds the model's max_position_embeddings="
-                          f"{cfg.text.max_position_embeddings}")
+    rt = rt.resolved(cfg.text.max_position_embeddings)
     check_tp_split(ck, world.size, expert_parallel)  # before any weight is read
     numerics = Numerics(act_quant, rt.attention_chunk_elements, rt.kv_cache_dtype)
     formats = {spec.module: ck.formats[prefix].fmt for prefix, spec in ck.linears.items()}

@@ -41,7 +41,8 @@ def _fake_model(max_batch_size: int | None = None):
     their prefill chunk (the fake has no memory to choose one from)."""
     rt = None if max_batch_size is None else SimpleNamespace(max_seq_len=64, kv_cache_dtype="auto",
                                                             max_batch_size=max_batch_size)
-    return SimpleNamespace(text=SimpleNamespace(vocab_size=100), device=torch.device("cpu"), runtime=rt,
+    return SimpleNamespace(text=SimpleNamespace(vocab_size=100, max_position_embeddings=4096),
+                           device=torch.device("cpu"), runtime=rt,
                            new_cache=lambda slots, length, kv_cache_dtype: None)
 
 

@@ -244,8 +244,10 @@ class DecodeJob:
         """Check the arguments of `generate_ids` (documented there); InputError names the bad one. The batch and
         prefill chunk not given (here or in `model.runtime`) are chosen from free memory (`sizing.choose_sizes`)."""
         rt = getattr(model, "runtime", None)
-        default = (rt or RuntimeConfig()).resolved(model.text.max_position_embeddings).max_seq_len
-        max_len = _integer(max_seq_len or default, "max_seq_len", minimum=2)
+        if not max_seq_len:  # the runtime's (resolved when loaded), or the default capped by the position limit
+            max_seq_len = rt.max_seq_len if rt else RuntimeConfig().resolved(
+                model.text.max_position_embeddings).max_seq_len
+        max_len = _integer(max_seq_len, "max_seq_len", minimum=2)
         kv_dtype = kv_cache_dtype or (rt.kv_cache_dtype if rt else "auto")
         if prefill_chunk is not None:
             prefill_chunk = _integer(prefill_chunk, "prefill_chunk", minimum=1)

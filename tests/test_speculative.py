@@ -652,7 +652,7 @@ class ToyTarget:
 
     def __init__(self, logits: torch.Tensor):
         self.table = logits
-        self.text = SimpleNamespace(vocab_size=logits.shape[0])
+        self.text = SimpleNamespace(vocab_size=logits.shape[0], max_position_embeddings=4096)
         self.device = torch.device("cpu")
 
     def new_cache(self, batch_size, max_len, kv_cache_dtype="auto"):

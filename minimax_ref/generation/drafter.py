@@ -72,6 +72,7 @@ from ..weights.checkpoint import (
     _check_linear,
     _check_plain,
     _linear_format,
+    placed,
     scan_shards,
 )
 from .sampling import RowSampling, SamplingParams
@@ -578,11 +579,10 @@ def load_drafter(path: str | Path, target: MiniMaxM3, *, capture_final_norm: boo
     state: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     for spec in ck.plain.values():
-        t = ck.read(spec.name).to(device)
-        state[spec.module] = t.float() if spec.family == "norm" else t.to(dtype)
+        state[spec.module] = placed(ck.read(spec.name), device, torch.float32 if spec.family == "norm" else dtype)
     for prefix, spec in ck.linears.items():
         try:
-            state[spec.module + ".weight"] = ck.read_linear(prefix).to(device=device, dtype=dtype)
+            state[spec.module + ".weight"] = placed(ck.read_linear(prefix), device, dtype)
         except CheckpointError as e:
             problems.append(str(e))
     ck.close()

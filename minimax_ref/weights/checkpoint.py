@@ -640,6 +640,14 @@ def _scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str], Unreadab
     return tensors, problems, unreadable
 
 
+def placed(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor read from a shard as a parameter on `device` in `dtype`: always its own allocation (one copy, which
+    a move or a cast makes anyway). safetensors returns CPU tensors at 8-byte offsets, and CPU BLAS rounds a small
+    product differently at different alignments: a parameter left there would give other fp32 bits than the same
+    values in torch's 64-byte-aligned memory (a golden bundle's replay, another loader)."""
+    return t.to(device=device, dtype=dtype, copy=True)
+
+
 def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     """Open and validate a checkpoint folder (headers only: no tensor data is read).
 

@@ -34,7 +34,7 @@ from ..model.decoder import MiniMaxM3, Numerics
 from ..model.linear import ACT_QUANT_MODES
 from ..model.parallel import World, check_tp_split
 from ..progress import Progress
-from .checkpoint import DENSE, NVFP4, Checkpoint, _nbytes, open_checkpoint
+from .checkpoint import DENSE, NVFP4, Checkpoint, _nbytes, open_checkpoint, placed
 from .packed import PackedWeight, check_packed, model_nbytes, read_packed
 
 WEIGHT_MODES = ("dequant", "packed")
@@ -160,9 +160,9 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
 
     # plain tensors
     for spec, rows in plain:
-        t = ck.read(spec.name, rows=rows).to(device)
+        t = ck.read(spec.name, rows=rows)
         keep_fp32 = spec.family in ("norm", "router")
-        _set(model, spec.module, t.float() if keep_fp32 else t.to(dtype))
+        _set(model, spec.module, placed(t, device, torch.float32 if keep_fp32 else dtype))
         account(spec.family, t.numel() * t.element_size())
     if ck.config.text.tie_word_embeddings and (select is None or select("embed_tokens.weight")):
         model.lm_head._parameters["weight"] = model.embed_tokens.weight
@@ -183,7 +183,7 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
                     except QuantFormatError as e:
                         raise CheckpointError(f"{ck.path}: {e}") from None
             else:
-                w = ck.read_linear(prefix, rows=rows, cols=cols).to(device=device, dtype=dtype)
+                w = placed(ck.read_linear(prefix, rows=rows, cols=cols), device, dtype)
         except CheckpointError as e:
             problems.append(str(e))
             continue

@@ -99,7 +99,7 @@ def test_token_ids_out_of_range(tiny_nvfp4):
         generate_ids(model, [[1, 2, 5000]], max_new_tokens=2)
     with pytest.raises(InputError, match="outside the vocabulary"):
         model(torch.tensor([[1, -1]]))
-    with pytest.raises(InputError, match="prompt 1 is empty"):
+    with pytest.raises(InputError, match=r"prompts\[1\] is empty"):
         generate_ids(model, [[1, 2], []], max_new_tokens=2)
     with pytest.raises(InputError, match="temperature"):
         SamplingParams(temperature=-0.5)
@@ -127,13 +127,29 @@ def test_input_file_batch_keeps_order_and_reports_bad_lines(tiny_nvfp4, tmp_path
     # bad lines first (checked before the model runs), then results as they complete, each naming its line
     by_line = {row["line"]: row for row in rows[:-1]}
     assert sorted(by_line) == [1, 2, 3, 4]
-    assert by_line[1]["id"] == "a" and len(by_line[1]["token_ids"]) == 3 and by_line[1]["request"]["seconds"] > 0
+    assert by_line[1]["id"] == "a" and len(by_line[1]["token_ids"]) == 3 and by_line[1]["stats"]["seconds"] > 0
     assert by_line[2] == {"line": 2, "error": by_line[2]["error"]} and "not valid JSON" in by_line[2]["error"]
     assert by_line[3]["id"] == "c" and isinstance(by_line[3]["text"], str) and len(by_line[3]["token_ids"]) == 4
-    assert "wizard" in by_line[4]["error"]
+    assert "wizard" in by_line[4]["error"] and by_line[4]["id"] == "d"  # an error row names its request's id
     assert f"{requests}:2:" in err and f"{requests}:4:" in err
-    assert rows[-1]["summary"]["requests"] == 4 and rows[-1]["summary"]["failed"] == 2
-    assert rows[-1]["summary"]["generated_tokens"] == 7
+    summary = rows[-1]["summary"]
+    assert summary["requests"] == 4 and summary["failed"] == 2 and summary["generated_tokens"] == 7
+    # the calls' own figures: one call per kind of line (raw, chat), each with its rates
+    assert sorted(c["lines"] for c in summary["calls"]) == [[1], [3]]
+    assert all(c["decode_tokens_per_s"] > 0 and "prefill_tokens_per_s" in c for c in summary["calls"])
+
+
+def test_input_file_chat_only_keys_on_a_raw_prompt_are_refused_per_line(monkeypatch, tmp_path, capsys):
+    calls = _capture_generate(monkeypatch)
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "x", "prompt": "What is 2+2?", "thinking": "enabled"}, {"prompt": "b", "system": "Be brief."},
+        {"prompt": "c"}]) + "\n")
+    code, out, err = run(["generate", "--input-file", str(requests), "--output-format", "json"], capsys)
+    assert code == 1 and len(calls) == 1 and calls[0]["prompts"] == ["c"]
+    assert f"{requests}:1: 'thinking' apply only to chat requests" in err
+    assert f"{requests}:2: 'system' apply only to chat requests" in err
+    assert json.loads(out.splitlines()[0])["id"] == "x"
 
 
 def test_input_file_lines_decode_together(tiny_nvfp4, tmp_path, capsys, monkeypatch):
@@ -292,10 +308,10 @@ def test_zero_max_new_tokens_is_refused_before_loading(monkeypatch, capsys, flag
 
 
 class _FakeResult:
-    token_ids, prompt_token_ids, finish_reason = [1], [1], "stop"
+    token_ids, prompt_token_ids, finish_reason, stats, request = [1], [1], "stop", {}, {}
 
     def as_dict(self):
-        return {"text": "x", "stats": {}}
+        return {"text": "x", "request": self.request, "stats": self.stats}
 
 
 def _capture_generate(monkeypatch):

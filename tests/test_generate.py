@@ -250,7 +250,7 @@ def test_a_string_is_one_prompt(model, tok):
     (None, {}, "prompts: expected a string or a list of prompts, got NoneType"),
     (b"hello", {}, "prompts: got bytes"),
     (["fine", 3.5], {}, r"prompts\[1\]: expected a string, a list of token ids, got float"),
-    ([["not", "a", "message"]], {"chat": True}, "prompt 0: a chat prompt is .* item 0 is str"),
+    ([["not", "a", "message"]], {"chat": True}, r"prompts\[0\]: a chat prompt is .* item 0 is str"),
 ])
 def test_generate_refuses_wrong_prompt_types(model, tok, prompts, kw, needle):
     with pytest.raises(InputError, match=needle):

@@ -340,6 +340,51 @@ def test_several_text_prompts_are_separated(tiny_nvfp4, capsys):
     assert code == 0 and "=== prompt 1 of 2 ===" in out and "=== prompt 2 of 2 ===" in out
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["plan", "--ckpt-path", ".", "--tp", "1", "--gpu-memory", "nan", "--max-model-len", "16"],
+     "argument --gpu-memory: nan is not a finite number"),
+    (["plan", "--ckpt-path", ".", "--tp", "1", "--gpu-memory", "80", "--max-model-len", "16", "--activation-reserve",
+      "inf"], "argument --activation-reserve: inf is not a finite number"),
+    (["generate", "--prompt", "hi", "--max-model-len", "-5"], "argument --max-model-len: -5 must be >= 1"),
+    (["generate", "--prompt", "hi", "--top-p", "nan"], "argument --top-p: nan is not a finite number"),
+    (["golden", "--prompt", "hi", "--out", "x", "--page-size", "0"], "argument --page-size: 0 must be >= 1"),
+])
+def test_out_of_range_numbers_are_refused_by_the_parser(args, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_bad_combinations_and_paths_name_the_flag(tmp_path, capsys):
+    code, _, err = run(["generate", "--interactive", "--output-format", "json"], capsys)
+    assert code == 2 and "--interactive prints text" in _one_error_line(err)
+    code, _, err = run(["generate", "--prompt", "hi", "--image", str(tmp_path)], capsys)
+    assert code == 2 and "a directory, not an image file" in _one_error_line(err)
+    code, _, err = run(["prune", "--keep", "8", "--calibration", str(tmp_path / "none.jsonl"), "--out",
+                        str(tmp_path / "o")], capsys)
+    assert code == 2 and f"--calibration {tmp_path / 'none.jsonl'}: cannot read" in _one_error_line(err)
+
+
+def test_stop_ids_outside_the_vocabulary_and_untyped_text_are_refused():
+    import minimax_ref as mr
+    from minimax_ref.errors import InputError
+
+    model, tok = mr.load_model(None, dtype=torch.float32), mr.load_tokenizer(None)
+    with pytest.raises(InputError, match=r"stop_ids \[99999\] are outside the vocabulary \[0, 4096\)"):
+        mr.generate(model, tok, ["hi"], max_new_tokens=2, stop_ids=[99999])
+    with pytest.raises(InputError, match="parse_output: expected the generated text as a string, got NoneType"):
+        mr.parse_output(None)
+
+
+def test_golden_replay_takes_ops(small_bundle, capsys):
+    code, out, _ = run(["golden", "--replay", str(small_bundle), "--ops", "rmsnorm"], capsys)
+    assert code == 0 and json.loads(out)["checks"] > 0
+    code, _, err = run(["golden", "--replay", str(small_bundle), "--ops", "router"], capsys)
+    assert code == 2 and "no entry of --ops router in the bundle" in _one_error_line(err)
+    code, _, err = run(["golden", "--replay", str(small_bundle), "--ops", "bogus"], capsys)
+    assert code == 2 and "unknown op 'bogus'" in _one_error_line(err)
+
+
 def test_device_mps_is_one_error(capsys):
     code, _, err = run(["generate", "--device", "mps", "--prompt", "hi"], capsys)
     assert code == 2 and "mps" in _one_error_line(err)

@@ -234,9 +234,9 @@ def test_bad_inputs(vl_model, tok, png, tmp_path):
     bad.write_bytes(png.read_bytes()[:60])  # a truncated PNG
     with pytest.raises(InputError, match="corrupt.png"):
         generate(vl_model, tok, ["hi"], images=[[bad]], **kw)
-    with pytest.raises(InputError, match=r"prompt 0 has 2 image marker\(s\).*but 1 image\(s\)"):
+    with pytest.raises(InputError, match=r"prompts\[0\] has 2 image marker\(s\).*but 1 image\(s\)"):
         generate(vl_model, tok, [f"a{IMAGE_MARKER}b{IMAGE_MARKER}"], images=[[png]], **kw)
-    with pytest.raises(InputError, match=r"prompt 1 has 3 images but at most 2"):
+    with pytest.raises(InputError, match=r"prompts\[1\] has 3 images but at most 2"):
         generate(vl_model, tok, ["a", "b"], images=[None, [png] * 3], **kw)
     with pytest.raises(InputError, match="one entry per prompt"):
         generate(vl_model, tok, ["a", "b"], images=[[png]], **kw)

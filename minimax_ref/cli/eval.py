@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
+from .arg_types import finite_float
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
@@ -34,9 +35,9 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=512,
                    help="most tokens per reply for tasks without their own (default: 512; a reply cut by it is "
                         "not finished, and not right)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the probability mass kept, in (0, 1] (default: "
-                                                              "1.0, off)")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=finite_float, default=1.0,
+                   help="nucleus: the probability mass kept, in (0, 1] (default: 1.0, off)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of task 0 (task i: seed + i; default: 0)")
     p.add_argument("--max-batch-size", type=int, default=None,

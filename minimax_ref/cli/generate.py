@@ -11,23 +11,10 @@ import time
 from pathlib import Path
 
 from ..errors import InputError, MiniMaxRefError
+from .arg_types import finite_float, nonneg_int, positive_int
 from .model_args import add_intervention_flags, add_model_flags, load_from_args
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
-
-
-def _nonneg_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
 
 
 def build_generate_parser(p: argparse.ArgumentParser) -> None:
@@ -44,21 +31,21 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
                         "without 'max_new_tokens' takes --max-new-tokens, itself 512 when not given); one "
                         "JSON result per line on stdout, in input order")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat session (/reset, /exit)")
-    p.add_argument("--max-batch-size", type=_positive_int, default=None,
+    p.add_argument("--max-batch-size", type=positive_int, default=None,
                    help="requests decoded together by continuous batching: when one finishes, the next waiting one "
                         "takes its place (default: as many as the memory left after loading holds at their length, "
                         "up to 64 on a GPU and 16 on a CPU; the run's stats name it)")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=None,
+    p.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="prompt tokens per prefill forward, like vLLM's --max-num-batched-tokens (default: the "
                         "largest power of two whose activations take at most a quarter of the memory left, up to "
                         "16384 on a GPU and 2048 on a CPU)")
-    p.add_argument("--max-new-tokens", type=_nonneg_int, default=None,
+    p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"most tokens per reply, >= 1 (default: {DEFAULT_MAX_NEW_TOKENS}, room for the reasoning "
                         "of a thinking turn before its answer); also the default of --input-file lines without "
                         "'max_new_tokens'")
-    p.add_argument("--temperature", type=float, default=rec["temperature"],
+    p.add_argument("--temperature", type=finite_float, default=rec["temperature"],
                    help=f"0 = greedy (default: {rec['temperature']}, MiniMax's recommendation)")
-    p.add_argument("--top-p", type=float, default=rec["top_p"], help=f"in (0, 1] (default: {rec['top_p']})")
+    p.add_argument("--top-p", type=finite_float, default=rec["top_p"], help=f"in (0, 1] (default: {rec['top_p']})")
     p.add_argument("--top-k", type=int, default=rec["top_k"], help=f"0 = off (default: {rec['top_k']})")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--chat", action="store_true", help="render prompts with the chat template")
@@ -82,7 +69,7 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
                         "text (with --chat, at the start of the user turn) unless the prompt holds one "
                         "]<]image[>[ marker per image. Applies to every --prompt, and to --input-file "
                         "records without 'images'")
-    p.add_argument("--limit-images", type=_nonneg_int, default=None, metavar="N",
+    p.add_argument("--limit-images", type=nonneg_int, default=None, metavar="N",
                    help="most images one prompt may carry (default: 1, the release deployment's limit)")
 
 
@@ -332,6 +319,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 for x in (args.prompt, args.input_file, args.interactive or None))
     if modes != 1:
         raise InputError("give exactly one of --prompt, --input-file or --interactive")
+    if args.interactive and args.output_format == "json":
+        raise InputError("--output-format json applies to --prompt and --input-file; --interactive prints text")
     if args.prompt is not None and any(p == "" for p in args.prompt):
         raise InputError("--prompt is empty: give some text")
     if args.prompt is not None:
@@ -349,7 +338,8 @@ def run_generate(args: argparse.Namespace) -> int:
             raise InputError(f"{', '.join(chat_only)} {verb} only to chat prompts: add --chat")
     for path in args.image or []:
         if not path.is_file():  # fail before loading the model; contents are checked when decoded
-            raise InputError(f"--image {path}: no such file")
+            raise InputError(f"--image {path}: " + ("a directory, not an image file" if path.is_dir()
+                                                    else "no such file"))
     _check_images_allowed(args, len(args.image or []), "--image")
     _check_draft_length(args)
     _check_prompt_lengths(args, tools)
@@ -407,6 +397,10 @@ def _check_request(args: argparse.Namespace, req: object, tools) -> dict:
     if unknown:
         raise InputError(f"unknown keys {unknown} (known: {list(REQUEST_KEYS)})")
     chat = args.chat or "messages" in req
+    chat_only = [key for key in ("tools", "thinking", "system") if key in req]
+    if chat_only and not chat:  # as --tools / --thinking / --system without --chat: not silently dropped
+        raise InputError(f"{', '.join(repr(k) for k in chat_only)} apply only to chat requests: give 'messages' "
+                         "instead of 'prompt', or run with --chat")
     prompt = req.get("messages", req.get("prompt"))
     if "messages" in req:
         if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
@@ -494,7 +488,9 @@ def _batch_file(args, model, tok, requests) -> int:
 
     failed: list[int] = []
     written: set[int] = set()
+    calls_stats: list[dict] = []  # each generate call's figures, for the summary
     good = [(n, req_id, kw) for n, req_id, kw in requests if not isinstance(kw, str)]
+    ids = {n: req_id for n, req_id, _ in requests}
     progress = GenerationProgress(len(good), sum(kw["max_new_tokens"] for _, _, kw in good))
     start, generated = time.perf_counter(), 0
 
@@ -502,7 +498,8 @@ def _batch_file(args, model, tok, requests) -> int:
         failed.append(n)
         print(f"error: {args.input_file}:{n}: {message}", file=sys.stderr)
         if args.output_format == "json":
-            print(json.dumps({"line": n, "error": message}, ensure_ascii=False), flush=True)
+            row = {"line": n, **({"id": ids[n]} if ids.get(n) is not None else {}), "error": message}
+            print(json.dumps(row, ensure_ascii=False), flush=True)
 
     def write(n: int, req_id, res, max_new_tokens: int) -> None:
         nonlocal generated
@@ -512,7 +509,9 @@ def _batch_file(args, model, tok, requests) -> int:
         if args.output_format == "json":
             out = {"line": n, **({"id": req_id} if req_id is not None else {}), "max_new_tokens": max_new_tokens,
                    **res.as_dict()}
-            del out["stats"]  # the run's figures come in the summary line
+            # a row is written as its request completes: its stats are its own figures; the calls' (prefill and
+            # decode rates, a drafter's acceptance) come in the summary line
+            out["stats"] = out.pop("request")
             print(json.dumps(out, ensure_ascii=False), flush=True)
         else:
             print(f"=== line {n}" + (f" (id {req_id})" if req_id is not None else "") + " ===")
@@ -535,10 +534,11 @@ def _batch_file(args, model, tok, requests) -> int:
             n, req_id, kw = items[row]
             write(n, req_id, res, kw["max_new_tokens"])
 
-        generate(model, tok, [kw["prompts"][0] for _, _, kw in items], **{k: call[k] for k in CALL_KEYS}, **rows,
-                 images=images if any(images) else None, max_batch_size=args.max_batch_size,
-                 prefill_chunk=args.prefill_chunk, on_result=on_result, on_token=lambda row, tok: progress.token(),
-                 **_draft_kwargs(args, model))
+        results = generate(model, tok, [kw["prompts"][0] for _, _, kw in items], **{k: call[k] for k in CALL_KEYS},
+                           **rows, images=images if any(images) else None, max_batch_size=args.max_batch_size,
+                           prefill_chunk=args.prefill_chunk, on_result=on_result,
+                           on_token=lambda row, tok: progress.token(), **_draft_kwargs(args, model))
+        calls_stats.append({"lines": [n for n, _, _ in items], **results[0].stats})
 
     for n, _, kw in requests:
         if isinstance(kw, str):
@@ -564,7 +564,8 @@ def _batch_file(args, model, tok, requests) -> int:
     progress.close()
     seconds = time.perf_counter() - start
     summary = {"requests": len(requests), "failed": len(failed), "generated_tokens": generated,
-               "seconds": round(seconds, 3), "output_tokens_per_s": round(generated / seconds, 3) if seconds else 0.0}
+               "seconds": round(seconds, 3), "output_tokens_per_s": round(generated / seconds, 3) if seconds else 0.0,
+               "calls": calls_stats}
     if args.output_format == "json":
         print(json.dumps({"summary": summary}), flush=True)
     else:

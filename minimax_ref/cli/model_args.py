@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
+from .arg_types import finite_float, positive_int
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -37,7 +38,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         f"{describe_presets(USER_PRESETS)} (default: auto)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV and index-key cache storage: auto (compute dtype) or fp8 (e4m3, scale 1.0)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest sequence (prompt + generated tokens) the KV cache holds (default: 4096, or the "
                         "model's max_position_embeddings where that is smaller)")
     p.add_argument("--expert-parallel", action="store_true",
@@ -58,7 +59,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "memory (cpu) or in --offload-folder (disk) and stream them to --device layer by layer, only "
                         "the chosen experts' rows of routed experts (needs --weights packed and the accelerate "
                         "package: pip install 'minimax-ref[offload]'; same outputs) (default: none)")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+    p.add_argument("--gpu-memory", type=finite_float, default=None, metavar="GIB",
                    help="with --offload: GiB of --device memory the model may take (resident weights, staging "
                         "buffers, activations and KV cache); `minimax-ref plan --offload cpu` shows the device map")
     p.add_argument("--offload-folder", type=Path, default=None, metavar="DIR",

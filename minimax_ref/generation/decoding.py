@@ -186,13 +186,13 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, max_len: int) ->
         raise InputError("no prompts given")
     for i, p in enumerate(prompts):
         if len(p) == 0:
-            raise InputError(f"prompt {i} is empty: give at least one token")
+            raise InputError(f"prompts[{i}] is empty: give at least one token")
         if len(p) >= max_len:
-            raise InputError(f"prompt {i} has {len(p)} tokens but the maximum sequence length is {max_len} "
+            raise InputError(f"prompts[{i}] has {len(p)} tokens but the maximum sequence length is {max_len} "
                              "(raise --max-model-len / max_seq_len, or shorten the prompt)")
         bad = [t for t in p if not 0 <= int(t) < vocab]
         if bad:
-            raise InputError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+            raise InputError(f"prompts[{i}] has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
 
 def _integer(value: Any, name: str, minimum: int | None = None) -> int:
@@ -271,8 +271,12 @@ class DecodeJob:
             sizes = choose_sizes(model, cache_len, kv_dtype)
             limit = limit or sizes.max_batch_size
             prefill_chunk = prefill_chunk or sizes.prefill_chunk
-        return cls(ids, new, params, seeds, stop_id_set(stop_ids), max_len, kv_dtype, prefill_chunk, on_token,
-                   inputs_embeds, limit)
+        stop = stop_id_set(stop_ids)
+        vocab = model.text.vocab_size
+        outside = sorted(t for t in stop if not 0 <= t < vocab)
+        if outside:  # a stop id the model can never produce would silently never stop
+            raise InputError(f"stop_ids {outside[:5]} are outside the vocabulary [0, {vocab})")
+        return cls(ids, new, params, seeds, stop, max_len, kv_dtype, prefill_chunk, on_token, inputs_embeds, limit)
 
     def budget(self, i: int) -> int:
         """The most positions request i may reach: its prompt and `max_new_tokens[i]`, within `max_len`."""

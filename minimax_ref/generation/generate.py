@@ -257,7 +257,7 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
     ids: list[list[int]] = []
     embeds: list[torch.Tensor | None] = []
     for i, p in enumerate(prompts):
-        where = f"prompt {i}"
+        where = f"prompts[{i}]"  # the Python list index (the CLI numbers --prompt from 1)
         pixels = load_prompt_images(model, None if images is None else images[i], p, chat=chat, where=where)
         counts = [] if pixels is None else tokens_per_image(pixels[1], model.config.vision.spatial_merge_size)
         if pixels is not None and tok.special_ids.image != model.config.image_token_id:

@@ -235,7 +235,7 @@ def replay_impl(path: str | Path, impl: str, *, ops: Sequence[str] | None = None
             continue
         if not isinstance(got, (dict, torch.Tensor)):
             raise InputError(f"--impl {impl}: returned {type(got).__name__} for {entry.file}; return {{output name: "
-                             "tensor}} or None")
+                             "tensor} or None")
         result = compare(entry, got, kernel_dtype=kernel_dtype, skip=[n for n in skip if n in entry.outputs])
         rows += [{"file": entry.file, "output": r.pop("name"), **r} for r in result.rows]
     checks = sum(1 for r in rows if not r.get("missing"))

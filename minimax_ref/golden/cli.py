@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli.arg_types import nonneg_int, positive_int
 from ..errors import InputError
 from .api import replay_impl
 from .capture import export_golden, parse_layers, parse_ops
@@ -28,8 +29,9 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default=None, help=f"comma list of ops (default: all): {','.join(OPS)}")
     p.add_argument("--layers", default=None, help="comma list of layers or ranges, e.g. 0,3-5 (default: all)")
     p.add_argument("--out", type=Path, default=None, help="bundle folder to write (new or empty)")
-    p.add_argument("--decode-steps", type=int, default=1, help="greedy decode steps after the prefill (default: 1)")
-    p.add_argument("--page-size", type=int, default=None,
+    p.add_argument("--decode-steps", type=nonneg_int, default=1,
+                   help="greedy decode steps after the prefill (default: 1)")
+    p.add_argument("--page-size", type=positive_int, default=None,
                    help="tokens per KV page in the paged views (default: the MSA block size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the page permutation (default: 0)")
     p.add_argument("--replay", type=Path, default=None, metavar="BUNDLE",
@@ -83,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
                   "name outputs your kernel does not produce in --skip-outputs)", file=sys.stderr)
         return 0 if rep["ok"] else 1
     if args.replay is not None:
-        results = replay_bundle(args.replay)
+        results = replay_bundle(args.replay, parse_ops(args.ops)[0] if args.ops else None)
+        if not results:
+            raise InputError(f"--replay {args.replay}: no entry of --ops {args.ops} in the bundle (nothing to check)")
         bad = [r for r in results if not r["ok"]]
         worst = {k: max((r[k] for r in results if k in r), default=0.0) for k in ("max_abs", "max_rel", "max_ulps")}
         worst["mismatched_ids"] = sum(r.get("mismatched", 0) for r in results)

@@ -3,6 +3,7 @@ compared bit for bit, with the error sizes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -204,9 +205,9 @@ def _replay_paged(t: dict, p: dict, op: str, dtype: torch.dtype, kv_scale: float
     return checks + _replay_attention(rebuilt, p, op, dtype, kv_scale, t, "paged.", rows)
 
 
-def replay_bundle(path: str | Path) -> list[dict]:
-    """Recompute every op of a golden bundle with the engine's functions; one row per check: file, check, ok
-    (bit-exact), and the error sizes (`error_sizes`)."""
+def replay_bundle(path: str | Path, ops: Sequence[str] | None = None) -> list[dict]:
+    """Recompute every op of a golden bundle (or only the entries of `ops`) with the engine's functions; one row per
+    check: file, check, ok (bit-exact), and the error sizes (`error_sizes`)."""
     path = Path(path)
     manifest = read_bundle_manifest(path)
     num = manifest["numerics"]
@@ -214,6 +215,8 @@ def replay_bundle(path: str | Path) -> list[dict]:
     emulate = num["act_quant"] == "emulate"
     results = []
     for ent in manifest["entries"]:
+        if ops is not None and ent["op"] not in ops:
+            continue
         tensors = entry_tensors(path, ent)
         try:
             checks = _replay_entry(tensors, ent["params"], ent["op"], dtype, emulate, num["kv_scale"])

@@ -65,6 +65,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cli.arg_types import finite_float
 from ..errors import InputError, MiniMaxRefError
 from ..model.cache import kv_bytes_per_token
 from ..model.config import ModelConfig, load_model_config
@@ -318,7 +319,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     """Flags of `minimax-ref plan`."""
     p.add_argument("--ckpt-path", type=Path, required=True, help="checkpoint folder (config.json is enough)")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel cards")
-    p.add_argument("--gpu-memory", type=float, required=True, help="memory of one card in GiB")
+    p.add_argument("--gpu-memory", type=finite_float, required=True, help="memory of one card in GiB")
     p.add_argument("--max-model-len", type=int, required=True, help="longest sequence to serve, in tokens")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="auto: the compute dtype; fp8: 1 byte per element (KV and index keys)")
@@ -329,9 +330,9 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                    help="as `generate --weights`: packed (NVFP4 / MXFP8 linears as stored, what a deployment keeps; "
                         "default) or dequant (decoded to --dtype at load)")
     p.add_argument("--images", type=int, default=0, help="images per prompt (default: 0)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
+    p.add_argument("--gpu-memory-utilization", type=finite_float, default=DEFAULT_UTILIZATION,
                    help=f"fraction of the card to use (default: {DEFAULT_UTILIZATION})")
-    p.add_argument("--activation-reserve", type=float, default=DEFAULT_ACTIVATION_RESERVE_GIB,
+    p.add_argument("--activation-reserve", type=finite_float, default=DEFAULT_ACTIVATION_RESERVE_GIB,
                    help=f"GiB per card kept for activations and runtime (default: {DEFAULT_ACTIVATION_RESERVE_GIB})")
     p.add_argument("--expert-parallel", action="store_true",
                    help="whole routed experts per card (ceil(E/TP)) instead of TP-sliced experts")
@@ -343,7 +344,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1,
                    help="with --offload: sequences decoded together (bytes moved per step at 1 and at this batch, "
                         "KV cache for this many sequences of --max-model-len) (default: 1)")
-    p.add_argument("--h2d-gbps", type=float, default=DEFAULT_H2D_GBPS,
+    p.add_argument("--h2d-gbps", type=finite_float, default=DEFAULT_H2D_GBPS,
                    help=f"with --offload: host-to-device GB/s assumed for the roofline (default: {DEFAULT_H2D_GBPS}, "
                         "PCIe Gen5 x16 from pinned memory; benchmarks/offload.py measures it)")
     p.add_argument("--offload-prefetch", action=argparse.BooleanOptionalAction, default=None,

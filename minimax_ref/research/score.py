@@ -201,14 +201,15 @@ def parse_trace(obj: object, tok, *, chat: bool, vocab_size: int | None, max_len
 
 
 def read_traces(path: str | Path, tok=None, *, chat: bool = False, vocab_size: int | None = None,
-                max_len: int | None = None) -> list[ScoreTrace]:
-    """Read a traces JSONL file. Raises InputError naming `path:line` for the first bad line."""
+                max_len: int | None = None, flag: str = "--traces") -> list[ScoreTrace]:
+    """Read a traces JSONL file. Raises InputError naming `path:line` for the first bad line (an unreadable file
+    names the `flag` that gave it)."""
 
     def parse(obj: object, n: int) -> ScoreTrace:
         t = parse_trace(obj, tok, chat=chat, vocab_size=vocab_size, max_len=max_len)
         return ScoreTrace(n, t.input_ids, t.completion_start, t.id)
 
-    return read_jsonl(path, parse, flag="--traces", what="traces")
+    return read_jsonl(path, parse, flag=flag, what="traces")
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -495,7 +496,7 @@ def load_for_args(path: Path, args: argparse.Namespace, role: str = "model"):
                       offload_folder=None if folder is None else Path(folder) / role)
 
 
-def load_traces_for_args(path: Path, ckpt: Path, args: argparse.Namespace) -> list[ScoreTrace]:
+def load_traces_for_args(path: Path, ckpt: Path, args: argparse.Namespace, flag: str = "--traces") -> list[ScoreTrace]:
     """Read a traces file with the checkpoint's tokenizer and vocabulary (before any weights load)."""
     from ..generation.tokenizer import load_tokenizer
     from ..model.config import RuntimeConfig, load_model_config
@@ -504,7 +505,7 @@ def load_traces_for_args(path: Path, ckpt: Path, args: argparse.Namespace) -> li
     tok = load_tokenizer(ckpt)
     max_len = RuntimeConfig(max_seq_len=args.max_model_len).resolved(cfg.text.max_position_embeddings,
                                                                      "--max-model-len").max_seq_len
-    return read_traces(path, tok, chat=args.chat, vocab_size=cfg.text.vocab_size, max_len=max_len)
+    return read_traces(path, tok, chat=args.chat, vocab_size=cfg.text.vocab_size, max_len=max_len, flag=flag)
 
 
 def free(model) -> None:

@@ -341,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
     if args.method not in METHODS:
         raise InputError(f"--method {args.method!r}: choose one of {list(METHODS)}")
     _check_out(Path(src), args.out)
-    traces = load_traces_for_args(args.calibration, src, args)
+    traces = load_traces_for_args(args.calibration, src, args, flag="--calibration")
     model = load_for_args(src, args)
     scores = expert_scores(model, [t.input_ids for t in traces], args.method, batch_size=args.batch_size,
                            prefill_chunk=args.prefill_chunk)

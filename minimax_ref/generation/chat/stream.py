@@ -166,6 +166,8 @@ def parse_output(
     (unclosed reasoning, truncated or malformed blocks, values that do not fit) are listed in
     `errors`; nothing is dropped. See `StreamingParser` for `reasoning_started`.
     """
+    if not isinstance(text, str):
+        raise InputError(f"parse_output: expected the generated text as a string, got {type(text).__name__}")
     parser = StreamingParser(tools, reasoning_started=reasoning_started)
     parser.feed(text)
     parser.finish()

@@ -14,7 +14,7 @@ from oracle import hf_vl_model, relative_max_error
 from PIL import Image
 
 from minimax_ref.cli import main
-from minimax_ref.errors import InputError
+from minimax_ref.errors import ConfigError, InputError
 from minimax_ref.generation.generate import encode_prompt, generate
 from minimax_ref.generation.multimodal import (
     IMAGE_MARKER,
@@ -156,6 +156,28 @@ def test_logits_with_images_match_transformers(vl_model, tok):
         out = generate(vl_model, tok, [prompt], images=[entry], max_new_tokens=1, temperature=0)[0]
         assert out.prompt_token_ids == ids[0].tolist()
         assert out.token_ids == [int(ours[0, -1].argmax())]
+
+
+def test_a_tower_of_other_geometry_takes_images_without_a_preprocessor_file(ckpt_factory):
+    """No preprocessor_config.json (synth writes none): the resizing follows the vision config's patch 16 and
+    merge 3, not the release's 14 and 2; the logits still match transformers."""
+    path = ckpt_factory("tiny-vl", "bf16", overrides={"vision_config": {"patch_size": 16, "spatial_merge_size": 3}})
+    assert not (path / "preprocessor_config.json").exists()
+    model, tok = load_model(path, dtype=torch.float32), load_tokenizer(path)
+    pixel_values, grid = load_prompt_images(model, [noise_image(96, 48, seed=7)])  # multiples of 16 x 3 = 48
+    assert grid.tolist() == [[1, 3, 6]]
+    ids = torch.tensor([encode_prompt(tok, f"{IMAGE_MARKER} What is it?", image_tokens=[2])])
+    with torch.no_grad():
+        ours = forward_with_images(model, ids, pixel_values, grid)
+        theirs = hf_vl_model(model)(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid).logits
+    assert relative_max_error(ours, theirs) < TOL
+    # a preprocessor file that describes another tower is refused naming both files
+    (path / "preprocessor_config.json").write_text('{"patch_size": 14, "merge_size": 2}')
+    try:
+        with pytest.raises(ConfigError, match="preprocessor_config.json.*does not match config.json vision_config"):
+            load_prompt_images(load_model(path, dtype=torch.float32), [noise_image(96, 48, seed=7)])
+    finally:
+        (path / "preprocessor_config.json").unlink()
 
 
 def test_images_in_one_prompt_do_not_see_each_other(vl_model, tok):

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import minimax_ref as mr
 from minimax_ref.cli.main import main
-from minimax_ref.errors import CheckpointError, InputError
+from minimax_ref.errors import CheckpointError, ConfigError, InputError
 from minimax_ref.generation.drafter import PREFIX, Draft, load_drafter
 from minimax_ref.generation.generate import SamplingParams, filtered_probs, generate_ids
 from minimax_ref.generation.speculative import (
@@ -477,6 +477,30 @@ def test_drafter_loader_refuses_embedding_and_lm_head(spec_ckpt, model, tmp_path
     assert len(e.value.problems) == 2
     assert any("embed_tokens" in p and "embedding" in p for p in e.value.problems)
     assert any("lm_head" in p and "LM head" in p for p in e.value.problems)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"rotary_dim": 15}, r"rotary_dim=15 must be even"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 4}, r"num_key_value_heads=4 must divide num_attention_heads=6"),
+    ({"dspark_target_layer_ids": []}, r"dspark_target_layer_ids=\[\] must be a non-empty list"),
+])
+def test_drafter_configs_it_cannot_run_are_refused_naming_the_field(spec_ckpt, model, tmp_path, edit, needle):
+    d = tmp_path / "dspark"
+    shutil.copytree(spec_ckpt / "dspark", d)
+    raw = json.loads((d / "config.json").read_text())
+    raw["text_config"].update(edit)
+    raw.update({k: v for k, v in edit.items() if k in raw})  # the top-level copies must agree
+    (d / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=needle):
+        load_drafter(d, model)
+
+
+def test_synthetic_drafter_refuses_zero_sizes(model):
+    from minimax_ref.weights.synth import drafter_config_json
+
+    for kw in ({"block_size": 0}, {"num_layers": 0}, {"sliding_window": 0}, {"markov_rank": 0}):
+        with pytest.raises(ConfigError):  # not silently the default
+            drafter_config_json(model.config, **kw)
 
 
 def test_drafter_loader_reports_every_missing_tensor(spec_ckpt, model, tmp_path):

@@ -510,9 +510,12 @@ def open_drafter(path: str | Path, target: TextConfig) -> tuple[DrafterConfig, C
     if not 0 <= cfg.noise_token_id < cfg.vocab_size:
         raise ConfigError(f"{where}: dspark_noise_token_id={cfg.noise_token_id} is outside the vocabulary "
                           f"[0, {cfg.vocab_size})")
-    if cfg.num_attention_heads % cfg.num_key_value_heads or not 0 < cfg.rotary_dim <= cfg.head_dim:
-        raise ConfigError(f"{where}: heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} or rotary_dim "
-                          f"{cfg.rotary_dim} (head_dim {cfg.head_dim}) cannot be run")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(f"{where}: num_key_value_heads={cfg.num_key_value_heads} must divide "
+                          f"num_attention_heads={cfg.num_attention_heads}")
+    if not 0 < cfg.rotary_dim <= cfg.head_dim or cfg.rotary_dim % 2:
+        raise ConfigError(f"{where}: rotary_dim={cfg.rotary_dim} must be even and in (0, head_dim={cfg.head_dim}] "
+                          "(RoPE rotates channel pairs)")
     if cfg.block_size < 1 or cfg.sliding_window < 1:
         raise ConfigError(f"{where}: dspark_block_size={cfg.block_size} and sliding_window={cfg.sliding_window} "
                           "must be >= 1")

@@ -64,7 +64,7 @@ from ..errors import ConfigError, InputError
 from ..model.vision import encode_images, tokens_per_image
 from .chat import _IMAGE_PART_TYPES as IMAGE_PART_TYPES
 from .chat import IMAGE
-from .image import ImagePreprocessor, ImageSource, video_not_supported
+from .image import PREPROCESSOR_CONFIG, ImagePreprocessor, ImageSource, video_not_supported
 
 IMAGE_MARKER = IMAGE
 VIDEO_PART_TYPES = ("video", "video_url", "input_video")
@@ -317,17 +317,22 @@ def _as_pixel_inputs(entry: Any) -> PixelInputs | None:
 
 def image_preprocessor(model: Any) -> ImagePreprocessor:
     """The preprocessor for `model`'s vision tower: `model.image_preprocessor` if set, else the
-    checkpoint's `preprocessor_config.json` (release defaults when absent)."""
+    checkpoint's `preprocessor_config.json`; without that file (decided here), the release's resizing and
+    normalisation with the patch, temporal patch, merge and channel counts of the vision config."""
+    vc = model.config.vision
+    theirs = (vc.patch_size, vc.temporal_patch_size, vc.spatial_merge_size, vc.num_channels)
     pre = getattr(model, "image_preprocessor", None)
+    where = "model.image_preprocessor"
     if pre is None:
         path = getattr(model, "ckpt_path", None)
-        pre = ImagePreprocessor.from_pretrained(path) if path is not None else ImagePreprocessor()
-    vc = model.config.vision
+        if path is None or not (Path(path) / PREPROCESSOR_CONFIG).exists():
+            return ImagePreprocessor().replace(patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+                                               merge_size=vc.spatial_merge_size, num_channels=vc.num_channels)
+        pre, where = ImagePreprocessor.from_pretrained(path), str(Path(path) / PREPROCESSOR_CONFIG)
     ours = (pre.patch_size, pre.temporal_patch_size, pre.merge_size, pre.num_channels)
-    theirs = (vc.patch_size, vc.temporal_patch_size, vc.spatial_merge_size, vc.num_channels)
     if ours != theirs:
-        raise ConfigError(f"image preprocessor (patch, temporal patch, merge, channels) = {ours} does not "
-                          f"match the vision config's {theirs}")
+        raise ConfigError(f"{where}: (patch_size, temporal_patch_size, merge_size, num_channels) = {ours} does not "
+                          f"match config.json vision_config's {theirs}; the two files must describe the same tower")
     return pre
 
 

@@ -581,8 +581,9 @@ def parse_drafter_config(raw: dict, target: TextConfig, where: str = "dspark/con
     if tc.get("sparse_attention_config"):
         raise ConfigError(f"{where}: sparse_attention_config must be null for a DSpark drafter")
     ids = tc["dspark_target_layer_ids"]
-    if not isinstance(ids, list):
-        raise ConfigError(f"{where}: dspark_target_layer_ids={ids!r} must be a list of layer indices")
+    if not isinstance(ids, list) or not ids:
+        raise ConfigError(f"{where}: dspark_target_layer_ids={ids!r} must be a non-empty list of layer indices (the "
+                          "target layers whose hidden states the drafter reads)")
     layer_ids = tuple(_int({"dspark_target_layer_ids": i}, "dspark_target_layer_ids", where, minimum=0) for i in ids)
     bad = [i for i in layer_ids if not 0 <= i < target.num_hidden_layers]
     if bad:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..model.config import ModelConfig, parse_model_config
+from ..model.config import ModelConfig, parse_drafter_config, parse_model_config
 from ..outdir import check_new_folder, staged_folder
 from ..progress import Progress
 from .checkpoint import LM_HEAD, TEXT_PREFIX, LinearSpec, TensorSpec, tensor_table
@@ -104,7 +104,8 @@ def build_config(preset: str, fmt: str = "bf16", experts: int | None = None, lay
                  special_ids: dict[str, int] | None = None, overrides: dict | None = None) -> dict:
     """The raw-form config.json of a preset (quantization_config included for quantized formats).
 
-    `overrides` replaces text_config keys; keys of `sparse_attention_config` (`sparse_*`) go there.
+    `overrides` replaces text_config keys; keys of `sparse_attention_config` (`sparse_*`) go there, and a
+    `vision_config` dict updates the vision tower's config (presets with one).
     """
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -125,7 +126,9 @@ def build_config(preset: str, fmt: str = "bf16", experts: int | None = None, lay
         text["moe_layer_freq"] = freq
         for key in ("sparse_attention_freq", "sparse_disable_index_value"):
             text["sparse_attention_config"][key] = freq
-    for key, value in (overrides or {}).items():
+    overrides = dict(overrides or {})
+    vision = None if p.vision is None else {**p.vision, **overrides.pop("vision_config", {})}
+    for key, value in overrides.items():
         if key.startswith("sparse_"):
             text["sparse_attention_config"][key] = value
         else:
@@ -147,14 +150,15 @@ def build_config(preset: str, fmt: str = "bf16", experts: int | None = None, lay
         "vision_feature_select_strategy": "full",
         "process_image_mode": "dynamic_res",
         "img_token_compression_config": {"image_token_compression_method": "patch_merge",
-                                         "spatial_merge_size": 2, "temporal_patch_size": 2},
+                                         "spatial_merge_size": (vision or {}).get("spatial_merge_size", 2),
+                                         "temporal_patch_size": (vision or {}).get("temporal_patch_size", 2)},
     }
     if "image" in sid:
         raw["image_token_index"] = sid["image"]
     if "video" in sid:
         raw["video_token_index"] = sid["video"]
-    if p.vision is not None:
-        raw["vision_config"] = dict(p.vision)
+    if vision is not None:
+        raw["vision_config"] = vision
     if fmt != "bf16":
         cfg = parse_model_config(raw)
         raw["quantization_config"] = _quantization_config(cfg, fmt)
@@ -467,31 +471,34 @@ def drafter_config_json(target: ModelConfig, *, num_layers: int | None = None, b
     """
     t = target.text
     release = t.num_hidden_layers >= 60
-    n_layers = num_layers or (5 if release else 2)
-    ids = target_layer_ids or ([3, 17, 31, 45, 59] if release
-                               else sorted({0, min(1, t.num_hidden_layers - 1), t.num_hidden_layers - 1}))
+    n_layers = (5 if release else 2) if num_layers is None else num_layers
+    ids = target_layer_ids if target_layer_ids is not None else (
+        [3, 17, 31, 45, 59] if release else sorted({0, min(1, t.num_hidden_layers - 1), t.num_hidden_layers - 1}))
     text = {
         "architectures": ["DSparkMiniMaxDraftModel"],
         "num_hidden_layers": n_layers, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
         "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
         "head_dim": t.head_dim, "dense_intermediate_size": t.dense_intermediate_size,
         "dspark_ffn_hidden_size": t.dense_intermediate_size,
-        "dspark_block_size": block_size or (7 if release else 4),
+        "dspark_block_size": (7 if release else 4) if block_size is None else block_size,
         # the release's noise id 200058 is vocab_size - 6; synthetic tokenizers pass their own
         "dspark_noise_token_id": t.vocab_size - 6 if noise_token_id is None else noise_token_id,
-        "dspark_markov_rank": markov_rank or (256 if release else 16), "dspark_markov_head_type": "vanilla",
+        "dspark_markov_rank": (256 if release else 16) if markov_rank is None else markov_rank,
+        "dspark_markov_head_type": "vanilla",
         "dspark_target_layer_ids": list(ids), "dspark_use_dense_ffn": True, "dspark_hybrid_context_fusion": False,
-        "sliding_window": sliding_window or (4096 if release else 64),
+        "sliding_window": (4096 if release else 64) if sliding_window is None else sliding_window,
         "layer_types": ["sliding_attention"] * n_layers, "moe_layer_freq": [0] * n_layers,
         "sparse_attention_config": None, "enable_confidence_head": True, "confidence_head_with_markov": True,
         "use_gemma_norm": True, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope_theta,
         "rotary_dim": t.rotary_dim, "swiglu_alpha": t.swiglu_alpha, "swiglu_limit": t.swiglu_limit,
         "quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32]},
     }
-    return {"architectures": ["DSparkMiniMaxDraftModel"], "text_config": text,
-            "dspark_block_size": text["dspark_block_size"], "dspark_noise_token_id": text["dspark_noise_token_id"],
-            "dspark_target_layer_ids": text["dspark_target_layer_ids"],
-            "quantization_config": text["quantization_config"]}
+    raw = {"architectures": ["DSparkMiniMaxDraftModel"], "text_config": text,
+           "dspark_block_size": text["dspark_block_size"], "dspark_noise_token_id": text["dspark_noise_token_id"],
+           "dspark_target_layer_ids": text["dspark_target_layer_ids"],
+           "quantization_config": text["quantization_config"]}
+    parse_drafter_config(raw, t, "the synthetic drafter's config")  # values the loader would refuse, refused here
+    return raw
 
 
 def write_drafter(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, *, shard_bytes: int = 2 << 30,
@@ -507,7 +514,6 @@ def write_drafter(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, *, shard
     N(0, 1/rank) (a bias of about unit size, like the base logits), confidence proj N(0, 1/in), bias 0.
     """
     from ..generation.drafter import drafter_tensor_table
-    from ..model.config import parse_drafter_config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

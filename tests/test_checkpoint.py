@@ -111,6 +111,15 @@ def test_rotary_dim_disagreeing_with_partial_rotary_factor_names_both():
     assert parse_model_config(raw).text.rotary_dim == head_dim // 2
 
 
+def test_image_token_compression_must_agree_with_the_vision_config():
+    raw = build_config("tiny-vl", "bf16")
+    parse_model_config(raw)
+    raw["img_token_compression_config"]["spatial_merge_size"] = 3
+    with pytest.raises(ConfigError, match=r"img_token_compression_config.spatial_merge_size=3 disagrees with "
+                                          r"vision_config.spatial_merge_size=2"):
+        parse_model_config(raw)
+
+
 def test_missing_required_fields_are_named_together():
     raw = build_config("tiny", "bf16")
     del raw["text_config"]["num_hidden_layers"], raw["text_config"]["num_attention_heads"]

@@ -542,6 +542,13 @@ def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
                               f"the text model's fields {list(TEXT_REQUIRED)} at the top level")
         text = parse_text_config(raw, where)
         vision = None
+    compression = raw.get("img_token_compression_config")
+    if vision is not None and isinstance(compression, dict):  # the release repeats the merge in both places
+        for key, ours in (("spatial_merge_size", vision.spatial_merge_size),
+                          ("temporal_patch_size", vision.temporal_patch_size)):
+            if compression.get(key) is not None and compression[key] != ours:
+                raise ConfigError(f"{where}: img_token_compression_config.{key}={compression[key]!r} disagrees "
+                                  f"with vision_config.{key}={ours}: they must be equal")
     quant = raw.get("quantization_config")
     quant_where = f"{where} quantization_config"
     if quant is None and isinstance(raw.get("text_config"), dict):

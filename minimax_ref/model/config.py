@@ -642,6 +642,11 @@ def read_json(path: Path, what: str) -> dict:
         raise ConfigError(f"{path}: {what} is not valid JSON ({e})") from None
 
 
+HF_QUANT_CONFIG = "hf_quant_config.json"
+# The keys of a ModelOpt quantization config that decide which linear is stored in which format.
+_DECIDING_KEYS = ("quant_algo", "quantized_layers", "exclude_modules", "group_size")
+
+
 def load_model_config(ckpt_dir: str | Path) -> ModelConfig:
     """The checkpoint folder's `config.json`, with the quantization config of `hf_quant_config.json` (ModelOpt's
     copy) where the folder has one (`with_hf_quant_config`)."""
@@ -651,11 +656,6 @@ def load_model_config(ckpt_dir: str | Path) -> ModelConfig:
     if hf_quant.is_file():
         cfg = with_hf_quant_config(cfg, read_json(hf_quant, HF_QUANT_CONFIG), str(hf_quant))
     return cfg
-
-
-HF_QUANT_CONFIG = "hf_quant_config.json"
-# The keys of a ModelOpt quantization config that decide which linear is stored in which format.
-_DECIDING_KEYS = ("quant_algo", "quantized_layers", "exclude_modules", "group_size")
 
 
 def with_hf_quant_config(cfg: ModelConfig, raw: Any, where: str) -> ModelConfig:

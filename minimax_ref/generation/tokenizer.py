@@ -111,7 +111,8 @@ class _SentencePieceBackend:
         try:
             import sentencepiece as spm
         except ImportError as e:  # pragma: no cover
-            raise CheckpointError(f"{path}: reading tokenizer.model needs sentencepiece") from e
+            raise CheckpointError(f"{path}: reading tokenizer.model needs sentencepiece: "
+                                  "pip install 'minimax-ref[sentencepiece]'") from e
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
         except Exception as e:

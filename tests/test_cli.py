@@ -328,7 +328,8 @@ def _capture_generate(monkeypatch):
         return [_FakeResult() for _ in prompts]
 
     model = type("Model", (), {"max_seq_len": 4096})()  # what the command reads of the model itself
-    monkeypatch.setattr(cli_generate, "load_from_args", lambda args: (model, object(), None))
+    tok = type("Tokenizer", (), {"eos_token_ids": (2,), "path": "tokenizer"})()  # what the command reads of it
+    monkeypatch.setattr(cli_generate, "load_from_args", lambda args: (model, tok, None))
     monkeypatch.setattr(gen, "generate", generate)
     return calls
 
@@ -388,3 +389,60 @@ def test_input_file_lines_name_their_max_new_tokens_and_image_limit(monkeypatch,
     assert {"line": 2, "error": rows[0]["error"]} == rows[0]
     assert "'images' gives 2 images but at most 1 per prompt" in err
     assert rows[1]["line"] == 1 and rows[1]["max_new_tokens"] == 512
+
+
+def _with_tokenizer(ckpt, folder, write):
+    """`ckpt`'s weights and config under `folder`, with the tokenizer files `write(folder)` makes."""
+    folder.mkdir()
+    for f in ckpt.iterdir():
+        if f.suffix in (".safetensors", ".json") and not f.name.startswith("tokenizer") \
+                and f.name != "generation_config.json":
+            (folder / f.name).symlink_to(f)
+    write(folder)
+    return folder
+
+
+def _foreign_tokenizer(folder):
+    """A byte-level BPE tokenizer with none of MiniMax's special tokens (another model's tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, the weather in Lisbon is fine"] * 20, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_a_tokenizer_without_the_chat_tokens_is_named(tiny_bf16, tmp_path, capsys):
+    """Another model's tokenizer: chat prompts are refused naming the missing markers (BPE would split them into
+    pieces silently); raw prompts run, with a note that no token ends a reply."""
+    import minimax_ref as mr
+    from minimax_ref.errors import CheckpointError
+
+    folder = _with_tokenizer(tiny_bf16, tmp_path / "foreign", _foreign_tokenizer)
+    tok = mr.load_tokenizer(folder)
+    assert tok.eos_token_ids == () and tok.special_ids.turn_end is None
+    messages = [{"role": "user", "content": "hi"}]
+    assert "]~!b[" in tok.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(CheckpointError, match=r"foreign: the tokenizer has no token for .*'\]~!b\['.*not MiniMax's"):
+        tok.apply_chat_template(messages)
+    base = ["generate", "--ckpt-path", str(folder), "--prompt", "hello", "--max-new-tokens", "3", "--temperature", "0"]
+    code, out, err = run(base, capsys)
+    assert code == 0 and "no end-of-text token" in err and "runs to --max-new-tokens" in err
+    code, out, err = run([*base, "--chat"], capsys)
+    assert code != 0 and "the tokenizer has no token for" in err and "Traceback" not in err
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_where_it_reaches_past(tiny_bf16, tmp_path):
+    """A tokenizer whose ids run past the model's vocab_size (1,024 here) is another model's: a prompt encoded with
+    such ids is refused naming the tokenizer and both sizes, not an index error in the embedding."""
+    import minimax_ref as mr
+    from minimax_ref.errors import ConfigError
+    from minimax_ref.weights.synth_tokenizer import write_test_tokenizer
+
+    folder = _with_tokenizer(tiny_bf16, tmp_path / "big", lambda d: write_test_tokenizer(d, 1500))
+    model, tok = load_model(folder, dtype=torch.float32), mr.load_tokenizer(folder)
+    with pytest.raises(ConfigError, match=r"prompts\[0\]: the tokenizer \(.*big, 1500 ids\) encodes it with ids "
+                                          r"past the model's vocab_size 1024"):
+        mr.generate(model, tok, ["hi"], chat=True, max_new_tokens=2)

@@ -17,6 +17,7 @@ from minimax_ref.generation.drafter import load_drafter
 from minimax_ref.generation.sampling import RowSampling, SamplingParams, sample
 from minimax_ref.generation.speculative import speculative_generate_ids
 from minimax_ref.weights.loader import load_model
+from minimax_ref.weights.synth_tokenizer import write_test_tokenizer
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -231,6 +232,35 @@ def test_both_loops_batch_continuously(spec_ckpt):
     assert stats.prompt_tokens == sum(map(len, prompts)) and stats.max_batch_size == 2
     assert stats.generated_tokens == 5 * 8 and stats.steps >= 5
     assert stats.as_dict()["num_speculative_tokens"] == drafter.block_size
+
+
+def test_text_generation_never_picks_the_padding_ids_past_the_tokenizer(spec_ckpt, tmp_path):
+    """A checkpoint's vocab_size may be padded past its tokenizer's ids (the release's 200,064 rows); those ids have
+    no text. Token-id generation may choose them; `generate` only chooses ids the tokenizer has, in both loops, and
+    the rows it keeps score as before (greedy: the argmax among them)."""
+    padded = load_model(spec_ckpt, dtype=torch.float32, max_batch_size=2)
+    small = write_test_tokenizer(tmp_path, 600)  # the model has 1,024 ids
+    tok = mr.load_tokenizer(tmp_path)
+    assert tok.vocab_size == 600 < padded.text.vocab_size
+    w = padded.lm_head.weight.data
+    w[600::2], w[601::2] = 30 * w[5], -30 * w[5]  # padding rows that win the argmax almost everywhere
+    prompts = [tok.encode("The weather in Lisbon"), tok.encode("Numbers: 1 2 3")]
+    raw, _ = generate_ids(padded, prompts, max_new_tokens=6, sampling=GREEDY)
+    assert any(t >= 600 for s in raw for t in s.generated), "the edited head should prefer padding ids"
+    limited, _ = generate_ids(padded, prompts, max_new_tokens=6, sampling=GREEDY, vocab_limit=600)
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}):
+        results = mr.generate(padded, tok, prompts, max_new_tokens=6, stop_ids=small["turn_end"], **sampling)
+        assert all(0 <= t < 600 for r in results for t in r.token_ids)
+        assert all(r.text == tok.decode([t for t in r.token_ids if t != small["turn_end"]]) for r in results)
+    greedy = mr.generate(padded, tok, prompts, max_new_tokens=6, temperature=0, stop_ids=small["turn_end"])
+    assert [r.token_ids for r in greedy] == [s.generated for s in limited]
+    drafted = mr.generate(padded, tok, prompts, max_new_tokens=6, temperature=0, stop_ids=small["turn_end"],
+                          draft=load_drafter(spec_ckpt / "dspark", padded))
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in greedy]
+    with pytest.raises(InputError, match=r"vocab_limit=2000: the model has 1024 token ids"):
+        generate_ids(padded, prompts, max_new_tokens=1, vocab_limit=2000)
+    with pytest.raises(InputError, match=r"stop_ids \[700\] are outside the vocabulary \[0, 600\)"):
+        mr.generate(padded, tok, prompts, max_new_tokens=1, stop_ids=700)
 
 
 # ---------------------------------------------------------------------------------------------- argument checks

@@ -257,6 +257,13 @@ def test_fast_twins_keep_the_hook_points(tiny_nvfp4):
     (Interventions(expert_mask={1: torch.arange(16) < 3}), "keeps 3 experts"),
     (Interventions(expert_scale={1: {16: 0.0}}), "not in [0, 16)"),
     (Interventions(residual={1: torch.zeros(1, 3, 4)}), "the replacement is (1, 3, 4)"),
+    (Interventions(residual={1: 3.0}), "residual[1] must be a tensor [B, T, H] or a function"),
+    (Interventions(expert_scale={1: [1, 2]}), "expert_scale[1] must be a dict {expert id: factor}, got list"),
+    (Interventions(expert_scale={1: {0: "x"}}), "expert_scale[1][0] = 'x': a factor must be a finite number"),
+    (Interventions(expert_scale={1: {0: float("nan")}}), "expert_scale[1][0] = nan"),
+    (Interventions(expert_scale={1: {True: 0.5}}), "expert ids [True] are not in"),
+    (Interventions(expert_mask={True: torch.ones(16, dtype=torch.bool)}), "layer True is not a layer index"),
+    (Interventions(expert_mask=[torch.ones(16, dtype=torch.bool)]), "expert_mask: expected a dict"),
 ])
 def test_bad_interventions_are_input_errors(model, iv, needle):
     with pytest.raises(InputError, match="interventions") as e:
@@ -386,6 +393,12 @@ def test_trace_layers_are_range_checked(model):
         model(_ids(4), trace=Trace(layers={99}))
     with pytest.raises(InputError, match="attention_layers"):
         model(_ids(4), trace=Trace(attention_layers={-1}))
+    with pytest.raises(InputError, match=r"Trace\(layers=1\): give a set of layer indices, e.g. \{1\}"):
+        model(_ids(4), trace=Trace(layers=1))
+    with pytest.raises(InputError, match="trace: expected a minimax_ref.Trace, got dict"):
+        model(_ids(4), trace={})
+    with pytest.raises(InputError, match="interventions: expected a minimax_ref.Interventions, got dict"):
+        model(_ids(4), interventions={})
 
 
 @torch.no_grad()

@@ -244,9 +244,10 @@ def _print_result(args: argparse.Namespace, result, streamed: bool, max_new_toke
     for call in result.tool_calls:
         print(json.dumps({"tool_call": call}, ensure_ascii=False))
     s = result.stats
+    # the first decode step is the warm-up, timed apart: with no other step there is no decode rate to show
+    decode = f"{s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens"] else "- (no step after the warm-up)"
     print(f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, prefill {s['prefill_tokens_per_s']:.1f} "
-          f"tok/s, first token {s['time_to_first_token_seconds']:.2f} s, decode {s['decode_tokens_per_s']:.1f} tok/s]",
-          file=sys.stderr)
+          f"tok/s, first token {s['time_to_first_token_seconds']:.2f} s, decode {decode}]", file=sys.stderr)
     _note_cut(args, result, max_new_tokens)
 
 
@@ -306,7 +307,7 @@ def _draft_kwargs(args: argparse.Namespace, model) -> dict:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from ..generation.generate import generate
+    from ..generation.generate import generate, read_stop_ids
     from ..research.intervened import cli_interventions
 
     if args.speculative == "none" and (args.num_speculative_tokens is not None or args.drafter_capture != "pre-norm"):
@@ -346,6 +347,9 @@ def run_generate(args: argparse.Namespace) -> int:
     cli_interventions(args)  # a bad --expert-mask / --drop-experts is refused before the model loads
     model, tok, _ = load_from_args(args)
     args.max_model_len = model.max_seq_len  # the default resolved against the model's limit, for the notes
+    if not read_stop_ids(getattr(model, "ckpt_path", None), tok.eos_token_ids):
+        print(f"note: {tok.path}: no end-of-text token (generation_config.json eos_token_id, tokenizer_config.json "
+              "eos_token, or the chat format's turn end): every reply runs to --max-new-tokens", file=sys.stderr)
     if args.limit_images is not None:
         import dataclasses
 

@@ -72,7 +72,7 @@ class OverlapScheduler(Scheduler):
         positions = torch.tensor([0 if i is None else self.committed(i) + ahead for i in requests])
         if device.type == "cuda":  # a pageable copy would wait for the step in flight
             positions = positions.pin_memory().to(device, non_blocking=True)
-        logits = self.model.step(ids[:, None], positions[:, None], self.cache)[:, 0]
+        logits = self.job.choosable(self.model.step(ids[:, None], positions[:, None], self.cache)[:, 0])
         tokens = logits.argmax(-1)  # before the next step overwrites the captured logits
         if device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

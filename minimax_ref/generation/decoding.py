@@ -6,6 +6,8 @@ argument checks, stop rules and scheduler here:
 * `DecodeJob.make` checks the arguments once (prompt types, lengths and ids, `max_new_tokens`, sampling and
   seed, each one value or one per prompt; stop ids, image embeddings) and resolves the limits from
   `model.runtime`. Request i's seed is `seeds[i]` (default `seed + i`).
+* Tokens are chosen among ids below `vocab_limit` (default: every id of the model). Text generation passes the
+  tokenizer's size: a checkpoint's `vocab_size` may be padded past its tokenizer, and a padding id has no text.
 * A row finishes with "stop" at a stop token (the token is kept in `generated`) and with "length" once it has
   its `max_new_tokens` tokens or prompt + generated reaches `max_seq_len`; tokens after that are dropped.
 
@@ -235,12 +237,14 @@ class DecodeJob:
     on_token: TokenCallback | None
     inputs_embeds: list[torch.Tensor | None] | None
     batch_limit: int
+    vocab_limit: int
 
     @classmethod
     def make(cls, model: MiniMaxM3, prompts: Any, *, max_new_tokens: Any = 128, sampling: Any = None,
              seed: Any = 0, stop_ids: Any = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
              prefill_chunk: int | None = None, on_token: TokenCallback | None = None,
-             inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None) -> DecodeJob:
+             inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None,
+             vocab_limit: int | None = None) -> DecodeJob:
         """Check the arguments of `generate_ids` (documented there); InputError names the bad one. The batch and
         prefill chunk not given (here or in `model.runtime`) are chosen from free memory (`sizing.choose_sizes`)."""
         rt = getattr(model, "runtime", None)
@@ -273,10 +277,22 @@ class DecodeJob:
             prefill_chunk = prefill_chunk or sizes.prefill_chunk
         stop = stop_id_set(stop_ids)
         vocab = model.text.vocab_size
-        outside = sorted(t for t in stop if not 0 <= t < vocab)
+        limit_ids = vocab if vocab_limit is None else _integer(vocab_limit, "vocab_limit", minimum=1)
+        if limit_ids > vocab:
+            raise InputError(f"vocab_limit={limit_ids}: the model has {vocab} token ids")
+        outside = sorted(t for t in stop if not 0 <= t < limit_ids)
         if outside:  # a stop id the model can never produce would silently never stop
-            raise InputError(f"stop_ids {outside[:5]} are outside the vocabulary [0, {vocab})")
-        return cls(ids, new, params, seeds, stop, max_len, kv_dtype, prefill_chunk, on_token, inputs_embeds, limit)
+            raise InputError(f"stop_ids {outside[:5]} are outside the vocabulary [0, {limit_ids})")
+        return cls(ids, new, params, seeds, stop, max_len, kv_dtype, prefill_chunk, on_token, inputs_embeds, limit,
+                   limit_ids)
+
+    def choosable(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [..., V] with the ids at and past `vocab_limit` at -inf, so that no sampling rule picks them
+        (`logits` itself when every id may be chosen)."""
+        if self.vocab_limit >= logits.shape[-1]:
+            return logits
+        return logits.index_fill(-1, torch.arange(self.vocab_limit, logits.shape[-1], device=logits.device),
+                                 float("-inf"))
 
     def budget(self, i: int) -> int:
         """The most positions request i may reach: its prompt and `max_new_tokens[i]`, within `max_len`."""
@@ -472,8 +488,9 @@ class Scheduler:
                            tuple(None if i is None else self.generators[i] for i in requests))
 
     def sample(self, requests: list[int], logits: torch.Tensor) -> list[int]:
-        """One token for each of `requests` from its row of `logits` [n, V], with its own settings and generator."""
-        return self.row_sampling(requests).sample(logits)[0].tolist()
+        """One token for each of `requests` from its row of `logits` [n, V], with its own settings and generator,
+        among the job's choosable ids."""
+        return self.row_sampling(requests).sample(self.job.choosable(logits))[0].tolist()
 
     def committed(self, i: int) -> int:
         """Positions of request i the model has processed and keeps: its prompt and every generated token but the
@@ -515,7 +532,8 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
                  stop_ids: Sequence[int] | int = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
                  prefill_chunk: int | None = None, on_token: TokenCallback | None = None,
                  inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None,
-                 on_finish: FinishCallback | None = None) -> tuple[list[Sequence_], GenerationStats]:
+                 on_finish: FinishCallback | None = None, vocab_limit: int | None = None
+                 ) -> tuple[list[Sequence_], GenerationStats]:
     """Generate for token-id prompts by continuous batching (`Scheduler`). Returns per-prompt sequences (in order)
     and statistics.
 
@@ -529,12 +547,14 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
     prompt finishes.
     inputs_embeds: optional per-prompt [len, H] embeddings replacing the token embeddings
     (images); rows without them use the token embeddings.
+    vocab_limit: tokens are chosen among ids [0, vocab_limit) only (default: all of the model's; `generate` passes
+    the tokenizer's size).
     Bad arguments raise InputError naming the argument.
     """
     job = DecodeJob.make(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                          stop_ids=stop_ids, max_seq_len=max_seq_len, kv_cache_dtype=kv_cache_dtype,
                          prefill_chunk=prefill_chunk, on_token=on_token, inputs_embeds=inputs_embeds,
-                         max_batch_size=max_batch_size)
+                         max_batch_size=max_batch_size, vocab_limit=vocab_limit)
     # a fast model may run the same requests with another loop (`fast.overlap.OverlapScheduler`)
     scheduler = getattr(model, "decode_scheduler", Scheduler)
     return scheduler(model, job, on_finish).run()

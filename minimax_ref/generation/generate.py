@@ -7,6 +7,9 @@ decodes each output and splits it into reasoning, content and tool calls (`chat.
 The layers below: `sampling.py` (the sampling distribution and seeded draws), `decoding.py` (checked
 arguments, the continuous-batching scheduler both loops run on, the plain loop), `drafter.py` and `speculative.py`.
 
+Only ids the tokenizer has are generated: a checkpoint's `vocab_size` may be padded past its tokenizer, and those
+padding ids have no text (`decoding.DecodeJob.vocab_limit`).
+
 Stop tokens come from `generation_config.json` (`eos_token_id`), else the tokenizer's end-of-turn;
 they end a sequence and are not part of its text.
 
@@ -265,6 +268,11 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
                               f"config.json image_token_index={model.config.image_token_id}")
         ids.append(encode_prompt(tok, p, chat=chat, tools=row_tools[i], thinking=row_thinking[i],
                                  system=row_system[i], image_tokens=counts, where=where))
+        vocab = model.text.vocab_size
+        if tok.vocab_size > vocab and any(t >= vocab for t in ids[-1]):
+            raise ConfigError(f"{where}: the tokenizer ({tok.path}, {tok.vocab_size} ids) encodes it with ids past "
+                              f"the model's vocab_size {vocab} ({sorted({t for t in ids[-1] if t >= vocab})[:5]}): "
+                              "the tokenizer is not this model's")
         # The vision tower runs once per prompt, here; decoding only ever sees text embeddings.
         embeds.append(None if pixels is None else embed_with_images(model, ids[-1], *pixels))
     decoders = [tok.stream_decoder() for _ in ids]
@@ -303,7 +311,8 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
                                   on_token=on_each_token if on_text or on_token else None,
                                   prefill_chunk=prefill_chunk,
                                   inputs_embeds=embeds if any(e is not None for e in embeds) else None,
-                                  max_batch_size=max_batch_size, on_finish=on_finish)
+                                  max_batch_size=max_batch_size, on_finish=on_finish,
+                                  vocab_limit=min(tok.vocab_size, model.text.vocab_size))
     if drafter is None:
         _, stats = generate_ids(run_model, ids, **run_kw)
     else:

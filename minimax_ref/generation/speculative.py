@@ -228,7 +228,8 @@ class SpeculativeDecoder:
                  stop_ids: Sequence[int] | int = (), max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
                  prefill_chunk: int | None = None, on_token: TokenCallback | None = None,
                  inputs_embeds: list[torch.Tensor | None] | None = None, max_batch_size: int | None = None,
-                 on_finish: FinishCallback | None = None) -> tuple[list[Sequence_], SpeculativeStats]:
+                 on_finish: FinishCallback | None = None, vocab_limit: int | None = None
+                 ) -> tuple[list[Sequence_], SpeculativeStats]:
         """Generate for token-id prompts; the arguments, checks and results are `decoding.generate_ids`'s
         (max_new_tokens, sampling and seed: one value or one per prompt; default `SamplingParams()`), decoded by
         continuous batching of at most `max_batch_size` requests (`SpeculativeScheduler`); on_finish(row, sequence)
@@ -236,7 +237,7 @@ class SpeculativeDecoder:
         job = DecodeJob.make(self.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                              stop_ids=stop_ids, max_seq_len=max_seq_len, kv_cache_dtype=kv_cache_dtype,
                              prefill_chunk=prefill_chunk, on_token=on_token, inputs_embeds=inputs_embeds,
-                             max_batch_size=max_batch_size)
+                             max_batch_size=max_batch_size, vocab_limit=vocab_limit)
         scheduler = SpeculativeScheduler(self, job, on_finish)
         seqs, stats = scheduler.run()
         self.target_cache, self.draft_cache = scheduler.cache, scheduler.draft_cache
@@ -323,6 +324,7 @@ class SpeculativeScheduler(Scheduler):
         ones by argmax (`accept_greedy`), sampled ones by `decoder.accept_fn` with k+1 uniforms from their own
         generator. Emits the accepted drafts and the target's token, and sets the slot's kept length."""
         k, stats, job = self.k, self.stats, self.job
+        logits = job.choosable(logits)  # a draft of an id past the limit is then always rejected
         active = [s for s, i in enumerate(self.running) if i is not None]
         sampled = [s for s in active if not sampling.params[s].greedy]
         drafts = draft.tokens.cpu()
@@ -366,7 +368,7 @@ def speculative_generate_ids(model: MiniMaxM3, drafter: Drafter, prompts: Sequen
                              accept_fn: AcceptFn = accept_drafts, **kwargs) -> tuple[list[Sequence_], SpeculativeStats]:
     """`generate_ids` with speculative decoding; keyword arguments as `generate_ids` (max_new_tokens,
     sampling, seed, stop_ids, max_seq_len, kv_cache_dtype, prefill_chunk, on_token, inputs_embeds, max_batch_size,
-    on_finish)."""
+    on_finish, vocab_limit)."""
     decoder = SpeculativeDecoder(model, drafter, num_speculative_tokens=num_speculative_tokens,
                                  confidence_threshold=confidence_threshold, accept_fn=accept_fn)
     return decoder.generate(prompts, **kwargs)

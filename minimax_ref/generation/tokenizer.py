@@ -271,7 +271,15 @@ class Tokenizer:
             )
         else:
             text = chat.render_chat(messages, tools, thinking, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        # Without them as single tokens BPE splits the format's markers into pieces the model never saw as markers.
+        missing = [t for t in SPECIAL_TOKEN_TEXTS.values() if t in text and self.token_to_id(t) is None]
+        if missing:
+            raise CheckpointError(f"{self.path}: the tokenizer has no token for {', '.join(map(repr, missing))}, "
+                                  "which the chat format marks turns with (spec chat.md); this tokenizer is not "
+                                  "MiniMax's: use the checkpoint's own tokenizer files, or raw prompts (no chat)")
+        return self.encode(text, add_special_tokens=False)
 
 
 @functools.lru_cache(maxsize=1)

@@ -219,6 +219,9 @@ class MiniMaxM3(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         elif cache is None and not torch.equal(positions, torch.arange(T, device=positions.device).expand(B, T)):
             raise InputError("positions other than 0..T-1 need a KV cache (keys live at their positions)")
+        for name, value, kind in (("trace", trace, Trace), ("interventions", interventions, Interventions)):
+            if value is not None and not isinstance(value, kind):
+                raise InputError(f"{name}: expected a minimax_ref.{kind.__name__}, got {type(value).__name__}")
         if interventions is not None:
             if trace is not None and trace.interventions is not None and trace.interventions is not interventions:
                 raise InputError("interventions given both as an argument and on the trace: give one")

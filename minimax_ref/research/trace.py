@@ -21,9 +21,11 @@ captured. Generation under interventions (every prefill chunk and decode step ed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +42,13 @@ if TYPE_CHECKING:
 ONE_CHUNK = 1 << 62
 
 Edit = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
+def _finite_number(x: object) -> bool:
+    """A real number (not a bool), or a one-element tensor, that is finite."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1 and not x.dtype.is_complex and bool(torch.isfinite(x).all())
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -76,12 +85,16 @@ class Interventions:
     msa_blocks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def check(self, model: MiniMaxM3) -> None:
-        """Refuse edits naming layers or experts the model does not have (InputError)."""
+        """Refuse edits naming layers or experts the model does not have, or of the wrong kind (InputError)."""
         n, E = model.text.num_hidden_layers, model.text.num_local_experts
         moe = {i for i in range(n) if model.text.moe_layers[i]}
         for name in ("expert_mask", "expert_scale", "residual", "attention_residual", "msa_blocks"):
-            for L in getattr(self, name):
-                if not isinstance(L, int) or not 0 <= L < n:
+            edits = getattr(self, name)
+            if not isinstance(edits, Mapping):
+                raise InputError(f"interventions.{name}: expected a dict {{layer index: edit}}, got "
+                                 f"{type(edits).__name__}")
+            for L in edits:
+                if isinstance(L, bool) or not isinstance(L, int) or not 0 <= L < n:
                     raise InputError(f"interventions.{name}: layer {L!r} is not a layer index in [0, {n})")
                 if name.startswith("expert") and L not in moe:
                     raise InputError(f"interventions.{name}: layer {L} has a dense MLP, not experts "
@@ -96,9 +109,21 @@ class Interventions:
                 raise InputError(f"interventions.expert_mask[{L}] keeps {int(mask.sum())} experts; routing "
                                  f"chooses {model.text.num_experts_per_tok} per token")
         for L, scales in self.expert_scale.items():
-            bad = [e for e in scales if not isinstance(e, int) or not 0 <= e < E]
+            if not isinstance(scales, Mapping):
+                raise InputError(f"interventions.expert_scale[{L}] must be a dict {{expert id: factor}}, got "
+                                 f"{type(scales).__name__}")
+            bad = [e for e in scales if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < E]
             if bad:
                 raise InputError(f"interventions.expert_scale[{L}]: expert ids {bad[:5]} are not in [0, {E})")
+            for e, factor in scales.items():
+                if not _finite_number(factor):
+                    raise InputError(f"interventions.expert_scale[{L}][{e}] = {factor!r}: a factor must be a finite "
+                                     "number")
+        for name in ("residual", "attention_residual"):
+            for L, edit in getattr(self, name).items():
+                if not (isinstance(edit, torch.Tensor) or callable(edit)):
+                    raise InputError(f"interventions.{name}[{L}] must be a tensor [B, T, H] or a function of the "
+                                     f"stream, got {type(edit).__name__}")
 
     def blocks_for(self, layer: int, pos: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
         """`msa_blocks[layer]` checked against the call (queries at `pos` [B, T], `kv_heads` heads) -> long, on
@@ -188,7 +213,14 @@ class Trace:
         """Called by the model before its layers run on x [B, T, H]: refuses layer indices the model does not
         have (InputError) and notes the shape."""
         for name in ("layers", "attention_layers"):
-            check_layer_ids(getattr(self, name) or (), model.text.num_hidden_layers, f"Trace({name}=...)")
+            ids = getattr(self, name)
+            if ids is not None and not isinstance(ids, (set, frozenset, list, tuple, range)):
+                raise InputError(f"Trace({name}={ids!r}): give a set of layer indices, e.g. {{{ids!r}}}"
+                                 + (" (None: every layer)" if name == "layers" else ""))
+            check_layer_ids(ids or (), model.text.num_hidden_layers, f"Trace({name}=...)")
+        if self.interventions is not None and not isinstance(self.interventions, Interventions):
+            raise InputError(f"Trace(interventions=...): expected a minimax_ref.Interventions, got "
+                             f"{type(self.interventions).__name__}")
         if self.interventions is not None:
             self.interventions.check(model)
         if self.mask is not None and tuple(self.mask.shape) != tuple(x.shape[:2]):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,8 +25,13 @@ def check_new_folder(out: Path, nbytes: int | None = None, flag: str = "--out") 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"{flag} {out}: {'is a file' if not out.is_dir() else 'is not empty'}: choose a new or "
                          "empty folder (writing over existing files would leave a mix of two outputs)")
+    parent = next(p for p in (out.parent, *out.parents) if p.exists())
+    try:  # a probe, not os.access: root passes access checks on read-only and virtual file systems
+        os.rmdir(tempfile.mkdtemp(prefix=".minimax-ref-probe-", dir=parent))
+    except OSError as e:
+        raise InputError(f"{flag} {out}: cannot create a folder in {parent} ({e.strerror}); choose a writable "
+                         "place") from None
     if nbytes is not None:
-        parent = next(p for p in (out.parent, *out.parents) if p.exists())
         free = shutil.disk_usage(parent).free
         if free < nbytes:
             raise InputError(f"{flag} {out}: the output needs {nbytes / 2**30:,.2f} GiB but {parent} has "

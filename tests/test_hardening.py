@@ -189,6 +189,14 @@ def test_synth_refuses_a_non_empty_out(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
 
 
+def test_synth_refuses_a_place_it_cannot_write(tmp_path, capsys):
+    """A place where no folder can be created (/proc refuses mkdir even to root) is named as such before any work,
+    not as a lack of space."""
+    code, _, err = run(["synth", "--preset", "tiny", "--out", "/proc/minimax-ref-out"], capsys)
+    assert code == 2 and "cannot create a folder in /proc" in _one_error_line(err)
+    assert "choose a writable place" in err
+
+
 def test_synth_checks_free_space_first(tmp_path, capsys, monkeypatch):
     class Usage:
         free = 1 << 20

@@ -208,3 +208,43 @@ def test_trace_longer_than_max_model_len_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"long\.jsonl:1: .*max-model-len 32"):
         read_traces(path, None, vocab_size=1024, max_len=32)
     assert read_traces(path, None, max_len=64) == [ScoreTrace(1, tuple(range(50)), 10)]
+
+
+def _metaspace_tokenizer(folder: Path, post: str | None = None) -> None:
+    """A Unigram tokenizer normalised the Llama way (spaces as "▁" and one "▁" prepended to every text, so a text
+    that starts with a space starts with two) and optionally a BERT-style post-processor that puts [CLS] before and
+    [SEP] after the text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")  # words split before each "▁"
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    corpus = ["The weather in Paris today is fine, the weather in Lisbon is warm."] * 50
+    tok.train_from_iterator(corpus, trainers.UnigramTrainer(vocab_size=60, special_tokens=["<unk>", "[CLS]", "[SEP]"],
+                                                            unk_token="<unk>", show_progress=False))
+    if post:
+        tok.post_processor = processors.TemplateProcessing(single=post, special_tokens=[
+            ("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("post", [None, "[CLS] $A [SEP]"])
+def test_raw_completions_are_tokenized_in_context(tmp_path, post):
+    """A raw trace's completion is scored as its tokens fall in the whole text: a Llama-style tokenizer encoding
+    " Paris today" alone gives it a second word-start marker; spaces that end the prompt start the completion; a [SEP] the
+    post-processor appends to a text does not sit between the prompt and its completion (a [CLS] before it stays)."""
+    from minimax_ref.research.score import raw_trace_ids
+
+    _metaspace_tokenizer(tmp_path / "t", post)
+    tok = load_tokenizer(tmp_path / "t")
+    whole = tok.encode("The weather in Paris today", add_special_tokens=False)
+    prompt = tok.encode("The weather in", add_special_tokens=False)
+    assert whole[:len(prompt)] == prompt
+    lead = [tok.token_to_id("[CLS]")] if post else []
+    for p, c in (("The weather in", " Paris today"), ("The weather in ", "Paris today")):
+        ids, start = raw_trace_ids(tok, p, c)
+        assert ids == lead + whole and start == len(lead) + len(prompt), (p, c)
+    alone = tok.encode(" Paris today", add_special_tokens=False)
+    assert alone != whole[len(prompt):], "the case this guards: the completion alone tokenizes otherwise"

@@ -146,20 +146,19 @@ def test_tokenizer_config_contents(tok_dir):
     assert (tok_dir / "chat_template.jinja").is_file()
 
 
-def test_missing_tokens_are_none_and_config_fallback(tmp_path, tok_dir):
-    # A tokenizer.json without the image tokens: ids are None, not guessed.
+def test_missing_tokens_are_none(tmp_path, tok_dir):
+    # A tokenizer without the last special token (in neither file): its id is None, not guessed.
     shutil.copytree(tok_dir, tmp_path / "t")
+    last = list(SPECIAL_TOKEN_TEXTS.values())[-1]
     raw = json.loads((tmp_path / "t" / "tokenizer.json").read_text())
-    raw["added_tokens"] = [t for t in raw["added_tokens"] if "image" not in t["content"]]
+    raw["added_tokens"] = [t for t in raw["added_tokens"] if t["content"] != last]
     (tmp_path / "t" / "tokenizer.json").write_text(json.dumps(raw))
     cfg = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
-    cfg["added_tokens_decoder"] = {k: v for k, v in cfg["added_tokens_decoder"].items()
-                                   if v["content"] != "]<]image[>["}
+    cfg["added_tokens_decoder"] = {k: v for k, v in cfg["added_tokens_decoder"].items() if v["content"] != last}
     (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = load_tokenizer(tmp_path / "t")
-    assert tok.special_ids.image is None
-    # tokenizer_config's added_tokens_decoder fills in what tokenizer.json lacks.
-    assert tok.special_ids.image_start == 1024 - 7
+    assert tok.special_ids.namespace is None and tok.vocab_size == 1023
+    assert tok.special_ids.think_end == 1022
 
 
 def test_eos_from_generation_config(tmp_path, tok_dir):
@@ -204,6 +203,48 @@ def test_chat_template_sources(tmp_path, tok_dir):
     (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="no tools here"):
         load_tokenizer(tmp_path / "t").apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_named_templates_take_tool_use_with_tools(tmp_path, tok_dir):
+    """tokenizer_config.json's list of named templates (transformers' form): "default" without tools, "tool_use"
+    with them (the tools were silently dropped when "default" rendered every conversation)."""
+    shutil.copytree(tok_dir, tmp_path / "t")
+    (tmp_path / "t" / "chat_template.jinja").unlink()
+    cfg = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "default", "template": "plain:{{ messages[0].content }}"},
+                            {"name": "tool_use", "template": "tools:{{ tools | length }}:{{ messages[0].content }}"}]
+    (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(tmp_path / "t")
+    hi = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    assert tok.apply_chat_template(hi, tokenize=False) == "plain:hi"
+    assert tok.apply_chat_template(hi, tools=[tool], tokenize=False) == "tools:1:hi"
+
+
+def test_added_tokens_only_in_tokenizer_config_are_added(tmp_path, tok_dir):
+    """Special tokens that only tokenizer_config.json's added_tokens_decoder lists (not tokenizer.json) are added at
+    their ids, as transformers does: the same ids as the tokenizer that holds them; an entry that does not continue
+    the ids, or names a token tokenizer.json has at another id, is refused naming both files."""
+    shutil.copytree(tok_dir, tmp_path / "t")
+    raw = json.loads((tmp_path / "t" / "tokenizer.json").read_text())
+    raw["added_tokens"] = []
+    (tmp_path / "t" / "tokenizer.json").write_text(json.dumps(raw))
+    whole, split = load_tokenizer(tok_dir), load_tokenizer(tmp_path / "t")
+    assert split.vocab_size == whole.vocab_size and split.special_ids == whole.special_ids
+    messages = [{"role": "user", "content": "The weather in Lisbon?"}]
+    assert split.apply_chat_template(messages) == whole.apply_chat_template(messages)
+    cfg_path = tmp_path / "t" / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    first = min(cfg["added_tokens_decoder"], key=int)
+    cfg["added_tokens_decoder"][str(int(first) + 100)] = cfg["added_tokens_decoder"].pop(first)
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config.json: added_tokens_decoder\[\d+\] .* is not in "
+                                              r"tokenizer.json, whose next free id is \d+"):
+        load_tokenizer(tmp_path / "t")
+    cfg["added_tokens_decoder"] = {"5": {"content": "!" * 3 if whole.token_to_id("!!!") else "a", "special": False}}
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="added_tokens_decoder gives .* id 5, tokenizer.json has it at"):
+        load_tokenizer(tmp_path / "t")
 
 
 def test_bad_folders(tmp_path, tok_dir):

@@ -72,7 +72,10 @@ def _read_json(path: Path) -> Any:
 # Backends
 # ----------------------------------------------------------------------------------------------
 class _TokenizersBackend:
-    def __init__(self, path: Path):
+    """tokenizer.json, plus the entries of tokenizer_config.json's `added_tokens_decoder` it lacks (added at their
+    ids, as transformers does: they must continue its ids in order)."""
+
+    def __init__(self, path: Path, config: Mapping[str, Any], config_path: Path):
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -80,6 +83,25 @@ class _TokenizersBackend:
             self.tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # the library raises plain Exception subclasses for bad files
             raise CheckpointError(f"{path}: not a valid tokenizers file ({e})") from None
+        decoder = config.get("added_tokens_decoder") or {}
+        entries = sorted((int(k), e) for k, e in decoder.items()
+                         if isinstance(e, Mapping) and isinstance(e.get("content"), str) and str(k).isdigit())
+        for tid, entry in entries:
+            text, have = entry["content"], self.tok.token_to_id(entry["content"])
+            if have is not None:
+                if have != tid:
+                    raise CheckpointError(f"{config_path}: added_tokens_decoder gives {text!r} id {tid}, {path.name} "
+                                          f"has it at {have}: the files belong to different tokenizers")
+                continue
+            if tid != self.vocab_size:
+                raise CheckpointError(f"{config_path}: added_tokens_decoder[{tid}] {text!r} is not in {path.name}, "
+                                      f"whose next free id is {self.vocab_size}: an added token must continue the ids "
+                                      "in order (the files belong to different tokenizers?)")
+            special = bool(entry.get("special", False))
+            token = AddedToken(text, special=special, normalized=bool(entry.get("normalized", not special)),
+                               lstrip=bool(entry.get("lstrip", False)), rstrip=bool(entry.get("rstrip", False)),
+                               single_word=bool(entry.get("single_word", False)))
+            (self.tok.add_special_tokens if special else self.tok.add_tokens)([token])
         # A special token that sits in the plain vocabulary would be split by BPE when it appears in
         # rendered text; registering it as an added token keeps its id and makes it atomic.
         for text in SPECIAL_TOKEN_TEXTS.values():
@@ -192,12 +214,13 @@ class Tokenizer:
 
     Build it with `load_tokenizer`. Attributes: `vocab_size` (with added tokens), `special_ids`
     (`SpecialTokens`), `eos_token_ids` (tuple), `chat_template` (jinja2 source or None),
-    `chat_template_origin` (where it came from), `path` (the folder).
+    `chat_template_origin` (where it came from), `tool_use_template` (the template for conversations with tools,
+    when tokenizer_config.json names one "tool_use"; else None), `path` (the folder).
     """
 
     def __init__(self, backend: Any, *, path: Path, special_ids: SpecialTokens,
                  eos_token_ids: tuple[int, ...], chat_template: str | None, chat_template_origin: str | None,
-                 template_tokens: Mapping[str, str] | None = None):
+                 template_tokens: Mapping[str, str] | None = None, tool_use_template: str | None = None):
         self._backend = backend
         # Special-token texts from tokenizer_config.json, given to the jinja2 template as transformers does.
         self.template_tokens = dict(template_tokens or {})
@@ -206,6 +229,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self.chat_template_origin = chat_template_origin
+        self.tool_use_template = tool_use_template
 
     @property
     def vocab_size(self) -> int:
@@ -260,12 +284,14 @@ class Tokenizer:
     ) -> list[int] | str:
         """Render a conversation (spec `chat.md`) and, with `tokenize`, encode it.
 
-        Uses the checkpoint's jinja2 template when it has one, else `chat.render_chat`. The rendered
+        Uses the checkpoint's jinja2 template when it has one (with tools, its "tool_use" template where it names
+        one), else `chat.render_chat`. The rendered
         text carries its own `]~!b[`, so it is encoded without the post-processor's special tokens.
         """
-        if self.chat_template is not None and _have_jinja2():
+        template = self.tool_use_template if tools and self.tool_use_template is not None else self.chat_template
+        if template is not None and _have_jinja2():
             text = chat.render_chat_template(
-                self.chat_template, messages, tools, thinking, add_generation_prompt,
+                template, messages, tools, thinking, add_generation_prompt,
                 origin=self.chat_template_origin or "chat template",
                 extra_variables=self.template_tokens,
             )
@@ -356,23 +382,29 @@ def _check_id(value: Any, vocab: int, where: str) -> int:
     return value
 
 
-def _chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str | None, str | None]:
+def _chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str | None, str | None, str | None]:
+    """(template, where it came from, the template for conversations with tools when the file names one apart:
+    transformers' list of named templates, "default" and "tool_use")."""
     jinja_path = folder / "chat_template.jinja"
     if jinja_path.is_file():
         try:
-            return jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+            return jinja_path.read_text(encoding="utf-8"), str(jinja_path), None
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{jinja_path}: cannot read ({e})") from None
     template = config.get("chat_template")
     where = f"{folder / 'tokenizer_config.json'}: chat_template"
     if template is None:
-        return None, None
+        return None, None, None
+    tool_use = None
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default", next(iter(named.values()), None))
+        tool_use = named.get("tool_use")
+        if tool_use is not None and not isinstance(tool_use, str):
+            raise CheckpointError(f"{where}: the template named 'tool_use' is not a string")
     if not isinstance(template, str):
         raise CheckpointError(f"{where}: expected a template string (or a list of named templates)")
-    return template, where
+    return template, where, tool_use
 
 
 def _dspark_noise_id(folder: Path, vocab: int) -> int | None:
@@ -410,22 +442,15 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     if not isinstance(config, Mapping):
         raise CheckpointError(f"{config_path}: expected a JSON object")
     if (folder / "tokenizer.json").is_file():
-        backend: Any = _TokenizersBackend(folder / "tokenizer.json")
+        backend: Any = _TokenizersBackend(folder / "tokenizer.json", config, config_path)
     elif (folder / "tokenizer.model").is_file():
         backend = _SentencePieceBackend(folder / "tokenizer.model", config)
     else:
         raise CheckpointError(f"{folder}: no tokenizer.json (or sentencepiece tokenizer.model) found")
     vocab = backend.vocab_size
 
-    decoder = config.get("added_tokens_decoder") or {}
-    from_config = {e["content"]: int(k) for k, e in decoder.items()
-                   if isinstance(e, Mapping) and isinstance(e.get("content"), str) and str(k).isdigit()}
-    ids: dict[str, int | None] = {}
-    for name, text in SPECIAL_TOKEN_TEXTS.items():
-        tid = backend.token_to_id(text)
-        if tid is None and text in from_config:
-            tid = _check_id(from_config[text], vocab, f"{config_path}: added_tokens_decoder[{text!r}]")
-        ids[name] = tid
+    # both backends hold tokenizer_config.json's added tokens
+    ids: dict[str, int | None] = {name: backend.token_to_id(text) for name, text in SPECIAL_TOKEN_TEXTS.items()}
     noise = _dspark_noise_id(folder, vocab)
     if noise is not None:
         ids["dspark_noise"] = noise
@@ -446,8 +471,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         eos.append(tid)
     if special.turn_end is not None:
         eos.append(special.turn_end)
-    template, origin = _chat_template(folder, config)
+    template, origin, tool_template = _chat_template(folder, config)
     template_tokens = {key: text for key in ("bos_token", "eos_token", "unk_token", "pad_token")
                        if (text := _token_text(config.get(key))) is not None}
     return Tokenizer(backend, path=folder, special_ids=special, eos_token_ids=tuple(dict.fromkeys(eos)),
-                     chat_template=template, chat_template_origin=origin, template_tokens=template_tokens)
+                     chat_template=template, chat_template_origin=origin, template_tokens=template_tokens,
+                     tool_use_template=tool_template)

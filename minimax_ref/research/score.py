@@ -3,8 +3,8 @@
 Traces file (spec `interface.md`): one JSON object per line, either
 
 * `{"prompt": str, "completion": str}`: raw mode encodes the prompt exactly as the tokenizer files
-  say (their post-processor decides any BOS) and appends the completion's tokens (no special tokens
-  added); with `--chat` the prompt is one user turn rendered with the chat template and the
+  say (their post-processor decides any BOS) and appends the completion's tokens as they fall in the
+  tokenization of the whole text (`raw_trace_ids`: no special tokens between the two); with `--chat` the prompt is one user turn rendered with the chat template and the
   completion is the assistant's reply, scored as the model would generate it after the generation
   prompt: `</mm:think>{completion}[e~[` (the template's assistant turn, without the newline that
   follows the end-of-turn token, which the model never generates). With `--chat` a line may also give
@@ -123,6 +123,30 @@ def chat_trace_ids(tok, prompt: str | list, completion: str | dict, *, tools: li
     return prompt_ids + tok.encode(reply, add_special_tokens=False), len(prompt_ids)
 
 
+def raw_trace_ids(tok, prompt: str, completion: str) -> tuple[list[int], int]:
+    """Token ids of a raw-text (prompt, completion) pair and the completion start: the completion's tokens as they
+    fall in the tokenization of the whole text prompt + completion (a tokenizer that prefixes a space, or merges
+    across the boundary, encodes the completion alone otherwise than in context), after the prompt's tokens with the
+    special tokens the tokenizer's post-processor puts before it (a BOS; any it appends after the prompt, such as an
+    EOS or [SEP], are left out: they would sit between the prompt and its completion).
+
+    As lm-evaluation-harness does, spaces that end the prompt count as the completion's start; when the whole
+    text's tokens do not begin with the prompt's (a merge across the boundary), the completion is encoded alone."""
+    stripped = prompt.rstrip(" ")
+    if stripped:
+        prompt, completion = stripped, prompt[len(stripped):] + completion
+    bare = tok.encode(prompt, add_special_tokens=False)
+    with_specials = tok.encode(prompt)
+    prompt_ids = with_specials
+    for k in range(len(with_specials) - len(bare) + 1):  # drop what the post-processor appends
+        if with_specials[k:k + len(bare)] == bare:
+            prompt_ids = with_specials[:k + len(bare)]
+            break
+    whole = tok.encode(prompt + completion, add_special_tokens=False)
+    tail = whole[len(bare):] if whole[:len(bare)] == bare else tok.encode(completion, add_special_tokens=False)
+    return prompt_ids + tail, len(prompt_ids)
+
+
 def parse_trace(obj: object, tok, *, chat: bool, vocab_size: int | None, max_len: int | None) -> ScoreTrace:
     """Validate one decoded JSON line and turn it into token ids (line number set by the caller)."""
     if not isinstance(obj, dict):
@@ -176,8 +200,7 @@ def parse_trace(obj: object, tok, *, chat: bool, vocab_size: int | None, max_len
             ids, start = chat_trace_ids(tok, prompt, completion, tools=tools,
                                         thinking=obj.get("thinking", "adaptive"), system=system)
         else:
-            prompt_ids = tok.encode(prompt)
-            ids, start = prompt_ids + tok.encode(completion, add_special_tokens=False), len(prompt_ids)
+            ids, start = raw_trace_ids(tok, prompt, completion)
         if start == 0:
             raise InputError("the prompt encodes to no tokens: the first completion token needs context")
         if start == len(ids):

@@ -233,8 +233,9 @@ def _metaspace_tokenizer(folder: Path, post: str | None = None) -> None:
 @pytest.mark.parametrize("post", [None, "[CLS] $A [SEP]"])
 def test_raw_completions_are_tokenized_in_context(tmp_path, post):
     """A raw trace's completion is scored as its tokens fall in the whole text: a Llama-style tokenizer encoding
-    " Paris today" alone gives it a second word-start marker; spaces that end the prompt start the completion; a [SEP] the
-    post-processor appends to a text does not sit between the prompt and its completion (a [CLS] before it stays)."""
+    " Paris today" alone gives it a second word-start marker; spaces that end the prompt start the completion; a
+    [SEP] the post-processor appends to a text does not sit between the prompt and its completion (a [CLS] before it
+    stays)."""
     from minimax_ref.research.score import raw_trace_ids
 
     _metaspace_tokenizer(tmp_path / "t", post)

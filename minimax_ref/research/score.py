@@ -5,9 +5,10 @@ Traces file (spec `interface.md`): one JSON object per line, either
 * `{"prompt": str, "completion": str}`: raw mode encodes the prompt exactly as the tokenizer files
   say (their post-processor decides any BOS) and appends the completion's tokens as they fall in the
   tokenization of the whole text (`raw_trace_ids`: no special tokens between the two); with `--chat` the
-  prompt is one user turn rendered with the chat template and the completion is the assistant's reply, scored as the model would generate it after the generation
-  prompt: `</mm:think>{completion}[e~[` (the template's assistant turn, without the newline that
-  follows the end-of-turn token, which the model never generates). With `--chat` a line may also give
+  prompt is one user turn rendered with the chat template and the completion is the assistant's reply,
+  scored as the model would generate it after the generation prompt: `</mm:think>{completion}[e~[` (the
+  template's assistant turn, without the newline that follows the end-of-turn token, which the model never
+  generates). With `--chat` a line may also give
   `"messages"` (a conversation) in place of `"prompt"`, its own `"tools"`, `"thinking"` and `"system"`, and
   the completion as an assistant message (`{"content", "reasoning_content", "tool_calls"}`: a reply with its
   reasoning or its tool calls, rendered by the template as in a conversation's history);

@@ -18,6 +18,7 @@ from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
 from minimax_ref.golden import OPS, entry_tensors, export_golden, parse_layers, parse_ops, replay_bundle
 from minimax_ref.golden.bundle import ref_files
+from minimax_ref.golden.contract import sha256
 from minimax_ref.weights.loader import load_model
 
 PAGE = 8
@@ -94,6 +95,11 @@ def test_replay_detects_a_changed_output(bundle, manifest, tmp_path):
         save_file(t, str(path))
         changed.append((entry, name))
     reduced = dict(manifest, entries=[e for e, _ in changed])  # replay only the changed files
+    (copy / "manifest.json").write_text(json.dumps(reduced))
+    with pytest.raises(InputError, match=r"4 files differ from the manifest's sha256"):  # damage is named as such
+        replay_bundle(copy)
+    # a bundle whose outputs another engine wrote (its manifest describes them): the numbers are what differs
+    reduced = dict(reduced, entries=[dict(e, sha256=sha256(copy / e["file"])) for e, _ in changed])
     (copy / "manifest.json").write_text(json.dumps(reduced))
     bad = {(r["file"], r["check"]) for r in replay_bundle(copy) if not r["ok"]}
     assert {(e["file"], name) for e, name in changed} <= bad

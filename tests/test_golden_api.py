@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from minimax_ref import golden
 from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
+from minimax_ref.golden.contract import sha256
 from minimax_ref.weights.loader import load_model, load_synthetic
 
 ROOT = Path(__file__).parents[1]
@@ -250,10 +251,12 @@ def test_compare_integer_outputs_are_exact(bundle):
     assert not r.ok and row["bad"] == 1 and row["elements"] == blocks.numel() and "max_abs" not in row
 
 
-def test_compare_bad_calls_are_input_errors(bundle):
+def test_compare_bad_calls_are_input_errors_and_extra_outputs_are_ignored(bundle):
     e = next(iter(golden.load(bundle, ops=["nvfp4_linear"])))
-    with pytest.raises(InputError, match="no output named 'z'"):
-        golden.compare(e, {"z": e.outputs["y"]})
+    r = golden.compare(e, {"z": e.outputs["y"], **e.outputs})  # an output the entry lacks: not compared, named
+    assert r.ok and r.ignored == ["z"] and "ignored: z" in str(r)
+    r = golden.compare(e, {"z": e.outputs["y"]})  # ... and it stands in for none of the entry's
+    assert not r.ok and all(row.get("missing") for row in r.rows)
     with pytest.raises(InputError, match=r"output .y. has shape \(\d+, 1\), the reference.s is \(\d+, \d+\)"):
         golden.compare(e, {"y": e.outputs["y"][..., :1]})
     with pytest.raises(InputError, match="pass a dict by name"):
@@ -278,6 +281,11 @@ def test_replay_reports_error_sizes(bundle, manifest, tmp_path, capsys):
     flat = t["y"].view(-1)
     flat[3] = torch.nextafter(flat[3], torch.tensor(float("inf")))
     save_file(t, str(copy / e["file"]))
+    assert main(["golden", "--replay", str(copy)]) == 2  # a changed file is named, not replayed
+    assert "1 files differ from the manifest's sha256" in capsys.readouterr().err
+    mf = json.loads((copy / "manifest.json").read_text())  # as another engine's export would describe it
+    next(x for x in mf["entries"] if x["file"] == e["file"])["sha256"] = sha256(copy / e["file"])
+    (copy / "manifest.json").write_text(json.dumps(mf))
     assert main(["golden", "--replay", str(copy)]) == 1
     out = json.loads(capsys.readouterr().out)
     [bad] = out["mismatches"]

@@ -92,6 +92,17 @@ def test_replay_impl_fails_when_nothing_is_checked_or_an_output_is_missing(capsy
     assert json.loads(capsys.readouterr().out)["checks"] == 1
     assert main([*replay, y_only, "--skip-outputs", "x_hat,nope"]) == 2
     assert "--skip-outputs 'nope'" in capsys.readouterr().err
+    extra = _module(monkeypatch, "k_extra", lambda e: {**NP.run(e), "debug": NP.run(e)["y"]})
+    assert main([*replay, extra]) == 0  # an output the entry lacks is named, not compared
+    assert json.loads(capsys.readouterr().out)["ignored"] == ["nvfp4_linear/layer000_op.safetensors:debug"]
+
+    def raising(entry):
+        raise ValueError("my kernel's own failure")
+
+    assert main([*replay, _module(monkeypatch, "k_raise", raising)]) == 2  # its traceback, as a user error
+    err = capsys.readouterr().err
+    assert "--impl k_raise:run raised on nvfp4_linear/layer000_op.safetensors" in err
+    assert "ValueError: my kernel's own failure" in err and "api.py" not in err
     assert main([*replay, y_only, "--ops", "router"]) == 1  # no entry of that op: nothing checked
     assert "nothing was checked (no entry of --ops router)" in capsys.readouterr().err
     monkeypatch.syspath_prepend(str(EXAMPLE))
@@ -230,6 +241,19 @@ def test_single_op_activation_quant_catches_the_global_scale_and_the_rounding_po
     assert [row["name"] for row in r.rows if not row["ok"]] == ["x_hat"]  # y alone could not tell
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_every_float32_w4a4_bundle_tells_the_rounding_points_apart(tmp_path, seed):
+    """At some calibrations no element of an activation rounds differently in the two orders (the README's own
+    command, seed 0, was one): the bundle's input_scale is then moved by a few fp32 ulps until one does, and x_hat is
+    still exactly the fake-quant of x under the stored input_scale."""
+    [e] = _one(tmp_path, "nvfp4_linear", shape="16,512,1024", act_quant="emulate", dtype=torch.float32, seed=seed)
+    t = e.inputs
+    calibrated = (t["x"].float().abs().amax() / (6 * 448)).to(torch.float32)
+    ulps = abs(int(t["w1.input_scale"].view(torch.int32)) - int(calibrated.view(torch.int32)))
+    assert ulps <= 64 and _rounding_points_differ(e)
+    assert _passes(e, NP.run(e)) and not _passes(e, _with_x_hat(e, _x_hat_qs_over_g(t, "float32")))
+
+
 def test_model_driven_activation_quant_catches_the_rounding_point(tiny_nvfp4, tmp_path):
     model = load_model(tiny_nvfp4, dtype=torch.float32, act_quant="emulate")
     g = torch.Generator().manual_seed(3)
@@ -241,6 +265,9 @@ def test_model_driven_activation_quant_catches_the_rounding_point(tiny_nvfp4, tm
         assert _passes(e, NP.run(e)), str(golden.compare(e, NP.run(e)))
     e = max(entries, key=lambda e: e.inputs["x"].shape[0])
     assert _rounding_points_differ(e)
+    golden.export_golden(model, prompts, tmp_path / "mx", ops=["mxfp8_linear"], layers=[1], decode_steps=1)
+    mx = golden.load(tmp_path / "mx")  # W8A8 entries carry x_hat as the W4A4 ones do (a kernel gives it everywhere)
+    assert mx and all(set(m.outputs) == {"y", "x_hat"} and _passes(m, NP.run(m)) for m in mx)
     assert not _passes(e, _with_x_hat(e, _x_hat_qs_over_g(e.inputs, "float32")))
     assert not _passes(e, _with_x_hat(e, _x_hat_no_global_scale(e.inputs, "float32")))
 
@@ -371,3 +398,19 @@ def test_act_quant_bundles_fail_a_kernel_that_multiplies_the_unquantized_input(t
         assert r.ok == (e is plain), str(r)
         if e is emu:
             assert {row["name"] for row in r.rows if not row["ok"]} == {"x_hat", "y"}
+
+
+def test_single_op_names_and_messages(tmp_path, capsys):
+    """`--ops msa_decode` selects the entries an msa_decode bundle holds (indexer and msa); a bad moe shape names
+    the dimension that is wrong; a bad context is not blamed on --batch; a missing folder is said to be missing."""
+    out = tmp_path / "msa"
+    golden.export_op("msa_decode", out, context="40")
+    assert main(["golden", "--replay", str(out), "--ops", "msa_decode"]) == 0
+    checked = {r["file"].split("/")[0] for r in json.loads(capsys.readouterr().out)["results"]}
+    assert checked == {"indexer", "msa"}
+    for argv, message in (
+            (["--op", "moe", "--shape", "8,8,64,30"], "--shape: I=30 must be a multiple of 16 for NVFP4 (T,E,H,I)"),
+            (["--op", "msa_decode", "--context", "300,0"], "--context '300,0': every context must be >= 1"),
+            (["--replay", str(tmp_path / "nope")], "nope: no such folder")):
+        assert main(["golden", *argv, "--out", str(tmp_path / "o")] if "--op" in argv else ["golden", *argv]) == 2
+        assert message in capsys.readouterr().err

@@ -156,7 +156,7 @@ def test_router_ties(capsys, tmp_path):
     (["--op", "router", "--shape", "4,16", "--edge", "zero-scales"], r"does not apply to --op router"),
     (["--op", "msa_decode"], r"needs --context"),
     (["--op", "msa_decode", "--context", "9,x"], r"--context '9,x': expected an integer"),
-    (["--op", "msa_decode", "--context", "0"], r"contexts and the batch must be >= 1"),
+    (["--op", "msa_decode", "--context", "0"], r"--context .0.: every context must be >= 1 cached token"),
     (["--op", "msa_decode", "--context", "9,8", "--batch", "3"], r"gives 2 rows but --batch is 3"),
     (["--op", "router", "--shape", "4,16", "--stacked"], r"--stacked and --align-block apply to --op moe"),
     (["--op", "moe", "--shape", "4,4,32,32", "--align-block", "0"], r"--align-block 0: must be >= 1"),

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from .bundle import entry_tensors, read_bundle_manifest
-from .contract import error_sizes, sha256
+from .bundle import check_sha256, entry_tensors, read_bundle_manifest
+from .contract import error_sizes
 
 
 @dataclass
@@ -42,12 +42,7 @@ def load(path: str | Path, *, ops: Sequence[str] | None = None, verify: bool = T
     path = Path(path)
     manifest = read_bundle_manifest(path)
     if verify:
-        files = [(w["file"], w.get("sha256")) for w in manifest.get("weights_files", [])]
-        files += [(e["file"], e.get("sha256")) for e in manifest["entries"]]
-        bad = [f for f, h in files if h is not None and sha256(path / f) != h]
-        if bad:
-            raise InputError(f"{path}: {len(bad)} files differ from the manifest's sha256 ({', '.join(bad[:5])}); "
-                             "export the bundle again, or load(verify=False) to read them anyway")
+        check_sha256(path, manifest)
     out = []
     for ent in manifest["entries"]:
         if ops is not None and ent["op"] not in ops:
@@ -71,12 +66,14 @@ class Comparison:
     {max_abs, max_rel} of the kernel's and of the reference's output against the fp64 version). A compared integer
     or exact output: name, ok, bad, elements, compared ("elementwise" / "as sets along the last axis"). An output
     the kernel did not give: name, ok False, missing True. `skipped`: outputs left out on purpose (`skip=`).
+    `ignored`: outputs the kernel gave that the entry does not have (not compared: an entry without x_hat, say).
     `ok` needs every row ok and at least one output compared."""
 
     entry: str
     kernel_dtype: str
     rows: list[dict]
     skipped: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
 
     @property
     def checked(self) -> int:
@@ -90,6 +87,8 @@ class Comparison:
         head = f"{self.entry} ({self.kernel_dtype} tolerance): {'ok' if self.ok else 'FAILED'}"
         if self.skipped:
             head += f"; left out: {', '.join(self.skipped)}"
+        if self.ignored:
+            head += f"; not outputs of this entry, ignored: {', '.join(self.ignored)}"
         if not self.checked:
             head += "; nothing was checked"
         lines = [head]
@@ -116,8 +115,9 @@ def compare(entry: GoldenEntry, outputs: dict[str, torch.Tensor] | torch.Tensor,
     bundle's compute dtype). Every output of the entry is compared: one the kernel does not give fails (a row with
     missing=True) unless `skip` names it; a comparison that checks nothing is not ok. Float outputs: elementwise
     within atol + rtol * |reference|. Integer outputs and exact ones (tolerance {"exact": true}, e.g. x_hat): equal
-    elementwise, or, with tolerance "order": "set" (MSA blocks), equal as sorted rows along the last axis. A name
-    the entry lacks, in `outputs` or `skip`, is an InputError."""
+    elementwise, or, with tolerance "order": "set" (MSA blocks), equal as sorted rows along the last axis. Outputs
+    the entry lacks are ignored (listed in `Comparison.ignored`: a kernel may give x_hat for every linear); a name in
+    `skip` the entry lacks is an InputError."""
     kd = kernel_dtype or entry.numerics["dtype"]
     if kd not in ("float32", "bfloat16"):
         raise InputError(f"kernel_dtype {kd!r}: choose float32 or bfloat16")
@@ -125,9 +125,10 @@ def compare(entry: GoldenEntry, outputs: dict[str, torch.Tensor] | torch.Tensor,
         if len(entry.outputs) != 1:
             raise InputError(f"{entry.id} has outputs {sorted(entry.outputs)}: pass a dict by name")
         outputs = {next(iter(entry.outputs)): outputs}
-    unknown = sorted((set(outputs) | set(skip)) - set(entry.outputs))
+    unknown = sorted(set(skip) - set(entry.outputs))
     if unknown:
-        raise InputError(f"{entry.id}: no output named {unknown[0]!r} (outputs: {sorted(entry.outputs)})")
+        raise InputError(f"{entry.id}: no output named {unknown[0]!r} to skip (outputs: {sorted(entry.outputs)})")
+    ignored = sorted(set(outputs) - set(entry.outputs))
     rows = []
     for name, want in entry.outputs.items():
         if name in skip:
@@ -157,7 +158,7 @@ def compare(entry: GoldenEntry, outputs: dict[str, torch.Tensor] | torch.Tensor,
                 e64 = error_sizes(t, real_queries(entry, name, entry.fp64[name]))
                 row[label] = {"max_abs": e64["max_abs"], "max_rel": e64["max_rel"]}
         rows.append(row)
-    return Comparison(entry.id, kd, rows, [n for n in entry.outputs if n in skip])
+    return Comparison(entry.id, kd, rows, [n for n in entry.outputs if n in skip], ignored)
 
 
 def real_queries(entry: GoldenEntry, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -203,10 +204,12 @@ def replay_impl(path: str | Path, impl: str, *, ops: Sequence[str] | None = None
     """Run a user's kernel `impl` ("module:function", importable) on every entry of bundle `path` (of `ops`):
     function(entry) gets the entry with its inputs on `device` and returns {output name: tensor} (or None: not
     this entry). Outputs named in `skip` (in any entry) are left out; every other output of an entry the function
-    ran on must be given. Returns {entries, ran, skipped_entries, checks, failures, missing, results}: one result
-    row per output (file, output, ok, and `compare`'s sizes); `ok` is False when an output fails or is missing, or
-    when nothing was checked."""
+    ran on must be given. Returns {entries, ran, skipped_entries, checks, failures, missing, ignored, results}: one
+    result row per output (file, output, ok, and `compare`'s sizes); `ignored`: "file:output" for outputs the
+    function gave that its entry lacks (not compared); `ok` is False when an output fails or is missing, or when
+    nothing was checked. A function that raises is an InputError carrying its own traceback."""
     import importlib
+    import traceback
 
     try:
         dev = torch.device(device)
@@ -226,10 +229,14 @@ def replay_impl(path: str | Path, impl: str, *, ops: Sequence[str] | None = None
     unknown = sorted(set(skip) - names)
     if unknown:
         raise InputError(f"--skip-outputs {unknown[0]!r}: no entry has that output (outputs: {sorted(names)})")
-    rows, skipped = [], []
+    rows, skipped, ignored = [], [], []
     for entry in entries:
         entry.inputs = {k: v.to(dev) for k, v in entry.inputs.items()}  # outputs: compare brings them to the host
-        got = fn(entry)
+        try:
+            got = fn(entry)
+        except Exception as e:  # the user's kernel failed: its own traceback, not the replay's frames
+            theirs = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)).rstrip()
+            raise InputError(f"--impl {impl} raised on {entry.file}:\n{theirs}") from None
         if got is None:
             skipped.append(entry.file)
             continue
@@ -238,12 +245,13 @@ def replay_impl(path: str | Path, impl: str, *, ops: Sequence[str] | None = None
                              "tensor} or None")
         result = compare(entry, got, kernel_dtype=kernel_dtype, skip=[n for n in skip if n in entry.outputs])
         rows += [{"file": entry.file, "output": r.pop("name"), **r} for r in result.rows]
+        ignored += [f"{entry.file}:{n}" for n in result.ignored]
     checks = sum(1 for r in rows if not r.get("missing"))
     failures = [r for r in rows if not r["ok"]]
     return {"entries": len(entries), "ran": len(entries) - len(skipped), "skipped_entries": skipped,
             "checks": checks, "failures": failures, "missing": [f"{r['file']}:{r['output']}" for r in rows
                                                                 if r.get("missing")],
-            "ok": checks > 0 and not failures, "results": rows}
+            "ignored": ignored, "ok": checks > 0 and not failures, "results": rows}
 
 
 def tied_choice(entry: GoldenEntry, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -178,6 +178,8 @@ def read_bundle_manifest(path: Path) -> dict:
     from ..weights.checkpoint import _read_header
 
     mf = path / MANIFEST
+    if not path.exists():
+        raise InputError(f"{path}: no such folder")
     if not mf.is_file():
         raise InputError(f"{path}: no {MANIFEST} (not a golden bundle)")
     try:
@@ -222,3 +224,14 @@ def read_bundle_manifest(path: Path) -> dict:
         raise InputError(f"{path}: damaged golden bundle ({len(problems)} problems); export it again:\n"
                          + "\n".join(f"  - {p}" for p in problems[:20]))
     return manifest
+
+
+def check_sha256(path: Path, manifest: dict) -> None:
+    """Refuse (InputError naming them) the bundle's files whose bytes differ from the manifest's sha256: a changed
+    byte would otherwise read as a numeric mismatch."""
+    files = [(w["file"], w.get("sha256")) for w in manifest.get("weights_files", [])]
+    files += [(e["file"], e.get("sha256")) for e in manifest["entries"]]
+    bad = [f for f, h in files if h is not None and sha256(path / f) != h]
+    if bad:
+        raise InputError(f"{path}: {len(bad)} files differ from the manifest's sha256 ({', '.join(bad[:5])}); "
+                         "export the bundle again (golden.load(verify=False) reads them anyway)")

@@ -147,6 +147,9 @@ class _Capture:
             e.put("x", args[0], "input")
             fmt = put_linear(e, self.ck, prefix, "w")
             if self.emulate and module.emulate_act_quant:
+                from ..model.linear import emulate_activation_quant
+
+                e.put("x_hat", emulate_activation_quant(args[0], module.act_format, module.input_scale), "output")
                 put_activation_codes(e, "x", args[0], fmt, None)
             e.put("y", out, "output")
             e.params.update({"linear": prefix, "format": fmt})
@@ -335,15 +338,30 @@ def available_ops(ck: Checkpoint, layer: int) -> set[str]:
     return ops
 
 
+# How the row-wise entries of a model-driven bundle lay out the batch (weights.md, "The rows of model-driven entries").
+ROWS_NOTE = ("the prompts run as one right-padded batch [B, T] (T the longest prompt in the prefill phase, 1 in a "
+             "decode phase); entries of row-wise ops hold every position, padding included: mxfp8_linear and rmsnorm "
+             "as [B, T, ...], router and moe as [B * T, ...] row-major (row b * T + t); position t of prompt b is "
+             "padding where t >= len(prompts[b].input_ids) (prefill only). nvfp4_linear holds the rows routed to its "
+             "expert (params.tokens: their indices in the [B * T] layout); attention entries mark real queries with "
+             "cu_seqlens_q")
+
+
 def parse_ops(text: str | None) -> tuple[list[str], bool]:
     """(ops, explicit) from a comma list (None = all ops, not explicit)."""
     if text is None:
         return list(OPS), False
     ops = [o.strip() for o in text.split(",") if o.strip()]
+    ops = list(dict.fromkeys(e for o in ops for e in SINGLE_OP_ENTRIES.get(o, (o,))))
     bad = [o for o in ops if o not in OPS]
     if bad or not ops:
-        raise InputError(f"--ops: unknown op {bad[0] if bad else text!r} (known: {', '.join(OPS)})")
+        aliases = ", ".join(f"{name} = {' + '.join(entries)}" for name, entries in SINGLE_OP_ENTRIES.items())
+        raise InputError(f"--ops: unknown op {bad[0] if bad else text!r} (known: {', '.join(OPS)}; {aliases})")
     return ops, True
+
+
+# A single op whose bundle holds entries of other op names: `--ops` takes its name for them.
+SINGLE_OP_ENTRIES = {"msa_decode": ("indexer", "msa")}
 
 
 def parse_layers(text: str | None, n_layers: int) -> list[int]:
@@ -435,8 +453,9 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
         "model": {"hidden_size": text.hidden_size, "num_attention_heads": text.num_attention_heads,
                   "num_key_value_heads": text.num_key_value_heads, "head_dim": text.head_dim,
                   "num_local_experts": text.num_local_experts, "num_experts_per_tok": text.num_experts_per_tok,
-                  "rms_norm_eps": text.rms_norm_eps, "msa_block_size": text.sparse.block_size,
-                  "msa_topk_blocks": text.sparse.topk_blocks},
+                  "rms_norm_eps": text.rms_norm_eps, "rope_theta": text.rope_theta, "rotary_dim": text.rotary_dim,
+                  "msa_block_size": text.sparse.block_size, "msa_topk_blocks": text.sparse.topk_blocks},
+        "rows": ROWS_NOTE,
         "prompts": [{"input_ids": list(map(int, p)), **({"text": prompt_texts[i]} if prompt_texts else {})}
                     for i, p in enumerate(prompts)],
         "decoded_token_ids": decoded,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..weights.checkpoint import DENSE, NVFP4
-from .bundle import entry_tensors, read_bundle_manifest
+from .bundle import check_sha256, entry_tensors, read_bundle_manifest
 from .contract import error_sizes, same
 from .fp64 import fp64_outputs
 from .operands import (
@@ -207,9 +207,11 @@ def _replay_paged(t: dict, p: dict, op: str, dtype: torch.dtype, kv_scale: float
 
 def replay_bundle(path: str | Path, ops: Sequence[str] | None = None) -> list[dict]:
     """Recompute every op of a golden bundle (or only the entries of `ops`) with the engine's functions; one row per
-    check: file, check, ok (bit-exact), and the error sizes (`error_sizes`)."""
+    check: file, check, ok (bit-exact), and the error sizes (`error_sizes`). Files whose sha256 differs from the
+    manifest's are refused first (`check_sha256`)."""
     path = Path(path)
     manifest = read_bundle_manifest(path)
+    check_sha256(path, manifest)
     num = manifest["numerics"]
     dtype = getattr(torch, num["dtype"])
     emulate = num["act_quant"] == "emulate"

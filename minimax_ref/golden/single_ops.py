@@ -10,6 +10,7 @@ import torch
 
 from ..errors import InputError
 from ..weights.checkpoint import MXFP8, NVFP4
+from ..weights.quant import decode_e2m1, quantize_activation_nvfp4, unpack_fp4
 from .bundle import write_bundle
 from .contract import FORMAT, TOLERANCE_RULE, producer
 from .operands import (
@@ -50,9 +51,10 @@ OPERANDS = {
     "nvfp4_linear": "x ~ N(0, 1); weight: uniform random bytes (every E2M1 code); weight_scale: E4M3 of 448 * "
                     "U(0.2, 0.6); weight_scale_2 = K^-0.5 / (rms(e2m1 codes) * rms(scales)) (outputs of unit "
                     "scale); input_scale = fp32(amax(|x|) / (6 * 448)) (ModelOpt's calibration: g = 1 / input_scale "
-                    "is far from 1). Edge subnormal-scales: every block scale is an E4M3 code 1-15 (codes 1-7 are "
-                    "subnormal, m * 2^-9) and every fourth row (n % 4 == 0) is all subnormal; zero-scales: 1 in 8 "
-                    "block scales is 0",
+                    "is far from 1; with --act-quant emulate in float32, moved by at most 64 fp32 ulps where needed "
+                    "so that x_hat = q * fp32(s / g) and (q * s) / g differ in some element). Edge "
+                    "subnormal-scales: every block scale is an E4M3 code 1-15 (codes 1-7 are subnormal, m * 2^-9) "
+                    "and every fourth row (n % 4 == 0) is all subnormal; zero-scales: 1 in 8 block scales is 0",
     "mxfp8_linear": "x ~ N(0, 1); weight: uniform random non-NaN E4M3 bytes; weight_scale: E8M0 exponent calibrated "
                     "for outputs of unit scale, jittered by -1, 0 or +1 per block",
     "router": "x ~ N(0, 1); gate_weight ~ N(0, (2 / sqrt(hidden))^2); bias ~ N(0, 0.01^2). Edge ties: experts 3j, "
@@ -102,8 +104,10 @@ def parse_contexts(context: str | int | None, batch: int) -> list[int]:
         ctx = [int(c) for c in str(context).split(",")]
     except ValueError:
         raise InputError(f"--context {context!r}: expected an integer or comma-separated integers") from None
-    if any(c < 1 for c in ctx) or batch < 1:
-        raise InputError(f"--context {context!r} --batch {batch}: contexts and the batch must be >= 1")
+    if any(c < 1 for c in ctx):
+        raise InputError(f"--context {context!r}: every context must be >= 1 cached token")
+    if batch < 1:
+        raise InputError(f"--batch {batch}: must be >= 1")
     if len(ctx) > 1:
         if batch not in (1, len(ctx)):
             raise InputError(f"--context {context!r} gives {len(ctx)} rows but --batch is {batch}: leave out --batch "
@@ -132,6 +136,31 @@ def put_weights(e: Entry, tensors: dict[str, torch.Tensor]) -> None:
 def input_scale_of(x: torch.Tensor) -> torch.Tensor:
     """ModelOpt's calibrated NVFP4 activation input scale of x: fp32(amax(|x|) / (6 * 448))."""
     return (x.float().abs().amax() / (6 * 448)).to(torch.float32).reshape(())
+
+
+def _orders_differ(x: torch.Tensor, input_scale: torch.Tensor) -> bool:
+    """Whether x's fake-quant in float32 differs between x_hat = q * fp32(s / g) and (q * s) / g anywhere."""
+    codes, scales = quantize_activation_nvfp4(x, input_scale)
+    q = decode_e2m1(unpack_fp4(codes)).reshape(*x.shape[:-1], -1, 16)
+    s, g = scales.float()[..., None], torch.tensor(1.0) / input_scale
+    return bool((q * (s / g) != (q * s) / g).any())
+
+
+def order_revealing_input_scale(x: torch.Tensor) -> torch.Tensor:
+    """`input_scale_of(x)`, or the nearest float32 value at most 64 ulps from it at which the two rounding orders of
+    x_hat differ in some element of x (`_orders_differ`). Whether they differ depends on g and the few distinct block
+    scales of one activation: at some calibrations no element does, and the bundle could not tell a kernel that
+    rounds in the wrong order."""
+    base = input_scale_of(x)
+    if _orders_differ(x, base):
+        return base
+    up, down = base.clone(), base.clone()
+    for _ in range(64):
+        up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+        for candidate in (up, down):
+            if _orders_differ(x, candidate):
+                return candidate
+    return base
 
 
 def nvfp4_operands(N: int, K: int, g: torch.Generator, edge: str | None, key: str = "w1") -> dict[str, torch.Tensor]:
@@ -189,8 +218,9 @@ def linear_entry(op: str, M: int, N: int, K: int, dtype: torch.dtype, seed: int,
     fmt, key = (NVFP4, "w1") if op == "nvfp4_linear" else (MXFP8, "w")
     t = nvfp4_operands(N, K, g, edge) if fmt == NVFP4 else mxfp8_operands(N, K, g)
     x = torch.randn(M, K, generator=g).to(dtype)
-    if fmt == NVFP4:
-        t["w1.input_scale"] = input_scale_of(x)
+    if fmt == NVFP4:  # a float32 W4A4 bundle also tells the rounding orders of x_hat apart
+        reveal = emulate and dtype == torch.float32
+        t["w1.input_scale"] = order_revealing_input_scale(x) if reveal else input_scale_of(x)
     t[f"{key}.weight_scale_swizzled"] = swizzle_scales(t[f"{key}.weight_scale"])
     e = Entry(op, 0, "op", tag=tag)
     e.put("x", x, "input")
@@ -243,6 +273,9 @@ def moe_entry(T: int, E: int, H: int, I: int, dtype: torch.dtype, seed: int, edg
     top_k = text.num_experts_per_tok
     if top_k > E:
         raise InputError(f"--shape: E={E} experts is fewer than the release's top_k={top_k}")
+    for name, size in (("H", H), ("I", I)):  # both are the K of an NVFP4 product (w13: H, w2: I)
+        if size % 16:
+            raise InputError(f"--shape: {name}={size} must be a multiple of 16 for NVFP4 (T,E,H,I)")
     g = _gen(seed)
     x = (torch.randn(T, H, generator=g) * (16.0 if edge == "clamp" else 4.0)).to(dtype)
     w = torch.randn(E, H, generator=g) * (2 / math.sqrt(H))

@@ -319,3 +319,36 @@ def test_sentencepiece_fallback(tmp_path):
     assert ids[:2] == [s.bod, s.turn_start] and ids[-1] == s.turn_end
     assert tok.decode(ids) == "]~!b[]~b]hello world[e~["
     assert tok.decode(ids, skip_special_tokens=True) == "hello world"
+
+
+def _byte_fallback_tokenizer(folder: Path) -> None:
+    """A Llama-style tokenizer: a few pieces, every other character as UTF-8 byte tokens <0xNN>, decoded by
+    ByteFallback (a run of byte tokens with an invalid byte becomes one U+FFFD per byte, all of it)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ("▁", "a", "b", "ab", "▁ab"):
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [("a", "b"), ("▁", "ab")], byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_byte_fallback_streams_and_final_text_keep_complete_characters(tmp_path):
+    """A reply cut inside a character (max_new_tokens): the tokenizer's own decode turns the whole byte run into
+    U+FFFD, the character completed before it included; the stream keeps that character, and the result text
+    (`decode_streamed`) is what was streamed."""
+    _byte_fallback_tokenizer(tmp_path / "t")
+    tok = load_tokenizer(tmp_path / "t")
+    ids = tok.encode("ab 龍龘", add_special_tokens=False)
+    assert len(ids) == 2 + 6  # "▁ab", "▁" and the two characters' six bytes
+    cut = ids[:-1]
+    assert tok.decode(cut) == "ab " + "\ufffd" * 5  # the decoder's rewrite of the run
+    stream = tok.stream_decoder()
+    streamed = "".join(stream.push(t) for t in cut) + stream.finish()
+    assert streamed == "ab 龍" + "\ufffd" * 2  # the cut character's two bytes, as the decoder marks them
+    assert tok.decode_streamed(cut) == streamed
+    assert tok.decode_streamed(ids) == tok.decode(ids) == "ab 龍龘"  # a whole reply decodes as the tokenizer does

@@ -77,7 +77,8 @@ def read_stop_ids(ckpt_dir: str | Path | None, fallback: Sequence[int] = ()) -> 
 
 @dataclass
 class GenerationResult:
-    """One prompt's outcome, as `--output-format json` prints it. `request`: its own figures (prompt and generated
+    """One prompt's outcome, as `--output-format json` prints it. `text`: the reply as streamed
+    (`Tokenizer.decode_streamed` of the tokens before a stop token). `request`: its own figures (prompt and generated
     tokens, time to first token and to its end from the start of the call); `stats`: the whole call's (empty in a
     result handed to `on_result` before the call ends)."""
 
@@ -294,7 +295,7 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
             if rest:
                 on_text(row, rest)
         body = [t for t in s.generated if t not in stop]
-        text = tok.decode(body)
+        text = tok.decode_streamed(body)  # what on_text streamed
         # a prompt that ends inside <mm:think> (thinking enabled) generates reasoning first
         started = think_start is not None and len(ids[row]) > 0 and ids[row][-1] == think_start
         parsed = parse_output(text, row_tools[row], reasoning_started=started)

@@ -274,6 +274,17 @@ class Tokenizer:
         """A `StreamDecoder` for this tokenizer."""
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
 
+    def decode_streamed(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """The text a `StreamDecoder` streams for `ids` pushed one at a time: `decode(ids)`, except that characters
+        a byte-fallback decoder would turn into U+FFFD with a later invalid byte of their run stay (what
+        generation's result text is, so that it equals what was streamed)."""
+        ids = self._check_ids(ids)
+        text = self.decode(ids, skip_special_tokens)
+        if "\ufffd" not in text:  # nothing was rewritten
+            return text
+        stream = self.stream_decoder(skip_special_tokens)
+        return "".join(stream.push(t) for t in ids) + stream.finish()
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -323,7 +334,10 @@ class StreamDecoder:
     """Incremental detokenisation: `push(ids)` returns the new text that is complete UTF-8.
 
     Text is held back while it ends in an incomplete character (U+FFFD); `finish()` returns what is
-    left. The pieces joined equal `tokenizer.decode(all ids)` for byte-level tokenizers.
+    left. The pieces joined equal `tokenizer.decode(all ids)`, except where a tokenizer's decoder rewrites text it
+    already gave: a byte-fallback decoder turns a whole run of byte tokens into U+FFFD once one of its bytes is
+    invalid, characters completed before included. Those stay as they were streamed; the window restarts at the
+    first byte token not yet part of streamed text.
     """
 
     # Re-anchoring keeps each decode short; the kept tokens give sentencepiece its leading-space context.
@@ -335,11 +349,23 @@ class StreamDecoder:
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._start = 0
-        self._emitted = 0  # characters of decode(ids[start:]) already returned
+        self._emitted = ""  # the text of decode(ids[start:]) already returned
+        self._whole = (0, 0)  # (ids, characters of _emitted) at the last push that left no incomplete character
 
     @property
     def token_ids(self) -> list[int]:
         return list(self._ids)
+
+    def _window(self) -> str:
+        """decode(ids[start:]), restarting the window at the last whole point when it rewrote streamed text."""
+        text = self._tok.decode(self._ids[self._start:], self._skip)
+        if not text.startswith(self._emitted):
+            at_ids, at_chars = self._whole
+            if at_ids > self._start:
+                self._start, self._emitted = at_ids, self._emitted[at_chars:]
+                self._whole = (at_ids, 0)
+                text = self._tok.decode(self._ids[self._start:], self._skip)
+        return text
 
     def push(self, token_ids: int | Iterable[int]) -> str:
         """Add one id or several; return the text that became complete."""
@@ -348,20 +374,23 @@ class StreamDecoder:
         except TypeError:  # one id (int, numpy or 0-d tensor scalar)
             new = [token_ids]
         self._ids += self._tok._check_ids(new)
-        text = self._tok.decode(self._ids[self._start:], self._skip)
+        text = self._window()
         stable = len(text.rstrip("\ufffd"))
-        out = text[self._emitted:stable] if stable > self._emitted else ""
-        self._emitted = max(self._emitted, stable)
-        if stable == len(text) and len(self._ids) - self._start > self._WINDOW:
-            self._start = len(self._ids) - self._CONTEXT
-            self._emitted = len(self._tok.decode(self._ids[self._start:], self._skip))
+        out = text[len(self._emitted):stable] if stable > len(self._emitted) else ""
+        self._emitted += out
+        if stable == len(text):
+            self._whole = (len(self._ids), len(self._emitted))
+            if len(self._ids) - self._start > self._WINDOW:
+                self._start = len(self._ids) - self._CONTEXT
+                self._emitted = self._tok.decode(self._ids[self._start:], self._skip)
+                self._whole = (len(self._ids), len(self._emitted))
         return out
 
     def finish(self) -> str:
         """The rest of the text, incomplete characters included (as U+FFFD)."""
-        text = self._tok.decode(self._ids[self._start:], self._skip)
-        out = text[self._emitted:]
-        self._emitted = len(text)
+        text = self._window()
+        out = text[len(self._emitted):]
+        self._emitted += out
         return out
 
 

@@ -642,6 +642,7 @@ def small_bundle(tiny_nvfp4, tmp_path_factory):
     ("bad manifest", "not valid JSON"),
     ("manifest without entries", "'entries'"),
     ("missing tensor", "lacks"),
+    ("changed byte", "differ from the manifest's sha256"),
 ])
 def test_golden_replay_of_a_damaged_bundle_is_one_error(small_bundle, tmp_path, capsys, damage, needle):
     b = _copy(small_bundle, tmp_path)
@@ -653,13 +654,21 @@ def test_golden_replay_of_a_damaged_bundle_is_one_error(small_bundle, tmp_path, 
         first.write_bytes(first.read_bytes()[:-7])
     elif damage == "bad manifest":
         (b / "manifest.json").write_text('{"format": ')
+    elif damage == "changed byte":
+        data = bytearray(first.read_bytes())
+        data[-1] ^= 1
+        first.write_bytes(bytes(data))
     elif damage == "manifest without entries":
         del manifest["entries"]
         (b / "manifest.json").write_text(json.dumps(manifest))
-    else:
+    else:  # a hand-edited bundle: the file and its sha256 in the manifest both changed
+        from minimax_ref.golden.contract import sha256
+
         tensors = load_file(str(first))
         tensors.pop(sorted(tensors)[0])
         save_file(tensors, str(first))
+        manifest["entries"][0]["sha256"] = sha256(first)
+        (b / "manifest.json").write_text(json.dumps(manifest))
     capsys.readouterr()
     code, _, err = run(["golden", "--replay", str(b)], capsys)
     assert code == 2 and needle in _one_error_line(err)

@@ -199,6 +199,10 @@ def test_chat_template_sources(tmp_path, tok_dir):
     (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="tokenizer_config.json: chat_template"):
         load_tokenizer(tmp_path / "t").apply_chat_template([{"role": "user", "content": "x"}])
+    cfg["chat_template"] = "{{ strftime_now('%Y') }}|{{ messages[0].content }}"  # transformers' other global
+    (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    year = load_tokenizer(tmp_path / "t").apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    assert year.endswith("|x") and year[:4].isdigit() and int(year[:4]) >= 2026
     cfg["chat_template"] = "{{ raise_exception('no tools here') }}"
     (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="no tools here"):

@@ -8,6 +8,7 @@ renders; the package docstring says why both exist.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -199,6 +200,8 @@ def _compile_template(source: str, origin: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
+    # transformers' other global: the current local time (date-stamped system prompts)
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
     except TemplateError as e:

@@ -96,6 +96,7 @@ def test_columns_and_standard_errors_by_hand():
     ('{"answer": "1"}', "exactly one of 'prompt'"),
     ('{"prompt": "x"}', "exactly one of 'answer'"),
     ('{"prompt": "x", "answer": 1}', "'answer' must be a string"),
+    ('{"prompt": "x", "answer": " "}', "'answer' is empty"),
     ('{"prompt": "x", "tool_call": {"name": "f"}}', "'tool_call' must be an object"),
     ('{"prompt": "x", "tool_call": {"name": "f", "arguments": {}}}', "needs the 'tools'"),
     ('{"prompt": "x", "answer": "1", "thinking": "maybe"}', "'thinking'='maybe'"),

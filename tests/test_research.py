@@ -4,6 +4,9 @@ input checks, the short config repr and the sequence-length limit."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -596,3 +599,26 @@ def test_research_example_runs_on_the_embedded_default(tmp_path):
              if line.strip() and line.strip() != "..." and not line.strip().startswith("wrote ")]  # --out differs
     assert shown and all(line in out.stdout for line in shown), [x for x in shown if x not in out.stdout]
     assert list(tmp_path.glob("msa_blocks_layer*.png"))
+
+
+def test_expert_mask_files_and_flags_refuse_repeats(tmp_path):
+    """A layer given twice in a mask file ("1" and "01": the second silently won), an expert listed twice, a
+    non-integer source_num_experts; --drop-experts naming an expert twice."""
+    from minimax_ref.research.intervened import parse_drop, read_expert_mask
+
+    for raw, needle in (({"1": [0, 1, 2, 3], "01": [0, 1, 2, 3, 4]}, "layer 1 is given twice ('01')"),
+                        ({"1": [0, 1, 2, 3, 3]}, "expert ids [3] are listed more than once"),
+                        ({"kept": {"1": [0, 1, 2, 3]}, "source_num_experts": 16.0},
+                         "source_num_experts=16.0 must be an integer")):
+        path = tmp_path / "mask.json"
+        path.write_text(json.dumps(raw))
+        with pytest.raises(InputError, match=re.escape(needle)):
+            read_expert_mask(path, 16)
+    with pytest.raises(InputError, match=re.escape("expert ids [2] are named more than once")):
+        parse_drop("1:2,2,5", 16)
+
+
+def test_an_empty_batch_is_an_input_error(model):
+    for shape in ((1, 0), (0, 3)):
+        with pytest.raises(InputError, match=r"input_ids is \[\d, \d\]: give at least one sequence"):
+            model(torch.zeros(*shape, dtype=torch.long))

@@ -249,3 +249,35 @@ def test_raw_completions_are_tokenized_in_context(tmp_path, post):
         assert ids == lead + whole and start == len(lead) + len(prompt), (p, c)
     alone = tok.encode(" Paris today", add_special_tokens=False)
     assert alone != whole[len(prompt):], "the case this guards: the completion alone tokenizes otherwise"
+
+
+def test_score_and_prune_refuse_what_they_would_silently_ignore(capsys, src, traces_file, tmp_path, monkeypatch):
+    """--synthetic-weights (they read a checkpoint folder: were the embedded default, in silence); a reference that
+    cannot read every trace, before either model loads; a prune --out where no folder can be made, before the
+    calibration runs; a batch size of 0 by the parser."""
+    import minimax_ref.research.score as score_module
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(score_module, "load_for_args", no_load)
+    for argv in (["score", "--traces", str(traces_file)],
+                 ["prune", "--keep", "4", "--calibration", str(traces_file), "--out", str(tmp_path / "p")]):
+        assert main([*argv, "--synthetic-weights", "tiny"]) == 2
+        assert "--synthetic-weights: `minimax-ref " in capsys.readouterr().err
+    short = tmp_path / "short"
+    short.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (short / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.get("text_config", cfg)["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(cfg))
+    assert main(["score", "--ckpt-path", str(src), "--reference", str(short), "--traces", str(traces_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"--reference {short}: trace 0 (line 1) has 90 tokens, more than the reference's max_seq_len 64" in err
+    assert main(["prune", "--ckpt-path", str(src), "--keep", "4", "--calibration", str(traces_file),
+                 "--out", "/proc/minimax-ref-pruned"]) == 2
+    assert "cannot create a folder in /proc" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["score", "--ckpt-path", str(src), "--traces", str(traces_file), "--batch-size", "0"])

@@ -11,6 +11,7 @@ import torch
 
 from ..cli.arg_types import nonneg_int, positive_int
 from ..errors import InputError
+from ..outdir import check_new_folder
 from .api import replay_impl
 from .capture import export_golden, parse_layers, parse_ops
 from .contract import OPS
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if args.op is not None:
         if args.out is None:
             raise InputError("--op needs --out")
+        check_new_folder(args.out)
         m = export_op(args.op, args.out, shape=args.shape, context=args.context, batch=args.batch,
                       dtype=getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32, seed=args.seed,
                       edge=args.edge, page_size=args.page_size, fp64=args.fp64, act_quant=args.act_quant,
@@ -109,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.prompt or args.out is None:
         raise InputError("give --prompt and --out (or --replay BUNDLE, or --op OP)")
+    check_new_folder(args.out)  # before the model loads
     from ..cli.model_args import load_from_args
     from ..generation.generate import encode_prompt
     from ..model.config import load_model_config

@@ -211,6 +211,8 @@ class MiniMaxM3(nn.Module):
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise InputError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         B, T = input_ids.shape
+        if B == 0 or T == 0:
+            raise InputError(f"input_ids is [{B}, {T}]: give at least one sequence of at least one token")
         if positions is None:
             limit = self.max_seq_len
             if T > limit:

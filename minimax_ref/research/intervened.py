@@ -106,6 +106,9 @@ def masks_from_kept(kept: Mapping[int, Iterable[int]], num_experts: int) -> dict
         bad = [e for e in ids if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < num_experts]
         if bad:
             raise InputError(f"layer {L}: expert ids {bad[:5]} are not in [0, {num_experts})")
+        twice = sorted({e for e in ids if ids.count(e) > 1})
+        if twice:
+            raise InputError(f"layer {L}: expert ids {twice[:5]} are listed more than once")
         mask = torch.zeros(num_experts, dtype=torch.bool)
         mask[ids] = True
         masks[L] = mask
@@ -122,6 +125,8 @@ def read_expert_mask(path: str | Path, num_experts: int) -> dict[int, torch.Tens
         raise InputError(f"--expert-mask {path}: expected a JSON object, got {type(raw).__name__}")
     kept = raw.get("kept", raw)
     source = raw.get("source_num_experts")
+    if source is not None and (isinstance(source, bool) or not isinstance(source, int)):
+        raise InputError(f"--expert-mask {path}: source_num_experts={source!r} must be an integer")
     if source is not None and source != num_experts:
         raise InputError(f"--expert-mask {path}: the file keeps experts of a {source}-expert model, this checkpoint "
                          f"has {num_experts} per layer (apply the mask to the checkpoint that was pruned)")
@@ -133,6 +138,8 @@ def read_expert_mask(path: str | Path, num_experts: int) -> dict[int, torch.Tens
             L = int(key)
         except ValueError:
             raise InputError(f"--expert-mask {path}: {key!r} is not a layer index") from None
+        if L in out:
+            raise InputError(f"--expert-mask {path}: layer {L} is given twice ({key!r})")
         if not isinstance(ids, list):
             raise InputError(f"--expert-mask {path}: layer {key}: expected a list of kept expert ids, got {ids!r}")
         try:
@@ -154,6 +161,9 @@ def parse_drop(spec: str, num_experts: int) -> tuple[int, list[int]]:
         raise InputError(f"--drop-experts {spec!r}: expected LAYER:EXPERT[,EXPERT...], e.g. 3:5,7") from None
     if not dropped:
         raise InputError(f"--drop-experts {spec!r}: name at least one expert")
+    twice = sorted({e for e in dropped if dropped.count(e) > 1})
+    if twice:
+        raise InputError(f"--drop-experts {spec!r}: expert ids {twice} are named more than once")
     bad = [e for e in dropped if not 0 <= e < num_experts]
     if bad:
         raise InputError(f"--drop-experts {spec!r}: expert ids {bad} are not in [0, {num_experts})")

@@ -487,6 +487,7 @@ def per_trace_rows(traces: Sequence[ScoreTrace], model: Sequence[TraceScore],
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     """Flags of `minimax-ref score` (the standard model flags apply to both checkpoints)."""
+    from ..cli.arg_types import positive_int
     from ..cli.model_args import add_intervention_flags, add_model_flags
 
     add_model_flags(p)
@@ -501,9 +502,9 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-trace", action="store_true", help="add one row per trace ('per_trace')")
     p.add_argument("--per-token", action="store_true",
                    help="with per-trace rows, also every completion token's log-prob and argmax")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+    p.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE,
                    help=f"traces prefilled together (default: {DEFAULT_BATCH_SIZE})")
-    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+    p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
                    help=f"positions per prefill step through the KV cache (default: {DEFAULT_PREFILL_CHUNK})")
 
 
@@ -511,13 +512,27 @@ def load_for_args(path: Path, args: argparse.Namespace, role: str = "model"):
     """Load one checkpoint with the standard model flags, offloaded with --offload / --gpu-memory when given.
     `role` ("model", "reference") names the model's own subfolder of --offload-folder: score loads two models, and
     an offload folder holds one."""
+    from ..cli.model_args import fast_mode
     from ..weights.loader import load_model, resolve_dtype
 
     folder = getattr(args, "offload_folder", None)
     return load_model(path, device=args.device, dtype=resolve_dtype(args.dtype, args.device), act_quant=args.act_quant,
                       weights=args.weights, max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
                       offload=getattr(args, "offload", "none"), gpu_memory=getattr(args, "gpu_memory", None),
-                      offload_folder=None if folder is None else Path(folder) / role)
+                      offload_folder=None if folder is None else Path(folder) / role,
+                      fast=fast_mode(getattr(args, "fast", "auto"), args.device))
+
+
+def refuse_synthetic(args: argparse.Namespace) -> None:
+    """The commands that read a checkpoint folder's files beside the weights (tokenizer, shards to copy) refuse the
+    --synthetic-* flags (they would otherwise load the default checkpoint in silence)."""
+    given = [flag for flag, name in (("--synthetic-weights", "synthetic_weights"),
+                                     ("--synthetic-layers", "synthetic_layers"),
+                                     ("--synthetic-experts", "synthetic_experts"))
+             if getattr(args, name, None) is not None]
+    if given:
+        raise InputError(f"{', '.join(given)}: `minimax-ref {args.command}` reads a checkpoint folder; write one "
+                         "with `minimax-ref synth --preset tiny --out DIR` and give --ckpt-path DIR")
 
 
 def load_traces_for_args(path: Path, ckpt: Path, args: argparse.Namespace, flag: str = "--traces") -> list[ScoreTrace]:
@@ -542,19 +557,28 @@ def free(model) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`minimax-ref score`: one JSON object on stdout."""
-    from ..model.config import load_model_config
+    from ..model.config import RuntimeConfig, load_model_config
     from ..weights.embedded import default_checkpoint
     from .intervened import cli_interventions
 
+    refuse_synthetic(args)
     ckpt = args.ckpt_path or default_checkpoint()
     traces = load_traces_for_args(args.traces, ckpt, args)
     cli_interventions(args)  # a bad --expert-mask / --drop-experts is refused before the model loads
-    if args.reference is not None:
+    if args.reference is not None:  # everything the reference needs is checked before either model loads
         v_model = load_model_config(ckpt).text.vocab_size
-        v_ref = load_model_config(args.reference).text.vocab_size
-        if v_model != v_ref:
-            raise ConfigError(f"{args.reference}/config.json: vocab_size={v_ref} differs from {ckpt}'s {v_model}; "
-                              "drift needs one tokenizer")
+        ref_text = load_model_config(args.reference).text
+        if v_model != ref_text.vocab_size:
+            raise ConfigError(f"{args.reference}/config.json: vocab_size={ref_text.vocab_size} differs from {ckpt}'s "
+                              f"{v_model}; drift needs one tokenizer")
+        limit = RuntimeConfig(max_seq_len=args.max_model_len).resolved(ref_text.max_position_embeddings,
+                                                                        "--max-model-len").max_seq_len
+        long = [i for i, t in enumerate(traces) if len(t.input_ids) > limit]
+        if long:
+            i = long[0]
+            raise InputError(f"--reference {args.reference}: trace {i} (line {traces[i].line}) has "
+                             f"{len(traces[i].input_ids)} tokens, more than the reference's max_seq_len {limit} "
+                             f"({len(long)} traces are); score traces both models can read")
     kw = {"batch_size": args.batch_size, "prefill_chunk": args.prefill_chunk}
     model = load_for_args(ckpt, args)
     scores = score_traces(model, traces, **kw, interventions=cli_interventions(args, model))

@@ -101,6 +101,8 @@ def parse_task(obj: object, line: int = 0) -> Task:
     answer, calls = obj.get("answer"), None
     if "answer" in obj and not isinstance(answer, str):
         raise InputError(f"'answer' must be a string, got {answer!r}")
+    if "answer" in obj and not answer.strip():  # an empty reply would count as right, and as an abstention
+        raise InputError("'answer' is empty: give the expected final answer")
     if "tool_call" in obj:
         raw = obj["tool_call"]
         items = raw if isinstance(raw, list) else [raw]

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, ConfigError, InputError
-from ..outdir import staged_folder
+from ..outdir import check_new_folder, staged_folder
 from .checkpoint import TEXT_PREFIX
 
 METHODS = ("weight", "frequency")
@@ -220,6 +220,7 @@ def _check_out(src: Path, out: Path) -> None:
         raise InputError(f"--out {out}: must not be the source checkpoint or a folder inside it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"--out {out}: exists and is not an empty folder")
+    check_new_folder(out)  # a place where no folder can be made, before the calibration runs
 
 
 def write_pruned(src: str | Path, out: str | Path, kept: dict[int, list[int]], method: str,
@@ -313,6 +314,7 @@ def _write_pruned_into(src: Path, out: Path, kept: dict[int, list[int]], method:
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     """Flags of `minimax-ref prune`."""
+    from ..cli.arg_types import positive_int
     from ..cli.model_args import add_model_flags
 
     add_model_flags(p)
@@ -323,16 +325,18 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=list(METHODS), default="weight",
                    help="weight: routed weight mass (default); frequency: top-k selection counts")
     p.add_argument("--chat", action="store_true", help="render text traces with the chat template")
-    p.add_argument("--batch-size", type=int, default=8, help="traces prefilled together (default: 8)")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="positions per prefill step (default: 2048)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="traces prefilled together (default: 8)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=2048,
+                   help="positions per prefill step (default: 2048)")
 
 
 def run(args: argparse.Namespace) -> int:
     """`minimax-ref prune`: prints a JSON summary (out, kept ids per layer, method) on stdout."""
     from ..model.config import load_model_config
-    from ..research.score import free, load_for_args, load_traces_for_args
+    from ..research.score import free, load_for_args, load_traces_for_args, refuse_synthetic
     from .embedded import default_checkpoint
 
+    refuse_synthetic(args)
     src = args.ckpt_path or default_checkpoint()
     text = load_model_config(src).text
     if not text.has_moe:

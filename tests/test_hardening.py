@@ -790,3 +790,49 @@ except KeyboardInterrupt:
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "interrupt after import: True", (r.returncode, r.stderr[-2000:])
+
+
+# ------------------------------------------------------------------------------------------ index and shard layout
+
+
+def test_a_tensor_in_two_shards_is_a_problem_with_or_without_an_index(tiny_nvfp4, tmp_path):
+    """A stray zeroed copy of a tensor in another shard: without an index the later shard's copy loaded in
+    silence (other tokens), with one it was skipped in silence; now a problem naming both shards, either way."""
+    ck = _copy(tiny_nvfp4, tmp_path)
+    index = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    name = next(n for n, s in index.items() if s == shards[0] and n.endswith("q_proj.weight"))
+    other = load_file(str(ck / shards[1]))
+    other[name] = torch.zeros_like(load_file(str(ck / shards[0]))[name])
+    save_file(other, str(ck / shards[1]))
+    for with_index in (True, False):
+        if not with_index:
+            (ck / "model.safetensors.index.json").unlink()
+        with pytest.raises(CheckpointError) as e:
+            load_model(ck, dtype=torch.float32)
+        assert f"tensor {name} is in both {shards[0]} and {shards[1]}" in str(e.value)
+
+
+@pytest.mark.parametrize("weight_map,needle", [
+    ([], "weight_map must be an object"),
+    ({"x": None}, "must be shard file names in this folder, got None"),
+    ({"x": "../outside.safetensors"}, "got '../outside.safetensors'"),
+])
+def test_a_malformed_index_is_one_clear_error(tiny_nvfp4, tmp_path, weight_map, needle):
+    ck = _copy(tiny_nvfp4, tmp_path)
+    raw = json.loads((ck / "model.safetensors.index.json").read_text())
+    raw["weight_map"] = weight_map if not isinstance(weight_map, dict) else {**raw["weight_map"], **weight_map}
+    (ck / "model.safetensors.index.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="regenerate the index") as e:
+        open_checkpoint(ck)
+    assert needle in str(e.value)
+
+
+def test_plan_says_a_checkpoint_that_would_not_load_does_not_run(tiny_nvfp4, tmp_path, capsys):
+    """config.json's expert count disagreeing with the shards: `generate` refuses it, so `plan` (which sizes from
+    the headers) must not say it runs."""
+    ck = _copy(tiny_nvfp4, tmp_path)
+    _edit_config(ck, lambda raw: raw.get("text_config", raw).update(num_local_experts=8))
+    code, out, _ = run(["plan", "--ckpt-path", str(ck), "--tp", "1", "--gpu-memory", "1", "--max-model-len", "64",
+                        "--activation-reserve", "0"], capsys)
+    assert code == 1 and "the checkpoint would not load" in out and "expected [8, 128]" in out

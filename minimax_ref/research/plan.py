@@ -252,6 +252,12 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
     fits = (usable >= need and max_model_len <= t.max_position_embeddings and image_budget <= max_model_len)
     problems = run_problems(cfg, groups, tp=tp, expert_parallel=expert_parallel, weights_per_card=per_card,
                             budget=budget, usable=usable, fits=fits, max_model_len=max_model_len)
+    if source == "headers":  # a checkpoint the loader would refuse does not run, whatever its sizes
+        from ..weights.checkpoint import open_checkpoint
+
+        found = open_checkpoint(ckpt_dir, strict=False).problems
+        problems += [f"the checkpoint would not load ({len(found)} problems; `minimax-ref inspect` lists them): "
+                     f"{found[0]}"] if found else []
     return {
         "source": source,
         "weights": weights,

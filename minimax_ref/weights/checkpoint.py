@@ -608,10 +608,20 @@ def _scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str], Unreadab
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: weight_map must be an object {{tensor name: shard file}}, got "
+                                  f"{type(weight_map).__name__}; regenerate the index")
+        # a shard is a file of this folder: a name with a path in it would read another folder's bytes
+        bad = sorted({repr(v) for v in weight_map.values()
+                      if not isinstance(v, str) or not v or Path(v).name != v or v in (".", "..")})
+        if bad:
+            raise CheckpointError(f"{index_path}: weight_map values must be shard file names in this folder, got "
+                                  f"{', '.join(bad[:5])}; regenerate the index")
         shards = sorted(set(weight_map.values()))
     else:
         weight_map, shards = None, files
     tensors: dict[str, TensorInfo] = {}
+    seen: dict[str, str] = {}  # tensor name -> the first shard that holds it
     for shard in shards:
         sp = path / shard
         users = None if weight_map is None else [n for n, s in weight_map.items() if s == shard]
@@ -629,13 +639,20 @@ def _scan_shards(path: Path) -> tuple[dict[str, TensorInfo], list[str], Unreadab
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
+            if name in seen:  # which copy is meant cannot be known: never one of them in silence
+                problems.append(f"tensor {name} is in both {seen[name]} and {shard}: remove the stray copy")
+                continue
+            seen[name] = shard
             if weight_map is not None and weight_map.get(name) != shard:
                 if name not in weight_map:
                     problems.append(f"tensor {name} is in {shard} but not in {index_path.name}")
+                else:
+                    problems.append(f"tensor {name} is in {shard} but {index_path.name} maps it to "
+                                    f"{weight_map[name]}: regenerate the index")
                 continue
             tensors[name] = TensorInfo(shard, meta["dtype"], tuple(meta["shape"]))
     for name, shard in (weight_map or {}).items():
-        if name not in tensors and shard not in unreadable.lines:
+        if name not in tensors and shard not in unreadable.lines and name not in seen:
             problems.append(f"tensor {name} is listed in {index_path.name} for {shard} but the shard lacks it")
     return tensors, problems, unreadable
 

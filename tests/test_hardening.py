@@ -836,3 +836,21 @@ def test_plan_says_a_checkpoint_that_would_not_load_does_not_run(tiny_nvfp4, tmp
     code, out, _ = run(["plan", "--ckpt-path", str(ck), "--tp", "1", "--gpu-memory", "1", "--max-model-len", "64",
                         "--activation-reserve", "0"], capsys)
     assert code == 1 and "the checkpoint would not load" in out and "expected [8, 128]" in out
+
+
+def test_a_header_whose_offsets_do_not_match_its_tensors_is_named(tiny_nvfp4, tmp_path):
+    """data_offsets two bytes short of the tensor's size (the file size still fits): named at the entry, as a
+    damaged header, by the header check that `inspect --quick` runs too (it passed before)."""
+    import struct
+
+    ck = _copy(tiny_nvfp4, tmp_path)
+    shard = sorted(ck.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"][1] -= 2
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)  # the same length, space-padded
+    shard.write_bytes(data[:8] + raw + data[8 + n:])
+    with pytest.raises(CheckpointError, match=f"entry '{name}' has data_offsets .* needs"):
+        open_checkpoint(ck)

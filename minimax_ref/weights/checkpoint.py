@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -456,6 +457,7 @@ def _read_header(path: Path) -> dict:
     if not isinstance(header, dict):
         raise ValueError("the safetensors header is not a JSON object (damaged or not a safetensors file)")
     end = 0
+    spans: list[tuple[int, int, str]] = []
     for k, v in header.items():
         if k == "__metadata__":
             continue
@@ -465,7 +467,17 @@ def _read_header(path: Path) -> dict:
                 and all(isinstance(o, int) for o in off)):
             raise ValueError(f"the safetensors header's entry {k!r} is not a tensor description (dtype, shape, "
                              "data_offsets) (damaged or not a safetensors file)")
+        need = math.prod(v["shape"]) * _DTYPE_BYTES[v["dtype"]] if v["dtype"] in _DTYPE_BYTES else None
+        if off[0] < 0 or off[1] < off[0] or (need is not None and off[1] - off[0] != need):
+            raise ValueError(f"the safetensors header's entry {k!r} has data_offsets {off} ({off[1] - off[0]} bytes) "
+                             f"but {v['dtype']} {v['shape']} needs {need} (a damaged header)")
+        spans.append((off[0], off[1], k))
         end = max(end, off[1])
+    spans.sort()
+    for (_, a_end, a), (b_start, _, b) in zip(spans, spans[1:]):
+        if b_start < a_end:
+            raise ValueError(f"the safetensors header's entries {a!r} and {b!r} overlap in the file (a damaged "
+                             "header)")
     if 8 + n + end > size:
         raise ValueError(f"the file is truncated: its tensors need {8 + n + end} bytes but it has {size}")
     return header

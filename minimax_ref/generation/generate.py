@@ -260,6 +260,7 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
                        if stop_ids is None else stop_ids)
     ids: list[list[int]] = []
     embeds: list[torch.Tensor | None] = []
+    vocab = model.text.vocab_size
     for i, p in enumerate(prompts):
         where = f"prompts[{i}]"  # the Python list index (the CLI numbers --prompt from 1)
         pixels = load_prompt_images(model, None if images is None else images[i], p, chat=chat, where=where)
@@ -269,7 +270,6 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
                               f"config.json image_token_index={model.config.image_token_id}")
         ids.append(encode_prompt(tok, p, chat=chat, tools=row_tools[i], thinking=row_thinking[i],
                                  system=row_system[i], image_tokens=counts, where=where))
-        vocab = model.text.vocab_size
         if tok.vocab_size > vocab and any(t >= vocab for t in ids[-1]):
             raise ConfigError(f"{where}: the tokenizer ({tok.path}, {tok.vocab_size} ids) encodes it with ids past "
                               f"the model's vocab_size {vocab} ({sorted({t for t in ids[-1] if t >= vocab})[:5]}): "
@@ -313,7 +313,7 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
                                   prefill_chunk=prefill_chunk,
                                   inputs_embeds=embeds if any(e is not None for e in embeds) else None,
                                   max_batch_size=max_batch_size, on_finish=on_finish,
-                                  vocab_limit=min(tok.vocab_size, model.text.vocab_size))
+                                  vocab_limit=min(tok.vocab_size, vocab))
     if drafter is None:
         _, stats = generate_ids(run_model, ids, **run_kw)
     else:

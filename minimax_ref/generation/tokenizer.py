@@ -279,7 +279,7 @@ class Tokenizer:
         a byte-fallback decoder would turn into U+FFFD with a later invalid byte of their run stay (what
         generation's result text is, so that it equals what was streamed)."""
         ids = self._check_ids(ids)
-        text = self.decode(ids, skip_special_tokens)
+        text = self._backend.decode(ids, skip_special_tokens)
         if "\ufffd" not in text:  # nothing was rewritten
             return text
         stream = self.stream_decoder(skip_special_tokens)

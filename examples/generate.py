@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from minimax_ref.cli.arg_types import positive_float
 from minimax_ref.cli.generate import build_generate_parser, run_generate
 from minimax_ref.cli.model_args import check_device_flag
 from minimax_ref.errors import MiniMaxRefError
@@ -45,11 +46,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="examples/generate.py",
                                 description="minimax-ref generate, tensor-parallel under torchrun")
     build_generate_parser(p)
-    p.add_argument("--dist-timeout", type=float, default=1800.0,
+    p.add_argument("--dist-timeout", type=timeout_seconds, default=1800.0,
                    help="seconds a collective may wait for the other ranks before failing (default: 1800; "
                         "a rank loads its slices before the first one)")
     p.set_defaults(device=None)  # auto: cuda:LOCAL_RANK when CUDA is available, else cpu
     return p
+
+
+def timeout_seconds(text: str) -> float:
+    """A collective's timeout: finite seconds > 0 that a timedelta holds (nan, 0 or 1e300 cannot time anything)."""
+    v = positive_float(text)
+    try:
+        timedelta(seconds=v)
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"{text} seconds is longer than a timeout can be") from None
+    return v
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, every rank parsing them; a usage error or --help is printed by rank 0 alone (every rank has
+    the same arguments), the other ranks waiting for it before they exit as it does."""
+    parser = build_parser()
+    if int(os.environ.get("RANK", "0")) == 0:
+        return parser.parse_args(argv)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+        try:
+            return parser.parse_args(argv)
+        except SystemExit as e:
+            if e.code:
+                time.sleep(RANK0_FIRST_S)
+            raise
 
 
 def init_world(device: str | None, timeout_s: float) -> tuple[World, str]:
@@ -92,7 +118,7 @@ def rank0_input(world: World):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         world, args.device = init_world(args.device, args.dist_timeout)
     except MiniMaxRefError as e:  # the same on every rank: rank 0 speaks for all

@@ -240,8 +240,10 @@ def test_counts_that_do_not_divide_are_listed(checkpoints):
     for what in ("num_attention_heads=8", "num_key_value_heads=2", "vocab_size=1024", "num_local_experts"):
         assert what in msg, msg
     check_tp_split(ck, 2, expert_parallel=False)  # divides
-    with pytest.raises(ConfigError, match="expert parallelism"):
+    assert "drop --expert-parallel" in msg, msg  # expert parallelism is what made the experts fail
+    with pytest.raises(ConfigError, match="expert parallelism") as e:
         check_tp_split(open_checkpoint(checkpoints["tiny-mxfp8"]), 4, expert_parallel=False)
+    assert "drop --expert-parallel" not in str(e.value)
 
 
 def test_kv_heads_replicate_when_ranks_exceed_them():
@@ -299,6 +301,44 @@ def test_examples_generate_under_torchrun(checkpoints):
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 1, run.stdout  # rank 1 prints nothing
     assert json.loads(lines[0])["token_ids"] == _expected_tokens(path)
+
+
+def _launcher():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("examples_generate", REPO / "examples" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "0", "-1", "1e300"])
+def test_dist_timeout_must_be_a_usable_duration(text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        _launcher().timeout_seconds(text)
+    assert _launcher().timeout_seconds("2.5") == 2.5
+
+
+def test_launcher_usage_errors_print_once_for_all_ranks(checkpoints):
+    """A bad flag under torchrun: rank 0 prints the usage error, the other ranks stay quiet; no traceback."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          *_generate_cmd(checkpoints["tiny-nvfp4"]), "--dist-timeout", "nan"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "error: argument --dist-timeout" in line]
+    assert len(errors) == 1 and "not a finite number" in errors[0], run.stderr[-3000:]
+    assert "examples/generate.py\", line" not in run.stderr  # torchrun's report of the exit is its own
+
+
+def test_expert_parallel_in_one_process_says_it_does_nothing(checkpoints):
+    run = subprocess.run([sys.executable, *_generate_cmd(checkpoints["tiny-nvfp4"]), "--expert-parallel"], cwd=REPO,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                         timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr
+    assert "--expert-parallel has no effect in one process" in run.stderr
 
 
 def _task_speculative(world: World, path: str) -> list[list[int]]:

@@ -29,3 +29,11 @@ def finite_float(text: str) -> float:
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"{text} is not a finite number")
     return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a duration or size of zero, or a negative one, means nothing)."""
+    v = finite_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return v

@@ -98,6 +98,9 @@ def load_from_args(args: argparse.Namespace, world=None):
     fast = fast_mode(getattr(args, "fast", "auto"), args.device)
     if fast in COMPILE_NOTICES:
         _compile_notice(f"--fast {fast}", fast)
+    if getattr(args, "expert_parallel", False) and (world is None or world.size == 1):
+        print("note: --expert-parallel has no effect in one process (this process holds every expert); it spreads "
+              "whole experts over the ranks of `torchrun --nproc-per-node N examples/generate.py`", file=sys.stderr)
     common = dict(device=args.device, dtype=dtype, act_quant=args.act_quant, weights=args.weights,
                   max_seq_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tp=world,
                   expert_parallel=getattr(args, "expert_parallel", False), fast=fast,

@@ -125,8 +125,8 @@ class World:
     def all_reduce_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, accumulated in fp32 and returned in `x`'s dtype.
 
-        Partial outputs are summed in fp32 so that TP=N equals TP=1 to fp32 rounding in bf16 mode
-        too (a bf16 sum would round once per rank).
+        The sum is fp32 so that it adds no rounding per rank (a bf16 sum would). A bf16 partial output still
+        carries its own product's rounding: in bf16, TP=N differs from TP=1 by those roundings (README).
         """
         if self.size == 1:
             return x
@@ -331,6 +331,8 @@ def tp_split_problems(cfg: ModelConfig, linear_formats: Mapping[str, tuple[Linea
 
 def tp_split_hint(problems: list[str], expert_parallel: bool) -> str:
     """What to do about `tp_split_problems`: fewer ranks, or expert parallelism when routed experts are at fault."""
+    if expert_parallel and any("(expert parallel)" in p for p in problems):
+        return "use fewer ranks, or turn expert parallelism off (drop --expert-parallel) to slice every expert"
     routed = any("routed experts" in p or ".experts.*." in p for p in problems)
     return "use fewer ranks" + (" or expert parallelism for the routed experts"
                                 if routed and not expert_parallel else "")

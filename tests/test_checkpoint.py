@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from minimax_ref.cli.main import main
 from minimax_ref.errors import CheckpointError, ConfigError
-from minimax_ref.model.config import parse_model_config
+from minimax_ref.model.config import load_model_config, parse_model_config
 from minimax_ref.weights.checkpoint import check_scales, open_checkpoint
 from minimax_ref.weights.loader import load_model
 from minimax_ref.weights.synth import build_config, plan_tensors, write_checkpoint
@@ -170,11 +170,38 @@ def test_hf_quant_config_disagreeing_with_config_json_is_reported(tiny_nvfp4, tm
     layers = dict(quant["quantized_layers"])
     layers[LAYER1 + "self_attn.q_proj"] = {"quant_algo": "NVFP4", "group_size": 16}
     _hf_quant_config(ck, {**quant, "quantized_layers": layers, "quant_algo": "NVFP4"})
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(CheckpointError) as e:  # a checkpoint problem, listed with the others
         open_checkpoint(ck)
     msg = str(e.value)
     assert "hf_quant_config.json" in msg and "quant_algo ('MIXED_PRECISION' in config.json, 'NVFP4' here)" in msg
     assert "quantized_layers (1 entries differ" in msg and LAYER1 + "self_attn.q_proj" in msg
+    with pytest.raises(ConfigError) as e:  # the config alone (generate and plan read it first): one error, all keys
+        load_model_config(ck)
+    assert "quant_algo ('MIXED_PRECISION'" in str(e.value) and "quantized_layers (1 entries" in str(e.value)
+
+
+def test_inspect_lists_every_hf_quant_config_problem_with_the_others(tiny_nvfp4, tmp_path, capsys):
+    """`inspect` of a folder whose hf_quant_config.json disagrees with config.json on two keys and holds a key no
+    ModelOpt config has, with a tensor missing besides: every problem listed together (one line each, exit 1),
+    not the first disagreement alone as an error."""
+    ck = _copy(tiny_nvfp4, tmp_path)
+    quant = json.loads((ck / "config.json").read_text())["quantization_config"]
+    layers = dict(quant["quantized_layers"])
+    layers[LAYER1 + "self_attn.q_proj"] = {"quant_algo": "NVFP4", "group_size": 16}
+    _hf_quant_config(ck, {**quant, "quantized_layers": layers, "quant_algo": "NVFP4", "calibration": "mse"})
+    missing = LAYER1 + "self_attn.k_norm.weight"
+    _rewrite(ck, missing, lambda t: t.pop(missing))
+    assert main(["inspect", str(ck), "--quick", "--output-format", "json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    hf = str(ck / "hf_quant_config.json")
+    assert sum(p.startswith(hf) for p in problems) == 3, problems
+    assert any("quant_algo ('MIXED_PRECISION' in config.json, 'NVFP4' here)" in p for p in problems)
+    assert any("quantized_layers (1 entries differ" in p and LAYER1 + "self_attn.q_proj" in p for p in problems)
+    assert any("unknown keys ['calibration']" in p for p in problems)
+    assert any(missing in p for p in problems)
+    with pytest.raises(CheckpointError) as e:  # loading refuses with the same list
+        open_checkpoint(ck)
+    assert len(e.value.problems) == len(problems)
 
 
 # ------------------------------------------------------------------ reader and decoding
@@ -533,6 +560,66 @@ def test_expert_count_disagreeing_with_config(tiny_nvfp4, tmp_path):
     assert any("e_score_correction_bias" in p for p in err.problems)
 
 
+@pytest.mark.parametrize("spelling", ["modelopt", "compressed-tensors"])
+def test_an_nvfp4_linear_without_its_input_scale_loads_weight_only(tiny_nvfp4, tmp_path, spelling):
+    """Only activation quantization reads an NVFP4 linear's input_scale: without it the checkpoint loads (noted) and
+    computes what the complete one does; --act-quant emulate refuses it by name, never with a made-up 1.0. In the
+    compressed-tensors spelling the tensor is input_global_scale."""
+    ck = _copy(tiny_nvfp4, tmp_path)
+    prefix = LAYER1 + "block_sparse_moe.experts.2.w3"
+    name = prefix + ".input_scale"
+    if spelling == "compressed-tensors":
+        def respell(t):
+            for n in [n for n in t if n.startswith(prefix + ".")]:
+                v = t.pop(n)
+                if n.endswith(".weight"):
+                    t[prefix + ".weight_packed"] = v
+                elif n.endswith(".weight_scale_2"):
+                    t[prefix + ".weight_global_scale"] = (1.0 / v).reshape(1)
+                elif not n.endswith(".input_scale"):
+                    t[n] = v
+        _rewrite(ck, prefix + ".weight", respell)
+    else:
+        _rewrite(ck, name, lambda t: t.pop(name))
+    opened = open_checkpoint(ck)
+    assert opened.formats[prefix].input_scale is None
+    assert any("1 NVFP4 linears have no input_scale" in n and prefix in n for n in opened.notes), opened.notes
+    ids = torch.tensor([[1, 5, 9, 14]])
+    torch.testing.assert_close(load_model(ck, dtype=torch.float32)(ids),
+                               load_model(tiny_nvfp4, dtype=torch.float32)(ids), rtol=0, atol=0)
+    with pytest.raises(CheckpointError) as e:
+        load_model(ck, dtype=torch.float32, act_quant="emulate")
+    assert f"NVFP4 linear {prefix} has no input_scale" in str(e.value)
+    with pytest.raises(CheckpointError, match="has no input_scale"):  # never a made-up 1.0 for a caller
+        opened.input_scale(prefix)
+
+
+def test_a_nonfinite_value_in_a_slice_is_named_by_its_index_in_the_whole_tensor(tiny_nvfp4, tmp_path):
+    """Tensor parallelism reads each rank's rows (or input columns) of a tensor (`Checkpoint.read` / `read_linear`
+    with a slice, as loader.load_weights calls them): a NaN found there is reported at its index in the stored
+    tensor, the one a user can look up, not at its index inside the rank's slice."""
+    ck = _copy(tiny_nvfp4, tmp_path)
+    emb = "language_model.model.embed_tokens.weight"
+    head = "language_model.lm_head"  # a bf16 linear: read_linear slices it like a rank does
+
+    def nan(t):
+        t[emb] = t[emb].clone()
+        t[emb][70, 5] = float("nan")
+        t[head + ".weight"] = t[head + ".weight"].clone()
+        t[head + ".weight"][9, 45] = float("inf")
+    assert _shard_of(ck, emb) == _shard_of(ck, head + ".weight")
+    _rewrite(ck, emb, nan)
+    c = open_checkpoint(ck)
+    with pytest.raises(CheckpointError, match=r"part read: rows 64:128\), first at index \[70, 5\]"):
+        c.read(emb, rows=slice(64, 128))  # a rank's vocabulary rows
+    with pytest.raises(CheckpointError, match=r"part read: rows 0:64, columns 32:64\), first at index \[9, 45\]"):
+        c.read_linear(head, rows=slice(0, 64), cols=slice(32, 64))
+    with pytest.raises(CheckpointError, match=r"first at index \[9, 45\]"):
+        c.read(head + ".weight")  # the whole tensor: the same index
+    with pytest.raises(CheckpointError, match=r"first at index \[70, 5\]"):
+        load_model(ck, dtype=torch.float32)
+
+
 def test_nan_scale_and_e8m0_255_name_the_tensor(tiny_nvfp4, tmp_path):
     ck = _copy(tiny_nvfp4, tmp_path)
     nvfp4 = LAYER1 + "block_sparse_moe.experts.3.w1.weight_scale"
@@ -561,10 +648,14 @@ def test_quantization_config_disagreement_is_reported(tiny_nvfp4, tmp_path):
     layers = cfg["quantization_config"]["quantized_layers"]
     layers[LAYER1 + "self_attn.q_proj"] = {"quant_algo": "NVFP4", "group_size": 16}
     cfg["quantization_config"]["unexpected_key"] = 1
+    missing = LAYER1 + "self_attn.k_norm.weight"
+    _rewrite(ck, missing, lambda t: t.pop(missing))
     (ck / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError) as e:
-        open_checkpoint(ck)
-    assert "unexpected_key" in str(e.value)
+    # a config that cannot be read is a problem listed with the checkpoint's others, not a first-and-only error
+    err = _problem(ck, "unknown keys ['unexpected_key']", f"missing tensor {missing}")
+    assert len(err.problems) == 2, err.problems
+    shutil.rmtree(ck)
+    ck = _copy(tiny_nvfp4, tmp_path)
     del cfg["quantization_config"]["unexpected_key"]
     (ck / "config.json").write_text(json.dumps(cfg))
     _problem(ck, LAYER1 + "self_attn.q_proj is stored MXFP8 but quantization_config says NVFP4")

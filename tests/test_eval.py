@@ -173,3 +173,44 @@ def test_eval_command_on_the_embedded_default(tmp_path, capsys):
     assert "accuracy" in capsys.readouterr().out
     assert main(["eval", "--tasks", str(path), "--drop-experts", "2:0,1,2,3,4,5,6,7,8,9,10,11,12"]) == 2
     assert "layer 2 keeps 3 experts" in capsys.readouterr().err
+
+
+def _long_tasks(tmp_path) -> Path:
+    """A tasks file whose third line (a blank line before it) is too long for 256 tokens, with an id."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 13+4?", "answer": "17"}) + "\n\n"
+                    + json.dumps({"prompt": "word " * 300, "answer": "2", "id": "long-one"}) + "\n")
+    return path
+
+
+def test_eval_names_a_too_long_task_by_file_line_and_id_before_loading(tmp_path, capsys, monkeypatch):
+    """A task whose prompt (rendered with the chat template, as eval renders it) leaves no room under
+    --max-model-len is refused before any model loads, named by its tasks-file line and id, with its token count from
+    the checkpoint's own tokenizer; not as `prompts[1]` once the model has loaded."""
+    import minimax_ref.cli.model_args as model_args
+    from minimax_ref.cli.main import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the task lengths were checked")
+
+    monkeypatch.setattr(model_args, "load_from_args", no_load)
+    path = _long_tasks(tmp_path)
+    tok = mr.load_tokenizer(None)
+    n = len(tok.apply_chat_template([{"role": "user", "content": "word " * 300}], add_generation_prompt=True,
+                                    thinking="adaptive"))
+    assert main(["eval", "--tasks", str(path), "--max-model-len", "256"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:3 (id 'long-one') has {n} tokens" in err and "maximum sequence length 256" in err, err
+    assert "prompts[" not in err and f"{path}:1" not in err
+
+
+def test_evaluate_names_a_too_long_task_when_checked_after_loading(tmp_path):
+    """Where the tokenizer cannot be read before loading (synthetic weights), `evaluate` names the task the same
+    way, before generating."""
+    from minimax_ref.research.tasks import evaluate
+
+    path = _long_tasks(tmp_path)
+    model = mr.load_model(None, dtype=torch.float32, max_seq_len=256)
+    with pytest.raises(InputError) as e:
+        evaluate(model, mr.load_tokenizer(None), read_tasks(path), max_new_tokens=1, source=path)
+    assert f"{path}:3 (id 'long-one') has" in str(e.value) and "prompts[" not in str(e.value)

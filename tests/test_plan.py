@@ -131,6 +131,9 @@ def test_bad_plan_inputs():
         plan_memory(cfg, tp=0, gpu_memory_gib=80, max_model_len=1024)
     with pytest.raises(InputError, match="--gpu-memory"):
         plan_memory(cfg, tp=2, gpu_memory_gib=-1, max_model_len=1024)
+    # a sequence of one position holds no reply: generate refuses it (its prompt takes it), so does plan
+    with pytest.raises(InputError, match="--max-model-len 1: must be >= 2"):
+        plan_memory(cfg, tp=2, gpu_memory_gib=80, max_model_len=1)
 
 
 # ---------------------------------------------------------------------------------------------- offload
@@ -231,8 +234,8 @@ def test_cli_offload_plan_pruned80(capsys, tmp_path):
     assert main(args + ["--no-offload-prefetch"]) == 0
     text = capsys.readouterr().out
     assert f"expert stacks of layers {streamed[0]}-59" in text and "PCIe roofline at 50 GB/s" in text
-    assert main(args[:4] + ["2"] + args[5:]) == 2  # --tp 2
-    assert "--tp 1" in capsys.readouterr().err
+    assert main(args[:4] + ["2"] + args[5:]) == 2  # --tp 2: refused as a load under torchrun refuses it
+    assert "runs in one process (TP=1); this run has 2 tensor-parallel ranks" in capsys.readouterr().err
     assert main(args[:6] + ["1"] + args[7:]) == 1  # 1 GiB: refused, exit 1 with the reason
     assert "less than the" in capsys.readouterr().err
 
@@ -277,3 +280,81 @@ def test_synth_config_only_feeds_plan(capsys, tmp_path):
         assert (only / name).read_text() == (full / name).read_text()
     assert main(["synth", "--preset", "tiny", "--config-only", "--drafter", "--out", str(tmp_path / "x")]) != 0
     assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------------------------- plan as a load sees it
+
+
+def _error_line(err: str) -> str:
+    return next(line for line in err.splitlines() if line.startswith("error:"))
+
+
+@pytest.mark.parametrize("flags", [
+    ["--offload", "cpu", "--gpu-memory", "8", "--weights", "dequant"],  # offload streams packed bytes only
+    ["--offload", "cpu", "--gpu-memory", "8", "--expert-parallel"],  # offload runs in one process
+    ["--offload", "disk", "--gpu-memory", "0"],  # no GPU budget
+    ["--gpu-memory", "8", "--offload-prefetch"],  # prefetch without offloading
+])
+def test_plan_refuses_what_generate_refuses_with_its_message(tiny_nvfp4, capsys, flags):
+    """A flag combination a load refuses is refused by `plan` too, with the same error (the same first words for
+    --offload-prefetch, whose generate message also lists the commands that take it): a plan of a run that cannot
+    start would be a plan of nothing. The generate side is the real command on a tiny checkpoint."""
+    ck = str(tiny_nvfp4)
+    gen_flags = flags if "--weights" in flags else flags + ["--weights", "packed"]
+    assert main(["generate", "--ckpt-path", ck, "--prompt", "hi", "--max-new-tokens", "1", *gen_flags]) == 2
+    want = _error_line(capsys.readouterr().err)
+    assert main(["plan", "--ckpt-path", ck, "--tp", "1", "--max-model-len", "64", *flags]) == 2
+    got = _error_line(capsys.readouterr().err)
+    assert want.startswith(got) and len(got) > len("error: --offload-prefetch"), (got, want)
+
+
+def test_a_tp_split_problem_of_every_layer_is_said_once_naming_the_layers(capsys, tmp_path):
+    """At TP 64 the release's shared-expert down_proj keeps 3072 / 64 = 48 input columns per rank, not whole MXFP8
+    groups of 32, in every MoE layer: one problem naming those layers (from the config's MoE layers), not one per
+    layer."""
+    raw = build_config("release", "nvfp4")
+    cfg = parse_model_config(raw)
+    moe = [L for L, m in enumerate(cfg.text.moe_layers) if m]
+    assert len(moe) == MOE and moe == list(range(moe[0], LAYERS))  # a contiguous run: said as first-last
+    plan = plan_memory(cfg, tp=64, gpu_memory_gib=CARD_GIB, max_model_len=4096)
+    assert not plan["runs"] and len(plan["problems"]) == 1, plan["problems"]
+    (problem,) = plan["problems"]
+    assert "shared_experts.down_proj (mxfp8): 48 input columns per rank" in problem
+    assert f"layers {moe[0]}-{moe[-1]}: {MOE} layers" in problem and "layers.3." not in problem
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert main(["plan", "--ckpt-path", str(tmp_path), "--tp", "64", "--gpu-memory", "96",
+                 "--max-model-len", "4096"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {problem}"]
+
+
+_DTYPE_LABEL = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+@pytest.mark.parametrize("weights, dtype", [("packed", torch.bfloat16), ("dequant", torch.bfloat16),
+                                            ("dequant", torch.float32)])
+def test_family_labels_are_the_dtypes_a_loaded_model_holds(tiny_nvfp4, weights, dtype):
+    """Each family's label in the plan is the dtype its tensors have in a loaded model, the dtype its bytes are
+    counted in: norms and routers fp32 (the loader applies them in fp32), other plain tensors in the compute dtype,
+    and with --weights dequant every linear in the compute dtype too."""
+    from minimax_ref.weights.checkpoint import tensor_table
+    from minimax_ref.weights.loader import load_model
+
+    model = load_model(tiny_nvfp4, dtype=dtype, weights=weights)
+    cfg = parse_model_config(json.loads((tiny_nvfp4 / "config.json").read_text()))
+    linears, plain = tensor_table(cfg)
+    held: dict[str, set[str]] = {}
+    for spec in plain.values():
+        owner, _, leaf = spec.module.rpartition(".")
+        t = getattr(model.get_submodule(owner), leaf)
+        held.setdefault(spec.family, set()).add(_DTYPE_LABEL[t.dtype])
+    if weights == "dequant":
+        for spec in linears.values():
+            mod = model.get_submodule(spec.module)
+            t = getattr(mod, spec.leaf) if spec.leaf else mod.weight
+            held.setdefault(spec.family, set()).add(_DTYPE_LABEL[t.dtype])
+    plan = plan_memory(cfg, tp=1, gpu_memory_gib=CARD_GIB, max_model_len=64, weights=weights,
+                       dtype_bytes=torch.finfo(dtype).bits // 8, ckpt_dir=tiny_nvfp4)
+    assert held["norm"] == {"f32"} and held["router"] == {"f32"}
+    for family, labels in held.items():
+        assert plan["families"][family]["formats"] == sorted(labels), family

@@ -62,12 +62,28 @@ def _generate_and_grade(args: argparse.Namespace, path: Path | None, tasks, inte
     iv = cli_interventions(args, model) if interventions_flags else None
     results = evaluate(model, tok, tasks, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_batch_size=args.max_batch_size,
-                       interventions=iv)
+                       interventions=iv, source=args.tasks)
     del model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return results, [grade_result(t, r) for t, r in zip(tasks, results)]
+
+
+def _check_lengths_before_loading(args: argparse.Namespace, tasks) -> None:
+    """Refuse the tasks whose prompts leave no room under --max-model-len before any model loads, with each
+    checkpoint's own tokenizer and position limit (the model's, then the --reference's), as `generate` checks its
+    prompts. Where the tokenizer cannot be read here (synthetic weights, a folder the loader will refuse) the same
+    check runs once the model has loaded (`tasks.evaluate`), naming the tasks the same way."""
+    from ..research.tasks import check_task_lengths
+    from .generate import _length_checker
+
+    paths = [None] + ([args.reference] if args.reference is not None else [])
+    for path in paths:
+        checker = _length_checker(args if path is None else argparse.Namespace(**{**vars(args), "ckpt_path": path}))
+        if checker is not None:
+            tok, limit = checker
+            check_task_lengths(tok, tasks, limit, args.tasks)
 
 
 def _task_row(result, grades: dict) -> dict:
@@ -118,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.reference is not None and not (args.reference / "config.json").is_file():
         raise InputError(f"--reference {args.reference}: no config.json there (not a checkpoint folder)")
     tasks = read_tasks(args.tasks)
+    _check_lengths_before_loading(args, tasks)
     cli_interventions(args)  # a bad --expert-mask / --drop-experts is refused before the model loads
     results, grades = _generate_and_grade(args, None, tasks, True)
     summary = summarize(tasks, grades)

@@ -647,14 +647,26 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 _DECIDING_KEYS = ("quant_algo", "quantized_layers", "exclude_modules", "group_size")
 
 
-def load_model_config(ckpt_dir: str | Path) -> ModelConfig:
+def load_model_config(ckpt_dir: str | Path, problems: list[str] | None = None) -> ModelConfig:
     """The checkpoint folder's `config.json`, with the quantization config of `hf_quant_config.json` (ModelOpt's
-    copy) where the folder has one (`with_hf_quant_config`)."""
+    copy) where the folder has one (`with_hf_quant_config`).
+
+    problems: where given, what is wrong with `hf_quant_config.json` (each disagreement with config.json its own
+    line, `hf_quant_config_problems`) is appended to it instead of raised, so that a caller collecting a
+    checkpoint's problems (`checkpoint.open_checkpoint`, hence `inspect`) reports them with the others."""
     path = Path(ckpt_dir) / "config.json"
     cfg = parse_model_config(read_json(path, "config.json"), str(path))
     hf_quant = Path(ckpt_dir) / HF_QUANT_CONFIG
     if hf_quant.is_file():
-        cfg = with_hf_quant_config(cfg, read_json(hf_quant, HF_QUANT_CONFIG), str(hf_quant))
+        if problems is None:
+            return with_hf_quant_config(cfg, read_json(hf_quant, HF_QUANT_CONFIG), str(hf_quant))
+        try:
+            raw = read_json(hf_quant, HF_QUANT_CONFIG)
+        except ConfigError as e:
+            problems.append(str(e))
+            return cfg
+        cfg, found = hf_quant_config_problems(cfg, raw, str(hf_quant))
+        problems.extend(found)
     return cfg
 
 
@@ -664,15 +676,38 @@ def with_hf_quant_config(cfg: ModelConfig, raw: Any, where: str) -> ModelConfig:
     config.json has none; where config.json has a ModelOpt one too, every key that decides a linear's format
     (`_DECIDING_KEYS`) present in both must agree, or a ConfigError lists each disagreement (decided here: a
     config.json of another quant_method, e.g. compressed-tensors, is taken as it is)."""
+    cfg, bad, differ = _read_hf_quant(cfg, raw, where)
+    if bad:
+        raise ConfigError(bad)
+    if differ:
+        raise ConfigError(f"{where}: {_DISAGREES} {'; '.join(differ)}{_SAME_CHECKPOINT}")
+    return cfg
+
+
+_DISAGREES = "its quantization disagrees with config.json's quantization_config on"
+_SAME_CHECKPOINT = ": the two files must describe the same checkpoint"
+
+
+def hf_quant_config_problems(cfg: ModelConfig, raw: Any, where: str) -> tuple[ModelConfig, list[str]]:
+    """`with_hf_quant_config`, returning what is wrong instead of raising it: (`cfg`, with the file's quantization
+    where config.json has none; the problems, each deciding key that disagrees with config.json on its own line
+    naming the key and both values). With problems, `cfg` keeps config.json's quantization config."""
+    cfg, bad, differ = _read_hf_quant(cfg, raw, where)
+    return cfg, ([bad] if bad else []) + [f"{where}: {_DISAGREES} {d}{_SAME_CHECKPOINT}" for d in differ]
+
+
+def _read_hf_quant(cfg: ModelConfig, raw: Any, where: str) -> tuple[ModelConfig, str | None, list[str]]:
+    """(cfg as `with_hf_quant_config` returns it, the file's layout problem or None, the disagreeing keys as
+    "key (what differs)")."""
     q = raw.get("quantization") if isinstance(raw, dict) else None
     if not isinstance(q, dict):
-        raise ConfigError(f"{where}: expected an object with a 'quantization' object (ModelOpt's layout), got "
-                          f"{type(q).__name__ if isinstance(raw, dict) else type(raw).__name__}")
+        return cfg, (f"{where}: expected an object with a 'quantization' object (ModelOpt's layout), got "
+                     f"{type(q).__name__ if isinstance(raw, dict) else type(raw).__name__}"), []
     q = {"quant_method": raw.get("quant_method", "modelopt"), **q}
     if cfg.quantization is None:
-        return replace(cfg, quantization=q)
+        return replace(cfg, quantization=q), None, []
     if cfg.quantization.get("quant_method") != "modelopt" or q["quant_method"] != "modelopt":
-        return cfg
+        return cfg, None, []
     differ = []
     for key in _DECIDING_KEYS:
         a, b = cfg.quantization.get(key), q.get(key)
@@ -682,10 +717,7 @@ def with_hf_quant_config(cfg: ModelConfig, raw: Any, where: str) -> ModelConfig:
                 differ.append(f"{key} ({len(names)} entries differ, e.g. {names[:3]})")
             else:
                 differ.append(f"{key} ({a!r} in config.json, {b!r} here)")
-    if differ:
-        raise ConfigError(f"{where}: its quantization disagrees with config.json's quantization_config on "
-                          f"{'; '.join(differ)}: the two files must describe the same checkpoint")
-    return cfg
+    return cfg, None, differ
 
 
 def check_layer_ids(layers: Iterable, n: int, what: str) -> None:

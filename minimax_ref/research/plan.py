@@ -7,7 +7,8 @@ its on-disk format, the format `quantization_config` implies (`NVFP4`, `MXFP8`, 
 single-algorithm MXFP8 config means MXFP8 for every linear it does not exclude); with `--weights dequant`
 decoded to `--dtype` (NVFP4 linears keep their fp32 input_scale). BF16 linears and plain tensors are held in
 `--dtype`, norms and the router (gate and selection bias) in FP32. When the shards are present their headers
-give the stored formats (exact dtypes).
+give the stored formats (exact dtypes). Each family's label (`formats`) is the dtype its bytes are counted in, as
+held in memory; `stored_formats` are the formats on disk.
 
 | format | bytes of a linear [N, K] |
 |---|---|
@@ -16,8 +17,8 @@ give the stored formats (exact dtypes).
 | nvfp4 | N K / 2 + N K / 16 (E4M3 scales) + 8 (fp32 weight_scale_2 and input_scale) |
 
 Per card at TP = n (spec `checkpoint.md`, "Tensor parallel slicing"): q_proj, o_proj, dense and
-shared MLPs, routed experts (TP slicing; `--expert-parallel` gives each card ceil(E/n) whole experts
-instead), the vocab-parallel embedding and the LM head are divided by n; k_proj, v_proj and
+shared MLPs, routed experts (TP slicing; `--expert-parallel` gives each card E/n whole experts
+instead; n must divide E), the vocab-parallel embedding and the LM head are divided by n; k_proj, v_proj and
 index_q_proj are divided by min(n, kv_heads) (kv heads, and the index heads that follow them, are
 replicated when n > kv_heads); index_k_proj, norms, router, NVFP4 global scales, vision tower and
 projectors are replicated on every card (`--split-vision` divides the vision tower and projectors
@@ -38,8 +39,9 @@ allocator overhead). Images add their encoder-cache bytes (tokens * hidden * 2 p
 reserve. `max_model_len_fits` is true when one sequence of `--max-model-len` tokens fits the pool
 and the model's position limit, and the image tokens fit in it. `runs` is false, `problems` says why and
 the command exits 1 when the deployment cannot run: the loader's tensor-parallel split rules refuse `--tp`
-(`parallel.tp_split_problems`, one rule set for both), the weights alone exceed the card's budget, or a
-`--max-model-len` sequence does not fit.
+(`parallel.tp_split_problems`, one rule set for both; a rule one module breaks in many layers is one problem naming
+the layers, `by_layer`), the weights alone exceed the card's budget, or a `--max-model-len` sequence does not fit.
+Flag combinations a load refuses are refused with the load's own message (`check_flags`, exit 2).
 
 Image token budget: one image at `max_pixels` (preprocessor_config.json, default 451,584) becomes
 `max_pixels // (patch_size * merge_size)^2` tokens (576) plus the start/end-of-image tokens.
@@ -61,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +95,9 @@ _FMT = {"NVFP4": "nvfp4", "MXFP8": "mxfp8", None: "bf16", "any": "mxfp8"}
 class TensorBytes:
     """One tensor group (a linear with its scales, or a plain tensor) and how it is split over cards.
 
-    `split` bytes are divided by `divisor` per card; `replicated` bytes sit on every card."""
+    `split` bytes are divided by `divisor` per card; `replicated` bytes sit on every card. `fmt` is the stored
+    format (the tensor-parallel split rules depend on it); `held` the format the bytes are counted in, once
+    `loaded_groups` has put them in the engine's memory ("" until then: as stored)."""
 
     name: str
     family: str
@@ -100,6 +105,7 @@ class TensorBytes:
     split: int
     replicated: int
     divisor: int
+    held: str = ""
 
     def per_card(self) -> float:
         return self.split / self.divisor + self.replicated
@@ -116,13 +122,10 @@ def linear_bytes(fmt: str, n: int, k: int) -> tuple[int, int]:
     raise InputError(f"unknown format {fmt!r}")
 
 
-def linear_divisor(prefix: str, family: str, tp: int, kv_heads: int, num_experts: int,
-                   expert_parallel: bool) -> float:
-    """How many ways a linear's bytes are divided at TP `tp` (1 = replicated)."""
+def linear_divisor(prefix: str, tp: int, kv_heads: int) -> int:
+    """How many ways a linear's bytes are divided at TP `tp` (1 = replicated). Routed experts divide by `tp` either
+    way: sliced, or E/tp whole experts per card under expert parallelism (a tp that does not divide E is refused)."""
     leaf = prefix.rsplit(".", 1)[-1]
-    if family == "routed_expert":
-        # expert parallel: each card holds ceil(E/tp) of the E experts
-        return num_experts / math.ceil(num_experts / tp) if expert_parallel else tp
     if leaf in ("k_proj", "v_proj", "index_q_proj"):
         return min(tp, kv_heads)
     if leaf == "index_k_proj":
@@ -144,7 +147,7 @@ def tensor_groups(cfg: ModelConfig, tp: int, *, ckpt_dir: Path | None = None, ex
     scheme = QuantScheme(cfg.quantization)
     out = []
     for prefix, spec in linears.items():
-        div = linear_divisor(prefix, spec.family, tp, t.num_key_value_heads, t.num_local_experts, expert_parallel)
+        div = linear_divisor(prefix, tp, t.num_key_value_heads)
         if headers is not None and prefix in headers.formats:
             f = headers.formats[prefix]
             fmt = f.fmt
@@ -153,6 +156,8 @@ def tensor_groups(cfg: ModelConfig, tp: int, *, ckpt_dir: Path | None = None, ex
         else:
             fmt = _FMT[scheme.expected(prefix)]
             split, rep = linear_bytes(fmt, spec.out_features, spec.in_features)
+        if expert_parallel and spec.family == "routed_expert":
+            split, rep = split + rep, 0  # a whole expert, its scalar scales too, lives on one card
         out.append(TensorBytes(prefix, spec.family, fmt, split, rep, div))
     for name, spec in plain.items():
         if headers is not None and name in headers.tensors:
@@ -180,18 +185,22 @@ def loaded_groups(cfg: ModelConfig, groups: list[TensorBytes], *, weights: str =
     if weights not in WEIGHTS_MODES:
         raise InputError(f"--weights {weights!r}: choose one of {list(WEIGHTS_MODES)}")
     linears, plain = tensor_table(cfg)
+    compute = {2: "bf16", 4: "f32"}.get(dtype_bytes, f"{8 * dtype_bytes}-bit")
     out = []
     for g in groups:
-        split, rep = g.split, g.replicated
+        split, rep, held = g.split, g.replicated, g.fmt
         if g.name in plain:
             stored = 4 if g.fmt in ("f32", "float32") else 2
-            scale = 4 if g.family in ("norm", "router") else dtype_bytes
+            # the label is what the bytes are counted in: the loader keeps norms and routers in fp32 whatever their
+            # stored dtype (weights.md), every other plain tensor in the compute dtype
+            held = "f32" if g.family in ("norm", "router") else compute
+            scale = 4 if held == "f32" else dtype_bytes
             split, rep = split // stored * scale, rep // stored * scale
         elif g.fmt == "bf16" or weights == "dequant":
             spec = linears[g.name]
             # a decoded NVFP4 linear keeps its fp32 input_scale (activation-quantization emulation needs it)
-            split, rep = spec.out_features * spec.in_features * dtype_bytes, 4 if g.fmt == "nvfp4" else 0
-        out.append(TensorBytes(g.name, g.family, g.fmt, split, rep, g.divisor))
+            split, rep, held = spec.out_features * spec.in_features * dtype_bytes, 4 if g.fmt == "nvfp4" else 0, compute
+        out.append(TensorBytes(g.name, g.family, g.fmt, split, rep, g.divisor, held))
     return out
 
 
@@ -221,8 +230,11 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
     if gpu_memory_gib <= 0 or not 0 < utilization <= 1:
         raise InputError(f"--gpu-memory {gpu_memory_gib} must be > 0 and --gpu-memory-utilization "
                          f"{utilization} in (0, 1]")
-    if max_model_len < 1 or images < 0 or activation_reserve_gib < 0:
-        raise InputError("--max-model-len must be >= 1, --images and --activation-reserve >= 0")
+    if max_model_len < 2:  # as a load refuses it (`decoding.DecodeJob.make`): one prompt token and one generated
+        raise InputError(f"--max-model-len {max_model_len}: must be >= 2 (a sequence holds the prompt, at least one "
+                         "token, and the reply)")
+    if images < 0 or activation_reserve_gib < 0:
+        raise InputError("--images and --activation-reserve must be >= 0")
     if kv_cache_dtype not in ("auto", "fp8"):
         raise InputError(f"--kv-cache-dtype {kv_cache_dtype!r}: choose auto or fp8")
     t = cfg.text
@@ -231,12 +243,15 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
     groups = loaded_groups(cfg, groups, weights=weights, dtype_bytes=dtype_bytes)
     families: dict[str, dict] = {}
     for g in groups:
-        f = families.setdefault(g.family, {"formats": set(), "bytes_total": 0, "bytes_per_card": 0.0})
-        f["formats"].add(g.fmt)
+        f = families.setdefault(g.family, {"formats": set(), "stored_formats": set(), "bytes_total": 0,
+                                           "bytes_per_card": 0.0})
+        f["formats"].add(g.held or g.fmt)  # as counted: in memory (see loaded_groups)
+        f["stored_formats"].add(g.fmt)
         f["bytes_total"] += g.split + g.replicated
         f["bytes_per_card"] += g.per_card()
     for f in families.values():
         f["formats"] = sorted(f["formats"])
+        f["stored_formats"] = sorted(f["stored_formats"])
         f["bytes_per_card"] = int(round(f["bytes_per_card"]))
     total = sum(f["bytes_total"] for f in families.values())
     per_card = sum(g.per_card() for g in groups)
@@ -290,6 +305,27 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
     }
 
 
+def by_layer(problems: list[str]) -> list[str]:
+    """`problems` with those that differ only in the layer they name said once, naming the layers: the split rules
+    report each linear, and one rule broken by a module of every layer would otherwise repeat once a layer."""
+    groups: dict[str, list[int]] = {}
+    for p in problems:
+        layers = [int(m) for m in re.findall(r"\blayers\.(\d+)\.", p)]
+        key = re.sub(r"\blayers\.\d+\.", "layers.{L}.", p)
+        groups.setdefault(key, []).extend(layers)
+    out = []
+    for key, layers in groups.items():
+        layers = sorted(set(layers))
+        if not layers:
+            out.append(key)
+        elif len(layers) == 1:
+            out.append(key.replace("layers.{L}.", f"layers.{layers[0]}."))
+        else:
+            spans = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in id_runs(layers))
+            out.append(f"{key} (L = layers {spans}: {len(layers)} layers)")
+    return out
+
+
 def run_problems(cfg: ModelConfig, groups: list[TensorBytes], *, tp: int, expert_parallel: bool,
                  weights_per_card: float, budget: float, usable: float, fits: bool, max_model_len: int) -> list[str]:
     """Why the planned deployment cannot run ([] when it can): the loader's own tensor-parallel split rules
@@ -302,8 +338,8 @@ def run_problems(cfg: ModelConfig, groups: list[TensorBytes], *, tp: int, expert
     problems = tp_split_problems(cfg, {prefix: (spec, fmt[prefix]) for prefix, spec in linears.items()}, tp,
                                  expert_parallel)
     if problems:
-        problems = [f"cannot split over {tp} tensor-parallel ranks ({tp_split_hint(problems, expert_parallel)}): {p}"
-                    for p in problems]
+        hint = tp_split_hint(problems, expert_parallel)
+        problems = [f"cannot split over {tp} tensor-parallel ranks ({hint}): {p}" for p in by_layer(problems)]
     if weights_per_card > budget:
         problems.append(f"weights need {weights_per_card / GIB:.2f} GiB per card, more than the card's "
                         f"{budget / GIB:.2f} GiB budget (--gpu-memory x --gpu-memory-utilization): use more cards")
@@ -341,7 +377,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-reserve", type=finite_float, default=DEFAULT_ACTIVATION_RESERVE_GIB,
                    help=f"GiB per card kept for activations and runtime (default: {DEFAULT_ACTIVATION_RESERVE_GIB})")
     p.add_argument("--expert-parallel", action="store_true",
-                   help="whole routed experts per card (ceil(E/TP)) instead of TP-sliced experts")
+                   help="whole routed experts per card (E/TP; TP must divide E) instead of TP-sliced experts")
     p.add_argument("--split-vision", action="store_true",
                    help="divide the vision tower and projectors over the cards (vLLM) instead of replicating")
     p.add_argument("--offload", choices=list(OFFLOAD_MODES), default="none",
@@ -360,8 +396,23 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-format", choices=["text", "json"], default="text")
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse the flag combinations a load refuses, with the loader's own messages (`offload.OffloadConfig.of`,
+    `offload.check_offload`): a plan of a run that cannot start would be a plan of nothing."""
+    if args.offload == "none":
+        if args.offload_prefetch is not None:  # the same refusal as generate's (`model_args.check_offload_command`)
+            raise InputError("--offload-prefetch / --no-offload-prefetch need --offload cpu|disk")
+        return
+    from ..weights.offload import OffloadConfig, check_offload
+
+    cfg = OffloadConfig.of(args.offload, args.gpu_memory)
+    check_offload(cfg, weights=args.weights, tp_size=args.tp, expert_parallel=args.expert_parallel, fast=None,
+                  synthetic=False)
+
+
 def run(args: argparse.Namespace) -> int:
     """`minimax-ref plan`: prints the plan (text table, or one JSON object)."""
+    check_flags(args)
     cfg = load_model_config(args.ckpt_path)
     plan = plan_memory(cfg, tp=args.tp, gpu_memory_gib=args.gpu_memory, max_model_len=args.max_model_len,
                        kv_cache_dtype=args.kv_cache_dtype, images=args.images,
@@ -486,8 +537,7 @@ def plan_offload(cfg: ModelConfig, *, gpu_memory_gib: float, offload: str, max_m
 def run_offload(args: argparse.Namespace, cfg: ModelConfig, plan: dict) -> int:
     """`minimax-ref plan --offload cpu|disk`: the weights, then the device map and bytes moved (`plan_offload`). The
     budget is --gpu-memory itself (the loader's `gpu_memory`; --gpu-memory-utilization does not apply)."""
-    if args.tp != 1:
-        raise InputError(f"--offload {args.offload} runs on one card: give --tp 1 (got --tp {args.tp})")
+    check_flags(args)  # --tp 1, --weights packed, no --expert-parallel: as a load refuses them
     off = plan_offload(cfg, gpu_memory_gib=args.gpu_memory, offload=args.offload, max_model_len=args.max_model_len,
                        batch=args.batch, kv_cache_dtype=args.kv_cache_dtype,
                        dtype_bytes=2 if args.dtype == "bfloat16" else 4, activation_reserve_gib=args.activation_reserve,

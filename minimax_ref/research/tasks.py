@@ -204,16 +204,52 @@ def compare(tasks: Sequence[Task], grades: Sequence[dict], reference: Sequence[d
 # ---------------------------------------------------------------------------------------------- running
 
 
+def task_name(task: Task, source: str | Path | None = None) -> str:
+    """How an error names a task: `source:line` (the tasks file and the task's line in it; "line N" without a
+    source), with the task's id where it has one."""
+    where = f"{source}:{task.line}" if source is not None else f"task at line {task.line}"
+    return where + (f" (id {task.id!r})" if task.id is not None else "")
+
+
+def check_task_lengths(tok, tasks: Sequence[Task], limit: int, source: str | Path | None = None) -> None:
+    """Refuse, naming each (`task_name`), the tasks whose prompt, rendered as `evaluate` renders it (the chat template
+    with the task's tools, thinking and system, and the generation prompt), has `limit` tokens or more: no room is
+    left for the reply under the maximum sequence length. All of them in one InputError, so that one edit of the
+    tasks file (or one --max-model-len) fixes the run."""
+    from ..generation.generate import encode_prompt
+
+    too_long = []
+    for t in tasks:
+        name = task_name(t, source)
+        n = len(encode_prompt(tok, t.prompt, chat=True, tools=t.tools, thinking=t.thinking or "adaptive",
+                              system=t.system, where=name))
+        if n >= limit:
+            too_long.append(f"{name} has {n} tokens")
+    if too_long:
+        shown = "; ".join(too_long[:5]) + (f"; and {len(too_long) - 5} more" if len(too_long) > 5 else "")
+        raise InputError(f"no room for a reply under the maximum sequence length {limit} for {len(too_long)} "
+                         f"task{'s' if len(too_long) != 1 else ''}: {shown} (raise --max-model-len, or shorten or "
+                         "drop those tasks)")
+
+
 def evaluate(model: MiniMaxM3, tok, tasks: Sequence[Task], *, max_new_tokens: int = 512, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, max_batch_size: int | None = None,
-             interventions: Interventions | None = None, on_result=None) -> list[GenerationResult]:
+             interventions: Interventions | None = None, on_result=None,
+             source: str | Path | None = None) -> list[GenerationResult]:
     """Generate a reply to every task in one `generate` call (continuous batching, each task with its own tools,
     thinking, system and max_new_tokens; greedy by default) and return the results in task order; `grade` each with
-    `grade_result`. interventions: applied to every forward (`generate`'s). on_result(i, result) as each task ends."""
+    `grade_result`. interventions: applied to every forward (`generate`'s). on_result(i, result) as each task ends.
+    A task whose prompt leaves no room under the model's maximum sequence length is refused first, named by its line
+    (in `source`, the tasks file) and id (`check_task_lengths`), not by its index in the batch."""
     from ..generation.generate import generate
+    from ..model.config import RuntimeConfig
 
     if not tasks:
         raise InputError("no tasks to evaluate")
+    rt = getattr(model, "runtime", None)
+    limit = rt.max_seq_len if rt is not None and rt.max_seq_len else RuntimeConfig().resolved(
+        model.text.max_position_embeddings).max_seq_len  # as generate's `DecodeJob.make` resolves it
+    check_task_lengths(tok, tasks, limit, source)
     return generate(model, tok, [t.prompt for t in tasks], chat=True, tools=[t.tools for t in tasks],
                     thinking=[t.thinking or "adaptive" for t in tasks], system=[t.system for t in tasks],
                     max_new_tokens=[t.max_new_tokens or max_new_tokens for t in tasks], temperature=temperature,

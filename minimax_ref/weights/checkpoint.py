@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, ConfigError, QuantFormatError
-from ..model.config import ModelConfig, load_model_config
+from ..model.config import HF_QUANT_CONFIG, ModelConfig, load_model_config
 from .quant import dequant_mxfp8, dequant_nvfp4
 
 TEXT_PREFIX = "language_model.model."
@@ -341,7 +341,15 @@ class Checkpoint:
         if t.is_floating_point() and info.dtype in NONFINITE_DTYPES:
             count, first = nonfinite(t)
             if count:
-                part = "" if rows is None and cols is None else " (in the part read)"
+                # a slice's index is relative to the slice: shift it back so that it names the element of the stored
+                # tensor the user can look up (tensor parallelism reads each rank's rows / columns)
+                read = []
+                for dim, what, sl in ((0, "rows", rows), (1, "columns", cols)):
+                    if sl is not None and dim < len(info.shape):
+                        r = range(*sl.indices(info.shape[dim]))
+                        first[dim] += r.start
+                        read.append(f"{what} {r.start}:{r.stop}")
+                part = f" (in the part read: {', '.join(read)})" if read else ""
                 raise CheckpointError(f"{self.path / info.shard}: tensor {name!r} holds {count} non-finite value(s) "
                                       f"(NaN or Inf){part}, first at index {first}: the file is damaged or was "
                                       "exported wrongly; re-download or re-export it")
@@ -385,12 +393,16 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: {e}") from None
 
     def input_scale(self, prefix: str) -> torch.Tensor | None:
-        """NVFP4 activation global scale (ModelOpt meaning) or None; 1.0 when the file has none."""
+        """NVFP4 activation global scale (ModelOpt meaning), None for other formats. Raises for an NVFP4 linear
+        without one (weight-only exports load, `open_checkpoint` notes them): never a silent 1.0."""
         f = self.formats[prefix]
         if f.fmt != NVFP4:
             return None
         if f.input_scale is None:
-            return torch.tensor(1.0)
+            raise CheckpointError(f"{self.path}: NVFP4 linear {prefix} has no input_scale (tensor "
+                                  f"{prefix}.input_scale): the activation quantization (--act-quant emulate, golden "
+                                  "bundles) needs it; re-export the checkpoint with it (1.0 if the "
+                                  "activations were not calibrated)")
         s = self.read_scalar(f.input_scale)
         return 1.0 / s if f.compressed_tensors else s
 
@@ -687,12 +699,16 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint folder (it does not exist or is not a directory)")
-    cfg = load_model_config(path)
+    # hf_quant_config.json's problems (each disagreement with config.json) are the checkpoint's, listed with the
+    # others rather than raised first on their own: `inspect` shows them all at once
+    quant_problems: list[str] = []
+    cfg = load_model_config(path, quant_problems)
     tensors, problems, unreadable = _scan_shards(path)
+    problems[:0] = quant_problems
     notes: list[str] = []
 
     linears, plain = tensor_table(cfg)
-    scheme = QuantScheme(cfg.quantization, f"{path / 'config.json'} quantization_config")
+    scheme = _quant_scheme(path, cfg, problems)
     known: set[str] = set()
     formats: dict[str, LinearFormat] = {}
     for prefix, spec in linears.items():
@@ -710,6 +726,8 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
         if f.fmt != DENSE:
             if spec.family in ("lm_head",):
                 problems.append(f"{prefix} is stored {f.fmt}; the LM head must be unquantized")
+        if scheme is None:  # a quantization config that cannot be read decides nothing (its problem is listed)
+            continue
         want = scheme.expected(prefix)
         got = {NVFP4: "NVFP4", MXFP8: "MXFP8", DENSE: None}[f.fmt]
         if cfg.quantization is None and got is not None:
@@ -726,6 +744,12 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     mtp = [n for n in extra if ".mtp." in n or n.startswith("mtp.")]
     if mtp:
         notes.append(f"ignored {len(mtp)} multi-token-prediction tensors (mtp.*): not used by this engine")
+    # checkpoint.md lists input_scale for every NVFP4 linear, but only activation quantization reads it: a
+    # weight-only export loads, and what would read it refuses by name (`Checkpoint.input_scale`)
+    no_input_scale = [p for p, f in formats.items() if f.fmt == NVFP4 and f.input_scale is None]
+    if no_input_scale:
+        notes.append(f"{len(no_input_scale)} NVFP4 linears have no input_scale (first: {no_input_scale[0]}): "
+                     "weight-only; --act-quant emulate and golden bundles of these linears refuse them")
     E = cfg.text.num_local_experts
     for n in extra:
         if n in mtp:
@@ -759,6 +783,34 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
         err.problems = problems  # all of them, the shard's first
         raise err
     return ck
+
+
+def _quant_scheme(path: Path, cfg: ModelConfig, problems: list[str]) -> QuantScheme | None:
+    """The quantization config `cfg` uses, read (None, its problem appended to `problems`, when it cannot be);
+    an `hf_quant_config.json` beside a config.json quantization_config (which wins) is checked the same way, so
+    that an unknown key or algorithm in either file is a listed problem, not a silent one or a first-and-only
+    error."""
+    hf = path / HF_QUANT_CONFIG
+    hf_q = None
+    if hf.is_file():
+        try:
+            raw = json.loads(hf.read_text(encoding="utf-8"))
+            q = raw.get("quantization") if isinstance(raw, dict) else None
+            hf_q = {"quant_method": raw.get("quant_method", "modelopt"), **q} if isinstance(q, dict) else None
+        except (ValueError, OSError):
+            pass  # load_model_config reported the unreadable file
+    scheme = None
+    try:
+        where = f"{hf} quantization" if hf_q == cfg.quantization else f"{path / 'config.json'} quantization_config"
+        scheme = QuantScheme(cfg.quantization, where)
+    except ConfigError as e:
+        problems.append(str(e))
+    if hf_q is not None and hf_q != cfg.quantization:
+        try:
+            QuantScheme(hf_q, f"{hf} quantization")
+        except ConfigError as e:
+            problems.append(str(e))
+    return scheme
 
 
 def check_values(ck: Checkpoint) -> list[str]:

@@ -195,8 +195,11 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
                 lin.set_packed(PackedWeight(f.fmt, *parts, dtype=dtype))
             else:
                 _set(model, spec.module + ".weight", w)
-            if f.fmt == NVFP4:
-                lin.input_scale = ck.input_scale(prefix).to(device)
+            if f.fmt == NVFP4 and (lin.emulate_act_quant or f.input_scale is not None):
+                try:
+                    lin.input_scale = ck.input_scale(prefix).to(device)
+                except CheckpointError as e:
+                    problems.append(str(e))
             continue
         key = (spec.module, spec.leaf)
         experts = _module(model, spec.module)
@@ -219,8 +222,11 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
                     buf[local] = t
         else:
             stack[local] = w
-        if f.fmt == NVFP4:
-            expert_scales[key][local] = ck.input_scale(prefix).to(device)
+        if f.fmt == NVFP4 and (experts.emulate_act_quant or f.input_scale is not None):
+            try:
+                expert_scales[key][local] = ck.input_scale(prefix).to(device)
+            except CheckpointError as e:
+                problems.append(str(e))
     bar.close()
     if problems:
         raise CheckpointError(f"{ck.path}: {len(problems)} tensors cannot be decoded", problems)

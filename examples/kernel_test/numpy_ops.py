@@ -112,6 +112,17 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w.astype(np.float64))
 
 
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Partial NeoX rotate-half RoPE of x [B, T, H, D] with the entry's tables cos, sin [B, T, r]: the first r
+    channels rotated (channel i with i + r/2), the rest passed through."""
+    r = cos.shape[-1]
+    x = x.astype(np.float64)
+    c, s = cos.astype(np.float64)[:, :, None, :], sin.astype(np.float64)[:, :, None, :]
+    xr = x[..., :r]
+    rotated = np.concatenate((-xr[..., r // 2:], xr[..., : r // 2]), -1)
+    return np.concatenate((xr * c + rotated * s, x[..., r:]), -1)
+
+
 def router(x: np.ndarray, gate_weight: np.ndarray, bias: np.ndarray | None, top_k: int,
            mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(expert_ids [T, top_k] descending by choice, weights [T, top_k], logits [T, E])."""
@@ -280,6 +291,15 @@ def run(entry) -> dict[str, torch.Tensor]:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             if f"{norm}.x" in t:
                 out[f"{norm}.y"] = rmsnorm(t[f"{norm}.x"], t[f"{norm}.weight"], p["eps"])
+    elif op == "qk_norm_rope":
+        for a in ("q", "k"):
+            normed = to_dtype(rmsnorm(t[a], t[f"{a}_norm.weight"], p["eps"]), dt)  # the layer's rounding point
+            out[f"{a}_normed"] = normed
+            out[f"{a}_rope"] = rope(normed, t["cos"], t["sin"])
+    elif op == "final_norm":
+        out["y"] = rmsnorm(t["x"], t["weight"], p["eps"])
+    elif op == "logits":
+        out["logits"] = t["x"].astype(np.float64) @ weight_of(t, "w", p["format"]).astype(np.float64).T
     elif op == "router":
         ids, w, logits = router(t["x"], t["gate_weight"], t.get("bias"), p["top_k"], t.get("expert_mask"))
         out.update(expert_ids=ids, weights=w, logits=logits)

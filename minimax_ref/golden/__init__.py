@@ -21,6 +21,14 @@ inputs and outputs are written to `{op}/layer{L:03d}_{phase}.safetensors`:
 | `router` | MoE | hook on `block_sparse_moe.gate` | `x`, `gate_weight`, `bias`, `expert_ids`, `weights`, `logits` |
 | `moe` | MoE | forward hook on `block_sparse_moe` | `x`, `y`, router, shared and used experts (packed; fused gate-up) |
 | `nvfp4_linear` | NVFP4 experts | recomputed from the MoE's input | `x`, `w1.*` (packed), `y`; `h`, `w2.*`, `y2` |
+| `qk_norm_rope` | all | hooks on `self_attn`, `q_norm`, `k_norm` | `q`, `k`, `{q,k}_norm.weight`, `positions`, `cos`, |
+| | | (RoPE applied to the norms' outputs) | `sin`, `{q,k}_normed`, `{q,k}_rope` |
+| `final_norm` | the head (N) | hook on `model.norm` | `x`, `weight`, `y` |
+| `logits` | the head (N) | hook on `lm_head`, run on each row's sampled row | `x` [B, hidden], `w.*`, `logits` [B, V] |
+
+The head's ops (`HEAD_OPS`) belong to no decoder layer: their entries read layer N = num_hidden_layers and their
+weights are in `weights/layer{N:03d}.safetensors`; `--layers` (decoder layers) does not select them, `--ops` does.
+Norm weights (q_norm, k_norm, the final norm) are stored once, under their checkpoint names, as the LM head's.
 
 Packed operands are stored once per bundle, in `weights/layer{L:03d}.safetensors` under
 `{checkpoint prefix}.{weight, weight_scale, weight_scale_2, input_scale}`; the manifest row of an entry
@@ -68,8 +76,9 @@ module:function` (`replay_impl`) runs a user's kernel on every entry and prints 
 failure, a missing output or nothing checked).
 
 Replay (`replay_bundle`) recomputes every output from the stored inputs with the engine's pure
-functions (`norm.gemma_rms_norm`, `moe.route`, `quant.dequant_*`, `linear.emulate_activation_quant`,
-`msa.index_scores` / `select_blocks` / `gather_block_attention`, `attention.causal_attention`, and
+functions (`norm.gemma_rms_norm`, `rope.apply_rope` / `rope_cos_sin`, `moe.route`, `quant.dequant_*`,
+`linear.emulate_activation_quant`, `msa.index_scores` / `select_blocks` / `gather_block_attention`,
+`attention.causal_attention`, and
 the MoE's `Experts` / `MLP` modules rebuilt from the packed operands) and compares with `torch.equal`
 (same dtype, shape and values: bit-exact), reporting the error sizes as well. Bit-exactness presumes
 the CPU BLAS configuration of the export (library, thread count); the replay copies every loaded

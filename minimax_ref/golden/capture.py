@@ -3,6 +3,7 @@ steps) through hooks and the forward's `Trace`, long prompts in the engine's que
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,13 +12,14 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..outdir import staged_folder
-from ..weights.checkpoint import MXFP8, NVFP4, TEXT_PREFIX, Checkpoint
+from ..weights.checkpoint import DENSE, LM_HEAD, MXFP8, NVFP4, TEXT_PREFIX, Checkpoint
 from .bundle import BundleWriter, entry_order
 from .contract import (
     ATTENTION_OPS,
     CAPTURE_CHUNK,
     CHUNKED_NOTE,
     FORMAT,
+    HEAD_OPS,
     MXFP8_LINEARS,
     ONE_CALL_ELEMENTS,
     OPS,
@@ -67,6 +69,9 @@ class _Capture:
         self.handles: list = []
         self.routing: dict[int, object] = {}
         self.emulate = getattr(model, "act_quant", "none") == "emulate"
+        self.rope: dict[int, tuple] = {}  # layer -> (positions, cos, sin) of its attention call in this forward
+        self.logit_positions: list[int] = []  # per row, the position whose logits the phase samples (set per phase)
+        self.head = len(model.layers)  # the layer index of the model's head (final norm, LM head)
 
     def entry(self, op: str, layer: int, tag: str = "") -> Entry:
         key = (op, layer, self.phase, tag)
@@ -83,6 +88,12 @@ class _Capture:
             if "rmsnorm" in self.ops:
                 for norm in ("input_layernorm", "post_attention_layernorm"):
                     self.handles.append(getattr(layer, norm).register_forward_hook(self._norm_hook(L, norm)))
+            if "qk_norm_rope" in self.ops:
+                attn = layer.self_attn
+                self.handles.append(attn.register_forward_pre_hook(self._rope_tables_hook(L), with_kwargs=True))
+                for which in ("q", "k"):
+                    self.handles.append(getattr(attn, f"{which}_norm").register_forward_hook(
+                        self._qk_norm_hook(L, which)))
             if "mxfp8_linear" in self.ops:
                 for prefix, module in mxfp8_linears_of(self.ck, L):
                     lin = self.model.get_submodule(module)
@@ -91,6 +102,10 @@ class _Capture:
                 moe = layer.block_sparse_moe
                 self.handles.append(moe.gate.register_forward_hook(self._router_hook(L)))
                 self.handles.append(moe.register_forward_hook(self._moe_hook(L)))
+        if "final_norm" in self.ops:
+            self.handles.append(self.model.norm.register_forward_hook(self._final_norm_hook()))
+        if "logits" in self.ops:
+            self.handles.append(self.model.lm_head.register_forward_hook(self._logits_hook()))
         return self
 
     def trace(self):
@@ -139,6 +154,64 @@ class _Capture:
             e.put(f"{norm}.weight", module.weight, "input")
             e.put(f"{norm}.y", out, "output")
             e.params["eps"] = module.eps
+        return hook
+
+    def _rope_tables_hook(self, L: int):
+        """Before layer L's attention: keep its positions and RoPE tables (the q/k norm hooks rotate with them)."""
+        signature = inspect.signature(self.model.layers[L].self_attn.forward)
+
+        def hook(module, args, kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            self.rope[L] = (bound["pos"], bound["cos"], bound["sin"])
+        return hook
+
+    def _qk_norm_hook(self, L: int, which: str):
+        """Layer L's per-head `q_norm` / `k_norm`: its input and output, and RoPE applied to the output with the
+        layer's tables, the call `Attention.qkv` makes next (a pure function of what it records here)."""
+        from ..model.rope import apply_rope
+
+        def hook(module, args, out):
+            pos, cos, sin = self.rope[L]
+            e = self.entry("qk_norm_rope", L)
+            e.put(which, args[0], "input")
+            name = f"{TEXT_PREFIX}layers.{L}.self_attn.{which}_norm.weight"
+            e.put(f"{which}_norm.weight", self.ck.read(name), "weight", shared=name)
+            e.put("positions", pos, "input")
+            e.put("cos", cos, "input")
+            e.put("sin", sin, "input")
+            e.put(f"{which}_normed", out, "output")
+            e.put(f"{which}_rope", apply_rope(out, cos, sin), "output")
+            e.params.update({"eps": module.eps, "rotary_dim": cos.shape[-1], "rope_theta": self.model.text.rope_theta})
+        return hook
+
+    def _final_norm_hook(self):
+        """The model's final norm: the residual stream after the last layer, every position."""
+        def hook(module, args, out):
+            e = self.entry("final_norm", self.head)
+            e.put("x", args[0], "input")
+            name = f"{TEXT_PREFIX}norm.weight"
+            e.put("weight", self.ck.read(name), "weight", shared=name)
+            e.put("y", out, "output")
+            e.params["eps"] = module.eps
+        return hook
+
+    def _logits_hook(self):
+        """The LM head on each row's sampled position (`logit_positions`): the module run again on those B rows
+        (without hooks), so the entry holds the [B, V] GEMM a kernel given x computes; a replay of the same shape
+        is then bit-exact (BLAS may round the forward's [B * T] rows differently, within the tolerance)."""
+        def hook(module, args, out):
+            h = args[0]
+            rows = torch.arange(h.shape[0], device=h.device)
+            x = h[rows, torch.tensor(self.logit_positions, device=h.device)].clone()
+            e = self.entry("logits", self.head)
+            e.put("x", x, "input")
+            prefix, fmt = lm_head_of(self.ck)
+            if fmt == DENSE and prefix not in self.ck.formats:  # tied embeddings: the embedding's weight
+                e.put("w.weight", self.ck.read(prefix + ".weight"), "weight", shared=prefix + ".weight")
+            else:
+                put_linear(e, self.ck, prefix, "w")
+            e.put("logits", module.forward(x).float(), "output")
+            e.params.update({"linear": prefix, "format": fmt, "logit_positions": list(self.logit_positions)})
         return hook
 
     def _mxfp8_hook(self, L: int, prefix: str):
@@ -322,10 +395,21 @@ def mxfp8_linear_of(ck: Checkpoint, layer: int) -> tuple[str, str] | None:
     return found[0] if found else None
 
 
+def lm_head_of(ck: Checkpoint) -> tuple[str, str]:
+    """(tensor prefix, format) of the LM head's weight: `language_model.lm_head`, or with tied embeddings the
+    embedding (`language_model.model.embed_tokens`, a plain weight)."""
+    prefix = LM_HEAD.removesuffix(".weight")
+    f = ck.formats.get(prefix)
+    return (prefix, f.fmt) if f is not None else (f"{TEXT_PREFIX}embed_tokens", DENSE)
+
+
 def available_ops(ck: Checkpoint, layer: int) -> set[str]:
-    """The ops the engine computes at `layer` of checkpoint `ck`."""
+    """The ops the engine computes at `layer` of checkpoint `ck`; layer num_hidden_layers is the model's head
+    (`HEAD_OPS`)."""
     t = ck.config.text
-    ops = {"rmsnorm"}
+    if layer == t.num_hidden_layers:
+        return set(HEAD_OPS)
+    ops = {"rmsnorm", "qk_norm_rope"}
     ops.add("indexer" if t.sparse_layers[layer] else "attention")
     if t.sparse_layers[layer]:
         ops.add("msa")
@@ -340,11 +424,12 @@ def available_ops(ck: Checkpoint, layer: int) -> set[str]:
 
 # How the row-wise entries of a model-driven bundle lay out the batch (weights.md, "The rows of model-driven entries").
 ROWS_NOTE = ("the prompts run as one right-padded batch [B, T] (T the longest prompt in the prefill phase, 1 in a "
-             "decode phase); entries of row-wise ops hold every position, padding included: mxfp8_linear and rmsnorm "
-             "as [B, T, ...], router and moe as [B * T, ...] row-major (row b * T + t); position t of prompt b is "
-             "padding where t >= len(prompts[b].input_ids) (prefill only). nvfp4_linear holds the rows routed to its "
-             "expert (params.tokens: their indices in the [B * T] layout); attention entries mark real queries with "
-             "cu_seqlens_q")
+             "decode phase); entries of row-wise ops hold every position, padding included: mxfp8_linear, rmsnorm, "
+             "qk_norm_rope and final_norm as [B, T, ...], router and moe as [B * T, ...] row-major (row b * T + t); "
+             "position t of prompt b is padding where t >= len(prompts[b].input_ids) (prefill only). nvfp4_linear "
+             "holds the rows routed to its expert (params.tokens: their indices in the [B * T] layout); logits hold "
+             "one row per prompt (the position params.logit_positions, whose logits pick the next token); attention "
+             "entries mark real queries with cu_seqlens_q")
 
 
 def parse_ops(text: str | None) -> tuple[list[str], bool]:
@@ -411,7 +496,7 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
     for op in ops:
         if op not in OPS:
             raise InputError(f"--ops: unknown op {op!r} (known: {', '.join(OPS)})")
-        if explicit_ops and not any(op in available_ops(ck, L) for L in layers):
+        if explicit_ops and op not in HEAD_OPS and not any(op in available_ops(ck, L) for L in layers):
             kinds = sorted({text.layer_kind(L) for L in layers})
             raise InputError(f"--ops {op}: no chosen layer computes it (layers {layers} are {', '.join(kinds)})")
     if (stacked or align_block is not None) and "moe" not in ops:
@@ -480,6 +565,7 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
                                              align_block) as cap:
         writer = cap.writer = BundleWriter(tmp, manifest, fp64=fp64, emulate=emulate)
         cap.phase = "prefill"
+        cap.logit_positions = [n - 1 for n in lengths]  # the logits that pick each row's first token
         trace = cap.trace()
         logits = model(ids, positions=torch.arange(T, device=device).expand(B, T), cache=cache, trace=trace)
         cap.record_attention(trace)
@@ -490,6 +576,7 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
         del logits
         for step in range(decode_steps):
             cap.phase = f"decode{step}"
+            cap.logit_positions = [0] * B
             for b in range(B):
                 decoded[b].append(int(nxt[b]))
             pos = torch.tensor([n + step for n in lengths], device=device)[:, None]

@@ -28,7 +28,9 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeat for a batch)")
     p.add_argument("--chat", action="store_true", help="render each prompt as one user turn")
     p.add_argument("--ops", default=None, help=f"comma list of ops (default: all): {','.join(OPS)}")
-    p.add_argument("--layers", default=None, help="comma list of layers or ranges, e.g. 0,3-5 (default: all)")
+    p.add_argument("--layers", default=None,
+                   help="comma list of decoder layers or ranges, e.g. 0,3-5 (default: all); final_norm and logits "
+                        "(the head, layer index num_hidden_layers) are captured whenever --ops has them")
     p.add_argument("--out", type=Path, default=None, help="bundle folder to write (new or empty)")
     p.add_argument("--decode-steps", type=nonneg_int, default=1,
                    help="greedy decode steps after the prefill (default: 1)")

@@ -12,10 +12,17 @@ import torch
 
 from ..errors import InputError
 
-OPS = ("indexer", "msa", "moe", "nvfp4_linear", "mxfp8_linear", "attention", "router", "rmsnorm")
+OPS = ("indexer", "msa", "moe", "nvfp4_linear", "mxfp8_linear", "attention", "router", "rmsnorm", "qk_norm_rope",
+       "final_norm", "logits")
 
 
 ATTENTION_OPS = ("attention", "indexer", "msa")  # captured from the forward's trace, with the step's paged views
+
+
+# Ops of the model's head (after the last decoder layer), in no decoder layer: their entries read layer index
+# num_hidden_layers, and `--layers` (which picks decoder layers) does not select them: they are captured whenever
+# chosen in `--ops`.
+HEAD_OPS = ("final_norm", "logits")
 
 
 FORMAT = "minimax-ref golden v1"
@@ -60,6 +67,11 @@ TOLERANCE = {  # op -> kernel dtype -> (rtol, atol_rms)
     "indexer": {"float32": (1e-4, 1e-4), "bfloat16": (2**-6, 2**-6)},
     "msa": {"float32": (1e-4, 1e-4), "bfloat16": (2**-6, 2**-6)},
     "moe": {"float32": (1e-4, 1e-4), "bfloat16": (2**-5, 2**-5)},
+    # rmsnorm's fp32 bound (the rotation adds one fp32 multiply-add per element); bf16: the reference rounds twice
+    # (normed, rotated) where a fused kernel rounds once, and the rotation's sum may cancel (atol covers it)
+    "qk_norm_rope": {"float32": (1e-5, 1e-5), "bfloat16": (2**-6, 2**-6)},
+    "final_norm": {"float32": (1e-5, 1e-5), "bfloat16": (2**-7, 2**-7)},  # rmsnorm's: the same op, one rounding
+    "logits": {"float32": (1e-4, 1e-4), "bfloat16": (2**-6, 2**-6)},  # a linear's: one dot product over hidden
 }
 
 
@@ -128,6 +140,40 @@ CONTRACTS = {
                    "softmax over all those keys together, o = sum p * v",
         "accumulation": "fp32 scores, softmax and value sum over the gathered keys (any order within tolerance)",
         "rounding": {"float32": "all fp32", "bfloat16": "q, k, v bf16 read as fp32; o fp32"},
+    },
+    "qk_norm_rope": {
+        "formula": "per head (q [B, T, Hq, D], k [B, T, Hkv, D]): q_normed = q / sqrt(mean(q^2 over the head's D "
+                   "channels) + eps) * (1 + q_norm.weight) (Gemma RMSNorm over each head's head_dim channels, one "
+                   "weight [D] shared by all heads; k_normed alike with k_norm.weight); then partial NeoX RoPE on the "
+                   "first r = rotary_dim channels of each head: with h = r / 2, x1 = x[..., :h], x2 = x[..., h:r], "
+                   "rope(x)[..., :r] = x[..., :r] * cos + cat(-x2, x1) * sin, channels [r, D) passed through "
+                   "unchanged; q_rope = rope(q_normed), k_rope = rope(k_normed), the same tables for every head. "
+                   "cos, sin fp32 [B, T, r] = cos / sin of cat(a, a), a[..., i] = fp32(positions) * inv_freq[i], "
+                   "inv_freq[i] = 1 / rope_theta^(2i / r) in fp32 (i < r / 2): the stored tables are those; a kernel "
+                   "that computes its own must compute them so (at long positions an ulp of inv_freq moves the "
+                   "angle past the tolerance)",
+        "accumulation": "fp32: mean of squares over each head's D channels in fp32; the rotation elementwise in fp32",
+        "rounding": {"float32": "all fp32",
+                     "bfloat16": "q, k (bf16) read as fp32; q_normed = bf16(the norm in fp32), rounded once as the "
+                                 "layer hands it to RoPE; q_rope = bf16(the rotation in fp32 of q_normed as rounded): "
+                                 "two rounding points (k alike). A fused kernel that keeps the normed value in fp32 "
+                                 "and rounds once differs within the bfloat16 tolerance"},
+    },
+    "final_norm": {
+        "formula": "the model's final norm on the residual stream after the last decoder layer: y = x / sqrt(mean(x^2 "
+                   "over hidden) + eps) * (1 + weight) (Gemma's offset weight)",
+        "accumulation": "fp32: mean of squares over the hidden dim in fp32",
+        "rounding": {"float32": "all fp32", "bfloat16": "x read as fp32; one rounding of y to bf16 at the end"},
+    },
+    "logits": {
+        "formula": "logits = fp32(x @ W^T): the LM head (W [V, hidden], decoded as params.format; a checkpoint with "
+                   "tied embeddings: the embedding's weight) on the final norm's output at each row's sampled "
+                   "position (params.logit_positions), over the whole vocabulary",
+        "accumulation": "one dot product over hidden per logit (reference: CPU BLAS on the entry's B rows); any "
+                        "order is within tolerance",
+        "rounding": {"float32": "all fp32",
+                     "bfloat16": "x and W bf16; logits = fp32(bf16(fp32 sum of x * W)): the GEMM output rounded to "
+                                 "bf16 (the compute dtype), then widened to fp32"},
     },
     "moe": {
         "formula": "routing: logits = x @ gate_weight^T (fp32), scores = sigmoid(logits), the top_k experts by "
@@ -219,6 +265,12 @@ FP64 = {
     "attention": "scores, softmax and value sum in fp64 from q, k, v as stored",
     "indexer": "scores = iq . ik in fp64 (-inf at future keys); blocks have no fp64 version",
     "msa": "attention over the reference's selected blocks in fp64 from q, k, v as stored",
+    "qk_norm_rope": "q_normed, k_normed in fp64 from q, k (as stored) and the weights; q_rope, k_rope = the rotation "
+                    "in fp64 of the fp64 normed values (no rounding between norm and rotation) with cos, sin as "
+                    "stored (the fp32 tables kept)",
+    "final_norm": "y in fp64 from x (as stored) and weight; no rounding to the compute dtype",
+    "logits": "x (as stored) @ W^T with W decoded in fp64 (a bf16 weight: its values), accumulated in fp64; no "
+              "rounding to the compute dtype",
 }
 
 

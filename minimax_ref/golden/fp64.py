@@ -28,6 +28,22 @@ def _swiglu64(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) 
     return (up.clamp(-limit, limit) + 1.0) * (gate * torch.sigmoid(alpha * gate))
 
 
+def _rms_norm64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm of x [..., D] over its last dim in fp64, the (1 + weight) scale included."""
+    x = x.double()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * (1.0 + weight.double())
+
+
+def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial NeoX RoPE in fp64 of x [B, T, H, D] with the tables cos, sin [B, T, r] (widened): the first r
+    channels rotated, the rest passed through."""
+    r = cos.shape[-1]
+    xr, h = x[..., :r], r // 2
+    rotated = torch.cat((-xr[..., h:], xr[..., :h]), dim=-1)
+    out = xr * cos.double()[:, :, None, :] + rotated * sin.double()[:, :, None, :]
+    return torch.cat((out, x[..., r:]), dim=-1)
+
+
 def _attention64(q, k, v, q_pos, scale, allowed=None) -> torch.Tensor:
     """fp64 GQA attention of q [B, T, Hq, D] over k, v [B, L, Hkv, D], keys <= q_pos; `allowed(sl)` ->
     bool [B, Hkv, t, L] restricts further (MSA blocks). One query at a time keeps memory linear."""
@@ -62,9 +78,17 @@ def fp64_outputs(op: str, t: dict[str, torch.Tensor], p: dict, emulate: bool) ->
         logits = t["x"].double() @ t["gate_weight"].double().T
         chosen = torch.sigmoid(logits).gather(-1, t["expert_ids"].long())
         out.update(logits=logits, weights=chosen / chosen.sum(-1, keepdim=True))
-    elif op in ("mxfp8_linear", "nvfp4_linear"):
-        fmt, key = (p["format"], "w") if op == "mxfp8_linear" else (NVFP4, "w1")
-        out["y"] = quantized_input(t["x"], fmt, t, key, emulate).double() @ _decode64(t, key, fmt).T
+    elif op == "qk_norm_rope":
+        for which in ("q", "k"):
+            normed = _rms_norm64(t[which], t[f"{which}_norm.weight"], p["eps"])
+            out[f"{which}_normed"] = normed
+            out[f"{which}_rope"] = _rope64(normed, t["cos"], t["sin"])
+    elif op == "final_norm":
+        out["y"] = _rms_norm64(t["x"], t["weight"], p["eps"])
+    elif op in ("mxfp8_linear", "nvfp4_linear", "logits"):
+        fmt, key = (NVFP4, "w1") if op == "nvfp4_linear" else (p["format"], "w")
+        out["logits" if op == "logits" else "y"] = (quantized_input(t["x"], fmt, t, key, emulate).double()
+                                                    @ _decode64(t, key, fmt).T)
         if "y2" in t:
             out["y2"] = quantized_input(t["h"], NVFP4, t, "w2", emulate).double() @ _decode64(t, "w2", NVFP4).T
         if "x_hat" in t:

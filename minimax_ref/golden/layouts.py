@@ -213,6 +213,36 @@ TENSORS: dict[str, dict[str, str]] = {
                   "compared as a set per query row",
         **_PAGED,
     },
+    "qk_norm_rope": {
+        "q": "[B, T, Hq, D] the queries before their norm: q_proj's output split into heads (compute dtype)",
+        "k": "[B, T, Hkv, D] this step's keys before their norm: k_proj's output split into heads",
+        "q_norm.weight, k_norm.weight": "[D] the per-head norms' Gemma offset weights w, applied as (1 + w); the "
+                                        "checkpoint's tensors as stored (bf16 in the release), read as fp32",
+        "positions": "int64 [B, T] absolute position of each token (the RoPE angle's factor)",
+        "cos, sin": "fp32 [B, T, rotary_dim] the RoPE tables at positions: cos / sin of cat(a, a), a = "
+                    "fp32(positions) * inv_freq (NeoX layout: channel i pairs with channel i + rotary_dim / 2)",
+        "q_normed, k_normed": "output, [B, T, H, D] (compute dtype): each head RMS-normalised with (1 + w), before "
+                              "RoPE",
+        "q_rope, k_rope": "output, [B, T, H, D] (compute dtype): the normed heads with their first rotary_dim "
+                          "channels rotated (the rest as q_normed / k_normed): what attention takes as queries "
+                          "and writes to the cache as keys",
+    },
+    "final_norm": {
+        "x": "[B, T, hidden] the residual stream after the last decoder layer (compute dtype)",
+        "weight": "[hidden] the final norm's Gemma offset weight w, applied as (1 + w); the checkpoint's tensor as "
+                  "stored (bf16 in the release), read as fp32",
+        "y": "[B, T, hidden] output: x / sqrt(mean(x^2) + eps) * (1 + w) (compute dtype): the LM head's input",
+    },
+    "logits": {
+        "x": "[B, hidden] the final norm's output at each row's sampled position (params.logit_positions; the "
+             "final_norm entry's y at those positions), compute dtype",
+        "w.weight": "the LM head's weight [V, hidden] as the checkpoint stores it (bf16 in the release; with tied "
+                    "embeddings the embedding's weight); NVFP4 / MXFP8 as a linear's (params.format)",
+        "w.weight_scale": _ANY_FORMAT["weight_scale"],
+        "w.weight_scale_2": _ANY_FORMAT["weight_scale_2"],
+        "w.input_scale": _ANY_FORMAT["input_scale"],
+        "logits": "fp32 [B, V] output: the whole vocabulary's logits of each row (x @ W^T)",
+    },
 }
 
 
@@ -225,7 +255,11 @@ for _op in TENSORS:
 PARAMS: dict[str, str] = {
     "eps": "RMSNorm epsilon",
     "top_k": "experts per token",
-    "format": "the weight's format: nvfp4 or mxfp8",
+    "format": "the weight's format: nvfp4, mxfp8 or bf16 (a plain weight: the logits' LM head in the release)",
+    "rotary_dim": "channels of each head that RoPE rotates: the first rotary_dim of head_dim (the rest pass through)",
+    "rope_theta": "RoPE base: inv_freq[i] = 1 / rope_theta^(2i / rotary_dim)",
+    "logit_positions": "per row b, the position t whose logits the entry holds: the last prompt token in the prefill "
+                       "phase (its logits give the first decoded token), 0 in a decode phase (the one token)",
     "linear": "model-driven: the linear's checkpoint prefix; single-op: 'random'",
     "shape": "the op's dimensions as requested",
     "seed": "seed of the random operands",

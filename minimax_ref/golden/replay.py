@@ -141,10 +141,32 @@ def _replay_outputs(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool
         if "x_hat" in t:
             checks.append(("x_hat", quantized_input(t["x"], p["format"], t, "w", True), t["x_hat"]))
         checks += _code_checks(t, {"x": "w"}, p["format"])
+    elif op == "qk_norm_rope":
+        checks += _replay_qk_norm_rope(t, p)
+    elif op == "final_norm":
+        checks.append(("y", gemma_rms_norm(t["x"], t["weight"], p["eps"]), t["y"]))
+    elif op == "logits":
+        checks.append(("logits", replay_linear(t, "w", p["format"], t["x"], dtype, emulate).float(), t["logits"]))
     elif op in ("attention", "indexer", "msa"):
         checks += _replay_attention(t, p, op, dtype, kv_scale, t, "")
         if "block_table" in t:
             checks += _replay_paged(t, p, op, dtype, kv_scale)
+    return checks
+
+
+def _replay_qk_norm_rope(t: dict, p: dict) -> list[Check]:
+    """The RoPE tables again from the positions (inputs, checked: a kernel may compute its own), then each head's
+    norm and the rotation of the normed value as the layer computes them (`norm.gemma_rms_norm`,
+    `rope.apply_rope`)."""
+    from ..model.norm import gemma_rms_norm
+    from ..model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+    cos, sin = rope_cos_sin(t["positions"], rope_inv_freq(p["rotary_dim"], p["rope_theta"]))
+    checks = [("cos", cos, t["cos"]), ("sin", sin, t["sin"])]
+    for which in ("q", "k"):
+        normed = gemma_rms_norm(t[which], t[f"{which}_norm.weight"], p["eps"])
+        checks += [(f"{which}_normed", normed, t[f"{which}_normed"]),
+                   (f"{which}_rope", apply_rope(normed, t["cos"], t["sin"]), t[f"{which}_rope"])]
     return checks
 
 

@@ -1,0 +1,273 @@
+"""Golden entries of the attention's per-head q/k norm + partial RoPE (`qk_norm_rope`) and of the model's head
+(`final_norm`, `logits`): they replay bit-exactly, equal a computation written here from the spec's definitions
+(Gemma RMSNorm, NeoX rotate-half RoPE on the first rotary_dim channels, fp32 logits), and a wrong kernel fails
+`compare`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from minimax_ref import golden
+from minimax_ref.cli.main import main
+from minimax_ref.errors import InputError
+from minimax_ref.golden.capture import available_ops
+from minimax_ref.golden.contract import HEAD_OPS
+from minimax_ref.golden.operands import checkpoint_of
+from minimax_ref.weights.loader import load_synthetic
+from minimax_ref.weights.synthetic import SyntheticCheckpoint
+
+NEW_OPS = ["qk_norm_rope", "final_norm", "logits"]
+LAYERS = 4  # the tiny preset's decoder layers: the head's entries read layer 4
+
+
+def _prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(23)
+    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+PROMPTS = _prompts(13, 6)  # ragged: the rows' sampled positions differ
+
+
+@pytest.fixture(scope="module")
+def fp32_bundle(tmp_path_factory):
+    model = load_synthetic("tiny", dtype=torch.float32)
+    out = tmp_path_factory.mktemp("layer_ops") / "fp32"
+    # attention and msa too: their queries and cached keys are what qk_norm_rope hands on
+    golden.export_golden(model, PROMPTS, out, ops=[*NEW_OPS, "attention", "msa"], decode_steps=2, page_size=8,
+                         fp64=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_bundle(tmp_path_factory):
+    model = load_synthetic("tiny", dtype=torch.bfloat16)
+    out = tmp_path_factory.mktemp("layer_ops") / "bf16"
+    golden.export_golden(model, PROMPTS, out, ops=NEW_OPS, decode_steps=1)
+    return out
+
+
+def _manifest(path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+# ---------------------------------------------------------------- independent computations (the spec's definitions)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm over the last dim, in fp64: x / sqrt(mean(x^2) + eps) * (1 + w)."""
+    x = x.double()
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (1.0 + w.double())
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float, *, first: bool = True,
+         interleaved: bool = False) -> torch.Tensor:
+    """NeoX rotate-half RoPE in fp64 on the first `rotary_dim` channels of x [B, T, H, D] (the rest pass through):
+    channel i < r/2 pairs with i + r/2 at angle pos * theta^(-2i/r). first=False rotates the LAST rotary_dim
+    channels and interleaved=True pairs (2i, 2i+1) (GPT-J): the wrong kernels."""
+    x = x.double()
+    D, r = x.shape[-1], rotary_dim
+    inv = torch.tensor([theta ** (-2.0 * i / r) for i in range(r // 2)], dtype=torch.float64)
+    ang = positions.double()[..., None, None] * inv  # [B, T, 1, r/2]
+    cos, sin = ang.cos(), ang.sin()
+    lo, hi = (0, r) if first else (D - r, D)
+    part = x[..., lo:hi]
+    if interleaved:
+        a, b = part[..., 0::2], part[..., 1::2]
+        rot = torch.stack((a * cos - b * sin, b * cos + a * sin), -1).flatten(-2)
+    else:
+        a, b = part[..., : r // 2], part[..., r // 2:]
+        rot = torch.cat((a * cos - b * sin, b * cos + a * sin), -1)
+    return torch.cat((x[..., :lo], rot, x[..., hi:]), -1)
+
+
+def independent(e: golden.GoldenEntry, dtype: torch.dtype, **wrong) -> dict[str, torch.Tensor]:
+    """The entry's outputs computed here from its inputs (fp64, one rounding to `dtype`; logits fp32). wrong:
+    no_weight (norm without its weight) or rope's first / interleaved (RoPE on the wrong channels)."""
+    t, p = e.inputs, e.params
+    if e.op == "qk_norm_rope":
+        out = {}
+        for which in ("q", "k"):
+            w = torch.zeros_like(t[f"{which}_norm.weight"]) if wrong.get("no_weight") else t[f"{which}_norm.weight"]
+            normed = rms_norm(t[which], w, p["eps"])
+            kw = {k: v for k, v in wrong.items() if k in ("first", "interleaved")}
+            out[f"{which}_normed"] = normed.to(dtype)
+            out[f"{which}_rope"] = rope(normed, t["positions"], p["rotary_dim"], p["rope_theta"], **kw).to(dtype)
+        return out
+    if e.op == "final_norm":
+        w = torch.zeros_like(t["weight"]) if wrong.get("no_weight") else t["weight"]
+        return {"y": rms_norm(t["x"], w, p["eps"]).to(dtype)}
+    assert e.op == "logits" and p["format"] == "bf16"
+    return {"logits": (t["x"].double() @ t["w.weight"].double().T).float()}
+
+
+# ---------------------------------------------------------------- replay
+
+
+@pytest.mark.parametrize("which", ["fp32", "bf16"])
+def test_new_ops_replay_bit_exactly(which, fp32_bundle, bf16_bundle):
+    bundle = fp32_bundle if which == "fp32" else bf16_bundle
+    m = _manifest(bundle)
+    results = golden.replay_bundle(bundle, NEW_OPS)
+    assert results and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    entries = [e for e in m["entries"] if e["op"] in NEW_OPS]
+    assert {e["op"] for e in entries} == set(NEW_OPS)
+    for e in entries:  # every output (and the RoPE tables) is recomputed
+        checks = {r["check"] for r in results if r["file"] == e["file"]}
+        outputs = {n for n, t in e["tensors"].items() if t["role"] in ("output", "fp64")}
+        assert outputs and outputs <= checks, (e["file"], outputs - checks)
+        if e["op"] == "qk_norm_rope":
+            assert {"cos", "sin"} <= checks
+
+
+def test_entries_lay_out_as_documented(fp32_bundle):
+    m = _manifest(fp32_bundle)
+    head = {e["op"]: e for e in m["entries"] if e["op"] in HEAD_OPS and e["phase"] == "prefill"}
+    assert {e["layer"] for e in m["entries"] if e["op"] in HEAD_OPS} == {LAYERS}  # after the last decoder layer
+    assert sorted({e["layer"] for e in m["entries"] if e["op"] == "qk_norm_rope"}) == list(range(LAYERS))
+    B, T, H = len(PROMPTS), max(map(len, PROMPTS)), m["model"]["hidden_size"]
+    assert head["final_norm"]["tensors"]["x"]["shape"] == [B, T, H]
+    lg = head["logits"]
+    assert lg["tensors"]["x"]["shape"] == [B, H] and lg["tensors"]["logits"]["shape"] == [B, 1024]
+    assert lg["params"]["logit_positions"] == [len(p) - 1 for p in PROMPTS]
+    # the weights are stored once, under the checkpoint's names, in the head's / layer's weights file
+    assert lg["tensors"]["w.weight"]["stored"] == {"file": "weights/layer004.safetensors",
+                                                   "key": "language_model.lm_head.weight"}
+    assert head["final_norm"]["tensors"]["weight"]["stored"]["key"] == "language_model.model.norm.weight"
+    qk = next(e for e in m["entries"] if e["op"] == "qk_norm_rope" and e["layer"] == 2)
+    assert qk["tensors"]["k_norm.weight"]["stored"] == {
+        "file": "weights/layer002.safetensors", "key": "language_model.model.layers.2.self_attn.k_norm.weight"}
+    ck = SyntheticCheckpoint("tiny", "nvfp4")
+    e = next(e for e in golden.load(fp32_bundle, ops=["qk_norm_rope"]) if e.layer == 2)
+    assert torch.equal(e.inputs["q_norm.weight"], ck.read("language_model.model.layers.2.self_attn.q_norm.weight"))
+    for op in NEW_OPS:  # the contract describes them, with tolerances per kernel dtype
+        c = m["contracts"][op]
+        assert c["tensors"] and set(c["tolerance"]) == {"float32", "bfloat16"} and c["fp64"], op
+
+
+# ---------------------------------------------------------------- independent computations agree
+
+
+@pytest.mark.parametrize("which", ["fp32", "bf16"])
+def test_outputs_equal_an_independent_computation(which, fp32_bundle, bf16_bundle):
+    bundle = fp32_bundle if which == "fp32" else bf16_bundle
+    dtype = torch.float32 if which == "fp32" else torch.bfloat16
+    entries = golden.load(bundle, ops=NEW_OPS)
+    assert {e.op for e in entries} == set(NEW_OPS)
+    for e in entries:
+        r = golden.compare(e, independent(e, dtype))
+        assert r.ok, str(r)
+        if e.op == "qk_norm_rope":  # the stored tables are the spec's: cos / sin of cat(a, a), a = pos * inv_freq
+            r_, theta = e.params["rotary_dim"], e.params["rope_theta"]
+            a = e.inputs["positions"].double()[..., None] * torch.tensor(
+                [theta ** (-2.0 * i / r_) for i in range(r_ // 2)], dtype=torch.float64)
+            a = torch.cat((a, a), -1)
+            assert torch.allclose(e.inputs["cos"].double(), a.cos(), atol=1e-6)
+            assert torch.allclose(e.inputs["sin"].double(), a.sin(), atol=1e-6)
+
+
+def test_fp64_outputs_agree_with_the_independent_computation(fp32_bundle):
+    for e in golden.load(fp32_bundle, ops=NEW_OPS):
+        mine = independent(e, torch.float64) if e.op != "logits" else {
+            "logits": e.inputs["x"].double() @ e.inputs["w.weight"].double().T}
+        for name, want in mine.items():  # the rotation: with the stored fp32 tables (ours: fp64 angles)
+            tol = 1e-6 if name.endswith("_rope") else 1e-9
+            assert torch.allclose(e.fp64[name], want, rtol=tol, atol=tol), (e.id, name)
+
+
+def test_the_entries_chain_into_the_forward(fp32_bundle):
+    """q_rope is attention's queries, k_rope the keys it caches; logits' x is the final norm's y at the sampled
+    positions; the prefill logits pick the first decoded tokens (greedy)."""
+    m = _manifest(fp32_bundle)
+    by = {(e.op, e.layer, e.phase): e for e in golden.load(fp32_bundle)}
+    for (op, L, phase), e in by.items():
+        if op != "qk_norm_rope":
+            continue
+        core = by.get(("attention", L, phase)) or by[("msa", L, phase)]
+        assert torch.equal(e.outputs["q_rope"], core.inputs["q"]), (L, phase)
+        pos = e.inputs["positions"]
+        cached = torch.stack([core.inputs["k"][b, pos[b]] for b in range(pos.shape[0])])
+        assert torch.equal(e.outputs["k_rope"], cached), (L, phase)
+    for phase in ("prefill", "decode0", "decode1"):
+        fn, lg = by[("final_norm", LAYERS, phase)], by[("logits", LAYERS, phase)]
+        rows = [fn.outputs["y"][b, t] for b, t in enumerate(lg.params["logit_positions"])]
+        assert torch.equal(lg.inputs["x"], torch.stack(rows)), phase
+    first = by[("logits", LAYERS, "prefill")].outputs["logits"].argmax(-1).tolist()
+    assert first == [d[0] for d in m["decoded_token_ids"]]
+
+
+# ---------------------------------------------------------------- wrong kernels fail
+
+
+@pytest.mark.parametrize("wrong", [{"first": False}, {"interleaved": True}, {"no_weight": True}],
+                         ids=["rope-on-last-channels", "rope-interleaved", "norm-without-weight"])
+def test_a_wrong_qk_norm_rope_kernel_fails(fp32_bundle, wrong):
+    e = next(e for e in golden.load(fp32_bundle, ops=["qk_norm_rope"]) if e.phase == "prefill")
+    r = golden.compare(e, independent(e, torch.float32, **wrong), skip=[] if "no_weight" in wrong else
+                       ["q_normed", "k_normed"])
+    assert not r.ok
+    bad = {row["name"] for row in r.rows if not row["ok"]}
+    assert {"q_rope", "k_rope"} <= bad, str(r)
+
+
+def test_a_wrong_head_kernel_fails(fp32_bundle):
+    by = {(e.op, e.phase): e for e in golden.load(fp32_bundle, ops=HEAD_OPS)}
+    fn = by[("final_norm", "prefill")]
+    assert not golden.compare(fn, independent(fn, torch.float32, no_weight=True)).ok
+    lg = by[("logits", "prefill")]
+    x0 = fn.outputs["y"][:, 0]  # the first position's hidden, not the sampled one
+    assert not golden.compare(lg, {"logits": (x0.double() @ lg.inputs["w.weight"].double().T).float()}).ok
+    # bf16 weights read as bf16 by a kernel: fine; a kernel that rounds its x to bf16 in an fp32 bundle is not
+    xb = lg.inputs["x"].bfloat16().double()
+    assert not golden.compare(lg, {"logits": (xb @ lg.inputs["w.weight"].double().T).float()}).ok
+
+
+# ---------------------------------------------------------------- selection: --ops, --layers, available_ops
+
+
+def test_ops_select_the_new_ops(tmp_path):
+    assert golden.parse_ops("qk_norm_rope,final_norm,logits") == (NEW_OPS, True)
+    model = load_synthetic("tiny", dtype=torch.float32)
+    m = golden.export_golden(model, _prompts(5), tmp_path / "a", ops=["final_norm"], layers=[1], explicit_ops=True,
+                             decode_steps=0)
+    assert [(e["op"], e["layer"]) for e in m["entries"]] == [("final_norm", LAYERS)]  # --layers picks decoder layers
+    m = golden.export_golden(model, _prompts(5), tmp_path / "b", ops=["qk_norm_rope"], layers=[0, 3],
+                             explicit_ops=True, decode_steps=0)
+    assert [(e["op"], e["layer"]) for e in m["entries"]] == [("qk_norm_rope", 0), ("qk_norm_rope", 3)]
+    ck = checkpoint_of(model)
+    assert available_ops(ck, LAYERS) == set(HEAD_OPS)
+    assert all("qk_norm_rope" in available_ops(ck, L) and not set(HEAD_OPS) & available_ops(ck, L)
+               for L in range(LAYERS))
+    # capture attaches from outside and leaves nothing behind on the model
+    attn = model.layers[0].self_attn
+    for module in (attn, attn.q_norm, attn.k_norm, model.norm, model.lm_head):
+        assert not module._forward_hooks and not module._forward_pre_hooks
+    with pytest.raises(InputError, match="unknown op 'qk_rope'"):
+        golden.parse_ops("qk_rope")
+
+
+def test_cli_exports_and_replays_the_new_ops(capsys, tmp_path):
+    out = tmp_path / "cli"
+    assert main(["golden", "--synthetic-weights", "tiny", "--prompt", "hi", "--ops", "qk_norm_rope,final_norm,logits",
+                 "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ops"] == sorted(NEW_OPS)
+    assert main(["golden", "--replay", str(out)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["mismatches"] == []
+    checked = {e["op"] for e in _manifest(out)["entries"]}
+    assert checked == set(NEW_OPS)
+
+
+def test_tied_embeddings_store_the_embedding_as_the_lm_head(tmp_path):
+    model = load_synthetic("tiny", dtype=torch.float32, overrides={"tie_word_embeddings": True})
+    m = golden.export_golden(model, _prompts(4), tmp_path / "tied", ops=["logits"], decode_steps=0)
+    (e,) = m["entries"]
+    assert e["tensors"]["w.weight"]["stored"]["key"] == "language_model.model.embed_tokens.weight"
+    assert e["params"]["linear"] == "language_model.model.embed_tokens" and e["params"]["format"] == "bf16"
+    assert all(r["ok"] for r in golden.replay_bundle(tmp_path / "tied"))
+    (entry,) = golden.load(tmp_path / "tied")
+    assert torch.equal(entry.inputs["w.weight"].float(), model.embed_tokens.weight)
+    assert golden.compare(entry, independent(entry, torch.float32)).ok

@@ -229,6 +229,8 @@ def test_indivisible_split_is_refused_before_reading(ranks, checkpoints):
     for status, out in outs:
         assert status == "ok" and out["error"] is not None, out
         assert "shared_experts.down_proj (mxfp8): 16 input columns" in out["error"], out["error"]
+        assert out["error"].count("shared_experts.down_proj") == 1  # one line for all of its layers
+        assert "(L = layers 1-3: 3 layers)" in out["error"], out["error"]
         assert out["reads"] == 0
 
 

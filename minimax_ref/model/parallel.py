@@ -326,7 +326,31 @@ def tp_split_problems(cfg: ModelConfig, linear_formats: Mapping[str, tuple[Linea
                        f"quantization group of {group}")
             if problem not in problems:
                 problems.append(problem)
-    return problems
+    return once_across_layers(problems)
+
+
+def once_across_layers(problems: list[str]) -> list[str]:
+    """`problems` with those that differ only in the layer they name said once, naming the layers (one rule broken by
+    a module of every layer would otherwise repeat once a layer)."""
+    groups: dict[str, list[int]] = {}
+    for p in problems:
+        key = re.sub(r"\blayers\.\d+\.", "layers.{L}.", p)
+        groups.setdefault(key, []).extend(int(m) for m in re.findall(r"\blayers\.(\d+)\.", p))
+    out = []
+    for key, layers in groups.items():
+        layers = sorted(set(layers))
+        if len(layers) <= 1:
+            out.append(key.replace("layers.{L}.", f"layers.{layers[0]}.") if layers else key)
+            continue
+        runs = [[layers[0], layers[0]]]
+        for n in layers[1:]:
+            if n == runs[-1][1] + 1:
+                runs[-1][1] = n
+            else:
+                runs.append([n, n])
+        spans = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
+        out.append(f"{key} (L = layers {', '.join(spans)}: {len(layers)} layers)")
+    return out
 
 
 def tp_split_hint(problems: list[str], expert_parallel: bool) -> str:

@@ -40,7 +40,7 @@ reserve. `max_model_len_fits` is true when one sequence of `--max-model-len` tok
 and the model's position limit, and the image tokens fit in it. `runs` is false, `problems` says why and
 the command exits 1 when the deployment cannot run: the loader's tensor-parallel split rules refuse `--tp`
 (`parallel.tp_split_problems`, one rule set for both; a rule one module breaks in many layers is one problem naming
-the layers, `by_layer`), the weights alone exceed the card's budget, or a `--max-model-len` sequence does not fit.
+the layers), the weights alone exceed the card's budget, or a `--max-model-len` sequence does not fit.
 Flag combinations a load refuses are refused with the load's own message (`check_flags`, exit 2).
 
 Image token budget: one image at `max_pixels` (preprocessor_config.json, default 451,584) becomes
@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,27 +304,6 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
     }
 
 
-def by_layer(problems: list[str]) -> list[str]:
-    """`problems` with those that differ only in the layer they name said once, naming the layers: the split rules
-    report each linear, and one rule broken by a module of every layer would otherwise repeat once a layer."""
-    groups: dict[str, list[int]] = {}
-    for p in problems:
-        layers = [int(m) for m in re.findall(r"\blayers\.(\d+)\.", p)]
-        key = re.sub(r"\blayers\.\d+\.", "layers.{L}.", p)
-        groups.setdefault(key, []).extend(layers)
-    out = []
-    for key, layers in groups.items():
-        layers = sorted(set(layers))
-        if not layers:
-            out.append(key)
-        elif len(layers) == 1:
-            out.append(key.replace("layers.{L}.", f"layers.{layers[0]}."))
-        else:
-            spans = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in id_runs(layers))
-            out.append(f"{key} (L = layers {spans}: {len(layers)} layers)")
-    return out
-
-
 def run_problems(cfg: ModelConfig, groups: list[TensorBytes], *, tp: int, expert_parallel: bool,
                  weights_per_card: float, budget: float, usable: float, fits: bool, max_model_len: int) -> list[str]:
     """Why the planned deployment cannot run ([] when it can): the loader's own tensor-parallel split rules
@@ -339,7 +317,7 @@ def run_problems(cfg: ModelConfig, groups: list[TensorBytes], *, tp: int, expert
                                  expert_parallel)
     if problems:
         hint = tp_split_hint(problems, expert_parallel)
-        problems = [f"cannot split over {tp} tensor-parallel ranks ({hint}): {p}" for p in by_layer(problems)]
+        problems = [f"cannot split over {tp} tensor-parallel ranks ({hint}): {p}" for p in problems]
     if weights_per_card > budget:
         problems.append(f"weights need {weights_per_card / GIB:.2f} GiB per card, more than the card's "
                         f"{budget / GIB:.2f} GiB budget (--gpu-memory x --gpu-memory-utilization): use more cards")

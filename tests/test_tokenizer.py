@@ -323,6 +323,10 @@ def test_sentencepiece_fallback(tmp_path):
     assert ids[:2] == [s.bod, s.turn_start] and ids[-1] == s.turn_end
     assert tok.decode(ids) == "]~!b[]~b]hello world[e~["
     assert tok.decode(ids, skip_special_tokens=True) == "hello world"
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "legacy": False}))
+    with pytest.warns(UserWarning, match="legacy=false is not reproduced"):
+        load_tokenizer(folder)
 
 
 def _byte_fallback_tokenizer(folder: Path) -> None:

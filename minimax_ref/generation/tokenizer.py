@@ -159,6 +159,13 @@ class _SentencePieceBackend:
             if self.added else None
         self.add_bos = bool(config.get("add_bos_token", False))
         self.add_eos = bool(config.get("add_eos_token", False))
+        if config.get("legacy") is False:
+            # transformers' non-legacy sentencepiece path rewrites the model's normalizer (no dummy prefix), which
+            # this backend does not: text after a special token gets a word-start marker here and not there
+            warnings.warn(f"{path.parent / 'tokenizer_config.json'}: legacy=false is not reproduced for a "
+                          "sentencepiece-only tokenizer (text after a special token starts with a word-start marker "
+                          "here, not in transformers); a tokenizer.json beside it gives the exact encoding",
+                          stacklevel=2)
 
     @property
     def vocab_size(self) -> int:

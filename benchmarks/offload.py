@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_ref.errors import MiniMaxRefError  # noqa: E402
 from minimax_ref.fast.paths import describe_presets  # noqa: E402
-from minimax_ref.research.plan import GIB, offload_units  # noqa: E402
+from minimax_ref.weights.device_map import GIB  # noqa: E402
+from minimax_ref.weights.footprint import offload_units  # noqa: E402
 from minimax_ref.weights.loader import load_synthetic, resolve_dtype  # noqa: E402
 from minimax_ref.weights.offload import OffloadConfig  # noqa: E402
 
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    from minimax_ref.model.cache import kv_bytes_per_token
     from minimax_ref.model.config import parse_model_config
-    from minimax_ref.research.plan import kv_bytes_per_token
     from minimax_ref.weights.synth import build_config
 
     cfg = parse_model_config(build_config(args.preset, args.format, args.experts, args.layers))

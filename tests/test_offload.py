@@ -15,10 +15,11 @@ from minimax_ref.cli.main import main
 from minimax_ref.errors import ConfigError
 from minimax_ref.generation.decoding import generate_ids
 from minimax_ref.generation.sampling import SamplingParams
+from minimax_ref.model.cache import kv_bytes_per_token
 from minimax_ref.model.config import load_model_config
-from minimax_ref.research.plan import kv_bytes_per_token, offload_units
 from minimax_ref.research.trace import Trace
 from minimax_ref.weights.device_map import GIB
+from minimax_ref.weights.footprint import offload_units
 from minimax_ref.weights.loader import load_model, load_synthetic
 from minimax_ref.weights.offload import DiskStore, OffloadConfig, check_offload, id_runs
 

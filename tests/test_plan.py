@@ -12,7 +12,8 @@ import torch
 from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
 from minimax_ref.model.config import parse_model_config
-from minimax_ref.research.plan import plan_memory, tensor_groups
+from minimax_ref.research.plan import plan_memory
+from minimax_ref.weights.footprint import tensor_groups
 from minimax_ref.weights.synth import build_config
 
 GIB = 2**30

@@ -1,7 +1,7 @@
 """The offload device map (decided here; weights.md "Offload"): which parts of the model stay on the GPU and which
 stream from host memory or disk (`--offload cpu|disk`), and the bytes a step moves. One rule, used by the loader
 (offload.py, `device_map_for`) and printed by `minimax-ref plan --offload` (research/plan.py, which sizes the units
-from the checkpoint: `plan.offload_units`).
+from the checkpoint: `footprint.offload_units`).
 
 Each decoder layer is two units (`OffloadUnit`), its layer part and its routed expert stacks; the embedding, final
 norm, LM head, routers and vision tower are always resident (`unit_of`). `propose_device_map` keeps every layer part

@@ -117,8 +117,8 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.cache import kv_bytes_per_token
 from ..model.moe import route
-from ..research.plan import DEFAULT_ACTIVATION_RESERVE_GIB, offload_units
 from .device_map import GIB, OFFLOAD_MODES, DeviceMap, default_prefetch, id_runs, propose_staged_map, unit_of
+from .footprint import DEFAULT_ACTIVATION_RESERVE_GIB, offload_units
 
 EXTRA_HINT = "pip install 'minimax-ref[offload]' (or: pip install 'accelerate>=1.0')"
 
@@ -554,7 +554,7 @@ def _placeholders_like(experts: nn.Module, template: nn.Module) -> None:
 def device_map_for(model: nn.Module, ck, cfg: OffloadConfig, dtype: torch.dtype, runtime,
                    prefetch: bool | None) -> tuple[DeviceMap, bool]:
     """The device map of `model` (built from checkpoint `ck`) for `cfg`: `device_map.propose_staged_map` over
-    `plan.offload_units` (sizes from the shards' headers, or the config for synthetic weights) with a reserve of
+    `footprint.offload_units` (sizes from the shards' headers, or the config for synthetic weights) with a reserve of
     `cfg.reserve_gib` plus the KV cache of `runtime.max_batch_size` sequences (one when it is chosen per call, from
     the memory the device map leaves) of `runtime.max_seq_len` tokens, and `prefetch`'s staging. Returns the map and
     whether it prefetches."""

@@ -233,9 +233,11 @@ def test_ops_select_the_new_ops(tmp_path):
     m = golden.export_golden(model, _prompts(5), tmp_path / "a", ops=["final_norm"], layers=[1], explicit_ops=True,
                              decode_steps=0)
     assert [(e["op"], e["layer"]) for e in m["entries"]] == [("final_norm", LAYERS)]  # --layers picks decoder layers
+    assert m["layers"] == [LAYERS]  # the manifest names the layers it holds entries of
     m = golden.export_golden(model, _prompts(5), tmp_path / "b", ops=["qk_norm_rope"], layers=[0, 3],
                              explicit_ops=True, decode_steps=0)
     assert [(e["op"], e["layer"]) for e in m["entries"]] == [("qk_norm_rope", 0), ("qk_norm_rope", 3)]
+    assert m["layers"] == [0, 3]
     ck = checkpoint_of(model)
     assert available_ops(ck, LAYERS) == set(HEAD_OPS)
     assert all("qk_norm_rope" in available_ops(ck, L) and not set(HEAD_OPS) & available_ops(ck, L)

@@ -127,6 +127,8 @@ class BundleWriter:
         m["ops"] = [op for op in OPS if op in self.names] if "single_op" in m else m["ops"]
         m["contracts"] = {op: contract(op, dtype, self.fp64, self.names.get(op, ()), self.params.get(op, ()))
                           for op in m["ops"] if op in self.names}
+        if "layers" in m:  # the layers the bundle holds entries of (the head's num_hidden_layers included)
+            m["layers"] = sorted({r["layer"] for r in m["entries"]})
         m["about"] = ABOUT
         (self.tmp / MANIFEST).write_text(json.dumps(m, indent=1) + "\n")
         mode = (self.tmp / MANIFEST).stat().st_mode & 0o777

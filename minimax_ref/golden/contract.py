@@ -94,7 +94,8 @@ _ACT = ("with numerics.act_quant = 'emulate' the GEMM input a(x) is x fake-quant
 
 CONTRACTS = {
     "rmsnorm": {
-        "formula": "y = x / sqrt(mean(x^2 over the last dim) + eps) * (1 + weight) (Gemma's offset weight)",
+        "formula": "y = (x * rsqrt(mean(x^2 over the last dim) + eps)) * (1 + weight), in that grouping (Gemma's "
+                   "offset weight)",
         "accumulation": "fp32: mean of squares over the hidden dim in fp32",
         "rounding": {"float32": "all fp32", "bfloat16": "x read as fp32; one rounding of y to bf16 at the end"},
     },
@@ -142,8 +143,9 @@ CONTRACTS = {
         "rounding": {"float32": "all fp32", "bfloat16": "q, k, v bf16 read as fp32; o fp32"},
     },
     "qk_norm_rope": {
-        "formula": "per head (q [B, T, Hq, D], k [B, T, Hkv, D]): q_normed = q / sqrt(mean(q^2 over the head's D "
-                   "channels) + eps) * (1 + q_norm.weight) (Gemma RMSNorm over each head's head_dim channels, one "
+        "formula": "per head (q [B, T, Hq, D], k [B, T, Hkv, D]): q_normed = (q * rsqrt(mean(q^2 over the head's D "
+                   "channels) + eps)) * (1 + q_norm.weight), in that grouping (Gemma RMSNorm over each head's "
+                   "head_dim channels, one "
                    "weight [D] shared by all heads; k_normed alike with k_norm.weight); then partial NeoX RoPE on the "
                    "first r = rotary_dim channels of each head: with h = r / 2, x1 = x[..., :h], x2 = x[..., h:r], "
                    "rope(x)[..., :r] = x[..., :r] * cos + cat(-x2, x1) * sin, channels [r, D) passed through "
@@ -160,14 +162,14 @@ CONTRACTS = {
                                  "and rounds once differs within the bfloat16 tolerance"},
     },
     "final_norm": {
-        "formula": "the model's final norm on the residual stream after the last decoder layer: y = x / sqrt(mean(x^2 "
-                   "over hidden) + eps) * (1 + weight) (Gemma's offset weight)",
+        "formula": "the model's final norm on the residual stream after the last decoder layer: y = (x * "
+                   "rsqrt(mean(x^2 over hidden) + eps)) * (1 + weight), in that grouping (Gemma's offset weight)",
         "accumulation": "fp32: mean of squares over the hidden dim in fp32",
         "rounding": {"float32": "all fp32", "bfloat16": "x read as fp32; one rounding of y to bf16 at the end"},
     },
     "logits": {
-        "formula": "logits = fp32(x @ W^T): the LM head (W [V, hidden], decoded as params.format; a checkpoint with "
-                   "tied embeddings: the embedding's weight) on the final norm's output at each row's sampled "
+        "formula": "logits = fp32(x @ W^T): the LM head (W [V, hidden], unquantized as the release stores it; "
+                   "with tied embeddings the embedding's weight) on the final norm's output at each row's sampled "
                    "position (params.logit_positions), over the whole vocabulary",
         "accumulation": "one dot product over hidden per logit (reference: CPU BLAS on the entry's B rows); any "
                         "order is within tolerance",

@@ -236,11 +236,8 @@ TENSORS: dict[str, dict[str, str]] = {
     "logits": {
         "x": "[B, hidden] the final norm's output at each row's sampled position (params.logit_positions; the "
              "final_norm entry's y at those positions), compute dtype",
-        "w.weight": "the LM head's weight [V, hidden] as the checkpoint stores it (bf16 in the release; with tied "
-                    "embeddings the embedding's weight); NVFP4 / MXFP8 as a linear's (params.format)",
-        "w.weight_scale": _ANY_FORMAT["weight_scale"],
-        "w.weight_scale_2": _ANY_FORMAT["weight_scale_2"],
-        "w.input_scale": _ANY_FORMAT["input_scale"],
+        "w.weight": "the LM head's weight [V, hidden] as the checkpoint stores it: unquantized (bf16 in the "
+                    "release; the loader refuses a quantized LM head), with tied embeddings the embedding's weight",
         "logits": "fp32 [B, V] output: the whole vocabulary's logits of each row (x @ W^T)",
     },
 }

@@ -838,6 +838,28 @@ def test_plan_says_a_checkpoint_that_would_not_load_does_not_run(tiny_nvfp4, tmp
     assert code == 1 and "the checkpoint would not load" in out and "expected [8, 128]" in out
 
 
+def test_plan_lists_each_problem_of_a_checkpoint_that_would_not_load(tiny_nvfp4, tmp_path, capsys):
+    """Two unrelated problems (a tensor missing from its shard's header, and a norm of the wrong shape): the plan
+    names both, as the loader collects them, not the first alone."""
+    from safetensors.torch import load_file, save_file
+
+    ck = _copy(tiny_nvfp4, tmp_path)
+    index = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    norm = next(n for n in index if n.endswith("layers.0.input_layernorm.weight"))
+    gone = next(n for n in index if n.endswith("layers.1.post_attention_layernorm.weight"))
+    for shard in {index[norm], index[gone]}:
+        tensors = load_file(ck / shard)
+        if norm in tensors:
+            tensors[norm] = tensors[norm][:-1].clone()
+        tensors.pop(gone, None)
+        save_file(tensors, ck / shard, metadata={"format": "pt"})
+    code, _, err = run(["plan", "--ckpt-path", str(ck), "--tp", "1", "--gpu-memory", "1", "--max-model-len", "64",
+                        "--activation-reserve", "0"], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error: the checkpoint would not load")]
+    assert code == 1 and len(lines) >= 2, err
+    assert any(norm in line for line in lines) and any(gone in line for line in lines), err
+
+
 def test_a_header_whose_offsets_do_not_match_its_tensors_is_named(tiny_nvfp4, tmp_path):
     """data_offsets two bytes short of the tensor's size (the file size still fits): named at the entry, as a
     damaged header, by the header check that `inspect --quick` runs too (it passed before)."""

@@ -359,3 +359,20 @@ def test_family_labels_are_the_dtypes_a_loaded_model_holds(tiny_nvfp4, weights, 
     assert held["norm"] == {"f32"} and held["router"] == {"f32"}
     for family, labels in held.items():
         assert plan["families"][family]["formats"] == sorted(labels), family
+
+
+@pytest.mark.parametrize("extra,named", [(["--batch", "8"], "--batch"), (["--h2d-gbps", "25"], "--h2d-gbps"),
+                                         (["--batch", "2", "--h2d-gbps", "25"], "--batch and --h2d-gbps")])
+def test_offload_only_flags_without_offload_are_refused(tmp_path, capsys, extra, named):
+    """`--batch` and `--h2d-gbps` size an offloaded run only: without `--offload` the plan would silently be another
+    one than asked for."""
+    cfg_dir = tmp_path / "ck"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text(json.dumps(build_config("tiny")))
+    base = ["plan", "--ckpt-path", str(cfg_dir), "--tp", "1", "--gpu-memory", "80", "--max-model-len", "64"]
+    assert main(base) == 0
+    capsys.readouterr()
+    assert main(base + extra) == 2
+    err = capsys.readouterr().err
+    assert f"{named} size an offloaded run" in err and "--offload cpu|disk" in err
+    assert main(base + extra + ["--offload", "cpu"]) in (0, 1)  # planned (whether it fits is the plan's answer)

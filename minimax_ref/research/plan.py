@@ -106,6 +106,10 @@ def image_tokens_per_image(cfg: ModelConfig, ckpt_dir: Path | None) -> int:
     return max_pixels // factor**2 + 2
 
 
+# Checkpoint problems a plan lists one by one; `inspect` lists every one.
+MAX_CHECKPOINT_PROBLEMS = 20
+
+
 def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_len: int,
                 kv_cache_dtype: str = "auto", images: int = 0, utilization: float = DEFAULT_UTILIZATION,
                 activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB, dtype_bytes: int = 2,
@@ -158,8 +162,11 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
         from ..weights.checkpoint import open_checkpoint
 
         found = open_checkpoint(ckpt_dir, strict=False).problems
-        problems += [f"the checkpoint would not load ({len(found)} problems; `minimax-ref inspect` lists them): "
-                     f"{found[0]}"] if found else []
+        shown = found[:MAX_CHECKPOINT_PROBLEMS]
+        problems += [f"the checkpoint would not load: {p}" for p in shown]
+        if len(found) > len(shown):
+            problems.append(f"the checkpoint would not load: {len(found) - len(shown)} more problems "
+                            "(`minimax-ref inspect` lists them all)")
     return {
         "source": source,
         "weights": weights,
@@ -249,10 +256,10 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", choices=list(OFFLOAD_MODES), default="none",
                    help="propose the device map of an offloaded run on one card (--tp 1): which layers and expert "
                         "stacks stay on the GPU within --gpu-memory, and the bytes moved per token (default: none)")
-    p.add_argument("--batch", type=int, default=1,
+    p.add_argument("--batch", type=int, default=None,
                    help="with --offload: sequences decoded together (bytes moved per step at 1 and at this batch, "
                         "KV cache for this many sequences of --max-model-len) (default: 1)")
-    p.add_argument("--h2d-gbps", type=finite_float, default=DEFAULT_H2D_GBPS,
+    p.add_argument("--h2d-gbps", type=finite_float, default=None,
                    help=f"with --offload: host-to-device GB/s assumed for the roofline (default: {DEFAULT_H2D_GBPS}, "
                         "PCIe Gen5 x16 from pinned memory; benchmarks/offload.py measures it)")
     p.add_argument("--offload-prefetch", action=argparse.BooleanOptionalAction, default=None,
@@ -268,7 +275,16 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.offload == "none":
         if args.offload_prefetch is not None:  # the same refusal as generate's (`model_args.check_offload_command`)
             raise InputError("--offload-prefetch / --no-offload-prefetch need --offload cpu|disk")
+        # a flag that only sizes an offloaded run would be silently ignored: the plan would not be the one asked for
+        given = [flag for flag, value in (("--batch", args.batch), ("--h2d-gbps", args.h2d_gbps)) if value is not None]
+        if given:
+            raise InputError(f"{' and '.join(given)} size an offloaded run: add --offload cpu|disk, or drop "
+                             f"{'them' if len(given) > 1 else 'it'}")
         return
+    if args.batch is None:
+        args.batch = 1
+    if args.h2d_gbps is None:
+        args.h2d_gbps = DEFAULT_H2D_GBPS
     from ..weights.offload import OffloadConfig, check_offload
 
     cfg = OffloadConfig.of(args.offload, args.gpu_memory)

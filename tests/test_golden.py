@@ -53,7 +53,10 @@ def test_replay_is_bit_exact_for_every_op(bundle, manifest):
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
     assert {e["op"] for e in manifest["entries"]} == set(OPS)
-    assert {e["phase"] for e in manifest["entries"]} == {"prefill", "decode0", "decode1"}
+    # the forward's phases, and the norm ops' edge entries (norm_edges): one per norm op
+    assert {e["phase"] for e in manifest["entries"]} == {"prefill", "decode0", "decode1", "edge"}
+    assert sorted(e["op"] for e in manifest["entries"] if e["phase"] == "edge") == ["final_norm", "qk_norm_rope",
+                                                                                      "rmsnorm"]
     for e in manifest["entries"]:  # every output is checked, and every paged view
         checks = {r["check"] for r in results if r["file"] == e["file"]}
         outputs = {n for n, t in e["tensors"].items() if t["role"] == "output"}

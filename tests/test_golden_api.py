@@ -559,7 +559,9 @@ def test_entries_are_written_layer_by_layer(tmp_path, monkeypatch):
     monkeypatch.setattr(golden.BundleWriter, "add", spy)
     model = load_synthetic("tiny", dtype=torch.float32)
     golden.export_golden(model, _prompts(20), tmp_path / "b", decode_steps=0, ops=["rmsnorm", "moe", "msa"])
-    prefill = [c for c in calls if c]
+    written = [c for c in calls if c]
+    assert written[0] == [("edge", 0, False)]  # the rmsnorm edge entry, written before the forward
+    prefill = written[1:]
     assert prefill[:3] == [[("prefill", 0, False)], [("prefill", 1, False)], [("prefill", 2, False)]]
     assert ("prefill", 3, False) in prefill[3] and ("prefill", 3, True) in prefill[3]  # the last, with attention
 

@@ -56,10 +56,14 @@ def _manifest(path) -> dict:
 # ---------------------------------------------------------------- independent computations (the spec's definitions)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm over the last dim, in fp64: x / sqrt(mean(x^2) + eps) * (1 + w)."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, one_plus_bf16: bool = False) -> torch.Tensor:
+    """Gemma RMSNorm over the last dim, in fp64: x / sqrt(mean(x^2) + eps) * (1 + w). one_plus_bf16: the (1 + w)
+    rounded to bf16 (a wrong kernel)."""
     x = x.double()
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (1.0 + w.double())
+    one_plus = 1.0 + w.double()
+    if one_plus_bf16:
+        one_plus = one_plus.bfloat16().double()
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * one_plus
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float, *, first: bool = True,
@@ -85,20 +89,22 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
 
 def independent(e: golden.GoldenEntry, dtype: torch.dtype, **wrong) -> dict[str, torch.Tensor]:
     """The entry's outputs computed here from its inputs (fp64, one rounding to `dtype`; logits fp32). wrong:
-    no_weight (norm without its weight) or rope's first / interleaved (RoPE on the wrong channels)."""
+    no_weight (norm without its weight), one_plus_bf16 (the norm's (1 + w) in bf16), eps (the norm's eps replaced)
+    or rope's first / interleaved (RoPE on the wrong channels)."""
     t, p = e.inputs, e.params
+    eps, bf = wrong.get("eps", p.get("eps")), wrong.get("one_plus_bf16", False)
     if e.op == "qk_norm_rope":
         out = {}
         for which in ("q", "k"):
             w = torch.zeros_like(t[f"{which}_norm.weight"]) if wrong.get("no_weight") else t[f"{which}_norm.weight"]
-            normed = rms_norm(t[which], w, p["eps"])
+            normed = rms_norm(t[which], w, eps, bf)
             kw = {k: v for k, v in wrong.items() if k in ("first", "interleaved")}
             out[f"{which}_normed"] = normed.to(dtype)
             out[f"{which}_rope"] = rope(normed, t["positions"], p["rotary_dim"], p["rope_theta"], **kw).to(dtype)
         return out
     if e.op == "final_norm":
         w = torch.zeros_like(t["weight"]) if wrong.get("no_weight") else t["weight"]
-        return {"y": rms_norm(t["x"], w, p["eps"]).to(dtype)}
+        return {"y": rms_norm(t["x"], w, eps, bf).to(dtype)}
     assert e.op == "logits" and p["format"] == "bf16"
     return {"logits": (t["x"].double() @ t["w.weight"].double().T).float()}
 
@@ -183,7 +189,7 @@ def test_the_entries_chain_into_the_forward(fp32_bundle):
     m = _manifest(fp32_bundle)
     by = {(e.op, e.layer, e.phase): e for e in golden.load(fp32_bundle)}
     for (op, L, phase), e in by.items():
-        if op != "qk_norm_rope":
+        if op != "qk_norm_rope" or phase == "edge":  # edge entries: built rows, no forward's
             continue
         core = by.get(("attention", L, phase)) or by[("msa", L, phase)]
         assert torch.equal(e.outputs["q_rope"], core.inputs["q"]), (L, phase)
@@ -201,15 +207,36 @@ def test_the_entries_chain_into_the_forward(fp32_bundle):
 # ---------------------------------------------------------------- wrong kernels fail
 
 
-@pytest.mark.parametrize("wrong", [{"first": False}, {"interleaved": True}, {"no_weight": True}],
-                         ids=["rope-on-last-channels", "rope-interleaved", "norm-without-weight"])
-def test_a_wrong_qk_norm_rope_kernel_fails(fp32_bundle, wrong):
-    e = next(e for e in golden.load(fp32_bundle, ops=["qk_norm_rope"]) if e.phase == "prefill")
-    r = golden.compare(e, independent(e, torch.float32, **wrong), skip=[] if "no_weight" in wrong else
+# the norm bugs the captured rows hide in bf16 (mean(x^2) >> eps; a bf16 (1 + w) is at most one ulp): the bundles'
+# edge entries (phase "edge", golden.norm_edges) catch them, in fp32 and bf16 bundles
+NORM_BUGS = {"norm-one-plus-w-in-bf16": {"one_plus_bf16": True}, "norm-eps-1e-5": {"eps": 1e-5},
+             "norm-without-eps": {"eps": 0.0}}
+
+
+@pytest.mark.parametrize("wrong", [{"first": False}, {"interleaved": True}, {"no_weight": True},
+                                   *NORM_BUGS.values()],
+                         ids=["rope-on-last-channels", "rope-interleaved", "norm-without-weight", *NORM_BUGS])
+@pytest.mark.parametrize("which", ["fp32", "bf16"])
+def test_a_wrong_qk_norm_rope_kernel_fails(fp32_bundle, bf16_bundle, which, wrong):
+    bundle, dtype = (fp32_bundle, torch.float32) if which == "fp32" else (bf16_bundle, torch.bfloat16)
+    norm_bug = wrong in NORM_BUGS.values()
+    e = next(e for e in golden.load(bundle, ops=["qk_norm_rope"]) if e.phase == ("edge" if norm_bug else "prefill"))
+    r = golden.compare(e, independent(e, dtype, **wrong), skip=[] if "no_weight" in wrong or norm_bug else
                        ["q_normed", "k_normed"])
     assert not r.ok
     bad = {row["name"] for row in r.rows if not row["ok"]}
-    assert {"q_rope", "k_rope"} <= bad, str(r)
+    assert {"q_rope", "k_rope"} | ({"q_normed", "k_normed"} if norm_bug else set()) <= bad, str(r)
+
+
+@pytest.mark.parametrize("wrong", list(NORM_BUGS.values()), ids=list(NORM_BUGS))
+@pytest.mark.parametrize("which", ["fp32", "bf16"])
+def test_a_wrong_final_norm_kernel_fails(fp32_bundle, bf16_bundle, which, wrong):
+    bundle, dtype = (fp32_bundle, torch.float32) if which == "fp32" else (bf16_bundle, torch.bfloat16)
+    entries = golden.load(bundle, ops=["final_norm"])
+    assert golden.compare(entries[0], independent(entries[0], dtype)).ok
+    assert not all(golden.compare(e, independent(e, dtype, **wrong)).ok for e in entries)
+    [edge] = [e for e in entries if e.phase == "edge"]
+    assert not golden.compare(edge, independent(edge, dtype, **wrong)).ok
 
 
 def test_a_wrong_head_kernel_fails(fp32_bundle):
@@ -232,12 +259,15 @@ def test_ops_select_the_new_ops(tmp_path):
     model = load_synthetic("tiny", dtype=torch.float32)
     m = golden.export_golden(model, _prompts(5), tmp_path / "a", ops=["final_norm"], layers=[1], explicit_ops=True,
                              decode_steps=0)
-    assert [(e["op"], e["layer"]) for e in m["entries"]] == [("final_norm", LAYERS)]  # --layers picks decoder layers
+    # --layers picks decoder layers; the head's edge entry sits at the head too
+    assert [(e["op"], e["layer"], e["phase"]) for e in m["entries"]] == [("final_norm", LAYERS, "edge"),
+                                                                          ("final_norm", LAYERS, "prefill")]
     assert m["layers"] == [LAYERS]  # the manifest names the layers it holds entries of
-    m = golden.export_golden(model, _prompts(5), tmp_path / "b", ops=["qk_norm_rope"], layers=[0, 3],
+    m = golden.export_golden(model, _prompts(5), tmp_path / "b", ops=["qk_norm_rope"], layers=[1, 3],
                              explicit_ops=True, decode_steps=0)
-    assert [(e["op"], e["layer"]) for e in m["entries"]] == [("qk_norm_rope", 0), ("qk_norm_rope", 3)]
-    assert m["layers"] == [0, 3]
+    assert [(e["op"], e["layer"], e["phase"]) for e in m["entries"]] == [  # the edge entry: the first chosen layer
+        ("qk_norm_rope", 1, "edge"), ("qk_norm_rope", 1, "prefill"), ("qk_norm_rope", 3, "prefill")]
+    assert m["layers"] == [1, 3]
     ck = checkpoint_of(model)
     assert available_ops(ck, LAYERS) == set(HEAD_OPS)
     assert all("qk_norm_rope" in available_ops(ck, L) and not set(HEAD_OPS) & available_ops(ck, L)

@@ -108,6 +108,8 @@ def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """Gemma RMSNorm over the last dim in fp64: x / sqrt(mean(x^2) + eps) * (1 + w), the (1 + w) unrounded (a bf16
+    (1 + w) or another eps fails the bundles' norm edge entries). The caller rounds once to the bundle's dtype."""
     x = x.astype(np.float64)
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w.astype(np.float64))
 
@@ -290,14 +292,14 @@ def run(entry) -> dict[str, torch.Tensor]:
     if op == "rmsnorm":
         for norm in ("input_layernorm", "post_attention_layernorm"):
             if f"{norm}.x" in t:
-                out[f"{norm}.y"] = rmsnorm(t[f"{norm}.x"], t[f"{norm}.weight"], p["eps"])
+                out[f"{norm}.y"] = to_dtype(rmsnorm(t[f"{norm}.x"], t[f"{norm}.weight"], p["eps"]), dt)  # one rounding
     elif op == "qk_norm_rope":
         for a in ("q", "k"):
             normed = to_dtype(rmsnorm(t[a], t[f"{a}_norm.weight"], p["eps"]), dt)  # the layer's rounding point
             out[f"{a}_normed"] = normed
             out[f"{a}_rope"] = rope(normed, t["cos"], t["sin"])
     elif op == "final_norm":
-        out["y"] = rmsnorm(t["x"], t["weight"], p["eps"])
+        out["y"] = to_dtype(rmsnorm(t["x"], t["weight"], p["eps"]), dt)
     elif op == "logits":
         out["logits"] = t["x"].astype(np.float64) @ weight_of(t, "w", p["format"]).astype(np.float64).T
     elif op == "router":

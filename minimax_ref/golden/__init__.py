@@ -2,9 +2,9 @@
 
 Modules: `contract` (ops, the numerics contract and tolerances), `layouts` (what each tensor, parameter and manifest
 key is, in words), `operands` (entries, packed, fused and joined operands, routing metadata, paged views), `fp64`
-(fp64 reference outputs), `capture` (model-driven export), `bundle` (writing and reading a bundle's files), `replay`
-(bit-exact recomputation), `api` (load / compare / parametrize / a user's kernel), `single_ops` (one op at any
-shape), `cli` (the command).
+(fp64 reference outputs), `capture` (model-driven export), `norm_edges` (the norm ops' edge entries), `bundle`
+(writing and reading a bundle's files), `replay` (bit-exact recomputation), `api` (load / compare / parametrize / a
+user's kernel), `single_ops` (one op at any shape), `cli` (the command).
 
 Export. The prompt(s) are prefilled through the KV cache in one step (phase `prefill`), then
 `--decode-steps` greedy tokens are decoded one at a time (phases `decode0`, `decode1`, ...). During
@@ -25,6 +25,11 @@ inputs and outputs are written to `{op}/layer{L:03d}_{phase}.safetensors`:
 | | | (RoPE applied to the norms' outputs) | `sin`, `{q,k}_normed`, `{q,k}_rope` |
 | `final_norm` | the head (N) | hook on `model.norm` | `x`, `weight`, `y` |
 | `logits` | the head (N) | hook on `lm_head`, run on each row's sampled row | `x` [B, hidden], `w.*`, `logits` [B, V] |
+
+Each chosen norm op (`rmsnorm`, `qk_norm_rope`, `final_norm`) also gets one entry in phase `edge`
+(`{op}/layer{L:03d}_edge.safetensors`: the first chosen layer, the head for `final_norm`): built rows and weights,
+not the forward's, on which a norm kernel with the wrong eps or a bf16 `(1 + w)` fails (`norm_edges`; in a bfloat16
+bundle their bfloat16 tolerance is `contract.EDGE_TOLERANCE`).
 
 The head's ops (`HEAD_OPS`) belong to no decoder layer: their entries read layer N = num_hidden_layers and their
 weights are in `weights/layer{N:03d}.safetensors`; `--layers` (decoder layers) does not select them, `--ops` does.

@@ -16,6 +16,7 @@ from ..outdir import staged_folder
 from .contract import FORMAT, MANIFEST, MXFP8_LINEARS, OPS, contract, sha256, tolerance
 from .fp64 import add_fp64
 from .layouts import ABOUT
+from .norm_edges import EDGE_PHASE
 from .operands import Entry
 
 
@@ -109,12 +110,14 @@ class BundleWriter:
             save_file(own, str(path), metadata={"op": e.op, "layer": str(e.layer), "phase": e.phase})
             self.names.setdefault(e.op, set()).update(e.tensors)
             self.params.setdefault(e.op, set()).update(e.params)
+            edge = e.phase == EDGE_PHASE and self.manifest["numerics"]["dtype"] == "bfloat16"
             self.manifest["entries"].append({
                 "file": e.file, "op": e.op, "layer": e.layer, "phase": e.phase, **({"tag": e.tag} if e.tag else {}),
                 "params": e.params,
                 "sha256": sha256(path),
                 "tensors": {n: tensor_meta(e, n, t, self.stored) for n, t in e.tensors.items()},
-                "tolerance": {n: tolerance(e.op, n, t) for n, t in e.tensors.items() if e.roles[n] == "output"}})
+                "tolerance": {n: tolerance(e.op, n, t, edge) for n, t in e.tensors.items()
+                              if e.roles[n] == "output"}})
             e.tensors = {}  # written: the entry's memory is released
 
     def finish(self) -> None:

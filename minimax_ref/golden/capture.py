@@ -26,6 +26,7 @@ from .contract import (
     TOLERANCE_RULE,
     producer,
 )
+from .norm_edges import EDGES_NOTE, NORM_OPS, final_norm_edge, qk_norm_rope_edge, rmsnorm_edge
 from .operands import (
     Entry,
     block_table,
@@ -432,6 +433,30 @@ ROWS_NOTE = ("the prompts run as one right-padded batch [B, T] (T the longest pr
              "entries mark real queries with cu_seqlens_q")
 
 
+def norm_edge_entries(model, ck, ops: Sequence[str], layers: Sequence[int], seed: int) -> list[Entry]:
+    """The edge entries (phase `edge`, `norm_edges`) of the chosen norm ops: rmsnorm and qk_norm_rope at the first
+    chosen layer, final_norm at the head; the dimensions, eps and weight dtypes of the model's own norms."""
+    text, dtype = model.text, model.dtype
+    out = []
+    if layers and "rmsnorm" in ops:
+        L = min(layers)
+        norms = {n: (m.weight.numel(), m.eps, m.weight.dtype)
+                 for n in ("input_layernorm", "post_attention_layernorm") for m in [getattr(model.layers[L], n)]}
+        out.append(rmsnorm_edge(L, norms, dtype, seed + 101))
+    qn = getattr(model.layers[min(layers)].self_attn, "q_norm", None) if layers else None
+    if qn is not None and "qk_norm_rope" in ops:
+        L = min(layers)
+        wdtype = ck.read(f"{TEXT_PREFIX}layers.{L}.self_attn.q_norm.weight").dtype
+        out.append(qk_norm_rope_edge(L, {"q": text.num_attention_heads, "k": text.num_key_value_heads},
+                                     qn.weight.numel(), qn.eps, text.rotary_dim, text.rope_theta, wdtype, dtype,
+                                     seed + 102))
+    if "final_norm" in ops:
+        wdtype = ck.read(f"{TEXT_PREFIX}norm.weight").dtype
+        out.append(final_norm_edge(len(model.layers), model.norm.weight.numel(), model.norm.eps, wdtype, dtype,
+                                   seed + 103))
+    return out
+
+
 def parse_ops(text: str | None) -> tuple[list[str], bool]:
     """(ops, explicit) from a comma list (None = all ops, not explicit)."""
     if text is None:
@@ -549,6 +574,7 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
                               else {"chunk_elements": None, "note": "each attention core captured as one call"}),
         "ops": list(ops),
         "layers": layers,
+        **({"norm_edges": EDGES_NOTE} if set(ops) & set(NORM_OPS) else {}),
         "contracts": {},  # written at the end, describing exactly the tensors the entries hold
         "tolerance_rule": TOLERANCE_RULE,
         "weights_files": [],
@@ -564,6 +590,8 @@ def export_golden(model, prompts: Sequence[Sequence[int]], out: str | Path, *, o
     with staged_folder(out) as tmp, _Capture(model, ck, set(ops), set(layers), chunk_elements, stacked,
                                              align_block) as cap:
         writer = cap.writer = BundleWriter(tmp, manifest, fp64=fp64, emulate=emulate)
+        # the norm ops' edge entries first: built and written before the forward's large tensors exist
+        writer.add(norm_edge_entries(model, cap.ck, ops, layers, seed))
         cap.phase = "prefill"
         cap.logit_positions = [n - 1 for n in lengths]  # the logits that pick each row's first token
         trace = cap.trace()

@@ -343,6 +343,8 @@ ABOUT = {
     "contracts": "per op: formula, accumulation, rounding (for the bundle's dtype), tensors (a description of every "
                  "tensor name its entries hold, by name pattern: {e} an expert id, {w} w1 / w2 / w3, {proj} a "
                  "shared expert projection, {norm} a norm, {out} an output), params, tolerance factors",
+    "norm_edges": "model-driven bundles with a norm op: what the norm ops' edge entries (phase 'edge') hold and "
+                  "why, and their bfloat16 tolerance",
     "rows": "model-driven bundles: how entries of row-wise ops lay out the batch, and where its padding is",
     "numerics": "dtype (the reference's compute dtype), act_quant (emulate: GEMM inputs fake-quantized as W4A4 / "
                 "W8A8 kernels see them), kv_cache_dtype, kv_scale, fp64_outputs",

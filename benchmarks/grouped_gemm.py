@@ -3,7 +3,9 @@ release's shapes and a batch-decode row count, against what it replaces at more 
 the weight to bf16, then cuBLAS (`decode_then_matmul`, `decode_fast` then `torch.matmul`), and cuBLAS on a weight
 decoded beforehand (`cublas_bf16`, 3.6x the bytes for NVFP4; no decoding). The grouped kernel runs as `compiled`
 runs it (NVFP4 through each block's 8-value table); beside it, NVFP4 by bit operations (`grouped bits`,
-`table=False`) and the kernel in the other orientation (`x_major`: `grouped.Tiles.x_major` flipped). Each figure is
+`table=False`), the kernel in the other orientation (`x_major`: `grouped.Tiles.x_major` flipped) and, in the
+orientation x_major 0, with one product per plane of the packed words flipped on or off (`planes`:
+`grouped.Tiles.planes`, which keeps the decoded tile out of shared memory). Each figure is
 microseconds per product (a CUDA graph of 10 products, replayed) with the packed bytes read per second and the
 fraction of the weight-read roofline (packed bytes and scales over the device-to-device copy bandwidth measured in
 the same run). Every product is first checked against `fast.packed.packed_matmul_reference`.
@@ -14,6 +16,9 @@ least total time as an entry for `fast.grouped.TUNED`. `--tiles` times one confi
     # 1 x H200 (about a minute; the first launch of each configuration compiles it):
     python benchmarks/grouped_gemm.py --rows 32 --out grouped_gemm.jsonl
     python benchmarks/grouped_gemm.py --rows 32 --sweep --out grouped_sweep.jsonl
+    # the tuned tiles against the same tiles by planes (and the planes sweep entries alone)
+    python benchmarks/grouped_gemm.py --rows 32 --tiles 64,128,4,4 --out grouped_planes.jsonl
+    python benchmarks/grouped_gemm.py --rows 32 --sweep --sweep-tiles "64,128,4,4;64,128,4,4,0,1;128,256,8,3,0,1"
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ SHAPES = [("16 routed experts w1", "nvfp4", 16, 3072, 6144), ("16 routed experts
           ("q_proj", "mxfp8", 0, 8192, 6144), ("k_proj", "mxfp8", 0, 512, 6144), ("o_proj", "mxfp8", 0, 6144, 8192),
           ("shared gate_proj", "mxfp8", 0, 3072, 6144), ("shared down_proj", "mxfp8", 0, 6144, 3072),
           ("dense gate_proj", "mxfp8", 0, 12288, 6144), ("dense down_proj", "mxfp8", 0, 6144, 12288)]
-# Configurations that compile for sm_90 without register spills at 16 and 32 rows, both formats (ptxas -v)
+# Configurations that compile for sm_90 without register spills at 16 and 32 rows, both formats (ptxas -v; the
+# planes ones, "...,0,1", also at 64 rows: benchmarks/kernel_sass.py)
 SWEEP = ["128,64,8,4", "128,64,8,3", "128,128,8,3", "128,128,8,4", "64,64,4,4", "128,32,4,4", "64,128,4,4",
-         "256,128,8,3", "128,64,8,4,1", "128,128,8,3,1"]
+         "256,128,8,3", "128,64,8,4,1", "128,128,8,3,1", "64,128,4,4,0,1", "128,128,8,4,0,1", "64,256,4,4,0,1",
+         "128,256,8,3,0,1", "128,128,4,4,0,1"]
 
 
 def measure(shape: tuple, rows: int, iters: int, bw: float, configs: list, device: torch.device,
@@ -59,9 +66,13 @@ def measure(shape: tuple, rows: int, iters: int, bw: float, configs: list, devic
         tiles = configs[0] or tiles_for(fmt, device)
         if table:
             variants["grouped bits"] = lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=tiles)
-        flipped = replace(tiles, x_major=1 - tiles.x_major)
+        flipped = replace(tiles, x_major=1 - tiles.x_major, planes=0)
         variants[f"grouped x_major={flipped.x_major}"] = (
             lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=flipped, table=table))
+        if not tiles.x_major:  # one product per plane of the words, or the tile interleaved into K order
+            other = replace(tiles, planes=1 - tiles.planes)
+            variants[f"grouped planes={other.planes}"] = (
+                lambda: packed_matmul_grouped(x, fmt, w, s, g, tiles=other, table=table))
         dense = decode_fast(fmt, w, s, g, torch.bfloat16)
         variants["cublas_bf16"] = lambda: torch.matmul(x, dense.transpose(-1, -2))
         variants["decode_then_matmul"] = lambda: torch.matmul(x, decode_fast(fmt, w, s, g, torch.bfloat16)

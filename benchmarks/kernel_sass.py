@@ -4,6 +4,8 @@
     # on any machine with triton (its bundled ptxas and cuobjdump compile and disassemble for sm_90), ~1 minute:
     python benchmarks/kernel_sass.py --out kernel_sass.jsonl
     python benchmarks/kernel_sass.py --cases gemv-nvfp4,grouped-nvfp4 --arch 90 --show-loop
+    # the grouped kernel at the tuned tiles, the tile interleaved into K order against one product per plane:
+    python benchmarks/kernel_sass.py --cases grouped-nvfp4-tuned,grouped-nvfp4-planes,grouped-mxfp8-planes
 
 Each case calls the public launch function of a `fast` kernel (`gemv.packed_product`,
 `grouped.packed_matmul_grouped`, `grouped.decode_grouped`, `attention_kernel.block_attention`,
@@ -154,15 +156,17 @@ def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, table: bool =
     return run, elements
 
 
-def case_grouped(fmt: str, entries: int, n: int, k: int, rows: int, table: bool = False, x_major: int = 0):
-    """`grouped.packed_matmul_grouped` of `rows` rows over a stack (every entry active) with the default tiles;
-    `table`: NVFP4 through the blocks' tables; `x_major`: the tiles' orientation (`grouped.Tiles.x_major`)."""
+def case_grouped(fmt: str, entries: int, n: int, k: int, rows: int, table: bool = False, x_major: int = 0,
+                 tiles: str | None = None):
+    """`grouped.packed_matmul_grouped` of `rows` rows over a stack (every entry active) with the default tiles, or
+    `tiles` ("BN,BK,WARPS,STAGES[,X_MAJOR[,PLANES]]", `grouped.Tiles.parse`); `table`: NVFP4 through the blocks'
+    tables; `x_major`: the default tiles' orientation (`grouped.Tiles.x_major`)."""
     def run():
         w, s, g = _packed(fmt, entries, n, k)
         x = torch.zeros(rows, k, dtype=torch.bfloat16)
-        tiles = dataclasses.replace(grouped.DEFAULT[fmt], x_major=x_major)
+        config = grouped.Tiles.parse(tiles) if tiles else dataclasses.replace(grouped.DEFAULT[fmt], x_major=x_major)
         grouped.packed_matmul_grouped(x, fmt, w, s, g, active=torch.ones(entries, dtype=torch.int32), split=1,
-                                      table=table, tiles=tiles)
+                                      table=table, tiles=config)
 
     def elements(kernel: dict) -> float | None:
         c = kernel["constexprs"]
@@ -225,6 +229,20 @@ CASES = {
                                    "32 rows, 16 routed experts' w1 (NVFP4), tables, x as the MMA's row side"),
     "grouped-mxfp8-xmajor": (case_grouped, (MXFP8, 1, 8192, 6144, 32, False, 1),
                              "32 rows, q_proj (MXFP8), x as the MMA's row side"),
+    # H200's tuned tiles (`grouped.TUNED`), the decoded tile interleaved into K order or one product per plane of the
+    # words (`grouped.Tiles.planes`: no shared-memory round trip of the decoded tile)
+    "grouped-nvfp4-tuned": (case_grouped, (NVFP4, 16, 3072, 6144, 32, False, 0, "64,128,4,4"),
+                            "32 rows, 16 routed experts' w1 (NVFP4), tiles 64,128,4,4"),
+    "grouped-nvfp4-planes": (case_grouped, (NVFP4, 16, 3072, 6144, 32, False, 0, "64,128,4,4,0,1"),
+                             "32 rows, 16 routed experts' w1 (NVFP4), tiles 64,128,4,4, one product per plane"),
+    "grouped-nvfp4-table-tuned": (case_grouped, (NVFP4, 16, 3072, 6144, 32, True, 0, "64,128,4,4"),
+                                  "32 rows, 16 routed experts' w1 (NVFP4), tables, tiles 64,128,4,4"),
+    "grouped-nvfp4-table-planes": (case_grouped, (NVFP4, 16, 3072, 6144, 32, True, 0, "64,128,4,4,0,1"),
+                                   "32 rows, 16 routed experts' w1 (NVFP4), tables, tiles 64,128,4,4, per plane"),
+    "grouped-mxfp8-tuned": (case_grouped, (MXFP8, 1, 8192, 6144, 32, False, 0, "64,128,4,4"),
+                            "32 rows, q_proj (MXFP8), tiles 64,128,4,4"),
+    "grouped-mxfp8-planes": (case_grouped, (MXFP8, 1, 8192, 6144, 32, False, 0, "64,128,4,4,0,1"),
+                             "32 rows, q_proj (MXFP8), tiles 64,128,4,4, one product per plane"),
     "decode-nvfp4": (case_decode, (NVFP4, 3072, 6144), "prefill's decode of one expert's w1 (NVFP4)"),
     "decode-nvfp4-table": (case_decode, (NVFP4, 3072, 6144, True),
                            "prefill's decode of one expert's w1 (NVFP4) through the blocks' tables"),

@@ -67,6 +67,7 @@ DEVICES = [pytest.param("cpu", marks=interp), pytest.param("cuda", marks=gpu)]
 SMALL = Tiles(32, 64, 4, 1)  # partial column tiles and several K steps on tiny weights
 WIDE = Tiles(16, 128, 4, 2)  # the narrowest column tiles, two K steps of 128
 XMAJOR = Tiles(32, 64, 4, 2, x_major=1)  # x's rows as the MMA's row side, the decoded tile from shared memory
+PLANES = Tiles(32, 128, 4, 2, planes=1)  # one product per nibble or byte position of the words, x permuted
 
 
 
@@ -111,7 +112,10 @@ def _bound_ok(y: torch.Tensor, x: torch.Tensor, w_hat: torch.Tensor) -> tuple[bo
 def test_tiles_and_split_are_data():
     assert Tiles.parse("64,256,4,2") == Tiles(64, 256, 4, 2) and Tiles(64, 256, 4, 2).text() == "64,256,4,2"
     assert Tiles.parse("64,256,4,2,1") == Tiles(64, 256, 4, 2, 1) and Tiles(64, 256, 4, 2, 1).text() == "64,256,4,2,1"
-    for bad in ("64,256,4", "48,128,4,3", "8,128,4,3", "64,16,4,3", "64,256,4,2,2", "64,256,4,2,1,0"):
+    assert Tiles.parse("64,128,4,4,0,1") == Tiles(64, 128, 4, 4, planes=1)
+    assert Tiles(64, 128, 4, 4, planes=1).text() == "64,128,4,4,0,1"
+    for bad in ("64,256,4", "48,128,4,3", "8,128,4,3", "64,16,4,3", "64,256,4,2,2", "64,256,4,2,1,0,0",
+                "64,128,4,4,1,1", "64,128,4,4,0,2"):
         with pytest.raises(ConfigError):
             Tiles.parse(bad)
     assert tiles_for("nvfp4", torch.device("cpu")) == grouped.DEFAULT["nvfp4"]
@@ -164,7 +168,8 @@ def _ptxas_report(ptx: str) -> str:
 def test_kernel_compiles_for_h200_without_spills(fmt):
     """The kernel as the GPU runs it (EXACT_FP32 off: conversion instructions, bf16 tensor-core dots) compiles for
     sm_90 on any machine with triton (its ptxas), for the default tiles at 32 rows, flagged and split launches, the
-    NVFP4 table decoder (its inline assembly) and both orientations, with no register spills (ptxas -v)."""
+    NVFP4 table decoder (its inline assembly), both orientations and one product per plane (`Tiles.planes`, at
+    block_k 128: 16 words a step), with no register spills (ptxas -v)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -173,12 +178,14 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
         pytest.skip("triton's ptxas is not installed")
     kernel = grouped._packed_matmul_kernel
     tiles = grouped.DEFAULT[fmt]
-    for has_active, out_bf16, table, x_major in ((True, True, False, 0), (False, False, False, 0),
-                                                 (True, True, fmt == "nvfp4", 0), (True, True, fmt == "nvfp4", 1),
-                                                 (False, False, False, 1)):
+    for has_active, out_bf16, table, x_major, planes in (
+            (True, True, False, 0, 0), (False, False, False, 0, 0), (True, True, fmt == "nvfp4", 0, 0),
+            (True, True, fmt == "nvfp4", 1, 0), (False, False, False, 1, 0), (True, True, False, 0, 1),
+            (False, False, fmt == "nvfp4", 0, 1)):
         consts = {"NVFP4_FMT": fmt == "nvfp4", "HAS_ACTIVE": has_active, "OUT_BF16": out_bf16, "EXACT_FP32": False,
-                  "BLOCK_M": 64 if x_major else 32, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-                  "TABLE": table, "X_MAJOR": x_major}
+                  "BLOCK_M": 64 if x_major else 32, "BLOCK_N": tiles.block_n,
+                  "BLOCK_K": max(tiles.block_k, 128) if planes else tiles.block_k, "TABLE": table,
+                  "X_MAJOR": x_major, "PLANES": planes}
         pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "active_ptr": "*i32",
                     "y_ptr": "*bf16" if out_bf16 else "*fp32"}
         signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
@@ -217,7 +224,8 @@ def test_decoder_compiles_for_h200_without_spills(fmt):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
-@pytest.mark.parametrize("tiles", [SMALL, WIDE, XMAJOR, None], ids=["small", "wide", "x_major", "default"])
+@pytest.mark.parametrize("tiles", [SMALL, WIDE, XMAJOR, PLANES, None], ids=["small", "wide", "x_major", "planes",
+                                                                           "default"])
 def test_identity_rows_read_out_the_decoded_weight(device, fmt, tiles):
     E, N, K = 3, 40, 128
     for case in range(3):
@@ -254,7 +262,7 @@ def test_pairs_of_rows_add_the_rounded_weights(fmt):
     want_w = _decoded(fmt, w, s, g).float()
     x = (torch.eye(K) + torch.eye(K).roll(1, dims=1))[: K - 1].to(BF16)  # row k: e_k + e_k+1
     want = (want_w[..., :-1] + want_w[..., 1:]).to(BF16).transpose(-1, -2)  # one fp32 add, one rounding
-    for tiles in (SMALL, WIDE, XMAJOR):
+    for tiles in (SMALL, WIDE, XMAJOR, PLANES):  # K 64: PLANES by planes for MXFP8, interleaved for NVFP4
         assert torch.equal(packed_matmul_grouped(x, fmt, w, s, g, tiles=tiles), want)
 
 
@@ -268,14 +276,15 @@ def test_products_are_fp32_sums_of_the_decoded_weight(device, fmt):
     rows = (1, 9, 33, 64) if device == "cuda" else (1, 9, 33)
     for M in rows:
         x = torch.randn(M, K, generator=gen).to(BF16).to(device)
-        for split, tiles in ((1, SMALL), (3, SMALL), (2, WIDE), (3, XMAJOR)):
+        for split, tiles in ((1, SMALL), (3, SMALL), (2, WIDE), (3, XMAJOR), (2, PLANES)):
             y = packed_matmul_grouped(x, fmt, w, s, g, tiles=tiles, split=split)
             assert y.shape == (E, M, N) and y.dtype == BF16
             ok, ratio = _bound_ok(y, x.expand(E, M, K), w_hat)
             assert ok, (M, split, ratio)
     xe = torch.randn(E, 5, K, generator=gen).to(BF16).to(device)  # one x per entry
-    ok, ratio = _bound_ok(packed_matmul_grouped(xe, fmt, w, s, g, tiles=SMALL), xe, w_hat)
-    assert ok, ratio
+    for tiles in (SMALL, PLANES):
+        ok, ratio = _bound_ok(packed_matmul_grouped(xe, fmt, w, s, g, tiles=tiles), xe, w_hat)
+        assert ok, (tiles, ratio)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -406,7 +415,8 @@ def test_table_assembly_decodes_the_reference_bits():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tiles", [SMALL, WIDE, XMAJOR, None], ids=["small", "wide", "x_major", "default"])
+@pytest.mark.parametrize("tiles", [SMALL, WIDE, XMAJOR, PLANES, None], ids=["small", "wide", "x_major", "planes",
+                                                                           "default"])
 def test_table_decoder_reads_out_the_decoded_weight(device, tiles):
     """`packed_matmul_grouped(..., table=True)` (under the interpreter its integer form of the table, on the GPU the
     assembly): identity rows read out `decode_reference(...).to(bf16)` bit for bit at the normal range's low end, in
@@ -694,6 +704,26 @@ def test_kernel_sass_counts_the_gemv_loop():
         assert gemv_row["loop_instructions_per_element"] > 1 and gemv_row["local_bytes"] == 0
         # words and x go from global memory to registers: nothing through shared memory, no barrier
         assert gemv_row["loop_shared"] == {"stores": 0, "loads": 0, "barriers": 0, "mma_waits": 0}, case
+
+
+@pytest.mark.skipif(not grouped.AVAILABLE or INTERP, reason="compiles the CUDA kernel (triton, not interpreted)")
+def test_kernel_sass_planes_keep_the_decoded_tile_out_of_shared_memory():
+    """benchmarks/kernel_sass.py on the grouped kernel at the tuned tiles (64,128,4,4, 32 rows), compiled for sm_90
+    offline: one product per plane (`Tiles.planes`) moves fewer values through shared memory in its loop, with fewer
+    barriers, than the tile interleaved into K order (whose decoded tile goes through shared memory to the MMA's
+    operand layout), and issues fewer instructions; both formats, NVFP4 also through the tables."""
+    if _ptxas() is None:
+        pytest.skip("triton's ptxas is not installed")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from kernel_sass import main
+
+    for base in ("grouped-nvfp4", "grouped-nvfp4-table", "grouped-mxfp8"):
+        rows = {r["case"]: r for r in main(["--cases", f"{base}-tuned,{base}-planes"])}
+        joined, planes = rows[f"{base}-tuned"], rows[f"{base}-planes"]
+        assert planes["local_bytes"] == 0 and planes["loop_ops"].get("HGMMA", 0) > 0, base
+        assert planes["loop_shared"]["stores"] < joined["loop_shared"]["stores"], base
+        assert planes["loop_shared"]["barriers"] < joined["loop_shared"]["barriers"], base
+        assert planes["loop_instructions_per_element"] < joined["loop_instructions_per_element"], base
 
 
 @pytest.mark.skipif(not grouped.AVAILABLE or grouped.interpreting(), reason="needs triton, compiled (not interpreted)")

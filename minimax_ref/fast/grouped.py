@@ -13,7 +13,10 @@ few tokens its small one (`Tiles.x_major` 1 computes y = x W^T instead, x's rows
 choice, the same contract). Compiled for sm_90 the loop spends about 9 instructions a decoded NVFP4 element (7
 through the blocks' tables) and moves each decoded tile through shared memory into the MMA's operand layout
 (benchmarks/kernel_sass.py), so the decoding on the CUDA cores, not the tensor cores, bounds it below the copy
-bandwidth.
+bandwidth. `Tiles.planes` 1 (x_major 0) instead multiplies each plane of the words by its own x columns (x's
+columns permuted once per call, `_permute_x`): no join, so Triton converts the packed words, not the decoded tile,
+to the operand layout; at the tuned tiles the decoded tile's shared-memory stores and barriers leave the loop and
+it issues 6 to 13 % fewer instructions an element (benchmarks/kernel_sass.py's `-planes` cases).
 
 * `packed_matmul_grouped(x, fmt, weight, ...)`: x `[M, K]` (or `[E, M, K]`, one per entry) against a packed linear
   `[N, K]` or a stack `[E, N, K]` (the routed experts), M <= `MAX_ROWS`. With `active` (int32 `[E]`), entries whose
@@ -85,8 +88,10 @@ class Tiles(KernelTiles):
     """One launch configuration of the grouped kernel: `block_n` output columns (weight rows) and `block_k` decoded
     elements of K per program step (powers of two, at least 32), `num_warps`, `num_stages` (software pipelining of the
     loads), `x_major` (1: the product as y = x W^T, x's rows padded to the MMA's 64-row side and the decoded tile its
-    shared-memory operand; 0: as y^T = W x^T, the decoded tile the register operand). Either gives the contract of
-    `packed_matmul_grouped`."""
+    shared-memory operand; 0: as y^T = W x^T, the decoded tile the register operand), `planes` (x_major 0 only; 1:
+    each K step as one product per nibble or byte position of the packed words, `_planes_step`, x's columns
+    permuted to match once per call; 0: the decoded elements interleaved back into K order, one product a step).
+    Every choice gives the contract of `packed_matmul_grouped`."""
 
     KIND = "grouped"
 
@@ -95,11 +100,13 @@ class Tiles(KernelTiles):
     num_warps: int = 8
     num_stages: int = 3
     x_major: int = 0
+    planes: int = 0
 
     def check(self) -> None:
-        if self.block_n < 16 or self.block_k < 32 or self.x_major not in (0, 1):
+        if (self.block_n < 16 or self.block_k < 32 or self.x_major not in (0, 1) or self.planes not in (0, 1)
+                or (self.planes and self.x_major)):
             raise ConfigError(f"grouped tiles: block_n={self.block_n} (>= 16), block_k={self.block_k} (>= 32), "
-                              f"x_major={self.x_major} (0 or 1)")
+                              f"x_major={self.x_major} (0 or 1), planes={self.planes} (0 or 1; 1 with x_major 0)")
 
 
 # Untuned defaults, chosen for H200 without a measurement: 128 weight rows and 64 elements of K a step with 8 warps.
@@ -175,6 +182,21 @@ def split_for(programs: int, k_steps: int, sms: int) -> int:
     split = max(1, min(k_steps, want))
     per = -(-k_steps // split)
     return -(-k_steps // per)  # no empty split
+
+
+def _permute_x(x: torch.Tensor, block_k: int, per_word: int) -> torch.Tensor:
+    """x `[Ex, M, K]` with the columns of each K step of `block_k` permuted for `_planes_step`: position p * W + j
+    of a step (W = block_k / per_word) holds its element per_word * j + p, the element of nibble or byte p of word j
+    (`per_word` 8 for NVFP4, 4 for MXFP8), so that each plane's x columns are contiguous. A copy of x (M rows, far
+    fewer bytes than the weight), once per call."""
+    ex, m, k = x.shape
+    return x.view(ex, m, k // block_k, block_k // per_word, per_word).transpose(-1, -2).contiguous().view(ex, m, k)
+
+
+def plane_width(fmt: str, block_k: int) -> int:
+    """Words of a K step of `block_k` elements (`block_k / 8` NVFP4, `/ 4` MXFP8): the K side of each plane's product
+    (`Tiles.planes`), which tl.dot needs to be at least 16."""
+    return block_k // (8 if fmt == NVFP4 else 4)
 
 
 if AVAILABLE:
@@ -415,6 +437,68 @@ if AVAILABLE:
             return _mxfp8_tile(w_rows, sc, ks, n_ok, BLOCK_N, BLOCK_K, EXACT_FP32)
 
     @triton.jit
+    def _plane_dot(acc, plane, x_rows, ks, P: tl.constexpr, m_ok, W: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EXACT_FP32: tl.constexpr):
+        """acc + plane @ x's plane-P columns of step `ks`: plane [BLOCK_N, W] (element 8w + P or 4w + P of each word
+        w, W = BLOCK_K / 8 or / 4), x permuted within each step so that those columns are its W contiguous ones from
+        P * W (`_permute_x`)."""
+        jw = tl.arange(0, W)
+        b = _x_operand(x_rows + ks * BLOCK_K + P * W + jw[:, None], m_ok[None, :], EXACT_FP32)  # [W, BLOCK_M]
+        if EXACT_FP32:
+            return tl.dot(plane, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(plane, b, acc)
+
+    @triton.jit
+    def _planes_step(acc, x_rows, w_rows, s_rows, g_ptr, ks, n_ok, m_ok, NVFP4_FMT: tl.constexpr, TABLE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_FP32: tl.constexpr):
+        """acc + step `ks`'s products as one dot per plane (`Tiles.planes`): plane P, the elementwise decoding of
+        nibble (NVFP4) or byte (MXFP8) P of every word [BLOCK_N, W], times the x columns of those elements
+        (`_plane_dot`). The same exact products as the interleaved tile, summed in another order. With no join or
+        reshape between the words and the dot, Triton (3.6) converts the packed words, not the decoded bf16, to the
+        MMA's register operand layout, so the decoded tile does not pass through shared memory (benchmarks/
+        kernel_sass.py). That hoisting of the conversion needs every input of the decoding to be a load of the step:
+        a loop-carried value or a splat of a scalar stops it, so the scales are loaded in the step (not a step
+        ahead) and NVFP4's global scale is loaded as a tile."""
+        if NVFP4_FMT:
+            BLOCKS: tl.constexpr = BLOCK_K // 16
+            W: tl.constexpr = BLOCK_K // 8
+            words = _step_words(w_rows, ks, n_ok, W)
+            sc = _step_scales(s_rows, ks, n_ok, BLOCKS)
+            g = tl.load(g_ptr + tl.zeros((BLOCK_N, BLOCKS), dtype=tl.int32))  # every element the global scale
+            s = _e4m3_value(sc, EXACT_FP32) * g  # the reference's block scale (one rounding)
+            if TABLE:
+                w0, w1, w2, w3 = _table_words(s, EXACT_FP32)
+                w0 = _broadcast_blocks(w0, BLOCK_N, BLOCKS, 2)
+                w1 = _broadcast_blocks(w1, BLOCK_N, BLOCKS, 2)
+                w2 = _broadcast_blocks(w2, BLOCK_N, BLOCKS, 2)
+                w3 = _broadcast_blocks(w3, BLOCK_N, BLOCKS, 2)
+                p0, p1, p2, p3, p4, p5, p6, p7 = _table_planes(words, w0, w1, w2, w3, EXACT_FP32)
+                acc = _plane_dot(acc, p0, x_rows, ks, 0, m_ok, W, BLOCK_K, EXACT_FP32)
+                acc = _plane_dot(acc, p1, x_rows, ks, 1, m_ok, W, BLOCK_K, EXACT_FP32)
+                acc = _plane_dot(acc, p2, x_rows, ks, 2, m_ok, W, BLOCK_K, EXACT_FP32)
+                acc = _plane_dot(acc, p3, x_rows, ks, 3, m_ok, W, BLOCK_K, EXACT_FP32)
+                acc = _plane_dot(acc, p4, x_rows, ks, 4, m_ok, W, BLOCK_K, EXACT_FP32)
+                acc = _plane_dot(acc, p5, x_rows, ks, 5, m_ok, W, BLOCK_K, EXACT_FP32)
+                acc = _plane_dot(acc, p6, x_rows, ks, 6, m_ok, W, BLOCK_K, EXACT_FP32)
+                acc = _plane_dot(acc, p7, x_rows, ks, 7, m_ok, W, BLOCK_K, EXACT_FP32)
+            else:
+                scale = _broadcast_blocks(s * 8.507059173023462e37, BLOCK_N, BLOCKS, 2)  # times 2^126 (`_nibble`)
+                for p in tl.static_range(8):
+                    acc = _plane_dot(acc, _nibble(words, scale, p, EXACT_FP32), x_rows, ks, p, m_ok, W, BLOCK_K,
+                                     EXACT_FP32)
+        else:
+            BLOCKS8: tl.constexpr = BLOCK_K // 32
+            W: tl.constexpr = BLOCK_K // 4
+            words = _step_words(w_rows, ks, n_ok, W)
+            sc = _step_scales(s_rows, ks, n_ok, BLOCKS8)
+            scale = _broadcast_blocks((sc << 23).to(tl.float32, bitcast=True), BLOCK_N, BLOCKS8, 8)  # 2^(c - 127)
+            for p in tl.static_range(4):
+                acc = _plane_dot(acc, _e4m3_byte(words, scale, p, EXACT_FP32), x_rows, ks, p, m_ok, W, BLOCK_K,
+                                 EXACT_FP32)
+        return acc
+
+    @triton.jit
     def _packed_matmul_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, active_ptr, y_ptr,
         M, N, K_STEPS, STEPS_PER_SPLIT,
@@ -422,7 +506,7 @@ if AVAILABLE:
         stride_ys, stride_ye, stride_ym,
         NVFP4_FMT: tl.constexpr, HAS_ACTIVE: tl.constexpr, OUT_BF16: tl.constexpr, EXACT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TABLE: tl.constexpr,
-        X_MAJOR: tl.constexpr,
+        X_MAJOR: tl.constexpr, PLANES: tl.constexpr,
     ):
         """y[split, e, m, n] = sum over this split's K steps of x[e, m, k] * w_hat[e, n, k] (fp32 accumulation),
         w_hat the decoded weight in bf16 (`packed_matmul_grouped`). Grid: (column tiles, entries, splits)."""
@@ -450,23 +534,29 @@ if AVAILABLE:
             x_rows = x_ptr + e * stride_xe + offs_m[None, :] * stride_xm  # [1, BLOCK_M]
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         BLOCKS: tl.constexpr = BLOCK_K // 16 if NVFP4_FMT else BLOCK_K // 32  # block scales a row a step
-        # the scales one step ahead (software pipelining by hand: the compiler pipelines only the words, which feed
-        # the dot; a step's scales loaded at its start would make every step wait for memory before decoding)
-        sc_next = _step_scales(s_rows, k_lo, n_ok & (k_lo < k_hi), BLOCKS)
-        for ks in range(k_lo, k_hi):
-            sc = sc_next
-            sc_next = _step_scales(s_rows, ks + 1, n_ok & (ks + 1 < k_hi), BLOCKS)
-            w = _decoded_tile(w_rows, sc, g, ks, n_ok, NVFP4_FMT, TABLE, BLOCK_N, BLOCK_K, EXACT_FP32)
-            if X_MAJOR:
-                a = _x_operand(x_rows + ks * BLOCK_K + jk[None, :], m_ok[:, None], EXACT_FP32)  # [BLOCK_M, BLOCK_K]
-                b = tl.trans(w)
-            else:
-                a = w
-                b = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BLOCK_K, BLOCK_M]
-            if EXACT_FP32:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+        if PLANES:  # one product per plane of the words (`_planes_step`; x_major 0)
+            for ks in range(k_lo, k_hi):
+                acc = _planes_step(acc, x_rows, w_rows, s_rows, g_ptr + e * stride_ge, ks, n_ok, m_ok, NVFP4_FMT,
+                                   TABLE, BLOCK_N, BLOCK_K, EXACT_FP32)
+        else:
+            # the scales one step ahead (software pipelining by hand: the compiler pipelines only the words, which
+            # feed the dot; a step's scales loaded at its start would make every step wait for memory before
+            # decoding)
+            sc_next = _step_scales(s_rows, k_lo, n_ok & (k_lo < k_hi), BLOCKS)
+            for ks in range(k_lo, k_hi):
+                sc = sc_next
+                sc_next = _step_scales(s_rows, ks + 1, n_ok & (ks + 1 < k_hi), BLOCKS)
+                w = _decoded_tile(w_rows, sc, g, ks, n_ok, NVFP4_FMT, TABLE, BLOCK_N, BLOCK_K, EXACT_FP32)
+                if X_MAJOR:
+                    a = _x_operand(x_rows + ks * BLOCK_K + jk[None, :], m_ok[:, None], EXACT_FP32)  # [BM, BK]
+                    b = tl.trans(w)
+                else:
+                    a = w
+                    b = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BK, BM]
+                if EXACT_FP32:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
         if X_MAJOR:
             y_ptrs = y_ptr + sid * stride_ys + e * stride_ye + offs_m[:, None] * stride_ym + offs_n[None, :]
             mask = m_ok[:, None] & n_ok[None, :]
@@ -518,12 +608,15 @@ if AVAILABLE:
     def _grouped_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
                     active: torch.Tensor | None, nvfp4: bool, n: int, block_n: int, block_k: int, num_warps: int,
                     num_stages: int, split: int, exact_fp32: bool, table: bool = False,
-                    x_major: bool = False) -> torch.Tensor:
+                    x_major: bool = False, planes: bool = False) -> torch.Tensor:
         """The launch (see `packed_matmul_grouped`): x bf16 `[Ex, M, K]` (Ex 1: shared by every entry), weight int32
         `[E, N, K/8]` (NVFP4's packed bytes as little-endian words) or `[E, N, K/4]` (MXFP8's E4M3 bytes), scale
         uint8 `[E, N, K/16 or K/32]`, scale_2 fp32 `[E]` or `[1]` (NVFP4's global; unused for MXFP8), active int32
-        `[E]` or None. Returns bf16 `[E, M, N]`."""
+        `[E]` or None; planes: one product per plane (`_planes_step`, x permuted here by `_permute_x`). Returns bf16
+        `[E, M, N]`."""
         e, m, k = weight.shape[0], x.shape[1], x.shape[2]
+        if planes:
+            x = _permute_x(x, block_k, 8 if nvfp4 else 4)
         k_steps = k // block_k
         per = -(-k_steps // split)
         # one split: the kernel rounds to bf16 and stores the result; several: their fp32 partial sums
@@ -539,7 +632,7 @@ if AVAILABLE:
             stride_s, out.stride(-3), out.stride(-2),
             NVFP4_FMT=nvfp4, HAS_ACTIVE=active is not None, OUT_BF16=split == 1, EXACT_FP32=exact_fp32,
             BLOCK_M=max(64 if x_major else 16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-            TABLE=table, X_MAJOR=x_major, num_warps=num_warps, num_stages=num_stages)
+            TABLE=table, X_MAJOR=x_major, PLANES=planes, num_warps=num_warps, num_stages=num_stages)
         if split == 1:
             return out
         y = torch.empty((e, m, n), dtype=torch.bfloat16, device=x.device)
@@ -642,7 +735,10 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
         split = split_for(e * triton.cdiv(n, tiles.block_n), k_steps, sm_count(x.device))
     split = max(1, min(split, k_steps))
     split = -(-k_steps // -(-k_steps // split))  # no empty split
+    # planes need 16 words a step (tl.dot's least K): otherwise (a short K) the interleaved tile, the same contract
+    planes = bool(tiles.planes) and plane_width(fmt, block_k) >= 16
     y = torch.ops.minimax_ref.packed_matmul_grouped(
         xs.contiguous(), words, scale, g, None if active is None else active.to(torch.int32), fmt == NVFP4, n,
-        tiles.block_n, block_k, tiles.num_warps, tiles.num_stages, split, _INTERPRET, table, bool(tiles.x_major))
+        tiles.block_n, block_k, tiles.num_warps, tiles.num_stages, split, _INTERPRET, table, bool(tiles.x_major),
+        planes)
     return y[0] if linear and x.dim() == 2 else y

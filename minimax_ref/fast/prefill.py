@@ -6,8 +6,9 @@ the block's scaling, the shared expert's output and the rounding to the compute 
 
 Eagerly each is a chain of fp32 elementwise kernels over [tokens, heads x dim]: the norm's upcast, square, mean,
 rsqrt and two products and its downcast; the rotation's upcast, halves, negation, concatenations, products, sum and
-downcast; about a dozen passes over the activations where one suffices. `torch.compile` (dynamic shapes: one graph
-for every prompt length) fuses each into one kernel that reads the input once and writes the output once.
+downcast; about a dozen passes over the activations where one suffices. `torch.compile` fuses each into one kernel
+that reads the input once and writes the output once: one graph for every prompt length (the token and row counts
+dynamic), the model's widths (hidden size, heads, head and rotary dims, top-k) constants of the kernels.
 
 Numerics: the same operations in the same dtypes as `model.norm.gemma_rms_norm` and `model.rope.apply_rope`, the
 bf16 rounding between the norm and the rotation kept (on the bits: `norm_rope`); only the order of the fp32 sum in
@@ -82,27 +83,36 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True, fullgraph=True, options=dict(PREFILL_INDUCTOR_OPTIONS))
 
 
+def _static(t: torch.Tensor, dims: int) -> torch.Tensor:
+    """`t` with its last `dims` dimensions (hidden, heads, head or rotary width, top-k: the model's, not the call's)
+    compiled as constants, the rest (tokens, rows) dynamic: with the row width known, the kernels' index arithmetic
+    (a row's gather, a norm's reduction, the rotation's halves) has constant divisors and their loads vectorise."""
+    for d in range(t.dim() - dims, t.dim()):
+        torch._dynamo.mark_static(t, d)
+    return t
+
+
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`gemma_rms_norm` as one compiled kernel (compiled on first use; one graph for every shape)."""
-    return _compiled(gemma_rms_norm)(x, weight, eps)
+    return _compiled(gemma_rms_norm)(_static(x, 1), _static(weight, 1), eps)
 
 
 def fused_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                     sin: torch.Tensor) -> torch.Tensor:
     """`norm_rope` as one compiled kernel (compiled on first use; one graph for every shape)."""
-    return _compiled(norm_rope)(x, weight, eps, cos, sin)
+    return _compiled(norm_rope)(_static(x, 2), _static(weight, 1), eps, _static(cos, 1), _static(sin, 1))
 
 
 def fused_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """`swiglu_oai` as one compiled kernel (compiled on first use; one graph for every shape)."""
-    return _compiled(swiglu_oai)(gate, up, alpha, limit)
+    return _compiled(swiglu_oai)(_static(gate, 1), _static(up, 1), alpha, limit)
 
 
 def fused_combine_sorted(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int) -> torch.Tensor:
     """`combine_sorted` as one compiled kernel (compiled on first use; one graph for every shape)."""
     if rows == 0:  # nothing of this rank's: no row to read
         return torch.zeros(*weights.shape[:1], y.shape[-1], dtype=torch.float32, device=y.device)
-    return _compiled(combine_sorted)(y, inv, weights, rows)
+    return _compiled(combine_sorted)(_static(y, 1), _static(inv, 1), _static(weights, 1), rows)
 
 
 def fused_moe_output(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, rows: int, scaling: float,
@@ -111,7 +121,8 @@ def fused_moe_output(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, 
     if rows == 0:  # no routed row to read: the shared expert's output alone
         out = torch.zeros(*weights.shape[:1], y.shape[-1], dtype=torch.float32, device=y.device)
         return (out if shared is None else out + shared.float()).to(y.dtype)
-    return _compiled(moe_output)(y, inv, weights, rows, scaling, shared)
+    return _compiled(moe_output)(_static(y, 1), _static(inv, 1), _static(weights, 1), rows, scaling,
+                                 None if shared is None else _static(shared, 1))
 
 
 __all__ = ["PREFILL_INDUCTOR_OPTIONS", "norm_rope", "combine_sorted", "moe_output", "fused_rms_norm",

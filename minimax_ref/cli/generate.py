@@ -27,9 +27,13 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
                    help="prompt text (repeat for a batch); with --chat, one user message")
     p.add_argument("--input-file", type=Path, default=None,
                    help="JSONL batch: one request per line with 'prompt' or 'messages', optional 'tools', "
-                        "'images' (file paths relative to the JSONL file) and sampling overrides (a line "
-                        "without 'max_new_tokens' takes --max-new-tokens, itself 512 when not given); one "
-                        "JSON result per line on stdout, in input order")
+                        "'images' (file paths relative to the JSONL file), 'stop', 'stop_token_ids' and sampling "
+                        "overrides (a line without 'max_new_tokens' takes --max-new-tokens, itself 512 when not "
+                        "given); one JSON result per line on stdout as each request completes (not in input order: "
+                        "each names its 'line' and 'id'), then a summary line. A result's time_to_first_token_seconds "
+                        "counts from its admission into the batch (its prefill start) to its first token; "
+                        "admitted_seconds (its wait in the queue) and seconds (its end) count from the start of its "
+                        "batched call")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat session (/reset, /exit)")
     p.add_argument("--max-batch-size", type=positive_int, default=None,
                    help="requests decoded together by continuous batching: when one finishes, the next waiting one "
@@ -44,10 +48,19 @@ def build_generate_parser(p: argparse.ArgumentParser) -> None:
                         "of a thinking turn before its answer); also the default of --input-file lines without "
                         "'max_new_tokens'")
     p.add_argument("--temperature", type=finite_float, default=rec["temperature"],
-                   help=f"0 = greedy (default: {rec['temperature']}, MiniMax's recommendation)")
+                   help=f"0 = greedy; otherwise a normal float32, about 1.2e-38 to 3.4e38 (logits are divided by it "
+                        f"in fp32) (default: {rec['temperature']}, MiniMax's recommendation)")
     p.add_argument("--top-p", type=finite_float, default=rec["top_p"], help=f"in (0, 1] (default: {rec['top_p']})")
     p.add_argument("--top-k", type=int, default=rec["top_k"], help=f"0 = off (default: {rec['top_k']})")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed, in [-2**63, 2**64 - 1]; prompt i uses seed + i (default: 0)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string (repeatable): a reply ends once its text holds one, and its text ends before it "
+                        "(finish=stop; streamed text holds back what could begin one); --input-file lines may give "
+                        "their own 'stop'")
+    p.add_argument("--stop-token-id", type=nonneg_int, action="append", default=None, metavar="N",
+                   help="extra stop token id (repeatable), besides the checkpoint's end-of-text ids; --input-file "
+                        "lines may give their own 'stop_token_ids'")
     p.add_argument("--chat", action="store_true", help="render prompts with the chat template")
     p.add_argument("--thinking", choices=["adaptive", "enabled", "disabled"], default="adaptive",
                    help="thinking mode of the chat template (default: adaptive)")
@@ -97,9 +110,25 @@ def _check_number(value, name: str, *, integer: bool = False):
     return value
 
 
+def _stop_kwargs(args: argparse.Namespace, o: dict) -> dict:
+    """generate's `stop` (a list of strings) and `stop_token_ids` (a list of ids >= 0): a request's own 'stop' /
+    'stop_token_ids', else --stop / --stop-token-id; checked here (InputError naming the field)."""
+    from ..generation.generate import stop_strings
+
+    if "stop" in o:
+        stop = list(stop_strings(o["stop"], "'stop'"))
+    else:
+        stop = [s for flag in args.stop or [] for s in stop_strings(flag, "--stop")]
+    ids = o.get("stop_token_ids", args.stop_token_id or [])
+    for t in ids if isinstance(ids, list) else [ids]:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InputError(f"'stop_token_ids': {t!r} is not a token id (an integer >= 0)")
+    return {"stop": stop, "stop_token_ids": list(ids) if isinstance(ids, list) else [ids]}
+
+
 def _sampling_kwargs(args: argparse.Namespace, override: dict | None = None) -> dict:
-    """generate's sampling arguments: the flags, overridden by a request's own fields; every value is checked
-    (types and ranges) here, before any model work."""
+    """generate's sampling and stop arguments: the flags, overridden by a request's own fields; every value is
+    checked (types and ranges) here, before any model work."""
     from ..generation.chat import DEFAULT_MAX_NEW_TOKENS
 
     o = override or {}
@@ -107,13 +136,16 @@ def _sampling_kwargs(args: argparse.Namespace, override: dict | None = None) -> 
     kw = {"max_new_tokens": o.get("max_new_tokens", default_new),
           "temperature": o.get("temperature", args.temperature), "top_p": o.get("top_p", args.top_p),
           "top_k": o.get("top_k", args.top_k), "seed": o.get("seed", args.seed)}
+    from ..generation.decoding import check_seed
     from ..generation.generate import SamplingParams
 
     for name in ("temperature", "top_p"):
         _check_number(kw[name], name)
     for name in ("max_new_tokens", "top_k", "seed"):
         _check_number(kw[name], name, integer=True)
+    check_seed(kw["seed"])  # a torch.Generator takes [-2**63, 2**64 - 1]: refused here, not mid-run
     SamplingParams(kw["temperature"], kw["top_p"], kw["top_k"])  # validate before loading anything
+    kw.update(_stop_kwargs(args, o))
     if kw["max_new_tokens"] < 1:
         what = (f"max_new_tokens={kw['max_new_tokens']!r}" if "max_new_tokens" in o
                 else f"--max-new-tokens {kw['max_new_tokens']}")
@@ -178,6 +210,9 @@ def _check_request_lengths(args: argparse.Namespace, requests: list) -> list:
     tok, limit = checker
     out = []
     for n, req_id, kw in requests:
+        outside = [] if isinstance(kw, str) else [t for t in kw["stop_token_ids"] if t >= tok.vocab_size]
+        if outside:  # an id the tokenizer cannot produce would never stop the reply
+            kw = f"'stop_token_ids' {outside[:5]} are outside the vocabulary [0, {tok.vocab_size})"
         if not isinstance(kw, str) and not kw["images"]:
             try:
                 length = len(encode_prompt(tok, kw["prompts"][0], chat=kw["chat"], tools=kw["tools"],
@@ -326,6 +361,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError("--prompt is empty: give some text")
     if args.prompt is not None:
         _check_prompt_encoding(args.prompt)
+        from ..generation.decoding import prompt_seeds
+
+        prompt_seeds(args.seed, len(args.prompt))  # prompt i samples with --seed + i: in range too
     requests = _read_requests(args, tools) if args.input_file is not None else None
     if requests == []:  # an empty input file: nothing to load the model for
         return 0
@@ -389,7 +427,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 REQUEST_KEYS = ("prompt", "messages", "tools", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "thinking",
-                "system", "id", "images")
+                "system", "id", "images", "stop", "stop_token_ids")
 THINKING_MODES = ("adaptive", "enabled", "disabled")
 
 
@@ -444,6 +482,8 @@ def _check_request(args: argparse.Namespace, req: object, tools) -> dict:
 def _read_requests(args: argparse.Namespace, tools) -> list[tuple[int, object, dict | str]]:
     """Every record of --input-file as (line number, id or None, generate's kwargs or the line's error message),
     all checked before anything is loaded; blank lines are skipped. An unreadable file is one InputError."""
+    from ..research.records import jsonl_lines
+
     path = args.input_file
     if path.is_dir():
         raise InputError(f"--input-file {path}: is a directory, not a JSONL file")
@@ -453,10 +493,11 @@ def _read_requests(args: argparse.Namespace, tools) -> list[tuple[int, object, d
         raise InputError(f"--input-file {path}: no such file") from None
     except OSError as e:
         raise InputError(f"--input-file {path}: cannot read ({e.strerror})") from None
+    skip = 3 if data.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte order mark (Windows editors write one)
     try:
-        lines = data.decode("utf-8").splitlines()
+        lines = jsonl_lines(data[skip:].decode("utf-8"))  # at "\n" only: JSON strings may hold U+2028 unescaped
     except UnicodeDecodeError as e:
-        raise InputError(f"--input-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise InputError(f"--input-file {path}: not UTF-8 text ({e.reason} at byte {e.start + skip})") from None
     requests: list[tuple[int, object, dict | str]] = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
@@ -477,16 +518,19 @@ def _read_requests(args: argparse.Namespace, tools) -> list[tuple[int, object, d
 
 CALL_KEYS = ("chat",)  # what one `generate` call shares among its prompts
 # what each prompt of a call has of its own
-ROW_KEYS = ("tools", "thinking", "system", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+ROW_KEYS = ("tools", "thinking", "system", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+            "stop_token_ids")
 
 
 def _batch_file(args, model, tok, requests) -> int:
     """Run the checked --input-file records. Records that share the call-wide settings (`CALL_KEYS`) decode
     together, by continuous batching (up to --max-batch-size at once), each with its own sampling settings and
     seed (`ROW_KEYS`), so a record's tokens are those it gets alone. Each result is written as its record
-    completes, naming its line (and id), then one summary line. Bad lines, and the records of a batched call that
-    fails before they complete (each run again alone), are reported with their line number; the rest still run.
-    Exit status 1 when any line failed."""
+    completes (not in input order), naming its line (and id), then one summary line. A record with images has them
+    loaded and its length checked before the calls are formed (`_load_line_images`), so a bad picture fails its own
+    line and the rest still batch together. Bad lines, and the records of a batched call that fails before they
+    complete (each run again alone), are reported with their line number; the rest still run. Exit status 1 when
+    any line failed."""
     from ..generation.generate import generate
     from ..progress import GenerationProgress
 
@@ -526,7 +570,8 @@ def _batch_file(args, model, tok, requests) -> int:
                 print(json.dumps({"tool_call": call}, ensure_ascii=False))
             r = res.request
             print(f"[{len(res.token_ids)} of at most {max_new_tokens} tokens, finish={res.finish_reason}, first token "
-                  f"{r['time_to_first_token_seconds'] or 0:.2f} s, done at {r['seconds'] or 0:.2f} s]", flush=True)
+                  f"{r['time_to_first_token_seconds'] or 0:.2f} s after its admission, done at "
+                  f"{r['seconds'] or 0:.2f} s into its call]", flush=True)
         _note_cut(args, res, max_new_tokens)
 
     def run(items: list) -> None:
@@ -538,15 +583,25 @@ def _batch_file(args, model, tok, requests) -> int:
             n, req_id, kw = items[row]
             write(n, req_id, res, kw["max_new_tokens"])
 
+        began = time.perf_counter() - start
         results = generate(model, tok, [kw["prompts"][0] for _, _, kw in items], **{k: call[k] for k in CALL_KEYS},
                            **rows, images=images if any(images) else None, max_batch_size=args.max_batch_size,
                            prefill_chunk=args.prefill_chunk, on_result=on_result,
                            on_token=lambda row, tok: progress.token(), **_draft_kwargs(args, model))
-        calls_stats.append({"lines": [n for n, _, _ in items], **results[0].stats})
+        calls_stats.append({"lines": [n for n, _, _ in items], "started_seconds": round(began, 6),
+                            **results[0].stats})
 
     for n, _, kw in requests:
         if isinstance(kw, str):
             fail(n, kw)
+    loaded = []
+    for n, req_id, kw in good:
+        try:
+            loaded.append((n, req_id, _load_line_images(model, tok, kw)))
+        except MiniMaxRefError as e:
+            fail(n, str(e))
+            progress.request_done(kw["max_new_tokens"])
+    good = loaded
     calls: dict[str, list] = {}
     for item in good:
         key = json.dumps([item[2][k] for k in CALL_KEYS], sort_keys=True, default=str)
@@ -576,6 +631,32 @@ def _batch_file(args, model, tok, requests) -> int:
         print(f"[{summary['requests']} requests, {len(failed)} failed, {generated} tokens in {seconds:.1f} s: "
               f"{summary['output_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _load_line_images(model, tok, kw: dict) -> dict:
+    """An --input-file record's images loaded and preprocessed, and its prompt's length with them checked, before
+    its call is formed: a picture that does not decode, or a prompt too long with its image tokens, is the line's
+    own error (InputError) instead of failing the batch it would join. Returns the record with its 'images' given as
+    the preprocessed (pixel_values, image_grid_thw), so they are not read twice; a record without images as is."""
+    prompt = kw["prompts"][0]
+    if not kw["images"] and not (kw["chat"] and isinstance(prompt, list)):
+        return kw
+    from ..generation.generate import encode_prompt
+    from ..generation.multimodal import load_prompt_images
+    from ..model.vision import tokens_per_image
+
+    pixels = load_prompt_images(model, kw["images"][0] if kw["images"] else None, prompt, chat=kw["chat"],
+                                where="the prompt")
+    if pixels is None:
+        return kw
+    counts = tokens_per_image(pixels[1], model.config.vision.spatial_merge_size)
+    length = len(encode_prompt(tok, prompt, chat=kw["chat"], tools=kw["tools"], thinking=kw["thinking"],
+                               system=kw["system"], image_tokens=counts, where="the prompt"))
+    if length >= model.max_seq_len:
+        raise InputError(f"the prompt has {length} tokens with its images but the maximum sequence length is "
+                         f"{model.max_seq_len} (raise --max-model-len, or shorten the prompt)")
+    # images given beside the prompt travel preprocessed; those inside its messages stay there
+    return {**kw, "images": [pixels]} if kw["images"] else kw
 
 
 def _interactive(args, model, tok, tools, kw) -> int:

@@ -8,8 +8,10 @@ argument checks, stop rules and scheduler here:
   `model.runtime`. Request i's seed is `seeds[i]` (default `seed + i`).
 * Tokens are chosen among ids below `vocab_limit` (default: every id of the model). Text generation passes the
   tokenizer's size: a checkpoint's `vocab_size` may be padded past its tokenizer, and a padding id has no text.
-* A row finishes with "stop" at a stop token (the token is kept in `generated`) and with "length" once it has
-  its `max_new_tokens` tokens or prompt + generated reaches `max_seq_len`; tokens after that are dropped.
+* A row finishes with "stop" at a stop token (the token is kept in `generated`): one of the job's, one of its own
+  (`Stops.per_request`), or one after which `Stops.check` says so (`generate`'s stop strings); and with "length"
+  once it has its `max_new_tokens` tokens or prompt + generated reaches `max_seq_len`; tokens after that are dropped.
+* Seeds are integers in [-2**63, 2**64) (`SEED_MIN`, `SEED_MAX`: what a `torch.Generator` takes), `seed + i` too.
 
 Both loops are continuous batching (`Scheduler`): up to `batch_limit` requests (`runtime.max_batch_size`, or
 chosen from free memory with the prefill chunk: `sizing`) decode together, every row at its own position in its own
@@ -53,14 +55,16 @@ TokenCallback = Callable[[int, int], None]
 @dataclass
 class Sequence_:
     """One prompt's decoding: the prompt ids, the generated ids and, once finished, why ("stop" / "length");
-    first_token_seconds / finish_seconds: when its first token was chosen and when it finished, counted from the
-    start of the call (the plain loop's; None where not timed)."""
+    admitted_seconds / first_token_seconds / finish_seconds: when it took a slot (its prefill began), when its first
+    token was chosen and when it finished, each counted from the start of the call (None where not timed). Its own
+    time to first token is first_token_seconds - admitted_seconds; before admission it waited in the queue."""
 
     prompt: list[int]
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_seconds: float | None = None
     finish_seconds: float | None = None
+    admitted_seconds: float | None = None
 
 
 @dataclass
@@ -182,6 +186,18 @@ def stop_id_set(stop_ids: Any, where: str = "stop_ids") -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass(frozen=True)
+class Stops:
+    """Stop rules beyond one set of ids for every request, given as `stop_ids` (`generate` passes one): `ids` end
+    every request; `per_request[i]` (one set per request, or None) ends request i too; `check(i, token)`, called with
+    each token request i takes that no stop id ended, returns True to end it with "stop" (`generate`'s stop strings:
+    the decoded text now holds one). Like a stop id, the token that ends it is kept in `generated`."""
+
+    ids: Any = ()
+    per_request: Sequence[Any] | None = None
+    check: Callable[[int, int], bool] | None = None
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, max_len: int) -> None:
     """Every prompt has 1..max_len-1 tokens, all in [0, vocab)."""
     if not prompts:
@@ -204,6 +220,31 @@ def _integer(value: Any, name: str, minimum: int | None = None) -> int:
     return n
 
 
+# A torch.Generator takes seeds in [-2**63, 2**64) (a negative one is taken modulo 2**64); others overflow in
+# `manual_seed`, so they are refused where the request is built.
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+
+
+def check_seed(value: Any, where: str = "seed") -> int:
+    """`value` as a seed: an integer in [SEED_MIN, SEED_MAX], else an InputError naming `where` and the range."""
+    n = _as_int(value)
+    if n is None or not SEED_MIN <= n <= SEED_MAX:
+        raise InputError(f"{where}={value!r}: must be an integer in [-2**63, 2**64 - 1] ({SEED_MIN}..{SEED_MAX})")
+    return n
+
+
+def prompt_seeds(seed: Any, n: int) -> tuple[int, ...]:
+    """The seeds of n prompts: `seed[i]` (a list or tuple of n), or `seed + i` for one seed, each checked in range
+    (`check_seed`; `seed + n - 1` included, named as such)."""
+    if isinstance(seed, (list, tuple)):
+        return per_prompt(seed, n, "seed", check_seed)
+    first = check_seed(seed)
+    if first + n - 1 > SEED_MAX:
+        raise InputError(f"seed={seed!r}: prompt i samples with seed + i, and seed + {n - 1} is past the largest "
+                         f"seed 2**64 - 1 ({SEED_MAX}); give a smaller seed or one seed per prompt")
+    return tuple(first + i for i in range(n))
+
+
 def per_prompt(value: Any, n: int, name: str, check: Callable[[Any, str], Any]) -> tuple:
     """`value` for each of n prompts: one value for all, or a list / tuple of n values; each passed through
     `check(value, where)` (which raises InputError naming `where`)."""
@@ -224,7 +265,7 @@ def _sampling(value: Any, where: str) -> SamplingParams:
 @dataclass(frozen=True)
 class DecodeJob:
     """The checked arguments of one generation call; both loops take the same ones (`make`). Per prompt:
-    `max_new_tokens`, `sampling` and `seeds`."""
+    `max_new_tokens`, `sampling`, `seeds` and, from a `Stops`, `request_stop_ids`; `stop_check` is its check."""
 
     prompts: list[list[int]]
     max_new_tokens: tuple[int, ...]
@@ -238,6 +279,8 @@ class DecodeJob:
     inputs_embeds: list[torch.Tensor | None] | None
     batch_limit: int
     vocab_limit: int
+    request_stop_ids: tuple[frozenset[int], ...] | None = None
+    stop_check: Callable[[int, int], bool] | None = None
 
     @classmethod
     def make(cls, model: MiniMaxM3, prompts: Any, *, max_new_tokens: Any = 128, sampling: Any = None,
@@ -263,11 +306,7 @@ class DecodeJob:
             limit = _integer(limit, "max_batch_size", minimum=1)
         new = per_prompt(max_new_tokens, n, "max_new_tokens", lambda v, w: _integer(v, w, minimum=0))
         params = per_prompt(SamplingParams() if sampling is None else sampling, n, "sampling", _sampling)
-        if isinstance(seed, (list, tuple)):
-            seeds = per_prompt(seed, n, "seed", _integer)
-        else:
-            first = _integer(seed, "seed")
-            seeds = tuple(first + i for i in range(n))
+        seeds = prompt_seeds(seed, n)
         if inputs_embeds is not None:
             _check_embeds(inputs_embeds, ids)
         if limit is None or prefill_chunk is None:
@@ -275,16 +314,20 @@ class DecodeJob:
             sizes = choose_sizes(model, cache_len, kv_dtype)
             limit = limit or sizes.max_batch_size
             prefill_chunk = prefill_chunk or sizes.prefill_chunk
-        stop = stop_id_set(stop_ids)
+        rules = stop_ids if isinstance(stop_ids, Stops) else Stops(stop_ids)
+        stop = stop_id_set(rules.ids)
+        own = None if rules.per_request is None else per_prompt(
+            list(rules.per_request), n, "stop_token_ids", lambda v, w: stop_id_set(v, w))
         vocab = model.text.vocab_size
         limit_ids = vocab if vocab_limit is None else _integer(vocab_limit, "vocab_limit", minimum=1)
         if limit_ids > vocab:
             raise InputError(f"vocab_limit={limit_ids}: the model has {vocab} token ids")
-        outside = sorted(t for t in stop if not 0 <= t < limit_ids)
-        if outside:  # a stop id the model can never produce would silently never stop
-            raise InputError(f"stop_ids {outside[:5]} are outside the vocabulary [0, {limit_ids})")
+        for where, group in [("stop_ids", stop)] + [(f"stop_token_ids[{i}]", g) for i, g in enumerate(own or ())]:
+            outside = sorted(t for t in group if not 0 <= t < limit_ids)
+            if outside:  # a stop id the model can never produce would silently never stop
+                raise InputError(f"{where} {outside[:5]} are outside the vocabulary [0, {limit_ids})")
         return cls(ids, new, params, seeds, stop, max_len, kv_dtype, prefill_chunk, on_token, inputs_embeds, limit,
-                   limit_ids)
+                   limit_ids, own, rules.check)
 
     def choosable(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [..., V] with the ids at and past `vocab_limit` at -inf, so that no sampling rule picks them
@@ -317,9 +360,12 @@ def _check_embeds(inputs_embeds: Any, prompts: list[list[int]]) -> None:
 
 
 def finishes(seq: Sequence_, token: int, job: DecodeJob, i: int) -> str | None:
-    """Why request i ends with `token` just appended to `seq.generated`: "stop" (a stop token), "length" (its
-    `max_new_tokens`, or `max_len` positions), else None."""
-    if token in job.stop_ids:
+    """Why request i ends with `token` just appended to `seq.generated`: "stop" (a stop token of the job or of the
+    request, or `stop_check` says so), "length" (its `max_new_tokens`, or `max_len` positions), else None. A stop
+    comes before the length: the last token a request may take can still end it by a stop."""
+    if token in job.stop_ids or (job.request_stop_ids is not None and token in job.request_stop_ids[i]):
+        return "stop"
+    if job.stop_check is not None and job.stop_check(i, token):
         return "stop"
     if len(seq.prompt) + len(seq.generated) >= job.budget(i):
         return "length"
@@ -427,6 +473,7 @@ class Scheduler:
                 i = self.waiting[0]
                 if self.job.max_new_tokens[i] == 0:
                     self.waiting.popleft()
+                    self.seqs[i].admitted_seconds = time.perf_counter() - self.start
                     self.finish(i, "length")
                     continue
                 longest = max([len(self.job.prompts[r]) for r in group] + [len(self.job.prompts[i])])
@@ -436,8 +483,10 @@ class Scheduler:
             if not group:
                 continue
             s0 = free[0]
+            admitted = time.perf_counter() - self.start
             for s, i in enumerate(group, start=s0):
                 self.running[s] = i
+                self.seqs[i].admitted_seconds = admitted
                 self.generators[i] = torch.Generator(device="cpu").manual_seed(self.job.seeds[i])
             t0 = time.perf_counter()
             logits = self.prefill(s0, group)
@@ -540,8 +589,9 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
     prompts: a list of token-id lists (or a 2-d integer tensor); one prompt is `[ids]`.
     max_new_tokens, sampling, seed: one value for every prompt or one per prompt. sampling: default
     `SamplingParams()` (temperature 1, no top-k / top-p). seed: prompt i's generator is seeded with `seed + i`
-    (or `seed[i]`), whatever else shares its batch.
-    stop_ids: a token id or a list of them. max_seq_len / kv_cache_dtype / max_batch_size: default `model.runtime`'s
+    (or `seed[i]`), whatever else shares its batch; every seed in [-2**63, 2**64 - 1] (`check_seed`).
+    stop_ids: a token id or a list of them, or a `Stops` (per-request ids too, and a check of each token).
+    max_seq_len / kv_cache_dtype / max_batch_size: default `model.runtime`'s
     (max_batch_size: requests decoded together).
     on_token(row, token_id) is called as each token is chosen (for streaming); on_finish(row, sequence) as each
     prompt finishes.
@@ -560,6 +610,6 @@ def generate_ids(model: MiniMaxM3, prompts: Sequence[Sequence[int]], *, max_new_
     return scheduler(model, job, on_finish).run()
 
 
-__all__ = ["DecodeJob", "GenerationStats", "Scheduler", "Sequence_",
-           "check_prompts", "finishes", "generate_ids", "pad_prompts", "per_prompt", "prefill",
-           "stop_id_set", "token_prompts"]
+__all__ = ["SEED_MAX", "SEED_MIN", "DecodeJob", "GenerationStats", "Scheduler", "Sequence_", "Stops",
+           "check_prompts", "check_seed", "finishes", "generate_ids", "pad_prompts", "per_prompt", "prefill",
+           "prompt_seeds", "stop_id_set", "token_prompts"]

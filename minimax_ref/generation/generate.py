@@ -10,8 +10,10 @@ arguments, the continuous-batching scheduler both loops run on, the plain loop),
 Only ids the tokenizer has are generated: a checkpoint's `vocab_size` may be padded past its tokenizer, and those
 padding ids have no text (`decoding.DecodeJob.vocab_limit`).
 
-Stop tokens come from `generation_config.json` (`eos_token_id`), else the tokenizer's end-of-turn;
-they end a sequence and are not part of its text.
+Stop tokens come from `generation_config.json` (`eos_token_id`), else the tokenizer's end-of-turn, plus a request's
+own `stop_token_ids`; they end a sequence and are not part of its text. A request's stop strings (`stop`) end it once
+its decoded text holds one: its text ends before the first of them (finish_reason "stop"), and streamed text holds
+back what could still be the start of one until it is resolved (`StopText`).
 
 Defaults (one set, which the CLI shows and uses too): `chat.DEFAULT_MAX_NEW_TOKENS` tokens per reply (room for
 the reasoning of a thinking turn before its answer) and MiniMax's recommended sampling (`chat.RECOMMENDED_SAMPLING`).
@@ -31,7 +33,7 @@ from ..errors import ConfigError, InputError
 from ..model.vision import tokens_per_image
 from ..research.intervened import intervened
 from .chat import DEFAULT_MAX_NEW_TOKENS, RECOMMENDED_SAMPLING, parse_output
-from .decoding import GenerationStats, Sequence_, generate_ids, per_prompt, stop_id_set
+from .decoding import GenerationStats, Sequence_, Stops, generate_ids, per_prompt, prompt_seeds, stop_id_set
 from .drafter import resolve_drafter
 from .multimodal import (
     ImageTokenIds,
@@ -78,9 +80,12 @@ def read_stop_ids(ckpt_dir: str | Path | None, fallback: Sequence[int] = ()) -> 
 @dataclass
 class GenerationResult:
     """One prompt's outcome, as `--output-format json` prints it. `text`: the reply as streamed
-    (`Tokenizer.decode_streamed` of the tokens before a stop token). `request`: its own figures (prompt and generated
-    tokens, time to first token and to its end from the start of the call); `stats`: the whole call's (empty in a
-    result handed to `on_result` before the call ends)."""
+    (`Tokenizer.decode_streamed` of the tokens before a stop token; with a stop string, the text before it).
+    `request`: its own figures: prompt and generated tokens; `admitted_seconds`, when it took a batch slot (its
+    prefill began), counted from the start of the call (the time it waited in the queue);
+    `time_to_first_token_seconds`, from its admission to its first token (its prefill and first draw); `seconds`,
+    from the start of the call to its end. `stats`: the whole call's (empty in a result handed to `on_result` before
+    the call ends)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -184,6 +189,90 @@ def per_prompt_chat(tools: Any, thinking: Any, system: Any, n: int) -> tuple[lis
     return rows[0], rows[1], rows[2]
 
 
+def stop_strings(value: Any, where: str = "stop") -> tuple[str, ...]:
+    """One prompt's stop strings: None (none), a string, or a list of strings; each a non-empty str."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        if not value:
+            raise InputError(f"{where}: a stop string must not be empty")
+        return (value,)
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"{where}: expected a string or a list of strings, got {_type(value)}")
+    for j, s in enumerate(value):
+        if not isinstance(s, str):
+            raise InputError(f"{where}[{j}]={s!r}: a stop string must be a string, got {_type(s)}")
+        if not s:
+            raise InputError(f"{where}[{j}]: a stop string must not be empty")
+    return tuple(value)
+
+
+def per_prompt_stops(stop: Any, stop_token_ids: Any, n: int) -> tuple[list[tuple[str, ...]], list[frozenset[int]]]:
+    """`generate`'s `stop` and `stop_token_ids` for each of n prompts. stop: None, a string or a list of strings for
+    every prompt, or a list of n entries (each None, a string or a list of strings) one per prompt.
+    stop_token_ids: None, an id or a list of ids for every prompt, or a list of n entries (each None or a list of
+    ids) one per prompt. A list whose entries are all None or lists is the per-prompt form."""
+    def per_row(value: Any) -> bool:
+        return isinstance(value, (list, tuple)) and len(value) > 0 and all(
+            e is None or isinstance(e, (list, tuple, set, frozenset)) for e in value)
+
+    for value, name in ((stop, "stop"), (stop_token_ids, "stop_token_ids")):
+        if per_row(value) and len(value) != n:
+            raise InputError(f"{name}: a list of per-prompt entries needs one per prompt ({n}), got {len(value)}; "
+                             "for the same setting everywhere give one string / id or one flat list")
+    strings = ([stop_strings(e, f"stop[{i}]") for i, e in enumerate(stop)] if per_row(stop)
+               else [stop_strings(stop, "stop")] * n)
+    ids = ([stop_id_set(e, f"stop_token_ids[{i}]") for i, e in enumerate(stop_token_ids)] if per_row(stop_token_ids)
+           else [stop_id_set(stop_token_ids, "stop_token_ids")] * n)
+    return strings, ids
+
+
+class StopText:
+    """One request's text as it is decoded (`push` each token that is not a stop token), watched for its stop
+    strings. `push` returns the text now certain: up to the first stop string once one appears (then `end` is where
+    it begins), else all but the longest tail that could still begin a stop string, which is held back until a later
+    token resolves it (so a stream never shows part of a stop string). `finish` returns what is left."""
+
+    def __init__(self, decoder: Any, stops: Sequence[str]):
+        self.decoder, self.stops = decoder, tuple(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""  # every character decoded so far
+        self.sent = 0  # characters handed out by push / finish
+        self.end: int | None = None
+
+    def push(self, token: int) -> str:
+        piece = self.decoder.push(token)
+        if not piece or self.end is not None:
+            return ""
+        # a match not found before ends in the new piece: it starts at most longest - 1 characters before it
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += piece
+        hits = [p for p in (self.text.find(s, start) for s in self.stops) if p >= 0]
+        if hits:
+            self.end = min(hits)
+            return self._release(self.end)
+        return self._release(len(self.text) - self._open_tail())
+
+    def _open_tail(self) -> int:
+        """The length of the longest end of the text that is a proper prefix of a stop string."""
+        for n in range(min(self.longest - 1, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0
+
+    def _release(self, upto: int) -> str:
+        out = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return out
+
+    def finish(self) -> str:
+        if self.end is not None:
+            return ""
+        self.text += self.decoder.finish()
+        return self._release(len(self.text))
+
+
 def _check_images(images: Any, n_prompts: int) -> None:
     """`images` is None or one entry per prompt (a list or tuple); the entries are checked where loaded."""
     if images is None:
@@ -207,7 +296,8 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
              top_p: float | Sequence[float] = RECOMMENDED_SAMPLING["top_p"],
              top_k: int | Sequence[int] = RECOMMENDED_SAMPLING["top_k"], seed: int | Sequence[int] = 0,
              chat: bool = False, tools=None, thinking: str = "adaptive", system: str | None = None,
-             stop_ids: Sequence[int] | int | None = None, draft=None, num_speculative_tokens: int | None = None,
+             stop_ids: Sequence[int] | int | None = None, stop: str | Sequence | None = None,
+             stop_token_ids: int | Sequence | None = None, draft=None, num_speculative_tokens: int | None = None,
              on_text: Callable[[int, str], None] | None = None, images: Sequence | None = None,
              max_batch_size: int | None = None, prefill_chunk: int | None = None,
              on_result: Callable[[int, GenerationResult], None] | None = None,
@@ -222,7 +312,9 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
     as it is chosen (progress counters).
     max_new_tokens, temperature, top_p, top_k, seed: one value for every prompt, or a list of one per prompt
     (defaults: the module docstring's). Prompt i samples from its own generator seeded with `seed + i` (or
-    `seed[i]`), so its tokens do not depend on the other prompts of the call.
+    `seed[i]`), so its tokens do not depend on the other prompts of the call; every seed (seed + i too) is an integer
+    in [-2**63, 2**64 - 1], what a torch.Generator takes. A positive temperature is a normal float32 (about 1.2e-38
+    to 3.4e38, `sampling.SamplingParams`); 0 is greedy.
     tools, thinking, system (chat): one setting for every prompt, or one per prompt (`per_prompt_chat`: per prompt,
     tools is a list whose entries are each a list of tool schemas or None).
     interventions: edits applied to every forward of the generation (`research.intervened`: expert masks and
@@ -232,7 +324,13 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
     tokens per prefill forward. Defaults: `model.runtime.max_batch_size` if set, else both chosen from the memory
     left (`sizing.choose_sizes`); the stats name the sizes used.
     stop_ids: a token id or a list of them (default: `generation_config.json`, else the tokenizer's
-    end-of-turn ids).
+    end-of-turn ids). stop_token_ids: more stop ids, added to those: an id or a list for every prompt, or a list of
+    one list (or None) per prompt.
+    stop: stop strings: a string or a list of strings for every prompt, or a list of one entry (None, a string or a
+    list of strings) per prompt; each a non-empty string. A prompt ends once its decoded text holds one: its `text`
+    (and what `on_text` streams: a tail that could begin one is held back until resolved) ends before the first,
+    `token_ids` keep the tokens generated up to that point, and finish_reason is "stop". In continuous batching it
+    frees its slot for the next waiting prompt; its tokens are those it gets alone.
     images: one entry per prompt (None for a prompt without images): a list of image file paths or
     PIL images (a single one alone also works), or preprocessed `(pixel_values, image_grid_thw)`;
     chat messages may carry image parts instead. At most `model.runtime.max_images_per_prompt`
@@ -246,6 +344,8 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
     Arguments of the wrong type or value raise InputError naming the argument.
     """
     prompts = text_prompts(prompts, chat)
+    prompt_seeds(seed, len(prompts))  # a bad seed is refused before any prompt is encoded
+    row_stops, row_stop_ids = per_prompt_stops(stop, stop_token_ids, len(prompts))
     _check_images(images, len(prompts))
     row_tools, row_thinking, row_system = per_prompt_chat(tools, thinking, system, len(prompts))
     run_model = intervened(model, interventions)
@@ -256,8 +356,8 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
     settings = zip(*(per_prompt(v, n, name, lambda x, where: x)
                      for v, name in ((temperature, "temperature"), (top_p, "top_p"), (top_k, "top_k"))))
     sampling = [SamplingParams(*s) for s in settings]
-    stop = stop_id_set(read_stop_ids(getattr(model, "ckpt_path", None), tok.eos_token_ids)
-                       if stop_ids is None else stop_ids)
+    end_ids = stop_id_set(read_stop_ids(getattr(model, "ckpt_path", None), tok.eos_token_ids)
+                          if stop_ids is None else stop_ids)
     ids: list[list[int]] = []
     embeds: list[torch.Tensor | None] = []
     vocab = model.text.vocab_size
@@ -276,40 +376,48 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
                               "the tokenizer is not this model's")
         # The vision tower runs once per prompt, here; decoding only ever sees text embeddings.
         embeds.append(None if pixels is None else embed_with_images(model, ids[-1], *pixels))
-    decoders = [tok.stream_decoder() for _ in ids]
+    watched = [StopText(tok.stream_decoder(), row_stops[r]) for r in range(n)]
     think_start = tok.special_ids.think_start
     results: list[GenerationResult | None] = [None] * n
 
-    def on_each_token(row: int, token: int) -> None:
-        if on_token:
-            on_token(row, token)
-        if token in stop:  # the end-of-turn token ends the text; it is not part of it
-            return
-        piece = decoders[row].push(token) if on_text else None
-        if piece:
+    def watch(row: int, token: int) -> bool:
+        """Each token that no stop id ended (stop tokens are not text): decoded, streamed, and True at a stop
+        string (`decoding.Stops.check`)."""
+        piece = watched[row].push(token)
+        if piece and on_text:
             on_text(row, piece)
+        return watched[row].end is not None
 
     def on_finish(row: int, s: Sequence_) -> None:
+        w = watched[row]
         if on_text:
-            rest = decoders[row].finish()
+            rest = w.finish()
             if rest:
                 on_text(row, rest)
-        body = [t for t in s.generated if t not in stop]
-        text = tok.decode_streamed(body)  # what on_text streamed
+        if w.end is not None:
+            text = w.text[:w.end]  # what on_text streamed: the text before the stop string
+        else:
+            body = [t for t in s.generated if t not in end_ids and t not in row_stop_ids[row]]
+            text = tok.decode_streamed(body)  # what on_text streamed
         # a prompt that ends inside <mm:think> (thinking enabled) generates reasoning first
         started = think_start is not None and len(ids[row]) > 0 and ids[row][-1] == think_start
         parsed = parse_output(text, row_tools[row], reasoning_started=started)
+        admitted = s.admitted_seconds
         request = {"prompt_tokens": len(s.prompt), "generated_tokens": len(s.generated),
-                   "time_to_first_token_seconds": None if s.first_token_seconds is None
-                   else round(s.first_token_seconds, 6),
+                   "admitted_seconds": None if admitted is None else round(admitted, 6),
+                   "time_to_first_token_seconds": None if s.first_token_seconds is None or admitted is None
+                   else round(s.first_token_seconds - admitted, 6),
                    "seconds": None if s.finish_seconds is None else round(s.finish_seconds, 6)}
         results[row] = GenerationResult(ids[row], s.generated, text, parsed["reasoning"], parsed["content"],
                                         parsed["tool_calls"], s.finish_reason, {}, parsed["errors"], request)
         if on_result:
             on_result(row, results[row])
 
-    run_kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop,
-                                  on_token=on_each_token if on_text or on_token else None,
+    own_ids = row_stop_ids if any(row_stop_ids) else None
+    check = watch if on_text or any(row_stops) else None
+    run_kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                                  stop_ids=Stops(end_ids, own_ids, check) if own_ids or check else end_ids,
+                                  on_token=on_token,
                                   prefill_chunk=prefill_chunk,
                                   inputs_embeds=embeds if any(e is not None for e in embeds) else None,
                                   max_batch_size=max_batch_size, on_finish=on_finish,
@@ -325,6 +433,6 @@ def generate(model: MiniMaxM3, tok, prompts: str | Sequence, *,
 
 
 # Re-exported for the callers that import them from here: the sampling layer and the plain loop.
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "GenerationStats", "SamplingParams",
-           "Sequence_", "encode_prompt", "filtered_probs", "generate", "generate_ids", "read_stop_ids", "sample",
-           "text_prompts"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "GenerationStats", "SamplingParams", "Sequence_", "StopText",
+           "encode_prompt", "filtered_probs", "generate", "generate_ids", "per_prompt_stops", "read_stop_ids", "sample",
+           "stop_strings", "text_prompts"]

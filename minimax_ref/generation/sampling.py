@@ -1,12 +1,14 @@
 """Sampling: the filtered distribution of a logit row and seeded draws from it.
 
 Contract (`SamplingParams`, `filtered_probs`, `sample`): logits are fp32; temperature 0 is greedy
-(argmax, ties to the lowest id); otherwise logits / temperature, then top-k (keep the k largest;
-0 = off), then top-p (keep the smallest set of most likely tokens whose probability reaches top_p,
-always at least one; 1.0 = off), then one draw with `torch.multinomial` from an explicit
-`torch.Generator`. The same seed gives the same tokens. Speculative decoding draws its drafts and
-checks them against the target with these same distributions, and draws its emitted token by
-inverse CDF (`sample_inverse_cdf`).
+(argmax, ties to the lowest id); otherwise logits / temperature (a normal float32: `SamplingParams`; computed as
+(logits - row max) / temperature, the same distribution, so that a small temperature overflows to -inf on unlikely
+tokens instead of to inf - inf = NaN), then top-k (keep the k largest; 0 = off; chosen on the logits, which
+temperature does not reorder, so a huge temperature that rounds the quotients together cannot widen it), then top-p
+(keep the smallest set of most likely tokens whose probability reaches top_p, always at least one; 1.0 = off), then
+one draw with `torch.multinomial` from an explicit `torch.Generator`. The same seed gives the same tokens.
+Speculative decoding draws its drafts and checks them against the target with these same distributions, and draws
+its emitted token by inverse CDF (`sample_inverse_cdf`).
 
 A batch whose rows are separate requests samples with `RowSampling`: each row with its own setting, from its own
 generator, so a row's tokens do not depend on which rows share its batch.
@@ -26,17 +28,29 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+# A positive temperature must be a normal float32: logits are divided by it in fp32, where a smaller one is
+# subnormal or 0 (the quotients inf / NaN) and a larger one is inf (every quotient 0).
+MIN_TEMPERATURE = 2.0 ** -126  # about 1.18e-38, the smallest normal float32
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)  # about 3.40e38
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature >= 0 (0 = greedy), top_p in (0, 1] (1 = off), top_k >= 0 (0 = off)."""
+    """temperature 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE] (a normal float32, about 1.2e-38 to
+    3.4e38), top_p in (0, 1] (1 = off), top_k >= 0 (0 = off)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InputError(f"temperature={self.temperature!r}: must be a number >= 0 (0 = greedy)")
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise InputError(f"temperature={t!r}: must be a number >= 0 (0 = greedy)")
+        if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+            raise InputError(f"temperature={t!r}: a positive temperature must be a normal float32, "
+                             f"{MIN_TEMPERATURE:.4g} to {MAX_TEMPERATURE:.4g} (logits are divided by it in fp32); "
+                             "use 0 for greedy decoding")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p={self.top_p!r}: must be a number in (0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -56,10 +70,12 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    z = logits / params.temperature
+    # shifted by the row max (<= 0 after it): a tiny temperature sends unlikely tokens to -inf, never inf - inf
+    z = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < z.shape[-1]:
-        kth = torch.topk(z, params.top_k, dim=-1).values[..., -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
+        # on the logits: a huge temperature may round distinct quotients together, which would keep more than k
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(z, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -158,4 +174,5 @@ def sample_inverse_cdf(probs: torch.Tensor, u: float | torch.Tensor) -> int:
     return i
 
 
-__all__ = ["RowSampling", "SamplingParams", "draw", "filtered_probs", "sample", "sample_inverse_cdf"]
+__all__ = ["MAX_TEMPERATURE", "MIN_TEMPERATURE", "RowSampling",
+           "SamplingParams", "draw", "filtered_probs", "sample", "sample_inverse_cdf"]

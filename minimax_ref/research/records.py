@@ -1,6 +1,6 @@
 """Reading the JSON files a flag names: a JSONL file of records (score traces, eval tasks: one record a non-blank line,
 each parsed by the caller, the first bad line named as `path:line` in the error), or one JSON document (`--tools`,
-`--expert-mask`)."""
+`--expert-mask`). JSONL lines end at "\n" (`jsonl_lines`); a UTF-8 byte order mark at the start is skipped."""
 
 from __future__ import annotations
 
@@ -14,11 +14,18 @@ from ..errors import InputError, MiniMaxRefError
 Record = TypeVar("Record")
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL text: split at "\n" only, each without a trailing "\r". JSON strings may hold U+2028,
+    U+2029 and U+0085 unescaped, where `str.splitlines` would also split (and misnumber the lines after)."""
+    lines = text.split("\n")
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def read_json(path: str | Path, *, flag: str) -> object:
     """The JSON document in `path`. InputError naming the `flag` and the path: unreadable, not UTF-8, not JSON."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8-sig"))  # a byte order mark at the start is skipped
     except OSError as e:
         raise InputError(f"{flag} {path}: cannot read ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -31,7 +38,8 @@ def read_jsonl(path: str | Path, parse: Callable[[object, int], Record], *, flag
     with no record (`what`: the records' name, e.g. "traces")."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # bytes, not read_text: its newline translation would split at a lone "\r"; utf-8-sig drops a BOM
+        lines = jsonl_lines(path.read_bytes().decode("utf-8-sig"))
     except OSError as e:
         raise InputError(f"{flag} {path}: cannot read ({e.strerror or e})") from None
     except UnicodeDecodeError as e:

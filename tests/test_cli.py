@@ -430,6 +430,8 @@ def test_a_tokenizer_without_the_chat_tokens_is_named(tiny_bf16, tmp_path, capsy
     base = ["generate", "--ckpt-path", str(folder), "--prompt", "hello", "--max-new-tokens", "3", "--temperature", "0"]
     code, out, err = run(base, capsys)
     assert code == 0 and "no end-of-text token" in err and "runs to --max-new-tokens" in err
+    code, out, err = run([*base, "--stop", "zz"], capsys)  # the user gave the reply an end: no note
+    assert code == 0 and "no end-of-text token" not in err
     code, out, err = run([*base, "--chat"], capsys)
     assert code != 0 and "the tokenizer has no token for" in err and "Traceback" not in err
 

@@ -385,9 +385,11 @@ def run_generate(args: argparse.Namespace) -> int:
     cli_interventions(args)  # a bad --expert-mask / --drop-experts is refused before the model loads
     model, tok, _ = load_from_args(args)
     args.max_model_len = model.max_seq_len  # the default resolved against the model's limit, for the notes
-    if not read_stop_ids(getattr(model, "ckpt_path", None), tok.eos_token_ids):
+    # with --stop / --stop-token-id the user has given the reply its end
+    if not (read_stop_ids(getattr(model, "ckpt_path", None), tok.eos_token_ids) or args.stop or args.stop_token_id):
         print(f"note: {tok.path}: no end-of-text token (generation_config.json eos_token_id, tokenizer_config.json "
-              "eos_token, or the chat format's turn end): every reply runs to --max-new-tokens", file=sys.stderr)
+              "eos_token, or the chat format's turn end): every reply runs to --max-new-tokens unless --stop or "
+              "--stop-token-id ends it", file=sys.stderr)
     if args.limit_images is not None:
         import dataclasses
 

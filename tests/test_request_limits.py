@@ -299,7 +299,7 @@ def test_cli_stop_flags_and_input_file_fields(tiny_nvfp4, model, tok, tmp_path, 
     assert rows[1]["text"] == full.text[:at] and rows[1]["finish_reason"] == "stop"
     assert "'stop': expected a string or a list of strings" in rows[2]["error"]
     assert "'stop': a stop string must not be empty" in rows[3]["error"]
-    assert "'stop_token_ids': 'a' is not a token id" in rows[4]["error"]
+    assert "'stop_token_ids': 'a' (str) is not an integer token id" in rows[4]["error"]
     assert "outside the vocabulary" in rows[5]["error"]
     first = full.token_ids.index(full.token_ids[2])
     assert rows[6]["token_ids"] == full.token_ids[:first + 1] and rows[6]["finish_reason"] == "stop"

@@ -113,17 +113,15 @@ def _check_number(value, name: str, *, integer: bool = False):
 def _stop_kwargs(args: argparse.Namespace, o: dict) -> dict:
     """generate's `stop` (a list of strings) and `stop_token_ids` (a list of ids >= 0): a request's own 'stop' /
     'stop_token_ids', else --stop / --stop-token-id; checked here (InputError naming the field)."""
+    from ..generation.decoding import stop_id_set
     from ..generation.generate import stop_strings
 
     if "stop" in o:
         stop = list(stop_strings(o["stop"], "'stop'"))
     else:
         stop = [s for flag in args.stop or [] for s in stop_strings(flag, "--stop")]
-    ids = o.get("stop_token_ids", args.stop_token_id or [])
-    for t in ids if isinstance(ids, list) else [ids]:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise InputError(f"'stop_token_ids': {t!r} is not a token id (an integer >= 0)")
-    return {"stop": stop, "stop_token_ids": list(ids) if isinstance(ids, list) else [ids]}
+    ids = stop_id_set(o.get("stop_token_ids", args.stop_token_id), "'stop_token_ids'")
+    return {"stop": stop, "stop_token_ids": sorted(ids)}
 
 
 def _sampling_kwargs(args: argparse.Namespace, override: dict | None = None) -> dict:
@@ -210,7 +208,7 @@ def _check_request_lengths(args: argparse.Namespace, requests: list) -> list:
     tok, limit = checker
     out = []
     for n, req_id, kw in requests:
-        outside = [] if isinstance(kw, str) else [t for t in kw["stop_token_ids"] if t >= tok.vocab_size]
+        outside = [] if isinstance(kw, str) else [t for t in kw["stop_token_ids"] if not 0 <= t < tok.vocab_size]
         if outside:  # an id the tokenizer cannot produce would never stop the reply
             kw = f"'stop_token_ids' {outside[:5]} are outside the vocabulary [0, {tok.vocab_size})"
         if not isinstance(kw, str) and not kw["images"]:

@@ -28,7 +28,7 @@ def _swiglu64(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) 
     return (up.clamp(-limit, limit) + 1.0) * (gate * torch.sigmoid(alpha * gate))
 
 
-def _rms_norm64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma RMSNorm of x [..., D] over its last dim in fp64, the (1 + weight) scale included."""
     x = x.double()
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * (1.0 + weight.double())
@@ -80,11 +80,11 @@ def fp64_outputs(op: str, t: dict[str, torch.Tensor], p: dict, emulate: bool) ->
         out.update(logits=logits, weights=chosen / chosen.sum(-1, keepdim=True))
     elif op == "qk_norm_rope":
         for which in ("q", "k"):
-            normed = _rms_norm64(t[which], t[f"{which}_norm.weight"], p["eps"])
+            normed = rms_norm64(t[which], t[f"{which}_norm.weight"], p["eps"])
             out[f"{which}_normed"] = normed
             out[f"{which}_rope"] = _rope64(normed, t["cos"], t["sin"])
     elif op == "final_norm":
-        out["y"] = _rms_norm64(t["x"], t["weight"], p["eps"])
+        out["y"] = rms_norm64(t["x"], t["weight"], p["eps"])
     elif op in ("mxfp8_linear", "nvfp4_linear", "logits"):
         fmt, key = (NVFP4, "w1") if op == "nvfp4_linear" else (p["format"], "w")
         out["logits" if op == "logits" else "y"] = (quantized_input(t["x"], fmt, t, key, emulate).double()

@@ -125,8 +125,9 @@ def _norm_input(kinds: list[str], shape: tuple[int, ...], w: torch.Tensor, eps: 
 def _check(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor) -> None:
     """The construction holds: the reference's bf16 output is the exact value's rounding, the exact values clear
     of the midpoints (fp64 computation of the contract from the stored operands)."""
-    xd = x.double()
-    exact = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps) * (1.0 + w.double())
+    from .fp64 import rms_norm64
+
+    exact = rms_norm64(x, w, eps)
     if not all(clear_of_midpoint(v) for v in exact.flatten().tolist()):
         raise RuntimeError("golden: an edge row's output lies near a bf16 rounding midpoint")
     if y.dtype == torch.bfloat16 and not torch.equal(exact.float().bfloat16(), y):

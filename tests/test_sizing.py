@@ -110,3 +110,35 @@ def test_generation_progress_on_a_pipe_writes_a_line_every_interval():
     p.token()
     assert out.getvalue() == line  # the next line comes 30 s after the last
     p.close()
+
+
+def test_a_second_call_sizes_with_the_first_calls_captured_cache_freed(monkeypatch):
+    """A fast model keeps the previous call's KV cache alive through its captured steps (their graphs address it);
+    a call choosing its batch from free memory frees that cache first, so it does not pick a smaller batch (and
+    compile a step for a new batch size) because of memory the previous call no longer needs."""
+    import gc
+    import weakref
+
+    from minimax_ref.fast.graph import CapturedSteps
+    from minimax_ref.generation import decoding
+    from minimax_ref.weights.loader import load_synthetic
+
+    model = load_synthetic("tiny", dtype=torch.float32, fast=True)
+    cache = model.new_cache(2, 64)
+    captured = CapturedSteps(cache, model.captured_shapes)
+    captured.graphs[(2, 1)] = SimpleNamespace(cache=cache)  # as a GraphStep: the only strong reference to it
+    model.captured, held = captured, weakref.ref(cache)
+    del cache, captured
+    gc.collect()
+    assert held() is not None
+    alive_when_sized = []
+    real = decoding.choose_sizes
+
+    def spy(m, cache_len, kv_dtype):
+        gc.collect()
+        alive_when_sized.append(held() is not None)
+        return real(m, cache_len, kv_dtype)
+
+    monkeypatch.setattr(decoding, "choose_sizes", spy)
+    seqs, _ = decoding.generate_ids(model, [[1, 2, 3]], max_new_tokens=2)
+    assert alive_when_sized == [False] and len(seqs[0].generated) == 2

@@ -145,6 +145,11 @@ class FastMiniMaxM3(MiniMaxM3):
             self.captured = CapturedSteps(cache, self.captured_shapes)
         return self.captured
 
+    def release_captured_steps(self) -> None:
+        """Drop the captured steps (their graphs, memory pool and the KV cache they keep): a call about to size its
+        batch from free memory counts what the previous call's cache held (each call builds a cache of its own)."""
+        self.captured = None
+
     def share_paths(self, module: nn.Module) -> None:
         apply(module, self.fast)
 
@@ -157,7 +162,7 @@ class FastMiniMaxM3(MiniMaxM3):
 
     def new_cache(self, batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None) -> KVCache:
         # the captured steps keep the previous cache alive: free both before allocating the next one
-        self.captured = None
+        self.release_captured_steps()
         if self.compiled is not None:
             rounded = -(-max_seq_len // CACHE_BUCKET) * CACHE_BUCKET
             runtime = getattr(self, "runtime", None)

@@ -310,6 +310,9 @@ class DecodeJob:
         if inputs_embeds is not None:
             _check_embeds(inputs_embeds, ids)
         if limit is None or prefill_chunk is None:
+            release = getattr(model, "release_captured_steps", None)
+            if release is not None:  # an earlier call's captured steps hold its KV cache: count that memory as free
+                release()
             cache_len = max(min(max_len, len(p) + m) for p, m in zip(ids, new))
             sizes = choose_sizes(model, cache_len, kv_dtype)
             limit = limit or sizes.max_batch_size

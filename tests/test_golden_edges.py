@@ -5,7 +5,6 @@ from the manifest) with one bug planted each; the correct one passes the same bu
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from golden_example import numpy_ops
 
 from minimax_ref import golden
 from minimax_ref.cli.main import main
@@ -22,14 +22,7 @@ from minimax_ref.weights.loader import load_model
 EXAMPLE = Path(__file__).parents[1] / "examples" / "kernel_test"
 
 
-def _numpy_ops():
-    spec = importlib.util.spec_from_file_location("numpy_ops_edges", EXAMPLE / "numpy_ops.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-NP = _numpy_ops()
+NP = numpy_ops()  # a module of its own: the planted bugs below patch it
 
 
 def _one(tmp_path: Path, op: str, **kw) -> list[golden.GoldenEntry]:

@@ -5,22 +5,20 @@ computation rounded once, an unrounded fp32 kernel, a fused norm + RoPE kernel a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from golden_example import numpy_ops
 
 from minimax_ref import golden
 from minimax_ref.golden.norm_edges import EDGE, MARGIN, ROWS, clear_of_midpoint
 from minimax_ref.model.rope import apply_rope
 from minimax_ref.weights.loader import load_synthetic
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "kernel_test"
 NORM_OPS = ["rmsnorm", "qk_norm_rope", "final_norm"]
 # each norm of the model: (op, the outputs it gives)
 NORMS = {"input_layernorm": ("rmsnorm", ["input_layernorm.y"]),
@@ -32,14 +30,7 @@ WRONG = {"bf16-one-plus-w": {"one_plus": "bf16"}, "eps-x10": {"eps": 10.0}, "eps
          "no-eps": {"eps": 0.0}}
 
 
-def _numpy_ops():
-    spec = importlib.util.spec_from_file_location("numpy_ops_norm_edges", EXAMPLE / "numpy_ops.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-NP = _numpy_ops()
+NP = numpy_ops()  # a module of its own: the planted bugs below patch it
 
 
 def _prompts(*lengths: int) -> list[list[int]]:

@@ -167,6 +167,40 @@ def test_a_request_decodes_as_it_does_alone(model):
     assert stats.generated_tokens == sum(len(s.generated) for s in batched)
 
 
+def test_empty_slots_leave_each_request_as_it_is_alone(model, monkeypatch):
+    """A model that rounds its slots up (`batch_slots`, as compiled models do) decodes 3 requests in 4 slots, the
+    fourth empty from the start and others emptying as requests finish: every step has 4 rows and every request
+    keeps the tokens it gets alone."""
+    prompts = _prompts(11, 4, 17)
+    settings = [GREEDY, SamplingParams(0.9, 0.95, 10), GREEDY]
+    new = [5, 2, 7]
+    monkeypatch.setattr(type(model), "batch_slots", lambda self, n, limit: 4, raising=False)
+    rows = []
+    real_step = type(model).step
+    monkeypatch.setattr(type(model), "step", lambda self, ids, pos, cache: rows.append(ids.shape[0]) or
+                        real_step(self, ids, pos, cache))
+    batched, stats = generate_ids(model, prompts, max_new_tokens=new, sampling=settings, seed=[1, 2, 3],
+                                  max_batch_size=8)
+    assert set(rows) == {4} and stats.decode_steps == len(rows) == max(new) - 1
+    monkeypatch.undo()
+    for i in range(len(prompts)):
+        alone, _ = generate_ids(model, [prompts[i]], max_new_tokens=new[i], sampling=settings[i], seed=i + 1)
+        assert batched[i].generated == alone[0].generated, i
+
+
+def test_compiled_models_round_their_slots_to_powers_of_two():
+    """`FastMiniMaxM3.batch_slots`: with compiled layers (a compile per batch size) the request count rounded up to
+    a power of two within the batch limit; without them the request count."""
+    from minimax_ref.fast.model import FastMiniMaxM3
+
+    compiled, eager = SimpleNamespace(compiled=object()), SimpleNamespace(compiled=None)
+    cases = {(1, 41): 1, (2, 41): 2, (3, 41): 4, (5, 41): 8, (17, 41): 32, (32, 41): 32, (33, 41): 41, (6, 6): 6,
+             (5, 6): 6, (64, 64): 64}
+    for (n, limit), want in cases.items():
+        assert FastMiniMaxM3.batch_slots(compiled, n, limit) == want, (n, limit)
+        assert FastMiniMaxM3.batch_slots(eager, n, limit) == n
+
+
 def test_requests_admitted_together_share_prefill_forwards(model):
     """Prompts admitted into neighbouring free slots are prefilled together, right-padded, as many as fit the prefill
     chunk; a prompt longer than the chunk goes alone in chunks; every request keeps the tokens it gets alone."""

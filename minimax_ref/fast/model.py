@@ -145,6 +145,15 @@ class FastMiniMaxM3(MiniMaxM3):
             self.captured = CapturedSteps(cache, self.captured_shapes)
         return self.captured
 
+    def batch_slots(self, requests: int, limit: int) -> int:
+        """The slots of a call of `requests` (at most `limit`) sequences: with compiled layers (a compile of a minute
+        or more for each batch size, here and in the cache a later process reads) the next power of two within
+        `limit`, so few batch sizes ever compile; otherwise `requests` (an empty slot still costs its share of a
+        step)."""
+        if self.compiled is None:
+            return requests
+        return min(limit, 1 << max(0, requests - 1).bit_length())
+
     def release_captured_steps(self) -> None:
         """Drop the captured steps (their graphs, memory pool and the KV cache they keep): a call about to size its
         batch from free memory counts what the previous call's cache held (each call builds a cache of its own)."""

@@ -17,11 +17,14 @@ Both loops are continuous batching (`Scheduler`): up to `batch_limit` requests (
 chosen from free memory with the prefill chunk: `sizing`) decode together, every row at its own position in its own
 slot of one KV cache. When a row finishes, the next waiting request takes its slot between two decode steps: its
 prompt is prefilled into that slot's rows of the cache (`KVCache.rows`) and its first token sampled; the batch stays
-full until the queue is empty. Requests admitted together into neighbouring free slots (at the start, every slot)
-share their prefill forwards: right-padded to the longest, as many as fit `prefill_chunk` tokens (a longer prompt
-goes alone, in chunks of at most `prefill_chunk` positions), so short prompts do not each pay a forward of their
-own. The step's shape never changes (the plain loop: one token for each of the slots; the speculative loop's verify
-step: k+1), so a fast model captures one step per batch size. Each request samples from its own settings with its
+full until the queue is empty. The slots are the batch limit or the requests, whichever is fewer; a model that
+compiles a step for each batch size rounds that up (`batch_slots`: a power of two within the limit), so calls of 3
+and 4 requests share one compiled step; an empty slot decodes a token of its own that nothing reads. Requests
+admitted together into neighbouring free slots (at the start, every slot) share their prefill forwards: right-padded
+to the longest, as many as fit `prefill_chunk` tokens (a longer prompt goes alone, in chunks of at most
+`prefill_chunk` positions), so short prompts do not each pay a forward of their own. The step's shape never
+changes (the plain loop: one token for each of the slots; the speculative loop's verify step: k+1), so a fast model
+captures one step per batch size. Each request samples from its own settings with its
 own generator, seeded with its own seed (`sampling.RowSampling`), so its tokens do not depend on which requests
 share its batch (up to the rounding of batched products: in fp32 on a CPU the same tokens).
 
@@ -445,7 +448,9 @@ class Scheduler:
         self.stats.prompt_tokens = sum(len(p) for p in job.prompts)
         self.stats.max_batch_size, self.stats.prefill_chunk = job.batch_limit, job.prefill_chunk
         self.waiting = deque(range(n))
-        self.running: list[int | None] = [None] * min(job.batch_limit, n)
+        slots = min(job.batch_limit, n)
+        rounded = getattr(model, "batch_slots", None)  # a model that compiles a step per batch size rounds it up
+        self.running: list[int | None] = [None] * (rounded(slots, job.batch_limit) if rounded else slots)
         self.cache = self.new_cache(len(self.running), max(job.budget(i) for i in range(n)))
         self.start = time.perf_counter()
 

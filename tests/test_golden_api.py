@@ -333,9 +333,12 @@ def test_the_bf16_accumulator_scaling_kernel_needs_the_bf16_tolerance(bf16_bundl
 
 
 def test_example_runs_against_a_bundle(bundle, tmp_path):
+    """The example passes every entry of a bundle of every op, the MSA layers' indexer norms (qk_norm_rope's
+    index_q / index_k) included."""
     proc = run_example([bundle], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     entries = golden.load(bundle)
+    assert any("index_q_rope" in e.outputs and "index_k_rope" in e.outputs for e in entries if e.op == "qk_norm_rope")
     n = len(entries) + sum(1 for e in entries if e.op == "nvfp4_linear")  # every output; the GEMM alone
     assert f"{n} passed" in proc.stdout, proc.stdout
 

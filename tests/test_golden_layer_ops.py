@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from golden_example import check_manifest
 
 from minimax_ref import golden
 from minimax_ref.cli.main import main
@@ -21,6 +22,9 @@ from minimax_ref.weights.synthetic import SyntheticCheckpoint
 
 NEW_OPS = ["qk_norm_rope", "final_norm", "logits"]
 LAYERS = 4  # the tiny preset's decoder layers: the head's entries read layer 4
+MSA_LAYERS = (1, 2, 3)  # the tiny preset's MSA layers (layer 0 is dense): their qk_norm_rope holds the indexer's norms
+QK = ("q", "k", "index_q", "index_k")  # a qk_norm_rope entry's per-head norms
+INDEX = [f"index_{w}_{o}" for w in "qk" for o in ("normed", "rope")]  # the indexer's outputs
 
 
 def _prompts(*lengths: int) -> list[list[int]]:
@@ -87,21 +91,25 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
     return torch.cat((x[..., :lo], rot, x[..., hi:]), -1)
 
 
-def independent(e: golden.GoldenEntry, dtype: torch.dtype, **wrong) -> dict[str, torch.Tensor]:
+def independent(e: golden.GoldenEntry, dtype: torch.dtype, only: tuple[str, ...] = QK,
+                **wrong) -> dict[str, torch.Tensor]:
     """The entry's outputs computed here from its inputs (fp64, one rounding to `dtype`; logits fp32). wrong:
     no_weight (norm without its weight), one_plus_bf16 (the norm's (1 + w) in bf16), eps (the norm's eps replaced)
-    or rope's first / interleaved (RoPE on the wrong channels)."""
+    or rope's first / interleaved (RoPE on the wrong channels); in a qk_norm_rope entry applied to the norms `only`
+    (q, k, index_q, index_k) and not to the others."""
     t, p = e.inputs, e.params
-    eps, bf = wrong.get("eps", p.get("eps")), wrong.get("one_plus_bf16", False)
     if e.op == "qk_norm_rope":
         out = {}
-        for which in ("q", "k"):
-            w = torch.zeros_like(t[f"{which}_norm.weight"]) if wrong.get("no_weight") else t[f"{which}_norm.weight"]
+        for which in (w for w in QK if w in t):  # index_q, index_k: MSA layers
+            bad = wrong if which in only else {}
+            eps, bf = bad.get("eps", p["eps"]), bad.get("one_plus_bf16", False)
+            w = torch.zeros_like(t[f"{which}_norm.weight"]) if bad.get("no_weight") else t[f"{which}_norm.weight"]
             normed = rms_norm(t[which], w, eps, bf)
-            kw = {k: v for k, v in wrong.items() if k in ("first", "interleaved")}
+            kw = {k: v for k, v in bad.items() if k in ("first", "interleaved")}
             out[f"{which}_normed"] = normed.to(dtype)
             out[f"{which}_rope"] = rope(normed, t["positions"], p["rotary_dim"], p["rope_theta"], **kw).to(dtype)
         return out
+    eps, bf = wrong.get("eps", p.get("eps")), wrong.get("one_plus_bf16", False)
     if e.op == "final_norm":
         w = torch.zeros_like(t["weight"]) if wrong.get("no_weight") else t["weight"]
         return {"y": rms_norm(t["x"], w, eps, bf).to(dtype)}
@@ -153,6 +161,38 @@ def test_entries_lay_out_as_documented(fp32_bundle):
         assert c["tensors"] and set(c["tolerance"]) == {"float32", "bfloat16"} and c["fp64"], op
 
 
+def test_indexer_norms_on_msa_layers_only(fp32_bundle, bf16_bundle):
+    """Every qk_norm_rope entry of an MSA layer (edge entry included) holds the lightning indexer's norms, in the
+    shapes its norms see (index_q [B, T, Hkv, Di], index_k [B, T, 1, Di]) with the checkpoint's weights; a dense
+    layer's holds none; the manifest describes them."""
+    ck = SyntheticCheckpoint("tiny", "nvfp4")
+    t = ck.config.text
+    assert tuple(L for L in range(LAYERS) if t.sparse_layers[L]) == MSA_LAYERS
+    index_tensors = {"index_q", "index_k", "index_q_norm.weight", "index_k_norm.weight", *INDEX}
+    for bundle in (fp32_bundle, bf16_bundle):
+        m = _manifest(bundle)
+        entries = golden.load(bundle, ops=["qk_norm_rope"])
+        assert {(e.layer, e.phase) for e in entries} >= {(L, "prefill") for L in range(LAYERS)}
+        for e in entries:
+            names = set(e.inputs) | set(e.outputs)
+            if e.layer not in MSA_LAYERS:
+                assert not {n for n in names if n.startswith("index_")}, e.id
+                continue
+            assert index_tensors <= names and set(INDEX) <= set(e.outputs), e.id
+            (B, T), Hkv, D = e.inputs["q"].shape[:2], t.num_key_value_heads, t.sparse.index_head_dim
+            assert tuple(e.inputs["index_q"].shape) == tuple(e.outputs["index_q_rope"].shape) == (B, T, Hkv, D)
+            assert tuple(e.inputs["index_k"].shape) == tuple(e.outputs["index_k_rope"].shape) == (B, T, 1, D)
+            if e.phase != "edge":  # the checkpoint's weights, stored once under their names
+                for w in ("index_q", "index_k"):
+                    name = f"language_model.model.layers.{e.layer}.self_attn.{w}_norm.weight"
+                    assert torch.equal(e.inputs[f"{w}_norm.weight"], ck.read(name)), (e.id, w)
+                    row = next(r for r in m["entries"] if r["file"] == e.file)
+                    assert row["tensors"][f"{w}_norm.weight"]["stored"]["key"] == name
+        described = m["contracts"]["qk_norm_rope"]["tensors"]
+        assert {"index_q", "index_k", "index_q_rope, index_k_rope"} <= set(described)
+        check_manifest(bundle)
+
+
 # ---------------------------------------------------------------- independent computations agree
 
 
@@ -196,6 +236,10 @@ def test_the_entries_chain_into_the_forward(fp32_bundle):
         pos = e.inputs["positions"]
         cached = torch.stack([core.inputs["k"][b, pos[b]] for b in range(pos.shape[0])])
         assert torch.equal(e.outputs["k_rope"], cached), (L, phase)
+        if L in MSA_LAYERS:  # index_q_rope is the indexer's queries, index_k_rope (no head axis) the keys it caches
+            assert torch.equal(e.outputs["index_q_rope"], core.inputs["iq"]), (L, phase)
+            cached = torch.stack([core.inputs["ik"][b, pos[b]] for b in range(pos.shape[0])])
+            assert torch.equal(e.outputs["index_k_rope"][:, :, 0], cached), (L, phase)
     for phase in ("prefill", "decode0", "decode1"):
         fn, lg = by[("final_norm", LAYERS, phase)], by[("logits", LAYERS, phase)]
         rows = [fn.outputs["y"][b, t] for b, t in enumerate(lg.params["logit_positions"])]
@@ -220,12 +264,32 @@ NORM_BUGS = {"norm-one-plus-w-in-bf16": {"one_plus_bf16": True}, "norm-eps-1e-5"
 def test_a_wrong_qk_norm_rope_kernel_fails(fp32_bundle, bf16_bundle, which, wrong):
     bundle, dtype = (fp32_bundle, torch.float32) if which == "fp32" else (bf16_bundle, torch.bfloat16)
     norm_bug = wrong in NORM_BUGS.values()
-    e = next(e for e in golden.load(bundle, ops=["qk_norm_rope"]) if e.phase == ("edge" if norm_bug else "prefill"))
+    e = next(e for e in golden.load(bundle, ops=["qk_norm_rope"])  # an MSA layer's: the indexer's norms too
+             if e.phase == ("edge" if norm_bug else "prefill") and e.layer == MSA_LAYERS[0])
     r = golden.compare(e, independent(e, dtype, **wrong), skip=[] if "no_weight" in wrong or norm_bug else
-                       ["q_normed", "k_normed"])
+                       [f"{w}_normed" for w in QK])
     assert not r.ok
     bad = {row["name"] for row in r.rows if not row["ok"]}
-    assert {"q_rope", "k_rope"} | ({"q_normed", "k_normed"} if norm_bug else set()) <= bad, str(r)
+    assert {f"{w}_rope" for w in QK} | ({f"{w}_normed" for w in QK} if norm_bug else set()) <= bad, str(r)
+
+
+@pytest.mark.parametrize("wrong", [{"first": False}, {"interleaved": True}, {"no_weight": True},
+                                   *NORM_BUGS.values()],
+                         ids=["rope-on-last-channels", "rope-interleaved", "norm-without-weight", *NORM_BUGS])
+@pytest.mark.parametrize("which", ["fp32", "bf16"])
+def test_a_wrong_indexer_norm_kernel_fails(fp32_bundle, bf16_bundle, which, wrong):
+    """A kernel whose q / k norms are right and whose indexer norm or rotation is wrong fails exactly the indexer's
+    outputs, in every MSA layer's entry (the norm bugs the bf16 forward hides: in the edge entry)."""
+    bundle, dtype = (fp32_bundle, torch.float32) if which == "fp32" else (bf16_bundle, torch.bfloat16)
+    norm_bug = wrong in NORM_BUGS.values()
+    phases = {"edge"} if norm_bug else {"prefill", "decode0"}
+    entries = [e for e in golden.load(bundle, ops=["qk_norm_rope"]) if e.phase in phases and e.layer in MSA_LAYERS]
+    assert entries
+    want = set(INDEX) if norm_bug or "no_weight" in wrong else {"index_q_rope", "index_k_rope"}
+    for e in entries:
+        assert golden.compare(e, independent(e, dtype)).ok
+        r = golden.compare(e, independent(e, dtype, only=("index_q", "index_k"), **wrong))
+        assert {row["name"] for row in r.rows if not row["ok"]} == want, str(r)
 
 
 @pytest.mark.parametrize("wrong", list(NORM_BUGS.values()), ids=list(NORM_BUGS))
@@ -273,9 +337,15 @@ def test_ops_select_the_new_ops(tmp_path):
     assert all("qk_norm_rope" in available_ops(ck, L) and not set(HEAD_OPS) & available_ops(ck, L)
                for L in range(LAYERS))
     # capture attaches from outside and leaves nothing behind on the model
-    attn = model.layers[0].self_attn
-    for module in (attn, attn.q_norm, attn.k_norm, model.norm, model.lm_head):
+    attn = model.layers[1].self_attn
+    for module in (attn, attn.q_norm, attn.k_norm, attn.index_q_norm, attn.index_k_norm, model.norm, model.lm_head):
         assert not module._forward_hooks and not module._forward_pre_hooks
+    # the qk_norm_rope edge entry sits at the first chosen MSA layer (with the indexer's rows), else the first layer
+    for layers, at, index in (([0, 2, 3], 2, True), ([0], 0, False)):
+        m = golden.export_golden(model, _prompts(5), tmp_path / f"edge{at}", ops=["qk_norm_rope"], layers=layers,
+                                 decode_steps=0)
+        [edge] = [e for e in m["entries"] if e["phase"] == "edge"]
+        assert edge["layer"] == at and ("index_q" in edge["tensors"]) == index, layers
     with pytest.raises(InputError, match="unknown op 'qk_rope'"):
         golden.parse_ops("qk_rope")
 

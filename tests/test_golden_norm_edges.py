@@ -1,7 +1,9 @@
 """The norm ops' edge entries (phase `edge`, `golden.norm_edges`): a norm kernel with its (1 + weight) rounded to
 bf16, or with eps 10x off or left out, fails every norm op (input / post-attention norms, q / k norms, the final
 norm) in float32 and bfloat16 bundles, where the captured rows alone pass it in bfloat16; the reference, an fp64
-computation rounded once, an unrounded fp32 kernel, a fused norm + RoPE kernel and the numpy example pass."""
+computation rounded once, an unrounded fp32 kernel, a fused norm + RoPE kernel and the numpy example pass. On an MSA
+layer the qk_norm_rope entries hold the lightning indexer's norms too (index_q / index_k): a wrong indexer norm in
+the numpy example fails them."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ NORM_OPS = ["rmsnorm", "qk_norm_rope", "final_norm"]
 NORMS = {"input_layernorm": ("rmsnorm", ["input_layernorm.y"]),
          "post_attention_layernorm": ("rmsnorm", ["post_attention_layernorm.y"]),
          "q_norm": ("qk_norm_rope", ["q_normed", "q_rope"]), "k_norm": ("qk_norm_rope", ["k_normed", "k_rope"]),
+         "index_q_norm": ("qk_norm_rope", ["index_q_normed", "index_q_rope"]),
+         "index_k_norm": ("qk_norm_rope", ["index_k_normed", "index_k_rope"]),
          "final_norm": ("final_norm", ["y"])}
 # the wrong kernels: (1 + w) in bf16; eps 1e-5 for the model's 1e-6 (and 1e-7); no eps
 WRONG = {"bf16-one-plus-w": {"one_plus": "bf16"}, "eps-x10": {"eps": 10.0}, "eps-div10": {"eps": 0.1},
@@ -31,6 +35,11 @@ WRONG = {"bf16-one-plus-w": {"one_plus": "bf16"}, "eps-x10": {"eps": 10.0}, "eps
 
 
 NP = numpy_ops()  # a module of its own: the planted bugs below patch it
+
+
+QK = ("q", "k", "index_q", "index_k")  # a qk_norm_rope entry's norms (index_q / index_k: MSA layers)
+INDEX_OUTPUTS = {"index_q_normed", "index_q_rope", "index_k_normed", "index_k_rope"}
+MSA_LAYERS = (1, 2, 3)  # the tiny preset's MSA layers (layer 0 is dense)
 
 
 def _prompts(*lengths: int) -> list[list[int]]:
@@ -75,7 +84,7 @@ def kernel(e: golden.GoldenEntry, wrong: dict | None = None, which: str | None =
     if e.op == "final_norm":
         return {"y": nrm("final_norm", t["x"], t["weight"])}
     out = {}
-    for q in ("q", "k"):
+    for q in (q for q in QK if q in t):
         normed = nrm(f"{q}_norm", t[q], t[f"{q}_norm.weight"])
         out[f"{q}_normed"] = normed.to(t[q].dtype)
         out[f"{q}_rope"] = apply_rope(normed, t["cos"], t["sin"]).to(t[q].dtype)
@@ -137,6 +146,49 @@ def test_the_numpy_example_with_a_planted_norm_bug_fails(bundle, wrong):
         assert not r.ok and all(not row["ok"] for row in r.rows), str(r)
 
 
+def _rotate_last_channels(x, cos, sin):
+    """A wrong RoPE: the last rotary_dim channels of each head rotated, the first passed through."""
+    r = cos.shape[-1]
+    return np.concatenate((x[..., :-r].astype(np.float64), NP_ROPE(x[..., -r:], cos, sin)), -1)
+
+
+NP_ROPE = NP.rope
+# the planted indexer-norm bugs: the norm ones (caught by the edge entry) and RoPE on the wrong channels (caught by
+# the forward's entries: the edge rows sit at position 0, where the rotation is the identity)
+INDEX_BUGS = {**WRONG, "rope-on-last-channels": {"rope": _rotate_last_channels}}
+
+
+def planted_index(e: golden.GoldenEntry, wrong: dict) -> dict[str, torch.Tensor]:
+    """The numpy example whose indexer norm + RoPE carries the bug `wrong` (q / k as the example computes them): a
+    fused indexer kernel that gets its own norm wrong."""
+    if "rope" not in wrong:
+        bad = planted(e, wrong)
+    else:
+        NP.rope = wrong["rope"]
+        try:
+            bad = NP.run(e)
+        finally:
+            NP.rope = NP_ROPE
+    good = NP.run(e)
+    return {n: bad[n] if n in INDEX_OUTPUTS else v for n, v in good.items()}
+
+
+@pytest.mark.parametrize("wrong", list(INDEX_BUGS), ids=list(INDEX_BUGS))
+def test_the_numpy_example_with_a_planted_indexer_norm_bug_fails(bundle, wrong):
+    """A bug in the indexer's norm or rotation alone (eps off or missing, a bf16 (1 + w), RoPE on the last channels)
+    fails exactly the indexer's outputs: norm bugs in the edge entry, the rotation bug in the forward's entries of
+    every MSA layer; the correct example passes both."""
+    entries = golden.load(bundle, ops=["qk_norm_rope"])
+    rope_bug = "rope" in INDEX_BUGS[wrong]
+    chosen = [e for e in entries if e.phase != "edge" and e.layer in MSA_LAYERS] if rope_bug else _edge(entries)
+    assert chosen and all(INDEX_OUTPUTS <= set(e.outputs) for e in chosen)
+    for e in chosen:
+        assert golden.compare(e, NP.run(e)).ok
+        r = golden.compare(e, planted_index(e, INDEX_BUGS[wrong]))
+        bad = {row["name"] for row in r.rows if not row["ok"]}
+        assert bad == (INDEX_OUTPUTS - ({"index_q_normed", "index_k_normed"} if rope_bug else set())), str(r)
+
+
 # ---------------------------------------------------------------- correct kernels pass
 
 
@@ -164,7 +216,7 @@ def test_replay_is_bit_exact_with_the_edge_entries(bundle):
     results = golden.replay_bundle(bundle)
     assert results and all(r["ok"] for r in results)
     assert {r["file"] for r in results} >= {f"{op}/layer{L:03d}_edge.safetensors"
-                                            for op, L in (("rmsnorm", 0), ("qk_norm_rope", 0), ("final_norm", 4))}
+                                            for op, L in (("rmsnorm", 0), ("qk_norm_rope", 1), ("final_norm", 4))}
 
 
 # ---------------------------------------------------------------- what the edge entries hold
@@ -179,7 +231,7 @@ def test_edge_entries_hold_the_documented_rows(bundle):
         eps = e.params["eps"]
         assert e.params["edge"] == EDGE and eps == 1e-6
         pairs = {"rmsnorm": [(f"{n}.x", f"{n}.weight") for n in ("input_layernorm", "post_attention_layernorm")],
-                 "final_norm": [("x", "weight")], "qk_norm_rope": [("q", "q_norm.weight"), ("k", "k_norm.weight")]}
+                 "final_norm": [("x", "weight")], "qk_norm_rope": [(q, f"{q}_norm.weight") for q in QK]}
         for xn, wn in pairs[e.op]:
             x, w = e.inputs[xn].double(), e.inputs[wn].double()
             assert x.shape[:2] == (1, len(ROWS)) and e.inputs[xn].dtype == getattr(torch, dtype)
@@ -195,10 +247,11 @@ def test_edge_entries_hold_the_documented_rows(bundle):
                     assert math.isclose(v, {"zero": 0.0, "eps/4": eps / 4, "eps": eps}[kind], rel_tol=2**-7)
             exact = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * (1 + w)
             assert all(clear_of_midpoint(v) for v in exact.flatten().tolist())
-        if e.op == "qk_norm_rope":  # position 0: the rotation is the identity
+        if e.op == "qk_norm_rope":  # the first MSA layer: the indexer's norms too; position 0: no rotation
+            assert e.layer == 1 and set(QK) <= set(e.inputs)
             assert not e.inputs["positions"].any() and bool((e.inputs["cos"] == 1).all())
             assert not e.inputs["sin"].any()
-            assert torch.equal(e.outputs["q_rope"], e.outputs["q_normed"])
+            assert all(torch.equal(e.outputs[f"{q}_rope"], e.outputs[f"{q}_normed"]) for q in QK)
         tol = rows[e.file]["tolerance"]
         for name in e.outputs:
             bf, f32 = tol[name]["bfloat16"], tol[name]["float32"]
@@ -220,15 +273,17 @@ def test_only_chosen_norm_ops_get_edge_entries(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_edge_entries_at_release_widths(tmp_path, dtype):
-    """The construction at the release's widths (hidden 6144; 64 q heads, 4 kv heads of 128): the wrong kernels
-    fail, the correct ones pass, and the entries stay small."""
+    """The construction at the release's widths (hidden 6144; 64 q heads, 4 kv heads of 128; an MSA layer's 4 index
+    query heads and one index key of 128): the wrong kernels fail, the correct ones pass, and the entries stay
+    small."""
     from minimax_ref.golden.bundle import write_bundle
     from minimax_ref.golden.contract import FORMAT, TOLERANCE_RULE
     from minimax_ref.golden.norm_edges import final_norm_edge, qk_norm_rope_edge, rmsnorm_edge
 
     dt, bf = getattr(torch, dtype), torch.bfloat16
     entries = [rmsnorm_edge(0, {n: (6144, 1e-6, bf) for n in ("input_layernorm", "post_attention_layernorm")}, dt, 1),
-               qk_norm_rope_edge(0, {"q": 64, "k": 4}, 128, 1e-6, 64, 5e6, bf, dt, 2),
+               qk_norm_rope_edge(2, {"q": (64, 128, bf), "k": (4, 128, bf), "index_q": (4, 128, bf),
+                                     "index_k": (1, 128, bf)}, 1e-6, 64, 5e6, dt, 2),
                final_norm_edge(60, 6144, 1e-6, bf, dt, 3)]
     manifest = {"format": FORMAT, "numerics": {"dtype": dtype, "act_quant": "none", "kv_scale": 1.0},
                 "ops": NORM_OPS, "tolerance_rule": TOLERANCE_RULE}

@@ -293,8 +293,8 @@ def run(entry) -> dict[str, torch.Tensor]:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             if f"{norm}.x" in t:
                 out[f"{norm}.y"] = to_dtype(rmsnorm(t[f"{norm}.x"], t[f"{norm}.weight"], p["eps"]), dt)  # one rounding
-    elif op == "qk_norm_rope":
-        for a in ("q", "k"):
+    elif op == "qk_norm_rope":  # q, k; on MSA layers the indexer's index_q [B, T, Hkv, Di], index_k [B, T, 1, Di]
+        for a in (a for a in ("q", "k", "index_q", "index_k") if a in t):
             normed = to_dtype(rmsnorm(t[a], t[f"{a}_norm.weight"], p["eps"]), dt)  # the layer's rounding point
             out[f"{a}_normed"] = normed
             out[f"{a}_rope"] = rope(normed, t["cos"], t["sin"])

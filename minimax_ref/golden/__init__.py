@@ -23,17 +23,21 @@ inputs and outputs are written to `{op}/layer{L:03d}_{phase}.safetensors`:
 | `nvfp4_linear` | NVFP4 experts | recomputed from the MoE's input | `x`, `w1.*` (packed), `y`; `h`, `w2.*`, `y2` |
 | `qk_norm_rope` | all | hooks on `self_attn`, `q_norm`, `k_norm` | `q`, `k`, `{q,k}_norm.weight`, `positions`, `cos`, |
 | | | (RoPE applied to the norms' outputs) | `sin`, `{q,k}_normed`, `{q,k}_rope` |
+| | MSA: also | `index_q_norm`, `index_k_norm` | `index_q` [B,T,Hkv,Di], `index_k` [B,T,1,Di], |
+| | | | `index_{q,k}_norm.weight`, `index_{q,k}_normed`, `index_{q,k}_rope` |
 | `final_norm` | the head (N) | hook on `model.norm` | `x`, `weight`, `y` |
 | `logits` | the head (N) | hook on `lm_head`, run on each row's sampled row | `x` [B, hidden], `w.*`, `logits` [B, V] |
 
 Each chosen norm op (`rmsnorm`, `qk_norm_rope`, `final_norm`) also gets one entry in phase `edge`
-(`{op}/layer{L:03d}_edge.safetensors`: the first chosen layer, the head for `final_norm`): built rows and weights,
+(`{op}/layer{L:03d}_edge.safetensors`: the first chosen layer; for `qk_norm_rope` the first chosen MSA layer, whose
+entry also covers the indexer's norms, when one is chosen; the head for `final_norm`): built rows and weights,
 not the forward's, on which a norm kernel with the wrong eps or a bf16 `(1 + w)` fails (`norm_edges`; in a bfloat16
 bundle their bfloat16 tolerance is `contract.EDGE_TOLERANCE`).
 
 The head's ops (`HEAD_OPS`) belong to no decoder layer: their entries read layer N = num_hidden_layers and their
 weights are in `weights/layer{N:03d}.safetensors`; `--layers` (decoder layers) does not select them, `--ops` does.
-Norm weights (q_norm, k_norm, the final norm) are stored once, under their checkpoint names, as the LM head's.
+Norm weights (q_norm, k_norm, index_q_norm, index_k_norm, the final norm) are stored once, under their checkpoint
+names, as the LM head's.
 
 Packed operands are stored once per bundle, in `weights/layer{L:03d}.safetensors` under
 `{checkpoint prefix}.{weight, weight_scale, weight_scale_2, input_scale}`; the manifest row of an entry

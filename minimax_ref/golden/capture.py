@@ -26,7 +26,7 @@ from .contract import (
     TOLERANCE_RULE,
     producer,
 )
-from .norm_edges import EDGES_NOTE, NORM_OPS, final_norm_edge, qk_norm_rope_edge, rmsnorm_edge
+from .norm_edges import EDGES_NOTE, NORM_OPS, QK_NORMS, final_norm_edge, qk_norm_rope_edge, rmsnorm_edge
 from .operands import (
     Entry,
     block_table,
@@ -92,7 +92,7 @@ class _Capture:
             if "qk_norm_rope" in self.ops:
                 attn = layer.self_attn
                 self.handles.append(attn.register_forward_pre_hook(self._rope_tables_hook(L), with_kwargs=True))
-                for which in ("q", "k"):
+                for which in QK_NORMS if attn.sparse else QK_NORMS[:2]:  # MSA layers: the indexer's norms too
                     self.handles.append(getattr(attn, f"{which}_norm").register_forward_hook(
                         self._qk_norm_hook(L, which)))
             if "mxfp8_linear" in self.ops:
@@ -167,8 +167,10 @@ class _Capture:
         return hook
 
     def _qk_norm_hook(self, L: int, which: str):
-        """Layer L's per-head `q_norm` / `k_norm`: its input and output, and RoPE applied to the output with the
-        layer's tables, the call `Attention.qkv` makes next (a pure function of what it records here)."""
+        """Layer L's per-head norm `{which}_norm` (`QK_NORMS`: q, k, and on MSA layers the indexer's index_q [B, T,
+        kv_heads, Di] and index_k [B, T, 1, Di], the head axis of 1 kept as the norm sees it): its input and output,
+        and RoPE applied to the output with the layer's tables, the call `Attention.qkv` / `Attention.index_qk`
+        makes next (a pure function of what it records here)."""
         from ..model.rope import apply_rope
 
         def hook(module, args, out):
@@ -434,8 +436,10 @@ ROWS_NOTE = ("the prompts run as one right-padded batch [B, T] (T the longest pr
 
 
 def norm_edge_entries(model, ck, ops: Sequence[str], layers: Sequence[int], seed: int) -> list[Entry]:
-    """The edge entries (phase `edge`, `norm_edges`) of the chosen norm ops: rmsnorm and qk_norm_rope at the first
-    chosen layer, final_norm at the head; the dimensions, eps and weight dtypes of the model's own norms."""
+    """The edge entries (phase `edge`, `norm_edges`) of the chosen norm ops: rmsnorm at the first chosen layer,
+    qk_norm_rope at the first chosen MSA layer (its q / k norms and the indexer's) or, with none chosen, at the first
+    chosen layer (q / k only), final_norm at the head; the dimensions, eps and weight dtypes of the model's own
+    norms."""
     text, dtype = model.text, model.dtype
     out = []
     if layers and "rmsnorm" in ops:
@@ -443,13 +447,16 @@ def norm_edge_entries(model, ck, ops: Sequence[str], layers: Sequence[int], seed
         norms = {n: (m.weight.numel(), m.eps, m.weight.dtype)
                  for n in ("input_layernorm", "post_attention_layernorm") for m in [getattr(model.layers[L], n)]}
         out.append(rmsnorm_edge(L, norms, dtype, seed + 101))
-    qn = getattr(model.layers[min(layers)].self_attn, "q_norm", None) if layers else None
-    if qn is not None and "qk_norm_rope" in ops:
-        L = min(layers)
-        wdtype = ck.read(f"{TEXT_PREFIX}layers.{L}.self_attn.q_norm.weight").dtype
-        out.append(qk_norm_rope_edge(L, {"q": text.num_attention_heads, "k": text.num_key_value_heads},
-                                     qn.weight.numel(), qn.eps, text.rotary_dim, text.rope_theta, wdtype, dtype,
-                                     seed + 102))
+    sparse = [L for L in layers if text.sparse_layers[L]]
+    L = min(sparse or layers, default=None)
+    attn = model.layers[L].self_attn if L is not None else None
+    if attn is not None and hasattr(attn, "q_norm") and "qk_norm_rope" in ops:
+        heads = {"q": text.num_attention_heads, "k": text.num_key_value_heads, "index_q": text.num_key_value_heads,
+                 "index_k": 1}
+        norms = {which: (heads[which], getattr(attn, f"{which}_norm").weight.numel(),
+                         ck.read(f"{TEXT_PREFIX}layers.{L}.self_attn.{which}_norm.weight").dtype)
+                 for which in (QK_NORMS if attn.sparse else QK_NORMS[:2])}
+        out.append(qk_norm_rope_edge(L, norms, attn.q_norm.eps, text.rotary_dim, text.rope_theta, dtype, seed + 102))
     if "final_norm" in ops:
         wdtype = ck.read(f"{TEXT_PREFIX}norm.weight").dtype
         out.append(final_norm_edge(len(model.layers), model.norm.weight.numel(), model.norm.eps, wdtype, dtype,

@@ -161,13 +161,18 @@ CONTRACTS = {
                    "cos, sin fp32 [B, T, r] = cos / sin of cat(a, a), a[..., i] = fp32(positions) * inv_freq[i], "
                    "inv_freq[i] = 1 / rope_theta^(2i / r) in fp32 (i < r / 2): the stored tables are those; a kernel "
                    "that computes its own must compute them so (at long positions an ulp of inv_freq moves the "
-                   "angle past the tolerance)",
-        "accumulation": "fp32: mean of squares over each head's D channels in fp32; the rotation elementwise in fp32",
+                   "angle past the tolerance). MSA layers: the lightning indexer's queries index_q [B, T, Hkv, Di] "
+                   "and key index_k [B, T, 1, Di] alike, each with its own weight (index_q_norm.weight, "
+                   "index_k_norm.weight [Di]) over each index head's Di channels, then the same rotation (the same "
+                   "tables and rotary_dim) giving index_q_normed / index_q_rope and index_k_normed / index_k_rope; "
+                   "the same eps",
+        "accumulation": "fp32: mean of squares over each head's D (index heads: Di) channels in fp32; the rotation "
+                        "elementwise in fp32",
         "rounding": {"float32": "all fp32",
                      "bfloat16": "q, k (bf16) read as fp32; q_normed = bf16(the norm in fp32), rounded once as the "
                                  "layer hands it to RoPE; q_rope = bf16(the rotation in fp32 of q_normed as rounded): "
-                                 "two rounding points (k alike). A fused kernel that keeps the normed value in fp32 "
-                                 "and rounds once differs within the bfloat16 tolerance"},
+                                 "two rounding points (k, index_q, index_k alike). A fused kernel that keeps the "
+                                 "normed value in fp32 and rounds once differs within the bfloat16 tolerance"},
     },
     "final_norm": {
         "formula": "the model's final norm on the residual stream after the last decoder layer: y = (x * "
@@ -277,9 +282,10 @@ FP64 = {
     "attention": "scores, softmax and value sum in fp64 from q, k, v as stored",
     "indexer": "scores = iq . ik in fp64 (-inf at future keys); blocks have no fp64 version",
     "msa": "attention over the reference's selected blocks in fp64 from q, k, v as stored",
-    "qk_norm_rope": "q_normed, k_normed in fp64 from q, k (as stored) and the weights; q_rope, k_rope = the rotation "
-                    "in fp64 of the fp64 normed values (no rounding between norm and rotation) with cos, sin as "
-                    "stored (the fp32 tables kept)",
+    "qk_norm_rope": "q_normed, k_normed (MSA layers: index_q_normed, index_k_normed too) in fp64 from q, k "
+                    "(index_q, index_k) as stored and the weights; q_rope, k_rope (index_q_rope, index_k_rope) = "
+                    "the rotation in fp64 of the fp64 normed values (no rounding between norm and rotation) with "
+                    "cos, sin as stored (the fp32 tables kept)",
     "final_norm": "y in fp64 from x (as stored) and weight; no rounding to the compute dtype",
     "logits": "x (as stored) @ W^T with W decoded in fp64 (a bf16 weight: its values), accumulated in fp64; no "
               "rounding to the compute dtype",

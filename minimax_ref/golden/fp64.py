@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..weights.checkpoint import DENSE, NVFP4
+from .norm_edges import QK_NORMS
 from .operands import Entry, decode_operand, quantized_input
 
 
@@ -79,7 +80,7 @@ def fp64_outputs(op: str, t: dict[str, torch.Tensor], p: dict, emulate: bool) ->
         chosen = torch.sigmoid(logits).gather(-1, t["expert_ids"].long())
         out.update(logits=logits, weights=chosen / chosen.sum(-1, keepdim=True))
     elif op == "qk_norm_rope":
-        for which in ("q", "k"):
+        for which in (w for w in QK_NORMS if w in t):  # q, k; index_q, index_k on MSA layers
             normed = rms_norm64(t[which], t[f"{which}_norm.weight"], p["eps"])
             out[f"{which}_normed"] = normed
             out[f"{which}_rope"] = _rope64(normed, t["cos"], t["sin"])

@@ -226,6 +226,22 @@ TENSORS: dict[str, dict[str, str]] = {
         "q_rope, k_rope": "output, [B, T, H, D] (compute dtype): the normed heads with their first rotary_dim "
                           "channels rotated (the rest as q_normed / k_normed): what attention takes as queries "
                           "and writes to the cache as keys",
+        "index_q": "MSA layers only: [B, T, Hkv, Di] the lightning indexer's queries before their norm: "
+                   "index_q_proj's output split into index heads (one per kv head; compute dtype)",
+        "index_k": "MSA layers only: [B, T, 1, Di] this step's indexer key before its norm: index_k_proj's output "
+                   "with a head axis of 1, the shape the per-head norm takes (the indexer's keys drop that axis: "
+                   "[B, L, Di])",
+        "index_q_norm.weight, index_k_norm.weight": "MSA layers only: [Di] the indexer norms' Gemma offset weights "
+                                                    "w, applied as (1 + w); the checkpoint's tensors as stored "
+                                                    "(bf16 in the release), read as fp32",
+        "index_q_normed, index_k_normed": "MSA layers only: output, [B, T, Hkv, Di] / [B, T, 1, Di] (compute "
+                                          "dtype): each index head RMS-normalised over its Di channels with "
+                                          "(1 + w), before RoPE",
+        "index_q_rope, index_k_rope": "MSA layers only: output, [B, T, Hkv, Di] / [B, T, 1, Di] (compute dtype): "
+                                      "the normed index heads with their first rotary_dim channels rotated by the "
+                                      "same tables (the rest as index_q_normed / index_k_normed): what the indexer "
+                                      "takes as its queries iq, and, without the head axis of 1, writes to its "
+                                      "cache as the keys ik",
     },
     "final_norm": {
         "x": "[B, T, hidden] the residual stream after the last decoder layer (compute dtype)",

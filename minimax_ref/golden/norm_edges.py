@@ -18,7 +18,8 @@ one that leaves its fp32 value unrounded is within half a bf16 ulp (<= 2^-8 rela
 value across a midpoint in many elements, one ulp (> 2^-8 relative) away. Hence the edge entries' bfloat16
 tolerance in bfloat16 bundles, `contract.EDGE_TOLERANCE`: rtol 2^-8, atol 0. The q / k edge rows sit at position 0
 (cos 1, sin 0): the rotation is the identity, so `{q,k}_rope` = `{q,k}_normed` and a fused norm + RoPE kernel
-(one rounding) matches exactly too.
+(one rounding) matches exactly too. On an MSA layer the qk_norm_rope entry's rows cover the lightning indexer's
+index_q / index_k norms as well (`QK_NORMS`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ import torch
 from .operands import Entry
 
 NORM_OPS = ("rmsnorm", "qk_norm_rope", "final_norm")
+
+
+# The per-head norms of a qk_norm_rope entry, by tensor-name prefix (`{which}`, `{which}_norm.weight`,
+# `{which}_normed`, `{which}_rope`): the attention's q / k norms on every layer, the lightning indexer's
+# index_q / index_k norms on MSA layers only.
+QK_NORMS = ("q", "k", "index_q", "index_k")
 
 
 EDGE_PHASE = "edge"
@@ -45,17 +52,20 @@ MARGIN = 2**-13  # every exact output is at least this far (relative) from a bf1
 
 
 # The manifest's `norm_edges` (model-driven bundles with a norm op).
-EDGES_NOTE = ("entries of phase 'edge' (params.edge 'norm-rows'): one per chosen norm op (rmsnorm and qk_norm_rope "
-              "at the first chosen layer, final_norm at the head), built rows rather than the forward's, in the "
+EDGES_NOTE = ("entries of phase 'edge' (params.edge 'norm-rows'): one per chosen norm op (rmsnorm at the first "
+              "chosen layer; qk_norm_rope at the first chosen MSA layer, with the indexer's index_q / index_k norms "
+              "besides q / k, or, no MSA layer chosen, at the first chosen layer with q / k only; final_norm at the "
+              "head), built rows rather than the forward's, in the "
               "entries' usual layout with B = 1 and T = 4 tokens: row kinds zero (x = 0), eps/4 and eps "
               "(mean(x^2) = eps / 4, = eps: eps dominates, so a wrong or missing eps fails) and unit (x ~ N(0, 1)), "
-              "per head for q / k (head h of token t: kind (t + h) % 4); the norm weights are the entry's own, not "
+              "per head for q / k / index_q / index_k (head h of token t: kind (t + h) % 4); the norm weights are "
+              "the entry's own, not "
               "the layer's: w = +-m * 2^-e (m in 1, 3, 5, 7; e in 9..12), exact in bf16 while 1 + w is not, so a "
               "(1 + w) rounded to bf16 fails; each row's values are arranged so that every output's exact value is "
               "at least 2^-13 (relative) from a bf16 rounding midpoint, whence the bfloat16 tolerance of these "
               "entries in a bfloat16 bundle: rtol 2^-8, atol 0 (a correct kernel rounds to the reference's value, "
-              "or stays within half an ulp unrounded; another bf16 value is one ulp, > 2^-8, off). q / k rows sit at "
-              "position 0 (cos 1, sin 0): {q,k}_rope = {q,k}_normed")
+              "or stays within half an ulp unrounded; another bf16 value is one ulp, > 2^-8, off). q / k / index_q / "
+              "index_k rows sit at position 0 (cos 1, sin 0): each X_rope = X_normed")
 
 
 def edge_weight(dim: int, g: torch.Generator) -> torch.Tensor:
@@ -176,11 +186,13 @@ def final_norm_edge(layer: int, H: int, eps: float, wdtype: torch.dtype, dtype: 
     return e
 
 
-def qk_norm_rope_edge(layer: int, heads: dict[str, int], D: int, eps: float, rotary_dim: int, rope_theta: float,
-                      wdtype: torch.dtype, dtype: torch.dtype, seed: int) -> Entry:
-    """The qk_norm_rope edge entry: `q` [1, R, Hq, D], `k` [1, R, Hkv, D] (head h of token t: row kind
-    ROWS[(t + h) % 4]), edge `{q,k}_norm.weight` [D], positions 0 (the tables cos 1, sin 0), and the outputs as the
-    layer computes them (`gemma_rms_norm`, then `apply_rope`)."""
+def qk_norm_rope_edge(layer: int, norms: dict[str, tuple[int, int, torch.dtype]], eps: float, rotary_dim: int,
+                      rope_theta: float, dtype: torch.dtype, seed: int) -> Entry:
+    """The qk_norm_rope edge entry: for each per-head norm `which` -> (heads, head dim D, weight dtype) of `norms`
+    (`QK_NORMS`: q [1, R, Hq, D], k [1, R, Hkv, D]; on an MSA layer also index_q [1, R, Hkv, Di] and index_k
+    [1, R, 1, Di]), the input `{which}` (head h of token t: row kind ROWS[(t + h) % 4]) and an edge weight
+    `{which}_norm.weight` [D], positions 0 (the tables cos 1, sin 0), and the outputs `{which}_normed`,
+    `{which}_rope` as the layer computes them (`gemma_rms_norm`, then `apply_rope`)."""
     from ..model.norm import gemma_rms_norm
     from ..model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -189,7 +201,7 @@ def qk_norm_rope_edge(layer: int, heads: dict[str, int], D: int, eps: float, rot
     positions = torch.zeros(1, R, dtype=torch.long)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(rotary_dim, rope_theta))
     e = Entry("qk_norm_rope", layer, EDGE_PHASE)
-    for which, n_heads in heads.items():
+    for which, (n_heads, D, wdtype) in norms.items():
         w = edge_weight(D, g).to(wdtype)
         x = _norm_input(_kinds(R, n_heads), (1, R, n_heads), w, eps, g, dtype)
         normed = gemma_rms_norm(x, w, eps)

@@ -14,6 +14,7 @@ from ..weights.checkpoint import DENSE, NVFP4
 from .bundle import check_sha256, entry_tensors, read_bundle_manifest
 from .contract import error_sizes, same
 from .fp64 import fp64_outputs
+from .norm_edges import QK_NORMS
 from .operands import (
     activation_codes,
     decode_fused,
@@ -156,14 +157,14 @@ def _replay_outputs(t: dict, p: dict, op: str, dtype: torch.dtype, emulate: bool
 
 def _replay_qk_norm_rope(t: dict, p: dict) -> list[Check]:
     """The RoPE tables again from the positions (inputs, checked: a kernel may compute its own), then each head's
-    norm and the rotation of the normed value as the layer computes them (`norm.gemma_rms_norm`,
-    `rope.apply_rope`)."""
+    norm (q, k and, on MSA layers, the indexer's index_q, index_k) and the rotation of the normed value as the layer
+    computes them (`norm.gemma_rms_norm`, `rope.apply_rope`)."""
     from ..model.norm import gemma_rms_norm
     from ..model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
     cos, sin = rope_cos_sin(t["positions"], rope_inv_freq(p["rotary_dim"], p["rope_theta"]))
     checks = [("cos", cos, t["cos"]), ("sin", sin, t["sin"])]
-    for which in ("q", "k"):
+    for which in (w for w in QK_NORMS if w in t):  # q, k; index_q, index_k on MSA layers
         normed = gemma_rms_norm(t[which], t[f"{which}_norm.weight"], p["eps"])
         checks += [(f"{which}_normed", normed, t[f"{which}_normed"]),
                    (f"{which}_rope", apply_rope(normed, t["cos"], t["sin"]), t[f"{which}_rope"])]

@@ -190,15 +190,18 @@ def test_empty_slots_leave_each_request_as_it_is_alone(model, monkeypatch):
 
 def test_compiled_models_round_their_slots_to_powers_of_two():
     """`FastMiniMaxM3.batch_slots`: with compiled layers (a compile per batch size) the request count rounded up to
-    a power of two within the batch limit; without them the request count."""
+    a power of two within the batch limit; without them, or offloaded (an empty slot's experts would stream), the
+    request count."""
     from minimax_ref.fast.model import FastMiniMaxM3
 
     compiled, eager = SimpleNamespace(compiled=object()), SimpleNamespace(compiled=None)
+    offloaded = SimpleNamespace(compiled=object(), offload=object())
     cases = {(1, 41): 1, (2, 41): 2, (3, 41): 4, (5, 41): 8, (17, 41): 32, (32, 41): 32, (33, 41): 41, (6, 6): 6,
              (5, 6): 6, (64, 64): 64}
     for (n, limit), want in cases.items():
         assert FastMiniMaxM3.batch_slots(compiled, n, limit) == want, (n, limit)
         assert FastMiniMaxM3.batch_slots(eager, n, limit) == n
+        assert FastMiniMaxM3.batch_slots(offloaded, n, limit) == n
 
 
 def test_requests_admitted_together_share_prefill_forwards(model):

@@ -149,8 +149,8 @@ class FastMiniMaxM3(MiniMaxM3):
         """The slots of a call of `requests` (at most `limit`) sequences: with compiled layers (a compile of a minute
         or more for each batch size, here and in the cache a later process reads) the next power of two within
         `limit`, so few batch sizes ever compile; otherwise `requests` (an empty slot still costs its share of a
-        step)."""
-        if self.compiled is None:
+        step), and so for an offloaded model too (an empty slot's experts would be copied to the GPU every step)."""
+        if self.compiled is None or getattr(self, "offload", None) is not None:
             return requests
         return min(limit, 1 << max(0, requests - 1).bit_length())
 

@@ -342,6 +342,25 @@ def test_a_packed_weight_of_another_integer_dtype_names_the_dtype_it_needs(tiny_
     assert len(err.problems) == 1, err.problems
 
 
+def test_tensors_of_another_layer_schedule_say_what_the_config_makes_the_layer(tiny_bf16, tmp_path):
+    """A config whose layer schedule disagrees with the shards (a layer dense in moe_layer_freq, MSA switched off by
+    use_sparse_attention=false) names, on each unexpected tensor, what the config makes that layer."""
+    ck = _copy(tiny_bf16, tmp_path)
+    raw = json.loads((ck / "config.json").read_text())
+    raw["text_config"]["moe_layer_freq"] = [0, 0, 1, 1]
+    raw["text_config"]["sparse_attention_config"]["use_sparse_attention"] = False
+    (ck / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError) as e:
+        load_model(ck)
+    unexpected = [p for p in e.value.problems if p.startswith("unexpected tensor")]
+    moe = [p for p in unexpected if LAYER1 + "block_sparse_moe." in p]
+    index = [p for p in unexpected if LAYER1 + "self_attn.index_" in p]
+    assert moe and all(p.endswith("(an MoE tensor, but config.json makes layer 1 a dense-MLP layer)") for p in moe)
+    assert index and all("use_sparse_attention is false, which makes every layer dense attention" in p
+                         for p in index)
+    assert len(moe) + len(index) + sum("layers.2." in p or "layers.3." in p for p in unexpected) == len(unexpected)
+
+
 def test_extra_unknown_tensor_and_ignored_mtp(tiny_nvfp4, tmp_path):
     ck = _copy(tiny_nvfp4, tmp_path)
     name = LAYER1 + "self_attn.q_norm.weight"
@@ -683,6 +702,29 @@ def test_synth_is_deterministic_and_seed_dependent(tmp_path):
     shards = [f for f in files if f.endswith(".safetensors")]
     assert len(shards) > 1, "the tiny preset spans several shards so the index is exercised"
     assert any((a / f).read_bytes() != (c / f).read_bytes() for f in shards)
+
+
+def test_synth_experts_below_the_preset_top_k_with_an_override():
+    """An override lowering num_experts_per_tok lets `experts` go below the preset's top-k (3 of 3)."""
+    raw = build_config("tiny", "bf16", experts=3, overrides={"num_experts_per_tok": 3})
+    cfg = parse_model_config(raw)
+    assert (cfg.text.num_local_experts, cfg.text.num_experts_per_tok) == (3, 3)
+    with pytest.raises(ConfigError, match="--experts 3 is fewer than num_experts_per_tok=4"):
+        build_config("tiny", "bf16", experts=3)
+
+
+def test_synth_refuses_a_format_that_cannot_store_the_shapes(tmp_path):
+    """hidden 112 is no whole number of MXFP8 groups (32) and experts of 40 columns none of NVFP4 groups (16): the
+    writer refuses up front naming the linears, instead of failing inside the quantizer on the first tensor."""
+    overrides = {"hidden_size": 112, "projector_hidden_size": 112, "intermediate_size": 40}
+    with pytest.raises(ConfigError) as e:
+        write_checkpoint(tmp_path / "ck", "tiny", "nvfp4", overrides=overrides)
+    message = str(e.value)
+    assert message.startswith("--format nvfp4 cannot store this model")
+    assert "self_attn.q_proj (mxfp8): 112 input columns are not a multiple of the quantization group of 32" in message
+    assert "experts.*.w2 (nvfp4): 40 input columns are not a multiple of the quantization group of 16" in message
+    assert not (tmp_path / "ck").exists()
+    assert parse_model_config(build_config("tiny", "bf16", overrides=overrides)).text.hidden_size == 112
 
 
 def test_release_tensor_count_matches_the_release():

@@ -448,3 +448,16 @@ def test_a_tokenizer_larger_than_the_model_is_refused_where_it_reaches_past(tiny
     with pytest.raises(ConfigError, match=r"prompts\[0\]: the tokenizer \(.*big, 1500 ids\) encodes it with ids "
                                           r"past the model's vocab_size 1024"):
         mr.generate(model, tok, ["hi"], chat=True, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--synthetic-experts", "3", "error: --synthetic-experts 3 is fewer than num_experts_per_tok=4 (of "
+                                 "--synthetic-weights tiny)"),
+    ("--synthetic-layers", "0", "error: --synthetic-layers 0 must be >= 1 (of --synthetic-weights tiny)"),
+])
+def test_a_bad_synthetic_shape_names_the_flag_given(capsys, flag, value, message):
+    """The synthetic model's shape is refused naming --synthetic-experts / --synthetic-layers, the flags of this
+    command, not `synth`'s --experts / --layers."""
+    assert main(["generate", "--synthetic-weights", "tiny", flag, value, "--prompt", "Hi",
+                 "--max-new-tokens", "1"]) == 2
+    assert message in capsys.readouterr().err.splitlines()

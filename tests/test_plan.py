@@ -376,3 +376,20 @@ def test_offload_only_flags_without_offload_are_refused(tmp_path, capsys, extra,
     err = capsys.readouterr().err
     assert f"{named} size an offloaded run" in err and "--offload cpu|disk" in err
     assert main(base + extra + ["--offload", "cpu"]) in (0, 1)  # planned (whether it fits is the plan's answer)
+
+
+def test_a_format_whose_groups_do_not_tile_a_linear_is_refused_at_one_card(capsys, tmp_path):
+    """hidden 112 with MXFP8 attention (groups of 32) and routed experts of 40 columns in NVFP4 (groups of 16): no
+    checkpoint can store those linears, so plan says it does not run, even at --tp 1 where nothing is split."""
+    raw = build_config("tiny", "bf16", overrides={"hidden_size": 112, "projector_hidden_size": 112,
+                                                   "intermediate_size": 40})
+    raw["quantization_config"] = build_config("tiny", "nvfp4")["quantization_config"]  # names the same linears
+    plan = plan_memory(parse_model_config(raw), tp=1, gpu_memory_gib=1, max_model_len=64, activation_reserve_gib=0)
+    assert not plan["runs"]
+    problems = plan["problems"]
+    assert any("self_attn.q_proj (mxfp8): 112 input columns are not a multiple of the quantization group of 32"
+               in p and "L = layers 0-3" in p for p in problems), problems
+    assert any("experts.*.w2 (nvfp4): 40 input columns are not a multiple of the quantization group of 16" in p
+               for p in problems), problems
+    assert plan_memory(parse_model_config(build_config("tiny", "nvfp4")), tp=1, gpu_memory_gib=1,
+                       max_model_len=64, activation_reserve_gib=0)["runs"]

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import ConfigError, InputError
 from .arg_types import finite_float, positive_int
 
 
@@ -125,8 +126,15 @@ def load_from_args(args: argparse.Namespace, world=None):
         raise InputError("give --ckpt-path or --synthetic-weights, not both")
     if preset not in PRESETS:
         raise InputError(f"--synthetic-weights {preset!r}: choose one of {sorted(PRESETS)}")
-    model = load_synthetic(preset, format=args.synthetic_format, layers=args.synthetic_layers,
-                           experts=args.synthetic_experts, **common)
+    try:
+        model = load_synthetic(preset, format=args.synthetic_format, layers=args.synthetic_layers,
+                               experts=args.synthetic_experts, **common)
+    except ConfigError as e:
+        # build_config names the flags of `minimax-ref synth` (--experts, --layers); here they are --synthetic-*
+        message = re.sub(r"^--(experts|layers) ", r"--synthetic-\1 ", str(e))
+        if message == str(e):
+            raise
+        raise ConfigError(f"{message} (of --synthetic-weights {preset})") from None
     report_load(model, fast)
     # the tokenizer covers every id the model can emit: random weights sample from the whole vocabulary
     return model, load_tokenizer(synthetic_tokenizer_dir(model.config.text.vocab_size)), None

@@ -329,6 +329,22 @@ def tp_split_problems(cfg: ModelConfig, linear_formats: Mapping[str, tuple[Linea
     return once_across_layers(problems)
 
 
+def unstorable_linears(linear_formats: Mapping[str, tuple[LinearSpec, str]]) -> list[str]:
+    """The linears whose stored format's block scales do not tile their input columns (NVFP4: K % 16, MXFP8: K % 32),
+    so that no checkpoint can hold them in that format, at any tensor parallelism; [] when every one fits.
+    linear_formats: prefix -> (its `checkpoint.LinearSpec`, its format "bf16" / "mxfp8" / "nvfp4")."""
+    problems: list[str] = []
+    for prefix, (spec, fmt) in linear_formats.items():
+        group = QUANT_GROUP.get(fmt)
+        if group and spec.in_features % group:
+            name = re.sub(r"\.experts\.\d+\.", ".experts.*.", prefix)
+            problem = (f"{name} ({fmt}): {spec.in_features} input columns are not a multiple of the quantization "
+                       f"group of {group}: no checkpoint can hold this linear in that format")
+            if problem not in problems:
+                problems.append(problem)
+    return once_across_layers(problems)
+
+
 def once_across_layers(problems: list[str]) -> list[str]:
     """`problems` with those that differ only in the layer they name said once, naming the layers (one rule broken by
     a module of every layer would otherwise repeat once a layer)."""

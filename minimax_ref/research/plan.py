@@ -201,18 +201,22 @@ def plan_memory(cfg: ModelConfig, *, tp: int, gpu_memory_gib: float, max_model_l
 
 def run_problems(cfg: ModelConfig, groups: list[TensorBytes], *, tp: int, expert_parallel: bool,
                  weights_per_card: float, budget: float, usable: float, fits: bool, max_model_len: int) -> list[str]:
-    """Why the planned deployment cannot run ([] when it can): the loader's own tensor-parallel split rules
+    """Why the planned deployment cannot run ([] when it can): linears whose format cannot store their shape
+    (`parallel.unstorable_linears`), the loader's own tensor-parallel split rules
     (`parallel.tp_split_problems`, with each linear's planned format), weights that exceed the card's budget,
     and a `max_model_len` sequence that does not fit the KV pool or the position limit."""
-    from ..model.parallel import tp_split_hint, tp_split_problems
+    from ..model.parallel import tp_split_hint, tp_split_problems, unstorable_linears
 
     linears, _ = tensor_table(cfg)
     fmt = {g.name: g.fmt for g in groups}
-    problems = tp_split_problems(cfg, {prefix: (spec, fmt[prefix]) for prefix, spec in linears.items()}, tp,
-                                 expert_parallel)
+    formats = {prefix: (spec, fmt[prefix]) for prefix, spec in linears.items()}
+    # a linear whose format's block scales do not tile its input columns has no on-disk form (one card or many)
+    unstorable = unstorable_linears(formats)
+    problems = tp_split_problems(cfg, formats, tp, expert_parallel)
     if problems:
         hint = tp_split_hint(problems, expert_parallel)
         problems = [f"cannot split over {tp} tensor-parallel ranks ({hint}): {p}" for p in problems]
+    problems = unstorable + problems
     if weights_per_card > budget:
         problems.append(f"weights need {weights_per_card / GIB:.2f} GiB per card, more than the card's "
                         f"{budget / GIB:.2f} GiB budget (--gpu-memory x --gpu-memory-utilization): use more cards")

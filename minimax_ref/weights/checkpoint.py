@@ -689,6 +689,27 @@ def placed(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | Non
     return t.to(device=device, dtype=dtype, copy=True)
 
 
+def _unexpected_why(cfg: ModelConfig, name: str) -> str:
+    """Why tensor `name` is not part of the model `cfg` describes: for a layer's MSA indexer or MLP tensors, what the
+    config says that layer is (a tensor of the other kind of layer points at the layer schedule)."""
+    m = re.search(r"\blayers\.(\d+)\.(self_attn\.index_|block_sparse_moe\.|mlp\.)", name)
+    t = cfg.text
+    if m is None or int(m.group(1)) >= t.num_hidden_layers:
+        return "not part of this model's config"
+    layer, kind = int(m.group(1)), m.group(2)
+    if kind == "self_attn.index_" and not t.sparse_layers[layer]:
+        sac = (cfg.raw.get("text_config") or {}).get("sparse_attention_config") or {}
+        if sac.get("use_sparse_attention") is False and any(sac.get("sparse_attention_freq") or []):
+            return ("an MSA indexer tensor, but sparse_attention_config.use_sparse_attention is false, which makes "
+                    "every layer dense attention: set it true to load the indexers")
+        return f"an MSA indexer tensor, but config.json makes layer {layer} a dense-attention layer"
+    if kind == "block_sparse_moe." and not t.moe_layers[layer]:
+        return f"an MoE tensor, but config.json makes layer {layer} a dense-MLP layer"
+    if kind == "mlp." and t.moe_layers[layer]:
+        return f"a dense-MLP tensor, but config.json makes layer {layer} an MoE layer"
+    return "not part of this model's config"
+
+
 def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     """Open and validate a checkpoint folder (headers only: no tensor data is read).
 
@@ -759,7 +780,7 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
             problems.append(f"unexpected tensor {n} in {tensors[n].shard}: expert {m.group(1)} but "
                             f"num_local_experts={E}")
         else:
-            problems.append(f"unexpected tensor {n} in {tensors[n].shard} (not part of this model's config)")
+            problems.append(f"unexpected tensor {n} in {tensors[n].shard} ({_unexpected_why(cfg, n)})")
     # An unreadable shard is the cause of what it held going missing: its line comes first and counts them, and
     # those tensors are not listed one by one (`UnreadableShards.covers`); other problems follow as they are.
     lines = list(unreadable.lines.values())

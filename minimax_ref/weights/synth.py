@@ -114,8 +114,6 @@ def build_config(preset: str, fmt: str = "bf16", experts: int | None = None, lay
     p = PRESETS[preset]
     text = json.loads(json.dumps(p.text))
     if experts is not None:
-        if experts < text["num_experts_per_tok"]:
-            raise ConfigError(f"--experts {experts} is fewer than num_experts_per_tok={text['num_experts_per_tok']}")
         text["num_local_experts"] = experts
     if layers is not None:
         n_dense = text["moe_layer_freq"].count(0)
@@ -133,6 +131,9 @@ def build_config(preset: str, fmt: str = "bf16", experts: int | None = None, lay
             text["sparse_attention_config"][key] = value
         else:
             text[key] = value
+    # checked once the overrides are in: an override may lower num_experts_per_tok to fit `experts`
+    if experts is not None and experts < text["num_experts_per_tok"]:
+        raise ConfigError(f"--experts {experts} is fewer than num_experts_per_tok={text['num_experts_per_tok']}")
     sid = special_ids or {}
     if "turn_end" in sid:
         text["eos_token_id"] = sid["turn_end"]
@@ -160,7 +161,14 @@ def build_config(preset: str, fmt: str = "bf16", experts: int | None = None, lay
     if vision is not None:
         raw["vision_config"] = vision
     if fmt != "bf16":
+        from ..model.parallel import unstorable_linears
+
         cfg = parse_model_config(raw)
+        linears, _ = tensor_table(cfg)
+        problems = unstorable_linears({prefix: (spec, linear_format(spec, fmt)) for prefix, spec in linears.items()})
+        if problems:
+            raise ConfigError(f"--format {fmt} cannot store this model (use --format bf16, or sizes that are "
+                              "multiples of the groups): " + "; ".join(problems))
         raw["quantization_config"] = _quantization_config(cfg, fmt)
     return raw
 

@@ -23,10 +23,11 @@ from .contract import (
     MXFP8_LINEARS,
     ONE_CALL_ELEMENTS,
     OPS,
+    QK_NORMS,
     TOLERANCE_RULE,
     producer,
 )
-from .norm_edges import EDGES_NOTE, NORM_OPS, QK_NORMS, final_norm_edge, qk_norm_rope_edge, rmsnorm_edge
+from .norm_edges import EDGES_NOTE, NORM_OPS, final_norm_edge, qk_norm_rope_edge, rmsnorm_edge
 from .operands import (
     Entry,
     block_table,

@@ -24,6 +24,11 @@ ATTENTION_OPS = ("attention", "indexer", "msa")  # captured from the forward's t
 # chosen in `--ops`.
 HEAD_OPS = ("final_norm", "logits")
 
+# The per-head norms of a qk_norm_rope entry, by tensor-name prefix (`{which}`, `{which}_norm.weight`,
+# `{which}_normed`, `{which}_rope`): the attention's q / k norms on every layer, the lightning indexer's
+# index_q / index_k norms on MSA layers only.
+QK_NORMS = ("q", "k", "index_q", "index_k")
+
 
 FORMAT = "minimax-ref golden v1"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..weights.checkpoint import DENSE, NVFP4
-from .norm_edges import QK_NORMS
+from .contract import QK_NORMS
 from .operands import Entry, decode_operand, quantized_input
 
 

@@ -19,7 +19,7 @@ value across a midpoint in many elements, one ulp (> 2^-8 relative) away. Hence 
 tolerance in bfloat16 bundles, `contract.EDGE_TOLERANCE`: rtol 2^-8, atol 0. The q / k edge rows sit at position 0
 (cos 1, sin 0): the rotation is the identity, so `{q,k}_rope` = `{q,k}_normed` and a fused norm + RoPE kernel
 (one rounding) matches exactly too. On an MSA layer the qk_norm_rope entry's rows cover the lightning indexer's
-index_q / index_k norms as well (`QK_NORMS`).
+index_q / index_k norms as well (`contract.QK_NORMS`).
 """
 
 from __future__ import annotations
@@ -31,12 +31,6 @@ import torch
 from .operands import Entry
 
 NORM_OPS = ("rmsnorm", "qk_norm_rope", "final_norm")
-
-
-# The per-head norms of a qk_norm_rope entry, by tensor-name prefix (`{which}`, `{which}_norm.weight`,
-# `{which}_normed`, `{which}_rope`): the attention's q / k norms on every layer, the lightning indexer's
-# index_q / index_k norms on MSA layers only.
-QK_NORMS = ("q", "k", "index_q", "index_k")
 
 
 EDGE_PHASE = "edge"

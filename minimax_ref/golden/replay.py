@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from ..errors import InputError
 from ..weights.checkpoint import DENSE, NVFP4
 from .bundle import check_sha256, entry_tensors, read_bundle_manifest
-from .contract import error_sizes, same
+from .contract import QK_NORMS, error_sizes, same
 from .fp64 import fp64_outputs
-from .norm_edges import QK_NORMS
 from .operands import (
     activation_codes,
     decode_fused,

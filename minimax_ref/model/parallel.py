@@ -321,11 +321,7 @@ def tp_split_problems(cfg: ModelConfig, linear_formats: Mapping[str, tuple[Linea
             group, width = QUANT_GROUP.get(fmt), widths.get(key) if key else None
             if group is None or width is None or width % group == 0:
                 continue
-            name = re.sub(r"\.experts\.\d+\.", ".experts.*.", prefix)
-            problem = (f"{name} ({fmt}): {width} input columns per rank is not a multiple of the "
-                       f"quantization group of {group}")
-            if problem not in problems:
-                problems.append(problem)
+            _add_once(problems, _columns_problem(prefix, fmt, f"{width} input columns per rank is", group))
     return once_across_layers(problems)
 
 
@@ -337,12 +333,20 @@ def unstorable_linears(linear_formats: Mapping[str, tuple[LinearSpec, str]]) -> 
     for prefix, (spec, fmt) in linear_formats.items():
         group = QUANT_GROUP.get(fmt)
         if group and spec.in_features % group:
-            name = re.sub(r"\.experts\.\d+\.", ".experts.*.", prefix)
-            problem = (f"{name} ({fmt}): {spec.in_features} input columns are not a multiple of the quantization "
-                       f"group of {group}: no checkpoint can hold this linear in that format")
-            if problem not in problems:
-                problems.append(problem)
+            _add_once(problems, _columns_problem(prefix, fmt, f"{spec.in_features} input columns are", group)
+                      + ": no checkpoint can hold this linear in that format")
     return once_across_layers(problems)
+
+
+def _columns_problem(prefix: str, fmt: str, columns: str, group: int) -> str:
+    """One linear's input columns that its format's block scales do not tile, every expert of a stack said as one."""
+    name = re.sub(r"\.experts\.\d+\.", ".experts.*.", prefix)
+    return f"{name} ({fmt}): {columns} not a multiple of the quantization group of {group}"
+
+
+def _add_once(problems: list[str], problem: str) -> None:
+    if problem not in problems:
+        problems.append(problem)
 
 
 def once_across_layers(problems: list[str]) -> list[str]:

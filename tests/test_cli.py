@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from cli_fakes import capture_generate
 
 from minimax_ref.cli.main import main
 from minimax_ref.errors import InputError
@@ -140,7 +141,7 @@ def test_input_file_batch_keeps_order_and_reports_bad_lines(tiny_nvfp4, tmp_path
 
 
 def test_input_file_chat_only_keys_on_a_raw_prompt_are_refused_per_line(monkeypatch, tmp_path, capsys):
-    calls = _capture_generate(monkeypatch)
+    calls = capture_generate(monkeypatch)
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(json.dumps(r) for r in [
         {"id": "x", "prompt": "What is 2+2?", "thinking": "enabled"}, {"prompt": "b", "system": "Be brief."},
@@ -307,35 +308,8 @@ def test_zero_max_new_tokens_is_refused_before_loading(monkeypatch, capsys, flag
     assert code == 2 and err.startswith(needle) and "minimax-ref score" in err and len(err.splitlines()) == 1
 
 
-class _FakeResult:
-    token_ids, prompt_token_ids, finish_reason, stats, request = [1], [1], "stop", {}, {}
-
-    def as_dict(self):
-        return {"text": "x", "request": self.request, "stats": self.stats}
-
-
-def _capture_generate(monkeypatch):
-    """Replace the model and generate(): the requests' generate kwargs are recorded instead of run."""
-    import minimax_ref.cli.generate as cli_generate
-    import minimax_ref.generation.generate as gen
-
-    calls = []
-
-    def generate(model, tok, prompts, on_result=None, **kw):
-        calls.append({"prompts": prompts, **kw})
-        for row in range(len(prompts)):
-            on_result(row, _FakeResult())
-        return [_FakeResult() for _ in prompts]
-
-    model = type("Model", (), {"max_seq_len": 4096})()  # what the command reads of the model itself
-    tok = type("Tokenizer", (), {"eos_token_ids": (2,), "path": "tokenizer"})()  # what the command reads of it
-    monkeypatch.setattr(cli_generate, "load_from_args", lambda args: (model, tok, None))
-    monkeypatch.setattr(gen, "generate", generate)
-    return calls
-
-
 def test_input_file_zero_max_new_tokens_is_refused_per_line(monkeypatch, tmp_path, capsys):
-    calls = _capture_generate(monkeypatch)
+    calls = capture_generate(monkeypatch)
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"prompt": "a", "max_new_tokens": 0}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
     code, out, err = run(["generate", "--input-file", str(requests), "--output-format", "json"], capsys)
@@ -348,7 +322,7 @@ def test_input_file_lines_without_max_new_tokens_take_the_flag(monkeypatch, tmp_
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"prompt": "a", "max_new_tokens": 16}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
     for flags, expected in ((["--max-new-tokens", "7"], [16, 7]), ([], [16, 512])):
-        calls = _capture_generate(monkeypatch)
+        calls = capture_generate(monkeypatch)
         code, _, err = run(["generate", "--input-file", str(requests), "--output-format", "json"] + flags, capsys)
         assert code == 0, err
         assert [n for c in calls for n in c["max_new_tokens"]] == expected  # one batched call
@@ -378,7 +352,7 @@ def test_checks_that_need_no_model_come_before_loading(monkeypatch, tmp_path, ca
 
 
 def test_input_file_lines_name_their_max_new_tokens_and_image_limit(monkeypatch, tmp_path, capsys):
-    calls = _capture_generate(monkeypatch)
+    calls = capture_generate(monkeypatch)
     (tmp_path / "a.png").write_bytes(b"x")
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"prompt": "a"}) + "\n"

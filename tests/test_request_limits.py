@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from cli_fakes import capture_generate
 from PIL import Image
 
 import minimax_ref as mr
@@ -33,32 +34,6 @@ def run(args, capsys):
     code = main(args)
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def _capture_generate(monkeypatch):
-    """Replace the model and generate(): each call's arguments are recorded, and every prompt gets a stub result."""
-    import minimax_ref.cli.generate as cli_generate
-    import minimax_ref.generation.generate as gen
-
-    class Result:
-        token_ids, prompt_token_ids, finish_reason, stats, request = [1], [1], "stop", {}, {}
-
-        def as_dict(self):
-            return {"text": "x", "request": self.request, "stats": self.stats}
-
-    calls = []
-
-    def generate(model, tok, prompts, on_result=None, **kw):
-        calls.append({"prompts": prompts, **kw})
-        for row in range(len(prompts)):
-            on_result(row, Result())
-        return [Result() for _ in prompts]
-
-    model = type("Model", (), {"max_seq_len": 4096})()
-    tokenizer = type("Tokenizer", (), {"eos_token_ids": (2,), "path": "tokenizer"})()
-    monkeypatch.setattr(cli_generate, "load_from_args", lambda args: (model, tokenizer, None))
-    monkeypatch.setattr(gen, "generate", generate)
-    return calls
 
 
 # ------------------------------------------------------------------------------------------------ seeds
@@ -118,7 +93,7 @@ def test_temperatures_outside_normal_float32_are_refused_everywhere(model, tok, 
     SamplingParams(temperature=MAX_TEMPERATURE)
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"prompt": "a", "temperature": 1e-39}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
-    calls = _capture_generate(monkeypatch)
+    calls = capture_generate(monkeypatch)
     code, out, err = run(["generate", "--input-file", str(requests), "--output-format", "json"], capsys)
     assert code == 1 and [c["prompts"] for c in calls] == [["b"]]
     assert f"{requests}:1: temperature=1e-39: a positive temperature must be a normal float32" in err
@@ -166,7 +141,7 @@ def test_jsonl_lines_split_only_at_newlines(tmp_path):
 
 
 def test_input_file_lines_split_only_at_newlines(tmp_path, capsys, monkeypatch):
-    calls = _capture_generate(monkeypatch)
+    calls = capture_generate(monkeypatch)
     requests = tmp_path / "requests.jsonl"
     requests.write_bytes(_awkward_jsonl([{"prompt": "one\u2028two"}, {"prompt": "three\u2029\x85four"}])
                          + b'{"prompt": \r\n' + json.dumps({"prompt": "five"}).encode() + b"\n")

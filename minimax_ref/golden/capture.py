@@ -93,7 +93,7 @@ class _Capture:
             if "qk_norm_rope" in self.ops:
                 attn = layer.self_attn
                 self.handles.append(attn.register_forward_pre_hook(self._rope_tables_hook(L), with_kwargs=True))
-                for which in QK_NORMS if attn.sparse else QK_NORMS[:2]:  # MSA layers: the indexer's norms too
+                for which in _qk_norms(attn):
                     self.handles.append(getattr(attn, f"{which}_norm").register_forward_hook(
                         self._qk_norm_hook(L, which)))
             if "mxfp8_linear" in self.ops:
@@ -436,6 +436,11 @@ ROWS_NOTE = ("the prompts run as one right-padded batch [B, T] (T the longest pr
              "entries mark real queries with cu_seqlens_q")
 
 
+def _qk_norms(attn) -> tuple[str, ...]:
+    """The per-head norms of an attention module (`QK_NORMS`): q and k, and on an MSA layer the indexer's too."""
+    return QK_NORMS if attn.sparse else QK_NORMS[:2]
+
+
 def norm_edge_entries(model, ck, ops: Sequence[str], layers: Sequence[int], seed: int) -> list[Entry]:
     """The edge entries (phase `edge`, `norm_edges`) of the chosen norm ops: rmsnorm at the first chosen layer,
     qk_norm_rope at the first chosen MSA layer (its q / k norms and the indexer's) or, with none chosen, at the first
@@ -456,7 +461,7 @@ def norm_edge_entries(model, ck, ops: Sequence[str], layers: Sequence[int], seed
                  "index_k": 1}
         norms = {which: (heads[which], getattr(attn, f"{which}_norm").weight.numel(),
                          ck.read(f"{TEXT_PREFIX}layers.{L}.self_attn.{which}_norm.weight").dtype)
-                 for which in (QK_NORMS if attn.sparse else QK_NORMS[:2])}
+                 for which in _qk_norms(attn)}
         out.append(qk_norm_rope_edge(L, norms, attn.q_norm.eps, text.rotary_dim, text.rope_theta, dtype, seed + 102))
     if "final_norm" in ops:
         wdtype = ck.read(f"{TEXT_PREFIX}norm.weight").dtype

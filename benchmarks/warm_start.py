@@ -10,13 +10,17 @@ tuned by coordinate descent in that process.
 
     # 1 x H200 (BENCHMARKS.md, "Warm start"):
     python benchmarks/warm_start.py --layers 4
+    # where the warm process's warm-up goes, function by function (cProfile of its generate call):
+    python benchmarks/warm_start.py --cases compile_caches --profile 40
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -50,9 +54,10 @@ def run_cli(args: list[str], cache: str) -> dict:
     return out
 
 
-def child(layers: int, experts: int, device: str) -> None:
+def child(layers: int, experts: int, device: str, profile: int = 0) -> None:
     """Load the compiled synthetic model, generate 4 tokens after a 3-token prompt, print one JSON line: import,
-    load and warm-up seconds, inductor's cache counters and the slowest compile phases."""
+    load and warm-up seconds, inductor's cache counters and the slowest compile phases; with `profile` > 0 also the
+    generate call's `profile` functions of most cumulative time and of most own time (cProfile)."""
     t0 = time.perf_counter()
     import torch
     from torch._dynamo.utils import compilation_time_metrics, counters
@@ -66,7 +71,13 @@ def child(layers: int, experts: int, device: str) -> None:
     model = load_synthetic("release", format="nvfp4", layers=layers, experts=experts, device=device,
                            weights="packed", fast="compiled")
     t2 = time.perf_counter()
+    profiler = cProfile.Profile() if profile else None
+    if profiler:
+        profiler.enable()
     _, stats = generate_ids(model, [[1, 2, 3]], max_new_tokens=4, sampling=SamplingParams(temperature=0))
+    if profiler:
+        profiler.disable()
+        print(json.dumps({"profile": _profile_tops(profiler, profile)}), flush=True)
     phases = {name: round(sum(times), 3) for name, times in compilation_time_metrics.items()}
     print(json.dumps({"import_seconds": round(t1 - t0, 2), "load_seconds": round(t2 - t1, 2),
                       "warmup_seconds": round(stats.warmup_seconds, 2), "torch": torch.__version__,
@@ -75,6 +86,19 @@ def child(layers: int, experts: int, device: str) -> None:
                       "slowest_phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8]),
                       "coordesc_tuned": {"kernels": len(tuned), "seconds": round(sum(t for _, t in tuned), 2),
                                          "slowest": sorted(tuned, key=lambda kt: -kt[1])[:12]}}), flush=True)
+
+
+def _profile_tops(profiler: cProfile.Profile, n: int) -> dict[str, list[str]]:
+    """The `n` functions of most cumulative and of most own time, as 'seconds calls file:line(name)' lines."""
+    stats = pstats.Stats(profiler)
+    rows = [(key, value) for key, value in stats.stats.items()]
+
+    def line(key, value, seconds):
+        return f"{seconds:8.3f} s {value[1]:7d} {key[0].split('site-packages/')[-1]}:{key[1]}({key[2]})"
+
+    cumulative = sorted(rows, key=lambda kv: -kv[1][3])[:n]
+    own = sorted(rows, key=lambda kv: -kv[1][2])[:n]
+    return {"cumulative": [line(k, v, v[3]) for k, v in cumulative], "own": [line(k, v, v[2]) for k, v in own]}
 
 
 def _record_coordesc_tuning() -> list[tuple[str, float]]:
@@ -98,15 +122,16 @@ def _record_coordesc_tuning() -> list[tuple[str, float]]:
     return tuned
 
 
-def run_child(args: argparse.Namespace, cache: str) -> dict:
+def run_child(args: argparse.Namespace, cache: str, profile: int = 0) -> dict:
     env = {**os.environ, "MINIMAX_REF_CACHE": cache, "PYTHONPATH": str(ROOT)}
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         env.pop(var, None)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--child", "--layers", str(args.layers), "--experts",
-                           str(args.experts), "--device", args.device], capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    out = json.loads(lines[-1]) if lines else {"stderr_tail": proc.stderr[-2000:]}
+                           str(args.experts), "--device", args.device, "--profile", str(profile)],
+                          capture_output=True, text=True, env=env)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    out = {k: v for line in lines for k, v in line.items()} if lines else {"stderr_tail": proc.stderr[-2000:]}
     return {"wall_seconds": round(time.perf_counter() - t0, 2), "returncode": proc.returncode, **out}
 
 
@@ -118,10 +143,13 @@ def main() -> int:
     p.add_argument("--cases", nargs="+", default=["readme_first_command", "readme_first_command_compiled",
                                                    "synthetic_compiled", "compile_caches"],
                    help="which runs (default: all four)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="compile_caches: profile the warm process's generate call (cProfile) and report its N "
+                        "functions of most cumulative and most own time")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.layers, args.experts, args.device)
+        child(args.layers, args.experts, args.device, args.profile)
         return 0
     synthetic = ["--synthetic-weights", "release", "--synthetic-layers", str(args.layers), "--synthetic-experts",
                  str(args.experts), "--weights", "packed", "--device", args.device, "--fast", "compiled", "--prompt",
@@ -131,7 +159,7 @@ def main() -> int:
              ("synthetic_compiled", synthetic)]
     if "compile_caches" in args.cases:
         with tempfile.TemporaryDirectory(prefix="warm-start-") as cache:
-            cold, warm = run_child(args, cache), run_child(args, cache)
+            cold, warm = run_child(args, cache), run_child(args, cache, args.profile)
         print(json.dumps({"bench": "warm_start", "case": "compile_caches", "command": f"{__file__} --child",
                           "cold": cold, "warm": warm}), flush=True)
     for name, cli in cases:

@@ -2,8 +2,9 @@
 """Prefill speed of minimax-ref's attention paths beside `transformers`, on one GPU, the same weights, one run.
 
     # 1 x H200 (about 2-3 minutes): the scaled model of vs_transformers.py, an 8,192-token prompt. transformers
-    # needs `minimax_m3_vl` (5.23; the machine's 5.17 may not have it: carry the 5.23 wheel on PYTHONPATH,
-    # else its column is recorded as an error):
+    # needs `minimax_m3_vl` (5.23; the machine's 5.17 may not have it: unpack the 5.23 wheel, `python3 -m zipfile
+    # -e transformers-5.23.0-py3-none-any.whl DIR`, and put DIR on PYTHONPATH (5.23 does not import from the zip
+    # itself); else its column is recorded as an error):
     PYTHONPATH=$PWD python3 benchmarks/prefill.py --out prefill.jsonl
     # CPU dry run (the attention kernel is CUDA's: on a CPU `on` and `compiled` keep the gathering path):
     python benchmarks/prefill.py --device cpu --preset tiny --layers 0 --experts 0 --prompt-len 200

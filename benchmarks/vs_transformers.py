@@ -4,7 +4,8 @@ experts (so that transformers fits in bf16): prefill and decode speed, memory, t
 step, and how closely the two agree.
 
     # 1 x H200 (about 5-8 minutes with the defaults). transformers must have `minimax_m3_vl` (5.23; the
-    # machine's 5.17 may not: carry the 5.23 wheel, README of the device tool):
+    # machine's 5.17 may not: unpack the 5.23 wheel with `python3 -m zipfile -e WHEEL DIR` and put DIR on
+    # PYTHONPATH; 5.23 does not import from the zip itself):
     python benchmarks/vs_transformers.py --out vs_hf.jsonl
     # CPU dry run:
     python benchmarks/vs_transformers.py --device cpu --preset tiny --prompt-len 200 --decode-tokens 8 \\

@@ -14,6 +14,8 @@ programs an SM (`fast.gemv.splits`).
 
     # 1 x H200 (about a minute; the first launch of each kernel compiles it):
     python benchmarks/packed_gemv.py --rows 1,32 --per-sm 2,4,8 --out packed_gemv.jsonl
+    # one row on the tensor cores too (the grouped kernel, x padded to 16 rows), for some launch configurations:
+    python benchmarks/packed_gemv.py --rows 1 --per-sm 8,16 --dot-tiles "64,128,4,4 32,256,4,3 128,128,8,3"
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ CHOSEN_AT_ONE_ROW = 4  # top-k of the release's router
 
 
 def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, kernels: Kernels,
-            device: torch.device) -> dict:
+            device: torch.device, dot_tiles: list | None = None) -> dict:
     """One shape at `rows` rows: microseconds and copy-rate fraction of gemv (one entry per `per_sm`) and of today's
-    kernel."""
+    kernel; at one row also the grouped kernel's tensor-core product (x's row padded to the MMA's 16) for each of
+    `dot_tiles` (`grouped.Tiles`), its K split filling the GPU twice over with the chosen entries' tiles."""
     from minimax_ref.fast import gemv, grouped
 
     name, fmt, experts, n, k, per_expert = shape
@@ -78,6 +81,12 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
         else:
             today = lambda: kernels.matmul(x, fmt, w, s, g, torch.bfloat16, None, 1, True, words)  # noqa: E731
         variants["today: fused (compiled)"] = today
+        for tiles in dot_tiles or []:
+            steps = k // tiles.block_k
+            split = grouped.split_for((chosen if experts else 1) * -(-n // tiles.block_n), steps, sms)
+            variants[f"dot {tiles.text()} split={split}"] = (
+                lambda tiles=tiles, split=split: grouped.packed_matmul_grouped(x, fmt, w, s, g, active=active,
+                                                                               tiles=tiles, split=split, table=True))
     else:
         tile_cfg, split = grouped.launch_for(fmt, max(experts, 1), n, k, device)
         variants["today: grouped"] = lambda: grouped.packed_matmul_grouped(x, fmt, w, s, g, active=active,
@@ -110,7 +119,7 @@ def run(args: argparse.Namespace) -> None:
     device = torch.device("cuda")
     bw = copy_bandwidth(device, 2 * GIB)["bytes_per_s"]
     kernels = Kernels()
-    cases = [measure(shape, rows, args.per_sm, args.iters, bw, kernels, device)
+    cases = [measure(shape, rows, args.per_sm, args.iters, bw, kernels, device, args.dot_tiles)
              for rows in args.rows for shape in SHAPES]
     command = "python benchmarks/packed_gemv.py " + " ".join(sys.argv[1:])
     print(f"command (BENCHMARKS.md): {command}", file=sys.stderr, flush=True)
@@ -126,6 +135,16 @@ def _positive_list(text: str) -> list[int]:
     return values
 
 
+def _tiles_list(text: str) -> list:
+    from minimax_ref.errors import ConfigError
+    from minimax_ref.fast.grouped import Tiles
+
+    try:
+        return [Tiles.parse(t) for t in text.split()]
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=_positive_list, default=[1, 32],
@@ -133,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-sm", type=_positive_list, default=None,
                    help="GEMV programs an SM that the K splits aim for, comma-separated (default: "
                         "fast.gemv.PROGRAMS_PER_SM)")
+    p.add_argument("--dot-tiles", type=_tiles_list, default=[],
+                   help="at one row, also the grouped kernel's tensor-core product with these launch configurations "
+                        "(BLOCK_N,BLOCK_K,NUM_WARPS,NUM_STAGES, space-separated), e.g. '64,128,4,4 32,256,4,3'")
     p.add_argument("--iters", type=int, default=30, help="graph replays timed (default: 30)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = p.parse_args(argv)

@@ -106,6 +106,44 @@ def test_copy_data_never_holds_a_heldout_city_or_an_evaluation_string(gen, heldo
     assert not (held_words - {w for c in heldout.train_cities for w in re.split(r"[ -]", c)}) & train_words
 
 
+def test_names_kind_copies_english_words_never_of_a_heldout_name(heldout):
+    """The "names" kind: the copy kind's turns (same stream of draws for "copy": stage 6's data is unchanged) on
+    names of English words, none of them a word of a held-out city name, and no held-out city inside."""
+    g = nd.TaskGenerator(heldout, {"names": 1.0})
+    held_words = {w.casefold() for c in heldout.city_set for w in re.split(r"[ '.-]", c) if w}
+    assert {"Thunder", "Prince"} <= set(nd.ENGLISH_WORDS) and len(set(nd.ENGLISH_WORDS)) == len(nd.ENGLISH_WORDS)
+    assert g._name_words and not {w.casefold() for w in g._name_words} & held_words
+    # a held-out name's words are left out whatever its case ("Bay" of a held-out "Thunder Bay" among them)
+    assert len(g._name_words) < len(nd.ENGLISH_WORDS)
+    pattern = _heldout_pattern(heldout)
+    rng = random.Random(8)
+    examples = [g.sample(rng) for _ in range(400)]
+    assert {ex.kind for ex in examples} == {"names"}
+    cities = [c["arguments"]["city"] for ex in examples for c in ex.meta["calls"] if c["name"] == "get_weather"]
+    assert len(cities) > 400 and len(set(cities)) > 0.9 * len(cities)
+    assert sum(" " in c for c in cities) > 150 and sum("-" in c for c in cities) > 40
+    for ex in examples:
+        assert pattern.search(ex.prompt + ex.completion) is None
+        for c in ex.meta["calls"]:
+            arg = c["arguments"].get("city", c["arguments"].get("order_id"))
+            assert arg in ex.meta["user"] and not nd.eval_only(arg)
+        if ex.meta["stage"] == "call":
+            parsed = chat.parse_output(ex.completion[: -len(chat.TURN_END)], nd.TOOLS,
+                                       reasoning_started=ex.meta["thinking"] == "enabled")
+            assert not parsed["errors"] and parsed["tool_calls"] == ex.meta["calls"]
+    # the drawn words (prefix, suffix and joiner words are the copy kind's shared place-name vocabulary)
+    english = {w.casefold() for w in nd.ENGLISH_WORDS} - {w.casefold() for w in nd.NAME_PREFIXES + nd.NAME_SUFFIXES}
+    for city in cities:
+        drawn = [w for w in re.split(r"[ '.-]", city) if w.casefold() in english]
+        assert all(w.casefold() not in held_words for w in drawn), city
+    assert sum(bool(re.split(r"[ '.-]", c)[0].casefold() in english) for c in cities) > 0.7 * len(cities)
+    # the copy kind draws exactly as before the names kind existed (its turns built by the shared body)
+    a, b = random.Random(9), random.Random(9)
+    copy_gen = nd.TaskGenerator(heldout, {"copy": 1.0})
+    first = copy_gen.copy(a)
+    assert first.kind == "copy" and copy_gen.copy(b).prompt == first.prompt
+
+
 def test_fresh_strings_are_reserved_for_evaluation(gen):
     fresh = nd.fresh_copy_strings(200, 0)
     assert fresh == nd.fresh_copy_strings(200, 0) and fresh[:100] == nd.fresh_copy_strings(100, 0)
@@ -123,7 +161,7 @@ def test_fresh_strings_are_reserved_for_evaluation(gen):
 def test_copy_kind_only_in_a_mix_that_names_it(heldout):
     from examples.nano import train as nt
 
-    assert "copy" in nd.KINDS and "copy" not in nd.DEFAULT_MIX
+    assert "copy" in nd.KINDS and "copy" not in nd.DEFAULT_MIX and "names" not in nd.DEFAULT_MIX
     mix = nt._mix("arith=0.16,tool=0.18,copy=0.36,image=0.26,greet=0.02,text=0.02")
     g = nd.TaskGenerator(heldout, mix)  # no text source: "text" is dropped
     rng = random.Random(6)

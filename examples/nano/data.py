@@ -17,6 +17,9 @@ its seed):
   diacritics, digits), made-up place names (several words, hyphens, apostrophes, joiners like
   "-sur-", digits), training-city words recombined, training cities with a few letters changed, and
   order ids in other formats; one to three names per turn;
+* (f) copying words ("names", only in a mix that names it): the same turns on place-like names made of
+  real English words (`ENGLISH_WORDS`, less every word of a held-out name), so that a word the model
+  knows as text but never saw as a city is copied, not replaced by a city it knows;
 plus a few greetings, so that a first "Hello" gets a sensible answer.
 
 Held-out split (`Heldout`, written to JSON by `write_heldout`): 100 cities, 50 long city names and
@@ -42,7 +45,7 @@ import json
 import random
 import re
 import sysconfig
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,10 +208,11 @@ ORDER_TOOL: dict[str, Any] = {
 #: The tool list of the seed's checks and of `examples/nano/tools.json`.
 TOOLS: list[dict[str, Any]] = [WEATHER_TOOL, ORDER_TOOL]
 
-KINDS = ("arith", "tool", "image", "greet", "text", "copy")
+KINDS = ("arith", "tool", "image", "greet", "text", "copy", "names")
 #: Share of each generator in the training stream ("text" is dropped when no text source is given).
-#: "copy" (tool calls on never-seen strings, `TaskGenerator.copy`) is only in a `--mix` that names it,
-#: so the stages run before it existed mean what they meant.
+#: "copy" (tool calls on never-seen strings, `TaskGenerator.copy`) and "names" (on names of English
+#: words, `TaskGenerator.names`) are only in a `--mix` that names them, so the stages run before they
+#: existed mean what they meant.
 DEFAULT_MIX: dict[str, float] = {"arith": 0.35, "tool": 0.35, "image": 0.15, "greet": 0.03, "text": 0.12}
 THINKING_WEIGHTS: dict[str, float] = {"enabled": 0.35, "adaptive": 0.45, "disabled": 0.20}
 
@@ -673,6 +677,56 @@ def mutated_name(rng: random.Random, name: str) -> str:
     return "".join(chars)
 
 
+#: Common English words, the stuff of place names (Thunder Bay, Medicine Hat, Grand Rapids): copying
+#: them into a call, where a city is expected, is what the model must not replace by a city it knows.
+ENGLISH_WORDS = tuple("""
+Able Acre Amber Anchor Angel Apple Arch Arrow Ash Aspen Autumn Bank Barley Barn Basin Bay Beach Bear Beaver
+Bell Bend Berry Birch Bird Black Blue Bluff Bold Bone Book Bow Branch Brave Bread Breeze Brick Bridge Bright
+Brook Brown Buck Buffalo Butter Cabin Camp Canyon Castle Cedar Chapel Cherry Chestnut Church Circle Clay
+Clear Cliff Cloud Clover Coal Cold Copper Coral Corner Cotton Court Cove Crane Creek Crest Cross Crow Crown
+Crystal Dale Dawn Deep Deer Desert Diamond Dove Dragon Dream Dry Dusk Eagle East Echo Elder Elk Elm Ember
+Falcon Fair Fall Farm Feather Fern Field Fir Fire Fish Flag Flint Flower Fog Ford Forest Forge Fort Fox
+Frost Garden Gate Ghost Giant Glass Glen Gold Golden Goose Granite Grass Gray Green Grove Gull Hall Harbor
+Hare Harvest Haven Hawk Hazel Heart Heath Hedge Hermit Heron Hickory High Hill Hollow Holly Home Honey Hope
+Horn Horse Hunter Ice Iron Island Ivy Jade Jasper King Knight Knoll Lake Lamb Lantern Lark Laurel Leaf Lily
+Lime Lion Little Lodge Long Lost Low Maple Marble Marsh Meadow Medicine Mill Mint Mirror Mist Moon Moose
+Moss Mound Mount Mountain Mule Needle North Oak Ocean Old Olive Orchard Otter Owl Palm Panther Park Pearl
+Pebble Pelican Pepper Pike Pine Plain Pleasant Point Pond Poplar Port Prairie Prince Quarry Queen Quiet
+Rabbit Rain Rapid Raven Red Reed Ridge River Robin Rock Rose Ruby Sage Salmon Salt Sand Shadow Shell Shore
+Silver Sky Slate Snow Sparrow Spring Spruce Star Stone Storm Stream Summer Summit Sun Swan Sweet Thorn
+Thunder Tide Tiger Timber Tower Trail Tree Trout Tulip Twin Valley Velvet Village Vine Violet Wall Walnut
+Water Well West White Wild Willow Wind Winter Wolf Wood Wren Yellow
+""".split())
+
+
+def word_name(rng: random.Random, words: Sequence[str]) -> str:
+    """A place-like name of one to three of `words`: alone, two or three apart, hyphenated, with a joiner
+    (`NAME_JOINERS`), after a familiar first word (`NAME_PREFIXES`) or before a suffix word; mostly title
+    case, sometimes lower or upper case."""
+    def pick(k: int) -> list[str]:
+        return rng.sample(list(words), k)
+
+    form = rng.choices(("one", "two", "three", "hyphen", "joined", "prefix", "suffix"),
+                       weights=(15, 30, 10, 12, 13, 10, 10))[0]
+    if form == "one":
+        name = pick(1)[0]
+    elif form == "two":
+        name = " ".join(pick(2))
+    elif form == "three":
+        name = " ".join(pick(3))
+    elif form == "hyphen":
+        name = "-".join(pick(2))
+    elif form == "joined":
+        a, b = pick(2)
+        name = a + rng.choice(NAME_JOINERS) + b
+    elif form == "prefix":
+        name = rng.choice(NAME_PREFIXES) + " " + pick(1)[0]
+    else:
+        name = pick(1)[0] + " " + rng.choice(NAME_SUFFIXES)
+    r = rng.random()
+    return name.lower() if r < 0.08 else name.upper() if r < 0.12 else name
+
+
 def random_code(rng: random.Random) -> str:
     """An order-id-like code in one of several formats other than `ORDER_ID_RE`'s (#K7Q2M9X, ORD-4471902,
     KQZ4821XP, 7KQ2-XP91, 3fa9c0e1d2...): copying letters and digits exactly, whatever the layout."""
@@ -1024,6 +1078,21 @@ class TaskGenerator:
             if self._novel_ok(s):
                 return s
 
+    @functools.cached_property
+    def _name_words(self) -> tuple[str, ...]:
+        """`ENGLISH_WORDS` less every word of a held-out city name (case-insensitive), so that the names
+        kind never practises a word of a name that evaluation asks for."""
+        held = {w.casefold() for c in self.heldout.city_set for w in re.split(r"[ '.-]", c) if w}
+        return tuple(w for w in ENGLISH_WORDS if w.casefold() not in held)
+
+    def word_string(self, rng: random.Random) -> str:
+        """A city argument for the names kind (`word_name` over `_name_words`), never a held-out or
+        evaluation string."""
+        while True:
+            s = word_name(rng, self._name_words)
+            if self._novel_ok(s):
+                return s
+
     def copy_code(self, rng: random.Random) -> str:
         """An order id for the copy kind (`random_code`), never a held-out or evaluation string."""
         while True:
@@ -1139,13 +1208,22 @@ class TaskGenerator:
         `copy_code` id, or that call alone (10 %); the calling turn 90 % of the time, else the turn that
         answers from the tool results. Same chat format and templates as `tool`. Several names per turn:
         the fixed tools section is most of a prompt, so each extra name is copy practice at little cost."""
+        return self._copy_turn(rng, "copy", self.copy_string, thinking, stage)
+
+    def names(self, rng: random.Random, *, thinking: str | None = None, stage: str | None = None) -> Example:
+        """`copy`'s turns with `word_string` cities: names made of English words the model knows as text."""
+        return self._copy_turn(rng, "names", self.word_string, thinking, stage)
+
+    def _copy_turn(self, rng: random.Random, kind: str, draw: Callable[[random.Random], str],
+                   thinking: str | None, stage: str | None) -> Example:
+        """The turns of `copy` (its docstring) on cities drawn by `draw`."""
         thinking = self._thinking(rng, thinking)
         stage = stage or ("call" if rng.random() < 0.9 else "answer")
         while True:
             r = rng.random()
             n_cities = 0 if r < 0.1 else 1 if r < 0.5 else 2 if r < 0.8 else 3
             days = rng.randint(1, 7)
-            cities = [self.copy_string(rng) for _ in range(n_cities)]
+            cities = [draw(rng) for _ in range(n_cities)]
             calls = [{"name": "get_weather", "arguments": {"city": c, "days": days}} for c in cities]
             reasons = [f"get_weather with city {c} and days {days}" for c in cities]
             asks = []
@@ -1162,7 +1240,7 @@ class TaskGenerator:
             user = " Also, ".join([asks[0]] + [a[0].lower() + a[1:] for a in asks[1:]])
             # the names are checked one by one; the sentence around them must not form a held-out name either
             if self._heldout_names is None or self._heldout_names.search(user) is None:
-                return self._tool_turn(rng, "copy", calls, user, reasons, thinking, stage)
+                return self._tool_turn(rng, kind, calls, user, reasons, thinking, stage)
 
     def _no_tool(self, rng: random.Random, thinking: str) -> Example:
         """A weather or order question without the tools: the model says it cannot look it up."""

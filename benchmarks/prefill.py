@@ -22,7 +22,9 @@ loaded model (`fast.apply` between variants):
   kernel, the norms, rotations, activations and expert combine fused, `fast.prefill`);
 * `unfused`: `compiled` without prefill's fusions (`prefill_fusion=False`), to measure what `fast.prefill` saves;
 * `reference-selection`: `compiled` with the MSA block selection of the reference's chunked scores
-  (`block_selection="reference"`), to measure what `fast.selection_kernel` saves.
+  (`block_selection="reference"`), to measure what `fast.selection_kernel` saves;
+* `prefill-experts`: `compiled` with the routed experts multiplied from their packed stacks (`--weights packed`;
+  `fast.prefill_experts`), against `compiled`'s decode-then-`torch._grouped_mm`.
 `transformers`: `MiniMaxM3VLForCausalLM` built from the same decoded weights (vs_transformers.build_transformers),
 bf16, SDPA attention (on MSA layers with a [B, heads, S, S] mask of the indexer's selected blocks, so every layer
 costs dense attention).
@@ -53,7 +55,8 @@ VARIANTS = {"reference": FastPaths(),
             "gathering": replace(ON, prefill_attention="reference", block_selection="reference"), "on": ON,
             "compiled": FastPaths.of("compiled"),
             "unfused": replace(FastPaths.of("compiled"), prefill_fusion=False),
-            "reference-selection": replace(FastPaths.of("compiled"), block_selection="reference")}
+            "reference-selection": replace(FastPaths.of("compiled"), block_selection="reference"),
+            "prefill-experts": FastPaths.of("prefill-experts")}
 
 
 def build_parser() -> argparse.ArgumentParser:

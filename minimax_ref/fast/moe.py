@@ -7,7 +7,8 @@
   `torch._grouped_mm` runs, instead of a dozen kernels per expert. With packed stacks and `matmul="fused"` those matmuls
   read the chosen experts' packed bytes in place (`FastPackedWeight.matmul`); with `grouped`, calls of more tokens
   multiply each chosen expert's decoded tiles by all the tokens at once and skip the experts no token chose
-  (`forward_grouped`, `fast.grouped`). Equal to fp32 rounding.
+  (`forward_grouped`, `fast.grouped`); with `prefill_experts="triton"`, prefill's sorted rows multiply the packed
+  stacks in place too, each tile decoded in registers (`fast.prefill_experts`). Equal to fp32 rounding.
 * `FastRouter`: in a compiled region, the chosen experts unsorted (the order only changes the fp32 sum order of
   their outputs, and the sort is a kernel of its own).
 * `FastMLP`: the SwiGLU output stored once when compiled (`compiled.materialize`), not recomputed per weight row; in
@@ -94,10 +95,11 @@ class FastExperts(Experts):
         the chosen experts (`torch._grouped_mm`: expert e multiplies its contiguous rows, bf16 products summed in
         fp32 as `F.linear`), the activation once, then each pair's row weighted in fp32 and each token's k rows
         summed in slot order. Equal to `forward` up to fp32 rounding (the reference adds a token's experts in expert
-        order). Where every pair is this rank's and the whole stacks are plain or decode within
-        `SORTED_DECODED_BYTES`, one call over every local expert with the offsets on the device (no host read);
-        otherwise, like `forward`, it reads the per-expert counts on the host and decodes the chosen experts'
-        weights (packed stacks) in groups of at most `SORTED_DECODED_BYTES`. Pairs routed to another rank's experts
+        order). Where every pair is this rank's and the whole stacks are plain, multiply from their packed bytes
+        (`multiplies_sorted_packed`: `fast.prefill_experts`) or decode within `SORTED_DECODED_BYTES`, one call over
+        every local expert with the offsets on the device (no host read); otherwise, like `forward`, it reads the
+        per-expert counts on the host and decodes the chosen experts' weights (packed stacks) in groups of at most
+        `SORTED_DECODED_BYTES`. Pairs routed to another rank's experts
         (expert parallel) contribute nothing. With `prefill_fusion` the weighting and the sum are one kernel
         (`fast.prefill.combine_sorted`).
 
@@ -122,7 +124,8 @@ class FastExperts(Experts):
         everything = torch.argsort(key, stable=True)
         per_expert = sum(math.prod(getattr(self, leaf).shape[1:]) for leaf in ("w1", "w2", "w3")) * x.element_size()
         packed = isinstance(self.w1, PackedWeight)
-        if not self.expert_parallel and (not packed or E * per_expert <= SORTED_DECODED_BYTES):
+        at_once = not packed or self.multiplies_sorted_packed(x) or E * per_expert <= SORTED_DECODED_BYTES
+        if not self.expert_parallel and at_once:
             # every pair is this rank's and the whole stacks are at hand (or decode at once): the groups' offsets
             # stay on the device, so the host does not wait for the GPU here (an expert no pair chose is an empty
             # group); counted by a scatter-add, since CUDA's bincount reads the ids' max on the host
@@ -152,14 +155,24 @@ class FastExperts(Experts):
             y = torch.cat(outs) if outs else x.new_empty(0, x.shape[1])
         return y, everything, mine
 
+    def multiplies_sorted_packed(self, x: torch.Tensor) -> bool:
+        """Whether the three stacks multiply sorted rows of x's dtype and device from their packed bytes
+        (`FastPackedWeight.sorted_matmul`, `FastPaths.prefill_experts`) rather than decoded first."""
+        return all(isinstance(w, FastPackedWeight) and w.takes_sorted(x) for w in (self.w1, self.w3, self.w2))
+
     def grouped(self, xs: torch.Tensor, index: torch.Tensor | None, offs: torch.Tensor) -> torch.Tensor:
         """The local experts `index` (a LongTensor; None: every local expert) on their rows of `xs`: expert i's rows
         end at offs[i] (int32, cumulative, on the device; equal ends: no rows), each projection one
-        `torch._grouped_mm`; [rows, H] in x's dtype."""
+        `torch._grouped_mm` on the decoded weights, or one `fast.prefill_experts` kernel on the packed ones
+        (`multiplies_sorted_packed`); [rows, H] in x's dtype."""
+        act = fused_swiglu if self.paths.prefill_fusion else swiglu_oai
+        if self.multiplies_sorted_packed(xs):
+            gate = self.w1.sorted_matmul(xs, offs, index)
+            up = self.w3.sorted_matmul(xs, offs, index)
+            return self.w2.sorted_matmul(act(gate, up, self.alpha, self.limit), offs, index)
         w1, w3, w2 = (self.weight(leaf, index) for leaf in ("w1", "w3", "w2"))  # decoded [n, out, in]
         gate = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
         up = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
-        act = fused_swiglu if self.paths.prefill_fusion else swiglu_oai
         h = act(gate, up, self.alpha, self.limit)
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..weights.checkpoint import MXFP8, NVFP4
 from ..weights.packed import PackedWeight, decode_reference
 from ..weights.quant import E2M1_MAGNITUDES, MXFP8_BLOCK, NVFP4_BLOCK, _pow2_f32
-from . import gemv, grouped
+from . import gemv, grouped, prefill_experts
 from .paths import FUSED_ROWS
 
 # E2M1 value of each 4-bit code (code 8 is -0.0), and of both codes of each byte (low nibble first).
@@ -509,12 +509,17 @@ class FastPackedWeight(PackedWeight):
     gemv_tokens: int = 0
     gemv_sms: int = 1  # the device's SM count, for `fast.gemv.splits`
     table: bool = False  # the grouped and GEMV kernels decode this NVFP4 weight through its blocks' tables
+    # a stack that prefill's sorted expert rows multiply through `fast.prefill_experts`: its launch (None: not)
+    sorted_tiles: prefill_experts.Tiles | None = None
 
     def configure(self, kernels: Kernels, mode: str, fused_tokens: int, fused_rows: int, words: bool,
-                  grouped_tokens: int = 0, gemv_tokens: int = 0, table: bool = False) -> None:
+                  grouped_tokens: int = 0, gemv_tokens: int = 0, table: bool = False,
+                  sorted_rows: bool = False) -> None:
         """Set the decoders; reads the scales (and, for MXFP8 words, the bytes) on the host once. With `gemv_tokens`
         and a weight the kernels decode, stores `fast.gemv.reorder`'s copy as the buffers `GEMV_BUFFERS`. With
-        `table`, an NVFP4 weight is decoded by the grouped and GEMV kernels through its blocks' tables."""
+        `table`, an NVFP4 weight is decoded by the grouped and GEMV kernels through its blocks' tables. With
+        `sorted_rows`, a stack the kernels decode multiplies prefill's sorted expert rows through
+        `fast.prefill_experts` (`sorted_matmul`)."""
         self.kernels, self.mode = kernels, mode
         self.fused_tokens, self.fused_rows = fused_tokens, fused_rows
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
@@ -532,6 +537,9 @@ class FastPackedWeight(PackedWeight):
             entries = self.weight.shape[0] if self.weight.dim() == 3 else 1
             self.grouped_launch = grouped.launch_for(self.fmt, entries, *self.shape[-2:], self.device)
         self.decode_tiles = grouped.tiles_for(self.fmt, self.device) if mode == "triton" and kernel_decodes else None
+        stack = self.weight.dim() == 3
+        self.sorted_tiles = (prefill_experts.tiles_for(self.device) if sorted_rows and kernel_decodes and stack
+                             else None)
         for name in GEMV_BUFFERS:  # a configuration before this one may have made them
             self._buffers.pop(name, None)
         self.gemv_tokens = 0
@@ -560,6 +568,18 @@ class FastPackedWeight(PackedWeight):
         if not self.fused_tokens < rows <= self.grouped_tokens or x.dtype != torch.bfloat16:
             return False
         return grouped.runs_on(x.device)
+
+    def takes_sorted(self, x: torch.Tensor) -> bool:
+        """Whether sorted expert rows x multiply this stack through `fast.prefill_experts` (`sorted_matmul`): the
+        stack was configured for it and x is bf16 on a device the kernel runs on."""
+        return self.sorted_tiles is not None and x.dtype == torch.bfloat16 and grouped.runs_on(x.device)
+
+    def sorted_matmul(self, x: torch.Tensor, offs: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        """`torch._grouped_mm(x, self.decode(index).transpose(-2, -1), offs=offs)` with the stack's tiles decoded in
+        the kernel's registers (`fast.prefill_experts.sorted_packed_matmul`): x bf16 `[R, K]` sorted by group,
+        offs int32 `[G]` the groups' ends, index `[G]` their entries (None: group g is entry g). bf16 `[R, N]`."""
+        return prefill_experts.sorted_packed_matmul(x, self.fmt, *self.parts(), offs, index, tiles=self.sorted_tiles,
+                                                    table=self.table)
 
     def decode(self, index: int | torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         w, s, g = self.parts(index)

@@ -68,6 +68,13 @@ take.
   multiply or conversion an element). The same bits as the reference decoder for every weight the kernels take (tests:
   the assembly text run through a model of each instruction, the kernels under the interpreter, the grouped kernel on
   a GPU).
+* `prefill_experts="triton"` (the non-user preset `prefill-experts`: `compiled` with it; to be measured before a user
+  preset takes it): on CUDA with triton, prefill's routed experts with packed stacks (the sorted path of `moe`) by
+  one Triton kernel a projection over the rows sorted by expert that decodes each weight tile in registers (the same
+  bf16 bits) and multiplies on the tensor cores, fp32 sums (`fast.prefill_experts`), instead of decoding the chosen
+  experts to bf16 in memory before `torch._grouped_mm`; every local expert in one call with the groups' ends on the
+  device (no host synchronisation, no `SORTED_DECODED_BYTES` groups). As `grouped`: scales in the normal range,
+  bf16. Equal to fp32 rounding.
 * The non-user preset `grouped-rows` (`compiled` with `matmul="reference"`): one-row products with packed weights by
   the grouped kernel too (its decoded tile padded to the tensor cores' 16 rows); slower than the fused product at one
   row, so no user preset takes it.
@@ -105,6 +112,7 @@ ATTENTION_MODES = ("reference", "triton")
 MATMUL_MODES = ("reference", "fused")
 GEMV_MODES = ("reference", "triton")
 SELECTION_MODES = ("reference", "triton")
+PREFILL_EXPERT_MODES = ("reference", "triton")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
 # cache (decode steps); larger calls (prefill) group tokens by expert (`FastExperts.forward_sorted`) and attend over
 # the filled slots only.
@@ -157,6 +165,8 @@ class FastPaths:
     nvfp4_table: bool = False
     # "triton": products of up to `sync_free_tokens` rows through `fast.gemv` (weights reordered at configuration)
     gemv: str = "reference"
+    # "triton": prefill's routed experts with packed stacks through `fast.prefill_experts` (decoded in registers)
+    prefill_experts: str = "reference"
     # decode steps (`MiniMaxM3.step`) on CUDA captured in a CUDA graph per KV cache and shape, then replayed
     # (`fast.graph.CapturedSteps`); needs `moe` and `static_kv` (no host synchronisation, static shapes)
     graph: bool = False
@@ -182,6 +192,9 @@ class FastPaths:
                               f"{list(SELECTION_MODES)}")
         if self.gemv not in GEMV_MODES:
             raise ConfigError(f"fast paths: gemv={self.gemv!r}: choose one of {list(GEMV_MODES)}")
+        if self.prefill_experts not in PREFILL_EXPERT_MODES:
+            raise ConfigError(f"fast paths: prefill_experts={self.prefill_experts!r}: choose one of "
+                              f"{list(PREFILL_EXPERT_MODES)}")
         if self.fused_rows < 1:
             raise ConfigError(f"fast paths: fused_rows={self.fused_rows}: give a positive row count")
         if self.compile_layers and not (self.moe and self.static_kv):
@@ -301,6 +314,12 @@ PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
 PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),
                                  "compiled, with products of 1 to 64 rows (one-row decode steps included) by the "
                                  "grouped Triton kernel instead of the fused dequantize-and-multiply", user=False)
+# `compiled` with prefill's routed experts multiplied straight from their packed stacks (`fast.prefill_experts`;
+# benchmarks measure it against `compiled`'s decode-then-grouped-matmul before a user preset takes it)
+PRESETS["prefill-experts"] = Preset(replace(PRESETS["compiled"].paths, prefill_experts="triton"),
+                                    "compiled, with prefill's routed experts multiplied from their packed weights by "
+                                    "one Triton kernel a projection (decoded in registers) instead of decoded to bf16 "
+                                    "first", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

@@ -261,7 +261,7 @@ def test_streamed_twins_launch_for_the_compute_device(tiny_nvfp4, monkeypatch):
     """The fast twins of streamed units are configured on their host copies; `launch_on_device` derives what depends
     on the device (a streamed layer part's attention SM count, a streamed packed weight's kernel launches) for the
     streamer's device, and leaves the resident twins as configured."""
-    from minimax_ref.fast import grouped
+    from minimax_ref.fast import grouped, prefill_experts
     from minimax_ref.weights.offload import launch_on_device
 
     model = offloaded(tiny_nvfp4, "cpu", "layers", fast="compiled")
@@ -270,11 +270,13 @@ def test_streamed_twins_launch_for_the_compute_device(tiny_nvfp4, monkeypatch):
     monkeypatch.setattr(grouped, "sm_count", lambda d: seen.append(d) or 132)
     monkeypatch.setattr(grouped, "tiles_for", lambda fmt, d: seen.append(d) or "device tiles")
     monkeypatch.setattr(grouped, "launch_for", lambda fmt, e, n, k, d: seen.append(d) or ("device launch", e, n, k))
+    monkeypatch.setattr(prefill_experts, "tiles_for", lambda d: seen.append(d) or "device sorted tiles")
     w = model.layers[2].block_sparse_moe.experts.w1  # a streamed stack's packed weight
-    w.grouped_tokens, w.decode_tiles = 64, "host tiles"
+    w.grouped_tokens, w.decode_tiles, w.sorted_tiles = 64, "host tiles", "host sorted tiles"
     launch_on_device(model, s)
     assert [model.layers[i].self_attn.sm_count for i in range(4)] == [132, 1, 132, 132]  # layer 1's part resident
     assert w.decode_tiles == "device tiles" and w.grouped_launch == ("device launch", *w.shape)
+    assert w.sorted_tiles == "device sorted tiles"
     assert seen and set(seen) == {s.device}
 
 

@@ -571,8 +571,10 @@ class FastPackedWeight(PackedWeight):
 
     def takes_sorted(self, x: torch.Tensor) -> bool:
         """Whether sorted expert rows x multiply this stack through `fast.prefill_experts` (`sorted_matmul`): the
-        stack was configured for it and x is bf16 on a device the kernel runs on."""
-        return self.sorted_tiles is not None and x.dtype == torch.bfloat16 and grouped.runs_on(x.device)
+        stack was configured for it, x is bf16 on a device the kernel runs on and the stack's bytes are there too
+        (an offloaded stack may sit on the host)."""
+        return (self.sorted_tiles is not None and x.dtype == torch.bfloat16 and grouped.runs_on(x.device)
+                and self.weight.device == x.device)
 
     def sorted_matmul(self, x: torch.Tensor, offs: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
         """`torch._grouped_mm(x, self.decode(index).transpose(-2, -1), offs=offs)` with the stack's tiles decoded in

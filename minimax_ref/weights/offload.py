@@ -716,10 +716,10 @@ def load_offloaded(model: nn.Module, ck, cfg: OffloadConfig, load_weights, *, de
 def launch_on_device(model: nn.Module, streamer: Streamer) -> None:
     """The fast twins of the streamed units were configured while their host copies were present
     (`Streamer.present`), so what `fast.apply` derived from their device is the host's: the grouped kernel's launch
-    configuration and K splits and the decode tiles of a streamed packed weight, the SM count a streamed layer part's
-    attention splits its keys over. Derive them again for the compute device (a weight's other settings come from its
-    values, the same wherever they sit)."""
-    from ..fast import grouped
+    configuration and K splits, the decode tiles and the sorted-rows kernel's tiles of a streamed packed weight, the
+    SM count a streamed layer part's attention splits its keys over. Derive them again for the compute device (a
+    weight's other settings come from its values, the same wherever they sit)."""
+    from ..fast import grouped, prefill_experts
     from ..fast.attention import FastAttention
     from ..fast.packed import FastPackedWeight
 
@@ -737,6 +737,8 @@ def launch_on_device(model: nn.Module, streamer: Streamer) -> None:
                 m.grouped_launch = grouped.launch_for(m.fmt, entries, *m.shape[-2:], device)
             if m.decode_tiles is not None:
                 m.decode_tiles = grouped.tiles_for(m.fmt, device)
+            if m.sorted_tiles is not None:
+                m.sorted_tiles = prefill_experts.tiles_for(device)
 
 
 def segment_steps(model: nn.Module, streamer: Streamer, fast, capture: bool) -> None:

@@ -10,8 +10,9 @@ tuned by coordinate descent in that process.
 
     # 1 x H200 (BENCHMARKS.md, "Warm start"):
     python benchmarks/warm_start.py --layers 4
-    # where the warm process's warm-up goes, function by function (cProfile of its generate call):
-    python benchmarks/warm_start.py --cases compile_caches --profile 40
+    # where the warm process's warm-up goes, function by function (cProfile of its generate call), and a third
+    # process with inductor's compile workers ready before the cached graphs load:
+    python benchmarks/warm_start.py --cases compile_caches --profile 40 --pool
 """
 
 from __future__ import annotations
@@ -54,13 +55,24 @@ def run_cli(args: list[str], cache: str) -> dict:
     return out
 
 
-def child(layers: int, experts: int, device: str, profile: int = 0) -> None:
+def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool = False) -> None:
     """Load the compiled synthetic model, generate 4 tokens after a 3-token prompt, print one JSON line: import,
     load and warm-up seconds, inductor's cache counters and the slowest compile phases; with `profile` > 0 also the
-    generate call's `profile` functions of most cumulative time and of most own time (cProfile)."""
+    generate call's `profile` functions of most cumulative time and of most own time (cProfile); with `pool`,
+    inductor's compile workers started and ready before the load (otherwise the first compile request starts them,
+    and kernels loaded before they are ready load in this process, one after another)."""
     t0 = time.perf_counter()
     import torch
     from torch._dynamo.utils import compilation_time_metrics, counters
+
+    pool_seconds = None
+    if pool:
+        from torch._inductor.async_compile import AsyncCompile
+
+        t = time.perf_counter()
+        AsyncCompile.use_process_pool()  # submits the pool's readiness job, which starts the workers
+        AsyncCompile.wait_pool_ready()
+        pool_seconds = round(time.perf_counter() - t, 2)
 
     from minimax_ref.generation.decoding import generate_ids
     from minimax_ref.generation.sampling import SamplingParams
@@ -79,7 +91,8 @@ def child(layers: int, experts: int, device: str, profile: int = 0) -> None:
         profiler.disable()
         print(json.dumps({"profile": _profile_tops(profiler, profile)}), flush=True)
     phases = {name: round(sum(times), 3) for name, times in compilation_time_metrics.items()}
-    print(json.dumps({"import_seconds": round(t1 - t0, 2), "load_seconds": round(t2 - t1, 2),
+    print(json.dumps({"import_seconds": round(t1 - t0 - (pool_seconds or 0), 2), "pool_seconds": pool_seconds,
+                      "load_seconds": round(t2 - t1, 2),
                       "warmup_seconds": round(stats.warmup_seconds, 2), "torch": torch.__version__,
                       "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
                       "aot_autograd": dict(counters["aot_autograd"]),
@@ -122,13 +135,14 @@ def _record_coordesc_tuning() -> list[tuple[str, float]]:
     return tuned
 
 
-def run_child(args: argparse.Namespace, cache: str, profile: int = 0) -> dict:
+def run_child(args: argparse.Namespace, cache: str, profile: int = 0, pool: bool = False) -> dict:
     env = {**os.environ, "MINIMAX_REF_CACHE": cache, "PYTHONPATH": str(ROOT)}
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         env.pop(var, None)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--child", "--layers", str(args.layers), "--experts",
-                           str(args.experts), "--device", args.device, "--profile", str(profile)],
+                           str(args.experts), "--device", args.device, "--profile", str(profile),
+                           *(["--pool"] if pool else [])],
                           capture_output=True, text=True, env=env)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     out = {k: v for line in lines for k, v in line.items()} if lines else {"stderr_tail": proc.stderr[-2000:]}
@@ -146,10 +160,13 @@ def main() -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="compile_caches: profile the warm process's generate call (cProfile) and report its N "
                         "functions of most cumulative and most own time")
+    p.add_argument("--pool", action="store_true",
+                   help="compile_caches: a third process, warm, with inductor's compile workers started and ready "
+                        "before the load (the cached graphs' kernels then load in the workers)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.layers, args.experts, args.device, args.profile)
+        child(args.layers, args.experts, args.device, args.profile, args.pool)
         return 0
     synthetic = ["--synthetic-weights", "release", "--synthetic-layers", str(args.layers), "--synthetic-experts",
                  str(args.experts), "--weights", "packed", "--device", args.device, "--fast", "compiled", "--prompt",
@@ -160,8 +177,9 @@ def main() -> int:
     if "compile_caches" in args.cases:
         with tempfile.TemporaryDirectory(prefix="warm-start-") as cache:
             cold, warm = run_child(args, cache), run_child(args, cache, args.profile)
+            pooled = {"warm_with_pool": run_child(args, cache, pool=True)} if args.pool else {}
         print(json.dumps({"bench": "warm_start", "case": "compile_caches", "command": f"{__file__} --child",
-                          "cold": cold, "warm": warm}), flush=True)
+                          "cold": cold, "warm": warm, **pooled}), flush=True)
     for name, cli in cases:
         if name not in args.cases:
             continue

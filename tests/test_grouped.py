@@ -153,6 +153,20 @@ def _ptxas() -> str | None:
     return path if os.path.exists(path) else None
 
 
+def _sm90_ptx(kernel, consts: dict, pointers: dict, **options) -> str:
+    """The PTX of Triton `kernel` compiled for sm_90 (no GPU needed): `consts` its constexpr arguments, `pointers`
+    the types of its pointer arguments (the rest int32), `options` num_warps / num_stages."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+    constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
+    out = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                         target=GPUTarget("cuda", 90, 32), options=options)
+    return out.asm["ptx"]
+
+
 def _ptxas_report(ptx: str) -> str:
     """What `ptxas -v` says of `ptx` assembled for sm_90a (registers, spills)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,10 +184,6 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
     sm_90 on any machine with triton (its ptxas), for the default tiles at 32 rows, flagged and split launches, the
     NVFP4 table decoder (its inline assembly), both orientations and one product per plane (`Tiles.planes`, at
     block_k 128: 16 words a step), with no register spills (ptxas -v)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if _ptxas() is None:
         pytest.skip("triton's ptxas is not installed")
     kernel = grouped._packed_matmul_kernel
@@ -188,12 +198,7 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
                   "X_MAJOR": x_major, "PLANES": planes}
         pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "active_ptr": "*i32",
                     "y_ptr": "*bf16" if out_bf16 else "*fp32"}
-        signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
-        constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
-        out = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                             target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
-        ptx = out.asm["ptx"]
+        ptx = _sm90_ptx(kernel, consts, pointers, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         assert "mma" in ptx  # tensor-core products
         info = _ptxas_report(ptx)
         assert " 0 bytes spill stores" in info, info
@@ -204,21 +209,13 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
 def test_decoder_compiles_for_h200_without_spills(fmt):
     """The decoder kernel (`decode_grouped`) as the GPU runs it compiles for sm_90 with the default tiles and no
     register spills (ptxas -v)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if _ptxas() is None:
         pytest.skip("triton's ptxas is not installed")
     kernel = grouped._decode_kernel
     tiles = grouped.DEFAULT[fmt]
     consts = {"NVFP4_FMT": fmt == "nvfp4", "EXACT_FP32": False, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k}
     pointers = {"w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "y_ptr": "*bf16"}
-    signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
-    constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
-    out = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                         target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.num_warps})
-    info = _ptxas_report(out.asm["ptx"])
+    info = _ptxas_report(_sm90_ptx(kernel, consts, pointers, num_warps=tiles.num_warps))
     assert " 0 bytes spill stores" in info, info
 
 

@@ -141,25 +141,16 @@ def test_kernel_compiles_for_h200_without_spills(fmt, table):
     """The kernel as the GPU runs it (conversion instructions, bf16 tensor-core dots, the NVFP4 table's inline
     assembly) compiles for sm_90 on any machine with triton (its ptxas) at the default tiles, with no register
     spills (ptxas -v)."""
-    import triton
-    from test_grouped import _ptxas, _ptxas_report
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from test_grouped import _ptxas, _ptxas_report, _sm90_ptx
 
     if _ptxas() is None:
         pytest.skip("triton's ptxas is not installed")
-    kernel = pe._sorted_kernel
     tiles = pe.DEFAULT
     consts = {"NVFP4_FMT": fmt == "nvfp4", "HAS_INDEX": True, "EXACT_FP32": False, "TABLE": table,
               "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "index_ptr": "*i64",
                 "offs_ptr": "*i32", "tile_group_ptr": "*i32", "tile_row_ptr": "*i32", "y_ptr": "*bf16"}
-    signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
-    constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
-    out = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                         target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
-    ptx = out.asm["ptx"]
+    ptx = _sm90_ptx(pe._sorted_kernel, consts, pointers, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     assert "mma" in ptx  # tensor-core products
     info = _ptxas_report(ptx)
     assert " 0 bytes spill stores" in info, info

@@ -154,3 +154,29 @@ def test_kernel_compiles_for_h200_without_spills(fmt, table):
     assert "mma" in ptx  # tensor-core products
     info = _ptxas_report(ptx)
     assert " 0 bytes spill stores" in info, info
+
+
+@pytest.fixture(scope="module")
+def nvfp4_ckpt(ckpt_factory):
+    return ckpt_factory("tiny", "nvfp4")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_models_prefill_takes_the_kernel(nvfp4_ckpt, device, monkeypatch):
+    """A bf16 model with packed stacks prefills more tokens than the synchronisation-free path takes: with
+    `prefill_experts="triton"` every MoE layer's three projections go through the kernel, and the logits equal the
+    decode-then-`torch._grouped_mm` path's within bf16 rounding of the activations."""
+    from minimax_ref.weights.loader import load_model
+
+    model = load_model(nvfp4_ckpt, dtype=BF16, weights="packed", device=device)
+    ids = torch.randint(0, model.text.vocab_size, (1, 100), generator=torch.Generator().manual_seed(9)).to(device)
+    apply(model, FastPaths(moe=True))
+    want = model(ids).float()
+    apply(model, FastPaths(moe=True, prefill_experts="triton"))
+    calls = []
+    real = pe.sorted_packed_matmul
+    monkeypatch.setattr(pe, "sorted_packed_matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = model(ids).float()
+    moe_layers = sum(1 for layer in model.layers if hasattr(layer, "block_sparse_moe"))
+    assert moe_layers and len(calls) == 3 * moe_layers
+    assert float((got - want).norm() / want.norm()) < 2e-2

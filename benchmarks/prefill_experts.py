@@ -4,9 +4,9 @@ them: today's `compiled` path (the stacks decoded to bf16 by `fast.grouped.decod
 registers, `FastPaths(prefill_experts="triton")`), for each launch configuration of `--tiles` or `--sweep-tiles`.
 
 The rows: `--tokens` tokens routed to `--top-k` of `--experts` experts uniformly at random (every expert chosen at
-prefill sizes), sorted by expert. Each figure: milliseconds for the three projections (a CUDA graph of them,
-replayed), their FLOPs (2 x rows x 3 x intermediate x hidden) per second, and the fraction of the bf16 matmul rate
-measured in the same run. Every kernel result is first checked against the decode-then-grouped-matmul one.
+prefill sizes), sorted by expert. Each figure: milliseconds for the three projections (CUDA events around
+`--iters` calls), their FLOPs (2 x rows x 3 x intermediate x hidden) per second, and the fraction of the bf16 matmul
+rate measured in the same run. Every kernel result is first checked against the decode-then-grouped-matmul one.
 
     # 1 x H200 (about a minute): 16 and 128 experts, the default tiles and a few others
     python benchmarks/prefill_experts.py --experts 16,128 --sweep --out prefill_experts.jsonl
@@ -26,19 +26,15 @@ HIDDEN, INTERMEDIATE = 6144, 3072  # the release's widths (one routed expert: ga
 SWEEP = ["128,128,64,8,3", "128,128,64,4,3", "64,128,64,4,3", "128,64,64,4,3", "128,128,32,8,4", "64,64,64,4,3"]
 
 
-def graph_ms(fn, iters: int) -> float:
-    """Milliseconds per call of `fn`, replayed from a CUDA graph of one call."""
+def call_ms(fn, iters: int) -> float:
+    """Milliseconds per call of `fn` (CUDA events around `iters` calls after three warm-up calls; a call is
+    milliseconds of GPU work in a few launches, so launching is not what is timed)."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
     start.record()
     for _ in range(iters):
-        graph.replay()
+        fn()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
@@ -82,7 +78,7 @@ def measure(experts: int, args: argparse.Namespace, rate: float, device: torch.d
         err = float((fn().float() - want).abs().max() / want.abs().max())
         if err > 2e-2:
             raise BenchmarkError(f"{experts} experts, {name}: relative error {err:.3g} against today's path")
-        ms = graph_ms(fn, args.iters)
+        ms = call_ms(fn, args.iters)
         case[name] = {"ms": ms, "tflop_per_s": flops / ms / 1e9, "fraction_of_bf16_rate": flops / ms / 1e-3 / rate,
                       "rel_err": err}
         print(f"{experts:4d} experts {rows} rows  {name:40s} {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s",

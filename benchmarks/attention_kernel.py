@@ -8,6 +8,8 @@ call and the tensor cores' share, MSA and dense layers, bf16 and fp8 caches.
     python benchmarks/attention_kernel.py --prompt-len 8192 --sweep
     # one configuration (ROWS,KEYS,WARPS,STAGES); 16,128,4,2 is one token a program reading whole blocks
     python benchmarks/attention_kernel.py --tiles 16,128,4,2
+    # the value sum's probabilities as two bf16 parts (the contract) and as one (`attention_probabilities="bf16"`)
+    python benchmarks/attention_kernel.py --prompt-len 8192 --probabilities split,bf16
 
 Operands: 64 query heads over 4 kv heads of 128 channels, queries at positions --context .. --context +
 --prompt-len - 1 over a cache of that many keys (random, stored bf16 or fp8), one sequence. MSA: blocks of 128
@@ -99,18 +101,20 @@ def executed_flops(kind: str, tiles, ops: dict, tokens: int, context: int) -> tu
     return useful, 3 * 2 * D * rows * min(tiles.keys, BLOCK) * key_tiles, read / (HKV * tiles_n)
 
 
-def measure(ops: dict, kind: str, cache: str, configs: list, iters: int, check: int, sms: int, context: int) -> dict:
+def measure(ops: dict, kind: str, cache: str, configs: list, iters: int, check: int, sms: int, context: int,
+            split: bool = True) -> dict:
     from minimax_ref.fast import attention_kernel as pa
 
     q, pos = ops["q"], ops["pos"]
     k, v = (ops["k8"], ops["v8"]) if cache == "fp8" else (ops["k"], ops["v"])
     sel = (ops["blocks"], BLOCK) if kind == "sparse" else ()
-    case: dict = {"kind": kind, "cache": cache, "queries": q.shape[1], "keys": k.shape[1]}
+    case: dict = {"kind": kind, "cache": cache, "queries": q.shape[1], "keys": k.shape[1],
+                  "probabilities": "split" if split else "bf16"}
     scale = D**-0.5
     cached_blocks = -(-k.shape[1] // BLOCK)
     if check:
         kf, vf = (k.float().bfloat16(), v.float().bfloat16())
-        got = pa.block_attention(q, k, v, pos, scale, *sel, sms=sms)[:, -check:]
+        got = pa.block_attention(q, k, v, pos, scale, *sel, sms=sms, split_probabilities=split)[:, -check:]
         if kind == "sparse":
             want = gather_block_attention(q[:, -check:], kf, vf, ops["blocks"][:, :, -check:], pos[:, -check:], BLOCK,
                                           scale)
@@ -118,12 +122,15 @@ def measure(ops: dict, kind: str, cache: str, configs: list, iters: int, check: 
             want = causal_attention(q[:, -check:], kf, vf, pos[:, -check:], scale)
         err = float((got - want).abs().max() / vf.abs().max())
         case["err_over_max_v_last_queries"] = err
-        if err > 2e-5:
-            raise BenchmarkError(f"{kind} {cache}: error {err:.3g} of max |v| against the reference core (> 2e-5)")
+        bound = 2e-5 if split else 4e-3  # one bf16 part: 2^-9 a probability
+        if err > bound:
+            raise BenchmarkError(f"{kind} {cache}: error {err:.3g} of max |v| against the reference core "
+                                 f"(> {bound:g})")
     for tiles in configs:
         cfg = tiles or pa.tiles_for(kind, q.device, cache)
         tokens = pa.tile_tokens(cfg.rows, HQ // HKV, q.shape[1])
-        t = per_call_s(lambda cfg=cfg: pa.block_attention(q, k, v, pos, scale, *sel, sms=sms, tiles=cfg), iters)
+        t = per_call_s(lambda cfg=cfg: pa.block_attention(q, k, v, pos, scale, *sel, sms=sms, tiles=cfg,
+                                                          split_probabilities=split), iters)
         useful, executed, union = executed_flops(kind, cfg, ops, tokens, context)
         entry = {"ms": 1e3 * t, "useful_tflops": useful / t / 1e12, "executed_tflops": executed / t / 1e12,
                  "tokens_a_tile": tokens}
@@ -150,7 +157,8 @@ def run(args: argparse.Namespace) -> None:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     configs = tile_configs(args, pa.Tiles)
     ops = operands(args.prompt_len, args.context, args.correlation, device)
-    cases = [measure(ops, kind, cache, configs, args.iters, args.check, sms, args.context)
+    cases = [measure(ops, kind, cache, configs, args.iters, args.check, sms, args.context, mode == "split")
+             for mode in args.probabilities.split(",")
              for kind in args.kinds.split(",") for cache in args.caches.split(",")]
     out: dict = {"benchmark": "attention_kernel", "command": " ".join(sys.argv), "torch": torch.__version__,
                  "triton": pa.triton.__version__, "device_name": torch.cuda.get_device_name(device),
@@ -159,6 +167,8 @@ def run(args: argparse.Namespace) -> None:
     if args.sweep:
         totals: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
         for case in cases:
+            if case["probabilities"] != "split":  # TUNED is for the default contract
+                continue
             for c in configs:
                 key = case["kind"], case["cache"]
                 totals[key][c.text()] = totals[key].get(c.text(), 0.0) + case[c.text()]["ms"]
@@ -176,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     add_attention_workload_flags(p)
     p.add_argument("--kinds", default="sparse,dense", help="layers: sparse (MSA), dense (default: both)")
     p.add_argument("--caches", default="bf16,fp8", help="cache storage (default: bf16,fp8)")
+    p.add_argument("--probabilities", default="split",
+                   help="the value sum's probabilities: split (two bf16 parts, the default), bf16 (one part: "
+                        "FastPaths(attention_probabilities='bf16')), or both, comma-separated")
     add_kernel_bench_flags(p, "ROWS,KEYS,WARPS,STAGES", "fast.attention_kernel.tiles_for", SWEEP, iters=5)
     args = p.parse_args(argv)
     return main_guard(lambda: run(args), [])

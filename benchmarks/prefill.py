@@ -24,7 +24,9 @@ loaded model (`fast.apply` between variants):
 * `reference-selection`: `compiled` with the MSA block selection of the reference's chunked scores
   (`block_selection="reference"`), to measure what `fast.selection_kernel` saves;
 * `prefill-experts`: `compiled` with the routed experts multiplied from their packed stacks (`--weights packed`;
-  `fast.prefill_experts`), against `compiled`'s decode-then-`torch._grouped_mm`.
+  `fast.prefill_experts`), against `compiled`'s decode-then-`torch._grouped_mm`;
+* `bf16-probabilities`: `compiled` with the attention kernel's probabilities as one bf16 part (`FastPaths(
+  attention_probabilities="bf16")`), its speed and its logits' agreement against `compiled`'s.
 `transformers`: `MiniMaxM3VLForCausalLM` built from the same decoded weights (vs_transformers.build_transformers),
 bf16, SDPA attention (on MSA layers with a [B, heads, S, S] mask of the indexer's selected blocks, so every layer
 costs dense attention).
@@ -56,7 +58,8 @@ VARIANTS = {"reference": FastPaths(),
             "compiled": FastPaths.of("compiled"),
             "unfused": replace(FastPaths.of("compiled"), prefill_fusion=False),
             "reference-selection": replace(FastPaths.of("compiled"), block_selection="reference"),
-            "prefill-experts": FastPaths.of("prefill-experts")}
+            "prefill-experts": FastPaths.of("prefill-experts"),
+            "bf16-probabilities": FastPaths.of("bf16-probabilities")}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -116,7 +116,8 @@ def main() -> int:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill forward (default: chosen from free memory, as the CLI)")
     p.add_argument("--device", default="cuda")
-    add_fast_flag(p, ["off", "on", "compiled", "prefill-experts"], "auto", auto="compiled on CUDA, off elsewhere")
+    add_fast_flag(p, ["off", "on", "compiled", "prefill-experts", "bf16-probabilities"], "auto",
+                  auto="compiled on CUDA, off elsewhere")
     p.add_argument("--out", default=None, help="append the JSON result to this file")
     args = p.parse_args()
     if min(args.requests, args.prompt_len, args.new_tokens) < 1:

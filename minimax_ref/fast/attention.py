@@ -279,14 +279,15 @@ class FastAttention(Attention):
                 cache.write_index(ik, pos)
                 ik = cache.index_keys(length)
         sp = self.geometry if self.sparse else None
+        split = self.paths.attention_probabilities == "split"
         if kernel and self.sparse:
             blocks = self.selection(iq, ik, pos, index_chunk(iq, ik, self.chunk_elements))
             # the output in the model's dtype, rounded once by the kernel as the `.to` below would
             o = attention_kernel.block_attention(q, k, v, pos, self.scale, blocks, sp.block_size, kv_scale,
-                                                 self.sm_count, out_dtype=x.dtype)
+                                                 self.sm_count, out_dtype=x.dtype, split_probabilities=split)
         elif kernel:
             o = attention_kernel.block_attention(q, k, v, pos, self.scale, kv_scale=kv_scale, sms=self.sm_count,
-                                                 out_dtype=x.dtype)
+                                                 out_dtype=x.dtype, split_probabilities=split)
         elif self.sparse:
             chunk = query_chunk(q, k, iq, sp.block_size, sp.topk_blocks, self.chunk_elements)
             blocks = self.selection(iq, ik, pos, chunk)

@@ -35,7 +35,9 @@ Numerics (the contract the tests check against the reference, which computes in 
   one-token tile's selection in its own order; on dense layers key tiles ascending);
 * values: the probabilities split into two bf16 parts, p = hi + lo + r with |r| <= 2^-18 p, and two tensor-core
   products with the bf16 values (exact products, fp32 sums), so the value sum is the reference's to about 2^-17
-  relative, far below the bf16 rounding the layer's output gets next;
+  relative, far below the bf16 rounding the layer's output gets next; with `split_probabilities=False`
+  (`FastPaths(attention_probabilities="bf16")`) one part, p rounded once to bf16 (|r| <= 2^-9 p, as flash attention
+  does), one product a key tile; the denominator sums the fp32 p either way;
 * output fp32 [B, T, Hq, D], the sum divided by the softmax denominator once (0 for a query with no key); or, with
   `out_dtype` bf16 (a prefill's and decode step's attention in a bf16 model), that fp32 value rounded once to bf16
   (to nearest, ties to even), the bits its `.to(bfloat16)` gives.
@@ -181,11 +183,12 @@ if AVAILABLE:
     @triton.jit
     def _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, limit, m_i, l_i, acc,
                 scale_log2, kv_scale, ROWS: tl.constexpr, KEYS: tl.constexpr, MASKED: tl.constexpr,
-                KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr):
+                KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr, SPLIT_P: tl.constexpr):
         """One key tile of the online softmax: keys at slots `kpos` [KEYS] (`k_ok`: exist). MASKED: row r reads the
         keys at slots <= `limit[r]` (`_limit`: its position where its token takes the tile's keys, else below every
-        slot); else every row reads every key (a dense tile before all the rows' positions). Returns the updated
-        (running max in log2 units, denominator, value sum)."""
+        slot); else every row reads every key (a dense tile before all the rows' positions). SPLIT_P: the
+        probabilities multiply the values as two bf16 parts (else one, rounded once). Returns the updated (running
+        max in log2 units, denominator, value sum)."""
         load_ok = k_ok[:, None] & d_ok[None, :]
         kt = _kv_tile(k_base + kpos[:, None] * stride_kl + d[None, :], load_ok, kv_scale, KV_FP8, EXACT_FP32)
         s = _dot(q, tl.trans(kt), tl.zeros((ROWS, KEYS), dtype=tl.float32), EXACT_FP32)  # q . k
@@ -200,9 +203,9 @@ if AVAILABLE:
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = _kv_tile(v_base + kpos[:, None] * stride_vl + d[None, :], load_ok, kv_scale, KV_FP8, EXACT_FP32)
         p_hi = _bf16_value(p, EXACT_FP32)
-        p_lo = _bf16_value(p - p_hi.to(tl.float32), EXACT_FP32)
         acc = _dot(p_hi, vt, acc * alpha[:, None], EXACT_FP32)
-        acc = _dot(p_lo, vt, acc, EXACT_FP32)
+        if SPLIT_P:
+            acc = _dot(_bf16_value(p - p_hi.to(tl.float32), EXACT_FP32), vt, acc, EXACT_FP32)
         return m_new, l_i, acc
 
     @triton.jit
@@ -215,6 +218,7 @@ if AVAILABLE:
         G: tl.constexpr, GP: tl.constexpr, TOKENS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         KEYS: tl.constexpr, BLOCK: tl.constexpr, KBP: tl.constexpr, UP: tl.constexpr, SPLITS: tl.constexpr,
         SPARSE: tl.constexpr, KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr, OUT_BF16: tl.constexpr,
+        SPLIT_P: tl.constexpr,
     ):
         """o[s, b, t, h*G + g] (fp32, or rounded once to bf16 with OUT_BF16) over split s of the keys of kv head h
         that query token t reads (`block_attention`), and with SPLITS > 1 the split's log2-sum-exp
@@ -275,7 +279,7 @@ if AVAILABLE:
                     k_ok = (c + n < BS) & (kpos >= 0) & (kpos < L)  # what the loads may read
                     m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, k_ok, d, d_ok, limit,
                                             m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8,
-                                            EXACT_FP32)
+                                            EXACT_FP32, SPLIT_P)
         else:
             # the key tiles up to the tile's last position (this split's share of them); those wholly at or before
             # its first position need no mask
@@ -290,11 +294,13 @@ if AVAILABLE:
             for j in range(lo, tl.minimum(hi, full)):
                 kpos = j * KEYS + n
                 m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, kpos < L, d, d_ok, limit,
-                                        m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, False, KV_FP8, EXACT_FP32)
+                                        m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, False, KV_FP8, EXACT_FP32,
+                                        SPLIT_P)
             for j in range(tl.maximum(lo, full), hi):
                 kpos = j * KEYS + n
                 m_i, l_i, acc = _attend(q, k_base, v_base, stride_kl, stride_vl, kpos, kpos < L, d, d_ok, limit,
-                                        m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8, EXACT_FP32)
+                                        m_i, l_i, acc, scale_log2, kv_scale, ROWS, KEYS, True, KV_FP8, EXACT_FP32,
+                                        SPLIT_P)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_rows = o_ptr + split * stride_os + b * stride_ob + tok[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh
         if OUT_BF16:
@@ -312,10 +318,10 @@ if AVAILABLE:
     def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                       blocks: torch.Tensor | None, union: torch.Tensor | None, block_size: int, tokens: int,
                       keys: int, scale: float, kv_scale: float, splits: int, num_warps: int, num_stages: int,
-                      exact_fp32: bool, out_bf16: bool = False) -> torch.Tensor:
+                      exact_fp32: bool, out_bf16: bool = False, split_p: bool = True) -> torch.Tensor:
         """The launch (see `block_attention`); k, v as stored (fp8 as uint8), blocks int32 [B, Hkv, T, kb] or None,
         union (`tile_blocks` of them for `tokens` > 1) or None; out_bf16: the output rounded once to bf16 (by the
-        kernel, or after the splits' fp32 merge)."""
+        kernel, or after the splits' fp32 merge); split_p: the probabilities in two bf16 parts (else one)."""
         B, T, Hq, D = q.shape
         L, Hkv = k.shape[1], k.shape[2]
         G = Hq // Hkv
@@ -342,7 +348,7 @@ if AVAILABLE:
             *q_pos.stride(), *sel_strides, *ids_strides,
             G=G, GP=gp, TOKENS=tokens, D=D, DP=max(MIN_TILE, _pow2(D)), KEYS=min(keys, block), BLOCK=block,
             KBP=_pow2(max(kb, 1)), UP=_pow2(max(u, 1)), SPLITS=splits, SPARSE=sparse,
-            KV_FP8=fp8_mode(k.dtype, kv_scale), EXACT_FP32=exact_fp32, OUT_BF16=direct,
+            KV_FP8=fp8_mode(k.dtype, kv_scale), EXACT_FP32=exact_fp32, OUT_BF16=direct, SPLIT_P=split_p,
             num_warps=num_warps if tokens * gp >= 64 else 4, num_stages=num_stages)
         if splits == 1:
             return out
@@ -353,7 +359,7 @@ if AVAILABLE:
 
     @_attention_op.register_fake
     def _(q, k, v, q_pos, blocks, union, block_size, tokens, keys, scale, kv_scale, splits, num_warps, num_stages,
-          exact_fp32, out_bf16=False):
+          exact_fp32, out_bf16=False, split_p=True):
         return q.new_empty(q.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)
 
 
@@ -373,7 +379,8 @@ def splits_for(programs: int, max_splits: int, sms: int) -> int:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
                     blocks: torch.Tensor | None = None, block_size: int = 0, kv_scale: float = 1.0,
-                    sms: int = 1, tiles: Tiles | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    sms: int = 1, tiles: Tiles | None = None, out_dtype: torch.dtype = torch.float32,
+                    split_probabilities: bool = True) -> torch.Tensor:
     """Attention of bf16 queries q [B, T, Hq, D] at positions q_pos [B, T] over keys and values k, v [B, L, Hkv, D]
     as a cache stores them (slot = position; bf16, or float8_e4m3fn read as bf16(fp32(x) * kv_scale)).
 
@@ -387,6 +394,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     SM count: when the (sequence, kv head, query tile) programs are too few to fill it (decode steps), each program's
     blocks or key tiles are split (`splits_for`) and the splits' partial results merged by their softmax denominators
     (fp32).
+    split_probabilities: the value sum takes each probability as two bf16 parts (the module docstring's contract,
+    2^-18); False: as one bf16 value, rounded once (2^-9 relative a probability, flash attention's rule; one
+    tensor-core product a key tile fewer).
     Static in the shapes, no host synchronisation: it runs in compiled layers and CUDA graphs (a registered
     operator).
     """
@@ -412,7 +422,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     return torch.ops.minimax_ref.block_attention(q, k, v, q_pos, blocks, union, block_size, tokens, tiles.keys, scale,
                                                  kv_scale, splits_for(programs, most, sms), tiles.num_warps,
-                                                 tiles.num_stages, interpreting(), out_dtype == torch.bfloat16)
+                                                 tiles.num_stages, interpreting(), out_dtype == torch.bfloat16,
+                                                 split_probabilities)
 
 
 def handles(device: torch.device, dtype: torch.dtype, stored: torch.dtype, head_dim: int) -> bool:

@@ -46,6 +46,10 @@ take.
   and shared expert and rounds to the compute dtype in the same kernel (`fast.moe.FastMoE`). The same operations and
   roundings; the norm's fp32 mean and the combine's slot sum in another order, so a norm's element differs by at
   most one unit in the last place, the combine by fp32 rounding (tests/test_prefill_fusion.py).
+* `attention_probabilities="bf16"` (the non-user preset `bf16-probabilities`: `compiled` with it; to be measured,
+  speed and agreement, before a user preset takes it): the attention kernel multiplies the values by each softmax
+  probability rounded once to bf16 (2^-9 relative, flash attention's rule) instead of its two bf16 parts (2^-18):
+  one tensor-core product a key tile instead of two. Default "split".
 * `decode_attention="triton"` (the `compiled` preset): decode steps (up to `sync_free_tokens` tokens a sequence) attend
   through the same kernel, inside compiled layers and CUDA graphs, each program's keys split over the GPU and the
   splits merged by their softmax denominators (fp32). The same contract.
@@ -113,6 +117,7 @@ MATMUL_MODES = ("reference", "fused")
 GEMV_MODES = ("reference", "triton")
 SELECTION_MODES = ("reference", "triton")
 PREFILL_EXPERT_MODES = ("reference", "triton")
+PROBABILITY_MODES = ("split", "bf16")
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
 # cache (decode steps); larger calls (prefill) group tokens by expert (`FastExperts.forward_sorted`) and attend over
 # the filled slots only.
@@ -167,6 +172,8 @@ class FastPaths:
     gemv: str = "reference"
     # "triton": prefill's routed experts with packed stacks through `fast.prefill_experts` (decoded in registers)
     prefill_experts: str = "reference"
+    # the attention kernel's value sum: the probabilities as two bf16 parts ("split", 2^-18) or one ("bf16", 2^-9)
+    attention_probabilities: str = "split"
     # decode steps (`MiniMaxM3.step`) on CUDA captured in a CUDA graph per KV cache and shape, then replayed
     # (`fast.graph.CapturedSteps`); needs `moe` and `static_kv` (no host synchronisation, static shapes)
     graph: bool = False
@@ -192,6 +199,9 @@ class FastPaths:
                               f"{list(SELECTION_MODES)}")
         if self.gemv not in GEMV_MODES:
             raise ConfigError(f"fast paths: gemv={self.gemv!r}: choose one of {list(GEMV_MODES)}")
+        if self.attention_probabilities not in PROBABILITY_MODES:
+            raise ConfigError(f"fast paths: attention_probabilities={self.attention_probabilities!r}: choose one of "
+                              f"{list(PROBABILITY_MODES)}")
         if self.prefill_experts not in PREFILL_EXPERT_MODES:
             raise ConfigError(f"fast paths: prefill_experts={self.prefill_experts!r}: choose one of "
                               f"{list(PREFILL_EXPERT_MODES)}")
@@ -320,6 +330,12 @@ PRESETS["prefill-experts"] = Preset(replace(PRESETS["compiled"].paths, prefill_e
                                     "compiled, with prefill's routed experts multiplied from their packed weights by "
                                     "one Triton kernel a projection (decoded in registers) instead of decoded to bf16 "
                                     "first", user=False)
+# `compiled` with the attention kernel's probabilities as one bf16 part (a looser contract: measured for speed and
+# agreement against `compiled` before a user preset takes it)
+PRESETS["bf16-probabilities"] = Preset(replace(PRESETS["compiled"].paths, attention_probabilities="bf16"),
+                                       "compiled, with the attention kernel's softmax probabilities rounded once to "
+                                       "bf16 for the value sum (2^-9 relative, flash attention's rule) instead of "
+                                       "split in two bf16 parts (2^-18)", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

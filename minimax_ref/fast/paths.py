@@ -118,6 +118,10 @@ GEMV_MODES = ("reference", "triton")
 SELECTION_MODES = ("reference", "triton")
 PREFILL_EXPERT_MODES = ("reference", "triton")
 PROBABILITY_MODES = ("split", "bf16")
+# The switches that take one of a few values, and those values
+CHOICES = {"decode": DECODE_MODES, "matmul": MATMUL_MODES, "prefill_attention": ATTENTION_MODES,
+           "decode_attention": ATTENTION_MODES, "block_selection": SELECTION_MODES, "gemv": GEMV_MODES,
+           "attention_probabilities": PROBABILITY_MODES, "prefill_experts": PREFILL_EXPERT_MODES}
 # Token count up to which `moe=True` uses the synchronisation-free expert path, and `static_kv` the whole
 # cache (decode steps); larger calls (prefill) group tokens by expert (`FastExperts.forward_sorted`) and attend over
 # the filled slots only.
@@ -184,27 +188,9 @@ class FastPaths:
     def __post_init__(self) -> None:
         if self.layer_reductions != "auto":
             object.__setattr__(self, "layer_reductions", ReductionConfigs.of(self.layer_reductions))
-        if self.decode not in DECODE_MODES:
-            raise ConfigError(f"fast paths: decode={self.decode!r}: choose one of {list(DECODE_MODES)}")
-        if self.matmul not in MATMUL_MODES:
-            raise ConfigError(f"fast paths: matmul={self.matmul!r}: choose one of {list(MATMUL_MODES)}")
-        if self.prefill_attention not in ATTENTION_MODES:
-            raise ConfigError(f"fast paths: prefill_attention={self.prefill_attention!r}: choose one of "
-                              f"{list(ATTENTION_MODES)}")
-        if self.decode_attention not in ATTENTION_MODES:
-            raise ConfigError(f"fast paths: decode_attention={self.decode_attention!r}: choose one of "
-                              f"{list(ATTENTION_MODES)}")
-        if self.block_selection not in SELECTION_MODES:
-            raise ConfigError(f"fast paths: block_selection={self.block_selection!r}: choose one of "
-                              f"{list(SELECTION_MODES)}")
-        if self.gemv not in GEMV_MODES:
-            raise ConfigError(f"fast paths: gemv={self.gemv!r}: choose one of {list(GEMV_MODES)}")
-        if self.attention_probabilities not in PROBABILITY_MODES:
-            raise ConfigError(f"fast paths: attention_probabilities={self.attention_probabilities!r}: choose one of "
-                              f"{list(PROBABILITY_MODES)}")
-        if self.prefill_experts not in PREFILL_EXPERT_MODES:
-            raise ConfigError(f"fast paths: prefill_experts={self.prefill_experts!r}: choose one of "
-                              f"{list(PREFILL_EXPERT_MODES)}")
+        for name, modes in CHOICES.items():
+            if getattr(self, name) not in modes:
+                raise ConfigError(f"fast paths: {name}={getattr(self, name)!r}: choose one of {list(modes)}")
         if self.fused_rows < 1:
             raise ConfigError(f"fast paths: fused_rows={self.fused_rows}: give a positive row count")
         if self.compile_layers and not (self.moe and self.static_kv):

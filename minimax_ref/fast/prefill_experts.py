@@ -1,4 +1,4 @@
-"""The routed experts' products in prefill straight from their packed weights (`FastPaths(sorted_packed=True)`):
+"""The routed experts' products in prefill straight from their packed weights (`FastPaths(prefill_experts="triton")`):
 one Triton kernel a projection over the (token, slot) rows sorted by expert, each weight tile decoded in registers
 (`fast.grouped`'s tile decoders) and multiplied on the tensor cores, instead of decoding the experts' weights to bf16
 in memory and then calling `torch._grouped_mm` on them.

@@ -6,7 +6,8 @@ The reference modules never import this package; `load_model(fast=...)` imports 
 and a drafter loaded for a fast model takes the model's paths (`MiniMaxM3.share_paths`). Modules: `paths` (the
 switches and their named `PRESETS`), `attention`, `moe`, `packed` (the twins), `compiled` (the compiled decoder
 layer), `launch` (launch configurations, as data), `graph` (a decode step captured in a CUDA graph), `grouped` (the
-Triton kernel of packed products of a few dozen rows), `attention_kernel` (the Triton block-sparse attention of prefill
+Triton kernel of packed products of a few dozen rows), `prefill_experts` (prefill's routed experts from their packed
+stacks), `attention_kernel` (the Triton block-sparse attention of prefill
 and decode steps), `drafter` (the DSpark drafter's twin: its pass with static shapes, captured), `model` (the model
 twin and `apply`).
 """

@@ -4,12 +4,13 @@ model by one call, `apply(model, FastPaths(...))`, and removed by `apply(model, 
 
 The reference modules never import this package; `load_model(fast=...)` imports it only when a fast path is asked for,
 and a drafter loaded for a fast model takes the model's paths (`MiniMaxM3.share_paths`). Modules: `paths` (the
-switches and their named `PRESETS`), `attention`, `moe`, `packed` (the twins), `compiled` (the compiled decoder
-layer), `launch` (launch configurations, as data), `graph` (a decode step captured in a CUDA graph), `grouped` (the
-Triton kernel of packed products of a few dozen rows), `prefill_experts` (prefill's routed experts from their packed
-stacks), `attention_kernel` (the Triton block-sparse attention of prefill
-and decode steps), `drafter` (the DSpark drafter's twin: its pass with static shapes, captured), `model` (the model
-twin and `apply`).
+switches and their named `PRESETS`), `model` (the model twin and `apply`), `attention`, `moe`, `packed` (the twins),
+`compiled` (the compiled decoder layer), `prefill` (prefill's fused elementwise kernels), `launch` (launch
+configurations, as data), `graph` (a decode step captured in a CUDA graph), `overlap` (greedy steps launched ahead of
+the host), `segments` (offloaded steps split at their synchronisation points), `drafter` (the DSpark drafter's twin),
+and the Triton kernels: `grouped` (packed products of a few dozen rows), `gemv` (packed products from reordered
+weights), `prefill_experts` (prefill's routed experts from their packed stacks), `attention_kernel` (block-sparse
+attention of prefill and decode steps), `selection_kernel` (MSA block scores).
 """
 
 from importlib import import_module

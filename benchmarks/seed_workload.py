@@ -5,11 +5,12 @@ random prompts of `--prompt-len` tokens, `--new-tokens` each (no stop token), th
 loop `minimax-ref generate` runs for `--prompt`s and `--input-file` lines (continuous batching, `--max-batch-size`
 at once, prompts prefilled in chunks of `--prefill-chunk`; both by default chosen from free memory as the CLI
 chooses them, `generation.sizing`). The call runs twice in one process: the first includes compiling and capturing
-the step, the second is warm. Each reports output tokens/s end to end, prefill and decode tokens/s and the sizes
-used. Measured in the same run: one prompt prefilled alone into a fresh one-row cache in the same chunks (the
-prefill benchmark's rate for the same tokens per call), and the workload's roofline: the prefill's matmul FLOPs over
-the measured bf16 matmul rate, plus every decode step's bytes (`common.decode_step_bytes`, at the step's mean
-context) over the measured device-to-device copy bandwidth.
+the step, the second is warm. Each reports output tokens/s end to end, prefill and decode tokens/s, the sizes
+used, and the GPU memory allocated before it and at its peak (what the chosen batch and prefill chunk really take,
+against `generation.sizing`'s estimate). Measured in the same run: one prompt prefilled alone into a fresh one-row
+cache in the same chunks (the prefill benchmark's rate for the same tokens per call), and the workload's roofline:
+the prefill's matmul FLOPs over the measured bf16 matmul rate, plus every decode step's bytes
+(`common.decode_step_bytes`, at the step's mean context) over the measured device-to-device copy bandwidth.
 
     # 1 x H200, release widths, 60 layers, 16 experts, 32 x 8K in / 512 out (BENCHMARKS.md):
     python benchmarks/seed_workload.py --layers 60 --experts 16 --requests 32 --prompt-len 8192 --new-tokens 512
@@ -32,6 +33,9 @@ from common import (
     decode_step_bytes,
     emit,
     main_guard,
+    memory_now,
+    peak_gib,
+    reset_peak,
     sync,
 )
 
@@ -72,6 +76,8 @@ def roofline(model, requests: int, prompt_len: int, new_tokens: int, batch: int,
 
 
 def run_once(model, prompts: list[list[int]], args) -> dict:
+    before = memory_now(model.device).get("allocated_gib")  # the weights, and what earlier calls still hold
+    reset_peak(model.device)
     t0 = time.perf_counter()
     seqs, stats = generate_ids(model, prompts, max_new_tokens=args.new_tokens, sampling=SamplingParams(temperature=0),
                                stop_ids=[], max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk)
@@ -83,7 +89,7 @@ def run_once(model, prompts: list[list[int]], args) -> dict:
             "warmup_seconds": stats.warmup_seconds, "prefill_seconds": stats.prefill_seconds,
             "decode_seconds": stats.decode_seconds, "time_to_first_token_seconds": stats.first_token_seconds,
             "decode_steps": stats.decode_steps, "max_batch_size": stats.max_batch_size,
-            "prefill_chunk": stats.prefill_chunk}
+            "prefill_chunk": stats.prefill_chunk, "allocated_gib_before": before, "peak_gib": peak_gib(model.device)}
 
 
 def prefill_alone(model, prompt: list[int], chunk: int, repeats: int = 2) -> float:

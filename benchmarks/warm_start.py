@@ -104,7 +104,7 @@ def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool =
 def _profile_tops(profiler: cProfile.Profile, n: int) -> dict[str, list[str]]:
     """The `n` functions of most cumulative and of most own time, as 'seconds calls file:line(name)' lines."""
     stats = pstats.Stats(profiler)
-    rows = [(key, value) for key, value in stats.stats.items()]
+    rows = list(stats.stats.items())
 
     def line(key, value, seconds):
         return f"{seconds:8.3f} s {value[1]:7d} {key[0].split('site-packages/')[-1]}:{key[1]}({key[2]})"

@@ -704,7 +704,7 @@ def word_name(rng: random.Random, words: Sequence[str]) -> str:
     (`NAME_JOINERS`), after a familiar first word (`NAME_PREFIXES`) or before a suffix word; mostly title
     case, sometimes lower or upper case."""
     def pick(k: int) -> list[str]:
-        return rng.sample(list(words), k)
+        return rng.sample(words, k)
 
     form = rng.choices(("one", "two", "three", "hyphen", "joined", "prefix", "suffix"),
                        weights=(15, 30, 10, 12, 13, 10, 10))[0]

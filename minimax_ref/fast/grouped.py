@@ -139,8 +139,9 @@ def tiles_for(fmt: str, device: torch.device) -> Tiles:
     return DEFAULT[fmt]
 
 
-def _fit_block_k(tiles: Tiles, k: int) -> int:
-    """The largest block_k <= `tiles.block_k` that divides K (down to 32; 0: none does)."""
+def _fit_block_k(tiles: KernelTiles, k: int) -> int:
+    """The largest block_k <= `tiles.block_k` that divides K (down to 32; 0: none does); `tiles`: this kernel's or
+    another packed kernel's launch configuration (`prefill_experts.Tiles`)."""
     bk = tiles.block_k
     while bk >= 32 and k % bk:
         bk //= 2

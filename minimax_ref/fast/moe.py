@@ -99,9 +99,8 @@ class FastExperts(Experts):
         (`multiplies_sorted_packed`: `fast.prefill_experts`) or decode within `SORTED_DECODED_BYTES`, one call over
         every local expert with the offsets on the device (no host read); otherwise, like `forward`, it reads the
         per-expert counts on the host and decodes the chosen experts' weights (packed stacks) in groups of at most
-        `SORTED_DECODED_BYTES`. Pairs routed to another rank's experts
-        (expert parallel) contribute nothing. With `prefill_fusion` the weighting and the sum are one kernel
-        (`fast.prefill.combine_sorted`).
+        `SORTED_DECODED_BYTES`. Pairs routed to another rank's experts (expert parallel) contribute nothing. With
+        `prefill_fusion` the weighting and the sum are one kernel (`fast.prefill.combine_sorted`).
 
         x: `[T, H]`; returns fp32 `[T, H]` (this rank's partial sum under tensor parallelism)."""
         T, k = routing.expert_ids.shape

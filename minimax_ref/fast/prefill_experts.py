@@ -183,7 +183,7 @@ def sorted_packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight
         raise ValueError(f"sorted_packed_matmul: x {list(x.shape)} {x.dtype} against {fmt} stack "
                          f"{list(weight.shape)}, offs {list(offs.shape)}"
                          + ("" if index is None else f", index {list(index.shape)}"))
-    block_k = grouped._fit_block_k(grouped.Tiles(block_k=tiles.block_k), k)
+    block_k = grouped._fit_block_k(tiles, k)
     _, words, scale, g = grouped._packed_operands(fmt, weight, weight_scale, weight_scale_2)
     return torch.ops.minimax_ref.sorted_packed_matmul(
         x.contiguous(), words, scale, g, index, offs.to(torch.int32), fmt == NVFP4, tiles.block_m, tiles.block_n,

@@ -65,14 +65,14 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
     want = packed_matmul_reference(x, fmt, w, s, g, torch.bfloat16).float()
     if experts:
         want = want[ids]
-    tiles = gemv.reorder(fmt, w, s, g)
-    k_tiles, programs = tiles[0].shape[2], (chosen if experts else 1) * -(-n // gemv.TILE_N)
+    reordered = gemv.reorder(fmt, w, s, g)
+    k_tiles, programs = reordered[0].shape[2], (chosen if experts else 1) * -(-n // gemv.TILE_N)
     sms = grouped.sm_count(device)
     variants = {}
     for target in per_sm:
         split = gemv.splits(programs, k_tiles, sms, target)
         variants[f"gemv per_sm={target} split={split}"] = (
-            lambda split=split: gemv.packed_product(x, fmt, n, *tiles, active=active, split=split))
+            lambda split=split: gemv.packed_product(x, fmt, n, *reordered, active=active, split=split))
     if rows == 1:
         words = fmt == "nvfp4" or "gate_proj" in name  # the compiled preset: nvfp4_words, mxfp8_words="gate_up"
         if experts:  # the gathered experts, each token's row broadcast against them (`FastExperts.forward_sync_free`)

@@ -512,7 +512,7 @@ if AVAILABLE:
         """y[split, e, m, n] = sum over this split's K steps of x[e, m, k] * w_hat[e, n, k] (fp32 accumulation),
         w_hat the decoded weight in bf16 (`packed_matmul_grouped`). Grid: (column tiles, entries, splits)."""
         pid_n = tl.program_id(0)
-        e = tl.program_id(1)
+        e = tl.program_id(1).to(tl.int64)  # as `_decode_kernel`: entry offsets in int64
         sid = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -575,7 +575,7 @@ if AVAILABLE:
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TABLE: tl.constexpr):
         """y[e, n, k] = w_hat[e, n, k] in bf16, one tile a program. Grid: (column tiles, entries, K steps)."""
         pid_n = tl.program_id(0)
-        e = tl.program_id(1)
+        e = tl.program_id(1).to(tl.int64)  # a stack's entry offsets pass 2^31 elements (128 release experts)
         ks = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N

@@ -46,6 +46,8 @@ def free(monkeypatch):
 
 def test_per_token_estimates_worked_by_hand():
     assert sizing.prefill_bytes_per_token(TEXT) == PER_TOKEN
+    # a bf16 model's activations take two bytes an element
+    assert sizing.prefill_bytes_per_token(TEXT, 2) == PER_TOKEN // 2
     from minimax_ref.model.cache import kv_bytes_per_token
 
     assert kv_bytes_per_token(SimpleNamespace(text=TEXT), 1, "auto", 4) == KV_PER_TOKEN
@@ -72,6 +74,20 @@ def test_tight_memory_sizes_by_the_rule(free):
     # fp8 stores one byte per element where fp32 stored four
     s8 = sizing.choose_sizes(_model(), cache_len=50_000, kv_cache_dtype="fp8")
     assert s8.max_batch_size == min(16, (left - 2048 * PER_TOKEN) // (50_000 * KV_PER_TOKEN // 4))
+
+
+def test_a_bf16_model_prefills_twice_the_tokens_in_the_same_memory(free):
+    free["bytes"] = int(2.3 * GIB)
+    left = int(2.3 * GIB * 0.92) - 2 * GIB  # 124,554,051 bytes after the utilisation and CUDA's fixed reserve
+    model = _model("cuda")
+    s32 = sizing.choose_sizes(model, cache_len=50_000, kv_cache_dtype="auto")
+    model.dtype = torch.bfloat16
+    s16 = sizing.choose_sizes(model, cache_len=50_000, kv_cache_dtype="auto")
+    # a quarter of `left` over PER_TOKEN is 4,088 tokens (a chunk of 2,048), over the bf16 PER_TOKEN / 2 8,177 (4,096)
+    assert (left // 4 // PER_TOKEN, s32.prefill_chunk) == (4088, 2048)
+    assert (left // 4 // (PER_TOKEN // 2), s16.prefill_chunk) == (8177, 4096)
+    # the bf16 cache takes half of fp32's bytes a position: (124,554,051 - 4,096 x 3,808) / (50,000 x 272) = 8.0
+    assert s16.max_batch_size == (left - 4096 * PER_TOKEN // 2) // (50_000 * KV_PER_TOKEN // 2) == 8
 
 
 def test_a_row_that_cannot_fit_is_an_input_error(free):

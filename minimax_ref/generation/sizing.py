@@ -8,9 +8,9 @@ The rule, for one call whose KV cache holds `cache_len` positions a row:
   (CUDA graphs, sampler, allocator slack). Under tensor parallelism, the smallest over the ranks, so every rank
   chooses the same sizes.
 * The prefill chunk: the largest power of two from `MIN_PREFILL_CHUNK` to the device's cap (`PREFILL_CHUNK_CAP`)
-  and to `cache_len` rounded up to a power of two, whose activations (`prefill_bytes_per_token` a token) take at
-  most `PREFILL_SHARE` of `free`. Larger chunks run the products at higher efficiency (fewer, larger GEMMs);
-  the cap bounds the time one prefill call holds the decode steps back.
+  and to `cache_len` rounded up to a power of two, whose activations (`prefill_bytes_per_token` a token, in the
+  model's compute dtype) take at most `PREFILL_SHARE` of `free`. Larger chunks run the products at higher
+  efficiency (fewer, larger GEMMs); the cap bounds the time one prefill call holds the decode steps back.
 * The batch: as many rows of `cache_len` positions (`cache.kv_bytes_per_token` a position) as fit in what is left
   after that chunk's activations, from 1 to the device's cap (`BATCH_CAP`).
 
@@ -38,7 +38,8 @@ MIN_PREFILL_CHUNK = 256
 PREFILL_CHUNK_CAP = {"cuda": 16384, "cpu": 2048}
 # Every slot decodes each step: a CPU's step time grows with the batch; a GPU's captured step barely does up to 64.
 BATCH_CAP = {"cuda": 64, "cpu": 16}
-# Eager prefill keeps fp32 temporaries beside bf16 ones and the allocator rounds block sizes up.
+# Activations are in the compute dtype; a prefill keeps fp32 temporaries beside some of them (softmax, norms, the
+# experts' combine) and the allocator rounds block sizes up.
 ACTIVATION_SAFETY = 2
 
 
@@ -55,18 +56,19 @@ class Sizes:
                 f"(from {self.free_bytes / GIB:,.1f} GiB free)")
 
 
-def prefill_bytes_per_token(t: TextConfig, chunk_elements: int = 1 << 24) -> int:
-    """An upper estimate of the activation bytes one prompt token takes during a prefill call, fp32 throughout and
-    times `ACTIVATION_SAFETY`: one layer's temporaries are alive at a time (the residual, the normed input and the
-    layer's output; queries, keys, values and the attention output; the index queries; the widest feed-forward's
-    gate, up and activation and the routed experts' outputs before their weighted sum; the router logits).
-    Attention and index scores are chunked to `chunk_elements` whatever the tokens, so they are not per token."""
+def prefill_bytes_per_token(t: TextConfig, dtype_bytes: int = 4, chunk_elements: int = 1 << 24) -> int:
+    """An upper estimate of the activation bytes one prompt token takes during a prefill call, `dtype_bytes` an
+    element (the compute dtype's) times `ACTIVATION_SAFETY`: one layer's temporaries are alive at a time (the
+    residual, the normed input and the layer's output; queries, keys, values and the attention output; the index
+    queries; the widest feed-forward's gate, up and activation and the routed experts' outputs before their weighted
+    sum; the router logits). Attention and index scores are chunked to `chunk_elements` whatever the tokens, so they
+    are not per token."""
     attention = (2 * t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim
     index = t.sparse.index_heads * t.sparse.index_head_dim if any(t.sparse_layers) else 0
     routed = t.num_experts_per_tok * t.intermediate_size + t.n_shared_experts * t.shared_intermediate_size
     ffn_width = max(t.dense_intermediate_size if not all(t.moe_layers) else 0, routed if t.has_moe else 0)
     ffn = 3 * ffn_width + (t.num_experts_per_tok + 1) * t.hidden_size + t.num_local_experts
-    return 4 * ACTIVATION_SAFETY * (4 * t.hidden_size + attention + index + ffn)
+    return dtype_bytes * ACTIVATION_SAFETY * (4 * t.hidden_size + attention + index + ffn)
 
 
 def free_memory(device: torch.device) -> int:
@@ -108,7 +110,7 @@ def choose_sizes(model, cache_len: int, kv_cache_dtype: str) -> Sizes:
         raise InputError(f"the KV cache of one sequence of {cache_len} positions takes {row / GIB:,.2f} GiB but "
                          f"{raw / GIB:,.2f} GiB of {device} memory is free: lower --max-model-len (max_seq_len) or "
                          "max_new_tokens, or use --kv-cache-dtype fp8")
-    per_token = prefill_bytes_per_token(t)
+    per_token = prefill_bytes_per_token(t, dtype_bytes)
     cap = min(PREFILL_CHUNK_CAP[kind], 1 << math.ceil(math.log2(max(cache_len, 1))))
     chunk = min(cap, max(MIN_PREFILL_CHUNK, _pow2_floor(int(free * PREFILL_SHARE) // per_token)))
     rows = (free - chunk * per_token) // row if row else BATCH_CAP[kind]

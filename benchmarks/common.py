@@ -307,9 +307,10 @@ def decode_step_bytes(model, batch: int, context: int, kv_elem_bytes: int) -> di
     return {"batch": batch, "context": context, "bytes": int(total), "by_family": {k: int(v) for k, v in fam.items()}}
 
 
-def active_linear_elements_per_token(model) -> int:
-    """Weight elements of the linears one token passes through on this rank (top-k experts, LM head
-    included): 2x this is the matmul FLOPs per token, for an achieved-TFLOP/s figure of prefill."""
+def active_linear_elements_per_token(model, lm_head: bool = True) -> int:
+    """Weight elements of the linears one token passes through on this rank (top-k experts; the LM head unless
+    `lm_head` is False: a prefill takes the logits of its last position only): 2x this is the matmul FLOPs per
+    token, for an achieved-TFLOP/s figure of prefill."""
     t = model.text
     n = 0
     for layer in model.layers:
@@ -320,7 +321,7 @@ def active_linear_elements_per_token(model) -> int:
             ex = layer.block_sparse_moe.experts
             per_expert = sum(getattr(ex, leaf).shape[-1] * getattr(ex, leaf).shape[-2] for leaf in ("w1", "w2", "w3"))
             n += per_expert * t.num_experts_per_tok * len(ex.local_experts) // t.num_local_experts
-    return n + model.lm_head.in_features * model.lm_head.out_features
+    return n + (model.lm_head.in_features * model.lm_head.out_features if lm_head else 0)
 
 
 # ---------------------------------------------------------------------------------------------- packed traffic

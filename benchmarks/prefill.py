@@ -19,14 +19,15 @@ loaded model (`fast.apply` between variants):
 * `on`: `--fast on` (batched experts, and with triton on CUDA the attention and selection kernels,
   `fast.attention_kernel`, `fast.selection_kernel`);
 * `compiled`: `--fast compiled`, the GPU default (its prefill: `on`'s paths, packed weights decoded by one Triton
-  kernel, the norms, rotations, activations and expert combine fused, `fast.prefill`);
+  kernel, the norms, rotations, activations and expert combine fused, `fast.prefill`, the attention kernel's
+  probabilities rounded once to bf16);
 * `unfused`: `compiled` without prefill's fusions (`prefill_fusion=False`), to measure what `fast.prefill` saves;
 * `reference-selection`: `compiled` with the MSA block selection of the reference's chunked scores
   (`block_selection="reference"`), to measure what `fast.selection_kernel` saves;
 * `prefill-experts`: `compiled` with the routed experts multiplied from their packed stacks (`--weights packed`;
   `fast.prefill_experts`), against `compiled`'s decode-then-`torch._grouped_mm`;
-* `bf16-probabilities`: `compiled` with the attention kernel's probabilities as one bf16 part (`FastPaths(
-  attention_probabilities="bf16")`), its speed and its logits' agreement against `compiled`'s.
+* `split-probabilities`: `compiled` with the attention kernel's probabilities as two bf16 parts (`FastPaths(
+  attention_probabilities="split")`, the other presets' value sum), what `compiled`'s single part saves.
 `transformers`: `MiniMaxM3VLForCausalLM` built from the same decoded weights (vs_transformers.build_transformers),
 bf16, SDPA attention (on MSA layers with a [B, heads, S, S] mask of the indexer's selected blocks, so every layer
 costs dense attention).
@@ -34,7 +35,9 @@ costs dense attention).
 Each system: one warm-up prefill of the whole prompt (its seconds are reported as `warmup_s`), then `--repeats`
 timed prefills, the best kept; only the last position goes through the LM head. Agreement: each variant's last
 logits against `reference` (and transformers'), relative max error and argmax. `--profile` adds each variant's
-device time per kernel kind and its top kernels.
+device time per kernel kind and its top kernels. On CUDA, `compute_floor`: the prompt's matmul FLOPs (every linear
+for every token, top-k experts, the LM head for the last position) at the bf16 matmul rate measured in the same run
+(`seed_workload.matmul_rate`), and each variant's `fraction_of_compute_floor`.
 """
 
 from __future__ import annotations
@@ -46,7 +49,19 @@ import time
 from dataclasses import asdict, replace
 
 import torch
-from common import BenchmarkError, emit, init_world, log, main_guard, peak_gib, prefill, reset_peak, sync
+from common import (
+    BenchmarkError,
+    active_linear_elements_per_token,
+    emit,
+    init_world,
+    log,
+    main_guard,
+    peak_gib,
+    prefill,
+    reset_peak,
+    sync,
+)
+from seed_workload import matmul_rate
 
 from minimax_ref.fast import FastPaths, apply
 from minimax_ref.weights.loader import load_synthetic
@@ -59,7 +74,7 @@ VARIANTS = {"reference": FastPaths(),
             "unfused": replace(FastPaths.of("compiled"), prefill_fusion=False),
             "reference-selection": replace(FastPaths.of("compiled"), block_selection="reference"),
             "prefill-experts": FastPaths.of("prefill-experts"),
-            "bf16-probabilities": FastPaths.of("bf16-probabilities")}
+            "split-probabilities": FastPaths.of("split-probabilities")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +183,14 @@ def run(args: argparse.Namespace, holder: list) -> None:
     result["model"] = {"layers": t.num_hidden_layers, "sparse_layers": sum(t.sparse_layers), "experts":
                        t.num_local_experts, "hidden": t.hidden_size, "heads": t.num_attention_heads,
                        "kv_heads": t.num_key_value_heads, "weights_gib": model.load_stats["memory_bytes"] / 2**30}
+    # the compute floor: the prompt's matmul FLOPs (every linear for every token, the LM head for the last one) at
+    # the bf16 matmul rate measured now
+    flops = 2 * (active_linear_elements_per_token(model, lm_head=False) * args.prompt_len
+                 + model.lm_head.in_features * model.lm_head.out_features)
+    if device.type == "cuda":
+        rate = matmul_rate(device)
+        result["compute_floor"] = {"prefill_tflop": flops / 1e12, "bf16_matmul_tflop_per_s": rate / 1e12,
+                                   "tokens_per_s": args.prompt_len * rate / flops}
     cache = model.new_cache(1, args.prompt_len)
     systems: dict = {}
     logits: dict = {}
@@ -186,6 +209,9 @@ def run(args: argparse.Namespace, holder: list) -> None:
                 continue
             systems[name] = {"fast_paths": asdict(paths), "warmup_s": warmup, "seconds": secs,
                              "tokens_per_s": args.prompt_len / secs, "peak_gib": peak}
+            if "compute_floor" in result:
+                systems[name]["fraction_of_compute_floor"] = (args.prompt_len / secs
+                                                              / result["compute_floor"]["tokens_per_s"])
             if args.profile and device.type == "cuda":
                 prof = profile_prefill(device, lambda: prefill(model, cache, ids, args.prefill_chunk), args.top)
                 # the best timed call's wall time beyond the kernels' device time: where the GPU waited for the host

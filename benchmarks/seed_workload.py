@@ -65,7 +65,9 @@ def roofline(model, requests: int, prompt_len: int, new_tokens: int, batch: int,
              bytes_per_s: float) -> dict:
     """Seconds the workload needs at least: prefill matmuls at `flops_per_s` and decode steps' bytes at
     `bytes_per_s` (batches of `batch` requests, each step at its mean context)."""
-    prefill_s = 2 * active_linear_elements_per_token(model) * requests * prompt_len / flops_per_s
+    # each prompt's last position only goes through the LM head (its first token), the rest are decode steps' logits
+    prefill_s = 2 * (active_linear_elements_per_token(model, lm_head=False) * prompt_len
+                     + model.lm_head.in_features * model.lm_head.out_features) * requests / flops_per_s
     decode_s = 0.0
     for start in range(0, requests, batch):
         rows = min(batch, requests - start)
@@ -122,7 +124,7 @@ def main() -> int:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill forward (default: chosen from free memory, as the CLI)")
     p.add_argument("--device", default="cuda")
-    add_fast_flag(p, ["off", "on", "compiled", "prefill-experts", "bf16-probabilities"], "auto",
+    add_fast_flag(p, ["off", "on", "compiled", "prefill-experts", "split-probabilities"], "auto",
                   auto="compiled on CUDA, off elsewhere")
     p.add_argument("--out", default=None, help="append the JSON result to this file")
     args = p.parse_args()

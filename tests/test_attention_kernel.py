@@ -365,9 +365,10 @@ def test_switches_and_presets():
         FastPaths(prefill_attention="flex")
     with pytest.raises(ConfigError, match="decode_attention='dense': choose one of"):
         FastPaths(decode_attention="dense")
-    # the probabilities: two bf16 parts by default; one in the non-user preset that measures it
-    assert {FastPaths.of(m).attention_probabilities for m in (True, "compiled")} == {"split"}
-    assert FastPaths.of("bf16-probabilities").attention_probabilities == "bf16"
+    # the probabilities: two bf16 parts by default; one in `compiled` (and the presets made from it)
+    assert {FastPaths.of(m).attention_probabilities for m in (True, "compile", "fused", "split-probabilities")} == {
+        "split"}
+    assert {FastPaths.of(m).attention_probabilities for m in ("compiled", "prefill-experts", "gemv")} == {"bf16"}
     with pytest.raises(ConfigError, match="attention_probabilities='fp8': choose one of"):
         FastPaths(attention_probabilities="fp8")
 

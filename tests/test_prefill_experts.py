@@ -125,6 +125,12 @@ def test_packed_experts_take_the_kernel_in_one_call(device, monkeypatch):
 def test_prefill_experts_preset_and_switch():
     paths = FastPaths.of("prefill-experts")
     assert paths.prefill_experts == "triton" and paths.compile_layers
+    assert FastPaths.of("compiled").prefill_experts == "auto"
+    # "auto": in registers below the rows-an-expert bound, decoded first from it on; "triton" always
+    bound = pe.IN_REGISTERS_BELOW_ROWS_PER_EXPERT
+    assert pe.multiplies_in_registers("auto", 128 * bound - 1, 128)
+    assert not pe.multiplies_in_registers("auto", 128 * bound, 128)
+    assert pe.multiplies_in_registers("triton", 10**9, 1) and not pe.multiplies_in_registers("reference", 1, 128)
     with pytest.raises(ConfigError, match="prefill_experts='x'"):
         FastPaths(prefill_experts="x")
     # off a device the kernel runs on (CPU without the interpreter) the stacks keep the decode-then-multiply path
@@ -165,7 +171,8 @@ def nvfp4_ckpt(ckpt_factory):
 def test_a_models_prefill_takes_the_kernel(nvfp4_ckpt, device, monkeypatch):
     """A bf16 model with packed stacks prefills more tokens than the synchronisation-free path takes: with
     `prefill_experts="triton"` every MoE layer's three projections go through the kernel, and the logits equal the
-    decode-then-`torch._grouped_mm` path's within bf16 rounding of the activations."""
+    decode-then-`torch._grouped_mm` path's within bf16 rounding of the activations; "auto" chooses by rows an
+    expert."""
     from minimax_ref.weights.loader import load_model
 
     model = load_model(nvfp4_ckpt, dtype=BF16, weights="packed", device=device)
@@ -180,3 +187,11 @@ def test_a_models_prefill_takes_the_kernel(nvfp4_ckpt, device, monkeypatch):
     moe_layers = sum(1 for layer in model.layers if hasattr(layer, "block_sparse_moe"))
     assert moe_layers and len(calls) == 3 * moe_layers
     assert float((got - want).norm() / want.norm()) < 2e-2
+    # "auto" takes the kernel for a call's few rows an expert, and decodes first once they pass the bound
+    apply(model, FastPaths(moe=True, prefill_experts="auto"))
+    calls.clear()
+    assert torch.equal(model(ids).float(), got) and len(calls) == 3 * moe_layers
+    rows_per_expert = ids.shape[1] * model.text.num_experts_per_tok / model.text.num_local_experts
+    monkeypatch.setattr(pe, "IN_REGISTERS_BELOW_ROWS_PER_EXPERT", int(rows_per_expert))
+    calls.clear()
+    assert torch.equal(model(ids).float(), want) and not calls

@@ -36,8 +36,8 @@ Numerics (the contract the tests check against the reference, which computes in 
 * values: the probabilities split into two bf16 parts, p = hi + lo + r with |r| <= 2^-18 p, and two tensor-core
   products with the bf16 values (exact products, fp32 sums), so the value sum is the reference's to about 2^-17
   relative, far below the bf16 rounding the layer's output gets next; with `split_probabilities=False`
-  (`FastPaths(attention_probabilities="bf16")`) one part, p rounded once to bf16 (|r| <= 2^-9 p, as flash attention
-  does), one product a key tile; the denominator sums the fp32 p either way;
+  (`FastPaths(attention_probabilities="bf16")`, the `compiled` preset) one part, p rounded once to bf16
+  (|r| <= 2^-9 p, as flash attention does), one product a key tile; the denominator sums the fp32 p either way;
 * output fp32 [B, T, Hq, D], the sum divided by the softmax denominator once (0 for a query with no key); or, with
   `out_dtype` bf16 (a prefill's and decode step's attention in a bf16 model), that fp32 value rounded once to bf16
   (to nearest, ties to even), the bits its `.to(bfloat16)` gives.

@@ -26,6 +26,7 @@ import torch
 from ..model.mlp import MLP, swiglu_oai
 from ..model.moe import Experts, MoE, Router, Routing, router_scores, routing_of
 from ..weights.packed import PackedWeight
+from . import prefill_experts
 from .compiled import materialize
 from .packed import FastPackedWeight
 from .prefill import fused_combine_sorted, fused_moe_output, fused_swiglu
@@ -123,7 +124,7 @@ class FastExperts(Experts):
         everything = torch.argsort(key, stable=True)
         per_expert = sum(math.prod(getattr(self, leaf).shape[1:]) for leaf in ("w1", "w2", "w3")) * x.element_size()
         packed = isinstance(self.w1, PackedWeight)
-        at_once = not packed or self.multiplies_sorted_packed(x) or E * per_expert <= SORTED_DECODED_BYTES
+        at_once = not packed or self.multiplies_sorted_packed(x, T * k, E) or E * per_expert <= SORTED_DECODED_BYTES
         if not self.expert_parallel and at_once:
             # every pair is this rank's and the whole stacks are at hand (or decode at once): the groups' offsets
             # stay on the device, so the host does not wait for the GPU here (an expert no pair chose is an empty
@@ -154,10 +155,13 @@ class FastExperts(Experts):
             y = torch.cat(outs) if outs else x.new_empty(0, x.shape[1])
         return y, everything, mine
 
-    def multiplies_sorted_packed(self, x: torch.Tensor) -> bool:
-        """Whether the three stacks multiply sorted rows of x's dtype and device from their packed bytes
-        (`FastPackedWeight.sorted_matmul`, `FastPaths.prefill_experts`) rather than decoded first."""
-        return all(isinstance(w, FastPackedWeight) and w.takes_sorted(x) for w in (self.w1, self.w3, self.w2))
+    def multiplies_sorted_packed(self, x: torch.Tensor, rows: int, experts: int) -> bool:
+        """Whether the three stacks multiply `rows` sorted rows of x's dtype and device over `experts` of their
+        entries from their packed bytes (`FastPackedWeight.sorted_matmul`) rather than decoded first: where they
+        can, as `FastPaths.prefill_experts` says for that many rows an expert (`prefill_experts.
+        multiplies_in_registers`)."""
+        return (prefill_experts.multiplies_in_registers(self.paths.prefill_experts, rows, experts)
+                and all(isinstance(w, FastPackedWeight) and w.takes_sorted(x) for w in (self.w1, self.w3, self.w2)))
 
     def grouped(self, xs: torch.Tensor, index: torch.Tensor | None, offs: torch.Tensor) -> torch.Tensor:
         """The local experts `index` (a LongTensor; None: every local expert) on their rows of `xs`: expert i's rows
@@ -165,7 +169,7 @@ class FastExperts(Experts):
         `torch._grouped_mm` on the decoded weights, or one `fast.prefill_experts` kernel on the packed ones
         (`multiplies_sorted_packed`); [rows, H] in x's dtype."""
         act = fused_swiglu if self.paths.prefill_fusion else swiglu_oai
-        if self.multiplies_sorted_packed(xs):
+        if self.multiplies_sorted_packed(xs, xs.shape[0], len(self.local_experts) if index is None else len(index)):
             gate = self.w1.sorted_matmul(xs, offs, index)
             up = self.w3.sorted_matmul(xs, offs, index)
             return self.w2.sorted_matmul(act(gate, up, self.alpha, self.limit), offs, index)

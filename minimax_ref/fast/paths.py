@@ -29,8 +29,9 @@ take.
   cores that reads each query's selected key blocks (dense layers: its causal keys) from the cache (an fp8 cache's
   keys and values widened to bf16 once a call where the query tiles would convert more keys than it holds;
   decode steps read them as stored). Scores
-  exact products summed in fp32; probabilities split into two bf16 parts for the value sum (2^-18 relative). Equal
-  to fp32 rounding plus that split (tests/test_attention_kernel.py). Elsewhere (fp32 models, CPU) the gathering path.
+  exact products summed in fp32; probabilities split into two bf16 parts for the value sum (2^-18 relative; the
+  `compiled` preset rounds them once to bf16, `attention_probabilities`). Equal to fp32 rounding plus that split
+  (tests/test_attention_kernel.py). Elsewhere (fp32 models, CPU) the gathering path.
 * `block_selection="triton"` (every preset but "off"): the MSA block selection of prefill calls (more than
   `sync_free_tokens` tokens) of a bf16 model on CUDA by one Triton kernel (`fast.selection_kernel`) that computes
   each block's max index score straight from the index queries and keys (tensor-core dot of the bf16 values, fp32
@@ -46,10 +47,10 @@ take.
   and shared expert and rounds to the compute dtype in the same kernel (`fast.moe.FastMoE`). The same operations and
   roundings; the norm's fp32 mean and the combine's slot sum in another order, so a norm's element differs by at
   most one unit in the last place, the combine by fp32 rounding (tests/test_prefill_fusion.py).
-* `attention_probabilities="bf16"` (the non-user preset `bf16-probabilities`: `compiled` with it; to be measured,
-  speed and agreement, before a user preset takes it): the attention kernel multiplies the values by each softmax
-  probability rounded once to bf16 (2^-9 relative, flash attention's rule) instead of its two bf16 parts (2^-18):
-  one tensor-core product a key tile instead of two. Default "split".
+* `attention_probabilities="bf16"` (the `compiled` preset): the attention kernel multiplies the values by each
+  softmax probability rounded once to bf16 (2^-9 relative, flash attention's rule) instead of its two bf16 parts
+  (2^-18, "split", the other presets and the non-user preset `split-probabilities`): one tensor-core product a key
+  tile instead of two, about a quarter off an 8K prefill's attention.
 * `decode_attention="triton"` (the `compiled` preset): decode steps (up to `sync_free_tokens` tokens a sequence) attend
   through the same kernel, inside compiled layers and CUDA graphs, each program's keys split over the GPU and the
   splits merged by their softmax denominators (fp32). The same contract.
@@ -72,13 +73,15 @@ take.
   multiply or conversion an element). The same bits as the reference decoder for every weight the kernels take (tests:
   the assembly text run through a model of each instruction, the kernels under the interpreter, the grouped kernel on
   a GPU).
-* `prefill_experts="triton"` (the non-user preset `prefill-experts`: `compiled` with it; to be measured before a user
-  preset takes it): on CUDA with triton, prefill's routed experts with packed stacks (the sorted path of `moe`) by
-  one Triton kernel a projection over the rows sorted by expert that decodes each weight tile in registers (the same
-  bf16 bits) and multiplies on the tensor cores, fp32 sums (`fast.prefill_experts`), instead of decoding the chosen
-  experts to bf16 in memory before `torch._grouped_mm`; every local expert in one call with the groups' ends on the
-  device (no host synchronisation, no `SORTED_DECODED_BYTES` groups). As `grouped`: scales in the normal range,
-  bf16. Equal to fp32 rounding.
+* `prefill_experts="triton"` (the non-user preset `prefill-experts`): on CUDA with triton, prefill's routed experts
+  with packed stacks (the sorted path of `moe`) by one Triton kernel a projection over the rows sorted by expert that
+  decodes each weight tile in registers (the same bf16 bits) and multiplies on the tensor cores, fp32 sums
+  (`fast.prefill_experts`), instead of decoding the chosen experts to bf16 in memory before `torch._grouped_mm`;
+  every local expert in one call with the groups' ends on the device (no host synchronisation, no
+  `SORTED_DECODED_BYTES` groups). As `grouped`: scales in the normal range, bf16. Equal to fp32 rounding.
+  `prefill_experts="auto"` (the `compiled` preset): the kernel for calls with fewer than
+  `fast.prefill_experts.IN_REGISTERS_BELOW_ROWS_PER_EXPERT` sorted rows a local expert (the release's 128 experts
+  at an 8K prompt), decode-then-grouped-GEMM for more (cuBLAS's higher tensor-core rate then outweighs the decode).
 * The non-user preset `grouped-rows` (`compiled` with `matmul="reference"`): one-row products with packed weights by
   the grouped kernel too (its decoded tile padded to the tensor cores' 16 rows); slower than the fused product at one
   row, so no user preset takes it.
@@ -116,7 +119,7 @@ ATTENTION_MODES = ("reference", "triton")
 MATMUL_MODES = ("reference", "fused")
 GEMV_MODES = ("reference", "triton")
 SELECTION_MODES = ("reference", "triton")
-PREFILL_EXPERT_MODES = ("reference", "triton")
+PREFILL_EXPERT_MODES = ("reference", "triton", "auto")
 PROBABILITY_MODES = ("split", "bf16")
 # The switches that take one of a few values, and those values
 CHOICES = {"decode": DECODE_MODES, "matmul": MATMUL_MODES, "prefill_attention": ATTENTION_MODES,
@@ -174,7 +177,8 @@ class FastPaths:
     nvfp4_table: bool = False
     # "triton": products of up to `sync_free_tokens` rows through `fast.gemv` (weights reordered at configuration)
     gemv: str = "reference"
-    # "triton": prefill's routed experts with packed stacks through `fast.prefill_experts` (decoded in registers)
+    # "triton": prefill's routed experts with packed stacks through `fast.prefill_experts` (decoded in registers);
+    # "auto": where a call has few rows an expert (`prefill_experts.multiplies_in_registers`)
     prefill_experts: str = "reference"
     # the attention kernel's value sum: the probabilities as two bf16 parts ("split", 2^-18) or one ("bf16", 2^-9)
     attention_probabilities: str = "split"
@@ -292,13 +296,16 @@ PRESETS: dict[str, Preset] = {
         FastPaths(decode="triton", moe=True, static_kv=True, sdpa=False, matmul="fused", fused_rows=1,
                   compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True, nvfp4_table=True,
                   prefill_attention="triton", block_selection="triton", decode_attention="triton",
-                  prefill_fusion=True, graph=True, overlap_steps=True),
+                  prefill_fusion=True, prefill_experts="auto", attention_probabilities="bf16", graph=True,
+                  overlap_steps=True),
         "on without SDPA, plus each decoder layer of a decode step compiled by torch.compile (on first use: "
         "minutes on a GPU), one-row products with packed weights by a compiled dequantize-and-multiply and, on CUDA "
         f"with triton, products of 2 to {SYNC_FREE_TOKENS} rows (batches, verify steps) by a grouped Triton kernel, "
         "decode steps attending through the Triton attention kernel, packed weights decoded for prefill by one "
-        "Triton kernel, prefill's norms, rotations, activations and expert combine as compiled kernels, and greedy "
-        "decode steps launched on the previous step's tokens on the device before the host reads them"),
+        "Triton kernel (prefill's routed experts with few rows an expert multiplied from their packed weights, "
+        "decoded in registers), prefill's norms, rotations, activations and expert combine as compiled kernels, the "
+        "attention kernel's softmax probabilities rounded once to bf16 for the value sum (flash attention's rule), "
+        "and greedy decode steps launched on the previous step's tokens on the device before the host reads them"),
 }
 # `compiled` with the reordered-weight products of `fast.gemv` for every decode row count (benchmarks measure it
 # against `compiled` before a user preset takes it)
@@ -310,18 +317,18 @@ PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
 PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),
                                  "compiled, with products of 1 to 64 rows (one-row decode steps included) by the "
                                  "grouped Triton kernel instead of the fused dequantize-and-multiply", user=False)
-# `compiled` with prefill's routed experts multiplied straight from their packed stacks (`fast.prefill_experts`;
-# benchmarks measure it against `compiled`'s decode-then-grouped-matmul before a user preset takes it)
+# `compiled` with prefill's routed experts multiplied straight from their packed stacks (`fast.prefill_experts`)
+# at any rows an expert (`compiled` chooses by rows an expert: benchmarks measure both sides of its rule)
 PRESETS["prefill-experts"] = Preset(replace(PRESETS["compiled"].paths, prefill_experts="triton"),
                                     "compiled, with prefill's routed experts multiplied from their packed weights by "
                                     "one Triton kernel a projection (decoded in registers) instead of decoded to bf16 "
-                                    "first", user=False)
-# `compiled` with the attention kernel's probabilities as one bf16 part (a looser contract: measured for speed and
-# agreement against `compiled` before a user preset takes it)
-PRESETS["bf16-probabilities"] = Preset(replace(PRESETS["compiled"].paths, attention_probabilities="bf16"),
-                                       "compiled, with the attention kernel's softmax probabilities rounded once to "
-                                       "bf16 for the value sum (2^-9 relative, flash attention's rule) instead of "
-                                       "split in two bf16 parts (2^-18)", user=False)
+                                    "first, at any rows an expert", user=False)
+# `compiled` with the attention kernel's probabilities as two bf16 parts, the other presets' tighter value sum (what
+# `compiled` gives up for speed, measured against it)
+PRESETS["split-probabilities"] = Preset(replace(PRESETS["compiled"].paths, attention_probabilities="split"),
+                                        "compiled, with the attention kernel's softmax probabilities split in two bf16 "
+                                        "parts for the value sum (2^-18 relative) instead of rounded once to bf16 "
+                                        "(2^-9)", user=False)
 USER_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.user)  # what `minimax-ref --fast` offers
 
 # Compiling a decode step takes tens of seconds on the first run of a shape (seconds from the compile cache after);

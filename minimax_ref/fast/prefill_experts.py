@@ -75,6 +75,20 @@ class Tiles(KernelTiles):
 # `TUNED`, keyed by GPU name, torch and triton versions (as `fast.grouped.TUNED`).
 DEFAULT = Tiles()
 TUNED: dict[tuple[str, str, str], Tiles] = {}
+# `FastPaths(prefill_experts="auto")` (the `compiled` preset) multiplies in registers where a call has fewer sorted
+# rows than this a local expert: decoding an expert to bf16 costs its bf16 bytes written and read again whatever its
+# rows, so with few rows an expert the decode pass outweighs what cuBLAS's grouped GEMM gains over this kernel's
+# tensor-core rate (an 8K prompt: 256 rows an expert for 128 experts, in registers; 2,048 for 16, decoded first).
+IN_REGISTERS_BELOW_ROWS_PER_EXPERT = 512
+
+
+def multiplies_in_registers(mode: str, rows: int, experts: int) -> bool:
+    """Whether a prefill call's `rows` sorted (token, slot) rows over `experts` local experts multiply in registers
+    under `FastPaths.prefill_experts` = `mode`: always for "triton", for "auto" below
+    `IN_REGISTERS_BELOW_ROWS_PER_EXPERT` rows an expert, never for "reference"."""
+    if mode == "triton":
+        return True
+    return mode == "auto" and rows < IN_REGISTERS_BELOW_ROWS_PER_EXPERT * experts
 
 
 def tiles_for(device: torch.device) -> Tiles:
@@ -190,4 +204,5 @@ def sorted_packed_matmul(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight
         block_k, tiles.num_warps, tiles.num_stages, grouped.interpreting(), table)
 
 
-__all__ = ["AVAILABLE", "DEFAULT", "TUNED", "Tiles", "row_tiles", "sorted_packed_matmul", "tiles_for"]
+__all__ = ["AVAILABLE", "DEFAULT", "IN_REGISTERS_BELOW_ROWS_PER_EXPERT", "TUNED", "Tiles", "multiplies_in_registers",
+           "row_tiles", "sorted_packed_matmul", "tiles_for"]

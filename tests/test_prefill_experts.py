@@ -137,7 +137,7 @@ def test_prefill_experts_preset_and_switch():
     if not pe.grouped.runs_on(torch.device("cpu")):
         ex = _packed_experts()
         apply(ex, FastPaths(moe=True, prefill_experts="triton"))
-        assert not ex.multiplies_sorted_packed(torch.zeros(2, 64, dtype=BF16))
+        assert not ex.multiplies_sorted_packed(torch.zeros(2, 64, dtype=BF16), 2, len(ex.local_experts))
 
 
 @pytest.mark.skipif(not pe.AVAILABLE or pe.grouped.interpreting(),

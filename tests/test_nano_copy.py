@@ -191,9 +191,23 @@ def test_eval_copy_measurements_on_the_default_checkpoint(capsys):
     assert long["all"]["n"] == 4 and 0 <= long["all"]["exact"] <= 4
     assert sum(v["n"] for k, v in long["by_length"].items()) == 4
     assert sum(v["n"] for k, v in long["by_kind"].items() if k in ("ascii", "non_ascii")) == 4
-    assert len(long["misses"]) == 4 - long["all"]["exact"]
+    assert len(long["misses"]) == 4 - long["all"]["exact"] == sum(long["misses_by_word"].values())
     fresh = summary["fresh_string_copying"]
     assert fresh["all"]["n"] == 6 and set(fresh["by_style"]) == set(nd.COPY_STRING_STYLES)
     assert sum(v["n"] for v in fresh["by_length"].values()) == 6
     wants = [s for s, _ in nd.fresh_copy_strings(6, 0)]
     assert len(fresh["misses"]) == 6 - fresh["all"]["exact"] and all(m["want"] in wants for m in fresh["misses"])
+
+
+def test_misses_are_placed_in_the_word_where_they_start():
+    """`eval.miss_word`, worked by hand on the default's misses: the first word (spelled with other tokens in the call
+    than in the prompt) against later words."""
+    from examples.nano import eval as ne
+
+    assert ne.miss_word("Prince George", "Prans George") == "first_word"
+    assert ne.miss_word("Stoke-on-Trent", "Stoke-on-Tone") == "later_word"
+    assert ne.miss_word("Des Moines", "Des Moca") == "later_word"
+    assert ne.miss_word("Lüdenscheid", "Lüdentraid") == "first_word"
+    assert ne.miss_word("Corpus Christi", "Corpus") == "later_word"  # cut off at the word boundary
+    assert ne.miss_word("Thunder Bay", "Thun") == "first_word"  # cut off inside the first word
+    assert ne.miss_word("Thunder Bay", None) == "no_call"

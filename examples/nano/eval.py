@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -182,11 +183,23 @@ def name_kind(name: str) -> str:
     return "one_word"
 
 
+def miss_word(want: str, got: str | None) -> str:
+    """Where a copy of `want` first goes wrong: "no_call" (no parsed call), "first_word" (a character of the first
+    word, or a name cut off inside it), "later_word". Words end at a space, hyphen or apostrophe. The first word is
+    the one tokenized differently in the call: after `<city>` it has no leading space, in the prompt it has one."""
+    if got is None:
+        return "no_call"
+    i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    first_end = next((j for j, ch in enumerate(want) if ch in " -'"), len(want))
+    return "first_word" if i < first_end else "later_word"
+
+
 def long_name_copying(model: Any, tok: Any, names: Sequence[str], batch: int, seed: int) -> dict[str, Any]:
     """Tool-argument copy accuracy on held-out long city names (`data.LONG_CITIES`: 10-15 characters,
     diacritics or several words), greedy: the parsed `get_weather` call's `city` must equal the name
     exactly. Reported overall (`all`), for names with diacritics, for multi-word names (spaces, hyphens
-    or apostrophes), `by_kind` (`name_kind`, and ascii / diacritics) and `by_length` (characters)."""
+    or apostrophes), `by_kind` (`name_kind`, and ascii / diacritics), `by_length` (characters) and the misses by the
+    word where they first go wrong (`miss_word`)."""
     rng = random.Random(f"nano-eval-long-{seed}")
     names = list(names)
     got = _exact_city_copies(model, tok, names, batch, rng)
@@ -195,6 +208,7 @@ def long_name_copying(model: Any, tok: Any, names: Sequence[str], batch: int, se
     return {**_tally(names, got, flags),
             "by_kind": _tally(names, got, [[name_kind(c), "ascii" if c.isascii() else "non_ascii"] for c in names]),
             "by_length": _by_length(names, got, (10, 12, 14, 16)),
+            "misses_by_word": dict(Counter(miss_word(w, g) for w, g in zip(names, got) if g != w)),
             "sampling": "greedy", "misses": [{"want": w, "got": g} for w, g in zip(names, got) if g != w][:12]}
 
 

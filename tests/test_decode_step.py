@@ -166,7 +166,7 @@ def test_prefill_runs_the_lm_head_on_one_position_per_row(tiny_nvfp4, monkeypatc
 
 def test_compile_cache_lives_in_the_cache_folder_unless_named(monkeypatch, tmp_path):
     """What compiling produces goes under $MINIMAX_REF_CACHE/compile (Triton's kernels in its triton/ folder); a
-    TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR the user set is kept."""
+    TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR the user set is kept, inductor's own default is not."""
     from minimax_ref.fast.compiled import use_compile_cache
 
     monkeypatch.setenv("MINIMAX_REF_CACHE", str(tmp_path))
@@ -175,6 +175,12 @@ def test_compile_cache_lives_in_the_cache_folder_unless_named(monkeypatch, tmp_p
     assert use_compile_cache() == tmp_path / "compile"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "compile" / "triton")
+    # inductor's own default (importing inductor sets it) is not a folder the user named
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    assert use_compile_cache() == tmp_path / "compile"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "kernels"))
     assert use_compile_cache() == tmp_path / "mine"

@@ -1,5 +1,5 @@
-"""The compiled decoder layer of decode steps (`FastPaths.compile_layers`) and what it needs: `materialize`, the
-operator that bounds inductor's recomputation, and the norm twin that uses it.
+"""The compiled decoder layer of decode steps (`FastPaths.compile_layers`), saved across processes where torch can,
+and what it needs: `materialize`, the operator that bounds inductor's recomputation, and the norm twin that uses it.
 
 Inductor fuses an elementwise chain into every consumer and recomputes it there; for the queries after norm and
 RoPE, the softmax probabilities, the SwiGLU output or a norm that multiplies every weight row, that means once per
@@ -10,13 +10,19 @@ compiled region and is the identity elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import hashlib
 import os
+import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..model.norm import RMSNorm
-from .launch import ReductionConfigs, compiled_with_fixed_reductions
+from .launch import ReductionConfigs, fixed_reductions, inductor_options
 from .packed import FUSED_INDUCTOR_OPTIONS
 from .prefill import fused_rms_norm
 
@@ -79,21 +85,71 @@ class StoredNorm(RMSNorm):
 
 def use_compile_cache() -> Path:
     """Keep what compiling produces across processes, in the cache folder (`embedded.cache_dir()`/compile) unless
-    TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR name another: inductor's graph, AOT and autotuning caches and Triton's
-    kernels. Inductor keys each entry by the traced graph (the model's shapes), the compile options (the preset),
-    torch's version and the GPU, so a later process with the same model and preset loads its compiled steps instead
-    of compiling them. Returns the folder."""
+    TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR name another: inductor's graph, AOT and autotuning caches, Triton's
+    kernels and the saved compiled layers (`CompiledLayers`, in layers/). Inductor keys each entry by the traced graph
+    (the model's shapes), the compile options (the preset), torch's version and the GPU, so a later process with the
+    same model and preset loads its compiled steps instead of compiling them. TORCHINDUCTOR_CACHE_DIR at inductor's
+    own default counts as not named: importing inductor (the fast kernels' `triton_op`s do) sets it there. Returns the
+    folder."""
     from ..weights.embedded import cache_dir
 
-    folder = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir() / "compile")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named and os.path.abspath(named) != os.path.abspath(_inductor_default_cache()):
+        folder = Path(named)
+    else:
+        folder = cache_dir() / "compile"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
     return folder
+
+
+def _inductor_default_cache() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
 
 
 def run_layer(layer, x, pos, cos, sin, cache, kv_len):
     """One decoder layer's forward (what `CompiledLayers` compiles)."""
     return layer(x, pos, cos, sin, cache, kv_len)
+
+
+def saves_compiled_layers() -> bool:
+    """Whether this torch saves a compiled function with its guards and loads it in another process without
+    tracing it again (`torch.compile(...).aot_compile`, `torch.compiler.load_compiled_function`)."""
+    return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch._dynamo.config, "enable_aot_compile")
+
+
+def _aot_enabled():
+    # dynamo attaches `aot_compile` to compiled functions only with this flag (off by default before torch 2.13)
+    return torch._dynamo.config.patch(enable_aot_compile=True)
+
+
+def code_version() -> str:
+    """A digest of the package's Python sources: a saved compiled layer is the code it traced, so another version of
+    the code never loads it (a loaded function's guards see its inputs, not the source)."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def describe(value) -> object:
+    """What a compiled layer's graph depends on in an argument: a tensor's shape, strides, dtype and device type, a
+    dataclass's fields, a module's kind (its submodules' classes, its parameters' and buffers' shapes and dtypes), a
+    plain value itself."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), str(value.dtype), value.device.type)
+    if isinstance(value, nn.Module):
+        return ("module", tuple((name, type(m).__name__) for name, m in value.named_modules()),
+                tuple((name, tuple(t.shape), str(t.dtype)) for name, t in
+                      [*value.named_parameters(), *value.named_buffers()]))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__, tuple((f.name, describe(getattr(value, f.name)))
+                                            for f in dataclasses.fields(value)))
+    return repr(value)
 
 
 class CompiledLayers:
@@ -103,14 +159,111 @@ class CompiledLayers:
     `KVCache.layer`), so every layer of a kind passes the same guards and shares one compiled graph: one per (kind
     of layer, batch size, cache length, dtype). Static shapes (`dynamic=False`) and `fullgraph`: no graph break, so
     no host synchronisation hides in the step. The large reductions launch with their kind's configuration in
-    `reductions` (`launch.FixedReductions`; None: tuned like the other kernels). Compiled on first use."""
+    `reductions` (`launch.FixedReductions`; None: tuned like the other kernels). Compiled on first use.
 
-    def __init__(self, reductions: ReductionConfigs | None):
+    With `folder` (the compile cache's `layers/`) and a torch that saves compiled functions
+    (`saves_compiled_layers`), each graph is compiled ahead of its call (`aot_compile`) and saved there under a
+    digest of everything it depends on (`describe` of the call's arguments, the fast paths, the reductions, the
+    package's sources, torch, triton and the device); a later process loads it instead of tracing the layer again.
+    A layer takes the first graph of its digest whose guards pass it (another kind of layer with the same
+    description gets a graph of its own beside it). Where saving is not supported, or compiling ahead fails, the
+    layers compile as above."""
+
+    def __init__(self, reductions: ReductionConfigs | None, folder: Path | None = None, paths: object = None):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         register_materialize_lowering()
         self.reductions = reductions
-        self.run = compiled_with_fixed_reductions(run_layer, reductions, dynamic=False, fullgraph=True,
-                                                  options=dict(LAYER_INDUCTOR_OPTIONS))
+        options = dict(LAYER_INDUCTOR_OPTIONS)
+        if reductions is not None:
+            options.update(inductor_options(reductions))
+        self.compiled = torch.compile(run_layer, dynamic=False, fullgraph=True, options=options)
+        self.folder = folder if folder is not None and saves_compiled_layers() else None
+        self.context = repr((paths, reductions, torch.__version__, _triton_version()))
+        self.graphs: dict[str, list] = {}  # digest -> the graphs saved under it, in the order they were made
+        self.chosen: dict[tuple[int, str], object] = {}  # (id of a layer, digest) -> the graph its guards pass
+        self.layer_kinds: dict[int, object] = {}  # id of a layer -> `describe(layer)`
 
-    def __call__(self, *args):
-        return self.run(*args)
+    def compiling(self):
+        return fixed_reductions(self.reductions) if self.reductions is not None else contextlib.nullcontext()
+
+    def run(self, *args):
+        with self.compiling():
+            return self.compiled(*args)
+
+    def __call__(self, layer, *rest):
+        if self.folder is None:
+            return self.run(layer, *rest)
+        digest = self.digest(layer, rest)
+        graph = self.chosen.get((id(layer), digest))
+        if graph is not None:
+            return graph(layer, *rest)
+        for graph in self.saved(digest):
+            check = getattr(graph, "guard_check", None)  # without it, the call itself checks them (and raises)
+            if check is None or check(layer, *rest):
+                self.chosen[(id(layer), digest)] = graph
+                return graph(layer, *rest)
+        graph = self.compile_ahead(digest, (layer, *rest))
+        if graph is None:
+            return self.run(layer, *rest)
+        self.chosen[(id(layer), digest)] = graph
+        return graph(layer, *rest)
+
+    def digest(self, layer, rest: tuple) -> str:
+        kind = self.layer_kinds.get(id(layer))
+        if kind is None:
+            kind = self.layer_kinds[id(layer)] = describe(layer)
+        device = rest[0].device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        text = repr((kind, [describe(a) for a in rest], self.context, name, _code_version()))
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def saved(self, digest: str) -> list:
+        """The graphs saved under `digest`: this process's, else loaded from the folder (unreadable ones skipped)."""
+        if digest not in self.graphs:
+            graphs = []
+            for path in sorted(self.folder.glob(f"{digest}-*.aot"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
+                try:
+                    with _aot_enabled(), path.open("rb") as f:
+                        graphs.append(torch.compiler.load_compiled_function(f))
+                except Exception as e:  # written by another torch, or cut short: compiled again beside it
+                    print(f"[fast] skipping saved layer graph {path.name}: {type(e).__name__}: {e}", file=sys.stderr)
+            self.graphs[digest] = graphs
+        return self.graphs[digest]
+
+    def compile_ahead(self, digest: str, args: tuple):
+        """A graph for `args` compiled ahead and saved as the digest's next file; None where this torch cannot
+        (then this object compiles as plain `torch.compile` from here on)."""
+        try:
+            with self.compiling(), _aot_enabled():
+                graph = self.compiled.aot_compile((args, {}))
+        except Exception as e:
+            print(f"[fast] compiled layers are not saved across processes here ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}); compiling them in this process only",
+                  file=sys.stderr)
+            self.folder = None
+            return None
+        graphs = self.graphs.setdefault(digest, [])
+        graphs.append(graph)
+        tmp = self.folder / f".{digest}-{os.getpid()}.tmp"
+        try:  # written whole, then renamed: a process reading the folder never sees half a file
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with _aot_enabled():
+                graph.save_compiled_function(str(tmp))
+            tmp.replace(self.folder / f"{digest}-{len(graphs) - 1}.aot")
+        except Exception as e:
+            print(f"[fast] could not save a compiled layer in {self.folder} ({type(e).__name__}: {e}); it is used in "
+                  "this process only", file=sys.stderr)
+        return graph
+
+
+@functools.lru_cache(maxsize=1)
+def _code_version() -> str:
+    return code_version()
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__

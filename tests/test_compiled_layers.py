@@ -1,0 +1,80 @@
+"""Compiled decode layers saved across processes (`fast.compiled.CompiledLayers` with a folder): compiled ahead
+(`aot_compile`), saved under a digest of what the graph depends on, loaded by a later process instead of traced
+again, with the tokens of the layers compiled in the process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from minimax_ref.fast import compiled as fc
+from minimax_ref.generation.decoding import generate_ids
+from minimax_ref.generation.sampling import SamplingParams
+from minimax_ref.weights.loader import load_model
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[5, 9, 2, 7, 11, 3], [4, 8, 1]]
+
+pytestmark = pytest.mark.skipif(not fc.saves_compiled_layers(), reason="this torch does not save compiled functions")
+
+
+def _tokens(ckpt, **kw):
+    model = load_model(ckpt, dtype=torch.float32, weights="packed", fast="compiled", **kw)
+    seqs, _ = generate_ids(model, PROMPTS, max_new_tokens=3, sampling=GREEDY)
+    return model, [s.generated for s in seqs]
+
+
+def test_a_later_process_loads_the_saved_layers(tiny_nvfp4, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIMAX_REF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    model, first = _tokens(tiny_nvfp4)
+    folder = tmp_path / "compile" / "layers"
+    assert model.compiled.folder == folder
+    # one graph per kind of layer (dense MLP, MoE) at this step shape
+    assert len(list(folder.glob("*-0.aot"))) == 2 and not list(folder.glob("*-1.aot"))
+    # a new model (a new process's state): every graph loaded, none compiled
+    monkeypatch.setattr(fc.CompiledLayers, "compile_ahead", lambda *a: pytest.fail("compiled again"))
+    again, second = _tokens(tiny_nvfp4)
+    assert second == first and sum(len(g) for g in again.compiled.graphs.values()) == 2
+    # the layers compiled in the process (no folder) choose the same tokens
+    monkeypatch.setattr(fc, "saves_compiled_layers", lambda: False)
+    plain, third = _tokens(tiny_nvfp4)
+    assert plain.compiled.folder is None and third == first
+
+
+def test_a_graph_whose_guards_refuse_a_layer_gets_a_second_one(tiny_nvfp4, tmp_path, monkeypatch):
+    """Two kinds of layer described alike (one digest): the first kind's graph refuses the second (its guards), which
+    gets a graph of its own beside it, loaded and chosen by its guards in a later process."""
+    monkeypatch.setenv("MINIMAX_REF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr(fc.CompiledLayers, "digest", lambda self, layer, rest: "alike")
+    _, first = _tokens(tiny_nvfp4)
+    folder = tmp_path / "compile" / "layers"
+    assert sorted(p.name for p in folder.glob("*.aot")) == ["alike-0.aot", "alike-1.aot"]
+    monkeypatch.setattr(fc.CompiledLayers, "compile_ahead", lambda *a: pytest.fail("compiled again"))
+    _, second = _tokens(tiny_nvfp4)
+    assert second == first
+
+
+def test_the_digest_reads_shapes_kinds_and_code():
+    @dataclasses.dataclass
+    class Part:
+        k: torch.Tensor
+        scale: float
+
+    t = torch.zeros(2, 3)
+    assert fc.describe(t) == ("tensor", (2, 3), (3, 1), "torch.float32", "cpu")
+    assert fc.describe(Part(t, 1.0)) == ("Part", (("k", fc.describe(t)), ("scale", "1.0")))
+    assert fc.describe(torch.nn.Linear(2, 3, bias=False)) == (
+        "module", (("", "Linear"),), (("weight", (3, 2), "torch.float32"),))
+    assert fc.describe(7) == "7"
+    assert len(fc.code_version()) == 16 and fc.code_version() == fc.code_version()
+
+
+def test_without_saving_the_layers_compile_in_the_process(monkeypatch, tmp_path):
+    monkeypatch.setattr(fc, "saves_compiled_layers", lambda: False)
+    assert fc.CompiledLayers(None, tmp_path).folder is None

@@ -5,8 +5,9 @@ the folder the first run filled (`MINIMAX_REF_CACHE`: the compile cache, `fast.c
 Each run reports its wall time (process start to exit), and from the JSON stats the first decode step's time
 (`warmup_seconds`: compiling and capturing the step) and the time to the first token. The case `compile_caches` runs
 the same compiled model in a process of this script (`--child`) that also reports inductor's cache counters (graph
-and AOT cache hits and misses), where the warm-up went (`torch._dynamo.utils.compile_times`) and which kernels were
-tuned by coordinate descent in that process.
+and AOT cache hits and misses), where the warm-up went (`torch._dynamo.utils.compile_times`), which kernels were
+tuned by coordinate descent in that process, and whether its compiled layers were saved across processes
+(`saved_layers`: the graphs it holds and the files in the compile cache's layers/ folder).
 
     # 1 x H200 (BENCHMARKS.md, "Warm start"):
     python benchmarks/warm_start.py --layers 4
@@ -96,9 +97,19 @@ def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool =
                       "warmup_seconds": round(stats.warmup_seconds, 2), "torch": torch.__version__,
                       "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
                       "aot_autograd": dict(counters["aot_autograd"]),
+                      "saved_layers": _saved_layers(model.compiled),
                       "slowest_phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8]),
                       "coordesc_tuned": {"kernels": len(tuned), "seconds": round(sum(t for _, t in tuned), 2),
                                          "slowest": sorted(tuned, key=lambda kt: -kt[1])[:12]}}), flush=True)
+
+
+def _saved_layers(compiled) -> dict:
+    """The compiled layers' graphs saved across processes (`CompiledLayers` with a folder): the graphs this process
+    holds and the files in the folder, or why there are none."""
+    if compiled is None or compiled.folder is None:
+        return {"saved": False}
+    return {"saved": True, "graphs": sum(len(g) for g in compiled.graphs.values()),
+            "files": len(list(compiled.folder.glob("*.aot")))}
 
 
 def _profile_tops(profiler: cProfile.Profile, n: int) -> dict[str, list[str]]:

@@ -39,6 +39,17 @@ def test_a_later_process_loads_the_saved_layers(tiny_nvfp4, tmp_path, monkeypatc
     monkeypatch.setattr(fc.CompiledLayers, "compile_ahead", lambda *a: pytest.fail("compiled again"))
     again, second = _tokens(tiny_nvfp4)
     assert second == first and sum(len(g) for g in again.compiled.graphs.values()) == 2
+    # a saved graph that fails when run (a torch that saves what it cannot run): saving off, compiled in the process
+    class Broken:
+        def guard_check(self, *args):
+            return True
+
+        def __call__(self, *args):
+            raise RuntimeError("cannot run here")
+
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: Broken())
+    broken, fallback = _tokens(tiny_nvfp4)
+    assert broken.compiled.folder is None and fallback == first
     # the layers compiled in the process (no folder) choose the same tokens
     monkeypatch.setattr(fc, "saves_compiled_layers", lambda: False)
     plain, third = _tokens(tiny_nvfp4)

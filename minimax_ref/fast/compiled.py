@@ -200,13 +200,27 @@ class CompiledLayers:
         for graph in self.saved(digest):
             check = getattr(graph, "guard_check", None)  # without it, the call itself checks them (and raises)
             if check is None or check(layer, *rest):
-                self.chosen[(id(layer), digest)] = graph
-                return graph(layer, *rest)
+                return self.first_call(graph, digest, layer, rest)
         graph = self.compile_ahead(digest, (layer, *rest))
         if graph is None:
             return self.run(layer, *rest)
+        return self.first_call(graph, digest, layer, rest)
+
+    def first_call(self, graph, digest: str, layer, rest: tuple):
+        """A saved graph's first call for `layer`, then its choice for it; a graph that fails there (a torch that
+        saves what it cannot run) turns saving off, and the layers compile in this process."""
+        try:
+            out = graph(layer, *rest)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else ""
+            print(f"[fast] a saved compiled layer failed ({type(e).__name__}: {reason}); compiling the layers in "
+                  "this process only", file=sys.stderr)
+            self.folder = None
+            return self.run(layer, *rest)
         self.chosen[(id(layer), digest)] = graph
-        return graph(layer, *rest)
+        return out
 
     def digest(self, layer, rest: tuple) -> str:
         kind = self.layer_kinds.get(id(layer))

@@ -75,15 +75,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"{n} skipped: {reason}")
 
 
-@pytest.fixture(autouse=True)
-def _compiled_layers_in_process(request, monkeypatch):
-    """Compiled layers compile in the test's process only, except in tests/test_compiled_layers.py, which tests their
-    saving across processes: compiling ahead to save costs every other test's small models a compile each for
-    nothing (the suite's whole run passes with saving on as well)."""
-    if request.module.__name__.rsplit(".", 1)[-1] != "test_compiled_layers":
-        monkeypatch.setattr("minimax_ref.fast.compiled.saves_compiled_layers", lambda: False)
-
-
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory):
     """write(preset, fmt, **kw) -> path, cached per argument set for the whole session."""

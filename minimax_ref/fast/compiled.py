@@ -181,7 +181,7 @@ class CompiledLayers:
         self.context = repr((paths, reductions, torch.__version__, _triton_version()))
         self.graphs: dict[str, list] = {}  # digest -> the graphs saved under it, in the order they were made
         self.chosen: dict[tuple[int, str], object] = {}  # (id of a layer, digest) -> the graph its guards pass
-        self.layer_kinds: dict[int, object] = {}  # id of a layer -> `describe(layer)`
+        self.layer_kinds: dict[int, str] = {}  # id of a layer -> a digest of `describe(layer)`
 
     def compiling(self):
         return fixed_reductions(self.reductions) if self.reductions is not None else contextlib.nullcontext()
@@ -224,11 +224,9 @@ class CompiledLayers:
 
     def digest(self, layer, rest: tuple) -> str:
         kind = self.layer_kinds.get(id(layer))
-        if kind is None:
-            kind = self.layer_kinds[id(layer)] = describe(layer)
-        device = rest[0].device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        text = repr((kind, [describe(a) for a in rest], self.context, name, _code_version()))
+        if kind is None:  # a layer's description is long and never changes: hashed once
+            kind = self.layer_kinds[id(layer)] = hashlib.sha256(repr(describe(layer)).encode()).hexdigest()
+        text = repr((kind, [describe(a) for a in rest], self.context, _device_name(rest[0].device), _code_version()))
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def saved(self, digest: str) -> list:
@@ -273,6 +271,11 @@ class CompiledLayers:
 @functools.lru_cache(maxsize=1)
 def _code_version() -> str:
     return code_version()
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _triton_version() -> str | None:

@@ -191,6 +191,21 @@ def barrier(world: World) -> None:
 # ---------------------------------------------------------------------------------------------- memory
 
 
+def event_ms(fn, iters: int, warmup: int = 1) -> float:
+    """Milliseconds per call of `fn` launched from the host: CUDA events around `iters` calls after `warmup` calls,
+    without autograd."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def memory_now(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}

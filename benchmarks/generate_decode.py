@@ -30,6 +30,7 @@ from common import (
     copy_bandwidth,
     decode_step_bytes,
     emit,
+    event_ms,
     main_guard,
     replicate_cache,
 )
@@ -125,14 +126,7 @@ def run(args: argparse.Namespace) -> None:
 
 def replay_time(graph, steps: int) -> float:
     """ms per replay of a captured step, over `steps` replays after one, timed with CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.graph.replay()
-    start.record()
-    for _ in range(steps):
-        graph.graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    return event_ms(graph.graph.replay, steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,27 +18,13 @@ import argparse
 import sys
 
 import torch
-from common import BenchmarkError, add_kernel_bench_flags, emit, main_guard, tile_configs
+from common import BenchmarkError, add_kernel_bench_flags, emit, event_ms, main_guard, tile_configs
 from fused_matmul import operands
 from seed_workload import matmul_rate
 
 HIDDEN, INTERMEDIATE = 6144, 3072  # the release's widths (one routed expert: gate and up 3072 x 6144, down 6144 x 3072)
 # configurations that compile for sm_90 without spills (ptxas -v), but 64,128,64,4,3's 8 bytes
 SWEEP = ["128,128,64,8,3", "128,128,64,8,4", "128,128,32,8,4", "64,256,64,8,3", "64,128,64,4,3", "64,64,64,4,3"]
-
-
-def call_ms(fn, iters: int) -> float:
-    """Milliseconds per call of `fn` (CUDA events around `iters` calls after three warm-up calls; a call is
-    milliseconds of GPU work in a few launches, so launching is not what is timed)."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def measure(experts: int, args: argparse.Namespace, rate: float, device: torch.device) -> dict:
@@ -79,7 +65,7 @@ def measure(experts: int, args: argparse.Namespace, rate: float, device: torch.d
         err = float((fn().float() - want).abs().max() / want.abs().max())
         if err > 2e-2:
             raise BenchmarkError(f"{experts} experts, {name}: relative error {err:.3g} against today's path")
-        ms = call_ms(fn, args.iters)
+        ms = event_ms(fn, args.iters, warmup=3)
         case[name] = {"ms": ms, "tflop_per_s": flops / ms / 1e9, "fraction_of_bf16_rate": flops / ms / 1e-3 / rate,
                       "rel_err": err}
         print(f"{experts:4d} experts {rows} rows  {name:40s} {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s",

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import BenchmarkError, emit, main_guard
+from common import BenchmarkError, emit, event_ms, main_guard
 from generate_decode import add_model_args, load_model, replay_time
 
 from minimax_ref.generation.drafter import load_drafter
@@ -55,20 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def launched_time(model, graph, layers: tuple[int, ...], steps: int) -> float:
     """ms per run of the step `graph` recorded (its inputs, cache and kept layers) launched from the host (what the
     graph saves: the launches are on the host's clock)."""
-    return launched_time_of(lambda: model.sync_free_step(graph.ids, graph.pos, graph.cache, layers), steps)
-
-
-def launched_time_of(fn, steps: int) -> float:
-    """ms per call of `fn` launched from the host, over `steps` calls after one, timed with CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.no_grad():
-        fn()
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    return event_ms(lambda: model.sync_free_step(graph.ids, graph.pos, graph.cache, layers), steps)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -108,7 +95,7 @@ def run(args: argparse.Namespace) -> None:
     def draft() -> None:
         drafter.draft(model, decoder.draft_cache, anchors, t, drafter.block_size, greedy, None)
 
-    draft_ms = launched_time_of(draft, args.steps)
+    draft_ms = event_ms(draft, args.steps)
     result = {"bench": "speculative_decode", "preset": args.preset, "layers": len(model.layers),
               "experts": args.experts, "fast": args.fast, "prompt_len": args.prompt_len,
               "device": torch.cuda.get_device_name(device), "torch": torch.__version__,

@@ -526,6 +526,20 @@ def _readme_lines(prefix: str) -> list[str]:
     return [line.split("  #")[0].strip() for line in text.splitlines() if line.startswith(prefix)]
 
 
+def test_ci_runs_the_readme_test_command():
+    """`.ci/run` runs the README's set-up test command, word for word (its last line), with pytest-xdist's workers
+    that the command asks for among the test extras."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    (command,) = [line for line in _readme_lines("pip install") if "pytest" in line]
+    assert (root / ".ci" / "run").read_text().strip().splitlines()[-1] == command
+    if " -n " in command:
+        extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+        assert any(x.startswith("pytest-xdist") for x in extras)
+
+
 def _no_rank_traceback(output: str) -> None:
     # torchrun's own report of a failed worker is its business; no traceback may come from a rank
     assert "examples/generate.py\", line" not in output and "minimax_ref/" not in output, output

@@ -186,7 +186,9 @@ def name_kind(name: str) -> str:
 def miss_word(want: str, got: str | None) -> str:
     """Where a copy of `want` first goes wrong: "no_call" (no parsed call), "first_word" (a character of the first
     word, or a name cut off inside it), "later_word". Words end at a space, hyphen or apostrophe. The first word is
-    the one tokenized differently in the call: after `<city>` it has no leading space, in the prompt it has one."""
+    tokenized differently in the call (no leading space after `<city>`) than after a prompt's "in"; a prompt that
+    spells it as the call does (the name quoted, or first in the message) misses the same first words, so the split
+    tells where a copy drifts, not why."""
     if got is None:
         return "no_call"
     i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))

@@ -529,8 +529,9 @@ def _readme_lines(prefix: str) -> list[str]:
 def test_ci_runs_the_readme_test_command():
     """`.ci/run` runs the README's set-up test command, word for word (its last line), with pytest-xdist's workers
     that the command asks for among the test extras."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).parents[1]
     (command,) = [line for line in _readme_lines("pip install") if "pytest" in line]

@@ -119,7 +119,7 @@ DEFAULT = {NVFP4: Tiles(128, 64, 8, 4), MXFP8: Tiles(128, 64, 8, 4)}
 # (torch.cuda.get_device_name(), torch "major.minor", triton "major.minor") -> {format: Tiles}.
 TUNED: dict[tuple[str, str, str], dict[str, Tiles]] = {
     # 64 weight rows by 128 elements of K with 4 warps: the least total time over the release's decode products at 32
-    # rows (routed w1 130.7 -> 119.3 us, dense gate_proj 63.7 -> 47.9 us against DEFAULT)
+    # rows (BENCHMARKS.md, "Decode at batch 32")
     ("NVIDIA H200", "2.11", "3.6"): {NVFP4: Tiles(64, 128, 4, 4), MXFP8: Tiles(64, 128, 4, 4)},
 }
 

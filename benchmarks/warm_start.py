@@ -9,7 +9,7 @@ and AOT cache hits and misses), where the warm-up went (`torch._dynamo.utils.com
 tuned by coordinate descent in that process, and whether its compiled layers were saved across processes
 (`saved_layers`: the graphs it holds and the files in the compile cache's layers/ folder).
 
-    # 1 x H200 (BENCHMARKS.md, "Warm start"):
+    # 1 x H200 (BENCHMARKS.md, "A new process on 1 x H200"):
     python benchmarks/warm_start.py --layers 4
     # where the warm process's warm-up goes, function by function (cProfile of its generate call), and a third
     # process with inductor's compile workers ready before the cached graphs load:

@@ -89,39 +89,3 @@ def test_the_digest_reads_shapes_kinds_and_code():
 def test_without_saving_the_layers_compile_in_the_process(monkeypatch, tmp_path):
     monkeypatch.setattr(fc, "saves_compiled_layers", lambda: False)
     assert fc.CompiledLayers(None, tmp_path).folder is None
-
-
-def test_on_a_gpu_saved_layers_load_their_kernels_in_the_compile_workers(monkeypatch, tmp_path):
-    """With saved graphs on a GPU the compile workers start with the object and the first load waits for them (the
-    kernels then load in parallel); on the CPU, or with nothing saved, neither happens."""
-    calls = []
-    monkeypatch.setattr(fc, "start_compile_workers", lambda: calls.append("start"))
-    monkeypatch.setattr(fc, "wait_for_compile_workers", lambda: calls.append("wait"))
-    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: calls.append("load") or "graph")
-    fc.CompiledLayers(None, tmp_path, device=torch.device("cuda"))
-    assert calls == []  # nothing saved yet: the first compile starts the workers itself
-    (tmp_path / "d-0.aot").write_bytes(b"saved")
-    cpu = fc.CompiledLayers(None, tmp_path, device=torch.device("cpu"))
-    assert cpu.saved("d") == ["graph"] and calls == ["load"]
-    calls.clear()
-    gpu = fc.CompiledLayers(None, tmp_path, device=torch.device("cuda"))
-    assert calls == ["start"]
-    assert gpu.saved("d") == ["graph"] and gpu.saved("d") == ["graph"]
-    assert calls == ["start", "wait", "load"]  # waited once, before the first load
-    assert gpu.saved("other") == [] and calls == ["start", "wait", "load"]  # no file: no wait
-
-
-def test_waiting_for_compile_workers_that_never_start_falls_back(monkeypatch, capsys):
-    from torch._inductor.async_compile import AsyncCompile
-
-    monkeypatch.setattr(AsyncCompile, "_ready_future", None, raising=False)
-    fc.wait_for_compile_workers(timeout=0.01)  # none started: returns at once
-    assert capsys.readouterr().err == ""
-
-    def late(timeout):
-        raise TimeoutError
-
-    monkeypatch.setattr(AsyncCompile, "_ready_future", object(), raising=False)
-    monkeypatch.setattr(AsyncCompile, "wait_pool_ready", late)
-    fc.wait_for_compile_workers(timeout=0.01)
-    assert "compile workers were not ready (TimeoutError)" in capsys.readouterr().err

@@ -35,8 +35,6 @@ from .prefill import fused_rms_norm
 # launcher's cost does not matter here: a decode step replays from a CUDA graph.
 LAYER_INDUCTOR_OPTIONS = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True,
                           "use_static_cuda_launcher": False}
-# A second or two on a GPU machine, against some 70 ms a kernel loading a layer's kernels one after another.
-WORKERS_READY_SECONDS = 30.0
 
 
 @torch.library.custom_op("minimax_ref::materialize", mutates_args=())
@@ -122,32 +120,6 @@ def saves_compiled_layers() -> bool:
     return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch._dynamo.config, "enable_aot_compile")
 
 
-def start_compile_workers() -> None:
-    """Start inductor's compile workers now, without waiting for them. A saved layer's graph loads its Triton
-    kernels in them, in parallel, once they are ready, and one after another in this process before that; torch
-    starts them only when it compiles, which a process that loads every layer never does. A torch without these
-    calls keeps its own behaviour."""
-    from torch._inductor import async_compile
-
-    warm = getattr(async_compile, "maybe_warm_pool", None)
-    if warm is not None:
-        warm()
-
-
-def wait_for_compile_workers(timeout: float = WORKERS_READY_SECONDS) -> None:
-    """Wait (at most `timeout` seconds) until the compile workers `start_compile_workers` started can take work;
-    returns at once where none were started or they are ready. Past the timeout the kernels load in this process."""
-    from torch._inductor.async_compile import AsyncCompile
-
-    if getattr(AsyncCompile, "_ready_future", None) is None or not hasattr(AsyncCompile, "wait_pool_ready"):
-        return
-    try:
-        AsyncCompile.wait_pool_ready(timeout=timeout)
-    except Exception as e:  # a pool that cannot start: the kernels load here, as without it
-        print(f"[fast] inductor's compile workers were not ready ({type(e).__name__}); loading the compiled "
-              "layers' kernels in this process", file=sys.stderr)
-
-
 def _aot_enabled():
     # dynamo attaches `aot_compile` to compiled functions only with this flag (off by default before torch 2.13)
     return torch._dynamo.config.patch(enable_aot_compile=True)
@@ -195,11 +167,9 @@ class CompiledLayers:
     package's sources, torch, triton and the device); a later process loads it instead of tracing the layer again.
     A layer takes the first graph of its digest whose guards pass it (another kind of layer with the same
     description gets a graph of its own beside it). Where saving is not supported, or compiling ahead fails, the
-    layers compile as above. On a GPU (`device`) with saved graphs, inductor's compile workers start with this object,
-    and the first load waits for them (`wait_for_compile_workers`): the graphs' kernels then load in parallel."""
+    layers compile as above."""
 
-    def __init__(self, reductions: ReductionConfigs | None, folder: Path | None = None, paths: object = None,
-                 device: torch.device | None = None):
+    def __init__(self, reductions: ReductionConfigs | None, folder: Path | None = None, paths: object = None):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         register_materialize_lowering()
         self.reductions = reductions
@@ -212,9 +182,6 @@ class CompiledLayers:
         self.graphs: dict[str, list] = {}  # digest -> the graphs saved under it, in the order they were made
         self.chosen: dict[tuple[int, str], object] = {}  # (id of a layer, digest) -> the graph its guards pass
         self.layer_kinds: dict[int, str] = {}  # id of a layer -> a digest of `describe(layer)`
-        self.device_type = device.type if device is not None else None
-        if self.folder is not None and self.device_type == "cuda" and any(self.folder.glob("*.aot")):
-            start_compile_workers()  # ready by the first decode step, which loads the saved graphs' kernels in them
 
     def compiling(self):
         return fixed_reductions(self.reductions) if self.reductions is not None else contextlib.nullcontext()
@@ -266,10 +233,7 @@ class CompiledLayers:
         """The graphs saved under `digest`: this process's, else loaded from the folder (unreadable ones skipped)."""
         if digest not in self.graphs:
             graphs = []
-            files = sorted(self.folder.glob(f"{digest}-*.aot"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-            if files and self.device_type == "cuda":
-                wait_for_compile_workers()
-            for path in files:
+            for path in sorted(self.folder.glob(f"{digest}-*.aot"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
                 try:
                     with _aot_enabled(), path.open("rb") as f:
                         graphs.append(torch.compiler.load_compiled_function(f))

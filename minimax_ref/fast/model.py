@@ -230,8 +230,8 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
     if isinstance(model, FastMiniMaxM3):
         model.fast, model.kernels = paths, kernels
         reductions = tuned_for(model.device) if paths.layer_reductions == "auto" else paths.layer_reductions
-        model.compiled = (CompiledLayers(reductions, use_compile_cache() / "layers", paths, model.device)
-                          if paths.compile_layers else None)
+        model.compiled = (CompiledLayers(reductions, use_compile_cache() / "layers", paths) if paths.compile_layers
+                          else None)
         model.captured, model.captured_shapes = None, set()
     return paths
 

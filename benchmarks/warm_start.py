@@ -80,7 +80,6 @@ def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool =
     from minimax_ref.weights.loader import load_synthetic
 
     tuned = _record_coordesc_tuning()
-    waited = _record_worker_wait()
     t1 = time.perf_counter()
     model = load_synthetic("release", format="nvfp4", layers=layers, experts=experts, device=device,
                            weights="packed", fast="compiled")
@@ -99,7 +98,6 @@ def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool =
                       "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
                       "aot_autograd": dict(counters["aot_autograd"]),
                       "saved_layers": _saved_layers(model.compiled),
-                      "compile_workers_wait_seconds": round(sum(waited), 2),
                       "slowest_phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8]),
                       "coordesc_tuned": {"kernels": len(tuned), "seconds": round(sum(t for _, t in tuned), 2),
                                          "slowest": sorted(tuned, key=lambda kt: -kt[1])[:12]}}), flush=True)
@@ -146,25 +144,6 @@ def _record_coordesc_tuning() -> list[tuple[str, float]]:
 
     triton_heuristics.CachingAutotuner.coordinate_descent_tuning = recorded
     return tuned
-
-
-def _record_worker_wait() -> list[float]:
-    """Seconds the compiled layers waited for inductor's compile workers before loading saved graphs
-    (`fast.compiled.wait_for_compile_workers`), one entry a wait."""
-    from minimax_ref.fast import compiled
-
-    waits: list[float] = []
-    wait = compiled.wait_for_compile_workers
-
-    def recorded(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return wait(*args, **kwargs)
-        finally:
-            waits.append(time.perf_counter() - t0)
-
-    compiled.wait_for_compile_workers = recorded
-    return waits
 
 
 def run_child(args: argparse.Namespace, cache: str, profile: int = 0, pool: bool = False) -> dict:

@@ -7,7 +7,8 @@ Each run reports its wall time (process start to exit), and from the JSON stats 
 the same compiled model in a process of this script (`--child`) that also reports inductor's cache counters (graph
 and AOT cache hits and misses), where the warm-up went (`torch._dynamo.utils.compile_times`), which kernels were
 tuned by coordinate descent in that process, and whether its compiled layers were saved across processes
-(`saved_layers`: the graphs it holds and the files in the compile cache's layers/ folder).
+(`saved_layers`: the graphs it holds and the files in the compile cache's layers/ folder), with the fast paths'
+notices on stderr (`fast_notices`, e.g. why its layers are not saved).
 
     # 1 x H200 (BENCHMARKS.md, "A new process on 1 x H200"):
     python benchmarks/warm_start.py --layers 4
@@ -157,6 +158,8 @@ def run_child(args: argparse.Namespace, cache: str, profile: int = 0, pool: bool
                           capture_output=True, text=True, env=env)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     out = {k: v for line in lines for k, v in line.items()} if lines else {"stderr_tail": proc.stderr[-2000:]}
+    # the fast paths' own notices, e.g. why compiled layers are not saved across processes
+    out["fast_notices"] = [line for line in proc.stderr.splitlines() if line.startswith("[fast]")]
     return {"wall_seconds": round(time.perf_counter() - t0, 2), "returncode": proc.returncode, **out}
 
 

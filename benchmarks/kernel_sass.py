@@ -139,14 +139,16 @@ def _packed(fmt: str, entries: int, n: int, k: int) -> tuple[torch.Tensor, torch
 
 
 def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, table: bool = False):
-    """`gemv.packed_product`, one row: an `entries`-entry stack read at `chosen` entries (the routed experts' w1)
-    or a linear (entries 1, chosen 0); `table`: NVFP4 through the blocks' tables."""
+    """`gemv.packed_product`, one row: an `entries`-entry stack read at `chosen` entries flagged active (the routed
+    experts' w1, as `FastExperts.forward_grouped` passes them) or a linear (entries 1, chosen 0); `table`: NVFP4
+    through the blocks' tables."""
     def run():
         w, s, g = _packed(fmt, entries, n, k)
         words, scales, glob = gemv.reorder(fmt, w, s, g)
         x = torch.zeros(1, k, dtype=torch.bfloat16)
-        index = torch.arange(chosen) if chosen else None
-        gemv.packed_product(x, fmt, n, words, scales, glob, index=index, sms=132, table=table)
+        active = (torch.arange(entries) < chosen).to(torch.int32) if chosen else None
+        gemv.packed_product(x, fmt, n, words, scales, glob, active=active, busy=chosen or None, sms=132,
+                            table=table)
 
     def elements(kernel: dict) -> float | None:
         c = kernel["constexprs"]

@@ -195,19 +195,24 @@ if AVAILABLE:
             e = tl.load(sel_ptr + p).to(tl.int64)
         else:
             e = p.to(tl.int64)
+        offs_n = pid_n * TN + tl.arange(0, TN)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
         if SELECT == 2:
-            if tl.load(sel_ptr + p) == 0:  # an entry no row uses: nothing read, zeros written
-                k_hi = k_lo
+            # an entry no row uses: nothing read, zeros written; leaving here, not looping over no steps, keeps the
+            # flag out of the loop's registers
+            if tl.load(sel_ptr + p) == 0:
+                zero_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_m[None, :] * stride_ym + offs_n[:, None]
+                zeros = tl.zeros((TN, BLOCK_M), dtype=tl.bfloat16 if OUT_BF16 else tl.float32)
+                tl.store(zero_ptrs, zeros, mask=(offs_n < N)[:, None] & m_ok[None, :])
+                return
         n_tiles = tl.cdiv(N, TN)
         tile = (e * n_tiles + pid_n) * K_TILES  # the first K step of this tile column
         rows = tl.arange(0, TN)
         w_rows = w_ptr + tile * (TN * W) + rows[:, None] * W  # [TN, 1]
         s_rows = s_ptr + tile * (TN * B) + rows[:, None] * B
-        offs_m = tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
         x_rows = x_ptr + p * stride_xp + offs_m * stride_xm  # [BLOCK_M]
         g = tl.load(g_ptr + e * stride_ge)  # NVFP4's global (MXFP8: an unread one)
-        offs_n = pid_n * TN + rows
         if DOT:
             jk = tl.arange(0, TK)
             n_ok = rows < TN  # every row of a tile is stored (padded rows as zeros): none masked

@@ -145,8 +145,8 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
         info = _ptxas_report(ptx)
         assert " 0 bytes spill stores" in info, (block_m, info)
         registers[block_m, select, out_bf16, tab] = int(re.search(r"Used (\d+) registers", info).group(1))
-    # an entry whose flag is 0 leaves before the loop, so the flags cost the one-row loop no registers (held across
-    # it, they cost the table GEMV 36 of 132, and with them 2 of its 5 programs an SM)
+    # an entry whose flag is 0 leaves before the loop, so the flags cost the one-row loop no registers (registers
+    # bound the GEMV's programs an SM)
     for tab in {False, table}:
         assert registers[1, 2, False, tab] <= registers[1, 1, False, tab], registers
 

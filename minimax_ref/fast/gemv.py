@@ -165,6 +165,12 @@ if AVAILABLE:
         return (((quad >> (16 * i)) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _out_tile(y_ptr, sid, p, offs_m, offs_n, m_ok, N, stride_ys, stride_yp, stride_ym):
+        """Pointers and mask of a program's [TN, BLOCK_M] output tile: split `sid`, entry `p`, rows `offs_n`."""
+        ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_m[None, :] * stride_ym + offs_n[:, None]
+        return ptrs, (offs_n < N)[:, None] & m_ok[None, :]
+
+    @triton.jit
     def _x_quads(x_ptr, row, k0, word, K):
         """x's 8 elements of each word c of the step starting at element k0 (elements k0 + 8c .. k0 + 8c + 7) as two
         int64 loads of 4 bf16 each ([W / 4, 4] each; `row`: the row's offset in int64 units); zeros past K (a
@@ -202,9 +208,10 @@ if AVAILABLE:
             # an entry no row uses: nothing read, zeros written; leaving here, not looping over no steps, keeps the
             # flag out of the loop's registers
             if tl.load(sel_ptr + p) == 0:
-                zero_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_m[None, :] * stride_ym + offs_n[:, None]
-                zeros = tl.zeros((TN, BLOCK_M), dtype=tl.bfloat16 if OUT_BF16 else tl.float32)
-                tl.store(zero_ptrs, zeros, mask=(offs_n < N)[:, None] & m_ok[None, :])
+                zero_ptrs, zero_mask = _out_tile(y_ptr, sid, p, offs_m, offs_n, m_ok, N, stride_ys, stride_yp,
+                                                 stride_ym)
+                tl.store(zero_ptrs, tl.zeros((TN, BLOCK_M), dtype=tl.bfloat16 if OUT_BF16 else tl.float32),
+                         mask=zero_mask)
                 return
         n_tiles = tl.cdiv(N, TN)
         tile = (e * n_tiles + pid_n) * K_TILES  # the first K step of this tile column
@@ -228,8 +235,7 @@ if AVAILABLE:
                 else:
                     acc = tl.dot(w, xt, acc)
             out = acc
-            y_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_m[None, :] * stride_ym + offs_n[:, None]
-            mask = (offs_n < N)[:, None] & m_ok[None, :]
+            y_ptrs, mask = _out_tile(y_ptr, sid, p, offs_m, offs_n, m_ok, N, stride_ys, stride_yp, stride_ym)
         else:
             # one row (BLOCK_M 1): the words as [W / 4, TN, 4] (four words, 16 bytes, a thread; the groups of a row
             # first, so that a warp reads whole rows), every operand built in their layout: the block scales loaded

@@ -33,8 +33,11 @@ from .prefill import fused_rms_norm
 # launch configuration was found by coordinate descent, so a new process would tune it again (seconds per kernel);
 # launched by Triton's own launcher, a cached kernel reads its tuned configuration from the autotuning cache. The
 # launcher's cost does not matter here: a decode step replays from a CUDA graph.
+# Inductor's halving of a reduction's block after compiling it is off: coordinate descent searches that block
+# anyway, and on a cached kernel torch 2.11 and 2.12 still add the halved configuration, benchmark it against the
+# tuned one and, when it wins, tune the kernel again from it in every new process.
 LAYER_INDUCTOR_OPTIONS = {**FUSED_INDUCTOR_OPTIONS, "coordinate_descent_tuning": True,
-                          "use_static_cuda_launcher": False}
+                          "use_static_cuda_launcher": False, "dynamic_scale_rblock": False}
 
 
 @torch.library.custom_op("minimax_ref::materialize", mutates_args=())
@@ -176,8 +179,10 @@ class CompiledLayers:
         options = dict(LAYER_INDUCTOR_OPTIONS)
         if reductions is not None:
             options.update(inductor_options(reductions))
-        self.compiled = torch.compile(run_layer, dynamic=False, fullgraph=True, options=options)
         self.folder = folder if folder is not None and saves_compiled_layers() else None
+        # torch 2.11 and 2.12 attach `aot_compile` to a compiled function only if the flag is on when it is wrapped
+        with _aot_enabled() if self.folder is not None else contextlib.nullcontext():
+            self.compiled = torch.compile(run_layer, dynamic=False, fullgraph=True, options=options)
         self.context = repr((paths, reductions, torch.__version__, _triton_version()))
         self.graphs: dict[str, list] = {}  # digest -> the graphs saved under it, in the order they were made
         self.chosen: dict[tuple[int, str], object] = {}  # (id of a layer, digest) -> the graph its guards pass

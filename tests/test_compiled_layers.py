@@ -26,12 +26,13 @@ def _tokens(ckpt, **kw):
     return model, [s.generated for s in seqs]
 
 
-def test_saving_does_not_need_the_aot_flag_on_by_default(tmp_path, monkeypatch):
+def test_saving_does_not_need_the_aot_flag_on_by_default(tmp_path):
     """torch 2.11 and 2.12 ship with dynamo's `enable_aot_compile` off and attach `aot_compile` only to a function
     wrapped while it is on: a layer set that saves wraps its function with it on."""
-    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
-    assert hasattr(fc.CompiledLayers(None, folder=tmp_path).compiled, "aot_compile")
-    assert torch._dynamo.config.enable_aot_compile is False
+    # dynamo's own patch: a monkeypatch's undo hides a config entry on torch 2.11 (its module's delattr)
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        assert hasattr(fc.CompiledLayers(None, folder=tmp_path).compiled, "aot_compile")
+        assert torch._dynamo.config.enable_aot_compile is False
 
 
 def test_a_later_process_loads_the_saved_layers(tiny_nvfp4, tmp_path, monkeypatch):

@@ -155,11 +155,6 @@ def splits(programs: int, k_tiles: int, sms: int, per_sm: int = PROGRAMS_PER_SM)
 
 if AVAILABLE:
     @triton.jit
-    def _widen(x):
-        """bf16 `x` as fp32 on the bits (exact, and the same under the interpreter)."""
-        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _quad_field(quad, i: tl.constexpr):
         """Element i of four bf16 held in an int64 (little-endian: bits 16i..16i+15), as fp32 (exact)."""
         return (((quad >> (16 * i)) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
@@ -179,6 +174,13 @@ if AVAILABLE:
         ok = quad * 4 < K
         x64 = x_ptr.to(tl.pointer_type(tl.int64)) + row
         return tl.load(x64 + quad, mask=ok, other=0), tl.load(x64 + quad + 1, mask=ok, other=0)
+
+    @triton.jit
+    def _x_quad(x_ptr, row, k0, word, K):
+        """x's 4 elements of each MXFP8 word c of the step starting at element k0 (k0 + 4c .. k0 + 4c + 3) as one
+        int64 load ([W / 4, 4]); zeros past K."""
+        quad = (k0 + word * 4) // 4
+        return tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + row + quad, mask=quad * 4 < K, other=0)
 
     @triton.jit
     def _gemv_kernel(
@@ -257,8 +259,12 @@ if AVAILABLE:
             # scales (and x's quads) are loaded before this step is decoded, so that their latency overlaps its work
             words_next = tl.load(w_step + k_lo * (TN * W), mask=k_lo < k_hi, other=0)
             sb_next = tl.load(s_step + k_lo * (TN * B), mask=k_lo < k_hi, other=0)
-            if NVFP4_FMT and TABLE:
+            # x read four elements (8 bytes) a load, its fields widened in registers: one load and one operation
+            # per element cost more instructions than the decoding, which bounds this loop
+            if NVFP4_FMT:
                 xa_next, xb_next = _x_quads(x_ptr, p * (stride_xp // 4), k_lo * TK, word, K)
+            else:
+                xa_next = _x_quad(x_ptr, p * (stride_xp // 4), k_lo * TK, word, K)
             for ks in range(k_lo, k_hi):
                 words, sb = words_next, sb_next
                 words_next = tl.load(w_step + (ks + 1) * (TN * W), mask=ks + 1 < k_hi, other=0)
@@ -288,21 +294,23 @@ if AVAILABLE:
                     # the reference's block scale fp32(e4m3) * global (one rounding), times 2^126 (exact in range)
                     blk = (_e4m3_value(sb.to(tl.int32), EXACT_FP32) * g) * 8.507059173023462e37
                     scale = tl.reshape(tl.join(blk, blk), (W // 4, TN, 4))  # word r of a group: block r // 2
-                    for j in tl.static_range(8):  # nibble j of word c is element 8c + j
-                        wj = _nibble(words, scale, j, EXACT_FP32).to(tl.float32)
-                        kx = ks * TK + word * 8 + j
-                        xj = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))  # [W / 4, 4]
-                        acc += wj * xj[:, None, :]
+                    xa, xb = xa_next, xb_next
+                    xa_next, xb_next = _x_quads(x_ptr, p * (stride_xp // 4), (ks + 1) * TK, word, K)
+                    for j in tl.static_range(4):  # nibble j of word c is element 8c + j
+                        acc += (_nibble(words, scale, j, EXACT_FP32).to(tl.float32)
+                                * _quad_field(xa, j)[:, None, :])
+                        acc += (_nibble(words, scale, j + 4, EXACT_FP32).to(tl.float32)
+                                * _quad_field(xb, j)[:, None, :])
                 else:
                     # one E8M0 scale for two groups (8 words): code c -> 2^(c - 127) on the bits (c >= 1 in range)
                     scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]
+                    xa = xa_next
+                    xa_next = _x_quad(x_ptr, p * (stride_xp // 4), (ks + 1) * TK, word, K)
                     for i in tl.static_range(4):  # byte i of word c is element 4c + i
                         # E4M3 times a power of two in range is a bf16 value already (at most 4 significant bits,
                         # no bf16 subnormal below 2^-133): the fp32 product is w_hat, no rounding to do
                         wi = _e4m3_value((words >> (8 * i)) & 0xFF, EXACT_FP32) * scale
-                        kx = ks * TK + word * 4 + i
-                        xi = _widen(tl.load(x_ptr + p * stride_xp + kx, mask=kx < K, other=0.0))
-                        acc += wi * xi[:, None, :]
+                        acc += wi * _quad_field(xa, i)[:, None, :]
             out = tl.sum(tl.sum(acc, axis=2), axis=0)  # [TN]: each row's 32 word lanes added
             y_ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_n
             mask = offs_n < N
@@ -356,8 +364,8 @@ def packed_product(x: torch.Tensor, fmt: str, n: int, words: torch.Tensor, scale
     Contract: the module docstring (decoded bits of the reference, fp32 sums, splits added in split order).
     split: K splits (default `splits` for `sms` SMs, counting `busy` entries: with `active`, at most that many are
     flagged, e.g. a step's tokens times top-k; default all). table: NVFP4 decoded through each block's table of its
-    8 values (`grouped._TABLE_ASM`; the same bits; MXFP8 ignores it); the one-row GEMV then reads x as int64 quads
-    (x 8-byte aligned: torch's allocations and their row views are; an eager call copies another x). Static in the
+    8 values (`grouped._TABLE_ASM`; the same bits; MXFP8 ignores it). The one-row GEMV reads x as int64 quads (x
+    8-byte aligned: torch's allocations and their row views are; an eager call copies another x). Static in the
     shapes: no host synchronisation.
     """
     if not AVAILABLE:
@@ -375,8 +383,8 @@ def packed_product(x: torch.Tensor, fmt: str, n: int, words: torch.Tensor, scale
         split = splits(working * -(-n // TILE_N), k_tiles, sms)
     split = max(1, min(split, k_tiles))
     split = -(-k_tiles // -(-k_tiles // split))  # no empty split
-    if table and fmt == NVFP4 and m <= GEMV_ROWS and not torch.compiler.is_compiling() and xs.data_ptr() % 8:
-        xs = xs.clone()  # the table GEMV reads x four elements (8 bytes) a load
+    if m <= GEMV_ROWS and not torch.compiler.is_compiling() and xs.data_ptr() % 8:
+        xs = xs.clone()  # the one-row GEMV reads x four elements (8 bytes) a load
     select, sel = 0, None
     if index is not None:
         select, sel = 1, index

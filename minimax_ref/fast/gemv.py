@@ -20,19 +20,20 @@ contiguous range). Zero padding decodes to +0 (code 0 times any scale, any code 
 masked zeros. `restore` is the inverse (the bits are the same: `reorder` only moves bytes).
 
 Numerics contract (`packed_product`): y[p, m, n] = bf16( sum_k x[p, m, k] * w_hat[e(p), n, k] ) with w_hat =
-`packed.decode_reference(...).to(bfloat16)` bit for bit, decoded by bit operations: an E2M1 nibble placed on fp32 bits
-as e2m1 * 2^-126, times the reference's block scale fp32(e4m3) * weight_scale_2 (one rounding, as the reference) times
-2^126, rounded to bf16 (`grouped._nibble`), or with `table` looked up in the block's table of its 8 values
-(`grouped._TABLE_ASM`, the same bits); an E4M3 byte converted to fp32, times 2^(code - 127) built from the E8M0 code's
-bits (exact, and already a bf16 value in range: the GEMV multiplies it as it is, the dot's tile rounds it,
-`grouped._e4m3_byte`). This needs the scales in the normal range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3
-NaN byte; `FastPackedWeight.configure` checks both and keeps its other paths otherwise. Every product is exact in fp32
-(two bf16 values); the GEMV accumulates the row's products in fp32, per (weight row, word lane) across the K steps of
-a split and the elements of a word, then adds the 32 lanes in a tree (`tl.sum`); the dot accumulates in fp32 on the
+`packed.decode_reference(...).to(bfloat16)` bit for bit, decoded by bit operations: an E2M1 nibble placed on fp32
+bits as e2m1 * 2^-126, times the reference's block scale fp32(e4m3) * weight_scale_2 (one rounding, as the
+reference) times 2^126, rounded to bf16 (`grouped._nibble`; the one-row GEMV places two nibbles at once,
+`_nibble_pair`), or with `table` looked up in the block's table of its 8 values (`grouped._TABLE_ASM`, the same
+bits); an E4M3 byte converted to fp32, times 2^(code - 127) built from the E8M0 code's bits (exact, and already a
+bf16 value in range: the GEMV multiplies it as it is, the dot's tile rounds it, `grouped._e4m3_byte`). This needs
+the scales in the normal range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3 NaN byte;
+`FastPackedWeight.configure` checks both and keeps its other paths otherwise. Every product is exact in fp32 (two
+bf16 values); the GEMV accumulates the row's products in fp32, per (weight row, word lane) across the K steps of a
+split and the elements of a word, then adds the 32 lanes in a tree (`tl.sum`); the dot accumulates in fp32 on the
 tensor cores; splits of K write fp32 partial sums that a second kernel adds in split order (0, 1, 2, ...) and rounds
-once to bf16. Bound (tests): |y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final rounding, gamma_K(2u) = 2Ku
-/ (1 - 2Ku), u = 2^-24 (twice the unit roundoff: tensor cores may truncate when they align addends). Eager calls and
-compiled regions give the same bits.
+once to bf16. Bound (tests): |y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final rounding, gamma_K(2u) =
+2Ku / (1 - 2Ku), u = 2^-24 (twice the unit roundoff: tensor cores may truncate when they align addends). Eager calls
+and compiled regions give the same bits.
 
 Routed experts: `index` (a device LongTensor of chosen experts, e.g. the router's top-k ids) makes program p read
 entry index[p] only; `active` (int32 flags over the stack) makes the unflagged entries read nothing and give zero
@@ -63,8 +64,10 @@ if grouped.AVAILABLE:
     _step_scales = grouped._step_scales
     _x_operand = grouped._x_operand
     _e4m3_value = grouped._e4m3_value
-    _nibble = grouped._nibble
     _bf16_storable = grouped._bf16_storable
+    _bf16_value = grouped._bf16_value
+    _SIGN_PAIR = tl.constexpr(-2147450880)  # bits 31 and 15
+    _E2M1_PAIR = tl.constexpr(0x01C001C0)  # bits 24..22 and 8..6
 
 AVAILABLE = grouped.AVAILABLE
 # Rows up to which the product is a GEMV on the CUDA cores; above, up to `MAX_ROWS`, the tensor cores' dot (16 rows
@@ -158,6 +161,23 @@ if AVAILABLE:
     def _quad_field(quad, i: tl.constexpr):
         """Element i of four bf16 held in an int64 (little-endian: bits 16i..16i+15), as fp32 (exact)."""
         return (((quad >> (16 * i)) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nibble_pair(words, scale, J: tl.constexpr, EXACT_FP32: tl.constexpr):
+        """Elements 8w + J and 8w + J + 4 (J < 4) of each int32 word of packed NVFP4 bytes, each its nibble times the
+        word's block scale times 2^126 (`scale`) rounded to bf16, as `grouped._nibble` gives them: both nibbles
+        placed at once as the two halves of an int32 (signs to bits 15 and 31, e e m to bits 8..6 and 24..22: two
+        bf16 values e2m1 * 2^-126), then each half widened to fp32 and multiplied. Two shifts and two masks for two
+        elements, where one nibble alone takes the same four."""
+        signs = words << (12 - 4 * J)
+        if 6 - 4 * J >= 0:
+            fields = words << (6 - 4 * J)
+        else:  # an arithmetic shift: the sign copies land above bit 24, outside the mask
+            fields = words >> (4 * J - 6)
+        pair = (signs & _SIGN_PAIR) | (fields & _E2M1_PAIR)
+        low = (pair << 16).to(tl.float32, bitcast=True) * scale
+        high = (pair & -65536).to(tl.float32, bitcast=True) * scale
+        return _bf16_value(low, EXACT_FP32).to(tl.float32), _bf16_value(high, EXACT_FP32).to(tl.float32)
 
     @triton.jit
     def _out_tile(y_ptr, sid, p, offs_m, offs_n, m_ok, N, stride_ys, stride_yp, stride_ym):
@@ -297,10 +317,9 @@ if AVAILABLE:
                     xa, xb = xa_next, xb_next
                     xa_next, xb_next = _x_quads(x_ptr, p * (stride_xp // 4), (ks + 1) * TK, word, K)
                     for j in tl.static_range(4):  # nibble j of word c is element 8c + j
-                        acc += (_nibble(words, scale, j, EXACT_FP32).to(tl.float32)
-                                * _quad_field(xa, j)[:, None, :])
-                        acc += (_nibble(words, scale, j + 4, EXACT_FP32).to(tl.float32)
-                                * _quad_field(xb, j)[:, None, :])
+                        wj, wj4 = _nibble_pair(words, scale, j, EXACT_FP32)
+                        acc += wj * _quad_field(xa, j)[:, None, :]
+                        acc += wj4 * _quad_field(xb, j)[:, None, :]
                 else:
                     # one E8M0 scale for two groups (8 words): code c -> 2^(c - 127) on the bits (c >= 1 in range)
                     scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]

@@ -167,8 +167,8 @@ if AVAILABLE:
         """Elements 8w + J and 8w + J + 4 (J < 4) of each int32 word of packed NVFP4 bytes, each its nibble times the
         word's block scale times 2^126 (`scale`) rounded to bf16, as `grouped._nibble` gives them: both nibbles
         placed at once as the two halves of an int32 (signs to bits 15 and 31, e e m to bits 8..6 and 24..22: two
-        bf16 values e2m1 * 2^-126), then each half widened to fp32 and multiplied. Two shifts and two masks for two
-        elements, where one nibble alone takes the same four."""
+        bf16 values e2m1 * 2^-126), then each half widened to fp32 and multiplied, and the two products rounded by one
+        conversion. Two shifts and two masks for two elements, where one nibble alone takes the same four."""
         signs = words << (12 - 4 * J)
         if 6 - 4 * J >= 0:
             fields = words << (6 - 4 * J)
@@ -177,7 +177,12 @@ if AVAILABLE:
         pair = (signs & _SIGN_PAIR) | (fields & _E2M1_PAIR)
         low = (pair << 16).to(tl.float32, bitcast=True) * scale
         high = (pair & -65536).to(tl.float32, bitcast=True) * scale
-        return _bf16_value(low, EXACT_FP32).to(tl.float32), _bf16_value(high, EXACT_FP32).to(tl.float32)
+        if EXACT_FP32:  # the interpreter has no inline assembly
+            return _bf16_value(low, EXACT_FP32), _bf16_value(high, EXACT_FP32)
+        # both rounded to bf16 by one conversion (to nearest, ties to even) into the halves of an int32
+        rounded = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [high, low], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+        return (rounded << 16).to(tl.float32, bitcast=True), (rounded & -65536).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _out_tile(y_ptr, sid, p, offs_m, offs_n, m_ok, N, stride_ys, stride_yp, stride_ym):

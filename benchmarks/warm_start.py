@@ -6,7 +6,8 @@ Each run reports its wall time (process start to exit), and from the JSON stats 
 (`warmup_seconds`: compiling and capturing the step) and the time to the first token. The case `compile_caches` runs
 the same compiled model in a process of this script (`--child`) that also reports inductor's cache counters (graph
 and AOT cache hits and misses), where the warm-up went (`torch._dynamo.utils.compile_times`), which kernels were
-tuned by coordinate descent in that process, and whether its compiled layers were saved across processes
+tuned by coordinate descent in that process, which Triton kernels it built down to a cubin (`cubins_built`: compiled
+from their source, no cache held them), and whether its compiled layers were saved across processes
 (`saved_layers`: the graphs it holds and the files in the compile cache's layers/ folder), with the fast paths'
 notices on stderr (`fast_notices`, e.g. why its layers are not saved).
 
@@ -81,6 +82,7 @@ def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool =
     from minimax_ref.weights.loader import load_synthetic
 
     tuned = _record_coordesc_tuning()
+    built = _record_cubins()
     t1 = time.perf_counter()
     model = load_synthetic("release", format="nvfp4", layers=layers, experts=experts, device=device,
                            weights="packed", fast="compiled")
@@ -101,7 +103,9 @@ def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool =
                       "saved_layers": _saved_layers(model.compiled),
                       "slowest_phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8]),
                       "coordesc_tuned": {"kernels": len(tuned), "seconds": round(sum(t for _, t in tuned), 2),
-                                         "slowest": sorted(tuned, key=lambda kt: -kt[1])[:12]}}), flush=True)
+                                         "slowest": sorted(tuned, key=lambda kt: -kt[1])[:12]},
+                      "cubins_built": {"kernels": len(built), "ptxas_seconds": round(sum(t for _, t in built), 2),
+                                       "names": sorted({name for name, _ in built})}}), flush=True)
 
 
 def _saved_layers(compiled) -> dict:
@@ -145,6 +149,27 @@ def _record_coordesc_tuning() -> list[tuple[str, float]]:
 
     triton_heuristics.CachingAutotuner.coordinate_descent_tuning = recorded
     return tuned
+
+
+def _record_cubins() -> list[tuple[str, float]]:
+    """(kernel, seconds) of every Triton kernel built down to a cubin (ptxas) in this process: in a warm process each
+    one is a kernel that no cache held, compiled from its source."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend
+    except ImportError:
+        return []
+    built: list[tuple[str, float]] = []
+    make_cubin = CUDABackend.make_cubin
+
+    def recorded(self, src, metadata, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return make_cubin(self, src, metadata, *args, **kwargs)
+        finally:
+            built.append((str(metadata.get("name")), round(time.perf_counter() - t0, 3)))
+
+    CUDABackend.make_cubin = recorded
+    return built
 
 
 def run_child(args: argparse.Namespace, cache: str, profile: int = 0, pool: bool = False) -> dict:

@@ -294,6 +294,14 @@ if AVAILABLE:
                 words, sb = words_next, sb_next
                 words_next = tl.load(w_step + (ks + 1) * (TN * W), mask=ks + 1 < k_hi, other=0)
                 sb_next = tl.load(s_step + (ks + 1) * (TN * B), mask=ks + 1 < k_hi, other=0)
+                # NVFP4: x's 8 elements of word c as two int64 loads (4 bf16 each), MXFP8: its 4 as one; their 16-bit
+                # fields are the elements (K is a multiple of 32: a quad is in or past K)
+                if NVFP4_FMT:
+                    xa, xb = xa_next, xb_next
+                    xa_next, xb_next = _x_quads(x_ptr, p * (stride_xp // 4), (ks + 1) * TK, word, K)
+                else:
+                    xa = xa_next
+                    xa_next = _x_quad(x_ptr, p * (stride_xp // 4), (ks + 1) * TK, word, K)
                 if NVFP4_FMT and TABLE:
                     # each block's table (`grouped._TABLE_ASM`), its four words repeated over the block's two words
                     t0, t1, t2, t3 = _table_words(_e4m3_value(sb.to(tl.int32), EXACT_FP32) * g, EXACT_FP32)
@@ -301,10 +309,7 @@ if AVAILABLE:
                     t1 = tl.reshape(tl.join(t1, t1), (W // 4, TN, 4))
                     t2 = tl.reshape(tl.join(t2, t2), (W // 4, TN, 4))
                     t3 = tl.reshape(tl.join(t3, t3), (W // 4, TN, 4))
-                    # element 8c + j is nibble j of word c; x's 8 elements of word c as two int64 loads (4 bf16
-                    # each), whose 16-bit fields are the elements (K is a multiple of 32: a quad is in or past K)
-                    xa, xb = xa_next, xb_next
-                    xa_next, xb_next = _x_quads(x_ptr, p * (stride_xp // 4), (ks + 1) * TK, word, K)
+                    # element 8c + j is nibble j of word c
                     e0, e1, e2, e3, e4, e5, e6, e7 = _table_planes(words, t0, t1, t2, t3, EXACT_FP32)
                     acc += e0.to(tl.float32) * _quad_field(xa, 0)[:, None, :]
                     acc += e1.to(tl.float32) * _quad_field(xa, 1)[:, None, :]
@@ -319,8 +324,6 @@ if AVAILABLE:
                     # the reference's block scale fp32(e4m3) * global (one rounding), times 2^126 (exact in range)
                     blk = (_e4m3_value(sb.to(tl.int32), EXACT_FP32) * g) * 8.507059173023462e37
                     scale = tl.reshape(tl.join(blk, blk), (W // 4, TN, 4))  # word r of a group: block r // 2
-                    xa, xb = xa_next, xb_next
-                    xa_next, xb_next = _x_quads(x_ptr, p * (stride_xp // 4), (ks + 1) * TK, word, K)
                     for j in tl.static_range(4):  # nibble j of word c is element 8c + j
                         wj, wj4 = _nibble_pair(words, scale, j, EXACT_FP32)
                         acc += wj * _quad_field(xa, j)[:, None, :]
@@ -328,8 +331,6 @@ if AVAILABLE:
                 else:
                     # one E8M0 scale for two groups (8 words): code c -> 2^(c - 127) on the bits (c >= 1 in range)
                     scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]
-                    xa = xa_next
-                    xa_next = _x_quad(x_ptr, p * (stride_xp // 4), (ks + 1) * TK, word, K)
                     for i in tl.static_range(4):  # byte i of word c is element 4c + i
                         # E4M3 times a power of two in range is a bf16 value already (at most 4 significant bits,
                         # no bf16 subnormal below 2^-133): the fp32 product is w_hat, no rounding to do

@@ -73,6 +73,10 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
         split = gemv.splits(programs, k_tiles, sms, target)
         variants[f"gemv per_sm={target} split={split}"] = (
             lambda split=split: gemv.packed_product(x, fmt, n, *reordered, active=active, split=split))
+        if fmt == "nvfp4" and rows == 1:  # the `gemv` preset's decode: each block's table of its 8 values
+            variants[f"gemv table per_sm={target} split={split}"] = (
+                lambda split=split: gemv.packed_product(x, fmt, n, *reordered, active=active, split=split,
+                                                        table=True))
     if rows == 1:
         words = fmt == "nvfp4" or "gate_proj" in name  # the compiled preset: nvfp4_words, mxfp8_words="gate_up"
         if experts:  # the gathered experts, each token's row broadcast against them (`FastExperts.forward_sync_free`)

@@ -185,3 +185,22 @@ def test_compile_cache_lives_in_the_cache_folder_unless_named(monkeypatch, tmp_p
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "kernels"))
     assert use_compile_cache() == tmp_path / "mine"
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "kernels")
+
+
+def test_compile_cache_pins_one_ptxas_for_every_compiling_process(monkeypatch, tmp_path):
+    """Triton keys its cached kernels by the ptxas version, and inductor's compile workers take torch's own ptxas
+    unless TRITON_PTXAS_PATH names one: `use_compile_cache` names Triton's (the one the main process uses) before
+    any worker starts, and keeps a ptxas the user named."""
+    triton = pytest.importorskip("triton")
+    from triton import knobs
+
+    from minimax_ref.fast.compiled import use_compile_cache
+
+    monkeypatch.setenv("MINIMAX_REF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    use_compile_cache()
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    assert os.environ["TRITON_PTXAS_PATH"] == knobs.nvidia.ptxas.path == bundled
+    monkeypatch.setenv("TRITON_PTXAS_PATH", str(tmp_path / "my-ptxas"))
+    use_compile_cache()
+    assert os.environ["TRITON_PTXAS_PATH"] == str(tmp_path / "my-ptxas")

@@ -103,7 +103,23 @@ def use_compile_cache() -> Path:
         folder = cache_dir() / "compile"
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
+    _pin_ptxas()
     return folder
+
+
+def _pin_ptxas() -> None:
+    """Name Triton's own ptxas in TRITON_PTXAS_PATH unless the user named one, before inductor starts its compile
+    workers (they inherit the environment). Triton keys each kernel in its cache by the ptxas version; a worker
+    without the variable sets it to the ptxas torch ships (another CUDA release than Triton's on torch 2.11), so the
+    kernels a worker built were keyed where no later process, compiling in its main process, looked for them."""
+    if os.environ.get("TRITON_PTXAS_PATH"):
+        return
+    try:
+        from triton import knobs
+
+        os.environ["TRITON_PTXAS_PATH"] = knobs.nvidia.ptxas.path
+    except (ImportError, AttributeError, RuntimeError):  # no Triton, one without knobs, or without its ptxas
+        pass
 
 
 def _inductor_default_cache() -> str:

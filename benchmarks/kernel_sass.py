@@ -47,7 +47,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.compiler import compile as triton_compile
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from minimax_ref.fast import attention_kernel, gemv, grouped, selection_kernel
+from minimax_ref.fast import attention_kernel, gemv, grouped, mma_gemv, selection_kernel
 from minimax_ref.weights.checkpoint import MXFP8, NVFP4
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -106,7 +106,10 @@ class Capture:
             binder = self._binders[id(fn)] = create_function_from_signature(fn.signature, fn.params, self.backend)
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, specialization, options)
-        compiled = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=self.target,
+        source = ASTSource
+        if fn.is_gluon():
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        compiled = triton_compile(source(fn, signature, constexprs, attrs), target=self.target,
                                   options=options.__dict__)
         named = {name: value for name, value in bound.items() if signature.get(name) == "constexpr"}
         self.kernels.append({"kernel": fn.__name__, "constexprs": named, "num_warps": options.num_warps,
@@ -155,6 +158,19 @@ def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, table: bool =
         if kernel["kernel"] != "_gemv_kernel":
             return None
         return c["TN"] * c["TK"] / (32 * kernel["num_warps"])
+    return run, elements
+
+
+def case_mma_gemv(entries: int, n: int, k: int, chosen: int, rows: int = 1):
+    """`mma_gemv.packed_product`: `rows` rows against an NVFP4 stack read at `chosen` entries flagged active."""
+    def run():
+        words, scales, glob = mma_gemv.reorder(*_packed(NVFP4, entries, n, k))
+        x = torch.zeros(rows, k, dtype=torch.bfloat16)
+        active = (torch.arange(entries) < chosen).to(torch.int32)
+        mma_gemv.packed_product(x, n, words, scales, glob, active=active, busy=chosen, sms=132)
+
+    def elements(kernel: dict) -> float | None:  # a lane's words of a step: 8 elements each, four a row tile
+        return 32 * kernel["constexprs"]["RT"] if kernel["kernel"] == "_mma_gemv_kernel" else None
     return run, elements
 
 
@@ -223,6 +239,8 @@ CASES = {
     "gemv-nvfp4-table": (case_gemv, (NVFP4, 16, 3072, 6144, 4, True),
                          "1 row, 4 of 16 routed experts' w1 (NVFP4) through the blocks' tables"),
     "gemv-mxfp8": (case_gemv, (MXFP8, 1, 8192, 6144, 0), "1 row, q_proj (MXFP8)"),
+    "mma-gemv-nvfp4": (case_mma_gemv, (16, 3072, 6144, 4),
+                       "1 row, 4 of 16 routed experts' w1 (NVFP4) on the tensor cores from MMA fragments"),
     "grouped-nvfp4": (case_grouped, (NVFP4, 16, 3072, 6144, 32), "32 rows, 16 routed experts' w1 (NVFP4)"),
     "grouped-nvfp4-table": (case_grouped, (NVFP4, 16, 3072, 6144, 32, True),
                             "32 rows, 16 routed experts' w1 (NVFP4) through the blocks' tables"),

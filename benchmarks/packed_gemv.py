@@ -10,7 +10,8 @@ only) over the device-to-device copy bandwidth measured in the same run. Every p
 Routed experts as the engine multiplies them: 16 experts a layer, at one row the 4 a token chose (flags over the stack:
 what `FastExperts.forward_grouped` passes), at 32 rows all 16; w1 (gate; w3, up, is the same product) with the tokens'
 rows shared, w2 (down) with each expert's own rows. `--per-sm` times the GEMV's K splits for several targets of
-programs an SM (`fast.gemv.splits`).
+programs an SM (`fast.gemv.splits`). NVFP4 products of up to 8 rows also through `fast.mma_gemv` (the `gemv-mma`
+preset's kernel: tensor-core MMAs on fragments each lane decodes from its own word), on GPUs it runs on.
 
     # 1 x H200 (about a minute; the first launch of each kernel compiles it):
     python benchmarks/packed_gemv.py --rows 1,32 --per-sm 2,4,8 --out packed_gemv.jsonl
@@ -46,7 +47,7 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
     """One shape at `rows` rows: microseconds and copy-rate fraction of gemv (one entry per `per_sm`) and of today's
     kernel; at one row also the grouped kernel's tensor-core product (x's row padded to the MMA's 16) for each of
     `dot_tiles` (`grouped.Tiles`), its K split filling the GPU twice over with the chosen entries' tiles."""
-    from minimax_ref.fast import gemv, grouped
+    from minimax_ref.fast import gemv, grouped, mma_gemv
 
     name, fmt, experts, n, k, per_expert = shape
     w, s, g = operands(fmt, experts, n, k, device)
@@ -66,6 +67,8 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
     if experts:
         want = want[ids]
     reordered = gemv.reorder(fmt, w, s, g)
+    mma_reordered = mma_gemv.reorder(w, s, g) if fmt == "nvfp4" else None
+    chosen_or_one = chosen if experts else 1
     k_tiles, programs = reordered[0].shape[2], (chosen if experts else 1) * -(-n // gemv.TILE_N)
     sms = grouped.sm_count(device)
     variants = {}
@@ -77,6 +80,11 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
             variants[f"gemv table per_sm={target} split={split}"] = (
                 lambda split=split: gemv.packed_product(x, fmt, n, *reordered, active=active, split=split,
                                                         table=True))
+        if fmt == "nvfp4" and rows <= mma_gemv.MAX_ROWS and mma_gemv.runs_on(device):  # `gemv-mma`'s kernel
+            mma_split = mma_gemv.splits(chosen_or_one * (mma_reordered[0].shape[1] // mma_gemv.GROUP),
+                                        mma_reordered[0].shape[2], sms, target)
+            variants[f"mma per_sm={target} split={mma_split}"] = (
+                lambda split=mma_split: mma_gemv.packed_product(x, n, *mma_reordered, active=active, split=split))
     if rows == 1:
         words = fmt == "nvfp4" or "gate_proj" in name  # the compiled preset: nvfp4_words, mxfp8_words="gate_up"
         if experts:  # the gathered experts, each token's row broadcast against them (`FastExperts.forward_sync_free`)

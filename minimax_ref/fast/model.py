@@ -187,7 +187,7 @@ TWINS: dict[type, type] = {Attention: FastAttention, BlockSelection: FastBlockSe
 REFERENCES = {twin: ref for ref, twin in TWINS.items()} | {StoredNorm: RMSNorm}
 # what `apply` gives the twins, removed when the reference is restored
 _GIVEN = ("paths", "fast", "compiled", "kernels", "mode", "fused_tokens", "fused_rows",
-          "normal_range", "words", "grouped_tokens", "grouped_launch", "decode_tiles", "gemv_tokens",
+          "normal_range", "words", "grouped_tokens", "grouped_launch", "decode_tiles", "gemv_tokens", "gemv_kernel",
           "gemv_sms", "table", "sorted_tiles", "captured", "captured_shapes", "sm_count")
 
 
@@ -203,7 +203,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
     paths in force. Reads each packed weight's scales on the host once (`FastPackedWeight.configure`)."""
     paths = FastPaths.of(paths)
     if paths.compile_layers or paths.matmul == "fused" or paths.decode in ("compile", "triton") or paths.grouped \
-            or paths.gemv == "triton" or paths.prefill_experts != "reference" \
+            or paths.gemv != "reference" or paths.prefill_experts != "reference" \
             or paths.prefill_fusion \
             or "triton" in (paths.prefill_attention, paths.decode_attention, paths.block_selection):
         use_compile_cache()  # before the first compile or Triton launch reads where its cache is
@@ -226,7 +226,7 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
         if isinstance(m, FastPackedWeight):
             m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
                         paths.grouped_tokens, paths.gemv_tokens, paths.nvfp4_table,
-                        paths.prefill_experts != "reference")
+                        paths.prefill_experts != "reference", paths.gemv)
     if isinstance(model, FastMiniMaxM3):
         model.fast, model.kernels = paths, kernels
         reductions = tuned_for(model.device) if paths.layer_reductions == "auto" else paths.layer_reductions

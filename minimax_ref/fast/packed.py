@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..weights.checkpoint import MXFP8, NVFP4
 from ..weights.packed import PackedWeight, decode_reference
 from ..weights.quant import E2M1_MAGNITUDES, MXFP8_BLOCK, NVFP4_BLOCK, _pow2_f32
-from . import gemv, grouped, prefill_experts
+from . import gemv, grouped, mma_gemv, prefill_experts
 from .paths import FUSED_ROWS
 
 # E2M1 value of each 4-bit code (code 8 is -0.0), and of both codes of each byte (low nibble first).
@@ -508,18 +508,20 @@ class FastPackedWeight(PackedWeight):
     decode_tiles: grouped.Tiles | None = None  # decode="triton" where the kernel decodes this weight: its launch
     gemv_tokens: int = 0
     gemv_sms: int = 1  # the device's SM count, for `fast.gemv.splits`
+    gemv_kernel: str = "triton"  # whose copy the buffers hold: "triton" (`fast.gemv`), "mma" (`fast.mma_gemv`)
     table: bool = False  # the grouped and GEMV kernels decode this NVFP4 weight through its blocks' tables
     # a stack that prefill's sorted expert rows multiply through `fast.prefill_experts`: its launch (None: not)
     sorted_tiles: prefill_experts.Tiles | None = None
 
     def configure(self, kernels: Kernels, mode: str, fused_tokens: int, fused_rows: int, words: bool,
                   grouped_tokens: int = 0, gemv_tokens: int = 0, table: bool = False,
-                  sorted_rows: bool = False) -> None:
+                  sorted_rows: bool = False, gemv_mode: str = "triton") -> None:
         """Set the decoders; reads the scales (and, for MXFP8 words, the bytes) on the host once. With `gemv_tokens`
         and a weight the kernels decode, stores `fast.gemv.reorder`'s copy as the buffers `GEMV_BUFFERS`. With
         `table`, an NVFP4 weight is decoded by the grouped and GEMV kernels through its blocks' tables. With
         `sorted_rows`, a stack the kernels decode multiplies prefill's sorted expert rows through
-        `fast.prefill_experts` (`sorted_matmul`)."""
+        `fast.prefill_experts` (`sorted_matmul`). With `gemv_mode` "mma", an NVFP4 weight on a GPU takes
+        `fast.mma_gemv` for up to its `MAX_ROWS` rows instead (its reordered copy in the same buffers)."""
         self.kernels, self.mode = kernels, mode
         self.fused_tokens, self.fused_rows = fused_tokens, fused_rows
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
@@ -542,11 +544,16 @@ class FastPackedWeight(PackedWeight):
                              else None)
         for name in GEMV_BUFFERS:  # a configuration before this one may have made them
             self._buffers.pop(name, None)
-        self.gemv_tokens = 0
+        self.gemv_tokens, self.gemv_kernel = 0, "triton"
         if gemv_tokens > 0 and kernel_decodes and gemv.runs_on(self.device):
-            self.gemv_tokens = min(gemv_tokens, gemv.MAX_ROWS)
             self.gemv_sms = grouped.sm_count(self.device)
-            for name, t in zip(GEMV_BUFFERS, gemv.reorder(self.fmt, *self.parts())):
+            if gemv_mode == "mma" and self.fmt == NVFP4 and mma_gemv.runs_on(self.device):
+                self.gemv_tokens, self.gemv_kernel = min(gemv_tokens, mma_gemv.MAX_ROWS), "mma"
+                reordered = mma_gemv.reorder(*self.parts())
+            else:
+                self.gemv_tokens = min(gemv_tokens, gemv.MAX_ROWS)
+                reordered = gemv.reorder(self.fmt, *self.parts())
+            for name, t in zip(GEMV_BUFFERS, reordered):
                 self.register_buffer(name, t, persistent=False)
 
     def takes_gemv(self, x: torch.Tensor, rows: int) -> bool:
@@ -556,7 +563,11 @@ class FastPackedWeight(PackedWeight):
 
     def gemv_product(self, x: torch.Tensor, index: torch.Tensor | None = None, active: torch.Tensor | None = None,
                      busy: int | None = None) -> torch.Tensor:
-        """`fast.gemv.packed_product` on the reordered copy: x `[M, K]` or `[P, M, K]`; bf16 `[P, M, N]`."""
+        """`fast.gemv.packed_product` (or `fast.mma_gemv`'s) on the reordered copy: x `[M, K]` or `[P, M, K]`; bf16
+        `[P, M, N]`."""
+        if self.gemv_kernel == "mma":
+            return mma_gemv.packed_product(x, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
+                                           index=index, active=active, sms=self.gemv_sms, busy=busy)
         return gemv.packed_product(x, self.fmt, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
                                    index=index, active=active, sms=self.gemv_sms, busy=busy, table=self.table)
 

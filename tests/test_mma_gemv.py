@@ -1,0 +1,191 @@
+"""`fast.mma_gemv`: NVFP4 products of 1 to 8 rows on the tensor cores from weights reordered into MMA fragments.
+
+The lane layout (no triton): `reorder` / `restore` are inverse, and the reordered words placed as the PTX ISA's
+m16n8k16 fragment tables place them (`emulate`) multiply to the reference's product. The kernel (Gluon, no
+interpreter): compiled offline for sm_90 (its loop moves nothing through shared memory, issues the MMA, spills
+nothing); `python -m pytest -q -m gpu tests/test_mma_gemv.py` runs it against the reference on a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from graph_steps import captured_step_error
+from test_grouped import _bound_ok, _decoded, _operands, _ptxas_report
+
+import minimax_ref.fast.mma_gemv as mg
+from minimax_ref.fast import FastPaths, apply
+from minimax_ref.fast.packed import FastPackedWeight
+from minimax_ref.weights.loader import load_model
+
+BF16 = torch.bfloat16
+INTERP = mg.grouped.interpreting()
+on_gpu = pytest.mark.skipif(INTERP or not mg.AVAILABLE or not torch.cuda.is_available(),
+                            reason="the Gluon kernel on a CUDA GPU (not under TRITON_INTERPRET=1)")
+
+SHAPES = [(3, 40, 96), (2, 300, 208), (1, 128, 64)]  # rows and columns not multiples of the tiles among them
+
+
+# ---------------------------------------------------------------------------------------------- layout (no triton)
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_reorder_is_the_documented_bijection(stack):
+    for E, N, K in SHAPES:
+        w, s, g = _operands("nvfp4", E, N, K, 1)
+        if not stack:
+            w, s, g = w[0], s[0], g[:1].reshape(())
+        words, scales, glob = mg.reorder(w, s, g)
+        n16 = -(-N // (mg.ROW_TILE * mg.GROUP)) * mg.GROUP
+        assert words.dtype == torch.int32 and words.shape == (E if stack else 1, n16, -(-K // mg.STEP_K), 32, 4)
+        assert scales.shape == (*words.shape[:3], 32, 2)
+        w2, s2, g2 = mg.restore(words, scales, glob, N, K, stack)
+        assert torch.equal(w2, w) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8)) and torch.equal(g2, g)
+
+
+def test_one_lane_word_holds_its_fragment():
+    """Hand-placed: the element at weight row 8 + 3 (row tile 0, g = 3, second half), column 16 * 2 + 4 * 1 + 3
+    (lane c = 2, MMA tile 1, q = 3) is nibble j = 4 * half + r with r = 3 (rows g + 8, columns 2c + 8 + {0, 1}),
+    half 1: nibble 7 of lane 4 * 3 + 2's word of tile 1."""
+    w = torch.zeros(1, 16, 32, dtype=torch.uint8)  # [E, N, K/2]: K = 64
+    col = 16 * 2 + 4 * 1 + 3
+    w[0, 11, col // 2] = 0x9 << (4 * (col % 2))
+    s = torch.full((1, 16, 4), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    words, _, _ = mg.reorder(w, s, torch.ones(1))
+    lane = 4 * 3 + 2
+    assert int(words[0, 0, 0, lane, 1]) & 0xFFFFFFFF == 0x9 << 28
+    assert int(words.count_nonzero()) == 1
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_lane_fragments_multiply_to_the_reference_product(rows):
+    """Each lane's registers as the PTX fragment tables place them, and x through the kernel's column permutation:
+    the MMAs' product is x @ w_hat^T exactly (fp64 sums of the same products)."""
+    for case, (E, N, K) in enumerate(SHAPES):
+        w, s, g = _operands("nvfp4", E, N, K, case % 3)
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(case)).to(BF16)
+        got = mg.emulate(x, *mg.reorder(w, s, g), N)
+        want = x.double() @ _decoded("nvfp4", w, s, g).double().transpose(-1, -2)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)
+
+
+def test_product_refuses_shapes_it_does_not_take():
+    w, s, g = _operands("nvfp4", 2, 40, 96, 1)
+    words, scales, glob = mg.reorder(w, s, g)
+    for x in (torch.zeros(9, 96, dtype=BF16), torch.zeros(1, 96), torch.zeros(1, 48, dtype=BF16),
+              torch.zeros(1, 100, dtype=BF16)):
+        with pytest.raises(ValueError, match="mma_gemv.packed_product"):
+            mg.packed_product(x, 40, words, scales, glob)
+
+
+# --------------------------------------------------------------------------------- kernel compiled for sm_90, offline
+
+
+def _sm90_ptx(select: int, out_bf16: bool, even_k: bool) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = mg._mma_gemv_kernel
+    consts = {"SELECT": select, "RT": mg.ROW_TILES_PER_WARP, "WARPS": mg.WARPS, "OUT_BF16": out_bf16,
+              "EVEN_K": even_k}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
+                "sel_ptr": "*i64" if select == 1 else "*i32", "y_ptr": "*bf16" if out_bf16 else "*fp32"}
+    signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+    constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in pointers}
+    out = triton.compile(GluonASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": mg.WARPS})
+    return out.asm["ptx"]
+
+
+@pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
+@pytest.mark.parametrize("select,out_bf16,even_k", [(0, True, True), (1, False, True), (2, True, False)])
+def test_kernel_compiles_to_register_fragments(select, out_bf16, even_k):
+    """Every word is decoded in the lane that loads it: the kernel issues the MMA, loads a lane's 16 bytes of words
+    at once, and has no shared memory, barrier or spill; its registers let `PROGRAMS_PER_SM` programs share an SM."""
+    ptx = _sm90_ptx(select, out_bf16, even_k)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "ld.global.v4.b32" in ptx
+    assert "bar.sync" not in ptx and "st.shared" not in ptx and "ld.shared" not in ptx
+    info = _ptxas_report(ptx)
+    assert " 0 bytes spill stores" in info, info
+    used = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert 65536 // (-(-used // 8) * 8 * 32 * mg.WARPS) >= mg.PROGRAMS_PER_SM, used
+
+
+# ------------------------------------------------------------------------------------------------ the fast paths
+
+
+def test_mma_mode_falls_back_where_the_kernel_does_not_run(tiny_nvfp4):
+    """`gemv="mma"` on a CPU model: no weight takes the Gluon kernel (CUDA only); outputs are the reference's."""
+    model = load_model(tiny_nvfp4, dtype=BF16, weights="packed")
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        want = model(ids)
+    apply(model, FastPaths(gemv="mma"))
+    weights = [m for m in model.modules() if isinstance(m, FastPackedWeight)]
+    assert weights and all(m.gemv_kernel != "mma" for m in weights)
+    with torch.no_grad():
+        got = model(ids)
+    if INTERP:  # the products of `gemv="triton"` under the interpreter: fp32 sums in another order
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("case", [0, 1, 2])
+@pytest.mark.parametrize("split", [None, 1, 3])
+def test_kernel_on_cuda_within_the_bound(rows, case, split):
+    E, N, K = SHAPES[case]
+    w, s, g = _operands("nvfp4", E, N, K, case, device="cuda")
+    x = torch.randn(rows, K, device="cuda").to(BF16)
+    y = mg.packed_product(x, N, *mg.reorder(w, s, g), split=split, sms=132)
+    ok, ratio = _bound_ok(y, x, _decoded("nvfp4", w, s, g))
+    assert y.shape == (E, rows, N) and ok, ratio
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_kernel_on_cuda_selects_entries_and_captures():
+    """`index` reads the chosen entries (repeats allowed), `active` gives zero rows for unflagged entries, per-entry
+    x; the same bits replayed from a CUDA graph."""
+    E, N, K = 6, 384, 512
+    w, s, g = _operands("nvfp4", E, N, K, 1, device="cuda")
+    words, scales, glob = mg.reorder(w, s, g)
+    w_hat = _decoded("nvfp4", w, s, g)
+    x = torch.randn(3, K, device="cuda").to(BF16)
+    index = torch.tensor([4, 1, 4], device="cuda")
+    y = mg.packed_product(x, N, words, scales, glob, index=index)
+    ok, ratio = _bound_ok(y, x, w_hat[index.cpu()])
+    assert ok, ratio
+    active = torch.tensor([0, 1, 0, 0, 1, 1], dtype=torch.int32, device="cuda")
+    xe = torch.randn(E, 2, K, device="cuda").to(BF16)
+    y = mg.packed_product(xe, N, words, scales, glob, active=active, busy=3)
+    flagged = active.bool().cpu()
+    assert not y[~flagged.cuda()].any()
+    ok, ratio = _bound_ok(y[flagged.cuda()], xe[flagged.cuda()], w_hat[flagged])
+    assert ok, ratio
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = mg.packed_product(xe, N, words, scales, glob, active=active, busy=3)
+    graph.replay()
+    assert torch.equal(replayed, y)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_mma_preset_decode_step_equals_reference(tiny_nvfp4):
+    """The tiny model on CUDA with the `gemv-mma` preset (compiled layers, CUDA graph, NVFP4 products of up to 8 rows
+    by the kernel): a decode step's logits against the reference engine's within bf16 rounding."""
+    for batch in (1, 8):
+        err = captured_step_error(tiny_nvfp4, "gemv-mma", batch, "gemv_tokens")
+        assert err < 5e-2, (batch, err)

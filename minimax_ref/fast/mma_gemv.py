@@ -165,25 +165,17 @@ def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: to
 if AVAILABLE:
     from torch.library import custom_op
 
-    _SIGN_PAIR = gl.constexpr(-2147450880)  # bits 31 and 15
-    _E2M1_PAIR = gl.constexpr(0x01C001C0)  # bits 24..22 and 8..6
+    from .gemv import _bf16x2, _placed_pair
+
     _TWO_126 = gl.constexpr(8.507059173023462e37)
 
     @gluon.jit
     def _pair(word, scale, J: gl.constexpr):
-        """Register J of a lane's A fragment: nibbles J and J + 4 of its word, each placed on fp32 bits as e2m1 *
-        2^-126, times `scale` (the row's block scale times 2^126), both rounded to bf16 by one conversion into the
-        low and high halves of an int32 (`gemv._nibble_pair`'s decode)."""
-        signs = word << (12 - 4 * J)
-        if 6 - 4 * J >= 0:
-            fields = word << (6 - 4 * J)
-        else:  # an arithmetic shift: the sign copies land above bit 24, outside the mask
-            fields = word >> (4 * J - 6)
-        pair = (signs & _SIGN_PAIR) | (fields & _E2M1_PAIR)
-        low = (pair << 16).to(gl.float32, bitcast=True) * scale
-        high = (pair & -65536).to(gl.float32, bitcast=True) * scale
-        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [high, low], dtype=gl.int32,
-                                         is_pure=True, pack=1)
+        """Register J of a lane's A fragment: nibbles J and J + 4 of its word decoded as `fast.gemv` decodes them
+        (`_placed_pair`: placed on fp32 bits, times the row's block scale times 2^126), both rounded to bf16 by one
+        conversion into the low and high halves of an int32 (`_bf16x2`)."""
+        low, high = _placed_pair(word, scale, J)
+        return _bf16x2(high, low)
 
     @gluon.jit
     def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

@@ -196,6 +196,18 @@ if AVAILABLE:
         return (rounded << 16).to(tl.float32, bitcast=True), (rounded & -65536).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _split_and_entry(sel_ptr, p, sid, STEPS_PER_SPLIT, STEPS, SELECT: tl.constexpr):
+        """The K steps [lo, hi) of split `sid` and the stack entry output entry `p` reads (int64): `p`, or index[p]
+        with SELECT 1."""
+        lo = sid * STEPS_PER_SPLIT
+        hi = tl.minimum(lo + STEPS_PER_SPLIT, STEPS)
+        if SELECT == 1:
+            e = tl.load(sel_ptr + p).to(tl.int64)
+        else:
+            e = p.to(tl.int64)
+        return lo, hi, e
+
+    @triton.jit
     def _out_tile(y_ptr, sid, p, offs_m, offs_n, m_ok, N, stride_ys, stride_yp, stride_ym):
         """Pointers and mask of a program's [TN, BLOCK_M] output tile: split `sid`, entry `p`, rows `offs_n`."""
         ptrs = y_ptr + sid * stride_ys + p * stride_yp + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -233,12 +245,7 @@ if AVAILABLE:
         pid_n = tl.program_id(0)
         p = tl.program_id(1)
         sid = tl.program_id(2)
-        k_lo = sid * STEPS_PER_SPLIT
-        k_hi = tl.minimum(k_lo + STEPS_PER_SPLIT, K_TILES)
-        if SELECT == 1:
-            e = tl.load(sel_ptr + p).to(tl.int64)
-        else:
-            e = p.to(tl.int64)
+        k_lo, k_hi, e = _split_and_entry(sel_ptr, p, sid, STEPS_PER_SPLIT, K_TILES, SELECT)
         offs_n = pid_n * TN + tl.arange(0, TN)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M

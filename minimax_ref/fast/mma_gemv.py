@@ -165,7 +165,7 @@ def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: to
 if AVAILABLE:
     from torch.library import custom_op
 
-    from .gemv import _bf16x2, _placed_pair
+    from .gemv import _bf16x2, _placed_pair, _split_and_entry
 
     _TWO_126 = gl.constexpr(8.507059173023462e37)
 
@@ -239,12 +239,7 @@ if AVAILABLE:
         pid_n = gl.program_id(0)
         p = gl.program_id(1)
         sid = gl.program_id(2)
-        s_lo = sid * STEPS_PER_SPLIT
-        s_hi = gl.minimum(s_lo + STEPS_PER_SPLIT, STEPS)
-        if SELECT == 1:
-            e = gl.load(sel_ptr + p).to(gl.int64)
-        else:
-            e = p.to(gl.int64)
+        s_lo, s_hi, e = _split_and_entry(sel_ptr, p, sid, STEPS_PER_SPLIT, STEPS, SELECT)
         i = gl.arange(0, WARPS * RT * 32, layout=layout)
         lane = (i // RT) % 32
         tile = pid_n * (WARPS * RT) + (i // (RT * 32)) * RT + i % RT

@@ -13,11 +13,11 @@ import re
 import pytest
 import torch
 from graph_steps import captured_step_error
-from test_grouped import _bound_ok, _decoded, _operands, _ptxas_report
+from test_grouped import _bound_ok, _decoded, _operands, _ptxas_report, _run_ptx, _table_words
 
 import minimax_ref.fast.mma_gemv as mg
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.fast.packed import FastPackedWeight
+from minimax_ref.fast.packed import FastPackedWeight, decode_reference, scales_in_normal_range
 from minimax_ref.weights.loader import load_model
 
 BF16 = torch.bfloat16
@@ -78,6 +78,46 @@ def test_product_refuses_shapes_it_does_not_take():
               torch.zeros(1, 100, dtype=BF16)):
         with pytest.raises(ValueError, match="mma_gemv.packed_product"):
             mg.packed_product(x, 40, words, scales, glob)
+
+
+@pytest.mark.skipif(not mg.AVAILABLE, reason="the kernel's assembly text (triton with Gluon)")
+def test_two_table_assembly_decodes_the_reference_bits():
+    """The kernel's decode, its PTX text (`_TABLE_BYTES_ASM` for each row's table, then `_TWO_TABLE_ASM` for a word)
+    run through a model of each instruction: registers 0..3 hold nibbles `FRAGMENT_NIBBLES` as
+    `decode_reference(...).to(bf16)` bit for bit, the low half through row g's block scale and the high half
+    through row g + 8's, for block scales of both signs, zeros and the normal range's ends, every code and sign."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    value = codes.view(torch.float8_e4m3fn).float()
+    words = [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567, 0x88888888, 0xF0F0F0F0, 0x0F1E2D3C, 0xFFFFFFFF]
+    glob = torch.tensor(1 / 2688, dtype=torch.float32)
+    block = value * glob
+    keep = torch.isfinite(value) & ((block == 0) | ((block.abs() >= 2.0**-125) & (block.abs() < 4)))
+    scales = codes[keep]
+    pairs = [(int(a), int(b)) for a, b in zip(scales, scales.roll(7))]  # rows g and g + 8: different scales
+    checked = 0
+    for sg, sh in pairs:
+        tables = {}
+        for name, code in (("g", sg), ("h", sh)):
+            table = dict(zip(("$4", "$5", "$6", "$7"), _table_words(block[codes == code][0])))
+            out = _run_ptx(mg._TABLE_BYTES_ASM.value, table)
+            tables[name] = [out[f"${i}"] for i in range(4)]
+        for word in words:
+            regs = _run_ptx(mg._TWO_TABLE_ASM.value, {"$4": word, **dict(zip(("$5", "$6", "$7", "$8"), tables["g"])),
+                                                      **dict(zip(("$9", "$10", "$11", "$12"), tables["h"]))})
+            got = {}
+            for r, out in zip((0, 2, 1, 3), ("$0", "$1", "$2", "$3")):  # `_fragment`'s order: (r01, r45, r23, r67)
+                lo, hi = mg.FRAGMENT_NIBBLES[r]
+                got[lo], got[hi] = regs[out] & 0xFFFF, regs[out] >> 16
+            # the word's 8 elements as the first half of a 16-element block (the reference decodes whole blocks)
+            data = torch.tensor([(word >> 8 * i) & 0xFF for i in range(4)] * 2, dtype=torch.uint8)[None]
+            for j in range(8):
+                s = torch.tensor([[sg if j < 4 else sh]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+                assert scales_in_normal_range("nvfp4", s, glob)
+                want = decode_reference("nvfp4", data, s, glob).to(BF16)
+                want_bits = int(want.view(torch.int16)[0, j]) & 0xFFFF
+                assert got[j] == want_bits, (sg, sh, hex(word), j)
+                checked += 1
+    assert checked == 8 * len(words) * len(pairs)
 
 
 # --------------------------------------------------------------------------------- kernel compiled for sm_90, offline

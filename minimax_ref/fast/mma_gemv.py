@@ -7,16 +7,17 @@ Layout (`reorder`). A stack `[E, N, K]` (a linear: E = 1) is cut into row tiles 
 64 elements (N and K padded with zero codes and zero scales). A step of a row tile is four MMA tiles t = 0..3 of
 16 x 16; lane l = 4g + c (g = l // 4, c = l % 4) of tile t holds the elements
 
-    nibble j of its word (j = 0..7, r = j % 4, half = j // 4):
-        weight row  16 * tile + g + 8 * (r % 2)
-        column      64 * step + 16 c + 4 t + q,   q = 2 * (r // 2) + half
+    nibble j of its word (j = 0..7, h = j // 4, q = j % 4):
+        weight row  16 * tile + g + 8 h
+        column      64 * step + 16 c + 4 t + q
 
-so nibbles r and r + 4 are the low and high bf16 of register r of the PTX A fragment (rows g / g + 8, fragment
-columns 2c, 2c + 1 / 2c + 8, 2c + 9), where the fragment's column kappa stands for the weight column 64 * step +
-16 c + 4 t + q with q = 2 * (kappa >= 8) + kappa % 2. x is permuted alike (lane c of the B fragment reads x's
-columns 64 * step + 16 c + 4 t + 0..3 as one 8-byte load: its two registers), so each MMA sums the same products a
-plain order would, in another order. The columns of a lane's row in one step, 16 c .. 16 c + 15, are NVFP4 block
-4 * step + c: one scale per lane and row a step.
+so the word's low half holds row g's four elements and its high half row g + 8's. The fragment's column kappa
+(2c + {0, 1} and 2c + 8 + {0, 1}) stands for the weight column 64 * step + 16 c + 4 t + q with q = 2 * (kappa >= 8)
++ kappa % 2: nibbles (0, 1), (4, 5), (2, 3), (6, 7) are registers 0..3 of the PTX A fragment (rows g, g + 8, g,
+g + 8; columns 2c + {0, 1} for the first two, 2c + 8 + {0, 1} for the others). x is permuted alike (lane c of the B
+fragment reads x's columns 64 * step + 16 c + 4 t + 0..3 as one 8-byte load: its two registers), so each MMA sums
+the same products a plain order would, in another order. The columns of a lane's row in one step, 16 c .. 16 c + 15,
+are NVFP4 block 4 * step + c: one scale per lane and row a step, shared by the step's four words.
 
     words  int32 [E, N16, S, 32, 4]   words of (row tile, step, lane, MMA tile t): a lane's 16 bytes a step, 512
                                        contiguous bytes a warp
@@ -24,12 +25,14 @@ plain order would, in another order. The columns of a lane's row in one step, 16
     glob   fp32  [E] or [1]           NVFP4's weight_scale_2
 
 Numerics contract (`packed_product`): y[p, m, n] = bf16( sum_k x[p, m, k] * w_hat[e(p), n, k] ) with w_hat the
-reference decoder's bf16 bits (`packed.decode_reference(...).to(bfloat16)`): a nibble pair placed on fp32 bits,
-times the reference's block scale fp32(e4m3) * weight_scale_2 times 2^126, both rounded to bf16 by one conversion
-(`gemv._nibble_pair`'s decode). The products are exact; the tensor cores add them in fp32 within an MMA (possibly
-truncating when they align addends), the MMAs of a split accumulate in fp32, splits of K write fp32 partial sums
-that a second kernel adds in split order and rounds once to bf16 (`grouped._sum_splits_kernel`). Bound (tests):
-|y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final rounding, u = 2^-24, as `fast.gemv`'s dot.
+reference decoder's bf16 bits (`packed.decode_reference(...).to(bfloat16)`), looked up in the table of the 8 values
+of the row's block (`grouped._table_words`: A = bf16(S), B = bf16(fp32(1.5 S)) for the reference's block scale
+S = fp32(e4m3) * weight_scale_2, entries {0, A/2, A, B, 2A, 2B, 4A, 4B}) by byte permutes, the nibble's sign applied
+(`_TWO_TABLE_ASM`: a word's two halves through the tables of its two rows). The products are exact; the tensor
+cores add them in fp32 within an MMA (possibly truncating when they align addends), the MMAs of a split accumulate
+in fp32, splits of K write fp32 partial sums that a second kernel adds in split order and rounds once to bf16
+(`grouped._sum_splits_kernel`). Bound (tests): |y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final
+rounding, u = 2^-24, as `fast.gemv`'s dot.
 
 The decode needs the block scales in the normal range (`packed.scales_in_normal_range`), which
 `FastPackedWeight.configure` checks before it reorders a weight for this kernel (`FastPaths(gemv="mma")`, the
@@ -62,6 +65,8 @@ TILES = STEP_K // 16  # MMA tiles a step
 LANES = 32
 WARPS = 4
 ROW_TILES_PER_WARP = 2
+# the nibbles of a lane's word in registers 0..3 of the A fragment (low, high): `_fragment`'s order of its outputs
+FRAGMENT_NIBBLES = ((0, 1), (4, 5), (2, 3), (6, 7))
 GROUP = WARPS * ROW_TILES_PER_WARP  # row tiles a program (128 weight rows); `reorder` pads N to whole groups
 PROGRAMS_PER_SM = 4
 
@@ -89,10 +94,10 @@ def reorder(weight: torch.Tensor, weight_scale: torch.Tensor,
     codes = torch.zeros(e, n16 * ROW_TILE, steps * STEP_K, dtype=torch.uint8, device=data.device)
     codes[:, :n, 0:k:2] = data & 0x0F
     codes[:, :n, 1:k:2] = data >> 4
-    # [E, tile, h, g, step, c, t, qhi, half]: row 16 tile + 8 h + g, column 64 step + 16 c + 4 t + 2 qhi + half
-    c9 = codes.view(e, n16, 2, 8, steps, 4, TILES, 2, 2)
-    # nibble j = 4 half + 2 qhi + h of the word of (tile, step, t, lane 4g + c)
-    nib = c9.permute(0, 1, 4, 3, 5, 6, 8, 7, 2).reshape(e, n16, steps, LANES, TILES, 4, 2)
+    # [E, tile, h, g, step, c, t, q]: row 16 tile + 8 h + g, column 64 step + 16 c + 4 t + q
+    c8 = codes.view(e, n16, 2, 8, steps, 4, TILES, 4)
+    # nibble j = 4 h + q of the word of (tile, step, lane 4g + c, t): byte j // 2, the even j in its low nibble
+    nib = c8.permute(0, 1, 4, 3, 5, 6, 2, 7).reshape(e, n16, steps, LANES, TILES, 4, 2)
     words = (nib[..., 0] | (nib[..., 1] << 4)).contiguous().view(torch.int32).squeeze(-1)
     scales = torch.zeros(e, n16 * ROW_TILE, steps * 4, dtype=torch.uint8, device=data.device)  # zero: padding
     scales[:, :n, :k // 16] = scale
@@ -108,9 +113,9 @@ def restore(words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, n: in
     `[E, N, ...]` for a stack), the padding dropped."""
     e, n16, steps = words.shape[:3]
     nib = words.unsqueeze(-1).view(torch.uint8).reshape(e, n16, steps, LANES, TILES, 4, 1)
-    nib = torch.cat((nib & 0x0F, nib >> 4), dim=-1).reshape(e, n16, steps, 8, 4, TILES, 2, 2, 2)
-    # [E, tile, step, g, c, t, half, qhi, h] -> [E, tile, h, g, step, c, t, qhi, half]
-    codes = nib.permute(0, 1, 8, 3, 2, 4, 5, 7, 6).reshape(e, n16 * ROW_TILE, steps * STEP_K)[:, :n, :k]
+    nib = torch.cat((nib & 0x0F, nib >> 4), dim=-1).reshape(e, n16, steps, 8, 4, TILES, 2, 4)
+    # [E, tile, step, g, c, t, h, q] -> [E, tile, h, g, step, c, t, q]
+    codes = nib.permute(0, 1, 6, 3, 2, 4, 5, 7).reshape(e, n16 * ROW_TILE, steps * STEP_K)[:, :n, :k]
     data = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scale = scales.view(e, n16, steps, 8, 4, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, n16 * ROW_TILE, steps * 4)
     scale = scale[:, :n, :k // 16].view(torch.float8_e4m3fn)
@@ -122,11 +127,12 @@ def restore(words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, n: in
 
 def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, n: int) -> torch.Tensor:
     """The kernel's arithmetic on the CPU, lane by lane, with the operands placed as the PTX ISA's m16n8k16 fragment
-    tables place them (A, bf16: register r of lane 4g + c holds rows g + 8 (r % 2), columns 2c + 8 (r // 2) + {0, 1}
-    in its low and high halves; B: register i holds rows 2c + 8i + {0, 1} of column g; D: c0, c1 at row g, columns
-    2c, 2c + 1, c2, c3 at row g + 8): each lane's word and scales decoded as the kernel decodes them (nibble r + 4
-    half, the scale of row g or g + 8; `packed.decode_reference`'s bits), x read through the kernel's permutation,
-    each lane's accumulators stored where the kernel stores them. Sums in fp64 (exact for these products), for the
+    tables place them. A (bf16): register r of lane 4g + c holds rows g + 8 (r % 2), columns 2c + 8 (r // 2) +
+    {0, 1} in its low and high halves, nibbles `FRAGMENT_NIBBLES[r]` of the lane's word as the kernel fills it.
+    B: register i holds rows 2c + 8i + {0, 1} of column g. D: c0, c1 at row g, columns 2c, 2c + 1; c2, c3 at row
+    g + 8. Each lane's word and scales are decoded to the reference's values (`packed.decode_reference`'s bits; the
+    kernel's table lookup is tested against them on its own), x is read through the kernel's permutation, and each
+    lane's accumulators are stored where the kernel stores them. Sums in fp64 (exact for these products), for the
     tests. x bf16 `[M, K]` (M <= 8); returns fp64 `[E, M, N]`."""
     from ..weights.quant import E2M1_MAGNITUDES
 
@@ -146,11 +152,11 @@ def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: to
                 for t in range(TILES):
                     word = words[ent, tile, s, :, t].long() & 0xFFFFFFFF
                     a = torch.zeros(16, 16, dtype=torch.float64)
-                    for j in range(8):
-                        r, half = j % 4, j // 4
-                        code = (word >> (4 * j)) & 0xF
-                        w_hat = (values[code] * block[:, r % 2]).to(torch.bfloat16).double()
-                        a[g + 8 * (r % 2), 2 * c + 8 * (r // 2) + half] = w_hat
+                    for r, nibbles in enumerate(FRAGMENT_NIBBLES):  # register r: rows g + 8 (r % 2)
+                        for half, j in enumerate(nibbles):
+                            code = (word >> (4 * j)) & 0xF
+                            w_hat = (values[code] * block[:, r % 2]).to(torch.bfloat16).double()
+                            a[g + 8 * (r % 2), 2 * c + 8 * (r // 2) + half] = w_hat
                     b = torch.zeros(16, MAX_ROWS, dtype=torch.float64)
                     for i in range(2):
                         for half in range(2):
@@ -165,17 +171,60 @@ def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: to
 if AVAILABLE:
     from torch.library import custom_op
 
-    from .gemv import _bf16x2, _placed_pair, _split_and_entry
+    from .gemv import _split_and_entry
+    from .grouped import _table_words
 
-    _TWO_126 = gl.constexpr(8.507059173023462e37)
+    # A block table's four words (entries t0..t7 as bf16, two a word: `grouped._table_words`) split into a low-byte
+    # and a high-byte table of 8 bytes each, two words each: $0, $2 the low bytes of entries 0..3 and 4..7, $1, $3
+    # their high bytes. Once a step and row: the words of a step share their rows' blocks.
+    _TABLE_BYTES_ASM = gl.constexpr(" ".join((
+        "prmt.b32 $0, $4, $5, 0x6420;", "prmt.b32 $1, $4, $5, 0x7531;",
+        "prmt.b32 $2, $6, $7, 0x6420;", "prmt.b32 $3, $6, $7, 0x7531;")))
+    # A lane's word ($4) to its four A registers through two tables (`grouped._TABLE_ASM`'s lookup, one table for
+    # each half): nibbles 0..3 (row g) through $5..$8, nibbles 4..7 (row g + 8) through $9..$12 (each as
+    # `_TABLE_BYTES_ASM` gives them); the codes are byte selectors, each nibble's sign bit replicated over a byte
+    # flips its entry's sign, the bytes paired into bf16. $0 = nibbles (0, 1), $1 = (2, 3), $2 = (4, 5), $3 = (6, 7),
+    # each the low then the high bf16 of a register. tests/test_mma_gemv.py runs this text through a model of each
+    # instruction against `decode_reference`.
+    _TWO_TABLE_ASM = gl.constexpr(" ".join((
+        "{",
+        ".reg .b32 q4, s1, s2, l1, h1, l2, h2, g1, g2;",
+        "shl.b32 q4, $4, 4;",
+        "and.b32 s1, $4, 0x7777;",
+        "shr.u32 s2, $4, 16;",
+        "and.b32 s2, s2, 0x7777;",
+        "prmt.b32 l1, $5, $7, s1;",
+        "prmt.b32 h1, $6, $8, s1;",
+        "prmt.b32 l2, $9, $11, s2;",
+        "prmt.b32 h2, $10, $12, s2;",
+        "prmt.b32 g1, q4, $4, 0xD9C8;",
+        "prmt.b32 g2, q4, $4, 0xFBEA;",
+        "lop3.b32 h1, h1, g1, 0x80808080, 0x78;",
+        "lop3.b32 h2, h2, g2, 0x80808080, 0x78;",
+        "prmt.b32 $0, l1, h1, 0x5140;",
+        "prmt.b32 $1, l1, h1, 0x7362;",
+        "prmt.b32 $2, l2, h2, 0x5140;",
+        "prmt.b32 $3, l2, h2, 0x7362;",
+        "}",
+    )))
 
     @gluon.jit
-    def _pair(word, scale, J: gl.constexpr):
-        """Register J of a lane's A fragment: nibbles J and J + 4 of its word decoded as `fast.gemv` decodes them
-        (`_placed_pair`: placed on fp32 bits, times the row's block scale times 2^126), both rounded to bf16 by one
-        conversion into the low and high halves of an int32 (`_bf16x2`)."""
-        low, high = _placed_pair(word, scale, J)
-        return _bf16x2(high, low)
+    def _table_bytes(code, glob):
+        """The byte tables (`_TABLE_BYTES_ASM`) of an E4M3 block scale code (int): the reference's block scale
+        fp32(e4m3) * weight_scale_2 (one rounding) as its 8-value table (`grouped._table_words`)."""
+        scale = code.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * glob
+        t0, t1, t2, t3 = _table_words(scale, False)
+        return gl.inline_asm_elementwise(_TABLE_BYTES_ASM, "=r,=r,=r,=r,r,r,r,r", [t0, t1, t2, t3],
+                                         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+
+    @gluon.jit
+    def _fragment(word, tg, th):
+        """A lane's word decoded to its A registers 0..3 (`_TWO_TABLE_ASM`, row g's tables `tg`, row g + 8's `th`)."""
+        r01, r23, r45, r67 = gl.inline_asm_elementwise(
+            _TWO_TABLE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+            [word, tg[0], tg[1], tg[2], tg[3], th[0], th[1], th[2], th[3]],
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+        return r01, r45, r23, r67
 
     @gluon.jit
     def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -186,12 +235,6 @@ if AVAILABLE:
             "{$10, $11, $12, $13};",
             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
             dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
-
-    @gluon.jit
-    def _block_scale(code, glob):
-        """An E4M3 block scale code (int) as the reference's fp32(e4m3) * weight_scale_2 (one rounding), times
-        2^126 (exact in range)."""
-        return (code.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * glob) * _TWO_126
 
     @gluon.jit
     def _lane_words(w_tile, step, WIDE: gl.constexpr):
@@ -219,10 +262,10 @@ if AVAILABLE:
         return q0, q1, q2, q3
 
     @gluon.jit
-    def _tile_mma(word, quad, blk_g, blk_g8, acc0, acc1, acc2, acc3):
+    def _tile_mma(word, quad, tg, th, acc0, acc1, acc2, acc3):
         """One MMA tile of a lane: its word decoded to the A fragment, its x quad split into the B fragment."""
-        return _mma(_pair(word, blk_g, 0), _pair(word, blk_g8, 1), _pair(word, blk_g, 2), _pair(word, blk_g8, 3),
-                    quad.to(gl.int32), (quad >> 32).to(gl.int32), acc0, acc1, acc2, acc3)
+        a0, a1, a2, a3 = _fragment(word, tg, th)
+        return _mma(a0, a1, a2, a3, quad.to(gl.int32), (quad >> 32).to(gl.int32), acc0, acc1, acc2, acc3)
 
     @gluon.jit
     def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr,
@@ -285,16 +328,16 @@ if AVAILABLE:
             nw0, nw1, nw2, nw3 = _lane_words(w_tile, nxt, wide)
             nq0, nq1, nq2, nq3 = _x_quads(x_row, nxt, c_wide, K, EVEN_K, wide)
             n_codes = gl.load(s_tile + nxt * 32)
-            blk_g = _block_scale(codes & 0xFF, glob)
-            blk_g8 = _block_scale((codes >> 8) & 0xFF, glob)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w0, layout), gl.convert_layout(q0, layout), blk_g,
-                                               blk_g8, acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w1, layout), gl.convert_layout(q1, layout), blk_g,
-                                               blk_g8, acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w2, layout), gl.convert_layout(q2, layout), blk_g,
-                                               blk_g8, acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w3, layout), gl.convert_layout(q3, layout), blk_g,
-                                               blk_g8, acc0, acc1, acc2, acc3)
+            tg = _table_bytes(codes & 0xFF, glob)
+            th = _table_bytes((codes >> 8) & 0xFF, glob)
+            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w0, layout), gl.convert_layout(q0, layout), tg, th,
+                                               acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w1, layout), gl.convert_layout(q1, layout), tg, th,
+                                               acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w2, layout), gl.convert_layout(q2, layout), tg, th,
+                                               acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w3, layout), gl.convert_layout(q3, layout), tg, th,
+                                               acc0, acc1, acc2, acc3)
         accs = (acc0, acc1, acc2, acc3)
         for h in gl.static_range(2):
             for col in gl.static_range(2):

@@ -161,15 +161,16 @@ def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, table: bool =
     return run, elements
 
 
-def case_mma_gemv(entries: int, n: int, k: int, chosen: int, rows: int = 1):
-    """`mma_gemv.packed_product`: `rows` rows against an NVFP4 stack read at `chosen` entries flagged active."""
+def case_mma_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, rows: int = 1):
+    """`mma_gemv.packed_product`: `rows` rows against a stack read at `chosen` entries flagged active, or a linear
+    (entries 1, chosen 0)."""
     def run():
-        words, scales, glob = mma_gemv.reorder(*_packed(NVFP4, entries, n, k))
+        words, scales, glob = mma_gemv.reorder(fmt, *_packed(fmt, entries, n, k))
         x = torch.zeros(rows, k, dtype=torch.bfloat16)
-        active = (torch.arange(entries) < chosen).to(torch.int32)
-        mma_gemv.packed_product(x, n, words, scales, glob, active=active, busy=chosen, sms=132)
+        active = (torch.arange(entries) < chosen).to(torch.int32) if chosen else None
+        mma_gemv.packed_product(x, n, words, scales, glob, active=active, busy=chosen or None, sms=132)
 
-    def elements(kernel: dict) -> float | None:  # a lane's words of a step: 8 elements each, four a row tile
+    def elements(kernel: dict) -> float | None:  # a lane's elements of a step: 8 a row tile and MMA tile
         return 32 * kernel["constexprs"]["RT"] if kernel["kernel"] == "_mma_gemv_kernel" else None
     return run, elements
 
@@ -239,8 +240,10 @@ CASES = {
     "gemv-nvfp4-table": (case_gemv, (NVFP4, 16, 3072, 6144, 4, True),
                          "1 row, 4 of 16 routed experts' w1 (NVFP4) through the blocks' tables"),
     "gemv-mxfp8": (case_gemv, (MXFP8, 1, 8192, 6144, 0), "1 row, q_proj (MXFP8)"),
-    "mma-gemv-nvfp4": (case_mma_gemv, (16, 3072, 6144, 4),
+    "mma-gemv-nvfp4": (case_mma_gemv, (NVFP4, 16, 3072, 6144, 4),
                        "1 row, 4 of 16 routed experts' w1 (NVFP4) on the tensor cores from MMA fragments"),
+    "mma-gemv-mxfp8": (case_mma_gemv, (MXFP8, 1, 8192, 6144, 0),
+                       "1 row, q_proj (MXFP8) on the tensor cores from MMA fragments"),
     "grouped-nvfp4": (case_grouped, (NVFP4, 16, 3072, 6144, 32), "32 rows, 16 routed experts' w1 (NVFP4)"),
     "grouped-nvfp4-table": (case_grouped, (NVFP4, 16, 3072, 6144, 32, True),
                             "32 rows, 16 routed experts' w1 (NVFP4) through the blocks' tables"),

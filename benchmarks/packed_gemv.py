@@ -10,8 +10,8 @@ only) over the device-to-device copy bandwidth measured in the same run. Every p
 Routed experts as the engine multiplies them: 16 experts a layer, at one row the 4 a token chose (flags over the stack:
 what `FastExperts.forward_grouped` passes), at 32 rows all 16; w1 (gate; w3, up, is the same product) with the tokens'
 rows shared, w2 (down) with each expert's own rows. `--per-sm` times the GEMV's K splits for several targets of
-programs an SM (`fast.gemv.splits`). NVFP4 products of up to 8 rows also through `fast.mma_gemv` (the `gemv-mma`
-preset's kernel: tensor-core MMAs on fragments each lane decodes from its own word), on GPUs it runs on.
+programs an SM (`fast.gemv.splits`). Products of up to 8 rows also through `fast.mma_gemv` (the `gemv-mma` preset's
+kernel: tensor-core MMAs on fragments each lane decodes from its own words), on GPUs it runs on.
 
     # 1 x H200 (about a minute; the first launch of each kernel compiles it):
     python benchmarks/packed_gemv.py --rows 1,32 --per-sm 2,4,8 --out packed_gemv.jsonl
@@ -67,7 +67,7 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
     if experts:
         want = want[ids]
     reordered = gemv.reorder(fmt, w, s, g)
-    mma_reordered = mma_gemv.reorder(w, s, g) if fmt == "nvfp4" else None
+    mma_reordered = mma_gemv.reorder(fmt, w, s, g)
     chosen_or_one = chosen if experts else 1
     k_tiles, programs = reordered[0].shape[2], (chosen if experts else 1) * -(-n // gemv.TILE_N)
     sms = grouped.sm_count(device)
@@ -80,7 +80,7 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
             variants[f"gemv table per_sm={target} split={split}"] = (
                 lambda split=split: gemv.packed_product(x, fmt, n, *reordered, active=active, split=split,
                                                         table=True))
-        if fmt == "nvfp4" and rows <= mma_gemv.MAX_ROWS and mma_gemv.runs_on(device):  # `gemv-mma`'s kernel
+        if rows <= mma_gemv.MAX_ROWS and mma_gemv.runs_on(device):  # `gemv-mma`'s kernel
             mma_split = mma_gemv.splits(chosen_or_one * (mma_reordered[0].shape[1] // mma_gemv.GROUP),
                                         mma_reordered[0].shape[2], sms, target)
             variants[f"mma per_sm={target} split={mma_split}"] = (

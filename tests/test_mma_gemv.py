@@ -1,7 +1,7 @@
-"""`fast.mma_gemv`: NVFP4 products of 1 to 8 rows on the tensor cores from weights reordered into MMA fragments.
+"""`fast.mma_gemv`: packed products of 1 to 8 rows on the tensor cores from weights reordered into MMA fragments.
 
-The lane layout (no triton): `reorder` / `restore` are inverse, and the reordered words placed as the PTX ISA's
-m16n8k16 fragment tables place them (`emulate`) multiply to the reference's product. The kernel (Gluon, no
+The lane layout (no triton): `reorder` / `restore` are inverse for NVFP4 and MXFP8, and the reordered words placed as
+the PTX ISA's m16n8k16 fragment tables place them (`emulate`) multiply to the reference's product. The kernel (Gluon, no
 interpreter): compiled offline for sm_90 (its loop moves nothing through shared memory, issues the MMA, spills
 nothing); `python -m pytest -q -m gpu tests/test_mma_gemv.py` runs it against the reference on a GPU.
 """
@@ -25,24 +25,29 @@ INTERP = mg.grouped.interpreting()
 on_gpu = pytest.mark.skipif(INTERP or not mg.AVAILABLE or not torch.cuda.is_available(),
                             reason="the Gluon kernel on a CUDA GPU (not under TRITON_INTERPRET=1)")
 
-SHAPES = [(3, 40, 96), (2, 300, 208), (1, 128, 64)]  # rows and columns not multiples of the tiles among them
+SHAPES = [(3, 40, 96), (2, 300, 224), (1, 128, 64)]  # rows and columns not multiples of the tiles among them
+FMTS = ["nvfp4", "mxfp8"]
 
 
 # ---------------------------------------------------------------------------------------------- layout (no triton)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("stack", [True, False])
-def test_reorder_is_the_documented_bijection(stack):
+def test_reorder_is_the_documented_bijection(fmt, stack):
     for E, N, K in SHAPES:
-        w, s, g = _operands("nvfp4", E, N, K, 1)
+        w, s, g = _operands(fmt, E, N, K, 1)
         if not stack:
-            w, s, g = w[0], s[0], g[:1].reshape(())
-        words, scales, glob = mg.reorder(w, s, g)
+            w, s, g = w[0], s[0], (g[:1].reshape(()) if g is not None else None)
+        words, scales, glob = mg.reorder(fmt, w, s, g)
         n16 = -(-N // (mg.ROW_TILE * mg.GROUP)) * mg.GROUP
-        assert words.dtype == torch.int32 and words.shape == (E if stack else 1, n16, -(-K // mg.STEP_K), 32, 4)
+        width = 4 if fmt == "nvfp4" else 8
+        assert words.dtype == torch.int32 and words.shape == (E if stack else 1, n16, -(-K // mg.STEP_K), 32, width)
         assert scales.shape == (*words.shape[:3], 32, 2)
         w2, s2, g2 = mg.restore(words, scales, glob, N, K, stack)
-        assert torch.equal(w2, w) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8)) and torch.equal(g2, g)
+        assert torch.equal(w2.view(torch.uint8), w.view(torch.uint8))
+        assert torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
+        assert (g2 is None and g is None) or torch.equal(g2, g)
 
 
 def test_one_lane_word_holds_its_fragment():
@@ -53,27 +58,28 @@ def test_one_lane_word_holds_its_fragment():
     col = 16 * 2 + 4 * 1 + 3
     w[0, 11, col // 2] = 0x9 << (4 * (col % 2))
     s = torch.full((1, 16, 4), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    words, _, _ = mg.reorder(w, s, torch.ones(1))
+    words, _, _ = mg.reorder("nvfp4", w, s, torch.ones(1))
     lane = 4 * 3 + 2
     assert int(words[0, 0, 0, lane, 1]) & 0xFFFFFFFF == 0x9 << 28
     assert int(words.count_nonzero()) == 1
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_lane_fragments_multiply_to_the_reference_product(rows):
+def test_lane_fragments_multiply_to_the_reference_product(fmt, rows):
     """Each lane's registers as the PTX fragment tables place them, and x through the kernel's column permutation:
     the MMAs' product is x @ w_hat^T exactly (fp64 sums of the same products)."""
     for case, (E, N, K) in enumerate(SHAPES):
-        w, s, g = _operands("nvfp4", E, N, K, case % 3)
+        w, s, g = _operands(fmt, E, N, K, case % 3)
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(case)).to(BF16)
-        got = mg.emulate(x, *mg.reorder(w, s, g), N)
-        want = x.double() @ _decoded("nvfp4", w, s, g).double().transpose(-1, -2)
+        got = mg.emulate(x, *mg.reorder(fmt, w, s, g), N)
+        want = x.double() @ _decoded(fmt, w, s, g).double().transpose(-1, -2)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)
 
 
 def test_product_refuses_shapes_it_does_not_take():
     w, s, g = _operands("nvfp4", 2, 40, 96, 1)
-    words, scales, glob = mg.reorder(w, s, g)
+    words, scales, glob = mg.reorder("nvfp4", w, s, g)
     for x in (torch.zeros(9, 96, dtype=BF16), torch.zeros(1, 96), torch.zeros(1, 48, dtype=BF16),
               torch.zeros(1, 100, dtype=BF16)):
         with pytest.raises(ValueError, match="mma_gemv.packed_product"):
@@ -123,14 +129,14 @@ def test_two_table_assembly_decodes_the_reference_bits():
 # --------------------------------------------------------------------------------- kernel compiled for sm_90, offline
 
 
-def _sm90_ptx(select: int, out_bf16: bool, even_k: bool) -> str:
+def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = mg._mma_gemv_kernel
-    consts = {"SELECT": select, "RT": mg.ROW_TILES_PER_WARP, "WARPS": mg.WARPS, "OUT_BF16": out_bf16,
-              "EVEN_K": even_k}
+    consts = {"NVFP4_FMT": nvfp4, "SELECT": select, "RT": mg.ROW_TILES_PER_WARP, "WARPS": mg.WARPS,
+              "OUT_BF16": out_bf16, "EVEN_K": even_k}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
                 "sel_ptr": "*i64" if select == 1 else "*i32", "y_ptr": "*bf16" if out_bf16 else "*fp32"}
     signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
@@ -142,11 +148,13 @@ def _sm90_ptx(select: int, out_bf16: bool, even_k: bool) -> str:
 
 
 @pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
-@pytest.mark.parametrize("select,out_bf16,even_k", [(0, True, True), (1, False, True), (2, True, False)])
-def test_kernel_compiles_to_register_fragments(select, out_bf16, even_k):
+@pytest.mark.parametrize("nvfp4,select,out_bf16,even_k", [(True, 0, True, True), (True, 1, False, True),
+                                                           (True, 2, True, False), (False, 0, True, True),
+                                                           (False, 2, False, False)])
+def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k):
     """Every word is decoded in the lane that loads it: the kernel issues the MMA, loads a lane's 16 bytes of words
     at once, and has no shared memory, barrier or spill; its registers let `PROGRAMS_PER_SM` programs share an SM."""
-    ptx = _sm90_ptx(select, out_bf16, even_k)
+    ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "ld.global.v4.b32" in ptx
     assert "bar.sync" not in ptx and "st.shared" not in ptx and "ld.shared" not in ptx
@@ -181,27 +189,29 @@ def test_mma_mode_falls_back_where_the_kernel_does_not_run(tiny_nvfp4):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 @pytest.mark.parametrize("case", [0, 1, 2])
 @pytest.mark.parametrize("split", [None, 1, 3])
-def test_kernel_on_cuda_within_the_bound(rows, case, split):
+def test_kernel_on_cuda_within_the_bound(fmt, rows, case, split):
     E, N, K = SHAPES[case]
-    w, s, g = _operands("nvfp4", E, N, K, case, device="cuda")
+    w, s, g = _operands(fmt, E, N, K, case, device="cuda")
     x = torch.randn(rows, K, device="cuda").to(BF16)
-    y = mg.packed_product(x, N, *mg.reorder(w, s, g), split=split, sms=132)
-    ok, ratio = _bound_ok(y, x, _decoded("nvfp4", w, s, g))
+    y = mg.packed_product(x, N, *mg.reorder(fmt, w, s, g), split=split, sms=132)
+    ok, ratio = _bound_ok(y, x, _decoded(fmt, w, s, g))
     assert y.shape == (E, rows, N) and ok, ratio
 
 
 @pytest.mark.gpu
 @on_gpu
-def test_kernel_on_cuda_selects_entries_and_captures():
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_on_cuda_selects_entries_and_captures(fmt):
     """`index` reads the chosen entries (repeats allowed), `active` gives zero rows for unflagged entries, per-entry
     x; the same bits replayed from a CUDA graph."""
     E, N, K = 6, 384, 512
-    w, s, g = _operands("nvfp4", E, N, K, 1, device="cuda")
-    words, scales, glob = mg.reorder(w, s, g)
-    w_hat = _decoded("nvfp4", w, s, g)
+    w, s, g = _operands(fmt, E, N, K, 1, device="cuda")
+    words, scales, glob = mg.reorder(fmt, w, s, g)
+    w_hat = _decoded(fmt, w, s, g)
     x = torch.randn(3, K, device="cuda").to(BF16)
     index = torch.tensor([4, 1, 4], device="cuda")
     y = mg.packed_product(x, N, words, scales, glob, index=index)

@@ -1,54 +1,56 @@
-"""NVFP4 products of 1 to 8 rows (decode steps) on the tensor cores, the weights reordered once at load so that
-every lane of a warp loads, as one int32 word, exactly the 8 weight elements it holds in an `mma.sync.m16n8k16`
-(bf16 inputs, fp32 accumulators): no element moves between lanes or through shared memory, and decoding a word
-to the four bf16x2 registers of its fragment is the whole of the per-element work.
+"""Packed products of 1 to 8 rows (decode steps) on the tensor cores, the weights reordered once at load so that
+every lane of a warp loads, as whole int32 words, exactly the 8 weight elements it holds in an `mma.sync.m16n8k16`
+(bf16 inputs, fp32 accumulators): no element moves between lanes or through shared memory, and decoding its words
+to the four bf16x2 registers of its fragment is the whole of the per-element work. NVFP4 and MXFP8 weights.
 
 Layout (`reorder`). A stack `[E, N, K]` (a linear: E = 1) is cut into row tiles of 16 weight rows and K steps of
 64 elements (N and K padded with zero codes and zero scales). A step of a row tile is four MMA tiles t = 0..3 of
-16 x 16; lane l = 4g + c (g = l // 4, c = l % 4) of tile t holds the elements
+16 x 16; lane l = 4g + c (g = l // 4, c = l % 4) of tile t holds the elements of weight rows 16 * tile + g + 8h
+(h = 0, 1) and columns 64 * step + 16 c + 4 t + q (q = 0..3):
 
-    nibble j of its word (j = 0..7, h = j // 4, q = j % 4):
-        weight row  16 * tile + g + 8 h
-        column      64 * step + 16 c + 4 t + q
+    NVFP4: one word a tile, nibble j = 4h + q (row g's four elements in its low half, row g + 8's in its high half)
+    MXFP8: two words a tile, word 2t + h, byte q
 
-so the word's low half holds row g's four elements and its high half row g + 8's. The fragment's column kappa
-(2c + {0, 1} and 2c + 8 + {0, 1}) stands for the weight column 64 * step + 16 c + 4 t + q with q = 2 * (kappa >= 8)
-+ kappa % 2: nibbles (0, 1), (4, 5), (2, 3), (6, 7) are registers 0..3 of the PTX A fragment (rows g, g + 8, g,
-g + 8; columns 2c + {0, 1} for the first two, 2c + 8 + {0, 1} for the others). x is permuted alike (lane c of the B
-fragment reads x's columns 64 * step + 16 c + 4 t + 0..3 as one 8-byte load: its two registers), so each MMA sums
-the same products a plain order would, in another order. The columns of a lane's row in one step, 16 c .. 16 c + 15,
-are NVFP4 block 4 * step + c: one scale per lane and row a step, shared by the step's four words.
+The fragment's column kappa (2c + {0, 1} and 2c + 8 + {0, 1}) stands for the weight column 64 * step + 16 c + 4 t + q
+with q = 2 * (kappa >= 8) + kappa % 2, so registers 0..3 of the PTX A fragment (rows g, g + 8, g, g + 8; columns
+2c + {0, 1} for the first two, 2c + 8 + {0, 1} for the others) are NVFP4 nibbles (0, 1), (4, 5), (2, 3), (6, 7)
+(`FRAGMENT_NIBBLES`), MXFP8 bytes (0, 1) of words 2t and 2t + 1, then bytes (2, 3) of both. x is permuted alike
+(lane c of the B fragment reads x's columns 64 * step + 16 c + 4 t + 0..3 as one 8-byte load: its two registers),
+so each MMA sums the same products a plain order would, in another order. The columns of a lane's row in one step,
+16 c .. 16 c + 15, lie in one block (NVFP4 block 4 * step + c, MXFP8 block 2 * step + c // 2): one scale per lane
+and row a step, shared by the step's words.
 
-    words  int32 [E, N16, S, 32, 4]   words of (row tile, step, lane, MMA tile t): a lane's 16 bytes a step, 512
-                                       contiguous bytes a warp
-    scales uint8 [E, N16, S, 32, 2]   lane l's block scales (E4M3) in a step: row g's, then row g + 8's
-    glob   fp32  [E] or [1]           NVFP4's weight_scale_2
+    words  int32 [E, N16, S, 32, W]   words of (row tile, step, lane): a lane's W words a step (W = 4 NVFP4, 8 MXFP8;
+                                       16 or 32 bytes), 32 W contiguous words a warp
+    scales uint8 [E, N16, S, 32, 2]   lane l's block scales (E4M3 or E8M0) in a step: row g's, then row g + 8's
+    glob   fp32  [E] or [1]           NVFP4's weight_scale_2 (MXFP8: an unread 1.0)
 
 Numerics contract (`packed_product`): y[p, m, n] = bf16( sum_k x[p, m, k] * w_hat[e(p), n, k] ) with w_hat the
-reference decoder's bf16 bits (`packed.decode_reference(...).to(bfloat16)`), looked up in the table of the 8 values
-of the row's block (`grouped._table_words`: A = bf16(S), B = bf16(fp32(1.5 S)) for the reference's block scale
-S = fp32(e4m3) * weight_scale_2, entries {0, A/2, A, B, 2A, 2B, 4A, 4B}) by byte permutes, the nibble's sign applied
-(`_TWO_TABLE_ASM`: a word's two halves through the tables of its two rows). The products are exact; the tensor
-cores add them in fp32 within an MMA (possibly truncating when they align addends), the MMAs of a split accumulate
-in fp32, splits of K write fp32 partial sums that a second kernel adds in split order and rounds once to bf16
-(`grouped._sum_splits_kernel`). Bound (tests): |y - exact| <= gamma_K(2u) * sum_k |x w_hat| before the final
-rounding, u = 2^-24, as `fast.gemv`'s dot.
+reference decoder's bf16 bits (`packed.decode_reference(...).to(bfloat16)`). NVFP4: looked up in the table of the 8
+values of the row's block (`grouped._table_words`: A = bf16(S), B = bf16(fp32(1.5 S)) for the reference's block
+scale S = fp32(e4m3) * weight_scale_2, entries {0, A/2, A, B, 2A, 2B, 4A, 4B}) by byte permutes, the nibble's sign
+applied (`_TWO_TABLE_ASM`: a word's two halves through the tables of its two rows). MXFP8: each E4M3 byte widened
+exactly (through f16 to fp32) and multiplied by its block's 2^(E - 127), exact in range (`_MX_WORD_ASM`). The
+products are exact; the tensor cores add them in fp32 within an MMA (possibly truncating when they align addends),
+the MMAs of a split accumulate in fp32, splits of K write fp32 partial sums that a second kernel adds in split order
+and rounds once to bf16 (`grouped._sum_splits_kernel`). Bound (tests): |y - exact| <= gamma_K(2u) * sum_k |x w_hat|
+before the final rounding, u = 2^-24, as `fast.gemv`'s dot.
 
-The decode needs the block scales in the normal range (`packed.scales_in_normal_range`), which
-`FastPackedWeight.configure` checks before it reorders a weight for this kernel (`FastPaths(gemv="mma")`, the
-non-user preset `gemv-mma`). x's rows past M: the lanes whose B column is past M read row M - 1, whose products land
-in accumulator columns no lane stores; x's columns past K read as zeros.
+The decode needs the block scales in the normal range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3 NaN
+byte, which `FastPackedWeight.configure` checks before it reorders a weight for this kernel (`FastPaths(gemv="mma")`,
+the non-user preset `gemv-mma`). x's rows past M: the lanes whose B column is past M read row M - 1, whose products
+land in accumulator columns no lane stores; x's columns past K read as zeros.
 
 A Gluon kernel (`triton.experimental.gluon`: explicit layouts, so that the lane that loads a word is the lane whose
 fragment it is); the MMA is issued as inline PTX, each lane passing its own registers. It runs on CUDA GPUs of
-compute capability 8.0 and above; there is no interpreter path (`emulate` is the CPU statement of the same lane
-mapping, tested against the reference).
-"""
+compute capability 8.9 and above (the E4M3 conversion); there is no interpreter path (`emulate` is the CPU statement
+of the same lane mapping, tested against the reference)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..weights.checkpoint import MXFP8, NVFP4
 from . import grouped
 
 try:
@@ -72,54 +74,82 @@ PROGRAMS_PER_SM = 4
 
 
 def runs_on(device: torch.device) -> bool:
-    """Whether the kernel runs on tensors of `device`: a CUDA GPU of compute capability 8.0 or above, with Gluon, not
-    under the Triton interpreter (which does not run Gluon kernels)."""
+    """Whether the kernel runs on tensors of `device`: a CUDA GPU of compute capability 8.9 or above (MXFP8's E4M3
+    conversion; NVFP4 would run from 8.0), with Gluon, not under the Triton interpreter (which does not run Gluon
+    kernels)."""
     return (AVAILABLE and device.type == "cuda" and not grouped.interpreting() and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device)[0] >= 8)
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
-def reorder(weight: torch.Tensor, weight_scale: torch.Tensor,
-            weight_scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A packed NVFP4 linear `[N, K/2]` or stack `[E, N, K/2]` (uint8 codes, low nibble the even element; E4M3 block
-    scales `[.., N, K/16]`; weight_scale_2) in the lane layout of the module docstring: `(words int32 [E, N16, S,
-    32, 4], scales uint8 [E, N16, S, 32, 2], glob fp32 [E] or [1])`, N16 the row tiles padded to whole `GROUP`s.
-    Only moves nibbles; `restore` undoes it."""
+def supports(fmt: str, k: int) -> bool:
+    """Whether a packed weight of format `fmt` with K decoded columns has the kernel's layout (whole blocks)."""
+    return fmt in (NVFP4, MXFP8) and k % (16 if fmt == NVFP4 else 32) == 0
+
+
+def reorder(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+            weight_scale_2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed linear `[N, ...]` or stack `[E, N, ...]` (operands as in `packed.decode_reference`: NVFP4 uint8 codes
+    `[.., N, K/2]`, low nibble the even element, E4M3 block scales `[.., N, K/16]`, weight_scale_2; MXFP8 E4M3
+    elements `[.., N, K]`, E8M0 block scales `[.., N, K/32]`) in the lane layout of the module docstring: `(words
+    int32 [E, N16, S, 32, W], scales uint8 [E, N16, S, 32, 2], glob fp32 [E] or [1])`, W = 4 (NVFP4) or 8 (MXFP8),
+    N16 the row tiles padded to whole `GROUP`s. Only moves bytes and nibbles; `restore` undoes it."""
     data = weight.view(torch.uint8)
     scale = weight_scale.view(torch.uint8)
     if data.dim() == 2:
         data, scale = data.unsqueeze(0), scale.unsqueeze(0)
-    e, n, half_k = data.shape
-    k = 2 * half_k
+    e, n, row = data.shape
+    k = 2 * row if fmt == NVFP4 else row
     n16, steps = -(-n // (ROW_TILE * GROUP)) * GROUP, -(-k // STEP_K)
     codes = torch.zeros(e, n16 * ROW_TILE, steps * STEP_K, dtype=torch.uint8, device=data.device)
-    codes[:, :n, 0:k:2] = data & 0x0F
-    codes[:, :n, 1:k:2] = data >> 4
+    if fmt == NVFP4:
+        codes[:, :n, 0:k:2] = data & 0x0F
+        codes[:, :n, 1:k:2] = data >> 4
+    else:
+        codes[:, :n, :k] = data
     # [E, tile, h, g, step, c, t, q]: row 16 tile + 8 h + g, column 64 step + 16 c + 4 t + q
     c8 = codes.view(e, n16, 2, 8, steps, 4, TILES, 4)
-    # nibble j = 4 h + q of the word of (tile, step, lane 4g + c, t): byte j // 2, the even j in its low nibble
-    nib = c8.permute(0, 1, 4, 3, 5, 6, 2, 7).reshape(e, n16, steps, LANES, TILES, 4, 2)
-    words = (nib[..., 0] | (nib[..., 1] << 4)).contiguous().view(torch.int32).squeeze(-1)
-    scales = torch.zeros(e, n16 * ROW_TILE, steps * 4, dtype=torch.uint8, device=data.device)  # zero: padding
-    scales[:, :n, :k // 16] = scale
-    # [E, tile, h, g, step, c] -> [E, tile, step, g, c, h]: block 4 step + c of rows g and g + 8
-    lanes = scales.view(e, n16, 2, 8, steps, 4).permute(0, 1, 4, 3, 5, 2).reshape(e, n16, steps, LANES, 2)
-    glob = weight_scale_2.reshape(-1).to(torch.float32).contiguous()
+    if fmt == NVFP4:
+        # nibble j = 4 h + q of the word of (tile, step, lane 4g + c, t): byte j // 2, the even j in its low nibble
+        nib = c8.permute(0, 1, 4, 3, 5, 6, 2, 7).reshape(e, n16, steps, LANES, TILES, 4, 2)
+        words = (nib[..., 0] | (nib[..., 1] << 4)).contiguous().view(torch.int32).squeeze(-1)
+    else:  # byte q of word 2t + h of (tile, step, lane)
+        words = c8.permute(0, 1, 4, 3, 5, 6, 2, 7).contiguous().view(torch.int32).reshape(e, n16, steps, LANES, 8)
+    blocks = STEP_K // (16 if fmt == NVFP4 else 32)  # a step's blocks: lane c's is block c * blocks // 4 of them
+    scales = torch.zeros(e, n16 * ROW_TILE, steps * blocks, dtype=torch.uint8, device=data.device)  # zero: padding
+    scales[:, :n, :scale.shape[-1]] = scale
+    per_lane = scales.view(e, n16, 2, 8, steps, blocks).repeat_interleave(4 // blocks, dim=-1)
+    # [E, tile, h, g, step, c] -> [E, tile, step, g, c, h]: lane c's block of rows g and g + 8
+    lanes = per_lane.permute(0, 1, 4, 3, 5, 2).reshape(e, n16, steps, LANES, 2)
+    if fmt == NVFP4:
+        glob = weight_scale_2.reshape(-1).to(torch.float32).contiguous()
+    else:
+        glob = torch.ones(1, dtype=torch.float32, device=data.device)
     return words.contiguous(), lanes.contiguous(), glob
 
 
 def restore(words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, n: int, k: int,
-            stack: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of `reorder`: `(weight, weight_scale, weight_scale_2)` as stored (`[N, ...]` for a linear,
-    `[E, N, ...]` for a stack), the padding dropped."""
+            stack: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The inverse of `reorder` (the format read from the words a lane holds a step): `(weight, weight_scale,
+    weight_scale_2)` as stored (`[N, ...]` for a linear, `[E, N, ...]` for a stack), the padding dropped;
+    weight_scale_2 None for MXFP8."""
     e, n16, steps = words.shape[:3]
-    nib = words.unsqueeze(-1).view(torch.uint8).reshape(e, n16, steps, LANES, TILES, 4, 1)
-    nib = torch.cat((nib & 0x0F, nib >> 4), dim=-1).reshape(e, n16, steps, 8, 4, TILES, 2, 4)
+    nvfp4 = words.shape[-1] == 4
+    if nvfp4:
+        nib = words.unsqueeze(-1).view(torch.uint8).reshape(e, n16, steps, LANES, TILES, 4, 1)
+        c8 = torch.cat((nib & 0x0F, nib >> 4), dim=-1).reshape(e, n16, steps, 8, 4, TILES, 2, 4)
+    else:
+        c8 = words.unsqueeze(-1).view(torch.uint8).reshape(e, n16, steps, 8, 4, TILES, 2, 4)
     # [E, tile, step, g, c, t, h, q] -> [E, tile, h, g, step, c, t, q]
-    codes = nib.permute(0, 1, 6, 3, 2, 4, 5, 7).reshape(e, n16 * ROW_TILE, steps * STEP_K)[:, :n, :k]
-    data = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    scale = scales.view(e, n16, steps, 8, 4, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, n16 * ROW_TILE, steps * 4)
-    scale = scale[:, :n, :k // 16].view(torch.float8_e4m3fn)
-    g = glob.reshape(()) if glob.numel() == 1 and not stack else glob
+    codes = c8.permute(0, 1, 6, 3, 2, 4, 5, 7).reshape(e, n16 * ROW_TILE, steps * STEP_K)[:, :n, :k]
+    blocks = 4 if nvfp4 else 2
+    lanes = scales.view(e, n16, steps, 8, 4, 2)[:, :, :, :, ::4 // blocks]  # one lane of each block
+    scale = lanes.permute(0, 1, 5, 3, 2, 4).reshape(e, n16 * ROW_TILE, steps * blocks)
+    scale = scale[:, :n, :k // (16 if nvfp4 else 32)]
+    if nvfp4:
+        data, scale = codes[..., 0::2] | (codes[..., 1::2] << 4), scale.view(torch.float8_e4m3fn)
+        g = glob.reshape(()) if glob.numel() == 1 and not stack else glob
+    else:
+        data, g = codes.view(torch.float8_e4m3fn), None
     if not stack:
         data, scale = data[0], scale[0]
     return data.contiguous(), scale.contiguous(), g
@@ -128,12 +158,13 @@ def restore(words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, n: in
 def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, n: int) -> torch.Tensor:
     """The kernel's arithmetic on the CPU, lane by lane, with the operands placed as the PTX ISA's m16n8k16 fragment
     tables place them. A (bf16): register r of lane 4g + c holds rows g + 8 (r % 2), columns 2c + 8 (r // 2) +
-    {0, 1} in its low and high halves, nibbles `FRAGMENT_NIBBLES[r]` of the lane's word as the kernel fills it.
-    B: register i holds rows 2c + 8i + {0, 1} of column g. D: c0, c1 at row g, columns 2c, 2c + 1; c2, c3 at row
-    g + 8. Each lane's word and scales are decoded to the reference's values (`packed.decode_reference`'s bits; the
-    kernel's table lookup is tested against them on its own), x is read through the kernel's permutation, and each
-    lane's accumulators are stored where the kernel stores them. Sums in fp64 (exact for these products), for the
-    tests. x bf16 `[M, K]` (M <= 8); returns fp64 `[E, M, N]`."""
+    {0, 1} in its low and high halves: nibbles `FRAGMENT_NIBBLES[r]` of the lane's NVFP4 word, or bytes 2 (r // 2)
+    + {0, 1} of its MXFP8 word 2t + r % 2, as the kernel fills it. B: register i holds rows 2c + 8i + {0, 1} of
+    column g. D: c0, c1 at row g, columns 2c, 2c + 1; c2, c3 at row g + 8. Each lane's elements and scales are
+    decoded to the reference's values (`packed.decode_reference`'s bits; the kernel's decode is tested against them
+    on its own), x is read through the kernel's permutation, and each lane's accumulators are stored where the kernel
+    stores them. Sums in fp64 (exact for these products), for the tests. x bf16 `[M, K]` (M <= 8); returns fp64
+    `[E, M, N]`."""
     from ..weights.quant import E2M1_MAGNITUDES
 
     e, n16, steps = words.shape[:3]
@@ -141,6 +172,7 @@ def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: to
     xp = torch.zeros(MAX_ROWS, steps * STEP_K, dtype=torch.float64)
     xp[:m, :k] = x.double()
     values = torch.cat([E2M1_MAGNITUDES, -E2M1_MAGNITUDES]).float()
+    nvfp4 = words.shape[-1] == 4
     lane = torch.arange(LANES)
     g, c = lane // 4, lane % 4
     y = torch.zeros(e, MAX_ROWS, n16 * ROW_TILE, dtype=torch.float64)
@@ -148,14 +180,23 @@ def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: to
         gl_ = glob[ent if glob.numel() > 1 else 0].float()
         for tile in range(n16):
             for s in range(steps):
-                block = scales[ent, tile, s].view(torch.float8_e4m3fn).float() * gl_  # [32 lanes, 2 rows]
+                if nvfp4:  # [32 lanes, 2 rows]
+                    block = scales[ent, tile, s].view(torch.float8_e4m3fn).float() * gl_
+                else:
+                    block = torch.exp2(scales[ent, tile, s].float() - 127)
                 for t in range(TILES):
-                    word = words[ent, tile, s, :, t].long() & 0xFFFFFFFF
                     a = torch.zeros(16, 16, dtype=torch.float64)
-                    for r, nibbles in enumerate(FRAGMENT_NIBBLES):  # register r: rows g + 8 (r % 2)
-                        for half, j in enumerate(nibbles):
-                            code = (word >> (4 * j)) & 0xF
-                            w_hat = (values[code] * block[:, r % 2]).to(torch.bfloat16).double()
+                    for r in range(4):  # register r: rows g + 8 (r % 2)
+                        for half in range(2):
+                            if nvfp4:
+                                word = words[ent, tile, s, :, t].long() & 0xFFFFFFFF
+                                code = (word >> (4 * FRAGMENT_NIBBLES[r][half])) & 0xF
+                                value = values[code]
+                            else:
+                                word = words[ent, tile, s, :, 2 * t + r % 2].long() & 0xFFFFFFFF
+                                code = (word >> (8 * (2 * (r // 2) + half))) & 0xFF
+                                value = code.to(torch.uint8).view(torch.float8_e4m3fn).float()
+                            w_hat = (value * block[:, r % 2]).to(torch.bfloat16).double()
                             a[g + 8 * (r % 2), 2 * c + 8 * (r // 2) + half] = w_hat
                     b = torch.zeros(16, MAX_ROWS, dtype=torch.float64)
                     for i in range(2):
@@ -237,10 +278,10 @@ if AVAILABLE:
             dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
 
     @gluon.jit
-    def _lane_words(w_tile, step, WIDE: gl.constexpr):
-        """A lane's four words of a step (MMA tiles 0..3), one 16-byte load: [I, 4] split into four [I]."""
+    def _lane_words(w_step, WIDE: gl.constexpr):
+        """Four consecutive words of a lane from `w_step` on, one 16-byte load: [I, 4] split into four [I]."""
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, WIDE))
-        quad = gl.load(gl.expand_dims(w_tile + step * 128, 1) + gl.expand_dims(t, 0))
+        quad = gl.load(gl.expand_dims(w_step, 1) + gl.expand_dims(t, 0))
         lo, hi = gl.split(gl.reshape(quad, [quad.shape[0], 2, 2]))
         w0, w2 = gl.split(lo)
         w1, w3 = gl.split(hi)
@@ -267,12 +308,120 @@ if AVAILABLE:
         a0, a1, a2, a3 = _fragment(word, tg, th)
         return _mma(a0, a1, a2, a3, quad.to(gl.int32), (quad >> 32).to(gl.int32), acc0, acc1, acc2, acc3)
 
+    # A word of four E4M3 elements ($2) times their block's 2^(E - 127) ($3, fp32) as two bf16x2 registers: $0 bytes
+    # 0, 1 and $1 bytes 2, 3 (low, high). Each byte pair widened by the hardware conversion (E4M3 is a subset of f16,
+    # the lower byte to the lower half), each half to fp32, multiplied (exact: E4M3 times a power of two in range) and
+    # the two rounded by one conversion (no rounding happens: the product is a bf16 value).
+    _MX_WORD_ASM = gl.constexpr(" ".join((
+        "{",
+        ".reg .b16 p0, p1, a0, a1, b0, b1;",
+        ".reg .b32 h0, h1;",
+        ".reg .f32 x0, x1, y0, y1;",
+        "mov.b32 {p0, p1}, $2;",
+        "cvt.rn.f16x2.e4m3x2 h0, p0;",
+        "cvt.rn.f16x2.e4m3x2 h1, p1;",
+        "mov.b32 {a0, a1}, h0;",
+        "mov.b32 {b0, b1}, h1;",
+        "cvt.f32.f16 x0, a0;",
+        "cvt.f32.f16 x1, a1;",
+        "cvt.f32.f16 y0, b0;",
+        "cvt.f32.f16 y1, b1;",
+        "mul.f32 x0, x0, $3;",
+        "mul.f32 x1, x1, $3;",
+        "mul.f32 y0, y0, $3;",
+        "mul.f32 y1, y1, $3;",
+        "cvt.rn.bf16x2.f32 $0, x1, x0;",
+        "cvt.rn.bf16x2.f32 $1, y1, y0;",
+        "}",
+    )))
+
+    @gluon.jit
+    def _mx_word(word, scale):
+        """`_MX_WORD_ASM`: (bytes 0, 1; bytes 2, 3) of a word as bf16x2 registers."""
+        return gl.inline_asm_elementwise(_MX_WORD_ASM, "=r,=r,r,f", [word, scale], dtype=(gl.int32, gl.int32),
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _mx_tile_mma(word_g, word_h, quad, sg, sh, acc0, acc1, acc2, acc3):
+        """One MXFP8 MMA tile of a lane: row g's word and row g + 8's (bytes q = 0..3 each) decoded to the A fragment
+        (registers 0..3: rows g, g + 8, g, g + 8; bytes 0, 1 then 2, 3), its x quad split into the B fragment."""
+        g01, g23 = _mx_word(word_g, sg)
+        h01, h23 = _mx_word(word_h, sh)
+        return _mma(g01, h01, g23, h23, quad.to(gl.int32), (quad >> 32).to(gl.int32), acc0, acc1, acc2, acc3)
+
+    @gluon.jit
+    def _nvfp4_steps(w_tile, s_tile, x_row, c_wide, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr,
+                     LAYOUT: gl.constexpr, WIDE: gl.constexpr, SIZE: gl.constexpr):
+        """The split's steps of NVFP4 words (4 a lane and step), the next step's words, scales and x loaded before
+        this step is decoded (software pipelining by hand)."""
+        acc0 = gl.zeros([SIZE], gl.float32, LAYOUT)
+        acc1 = gl.zeros([SIZE], gl.float32, LAYOUT)
+        acc2 = gl.zeros([SIZE], gl.float32, LAYOUT)
+        acc3 = gl.zeros([SIZE], gl.float32, LAYOUT)
+        nw0, nw1, nw2, nw3 = _lane_words(w_tile + s_lo * 128, WIDE)
+        nq0, nq1, nq2, nq3 = _x_quads(x_row, s_lo, c_wide, K, EVEN_K, WIDE)
+        n_codes = gl.load(s_tile + s_lo * 32)
+        for step in range(s_lo, s_hi):
+            w0, w1, w2, w3 = nw0, nw1, nw2, nw3
+            q0, q1, q2, q3 = nq0, nq1, nq2, nq3
+            codes = n_codes
+            nxt = gl.minimum(step + 1, s_hi - 1)  # the last step loads its own again: no mask in the loop
+            nw0, nw1, nw2, nw3 = _lane_words(w_tile + nxt * 128, WIDE)
+            nq0, nq1, nq2, nq3 = _x_quads(x_row, nxt, c_wide, K, EVEN_K, WIDE)
+            n_codes = gl.load(s_tile + nxt * 32)
+            tg = _table_bytes(codes & 0xFF, glob)
+            th = _table_bytes((codes >> 8) & 0xFF, glob)
+            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w0, LAYOUT), gl.convert_layout(q0, LAYOUT), tg, th,
+                                               acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w1, LAYOUT), gl.convert_layout(q1, LAYOUT), tg, th,
+                                               acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w2, LAYOUT), gl.convert_layout(q2, LAYOUT), tg, th,
+                                               acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w3, LAYOUT), gl.convert_layout(q3, LAYOUT), tg, th,
+                                               acc0, acc1, acc2, acc3)
+        return acc0, acc1, acc2, acc3
+
+    @gluon.jit
+    def _mxfp8_steps(w_tile, s_tile, x_row, c_wide, s_lo, s_hi, K, EVEN_K: gl.constexpr,
+                     LAYOUT: gl.constexpr, WIDE: gl.constexpr, SIZE: gl.constexpr):
+        """The split's steps of MXFP8 words (8 a lane and step: word 2t + h is row g + 8h's bytes of MMA tile t),
+        pipelined as `_nvfp4_steps`."""
+        acc0 = gl.zeros([SIZE], gl.float32, LAYOUT)
+        acc1 = gl.zeros([SIZE], gl.float32, LAYOUT)
+        acc2 = gl.zeros([SIZE], gl.float32, LAYOUT)
+        acc3 = gl.zeros([SIZE], gl.float32, LAYOUT)
+        nw0, nw1, nw2, nw3 = _lane_words(w_tile + s_lo * 256, WIDE)
+        nw4, nw5, nw6, nw7 = _lane_words(w_tile + s_lo * 256 + 4, WIDE)
+        nq0, nq1, nq2, nq3 = _x_quads(x_row, s_lo, c_wide, K, EVEN_K, WIDE)
+        n_codes = gl.load(s_tile + s_lo * 32)
+        for step in range(s_lo, s_hi):
+            w0, w1, w2, w3, w4, w5, w6, w7 = nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7
+            q0, q1, q2, q3 = nq0, nq1, nq2, nq3
+            codes = n_codes
+            nxt = gl.minimum(step + 1, s_hi - 1)
+            nw0, nw1, nw2, nw3 = _lane_words(w_tile + nxt * 256, WIDE)
+            nw4, nw5, nw6, nw7 = _lane_words(w_tile + nxt * 256 + 4, WIDE)
+            nq0, nq1, nq2, nq3 = _x_quads(x_row, nxt, c_wide, K, EVEN_K, WIDE)
+            n_codes = gl.load(s_tile + nxt * 32)
+            # E8M0 code c -> 2^(c - 127) on the fp32 bits (c >= 1 in the normal range)
+            sg = ((codes & 0xFF).to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            sh = (((codes >> 8) & 0xFF).to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            acc0, acc1, acc2, acc3 = _mx_tile_mma(gl.convert_layout(w0, LAYOUT), gl.convert_layout(w1, LAYOUT),
+                                                  gl.convert_layout(q0, LAYOUT), sg, sh, acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _mx_tile_mma(gl.convert_layout(w2, LAYOUT), gl.convert_layout(w3, LAYOUT),
+                                                  gl.convert_layout(q1, LAYOUT), sg, sh, acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _mx_tile_mma(gl.convert_layout(w4, LAYOUT), gl.convert_layout(w5, LAYOUT),
+                                                  gl.convert_layout(q2, LAYOUT), sg, sh, acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _mx_tile_mma(gl.convert_layout(w6, LAYOUT), gl.convert_layout(w7, LAYOUT),
+                                                  gl.convert_layout(q3, LAYOUT), sg, sh, acc0, acc1, acc2, acc3)
+        return acc0, acc1, acc2, acc3
+
     @gluon.jit
     def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr,
                          M, N, K, N16, STEPS, STEPS_PER_SPLIT,
                          stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
-                         SELECT: gl.constexpr, RT: gl.constexpr, WARPS: gl.constexpr, OUT_BF16: gl.constexpr,
-                         EVEN_K: gl.constexpr):
+                         NVFP4_FMT: gl.constexpr, SELECT: gl.constexpr, RT: gl.constexpr, WARPS: gl.constexpr,
+                         OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr):
         """y[split, p, m, n] = sum over this split's steps of x[p, m, k] * w_hat[e, n, k] (fp32), e = p (SELECT 0),
         index[p] (SELECT 1), or p with unflagged entries (active[p] == 0) read as nothing (SELECT 2). Grid: (groups
         of WARPS x RT row tiles, output entries, splits). Element i of the program's 1-D tensors belongs to warp
@@ -303,41 +452,22 @@ if AVAILABLE:
                         gl.store(y_base + (m0 + col) * stride_ym + n0 + 8 * h, zero,
                                  mask=(m0 + col < M) & (n0 + 8 * h < N))
                 return
-        # a lane's words of a row tile and step (tile t at 4 lane + t), its 2 scale bytes (read as one int16)
-        w_tile = gl.convert_layout(w_ptr + ((e * N16 + tile) * STEPS * 32 + lane) * 4, gl.SliceLayout(1, wide))
+        # a lane's words of a row tile and step (W: 4 NVFP4, 8 MXFP8), its 2 scale bytes (read as one int16)
+        W: gl.constexpr = 4 if NVFP4_FMT else 8
+        w_tile = gl.convert_layout(w_ptr + ((e * N16 + tile) * STEPS * 32 + lane) * W, gl.SliceLayout(1, wide))
         s_tile = s_ptr.to(gl.pointer_type(gl.int16)) + (e * N16 + tile) * STEPS * 32 + lane
         # x's row g (the B fragment's column; rows past M repeat row M - 1, whose products land in columns no lane
         # stores) read as int64 quads of bf16: quad 16 step + 4c + t is the lane's two B registers for MMA tile t
         x_row = x_ptr.to(gl.pointer_type(gl.int64)) + (p * stride_xp + gl.minimum(g, M - 1) * stride_xm) // 4
         x_row = gl.convert_layout(x_row, gl.SliceLayout(1, wide))
         c_wide = gl.convert_layout(c, gl.SliceLayout(1, wide))
-        glob = gl.load(g_ptr + e * stride_ge)
-        acc0 = gl.zeros([WARPS * RT * 32], gl.float32, layout)
-        acc1 = gl.zeros([WARPS * RT * 32], gl.float32, layout)
-        acc2 = gl.zeros([WARPS * RT * 32], gl.float32, layout)
-        acc3 = gl.zeros([WARPS * RT * 32], gl.float32, layout)
-        # software pipelining by hand: the next step's words, scales and x are loaded before this step is decoded
-        nw0, nw1, nw2, nw3 = _lane_words(w_tile, s_lo, wide)
-        nq0, nq1, nq2, nq3 = _x_quads(x_row, s_lo, c_wide, K, EVEN_K, wide)
-        n_codes = gl.load(s_tile + s_lo * 32)
-        for step in range(s_lo, s_hi):
-            w0, w1, w2, w3 = nw0, nw1, nw2, nw3
-            q0, q1, q2, q3 = nq0, nq1, nq2, nq3
-            codes = n_codes
-            nxt = gl.minimum(step + 1, s_hi - 1)  # the last step loads its own again: no mask in the loop
-            nw0, nw1, nw2, nw3 = _lane_words(w_tile, nxt, wide)
-            nq0, nq1, nq2, nq3 = _x_quads(x_row, nxt, c_wide, K, EVEN_K, wide)
-            n_codes = gl.load(s_tile + nxt * 32)
-            tg = _table_bytes(codes & 0xFF, glob)
-            th = _table_bytes((codes >> 8) & 0xFF, glob)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w0, layout), gl.convert_layout(q0, layout), tg, th,
-                                               acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w1, layout), gl.convert_layout(q1, layout), tg, th,
-                                               acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w2, layout), gl.convert_layout(q2, layout), tg, th,
-                                               acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w3, layout), gl.convert_layout(q3, layout), tg, th,
-                                               acc0, acc1, acc2, acc3)
+        if NVFP4_FMT:
+            glob = gl.load(g_ptr + e * stride_ge)
+            acc0, acc1, acc2, acc3 = _nvfp4_steps(w_tile, s_tile, x_row, c_wide, glob, s_lo, s_hi, K, EVEN_K, layout,
+                                                  wide, WARPS * RT * 32)
+        else:
+            acc0, acc1, acc2, acc3 = _mxfp8_steps(w_tile, s_tile, x_row, c_wide, s_lo, s_hi, K, EVEN_K, layout, wide,
+                                                  WARPS * RT * 32)
         accs = (acc0, acc1, acc2, acc3)
         for h in gl.static_range(2):
             for col in gl.static_range(2):
@@ -364,8 +494,8 @@ if AVAILABLE:
             m, n, k, n16, steps, per,
             x.stride(0) if x.shape[0] > 1 else 0, x.stride(1), 1 if glob.numel() > 1 else 0,
             0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2),
-            SELECT=select, RT=ROW_TILES_PER_WARP, WARPS=WARPS, OUT_BF16=split == 1, EVEN_K=k % STEP_K == 0,
-            num_warps=WARPS)
+            NVFP4_FMT=words.shape[-1] == 4, SELECT=select, RT=ROW_TILES_PER_WARP, WARPS=WARPS, OUT_BF16=split == 1,
+            EVEN_K=k % STEP_K == 0, num_warps=WARPS)
         if split == 1:
             return out
         y = torch.empty((outputs, m, n), dtype=torch.bfloat16, device=x.device)
@@ -389,10 +519,11 @@ def splits(programs: int, steps: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -
 def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                    index: torch.Tensor | None = None, active: torch.Tensor | None = None,
                    split: int | None = None, sms: int = 1, busy: int | None = None) -> torch.Tensor:
-    """`x @ w_hat^T` for an NVFP4 weight in `reorder`'s layout (N = `n` rows), one launch (two with K splits).
+    """`x @ w_hat^T` for a weight in `reorder`'s layout (N = `n` rows; the format read from the words a lane holds a
+    step), one launch (two with K splits).
 
-    x: bf16 `[M, K]` (shared by every entry) or `[P, M, K]` (one per output entry), 1 <= M <= `MAX_ROWS`, K a
-    multiple of 16 (x's last dimension; its rows 8-byte aligned: read as int64 quads); index: None or an integer
+    x: bf16 `[M, K]` (shared by every entry) or `[P, M, K]` (one per output entry), 1 <= M <= `MAX_ROWS`, K whole
+    blocks of the format (x's last dimension; its rows 8-byte aligned: read as int64 quads); index: None or an integer
     tensor `[P]` of stack entries; active: None or int32 `[E]` flags over the stack (index None): unflagged entries
     read nothing and give zero rows. Returns bf16 `[P, M, N]`. split: K splits (default `splits` for `sms` SMs,
     counting `busy` flagged entries with `active`). Contract: the module docstring. Static in the shapes: no host
@@ -403,9 +534,10 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
     xs = x.unsqueeze(0) if x.dim() == 2 else x
     outputs = entries if index is None else index.shape[0]
     m, k = xs.shape[1], xs.shape[2]
-    if (x.dtype != torch.bfloat16 or not 1 <= m <= MAX_ROWS or k % 16 or -(-k // STEP_K) != steps
+    fmt = NVFP4 if words.shape[-1] == 4 else MXFP8
+    if (x.dtype != torch.bfloat16 or not 1 <= m <= MAX_ROWS or not supports(fmt, k) or -(-k // STEP_K) != steps
             or n16 != -(-n // (ROW_TILE * GROUP)) * GROUP or xs.shape[0] not in (1, outputs)
-            or (index is not None and active is not None)):
+            or words.shape[-1] not in (4, 8) or (index is not None and active is not None)):
         raise ValueError(f"mma_gemv.packed_product: x {list(x.shape)} {x.dtype} against words {list(words.shape)}, "
                          f"n {n}")
     if split is None:

@@ -520,8 +520,8 @@ class FastPackedWeight(PackedWeight):
         and a weight the kernels decode, stores `fast.gemv.reorder`'s copy as the buffers `GEMV_BUFFERS`. With
         `table`, an NVFP4 weight is decoded by the grouped and GEMV kernels through its blocks' tables. With
         `sorted_rows`, a stack the kernels decode multiplies prefill's sorted expert rows through
-        `fast.prefill_experts` (`sorted_matmul`). With `gemv_mode` "mma", an NVFP4 weight on a GPU takes
-        `fast.mma_gemv` for up to its `MAX_ROWS` rows instead (its reordered copy in the same buffers)."""
+        `fast.prefill_experts` (`sorted_matmul`). With `gemv_mode` "mma", a weight on a GPU takes `fast.mma_gemv`
+        for up to its `MAX_ROWS` rows instead (its reordered copy in the same buffers)."""
         self.kernels, self.mode = kernels, mode
         self.fused_tokens, self.fused_rows = fused_tokens, fused_rows
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
@@ -547,9 +547,9 @@ class FastPackedWeight(PackedWeight):
         self.gemv_tokens, self.gemv_kernel = 0, "triton"
         if gemv_tokens > 0 and kernel_decodes and gemv.runs_on(self.device):
             self.gemv_sms = grouped.sm_count(self.device)
-            if gemv_mode == "mma" and self.fmt == NVFP4 and mma_gemv.runs_on(self.device):
+            if gemv_mode == "mma" and mma_gemv.supports(self.fmt, self.shape[-1]) and mma_gemv.runs_on(self.device):
                 self.gemv_tokens, self.gemv_kernel = min(gemv_tokens, mma_gemv.MAX_ROWS), "mma"
-                reordered = mma_gemv.reorder(*self.parts())
+                reordered = mma_gemv.reorder(self.fmt, *self.parts())
             else:
                 self.gemv_tokens = min(gemv_tokens, gemv.MAX_ROWS)
                 reordered = gemv.reorder(self.fmt, *self.parts())

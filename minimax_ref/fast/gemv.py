@@ -163,36 +163,25 @@ if AVAILABLE:
         return (((quad >> (16 * i)) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _placed_pair(words, scale, J: tl.constexpr):
-        """Elements 8w + J and 8w + J + 4 (J < 4) of each int32 word of packed NVFP4 bytes before their rounding:
-        both nibbles placed at once as the two halves of an int32 (signs to bits 15 and 31, e e m to bits 8..6 and
-        24..22: two bf16 values e2m1 * 2^-126), each half widened to fp32 and multiplied by `scale` (the block scale
-        times 2^126). Returns (low, high) fp32. Two shifts and two masks for two elements, where one nibble alone
-        takes the same four."""
+    def _nibble_pair(words, scale, J: tl.constexpr, EXACT_FP32: tl.constexpr):
+        """Elements 8w + J and 8w + J + 4 (J < 4) of each int32 word of packed NVFP4 bytes, each its nibble times the
+        word's block scale times 2^126 (`scale`) rounded to bf16, as `grouped._nibble` gives them: both nibbles
+        placed at once as the two halves of an int32 (signs to bits 15 and 31, e e m to bits 8..6 and 24..22: two
+        bf16 values e2m1 * 2^-126), then each half widened to fp32 and multiplied, and the two products rounded by one
+        conversion. Two shifts and two masks for two elements, where one nibble alone takes the same four."""
         signs = words << (12 - 4 * J)
         if 6 - 4 * J >= 0:
             fields = words << (6 - 4 * J)
         else:  # an arithmetic shift: the sign copies land above bit 24, outside the mask
             fields = words >> (4 * J - 6)
         pair = (signs & _SIGN_PAIR) | (fields & _E2M1_PAIR)
-        return (pair << 16).to(tl.float32, bitcast=True) * scale, (pair & -65536).to(tl.float32, bitcast=True) * scale
-
-    @triton.jit
-    def _bf16x2(high, low):
-        """fp32 `high` and `low` rounded to bf16 (to nearest, ties to even) by one conversion, into the high and low
-        halves of an int32."""
-        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [high, low], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-
-    @triton.jit
-    def _nibble_pair(words, scale, J: tl.constexpr, EXACT_FP32: tl.constexpr):
-        """Elements 8w + J and 8w + J + 4 of each word, each its nibble times the word's block scale times 2^126
-        (`scale`) rounded to bf16, as `grouped._nibble` gives them (`_placed_pair`, then both rounded by one
-        conversion, `_bf16x2`), as fp32."""
-        low, high = _placed_pair(words, scale, J)
+        low = (pair << 16).to(tl.float32, bitcast=True) * scale
+        high = (pair & -65536).to(tl.float32, bitcast=True) * scale
         if EXACT_FP32:  # the interpreter has no inline assembly
             return _bf16_value(low, EXACT_FP32), _bf16_value(high, EXACT_FP32)
-        rounded = _bf16x2(high, low)
+        # both rounded to bf16 by one conversion (to nearest, ties to even) into the halves of an int32
+        rounded = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [high, low], dtype=tl.int32,
+                                            is_pure=True, pack=1)
         return (rounded << 16).to(tl.float32, bitcast=True), (rounded & -65536).to(tl.float32, bitcast=True)
 
     @triton.jit

@@ -278,14 +278,18 @@ if AVAILABLE:
             dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
 
     @gluon.jit
+    def _columns(v):
+        """A [I, 4] tensor (a lane's four values in its registers) as its four columns [I]."""
+        lo, hi = gl.split(gl.reshape(v, [v.shape[0], 2, 2]))
+        c0, c2 = gl.split(lo)
+        c1, c3 = gl.split(hi)
+        return c0, c1, c2, c3
+
+    @gluon.jit
     def _lane_words(w_step, WIDE: gl.constexpr):
-        """Four consecutive words of a lane from `w_step` on, one 16-byte load: [I, 4] split into four [I]."""
+        """Four consecutive words of a lane from `w_step` on, one 16-byte load, as four [I]."""
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, WIDE))
-        quad = gl.load(gl.expand_dims(w_step, 1) + gl.expand_dims(t, 0))
-        lo, hi = gl.split(gl.reshape(quad, [quad.shape[0], 2, 2]))
-        w0, w2 = gl.split(lo)
-        w1, w3 = gl.split(hi)
-        return w0, w1, w2, w3
+        return _columns(gl.load(gl.expand_dims(w_step, 1) + gl.expand_dims(t, 0)))
 
     @gluon.jit
     def _x_quads(x_row, step, c, K, EVEN_K: gl.constexpr, WIDE: gl.constexpr):
@@ -294,13 +298,8 @@ if AVAILABLE:
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, WIDE))
         quad = gl.expand_dims(step * 16 + 4 * c, 1) + gl.expand_dims(t, 0)
         if EVEN_K:
-            q = gl.load(gl.expand_dims(x_row, 1) + quad)
-        else:
-            q = gl.load(gl.expand_dims(x_row, 1) + quad, mask=quad * 4 < K, other=0)
-        lo, hi = gl.split(gl.reshape(q, [q.shape[0], 2, 2]))
-        q0, q2 = gl.split(lo)
-        q1, q3 = gl.split(hi)
-        return q0, q1, q2, q3
+            return _columns(gl.load(gl.expand_dims(x_row, 1) + quad))
+        return _columns(gl.load(gl.expand_dims(x_row, 1) + quad, mask=quad * 4 < K, other=0))
 
     @gluon.jit
     def _tile_mma(word, quad, tg, th, acc0, acc1, acc2, acc3):

@@ -1,4 +1,4 @@
-"""`fast.mma_gemv`: packed products of 1 to 8 rows on the tensor cores from weights reordered into MMA fragments.
+"""`fast.mma_gemv`: packed products of 1 to 64 rows on the tensor cores from weights reordered into MMA fragments.
 
 The lane layout (no triton): `reorder` / `restore` are inverse for NVFP4 and MXFP8, and the reordered words placed as
 the PTX ISA's m16n8k16 fragment tables place them (`emulate`) multiply to the reference's product. The kernel (Gluon, no
@@ -65,10 +65,11 @@ def test_one_lane_word_holds_its_fragment():
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_lane_fragments_multiply_to_the_reference_product(fmt, rows):
-    """Each lane's registers as the PTX fragment tables place them, and x through the kernel's column permutation:
-    the MMAs' product is x @ w_hat^T exactly (fp64 sums of the same products)."""
+    """Each lane's registers as the PTX fragment tables place them, and x through the kernel's column permutation
+    (x's rows in groups of 8, one B fragment each): the MMAs' product is x @ w_hat^T exactly (fp64 sums of the same
+    products)."""
     for case, (E, N, K) in enumerate(SHAPES):
         w, s, g = _operands(fmt, E, N, K, case % 3)
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(case)).to(BF16)
@@ -80,7 +81,7 @@ def test_lane_fragments_multiply_to_the_reference_product(fmt, rows):
 def test_product_refuses_shapes_it_does_not_take():
     w, s, g = _operands("nvfp4", 2, 40, 96, 1)
     words, scales, glob = mg.reorder("nvfp4", w, s, g)
-    for x in (torch.zeros(9, 96, dtype=BF16), torch.zeros(1, 96), torch.zeros(1, 48, dtype=BF16),
+    for x in (torch.zeros(33, 96, dtype=BF16), torch.zeros(1, 96), torch.zeros(1, 48, dtype=BF16),
               torch.zeros(1, 100, dtype=BF16)):
         with pytest.raises(ValueError, match="mma_gemv.packed_product"):
             mg.packed_product(x, 40, words, scales, glob)
@@ -129,13 +130,14 @@ def test_two_table_assembly_decodes_the_reference_bits():
 # --------------------------------------------------------------------------------- kernel compiled for sm_90, offline
 
 
-def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool) -> str:
+def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: int = 1) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = mg._mma_gemv_kernel
-    consts = {"NVFP4_FMT": nvfp4, "SELECT": select, "RT": mg.ROW_TILES_PER_WARP, "WARPS": mg.WARPS,
+    launch = mg.LAUNCH["nvfp4" if nvfp4 else "mxfp8", groups]
+    consts = {"NVFP4_FMT": nvfp4, "SELECT": select, "RT": launch.row_tiles, "NB": groups, "WARPS": mg.WARPS,
               "OUT_BF16": out_bf16, "EVEN_K": even_k}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
                 "sel_ptr": "*i64" if select == 1 else "*i32", "y_ptr": "*bf16" if out_bf16 else "*fp32"}
@@ -147,21 +149,35 @@ def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool) -> str:
     return out.asm["ptx"]
 
 
+def test_row_groups_launches_and_splits():
+    """x's rows in groups of 8 (the MMA's N), rounded up to a launch shape; every launch's row tiles divide the
+    padding `reorder` gives N; K splits fill the GPU without splits of fewer than `MIN_STEPS_PER_SPLIT` steps."""
+    assert [mg.row_groups(m) for m in (1, 8, 9, 16, 17, 24, 32)] == [1, 1, 2, 2, 4, 4, 4]
+    assert set(mg.LAUNCH) == {(f, mg.row_groups(m)) for f in ("nvfp4", "mxfp8") for m in range(1, mg.MAX_ROWS + 1)}
+    assert all(mg.GROUP % (mg.WARPS * launch.row_tiles) == 0 for launch in mg.LAUNCH.values())
+    assert mg.programs("nvfp4", 3, 16, 1) == 3 * 16 // (mg.WARPS * mg.LAUNCH["nvfp4", 1].row_tiles)
+    assert mg.splits(4, 96, 132, 4) == 24  # k_proj: 4 programs, 96 steps -> 4 steps a split, not 96 of one
+    assert mg.splits(96, 96, 132, 4) == 6 and mg.splits(1000, 96, 132, 4) == 1 and mg.splits(1, 3, 132, 4) == 1
+
+
 @pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
-@pytest.mark.parametrize("nvfp4,select,out_bf16,even_k", [(True, 0, True, True), (True, 1, False, True),
-                                                           (True, 2, True, False), (False, 0, True, True),
-                                                           (False, 2, False, False)])
-def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k):
-    """Every word is decoded in the lane that loads it: the kernel issues the MMA, loads a lane's 16 bytes of words
-    at once, and has no shared memory, barrier or spill; its registers let `PROGRAMS_PER_SM` programs share an SM."""
-    ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k)
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+@pytest.mark.parametrize("nvfp4,select,out_bf16,even_k,groups",
+                         [(True, 0, True, True, 1), (True, 1, False, True, 1), (True, 2, True, False, 1),
+                          (False, 0, True, True, 1), (False, 2, False, False, 1), (True, 2, True, True, 2),
+                          (False, 2, True, True, 2), (True, 2, False, False, 4), (False, 1, True, True, 4)])
+def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, groups):
+    """Every word is decoded in the lane that loads it: the kernel issues one MMA a row tile, row group and MMA tile,
+    loads a lane's 16 bytes of words at once, and has no shared memory, barrier or spill; its registers let
+    `RESIDENT` programs share an SM."""
+    ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups)
+    launch = mg.LAUNCH["nvfp4" if nvfp4 else "mxfp8", groups]
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mg.TILES * launch.row_tiles * groups
     assert "ld.global.v4.b32" in ptx
     assert "bar.sync" not in ptx and "st.shared" not in ptx and "ld.shared" not in ptx
     info = _ptxas_report(ptx)
     assert " 0 bytes spill stores" in info, info
     used = int(re.search(r"Used (\d+) registers", info).group(1))
-    assert 65536 // (-(-used // 8) * 8 * 32 * mg.WARPS) >= mg.PROGRAMS_PER_SM, used
+    assert 65536 // (-(-used // 8) * 8 * 32 * mg.WARPS) >= mg.RESIDENT, used
 
 
 # ------------------------------------------------------------------------------------------------ the fast paths
@@ -190,16 +206,34 @@ def test_mma_mode_falls_back_where_the_kernel_does_not_run(tiny_nvfp4):
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 27, 32])
 @pytest.mark.parametrize("case", [0, 1, 2])
 @pytest.mark.parametrize("split", [None, 1, 3])
 def test_kernel_on_cuda_within_the_bound(fmt, rows, case, split):
+    """Random x against every scale range; MXFP8's top codes (case 2) make sums past fp32's range, so that format
+    takes case 2's shape with the middle codes (the top codes are read out exactly below)."""
     E, N, K = SHAPES[case]
-    w, s, g = _operands(fmt, E, N, K, case, device="cuda")
+    w, s, g = _operands(fmt, E, N, K, case if fmt == "nvfp4" else min(case, 1), device="cuda")
     x = torch.randn(rows, K, device="cuda").to(BF16)
     y = mg.packed_product(x, N, *mg.reorder(fmt, w, s, g), split=split, sms=132)
     ok, ratio = _bound_ok(y, x, _decoded(fmt, w, s, g))
     assert y.shape == (E, rows, N) and ok, ratio
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_on_cuda_one_hot_rows_read_out_the_decoded_weight(fmt):
+    """x's rows one-hot: each output is one product, exact, so the kernel reads out the reference decode bit for bit
+    (every code, scales at the range's low end, middle and top)."""
+    for case, (E, N, K) in enumerate(SHAPES):
+        w, s, g = _operands(fmt, E, N, K, case, device="cuda")
+        want = _decoded(fmt, w, s, g)  # [E, N, K]
+        eye = torch.eye(K, dtype=BF16, device="cuda")
+        packed = mg.reorder(fmt, w, s, g)
+        for k0 in range(0, K, mg.MAX_ROWS):
+            got = mg.packed_product(eye[k0:k0 + mg.MAX_ROWS], N, *packed)  # [E, rows, N]
+            assert torch.equal(got.transpose(-1, -2), want[..., k0:k0 + mg.MAX_ROWS]), (case, k0)
 
 
 @pytest.mark.gpu
@@ -234,8 +268,8 @@ def test_kernel_on_cuda_selects_entries_and_captures(fmt):
 @pytest.mark.gpu
 @on_gpu
 def test_mma_preset_decode_step_equals_reference(tiny_nvfp4):
-    """The tiny model on CUDA with the `gemv-mma` preset (compiled layers, CUDA graph, NVFP4 products of up to 8 rows
-    by the kernel): a decode step's logits against the reference engine's within bf16 rounding."""
-    for batch in (1, 8):
+    """The tiny model on CUDA with the `gemv-mma` preset (compiled layers, CUDA graph, packed products of up to 64
+    rows by the kernel): a decode step's logits against the reference engine's within bf16 rounding."""
+    for batch in (1, 8, 32):
         err = captured_step_error(tiny_nvfp4, "gemv-mma", batch, "gemv_tokens")
         assert err < 5e-2, (batch, err)

@@ -1,7 +1,8 @@
-"""Packed products of 1 to 8 rows (decode steps) on the tensor cores, the weights reordered once at load so that
+"""Packed products of 1 to 32 rows (decode steps) on the tensor cores, the weights reordered once at load so that
 every lane of a warp loads, as whole int32 words, exactly the 8 weight elements it holds in an `mma.sync.m16n8k16`
 (bf16 inputs, fp32 accumulators): no element moves between lanes or through shared memory, and decoding its words
-to the four bf16x2 registers of its fragment is the whole of the per-element work. NVFP4 and MXFP8 weights.
+to the four bf16x2 registers of its fragment is the whole of the per-element work. x's rows go in groups of 8 (the
+MMA's N, one B fragment each); each decoded A fragment is multiplied by every group's. NVFP4 and MXFP8 weights.
 
 Layout (`reorder`). A stack `[E, N, K]` (a linear: E = 1) is cut into row tiles of 16 weight rows and K steps of
 64 elements (N and K padded with zero codes and zero scales). A step of a row tile is four MMA tiles t = 0..3 of
@@ -39,7 +40,8 @@ before the final rounding, u = 2^-24, as `fast.gemv`'s dot.
 The decode needs the block scales in the normal range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3 NaN
 byte, which `FastPackedWeight.configure` checks before it reorders a weight for this kernel (`FastPaths(gemv="mma")`,
 the non-user preset `gemv-mma`). x's rows past M: the lanes whose B column is past M read row M - 1, whose products
-land in accumulator columns no lane stores; x's columns past K read as zeros.
+land in accumulator columns no lane stores; x's columns past K read as zeros. Launch shapes (row tiles a warp, K
+splits) are data by format and row groups (`LAUNCH`).
 
 A Gluon kernel (`triton.experimental.gluon`: explicit layouts, so that the lane that loads a word is the lane whose
 fragment it is); the MMA is issued as inline PTX, each lane passing its own registers. It runs on CUDA GPUs of
@@ -47,6 +49,8 @@ compute capability 8.9 and above (the E4M3 conversion); there is no interpreter 
 of the same lane mapping, tested against the reference)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -60,17 +64,38 @@ except ImportError:  # no triton, or one without Gluon
     gluon = None
 
 AVAILABLE = gluon is not None and grouped.AVAILABLE
-MAX_ROWS = 8  # the MMA's N: x's rows are the B fragment's columns
+MAX_ROWS = 32
+X_GROUP = 8  # the MMA's N: a row group of x's rows are the B fragment's columns
 ROW_TILE = 16
 STEP_K = 64
 TILES = STEP_K // 16  # MMA tiles a step
 LANES = 32
 WARPS = 4
-ROW_TILES_PER_WARP = 2
 # the nibbles of a lane's word in registers 0..3 of the A fragment (low, high): `_fragment`'s order of its outputs
 FRAGMENT_NIBBLES = ((0, 1), (4, 5), (2, 3), (6, 7))
-GROUP = WARPS * ROW_TILES_PER_WARP  # row tiles a program (128 weight rows); `reorder` pads N to whole groups
-PROGRAMS_PER_SM = 4
+
+
+class Launch(NamedTuple):
+    """How a product is launched: row tiles a warp (each lane's A fragments of them multiply every row group's B
+    fragment) and the programs an SM its K splits aim at (more than fit at once: the later ones fill the tail)."""
+
+    row_tiles: int
+    per_sm: int
+
+
+# By format and row groups (x rows / 8, rounded up to a power of two), from products at release shapes on 1 x H100
+# (benchmarks/packed_gemv.py); every launch's registers allow `RESIDENT` programs an SM (tests). Up to 32 rows: at 64
+# the loop issues an MMA an element and lane, and the grouped kernel takes such products.
+LAUNCH = {(NVFP4, 1): Launch(2, 8), (NVFP4, 2): Launch(2, 8), (NVFP4, 4): Launch(1, 8),
+          (MXFP8, 1): Launch(2, 4), (MXFP8, 2): Launch(2, 4), (MXFP8, 4): Launch(1, 4)}
+RESIDENT = 4  # programs an SM that every launch's registers allow
+GROUP = WARPS * max(launch.row_tiles for launch in LAUNCH.values())  # `reorder` pads N to whole groups of row tiles
+MIN_STEPS_PER_SPLIT = 4  # a split's K steps at least: tiny products (k_proj) otherwise spend more on the split sum
+
+
+def row_groups(m: int) -> int:
+    """x's row groups of 8 (the MMA's N) for `m` rows, rounded up to a power of two (a `LAUNCH` key)."""
+    return 1 << max(0, (-(-m // X_GROUP) - 1).bit_length())
 
 
 def runs_on(device: torch.device) -> bool:
@@ -163,19 +188,20 @@ def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: to
     column g. D: c0, c1 at row g, columns 2c, 2c + 1; c2, c3 at row g + 8. Each lane's elements and scales are
     decoded to the reference's values (`packed.decode_reference`'s bits; the kernel's decode is tested against them
     on its own), x is read through the kernel's permutation, and each lane's accumulators are stored where the kernel
-    stores them. Sums in fp64 (exact for these products), for the tests. x bf16 `[M, K]` (M <= 8); returns fp64
-    `[E, M, N]`."""
+    stores them; x's rows in groups of 8, each group's B fragment multiplied by the same A fragment. Sums in fp64
+    (exact for these products), for the tests. x bf16 `[M, K]` (M <= `MAX_ROWS`); returns fp64 `[E, M, N]`."""
     from ..weights.quant import E2M1_MAGNITUDES
 
     e, n16, steps = words.shape[:3]
     m, k = x.shape
-    xp = torch.zeros(MAX_ROWS, steps * STEP_K, dtype=torch.float64)
+    groups = -(-m // X_GROUP)
+    xp = torch.zeros(groups * X_GROUP, steps * STEP_K, dtype=torch.float64)
     xp[:m, :k] = x.double()
     values = torch.cat([E2M1_MAGNITUDES, -E2M1_MAGNITUDES]).float()
     nvfp4 = words.shape[-1] == 4
     lane = torch.arange(LANES)
     g, c = lane // 4, lane % 4
-    y = torch.zeros(e, MAX_ROWS, n16 * ROW_TILE, dtype=torch.float64)
+    y = torch.zeros(e, groups * X_GROUP, n16 * ROW_TILE, dtype=torch.float64)
     for ent in range(e):
         gl_ = glob[ent if glob.numel() > 1 else 0].float()
         for tile in range(n16):
@@ -198,14 +224,17 @@ def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: to
                                 value = code.to(torch.uint8).view(torch.float8_e4m3fn).float()
                             w_hat = (value * block[:, r % 2]).to(torch.bfloat16).double()
                             a[g + 8 * (r % 2), 2 * c + 8 * (r // 2) + half] = w_hat
-                    b = torch.zeros(16, MAX_ROWS, dtype=torch.float64)
-                    for i in range(2):
-                        for half in range(2):
-                            b[2 * c + 8 * i + half, g] = xp[g, STEP_K * s + 16 * c + 4 * t + 2 * i + half]
-                    d = a @ b
-                    for h in range(2):
-                        for col in range(2):
-                            y[ent, 2 * c + col, ROW_TILE * tile + g + 8 * h] += d[g + 8 * h, 2 * c + col]
+                    for grp in range(groups):  # x's rows 8 grp + column of the B fragment
+                        b = torch.zeros(16, X_GROUP, dtype=torch.float64)
+                        for i in range(2):
+                            for half in range(2):
+                                b[2 * c + 8 * i + half, g] = xp[X_GROUP * grp + g,
+                                                                STEP_K * s + 16 * c + 4 * t + 2 * i + half]
+                        d = a @ b
+                        for h in range(2):
+                            for col in range(2):
+                                y[ent, X_GROUP * grp + 2 * c + col, ROW_TILE * tile + g + 8 * h] += \
+                                    d[g + 8 * h, 2 * c + col]
     return y[:, :m, :n]
 
 
@@ -279,33 +308,52 @@ if AVAILABLE:
 
     @gluon.jit
     def _columns(v):
-        """A [I, 4] tensor (a lane's four values in its registers) as its four columns [I]."""
-        lo, hi = gl.split(gl.reshape(v, [v.shape[0], 2, 2]))
+        """A [S, I, 4] tensor (a lane's four values of each of I things, in its registers) as its four columns
+        [S, I]."""
+        lo, hi = gl.split(gl.reshape(v, [v.shape[0], v.shape[1], 2, 2]))
         c0, c2 = gl.split(lo)
         c1, c3 = gl.split(hi)
         return c0, c1, c2, c3
 
     @gluon.jit
-    def _lane_words(w_step, WIDE: gl.constexpr):
-        """Four consecutive words of a lane from `w_step` on, one 16-byte load, as four [I]."""
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, WIDE))
-        return _columns(gl.load(gl.expand_dims(w_step, 1) + gl.expand_dims(t, 0)))
+    def _lane_words(w_step, WIDE: gl.constexpr, LA: gl.constexpr):
+        """Four consecutive words of each of a lane's row tiles from `w_step` [S, RT] on, one 16-byte load a tile,
+        as four [S, RT] (layout LA)."""
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, WIDE)))
+        w0, w1, w2, w3 = _columns(gl.load(gl.expand_dims(w_step, 2) + gl.expand_dims(gl.expand_dims(t, 0), 0)))
+        return (gl.convert_layout(w0, LA), gl.convert_layout(w1, LA), gl.convert_layout(w2, LA),
+                gl.convert_layout(w3, LA))
 
     @gluon.jit
-    def _x_quads(x_row, step, c, K, EVEN_K: gl.constexpr, WIDE: gl.constexpr):
-        """The lane's x columns of a step, 64 step + 16c + 4t .. + 3 for MMA tiles t = 0..3, as four int64 (one
-        32-byte range); zeros past K."""
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, WIDE))
-        quad = gl.expand_dims(step * 16 + 4 * c, 1) + gl.expand_dims(t, 0)
+    def _x_quads(x_rows, step, c, K, EVEN_K: gl.constexpr, XWIDE: gl.constexpr, L3: gl.constexpr):
+        """The lane's x columns of a step, 64 step + 16c + 4t .. + 3 for MMA tiles t = 0..3 (`c` [S, 1]), of each of
+        its row groups (`x_rows` [S, NB]: int64 pointers) as four int64 (one 32-byte range a group), each [S, 1, NB]
+        (layout L3: the B registers of every row tile); zeros past K."""
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, XWIDE)))
+        quad = gl.expand_dims(step * 16 + 4 * c, 2) + gl.expand_dims(gl.expand_dims(t, 0), 0)  # [S, 1, 4]
+        ptrs = gl.expand_dims(x_rows, 2) + quad
         if EVEN_K:
-            return _columns(gl.load(gl.expand_dims(x_row, 1) + quad))
-        return _columns(gl.load(gl.expand_dims(x_row, 1) + quad, mask=quad * 4 < K, other=0))
+            q0, q1, q2, q3 = _columns(gl.load(ptrs))
+        else:
+            q0, q1, q2, q3 = _columns(gl.load(ptrs, mask=gl.broadcast(quad * 4 < K, ptrs)[0], other=0))
+        LX: gl.constexpr = gl.SliceLayout(1, L3)
+        return (gl.expand_dims(gl.convert_layout(q0, LX), 1), gl.expand_dims(gl.convert_layout(q1, LX), 1),
+                gl.expand_dims(gl.convert_layout(q2, LX), 1), gl.expand_dims(gl.convert_layout(q3, LX), 1))
 
     @gluon.jit
-    def _tile_mma(word, quad, tg, th, acc0, acc1, acc2, acc3):
-        """One MMA tile of a lane: its word decoded to the A fragment, its x quad split into the B fragment."""
-        a0, a1, a2, a3 = _fragment(word, tg, th)
-        return _mma(a0, a1, a2, a3, quad.to(gl.int32), (quad >> 32).to(gl.int32), acc0, acc1, acc2, acc3)
+    def _spread(a, acc):
+        """A lane's A register of each row tile ([S, RT]) over its row groups ([S, RT, NB] as `acc`): every MMA of a
+        row tile reads the same decoded fragment."""
+        return gl.broadcast(gl.expand_dims(a, 2), acc)[0]
+
+    @gluon.jit
+    def _tile_mma(a0, a1, a2, a3, quad, acc0, acc1, acc2, acc3):
+        """The MMAs of one MMA tile of a lane: its A fragment ([S, RT]) against the B fragment of each row group
+        (`quad` [S, 1, NB], its two registers the low and high halves): RT x NB MMAs."""
+        b0, _ = gl.broadcast(quad.to(gl.int32), acc0)
+        b1, _ = gl.broadcast((quad >> 32).to(gl.int32), acc0)
+        return _mma(_spread(a0, acc0), _spread(a1, acc0), _spread(a2, acc0), _spread(a3, acc0), b0, b1,
+                    acc0, acc1, acc2, acc3)
 
     # A word of four E4M3 elements ($2) times their block's 2^(E - 127) ($3, fp32) as two bf16x2 registers: $0 bytes
     # 0, 1 and $1 bytes 2, 3 (low, high). Each byte pair widened by the hardware conversion (E4M3 is a subset of f16,
@@ -342,108 +390,121 @@ if AVAILABLE:
 
     @gluon.jit
     def _mx_tile_mma(word_g, word_h, quad, sg, sh, acc0, acc1, acc2, acc3):
-        """One MXFP8 MMA tile of a lane: row g's word and row g + 8's (bytes q = 0..3 each) decoded to the A fragment
-        (registers 0..3: rows g, g + 8, g, g + 8; bytes 0, 1 then 2, 3), its x quad split into the B fragment."""
+        """The MMAs of one MXFP8 MMA tile of a lane: row g's word and row g + 8's (bytes q = 0..3 each) decoded to
+        the A fragment (registers 0..3: rows g, g + 8, g, g + 8; bytes 0, 1 then 2, 3)."""
         g01, g23 = _mx_word(word_g, sg)
         h01, h23 = _mx_word(word_h, sh)
-        return _mma(g01, h01, g23, h23, quad.to(gl.int32), (quad >> 32).to(gl.int32), acc0, acc1, acc2, acc3)
+        return _tile_mma(g01, h01, g23, h23, quad, acc0, acc1, acc2, acc3)
 
     @gluon.jit
-    def _nvfp4_steps(w_tile, s_tile, x_row, c_wide, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr,
-                     LAYOUT: gl.constexpr, WIDE: gl.constexpr, SIZE: gl.constexpr):
-        """The split's steps of NVFP4 words (4 a lane and step), the next step's words, scales and x loaded before
-        this step is decoded (software pipelining by hand)."""
-        acc0 = gl.zeros([SIZE], gl.float32, LAYOUT)
-        acc1 = gl.zeros([SIZE], gl.float32, LAYOUT)
-        acc2 = gl.zeros([SIZE], gl.float32, LAYOUT)
-        acc3 = gl.zeros([SIZE], gl.float32, LAYOUT)
-        nw0, nw1, nw2, nw3 = _lane_words(w_tile + s_lo * 128, WIDE)
-        nq0, nq1, nq2, nq3 = _x_quads(x_row, s_lo, c_wide, K, EVEN_K, WIDE)
+    def _nvfp4_steps(w_tile, s_tile, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr, L3: gl.constexpr,
+                     LA: gl.constexpr, WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+        """The split's steps of NVFP4 words (4 a lane, row tile and step), the next step's words, scales and x loaded
+        before this step is decoded (software pipelining by hand)."""
+        acc0 = gl.zeros(SHAPE, gl.float32, L3)
+        acc1 = gl.zeros(SHAPE, gl.float32, L3)
+        acc2 = gl.zeros(SHAPE, gl.float32, L3)
+        acc3 = gl.zeros(SHAPE, gl.float32, L3)
+        nw0, nw1, nw2, nw3 = _lane_words(w_tile + s_lo * 128, WIDE, LA)
+        nq0, nq1, nq2, nq3 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
         n_codes = gl.load(s_tile + s_lo * 32)
         for step in range(s_lo, s_hi):
             w0, w1, w2, w3 = nw0, nw1, nw2, nw3
-            q0, q1, q2, q3 = nq0, nq1, nq2, nq3
             codes = n_codes
             nxt = gl.minimum(step + 1, s_hi - 1)  # the last step loads its own again: no mask in the loop
-            nw0, nw1, nw2, nw3 = _lane_words(w_tile + nxt * 128, WIDE)
-            nq0, nq1, nq2, nq3 = _x_quads(x_row, nxt, c_wide, K, EVEN_K, WIDE)
+            nw0, nw1, nw2, nw3 = _lane_words(w_tile + nxt * 128, WIDE, LA)
+            q0, q1, q2, q3 = nq0, nq1, nq2, nq3
+            nq0, nq1, nq2, nq3 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
             n_codes = gl.load(s_tile + nxt * 32)
             tg = _table_bytes(codes & 0xFF, glob)
             th = _table_bytes((codes >> 8) & 0xFF, glob)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w0, LAYOUT), gl.convert_layout(q0, LAYOUT), tg, th,
-                                               acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w1, LAYOUT), gl.convert_layout(q1, LAYOUT), tg, th,
-                                               acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w2, LAYOUT), gl.convert_layout(q2, LAYOUT), tg, th,
-                                               acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _tile_mma(gl.convert_layout(w3, LAYOUT), gl.convert_layout(q3, LAYOUT), tg, th,
-                                               acc0, acc1, acc2, acc3)
+            a0, a1, a2, a3 = _fragment(w0, tg, th)
+            acc0, acc1, acc2, acc3 = _tile_mma(a0, a1, a2, a3, q0, acc0, acc1, acc2, acc3)
+            a0, a1, a2, a3 = _fragment(w1, tg, th)
+            acc0, acc1, acc2, acc3 = _tile_mma(a0, a1, a2, a3, q1, acc0, acc1, acc2, acc3)
+            a0, a1, a2, a3 = _fragment(w2, tg, th)
+            acc0, acc1, acc2, acc3 = _tile_mma(a0, a1, a2, a3, q2, acc0, acc1, acc2, acc3)
+            a0, a1, a2, a3 = _fragment(w3, tg, th)
+            acc0, acc1, acc2, acc3 = _tile_mma(a0, a1, a2, a3, q3, acc0, acc1, acc2, acc3)
         return acc0, acc1, acc2, acc3
 
     @gluon.jit
-    def _mxfp8_steps(w_tile, s_tile, x_row, c_wide, s_lo, s_hi, K, EVEN_K: gl.constexpr,
-                     LAYOUT: gl.constexpr, WIDE: gl.constexpr, SIZE: gl.constexpr):
-        """The split's steps of MXFP8 words (8 a lane and step: word 2t + h is row g + 8h's bytes of MMA tile t),
-        pipelined as `_nvfp4_steps`."""
-        acc0 = gl.zeros([SIZE], gl.float32, LAYOUT)
-        acc1 = gl.zeros([SIZE], gl.float32, LAYOUT)
-        acc2 = gl.zeros([SIZE], gl.float32, LAYOUT)
-        acc3 = gl.zeros([SIZE], gl.float32, LAYOUT)
-        nw0, nw1, nw2, nw3 = _lane_words(w_tile + s_lo * 256, WIDE)
-        nw4, nw5, nw6, nw7 = _lane_words(w_tile + s_lo * 256 + 4, WIDE)
-        nq0, nq1, nq2, nq3 = _x_quads(x_row, s_lo, c_wide, K, EVEN_K, WIDE)
+    def _mxfp8_steps(w_tile, s_tile, x_rows, c_x, s_lo, s_hi, K, EVEN_K: gl.constexpr, L3: gl.constexpr,
+                     LA: gl.constexpr, WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+        """The split's steps of MXFP8 words (8 a lane, row tile and step: word 2t + h is row g + 8h's bytes of MMA
+        tile t), pipelined as `_nvfp4_steps`."""
+        acc0 = gl.zeros(SHAPE, gl.float32, L3)
+        acc1 = gl.zeros(SHAPE, gl.float32, L3)
+        acc2 = gl.zeros(SHAPE, gl.float32, L3)
+        acc3 = gl.zeros(SHAPE, gl.float32, L3)
+        nw0, nw1, nw2, nw3 = _lane_words(w_tile + s_lo * 256, WIDE, LA)
+        nw4, nw5, nw6, nw7 = _lane_words(w_tile + s_lo * 256 + 4, WIDE, LA)
+        nq0, nq1, nq2, nq3 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
         n_codes = gl.load(s_tile + s_lo * 32)
         for step in range(s_lo, s_hi):
             w0, w1, w2, w3, w4, w5, w6, w7 = nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7
-            q0, q1, q2, q3 = nq0, nq1, nq2, nq3
             codes = n_codes
             nxt = gl.minimum(step + 1, s_hi - 1)
-            nw0, nw1, nw2, nw3 = _lane_words(w_tile + nxt * 256, WIDE)
-            nw4, nw5, nw6, nw7 = _lane_words(w_tile + nxt * 256 + 4, WIDE)
-            nq0, nq1, nq2, nq3 = _x_quads(x_row, nxt, c_wide, K, EVEN_K, WIDE)
+            nw0, nw1, nw2, nw3 = _lane_words(w_tile + nxt * 256, WIDE, LA)
+            nw4, nw5, nw6, nw7 = _lane_words(w_tile + nxt * 256 + 4, WIDE, LA)
+            q0, q1, q2, q3 = nq0, nq1, nq2, nq3
+            nq0, nq1, nq2, nq3 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
             n_codes = gl.load(s_tile + nxt * 32)
             # E8M0 code c -> 2^(c - 127) on the fp32 bits (c >= 1 in the normal range)
             sg = ((codes & 0xFF).to(gl.int32) << 23).to(gl.float32, bitcast=True)
             sh = (((codes >> 8) & 0xFF).to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            acc0, acc1, acc2, acc3 = _mx_tile_mma(gl.convert_layout(w0, LAYOUT), gl.convert_layout(w1, LAYOUT),
-                                                  gl.convert_layout(q0, LAYOUT), sg, sh, acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _mx_tile_mma(gl.convert_layout(w2, LAYOUT), gl.convert_layout(w3, LAYOUT),
-                                                  gl.convert_layout(q1, LAYOUT), sg, sh, acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _mx_tile_mma(gl.convert_layout(w4, LAYOUT), gl.convert_layout(w5, LAYOUT),
-                                                  gl.convert_layout(q2, LAYOUT), sg, sh, acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _mx_tile_mma(gl.convert_layout(w6, LAYOUT), gl.convert_layout(w7, LAYOUT),
-                                                  gl.convert_layout(q3, LAYOUT), sg, sh, acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _mx_tile_mma(w0, w1, q0, sg, sh, acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _mx_tile_mma(w2, w3, q1, sg, sh, acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _mx_tile_mma(w4, w5, q2, sg, sh, acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _mx_tile_mma(w6, w7, q3, sg, sh, acc0, acc1, acc2, acc3)
         return acc0, acc1, acc2, acc3
+
+    @gluon.jit
+    def _lane_arange(S: gl.constexpr, PARENT: gl.constexpr):
+        """The program's lane slots 0..S-1 (warp i // 32, lane i % 32) along dimension 0 of 2-D layout PARENT."""
+        return gl.arange(0, S, layout=gl.SliceLayout(1, PARENT))
 
     @gluon.jit
     def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr,
                          M, N, K, N16, STEPS, STEPS_PER_SPLIT,
                          stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
-                         NVFP4_FMT: gl.constexpr, SELECT: gl.constexpr, RT: gl.constexpr, WARPS: gl.constexpr,
-                         OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr):
+                         NVFP4_FMT: gl.constexpr, SELECT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr,
+                         WARPS: gl.constexpr, OUT_BF16: gl.constexpr,
+                         EVEN_K: gl.constexpr):
         """y[split, p, m, n] = sum over this split's steps of x[p, m, k] * w_hat[e, n, k] (fp32), e = p (SELECT 0),
         index[p] (SELECT 1), or p with unflagged entries (active[p] == 0) read as nothing (SELECT 2). Grid: (groups
-        of WARPS x RT row tiles, output entries, splits). Element i of the program's 1-D tensors belongs to warp
-        i // (32 RT), lane (i // RT) % 32, its row tile i % RT: each lane holds its own fragments."""
-        layout: gl.constexpr = gl.BlockedLayout([RT], [32], [WARPS], [0])
-        wide: gl.constexpr = gl.BlockedLayout([RT, 4], [32, 1], [WARPS, 1], [1, 0])  # a lane's four words or quads
+        of WARPS x RT row tiles, output entries, splits). The program's tensors are [S, RT, NB] (S = 32 WARPS lane
+        slots, RT row tiles, NB row groups of 8 x rows), all of a slot's in its lane's registers: element (i, r, b)
+        is warp i // 32's lane i % 32, its row tile r (the A fragment) and x's rows 8b .. 8b + 7 (the B fragment)."""
+        S: gl.constexpr = 32 * WARPS
+        SHAPE: gl.constexpr = [S, RT, NB]
+        L3: gl.constexpr = gl.BlockedLayout([1, RT, NB], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
+        LA: gl.constexpr = gl.SliceLayout(2, L3)  # [S, RT]: words, scales, A fragments
+        LX: gl.constexpr = gl.SliceLayout(1, L3)  # [S, NB]: x's row groups
+        WIDE: gl.constexpr = gl.BlockedLayout([1, RT, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])  # 4 words a tile
+        XWIDE: gl.constexpr = gl.BlockedLayout([1, NB, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])  # 4 quads a group
         pid_n = gl.program_id(0)
         p = gl.program_id(1)
         sid = gl.program_id(2)
         s_lo, s_hi, e = _split_and_entry(sel_ptr, p, sid, STEPS_PER_SPLIT, STEPS, SELECT)
-        i = gl.arange(0, WARPS * RT * 32, layout=layout)
-        lane = (i // RT) % 32
-        tile = pid_n * (WARPS * RT) + (i // (RT * 32)) * RT + i % RT
-        g = lane // 4
-        c = lane % 4
-        # the accumulators' places (D fragment): c0 row g column 2c, c1 row g column 2c + 1, c2 and c3 row g + 8
-        n0 = tile * 16 + g
-        m0 = 2 * c
+        # a slot's row tiles (LA) and row groups (LX)
+        i_a = _lane_arange(S, LA)
+        tile = (pid_n * (WARPS * RT) + gl.expand_dims((i_a // 32) * RT, 1)
+                + gl.expand_dims(gl.arange(0, RT, layout=gl.SliceLayout(0, LA)), 0))
+        lane_a = gl.expand_dims(i_a % 32, 1)
+        i_x = _lane_arange(S, LX)
+        g_x = gl.expand_dims((i_x % 32) // 4, 1)
+        c_x = gl.expand_dims(i_x % 4, 1)
+        group = gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, LX)), 0)
+        # the accumulators' places (D fragment): c0 weight row g, x row 8b + 2c; c1 x row 8b + 2c + 1; c2, c3 weight
+        # row g + 8
+        n0 = gl.expand_dims(tile * 16 + (lane_a // 4), 2)  # [S, RT, 1]
+        m0 = gl.expand_dims(group * 8 + 2 * c_x, 1)  # [S, 1, NB]
         y_base = y_ptr + sid * stride_ys + p * stride_yp
         if SELECT == 2:
             # an entry no row uses: nothing read, zeros written
             if gl.load(sel_ptr + p) == 0:
-                zero = gl.zeros([WARPS * RT * 32], gl.float32, layout)
+                zero = gl.zeros(SHAPE, gl.float32, L3)
                 if OUT_BF16:
                     zero = zero.to(gl.bfloat16)
                 for h in gl.static_range(2):
@@ -453,20 +514,22 @@ if AVAILABLE:
                 return
         # a lane's words of a row tile and step (W: 4 NVFP4, 8 MXFP8), its 2 scale bytes (read as one int16)
         W: gl.constexpr = 4 if NVFP4_FMT else 8
-        w_tile = gl.convert_layout(w_ptr + ((e * N16 + tile) * STEPS * 32 + lane) * W, gl.SliceLayout(1, wide))
-        s_tile = s_ptr.to(gl.pointer_type(gl.int16)) + (e * N16 + tile) * STEPS * 32 + lane
-        # x's row g (the B fragment's column; rows past M repeat row M - 1, whose products land in columns no lane
-        # stores) read as int64 quads of bf16: quad 16 step + 4c + t is the lane's two B registers for MMA tile t
-        x_row = x_ptr.to(gl.pointer_type(gl.int64)) + (p * stride_xp + gl.minimum(g, M - 1) * stride_xm) // 4
-        x_row = gl.convert_layout(x_row, gl.SliceLayout(1, wide))
-        c_wide = gl.convert_layout(c, gl.SliceLayout(1, wide))
+        w_tile = gl.convert_layout(w_ptr + ((e * N16 + tile) * STEPS * 32 + lane_a) * W, gl.SliceLayout(2, WIDE))
+        s_tile = s_ptr.to(gl.pointer_type(gl.int16)) + (e * N16 + tile) * STEPS * 32 + lane_a
+        # x's row 8b + g (column g of group b's B fragment; rows past M repeat row M - 1, whose products land in
+        # columns no lane stores) read as int64 quads of bf16: quad 16 step + 4c + t is the lane's two B registers
+        # for MMA tile t
+        x_rows = (x_ptr.to(gl.pointer_type(gl.int64))
+                  + (p * stride_xp + gl.minimum(group * 8 + g_x, M - 1) * stride_xm) // 4)
+        x_rows = gl.convert_layout(x_rows, gl.SliceLayout(2, XWIDE))
+        c_x = gl.convert_layout(c_x, gl.SliceLayout(2, XWIDE))
         if NVFP4_FMT:
             glob = gl.load(g_ptr + e * stride_ge)
-            acc0, acc1, acc2, acc3 = _nvfp4_steps(w_tile, s_tile, x_row, c_wide, glob, s_lo, s_hi, K, EVEN_K, layout,
-                                                  wide, WARPS * RT * 32)
+            acc0, acc1, acc2, acc3 = _nvfp4_steps(w_tile, s_tile, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K,
+                                                  L3, LA, WIDE, XWIDE, SHAPE)
         else:
-            acc0, acc1, acc2, acc3 = _mxfp8_steps(w_tile, s_tile, x_row, c_wide, s_lo, s_hi, K, EVEN_K, layout, wide,
-                                                  WARPS * RT * 32)
+            acc0, acc1, acc2, acc3 = _mxfp8_steps(w_tile, s_tile, x_rows, c_x, s_lo, s_hi, K, EVEN_K, L3, LA, WIDE,
+                                                  XWIDE, SHAPE)
         accs = (acc0, acc1, acc2, acc3)
         for h in gl.static_range(2):
             for col in gl.static_range(2):
@@ -488,13 +551,14 @@ if AVAILABLE:
         per = -(-steps // split)
         shape = (outputs, m, n) if split == 1 else (split, outputs, m, n)
         out = torch.empty(shape, dtype=torch.bfloat16 if split == 1 else torch.float32, device=x.device)
-        _mma_gemv_kernel[(n16 // GROUP, outputs, split)](
+        nb, launch = launch_for(NVFP4 if words.shape[-1] == 4 else MXFP8, m)
+        _mma_gemv_kernel[(n16 // (WARPS * launch.row_tiles), outputs, split)](
             x, words, scales, glob, words if sel is None else sel, out,
             m, n, k, n16, steps, per,
             x.stride(0) if x.shape[0] > 1 else 0, x.stride(1), 1 if glob.numel() > 1 else 0,
             0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2),
-            NVFP4_FMT=words.shape[-1] == 4, SELECT=select, RT=ROW_TILES_PER_WARP, WARPS=WARPS, OUT_BF16=split == 1,
-            EVEN_K=k % STEP_K == 0, num_warps=WARPS)
+            NVFP4_FMT=words.shape[-1] == 4, SELECT=select, RT=launch.row_tiles, NB=nb, WARPS=WARPS,
+            OUT_BF16=split == 1, EVEN_K=k % STEP_K == 0, num_warps=WARPS)
         if split == 1:
             return out
         y = torch.empty((outputs, m, n), dtype=torch.bfloat16, device=x.device)
@@ -507,11 +571,22 @@ if AVAILABLE:
         return x.new_empty((outputs, x.shape[1], n))
 
 
-def splits(programs: int, steps: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -> int:
-    """K splits so that `programs` (output entries times row-tile groups) times the splits reach `per_sm` programs an
-    SM; at most one a step, no empty split."""
+def launch_for(fmt: str, m: int) -> tuple[int, Launch]:
+    """The row groups and `Launch` of a product of `m` rows of format `fmt`."""
+    groups = row_groups(m)
+    return groups, LAUNCH[fmt, groups]
+
+
+def programs(fmt: str, entries: int, n16: int, m: int) -> int:
+    """The programs of one K split of a product of `m` rows over `entries` output entries of `n16` row tiles."""
+    return entries * (n16 // (WARPS * launch_for(fmt, m)[1].row_tiles))
+
+
+def splits(programs: int, steps: int, sms: int, per_sm: int) -> int:
+    """K splits so that `programs` (of one split) times the splits reach `per_sm` programs an SM, each split at least
+    `MIN_STEPS_PER_SPLIT` steps (or all of them), no empty split."""
     want = -(-per_sm * sms // max(programs, 1))
-    split = max(1, min(steps, want))
+    split = max(1, min(steps // MIN_STEPS_PER_SPLIT, want))
     return -(-steps // -(-steps // split))
 
 
@@ -541,7 +616,7 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
                          f"n {n}")
     if split is None:
         working = min(outputs, busy) if busy is not None and active is not None else outputs
-        split = splits(working * (n16 // GROUP), steps, sms)
+        split = splits(programs(fmt, working, n16, m), steps, sms, launch_for(fmt, m)[1].per_sm)
     split = -(-steps // -(-steps // max(1, min(split, steps))))
     select, sel = 0, None
     if index is not None:

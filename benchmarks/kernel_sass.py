@@ -161,14 +161,18 @@ def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, table: bool =
     return run, elements
 
 
-def case_mma_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, rows: int = 1):
+def case_mma_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, rows: int = 1, stored: bool = False):
     """`mma_gemv.packed_product`: `rows` rows against a stack read at `chosen` entries flagged active, or a linear
-    (entries 1, chosen 0)."""
+    (entries 1, chosen 0); `stored`: `packed_product_stored` (the weight read where it is stored)."""
     def run():
-        words, scales, glob = mma_gemv.reorder(fmt, *_packed(fmt, entries, n, k))
+        parts = _packed(fmt, entries, n, k)
         x = torch.zeros(rows, k, dtype=torch.bfloat16)
         active = (torch.arange(entries) < chosen).to(torch.int32) if chosen else None
-        mma_gemv.packed_product(x, n, words, scales, glob, active=active, busy=chosen or None, sms=132)
+        if stored:
+            mma_gemv.packed_product_stored(x, fmt, *parts, active=active, busy=chosen or None, sms=132)
+        else:
+            mma_gemv.packed_product(x, n, *mma_gemv.reorder(fmt, *parts), active=active, busy=chosen or None,
+                                    sms=132)
 
     def elements(kernel: dict) -> float | None:  # a lane's elements of a step: 8 a row tile and MMA tile
         return 32 * kernel["constexprs"]["RT"] if kernel["kernel"] == "_mma_gemv_kernel" else None
@@ -244,6 +248,10 @@ CASES = {
                        "1 row, 4 of 16 routed experts' w1 (NVFP4) on the tensor cores from MMA fragments"),
     "mma-gemv-mxfp8": (case_mma_gemv, (MXFP8, 1, 8192, 6144, 0),
                        "1 row, q_proj (MXFP8) on the tensor cores from MMA fragments"),
+    "mma-gemv-nvfp4-stored": (case_mma_gemv, (NVFP4, 16, 3072, 6144, 4, 1, True),
+                              "1 row, 4 of 16 routed experts' w1 (NVFP4) on the tensor cores, read where stored"),
+    "mma-gemv-mxfp8-stored": (case_mma_gemv, (MXFP8, 1, 8192, 6144, 0, 1, True),
+                              "1 row, q_proj (MXFP8) on the tensor cores, read where stored"),
     "mma-gemv-nvfp4-32": (case_mma_gemv, (NVFP4, 16, 3072, 6144, 16, 32),
                           "32 rows, 16 routed experts' w1 (NVFP4) on the tensor cores from MMA fragments"),
     "mma-gemv-mxfp8-32": (case_mma_gemv, (MXFP8, 1, 8192, 6144, 0, 32),

@@ -10,8 +10,9 @@ only) over the device-to-device copy bandwidth measured in the same run. Every p
 Routed experts as the engine multiplies them: 16 experts a layer, at one row the 4 a token chose (flags over the stack:
 what `FastExperts.forward_grouped` passes), at 32 rows all 16; w1 (gate; w3, up, is the same product) with the tokens'
 rows shared, w2 (down) with each expert's own rows. `--per-sm` times the GEMV's K splits for several targets of
-programs an SM (`fast.gemv.splits`). Products of up to 64 rows also through `fast.mma_gemv` (the `gemv-mma` preset's
-kernel: tensor-core MMAs on fragments each lane decodes from its own words), on GPUs it runs on.
+programs an SM (`fast.gemv.splits`). Products of up to 32 rows also through `fast.mma_gemv` (the `gemv-mma` preset's
+kernel: tensor-core MMAs on fragments each lane decodes from its own words), on GPUs it runs on: from its reordered
+copy ("mma default") and read where the weight is stored ("mma stored", what `gemv-mma` runs).
 
     # 1 x H200 (about a minute; the first launch of each kernel compiles it):
     python benchmarks/packed_gemv.py --rows 1,32 --per-sm 2,4,8 --out packed_gemv.jsonl
@@ -85,9 +86,12 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
                                         mma_reordered[0].shape[2], sms, target)
             variants[f"mma per_sm={target} split={mma_split}"] = (
                 lambda split=mma_split: mma_gemv.packed_product(x, n, *mma_reordered, active=active, split=split))
-    if rows <= mma_gemv.MAX_ROWS and mma_gemv.runs_on(device):  # the launch `gemv-mma` makes (`mma_gemv.LAUNCH`)
+    if rows <= mma_gemv.MAX_ROWS and mma_gemv.runs_on(device):  # the launches `gemv-mma` makes (`mma_gemv.LAUNCH`)
+        busy = chosen if experts else None
         variants["mma default"] = lambda: mma_gemv.packed_product(x, n, *mma_reordered, active=active, sms=sms,
-                                                                  busy=chosen if experts else None)
+                                                                  busy=busy)
+        variants["mma stored"] = lambda: mma_gemv.packed_product_stored(x, fmt, w, s, g, active=active, sms=sms,
+                                                                        busy=busy)
     if rows == 1:
         words = fmt == "nvfp4" or "gate_proj" in name  # the compiled preset: nvfp4_words, mxfp8_words="gate_up"
         if experts:  # the gathered experts, each token's row broadcast against them (`FastExperts.forward_sync_free`)

@@ -83,8 +83,39 @@ def test_product_refuses_shapes_it_does_not_take():
     words, scales, glob = mg.reorder("nvfp4", w, s, g)
     for x in (torch.zeros(33, 96, dtype=BF16), torch.zeros(1, 96), torch.zeros(1, 48, dtype=BF16),
               torch.zeros(1, 100, dtype=BF16)):
-        with pytest.raises(ValueError, match="mma_gemv.packed_product"):
+        with pytest.raises(ValueError, match="mma_gemv"):
             mg.packed_product(x, 40, words, scales, glob)
+        with pytest.raises(ValueError, match="mma_gemv"):
+            mg.packed_product_stored(x, "nvfp4", w, s, g)
+
+
+@pytest.mark.skipif(not mg.AVAILABLE, reason="the kernel's assembly text (triton with Gluon)")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_stored_rows_assemble_the_reordered_words(fmt):
+    """Read in place, a lane's rows g and g + 8 give `reorder`'s words: NVFP4 row g's 8 bytes of a step (byte 8c on)
+    and row g + 8's through `_STORED_WORDS_ASM` (run through the PTX instruction model), MXFP8 row g's 16 bytes
+    (byte 16c on) as words 0, 2, 4, 6 and row g + 8's as 1, 3, 5, 7."""
+    E, N, K = 2, 32, 192
+    w, s, g = _operands(fmt, E, N, K, 1)
+    words = mg.reorder(fmt, w, s, g)[0]
+    data = w.view(torch.uint8)
+    row_bytes, width = (8, 4) if fmt == "nvfp4" else (16, 8)
+    for ent in range(E):
+        for tile in range(N // 16):
+            for step in range(K // mg.STEP_K):
+                for lane in range(mg.LANES):
+                    gg, c = lane // 4, lane % 4
+                    at = step * 4 * row_bytes + c * row_bytes
+                    rows = [data[ent, 16 * tile + gg + 8 * h, at:at + row_bytes].contiguous().view(torch.int32)
+                            for h in (0, 1)]
+                    want = [int(v) & 0xFFFFFFFF for v in words[ent, tile, step, lane]]
+                    if fmt == "nvfp4":
+                        regs = _run_ptx(mg._STORED_WORDS_ASM.value, {f"${4 + i}": int(v) & 0xFFFFFFFF for i, v in
+                                                                      enumerate(torch.cat(rows))})
+                        got = [regs[f"${i}"] for i in range(width)]
+                    else:
+                        got = [int(rows[i % 2][i // 2]) & 0xFFFFFFFF for i in range(width)]
+                    assert got == want, (ent, tile, step, lane)
 
 
 @pytest.mark.skipif(not mg.AVAILABLE, reason="the kernel's assembly text (triton with Gluon)")
@@ -130,7 +161,8 @@ def test_two_table_assembly_decodes_the_reference_bits():
 # --------------------------------------------------------------------------------- kernel compiled for sm_90, offline
 
 
-def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: int = 1) -> str:
+def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: int = 1, stored: bool = False,
+              masked: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -138,12 +170,14 @@ def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: in
     kernel = mg._mma_gemv_kernel
     launch = mg.LAUNCH["nvfp4" if nvfp4 else "mxfp8", groups]
     consts = {"NVFP4_FMT": nvfp4, "SELECT": select, "RT": launch.row_tiles, "NB": groups, "WARPS": mg.WARPS,
-              "OUT_BF16": out_bf16, "EVEN_K": even_k}
+              "OUT_BF16": out_bf16, "EVEN_K": even_k, "STORED": stored, "MASKED": masked}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
                 "sel_ptr": "*i64" if select == 1 else "*i32", "y_ptr": "*bf16" if out_bf16 else "*fp32"}
     signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
     constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in pointers}
+    # as a launch specialises them: pointers and the weight's row strides (release widths) divisible by 16
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+               if n in pointers or n in ("stride_we", "stride_wn")}
     out = triton.compile(GluonASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": mg.WARPS})
     return out.asm["ptx"]
@@ -161,18 +195,25 @@ def test_row_groups_launches_and_splits():
 
 
 @pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
-@pytest.mark.parametrize("nvfp4,select,out_bf16,even_k,groups",
-                         [(True, 0, True, True, 1), (True, 1, False, True, 1), (True, 2, True, False, 1),
-                          (False, 0, True, True, 1), (False, 2, False, False, 1), (True, 2, True, True, 2),
-                          (False, 2, True, True, 2), (True, 2, False, False, 4), (False, 1, True, True, 4)])
-def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, groups):
+@pytest.mark.parametrize("nvfp4,select,out_bf16,even_k,groups,stored,masked",
+                         [(True, 0, True, True, 1, False, False), (True, 1, False, True, 1, False, False),
+                          (True, 2, True, False, 1, False, False), (False, 0, True, True, 1, False, False),
+                          (False, 2, False, False, 1, False, False), (True, 2, True, True, 2, False, False),
+                          (False, 2, True, True, 2, False, False), (True, 2, False, False, 4, False, False),
+                          (False, 1, True, True, 4, False, False), (True, 2, True, True, 1, True, False),
+                          (True, 0, False, False, 4, True, True), (False, 0, True, True, 1, True, False),
+                          (False, 2, True, False, 2, True, True)])
+def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, groups, stored, masked):
     """Every word is decoded in the lane that loads it: the kernel issues one MMA a row tile, row group and MMA tile,
-    loads a lane's 16 bytes of words at once, and has no shared memory, barrier or spill; its registers let
-    `RESIDENT` programs share an SM."""
-    ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups)
+    loads a lane's 16 bytes of words at once (from the stored layout: a row's 8 NVFP4 or 16 MXFP8 bytes at once), and
+    has no shared memory, barrier or spill; its registers let `RESIDENT` programs share an SM."""
+    ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked)
     launch = mg.LAUNCH["nvfp4" if nvfp4 else "mxfp8", groups]
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mg.TILES * launch.row_tiles * groups
-    assert "ld.global.v4.b32" in ptx
+    if stored and nvfp4:
+        assert re.search(r"ld\.global(\.\w+)*\.b64", ptx) and "ld.global.v4.b32" not in ptx
+    else:
+        assert "ld.global.v4.b32" in ptx
     assert "bar.sync" not in ptx and "st.shared" not in ptx and "ld.shared" not in ptx
     info = _ptxas_report(ptx)
     assert " 0 bytes spill stores" in info, info
@@ -191,7 +232,7 @@ def test_mma_mode_falls_back_where_the_kernel_does_not_run(tiny_nvfp4):
         want = model(ids)
     apply(model, FastPaths(gemv="mma"))
     weights = [m for m in model.modules() if isinstance(m, FastPackedWeight)]
-    assert weights and all(m.gemv_kernel != "mma" for m in weights)
+    assert weights and all(not m.gemv_kernel.startswith("mma") for m in weights)
     with torch.no_grad():
         got = model(ids)
     if INTERP:  # the products of `gemv="triton"` under the interpreter: fp32 sums in another order
@@ -203,64 +244,79 @@ def test_mma_mode_falls_back_where_the_kernel_does_not_run(tiny_nvfp4):
 # ------------------------------------------------------------------------------------------------------------ GPU
 
 
+LAYOUTS = ["reordered", "stored"]
+
+
+def _product_fn(layout: str, fmt: str, n: int, w, s, g):
+    """The kernel on a weight in `reorder`'s layout (reordered once here) or read where it is stored."""
+    if layout == "stored":
+        return lambda x, **kw: mg.packed_product_stored(x, fmt, w, s, g, **kw)
+    packed = mg.reorder(fmt, w, s, g)
+    return lambda x, **kw: mg.packed_product(x, n, *packed, **kw)
+
+
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 27, 32])
 @pytest.mark.parametrize("case", [0, 1, 2])
 @pytest.mark.parametrize("split", [None, 1, 3])
-def test_kernel_on_cuda_within_the_bound(fmt, rows, case, split):
+def test_kernel_on_cuda_within_the_bound(layout, fmt, rows, case, split):
     """Random x against every scale range; MXFP8's top codes (case 2) make sums past fp32's range, so that format
-    takes case 2's shape with the middle codes (the top codes are read out exactly below)."""
+    takes case 2's shape with the middle codes (the top codes are read out exactly below). Shapes whose N and K are
+    not whole tiles among them (the stored layout's masked loads)."""
     E, N, K = SHAPES[case]
     w, s, g = _operands(fmt, E, N, K, case if fmt == "nvfp4" else min(case, 1), device="cuda")
     x = torch.randn(rows, K, device="cuda").to(BF16)
-    y = mg.packed_product(x, N, *mg.reorder(fmt, w, s, g), split=split, sms=132)
+    y = _product_fn(layout, fmt, N, w, s, g)(x, split=split, sms=132)
     ok, ratio = _bound_ok(y, x, _decoded(fmt, w, s, g))
     assert y.shape == (E, rows, N) and ok, ratio
 
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FMTS)
-def test_kernel_on_cuda_one_hot_rows_read_out_the_decoded_weight(fmt):
+def test_kernel_on_cuda_one_hot_rows_read_out_the_decoded_weight(layout, fmt):
     """x's rows one-hot: each output is one product, exact, so the kernel reads out the reference decode bit for bit
     (every code, scales at the range's low end, middle and top)."""
     for case, (E, N, K) in enumerate(SHAPES):
         w, s, g = _operands(fmt, E, N, K, case, device="cuda")
         want = _decoded(fmt, w, s, g)  # [E, N, K]
         eye = torch.eye(K, dtype=BF16, device="cuda")
-        packed = mg.reorder(fmt, w, s, g)
+        product = _product_fn(layout, fmt, N, w, s, g)
         for k0 in range(0, K, mg.MAX_ROWS):
-            got = mg.packed_product(eye[k0:k0 + mg.MAX_ROWS], N, *packed)  # [E, rows, N]
+            got = product(eye[k0:k0 + mg.MAX_ROWS])  # [E, rows, N]
             assert torch.equal(got.transpose(-1, -2), want[..., k0:k0 + mg.MAX_ROWS]), (case, k0)
 
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FMTS)
-def test_kernel_on_cuda_selects_entries_and_captures(fmt):
+def test_kernel_on_cuda_selects_entries_and_captures(layout, fmt):
     """`index` reads the chosen entries (repeats allowed), `active` gives zero rows for unflagged entries, per-entry
     x; the same bits replayed from a CUDA graph."""
     E, N, K = 6, 384, 512
     w, s, g = _operands(fmt, E, N, K, 1, device="cuda")
-    words, scales, glob = mg.reorder(fmt, w, s, g)
+    product = _product_fn(layout, fmt, N, w, s, g)
     w_hat = _decoded(fmt, w, s, g)
     x = torch.randn(3, K, device="cuda").to(BF16)
     index = torch.tensor([4, 1, 4], device="cuda")
-    y = mg.packed_product(x, N, words, scales, glob, index=index)
+    y = product(x, index=index)
     ok, ratio = _bound_ok(y, x, w_hat[index.cpu()])
     assert ok, ratio
     active = torch.tensor([0, 1, 0, 0, 1, 1], dtype=torch.int32, device="cuda")
     xe = torch.randn(E, 2, K, device="cuda").to(BF16)
-    y = mg.packed_product(xe, N, words, scales, glob, active=active, busy=3)
+    y = product(xe, active=active, busy=3)
     flagged = active.bool().cpu()
     assert not y[~flagged.cuda()].any()
     ok, ratio = _bound_ok(y[flagged.cuda()], xe[flagged.cuda()], w_hat[flagged])
     assert ok, ratio
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = mg.packed_product(xe, N, words, scales, glob, active=active, busy=3)
+        replayed = product(xe, active=active, busy=3)
     graph.replay()
     assert torch.equal(replayed, y)
 

@@ -26,6 +26,13 @@ and row a step, shared by the step's words.
     scales uint8 [E, N16, S, 32, 2]   lane l's block scales (E4M3 or E8M0) in a step: row g's, then row g + 8's
     glob   fp32  [E] or [1]           NVFP4's weight_scale_2 (MXFP8: an unread 1.0)
 
+Read in place (`packed_product_stored`, what `gemv="mma"` runs where `stored_supports` allows: no copy of the
+weight). A lane's 16 columns of a row in a step are contiguous where the checkpoint stores them (NVFP4 8 bytes, low
+nibble the even element; MXFP8 16 bytes), so each lane loads row g's and row g + 8's with one load each and forms
+`reorder`'s words from them: MXFP8's are the loaded int32s themselves, NVFP4's take a byte permute each (row g's
+nibbles 4t .. 4t + 3 in the low half, row g + 8's in the high: `_STORED_WORDS_ASM`). The block scales are read a byte
+a row. The same words, so the same products and contract; rows past N and columns past K are masked to zeros.
+
 Numerics contract (`packed_product`): y[p, m, n] = bf16( sum_k x[p, m, k] * w_hat[e(p), n, k] ) with w_hat the
 reference decoder's bf16 bits (`packed.decode_reference(...).to(bfloat16)`). NVFP4: looked up in the table of the 8
 values of the row's block (`grouped._table_words`: A = bf16(S), B = bf16(fp32(1.5 S)) for the reference's block
@@ -38,7 +45,7 @@ and rounds once to bf16 (`grouped._sum_splits_kernel`). Bound (tests): |y - exac
 before the final rounding, u = 2^-24, as `fast.gemv`'s dot.
 
 The decode needs the block scales in the normal range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3 NaN
-byte, which `FastPackedWeight.configure` checks before it reorders a weight for this kernel (`FastPaths(gemv="mma")`,
+byte, which `FastPackedWeight.configure` checks before it gives a weight to this kernel (`FastPaths(gemv="mma")`,
 the non-user preset `gemv-mma`). x's rows past M: the lanes whose B column is past M read row M - 1, whose products
 land in accumulator columns no lane stores; x's columns past K read as zeros. Launch shapes (row tiles a warp, K
 splits) are data by format and row groups (`LAUNCH`).
@@ -396,28 +403,100 @@ if AVAILABLE:
         h01, h23 = _mx_word(word_h, sh)
         return _tile_mma(g01, h01, g23, h23, quad, acc0, acc1, acc2, acc3)
 
+    # A lane's NVFP4 words of a step read from the stored layout: row g's 8 bytes (16 elements, columns 16c ..
+    # 16c + 15 of the step) as the words $4 (elements 0..7) and $5 (8..15), row g + 8's as $6, $7; MMA tile t's word
+    # is row g's nibbles 4t .. 4t + 3 in its low half and row g + 8's in its high half, `reorder`'s word.
+    _STORED_WORDS_ASM = gl.constexpr(" ".join((
+        "prmt.b32 $0, $4, $6, 0x5410;", "prmt.b32 $1, $4, $6, 0x7632;",
+        "prmt.b32 $2, $5, $7, 0x5410;", "prmt.b32 $3, $5, $7, 0x7632;")))
+
     @gluon.jit
-    def _nvfp4_steps(w_tile, s_tile, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr, L3: gl.constexpr,
-                     LA: gl.constexpr, WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+    def _nvfp4_operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, STORED: gl.constexpr, MASKED: gl.constexpr,
+                        WIDE: gl.constexpr, LA: gl.constexpr):
+        """A lane's 4 NVFP4 words of a step (MMA tile t's, [S, RT] int32) and its rows' scale codes (g, g + 8: 0..255
+        in an integer type).
+        STORED: from the checkpoint's layout (`wa` / `wb`: rows g's and g + 8's int64 at the lane's column, `sa` /
+        `sb` their block scales, `kc` the lane's byte in a step's 32, masked past the rows and K when MASKED); else
+        from `reorder`'s (`wa` the lane's words, `sa` its scale pair read as an int16)."""
+        if STORED:
+            if MASKED:
+                in_k = kc + step * 32 < KB
+                lo = gl.load(wa + step * 4, mask=ok_g & in_k, other=0)
+                hi = gl.load(wb + step * 4, mask=ok_h & in_k, other=0)
+                code_g = gl.load(sa + step * 4, mask=ok_g & in_k, other=0)
+                code_h = gl.load(sb + step * 4, mask=ok_h & in_k, other=0)
+            else:
+                lo = gl.load(wa + step * 4)
+                hi = gl.load(wb + step * 4)
+                code_g = gl.load(sa + step * 4)
+                code_h = gl.load(sb + step * 4)
+            w0, w1, w2, w3 = gl.inline_asm_elementwise(
+                _STORED_WORDS_ASM, "=r,=r,=r,=r,r,r,r,r",
+                [lo.to(gl.int32), (lo >> 32).to(gl.int32), hi.to(gl.int32), (hi >> 32).to(gl.int32)],
+                dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+        else:
+            w0, w1, w2, w3 = _lane_words(wa + step * 128, WIDE, LA)
+            codes = gl.load(sa + step * 32)
+            code_g = codes & 0xFF
+            code_h = (codes >> 8) & 0xFF
+        return w0, w1, w2, w3, code_g, code_h
+
+    @gluon.jit
+    def _mxfp8_operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, STORED: gl.constexpr, MASKED: gl.constexpr,
+                        WIDE: gl.constexpr, LA: gl.constexpr):
+        """A lane's 8 MXFP8 words of a step (word 2t + h: row g + 8h's bytes of MMA tile t; [S, RT] int32) and its
+        rows' scale codes (g, g + 8: 0..255 in an integer type). STORED: from the checkpoint's layout (`wa` / `wb`:
+        rows g's and g + 8's first int32 of the lane's 16 bytes, in WIDE's slice; `sa` / `sb` their block scales;
+        `kc` the lane's byte in a step's 64); else from `reorder`'s (as `_nvfp4_operands`)."""
+        if STORED:
+            t = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, WIDE))), 0), 0)
+            if MASKED:
+                in_k = kc + step * 64 < KB
+                okw_g = gl.broadcast(gl.expand_dims(gl.convert_layout(ok_g & in_k, gl.SliceLayout(2, WIDE)), 2), t)[0]
+                okw_h = gl.broadcast(gl.expand_dims(gl.convert_layout(ok_h & in_k, gl.SliceLayout(2, WIDE)), 2), t)[0]
+                g0, g1, g2, g3 = _columns(gl.load(gl.expand_dims(wa + step * 16, 2) + t, mask=okw_g, other=0))
+                h0, h1, h2, h3 = _columns(gl.load(gl.expand_dims(wb + step * 16, 2) + t, mask=okw_h, other=0))
+                code_g = gl.load(sa + step * 2, mask=ok_g & in_k, other=0)
+                code_h = gl.load(sb + step * 2, mask=ok_h & in_k, other=0)
+            else:
+                g0, g1, g2, g3 = _columns(gl.load(gl.expand_dims(wa + step * 16, 2) + t))
+                h0, h1, h2, h3 = _columns(gl.load(gl.expand_dims(wb + step * 16, 2) + t))
+                code_g = gl.load(sa + step * 2)
+                code_h = gl.load(sb + step * 2)
+            w0, w2, w4, w6 = (gl.convert_layout(g0, LA), gl.convert_layout(g1, LA), gl.convert_layout(g2, LA),
+                              gl.convert_layout(g3, LA))
+            w1, w3, w5, w7 = (gl.convert_layout(h0, LA), gl.convert_layout(h1, LA), gl.convert_layout(h2, LA),
+                              gl.convert_layout(h3, LA))
+        else:
+            w0, w1, w2, w3 = _lane_words(wa + step * 256, WIDE, LA)
+            w4, w5, w6, w7 = _lane_words(wa + step * 256 + 4, WIDE, LA)
+            codes = gl.load(sa + step * 32)
+            code_g = codes & 0xFF
+            code_h = (codes >> 8) & 0xFF
+        return w0, w1, w2, w3, w4, w5, w6, w7, code_g, code_h
+
+    @gluon.jit
+    def _nvfp4_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr,
+                     STORED: gl.constexpr, MASKED: gl.constexpr, L3: gl.constexpr, LA: gl.constexpr,
+                     WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
         """The split's steps of NVFP4 words (4 a lane, row tile and step), the next step's words, scales and x loaded
         before this step is decoded (software pipelining by hand)."""
         acc0 = gl.zeros(SHAPE, gl.float32, L3)
         acc1 = gl.zeros(SHAPE, gl.float32, L3)
         acc2 = gl.zeros(SHAPE, gl.float32, L3)
         acc3 = gl.zeros(SHAPE, gl.float32, L3)
-        nw0, nw1, nw2, nw3 = _lane_words(w_tile + s_lo * 128, WIDE, LA)
+        nw0, nw1, nw2, nw3, n_cg, n_ch = _nvfp4_operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, STORED, MASKED,
+                                                         WIDE, LA)
         nq0, nq1, nq2, nq3 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
-        n_codes = gl.load(s_tile + s_lo * 32)
         for step in range(s_lo, s_hi):
-            w0, w1, w2, w3 = nw0, nw1, nw2, nw3
-            codes = n_codes
-            nxt = gl.minimum(step + 1, s_hi - 1)  # the last step loads its own again: no mask in the loop
-            nw0, nw1, nw2, nw3 = _lane_words(w_tile + nxt * 128, WIDE, LA)
+            w0, w1, w2, w3, code_g, code_h = nw0, nw1, nw2, nw3, n_cg, n_ch
             q0, q1, q2, q3 = nq0, nq1, nq2, nq3
+            nxt = gl.minimum(step + 1, s_hi - 1)  # the last step loads its own again: no mask in the loop
+            nw0, nw1, nw2, nw3, n_cg, n_ch = _nvfp4_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED,
+                                                             WIDE, LA)
             nq0, nq1, nq2, nq3 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
-            n_codes = gl.load(s_tile + nxt * 32)
-            tg = _table_bytes(codes & 0xFF, glob)
-            th = _table_bytes((codes >> 8) & 0xFF, glob)
+            tg = _table_bytes(code_g, glob)
+            th = _table_bytes(code_h, glob)
             a0, a1, a2, a3 = _fragment(w0, tg, th)
             acc0, acc1, acc2, acc3 = _tile_mma(a0, a1, a2, a3, q0, acc0, acc1, acc2, acc3)
             a0, a1, a2, a3 = _fragment(w1, tg, th)
@@ -429,30 +508,29 @@ if AVAILABLE:
         return acc0, acc1, acc2, acc3
 
     @gluon.jit
-    def _mxfp8_steps(w_tile, s_tile, x_rows, c_x, s_lo, s_hi, K, EVEN_K: gl.constexpr, L3: gl.constexpr,
-                     LA: gl.constexpr, WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+    def _mxfp8_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, s_lo, s_hi, K, EVEN_K: gl.constexpr,
+                     STORED: gl.constexpr, MASKED: gl.constexpr, L3: gl.constexpr, LA: gl.constexpr,
+                     WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
         """The split's steps of MXFP8 words (8 a lane, row tile and step: word 2t + h is row g + 8h's bytes of MMA
         tile t), pipelined as `_nvfp4_steps`."""
         acc0 = gl.zeros(SHAPE, gl.float32, L3)
         acc1 = gl.zeros(SHAPE, gl.float32, L3)
         acc2 = gl.zeros(SHAPE, gl.float32, L3)
         acc3 = gl.zeros(SHAPE, gl.float32, L3)
-        nw0, nw1, nw2, nw3 = _lane_words(w_tile + s_lo * 256, WIDE, LA)
-        nw4, nw5, nw6, nw7 = _lane_words(w_tile + s_lo * 256 + 4, WIDE, LA)
+        nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, n_cg, n_ch = _mxfp8_operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h,
+                                                                             KB, STORED, MASKED, WIDE, LA)
         nq0, nq1, nq2, nq3 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
-        n_codes = gl.load(s_tile + s_lo * 32)
         for step in range(s_lo, s_hi):
             w0, w1, w2, w3, w4, w5, w6, w7 = nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7
-            codes = n_codes
-            nxt = gl.minimum(step + 1, s_hi - 1)
-            nw0, nw1, nw2, nw3 = _lane_words(w_tile + nxt * 256, WIDE, LA)
-            nw4, nw5, nw6, nw7 = _lane_words(w_tile + nxt * 256 + 4, WIDE, LA)
+            code_g, code_h = n_cg, n_ch
             q0, q1, q2, q3 = nq0, nq1, nq2, nq3
+            nxt = gl.minimum(step + 1, s_hi - 1)
+            nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, n_cg, n_ch = _mxfp8_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h,
+                                                                                 KB, STORED, MASKED, WIDE, LA)
             nq0, nq1, nq2, nq3 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
-            n_codes = gl.load(s_tile + nxt * 32)
             # E8M0 code c -> 2^(c - 127) on the fp32 bits (c >= 1 in the normal range)
-            sg = ((codes & 0xFF).to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            sh = (((codes >> 8) & 0xFF).to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            sg = (code_g.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            sh = (code_h.to(gl.int32) << 23).to(gl.float32, bitcast=True)
             acc0, acc1, acc2, acc3 = _mx_tile_mma(w0, w1, q0, sg, sh, acc0, acc1, acc2, acc3)
             acc0, acc1, acc2, acc3 = _mx_tile_mma(w2, w3, q1, sg, sh, acc0, acc1, acc2, acc3)
             acc0, acc1, acc2, acc3 = _mx_tile_mma(w4, w5, q2, sg, sh, acc0, acc1, acc2, acc3)
@@ -468,14 +546,17 @@ if AVAILABLE:
     def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr,
                          M, N, K, N16, STEPS, STEPS_PER_SPLIT,
                          stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
+                         stride_we, stride_wn, stride_se, stride_sn,
                          NVFP4_FMT: gl.constexpr, SELECT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr,
-                         WARPS: gl.constexpr, OUT_BF16: gl.constexpr,
-                         EVEN_K: gl.constexpr):
+                         WARPS: gl.constexpr, OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr,
+                         MASKED: gl.constexpr):
         """y[split, p, m, n] = sum over this split's steps of x[p, m, k] * w_hat[e, n, k] (fp32), e = p (SELECT 0),
         index[p] (SELECT 1), or p with unflagged entries (active[p] == 0) read as nothing (SELECT 2). Grid: (groups
         of WARPS x RT row tiles, output entries, splits). The program's tensors are [S, RT, NB] (S = 32 WARPS lane
         slots, RT row tiles, NB row groups of 8 x rows), all of a slot's in its lane's registers: element (i, r, b)
-        is warp i // 32's lane i % 32, its row tile r (the A fragment) and x's rows 8b .. 8b + 7 (the B fragment)."""
+        is warp i // 32's lane i % 32, its row tile r (the A fragment) and x's rows 8b .. 8b + 7 (the B fragment).
+        The weight in `reorder`'s layout, or STORED in the checkpoint's (its strides in the units a lane loads, int64
+        NVFP4 and int32 MXFP8, the scales' in bytes; rows past N and columns past K masked when MASKED)."""
         S: gl.constexpr = 32 * WARPS
         SHAPE: gl.constexpr = [S, RT, NB]
         L3: gl.constexpr = gl.BlockedLayout([1, RT, NB], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
@@ -512,10 +593,31 @@ if AVAILABLE:
                         gl.store(y_base + (m0 + col) * stride_ym + n0 + 8 * h, zero,
                                  mask=(m0 + col < M) & (n0 + 8 * h < N))
                 return
-        # a lane's words of a row tile and step (W: 4 NVFP4, 8 MXFP8), its 2 scale bytes (read as one int16)
-        W: gl.constexpr = 4 if NVFP4_FMT else 8
-        w_tile = gl.convert_layout(w_ptr + ((e * N16 + tile) * STEPS * 32 + lane_a) * W, gl.SliceLayout(2, WIDE))
-        s_tile = s_ptr.to(gl.pointer_type(gl.int16)) + (e * N16 + tile) * STEPS * 32 + lane_a
+        if STORED:
+            # rows g and g + 8 of the lane's row tile; its 16 columns of a step, 16c .. 16c + 15: NVFP4 one int64 of
+            # each row (byte 8c of the step's 32), MXFP8 four int32 (byte 16c of 64); one block scale a row
+            row = tile * 16 + lane_a // 4
+            c_a = lane_a % 4
+            ok_g = row < N
+            ok_h = row + 8 < N
+            KB = K // 2 if NVFP4_FMT else K
+            if NVFP4_FMT:  # weight strides in int64s
+                wa = w_ptr.to(gl.pointer_type(gl.int64)) + e * stride_we + row * stride_wn + c_a
+                kc = 8 * c_a
+                sa = s_ptr + e * stride_se + row * stride_sn + c_a
+            else:  # weight strides in int32s
+                wa = gl.convert_layout(w_ptr.to(gl.pointer_type(gl.int32)) + e * stride_we + row * stride_wn + 4 * c_a,
+                                       gl.SliceLayout(2, WIDE))
+                kc = 16 * c_a
+                sa = s_ptr + e * stride_se + row * stride_sn + c_a // 2
+            wb = wa + 8 * stride_wn
+            sb = sa + 8 * stride_sn
+        else:
+            # a lane's words of a row tile and step (W: 4 NVFP4, 8 MXFP8), its 2 scale bytes (read as one int16)
+            W: gl.constexpr = 4 if NVFP4_FMT else 8
+            wa = gl.convert_layout(w_ptr + ((e * N16 + tile) * STEPS * 32 + lane_a) * W, gl.SliceLayout(2, WIDE))
+            sa = s_ptr.to(gl.pointer_type(gl.int16)) + (e * N16 + tile) * STEPS * 32 + lane_a
+            wb, sb, kc, ok_g, ok_h, KB = wa, sa, lane_a, lane_a == 0, lane_a == 0, K  # unread
         # x's row 8b + g (column g of group b's B fragment; rows past M repeat row M - 1, whose products land in
         # columns no lane stores) read as int64 quads of bf16: quad 16 step + 4c + t is the lane's two B registers
         # for MMA tile t
@@ -525,11 +627,11 @@ if AVAILABLE:
         c_x = gl.convert_layout(c_x, gl.SliceLayout(2, XWIDE))
         if NVFP4_FMT:
             glob = gl.load(g_ptr + e * stride_ge)
-            acc0, acc1, acc2, acc3 = _nvfp4_steps(w_tile, s_tile, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K,
-                                                  L3, LA, WIDE, XWIDE, SHAPE)
+            acc0, acc1, acc2, acc3 = _nvfp4_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi,
+                                                  K, EVEN_K, STORED, MASKED, L3, LA, WIDE, XWIDE, SHAPE)
         else:
-            acc0, acc1, acc2, acc3 = _mxfp8_steps(w_tile, s_tile, x_rows, c_x, s_lo, s_hi, K, EVEN_K, L3, LA, WIDE,
-                                                  XWIDE, SHAPE)
+            acc0, acc1, acc2, acc3 = _mxfp8_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, s_lo, s_hi, K,
+                                                  EVEN_K, STORED, MASKED, L3, LA, WIDE, XWIDE, SHAPE)
         accs = (acc0, acc1, acc2, acc3)
         for h in gl.static_range(2):
             for col in gl.static_range(2):
@@ -539,26 +641,36 @@ if AVAILABLE:
                 gl.store(y_base + (m0 + col) * stride_ym + n0 + 8 * h, out, mask=(m0 + col < M) & (n0 + 8 * h < N))
 
     @custom_op("minimax_ref::packed_mma_gemv", mutates_args=())
-    def _mma_gemv_op(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
-                     sel: torch.Tensor | None, select: int, outputs: int, n: int, split: int) -> torch.Tensor:
-        """The launch (see `packed_product`): x bf16 `[Px, M, K]` (Px 1: shared by every output entry), words /
-        scales / glob in `reorder`'s layout, sel int `[outputs]` (ids, select 1; flags, select 2) or None. Returns
-        bf16 `[outputs, M, N]`."""
+    def _mma_gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
+                     sel: torch.Tensor | None, select: int, outputs: int, n: int, split: int, nvfp4: bool,
+                     stored: bool) -> torch.Tensor:
+        """The launch (see `packed_product`): x bf16 `[Px, M, K]` (Px 1: shared by every output entry); the weight
+        in `reorder`'s layout (words, scales, glob), or `stored` in the checkpoint's (uint8 views `[E, N, K/2 or K]`
+        and `[E, N, K/16 or K/32]`, glob NVFP4's weight_scale_2 `[E]` or `[1]`, MXFP8 anything: unread); sel int
+        `[outputs]` (ids, select 1; flags, select 2) or None. Returns bf16 `[outputs, M, N]`."""
         m, k = x.shape[1], x.shape[2]
-        e, n16, steps = words.shape[:3]
+        if stored:
+            n16, steps = -(-n // ROW_TILE), -(-k // STEP_K)
+            unit = 8 if nvfp4 else 4  # the kernel's loads: int64 (NVFP4) or int32 (MXFP8) units
+            strides = (weight.stride(0) // unit, weight.stride(1) // unit, scales.stride(0), scales.stride(1))
+        else:
+            n16, steps = weight.shape[1:3]
+            strides = (0, 0, 0, 0)
         if x.data_ptr() % 8:  # x is read as int64 quads (its rows are: K is a multiple of 16)
             x = x.clone()
         per = -(-steps // split)
         shape = (outputs, m, n) if split == 1 else (split, outputs, m, n)
         out = torch.empty(shape, dtype=torch.bfloat16 if split == 1 else torch.float32, device=x.device)
-        nb, launch = launch_for(NVFP4 if words.shape[-1] == 4 else MXFP8, m)
-        _mma_gemv_kernel[(n16 // (WARPS * launch.row_tiles), outputs, split)](
-            x, words, scales, glob, words if sel is None else sel, out,
+        nb, launch = launch_for(NVFP4 if nvfp4 else MXFP8, m)
+        tiles = WARPS * launch.row_tiles
+        _mma_gemv_kernel[(-(-n16 // tiles), outputs, split)](
+            x, weight, scales, glob, weight if sel is None else sel, out,
             m, n, k, n16, steps, per,
             x.stride(0) if x.shape[0] > 1 else 0, x.stride(1), 1 if glob.numel() > 1 else 0,
-            0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2),
-            NVFP4_FMT=words.shape[-1] == 4, SELECT=select, RT=launch.row_tiles, NB=nb, WARPS=WARPS,
-            OUT_BF16=split == 1, EVEN_K=k % STEP_K == 0, num_warps=WARPS)
+            0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2), *strides,
+            NVFP4_FMT=nvfp4, SELECT=select, RT=launch.row_tiles, NB=nb, WARPS=WARPS, OUT_BF16=split == 1,
+            EVEN_K=k % STEP_K == 0, STORED=stored, MASKED=stored and (n % (ROW_TILE * tiles) or k % STEP_K),
+            num_warps=WARPS)
         if split == 1:
             return out
         y = torch.empty((outputs, m, n), dtype=torch.bfloat16, device=x.device)
@@ -567,7 +679,7 @@ if AVAILABLE:
         return y
 
     @_mma_gemv_op.register_fake
-    def _(x, words, scales, glob, sel, select, outputs, n, split):
+    def _(x, weight, scales, glob, sel, select, outputs, n, split, nvfp4, stored):
         return x.new_empty((outputs, x.shape[1], n))
 
 
@@ -579,7 +691,7 @@ def launch_for(fmt: str, m: int) -> tuple[int, Launch]:
 
 def programs(fmt: str, entries: int, n16: int, m: int) -> int:
     """The programs of one K split of a product of `m` rows over `entries` output entries of `n16` row tiles."""
-    return entries * (n16 // (WARPS * launch_for(fmt, m)[1].row_tiles))
+    return entries * -(-n16 // (WARPS * launch_for(fmt, m)[1].row_tiles))
 
 
 def splits(programs: int, steps: int, sms: int, per_sm: int) -> int:
@@ -602,18 +714,63 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
     read nothing and give zero rows. Returns bf16 `[P, M, N]`. split: K splits (default `splits` for `sms` SMs,
     counting `busy` flagged entries with `active`). Contract: the module docstring. Static in the shapes: no host
     synchronisation."""
-    if not AVAILABLE:
-        raise RuntimeError("mma_gemv.packed_product needs triton with Gluon")
     entries, n16, steps = words.shape[:3]
+    fmt = NVFP4 if words.shape[-1] == 4 else MXFP8
+    k = x.shape[-1]
+    if (-(-k // STEP_K) != steps or n16 != -(-n // (ROW_TILE * GROUP)) * GROUP or words.dim() != 5
+            or words.shape[-1] not in (4, 8)):
+        raise ValueError(f"mma_gemv.packed_product: x {list(x.shape)} against words {list(words.shape)}, n {n}")
+    return _product(x, fmt, n, entries, words, scales, glob, False, index, active, split, sms, busy)
+
+
+def stored_supports(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether the kernel reads this packed weight (`[N, ...]` or `[E, N, ...]`, as `packed_product_stored` takes
+    it) where it is stored: whole blocks of K, rows contiguous, and every row at a 16-byte boundary (each lane loads
+    a row's 8 (NVFP4) or 16 (MXFP8) bytes of a step at once)."""
+    k = weight.shape[-1] * (2 if fmt == NVFP4 else 1)
+    return (supports(fmt, k) and weight.element_size() == 1 and weight_scale.element_size() == 1
+            and weight.stride(-1) == 1 and weight_scale.stride(-1) == 1 and weight.data_ptr() % 16 == 0
+            and all(stride % 16 == 0 for stride in weight.stride()[:-1]))
+
+
+def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          weight_scale_2: torch.Tensor | None, index: torch.Tensor | None = None,
+                          active: torch.Tensor | None = None, split: int | None = None, sms: int = 1,
+                          busy: int | None = None) -> torch.Tensor:
+    """`packed_product` reading the weight where the checkpoint's layout stores it (no reordered copy; operands as in
+    `packed.decode_reference`: NVFP4 uint8 codes `[.., N, K/2]`, E4M3 block scales `[.., N, K/16]`, weight_scale_2;
+    MXFP8 E4M3 elements `[.., N, K]`, E8M0 block scales `[.., N, K/32]`), which `stored_supports` must accept. Each
+    lane assembles `reorder`'s words from its rows' bytes (`_STORED_WORDS_ASM`): the same products, the same
+    contract."""
+    if not stored_supports(fmt, weight, weight_scale):
+        raise ValueError(f"mma_gemv.packed_product_stored: {fmt} weight {list(weight.shape)} strides "
+                         f"{list(weight.stride())} is not read in place (stored_supports)")
+    w = weight.view(torch.uint8)
+    s = weight_scale.view(torch.uint8)
+    if w.dim() == 2:
+        w, s = w.unsqueeze(0), s.unsqueeze(0)
+    if fmt == NVFP4:
+        glob = weight_scale_2.reshape(-1).to(torch.float32)
+    else:
+        glob = s  # unread
+    return _product(x, fmt, w.shape[1], w.shape[0], w, s, glob, True, index, active, split, sms, busy)
+
+
+def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tensor, scales: torch.Tensor,
+             glob: torch.Tensor, stored: bool, index: torch.Tensor | None, active: torch.Tensor | None,
+             split: int | None, sms: int, busy: int | None) -> torch.Tensor:
+    """The checks and launch both layouts share."""
+    if not AVAILABLE:
+        raise RuntimeError("mma_gemv needs triton with Gluon")
     xs = x.unsqueeze(0) if x.dim() == 2 else x
     outputs = entries if index is None else index.shape[0]
     m, k = xs.shape[1], xs.shape[2]
-    fmt = NVFP4 if words.shape[-1] == 4 else MXFP8
-    if (x.dtype != torch.bfloat16 or not 1 <= m <= MAX_ROWS or not supports(fmt, k) or -(-k // STEP_K) != steps
-            or n16 != -(-n // (ROW_TILE * GROUP)) * GROUP or xs.shape[0] not in (1, outputs)
-            or words.shape[-1] not in (4, 8) or (index is not None and active is not None)):
-        raise ValueError(f"mma_gemv.packed_product: x {list(x.shape)} {x.dtype} against words {list(words.shape)}, "
-                         f"n {n}")
+    stored_k = weight.shape[-1] * (2 if fmt == NVFP4 else 1)
+    if (x.dtype != torch.bfloat16 or not 1 <= m <= MAX_ROWS or not supports(fmt, k) or (stored and k != stored_k)
+            or xs.shape[0] not in (1, outputs) or (index is not None and active is not None)):
+        raise ValueError(f"mma_gemv: x {list(x.shape)} {x.dtype} against a {fmt} weight {list(weight.shape)}, n {n}")
+    steps = -(-k // STEP_K)
+    n16 = -(-n // ROW_TILE)
     if split is None:
         working = min(outputs, busy) if busy is not None and active is not None else outputs
         split = splits(programs(fmt, working, n16, m), steps, sms, launch_for(fmt, m)[1].per_sm)
@@ -623,4 +780,5 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
         select, sel = 1, index
     elif active is not None:
         select, sel = 2, active.to(torch.int32)
-    return torch.ops.minimax_ref.packed_mma_gemv(xs.contiguous(), words, scales, glob, sel, select, outputs, n, split)
+    return torch.ops.minimax_ref.packed_mma_gemv(xs.contiguous(), weight, scales, glob, sel, select, outputs, n,
+                                                 split, fmt == NVFP4, stored)

@@ -508,7 +508,9 @@ class FastPackedWeight(PackedWeight):
     decode_tiles: grouped.Tiles | None = None  # decode="triton" where the kernel decodes this weight: its launch
     gemv_tokens: int = 0
     gemv_sms: int = 1  # the device's SM count, for `fast.gemv.splits`
-    gemv_kernel: str = "triton"  # whose copy the buffers hold: "triton" (`fast.gemv`), "mma" (`fast.mma_gemv`)
+    # the one-to-few-row kernel: "triton" (`fast.gemv`, its copy in the buffers), "mma" (`fast.mma_gemv`, its copy in
+    # the buffers) or "mma-stored" (`fast.mma_gemv` reading the stored planes: no buffers)
+    gemv_kernel: str = "triton"
     table: bool = False  # the grouped and GEMV kernels decode this NVFP4 weight through its blocks' tables
     # a stack that prefill's sorted expert rows multiply through `fast.prefill_experts`: its launch (None: not)
     sorted_tiles: prefill_experts.Tiles | None = None
@@ -521,7 +523,8 @@ class FastPackedWeight(PackedWeight):
         `table`, an NVFP4 weight is decoded by the grouped and GEMV kernels through its blocks' tables. With
         `sorted_rows`, a stack the kernels decode multiplies prefill's sorted expert rows through
         `fast.prefill_experts` (`sorted_matmul`). With `gemv_mode` "mma", a weight on a GPU takes `fast.mma_gemv`
-        for up to its `MAX_ROWS` rows instead (its reordered copy in the same buffers)."""
+        for up to its `MAX_ROWS` rows instead, read where it is stored where `mma_gemv.stored_supports` says so
+        (no copy), else from its reordered copy in the same buffers."""
         self.kernels, self.mode = kernels, mode
         self.fused_tokens, self.fused_rows = fused_tokens, fused_rows
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
@@ -548,8 +551,11 @@ class FastPackedWeight(PackedWeight):
         if gemv_tokens > 0 and kernel_decodes and gemv.runs_on(self.device):
             self.gemv_sms = grouped.sm_count(self.device)
             if gemv_mode == "mma" and mma_gemv.supports(self.fmt, self.shape[-1]) and mma_gemv.runs_on(self.device):
-                self.gemv_tokens, self.gemv_kernel = min(gemv_tokens, mma_gemv.MAX_ROWS), "mma"
-                reordered = mma_gemv.reorder(self.fmt, *self.parts())
+                self.gemv_tokens = min(gemv_tokens, mma_gemv.MAX_ROWS)
+                if mma_gemv.stored_supports(self.fmt, self.weight, self.weight_scale):
+                    self.gemv_kernel, reordered = "mma-stored", ()  # read where it is stored: no copy
+                else:
+                    self.gemv_kernel, reordered = "mma", mma_gemv.reorder(self.fmt, *self.parts())
             else:
                 self.gemv_tokens = min(gemv_tokens, gemv.MAX_ROWS)
                 reordered = gemv.reorder(self.fmt, *self.parts())
@@ -559,12 +565,16 @@ class FastPackedWeight(PackedWeight):
     def takes_gemv(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a product of `rows` rows of `x` goes through `fast.gemv`: at most `gemv_tokens` (the weight's side
         was checked by `configure`), a bf16 x, on a device the kernel runs on."""
-        return 0 < rows <= self.gemv_tokens and x.dtype == torch.bfloat16 and gemv.runs_on(x.device)
+        return (0 < rows <= self.gemv_tokens and x.dtype == torch.bfloat16 and gemv.runs_on(x.device)
+                and (self.gemv_kernel != "mma-stored" or self.weight.device == x.device))
 
     def gemv_product(self, x: torch.Tensor, index: torch.Tensor | None = None, active: torch.Tensor | None = None,
                      busy: int | None = None) -> torch.Tensor:
         """`fast.gemv.packed_product` (or `fast.mma_gemv`'s) on the reordered copy: x `[M, K]` or `[P, M, K]`; bf16
         `[P, M, N]`."""
+        if self.gemv_kernel == "mma-stored":
+            return mma_gemv.packed_product_stored(x, self.fmt, *self.parts(), index=index, active=active,
+                                                  sms=self.gemv_sms, busy=busy)
         if self.gemv_kernel == "mma":
             return mma_gemv.packed_product(x, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
                                            index=index, active=active, sms=self.gemv_sms, busy=busy)

@@ -12,7 +12,8 @@ what `FastExperts.forward_grouped` passes), at 32 rows all 16; w1 (gate; w3, up,
 rows shared, w2 (down) with each expert's own rows. `--per-sm` times the GEMV's K splits for several targets of
 programs an SM (`fast.gemv.splits`). Products of up to 32 rows also through `fast.mma_gemv` (the `gemv-mma` preset's
 kernel: tensor-core MMAs on fragments each lane decodes from its own words), on GPUs it runs on: from its reordered
-copy ("mma default") and read where the weight is stored ("mma stored", what `gemv-mma` runs).
+copy ("mma default") and read where the weight is stored, its K splits added in the kernel ("mma stored", what
+`gemv-mma` runs).
 
     # 1 x H200 (about a minute; the first launch of each kernel compiles it):
     python benchmarks/packed_gemv.py --rows 1,32 --per-sm 2,4,8 --out packed_gemv.jsonl
@@ -90,8 +91,9 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
         busy = chosen if experts else None
         variants["mma default"] = lambda: mma_gemv.packed_product(x, n, *mma_reordered, active=active, sms=sms,
                                                                   busy=busy)
+        counters = mma_gemv.counters_for(max(experts, 1), n, device)
         variants["mma stored"] = lambda: mma_gemv.packed_product_stored(x, fmt, w, s, g, active=active, sms=sms,
-                                                                        busy=busy)
+                                                                        busy=busy, counters=counters)
     if rows == 1:
         words = fmt == "nvfp4" or "gate_proj" in name  # the compiled preset: nvfp4_words, mxfp8_words="gate_up"
         if experts:  # the gathered experts, each token's row broadcast against them (`FastExperts.forward_sync_free`)

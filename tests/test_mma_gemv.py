@@ -162,7 +162,7 @@ def test_two_table_assembly_decodes_the_reference_bits():
 
 
 def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: int = 1, stored: bool = False,
-              masked: bool = False) -> str:
+              masked: bool = False, sum_splits: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -170,9 +170,10 @@ def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: in
     kernel = mg._mma_gemv_kernel
     launch = mg.LAUNCH["nvfp4" if nvfp4 else "mxfp8", groups]
     consts = {"NVFP4_FMT": nvfp4, "SELECT": select, "RT": launch.row_tiles, "NB": groups, "WARPS": mg.WARPS,
-              "OUT_BF16": out_bf16, "EVEN_K": even_k, "STORED": stored, "MASKED": masked}
+              "OUT_BF16": out_bf16, "EVEN_K": even_k, "STORED": stored, "MASKED": masked, "SUM_SPLITS": sum_splits}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
-                "sel_ptr": "*i64" if select == 1 else "*i32", "y_ptr": "*bf16" if out_bf16 else "*fp32"}
+                "sel_ptr": "*i64" if select == 1 else "*i32", "y_ptr": "*bf16" if out_bf16 else "*fp32",
+                "out_ptr": "*bf16", "cnt_ptr": "*i32"}
     signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
     constexprs = {(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts}
     # as a launch specialises them: pointers and the weight's row strides (release widths) divisible by 16
@@ -206,8 +207,18 @@ def test_row_groups_launches_and_splits():
 def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, groups, stored, masked):
     """Every word is decoded in the lane that loads it: the kernel issues one MMA a row tile, row group and MMA tile,
     loads a lane's 16 bytes of words at once (from the stored layout: a row's 8 NVFP4 or 16 MXFP8 bytes at once), and
-    has no shared memory, barrier or spill; its registers let `RESIDENT` programs share an SM."""
+    has no shared memory, barrier or spill; its registers let `RESIDENT` programs share an SM. With the K splits
+    added in the kernel, the same loop; a barrier and one acquire-release ticket a program."""
     ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked)
+    if not out_bf16:  # a launch with K splits: the same kernel adding them itself
+        summed = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, sum_splits=True)
+        tickets = [op for op in re.findall(r"\batom\.[\w.]+", summed) if ".add." in op]
+        assert tickets and all(".gpu." in op and ".acq_rel." in op for op in tickets), tickets
+        assert "ld.global.cg" in summed and "bar.sync" in summed
+        info = _ptxas_report(summed)
+        assert " 0 bytes spill stores" in info, info
+        assert 65536 // (-(-int(re.search(r"Used (\d+) registers", info).group(1)) // 8) * 8 * 32 * mg.WARPS) \
+            >= mg.RESIDENT
     launch = mg.LAUNCH["nvfp4" if nvfp4 else "mxfp8", groups]
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mg.TILES * launch.row_tiles * groups
     if stored and nvfp4:
@@ -289,6 +300,39 @@ def test_kernel_on_cuda_one_hot_rows_read_out_the_decoded_weight(layout, fmt):
         for k0 in range(0, K, mg.MAX_ROWS):
             got = product(eye[k0:k0 + mg.MAX_ROWS])  # [E, rows, N]
             assert torch.equal(got.transpose(-1, -2), want[..., k0:k0 + mg.MAX_ROWS]), (case, k0)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_adds_its_splits_to_the_same_bits(layout, fmt):
+    """With `counters` the kernel adds its K splits itself (one launch): the bits of the split sum kernel's result,
+    the counters zero again after every launch and every replay of a captured graph, for every entry selection; a
+    launch needing more counters than given takes the split sum kernel."""
+    for case, (E, N, K) in enumerate(SHAPES):
+        w, s, g = _operands(fmt, E, N, K, min(case, 1), device="cuda")
+        product = _product_fn(layout, fmt, N, w, s, g)
+        counters = mg.counters_for(E, N, torch.device("cuda"))
+        for rows in (1, 8, 32):
+            x = torch.randn(rows, K, device="cuda").to(BF16)
+            active = (torch.arange(E, device="cuda") % 2 == 0).to(torch.int32)
+            for kw in ({}, {"active": active}, {"index": torch.tensor([E - 1, 0, E - 1], device="cuda")}):
+                want = product(x, split=3, **kw)
+                got = product(x, split=3, counters=counters, **kw)
+                assert torch.equal(got, want), (case, rows, kw.keys())
+                assert not counters.any()
+        graph = torch.cuda.CUDAGraph()
+        x = torch.randn(5, K, device="cuda").to(BF16)
+        with torch.cuda.graph(graph):
+            replayed = product(x, split=2, counters=counters)
+        want = product(x, split=2)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, want) and not counters.any()
+    small = torch.zeros(1, dtype=torch.int32, device="cuda")  # fewer than the launch's programs
+    assert torch.equal(product(x, split=2, counters=small), want) and not small.any()
 
 
 @pytest.mark.gpu

@@ -40,9 +40,10 @@ scale S = fp32(e4m3) * weight_scale_2, entries {0, A/2, A, B, 2A, 2B, 4A, 4B}) b
 applied (`_TWO_TABLE_ASM`: a word's two halves through the tables of its two rows). MXFP8: each E4M3 byte widened
 exactly (through f16 to fp32) and multiplied by its block's 2^(E - 127), exact in range (`_MX_WORD_ASM`). The
 products are exact; the tensor cores add them in fp32 within an MMA (possibly truncating when they align addends),
-the MMAs of a split accumulate in fp32, splits of K write fp32 partial sums that a second kernel adds in split order
-and rounds once to bf16 (`grouped._sum_splits_kernel`). Bound (tests): |y - exact| <= gamma_K(2u) * sum_k |x w_hat|
-before the final rounding, u = 2^-24, as `fast.gemv`'s dot.
+the MMAs of a split accumulate in fp32, splits of K write fp32 partial sums that are added in split order and
+rounded once to bf16: by the output tile's last split in the kernel (with `counters_for`'s counters: one launch), or
+else by a second kernel (`grouped._sum_splits_kernel`), the same bits. Bound (tests): |y - exact| <= gamma_K(2u) *
+sum_k |x w_hat| before the final rounding, u = 2^-24, as `fast.gemv`'s dot.
 
 The decode needs the block scales in the normal range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3 NaN
 byte, which `FastPackedWeight.configure` checks before it gives a weight to this kernel (`FastPaths(gemv="mma")`,
@@ -543,20 +544,26 @@ if AVAILABLE:
         return gl.arange(0, S, layout=gl.SliceLayout(1, PARENT))
 
     @gluon.jit
-    def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr,
-                         M, N, K, N16, STEPS, STEPS_PER_SPLIT,
+    def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr, out_ptr, cnt_ptr,
+                         M, N, K, N16, STEPS, STEPS_PER_SPLIT, NSPLIT,
                          stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
                          stride_we, stride_wn, stride_se, stride_sn,
                          NVFP4_FMT: gl.constexpr, SELECT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr,
                          WARPS: gl.constexpr, OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr,
-                         MASKED: gl.constexpr):
+                         MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr):
         """y[split, p, m, n] = sum over this split's steps of x[p, m, k] * w_hat[e, n, k] (fp32), e = p (SELECT 0),
         index[p] (SELECT 1), or p with unflagged entries (active[p] == 0) read as nothing (SELECT 2). Grid: (groups
         of WARPS x RT row tiles, output entries, splits). The program's tensors are [S, RT, NB] (S = 32 WARPS lane
         slots, RT row tiles, NB row groups of 8 x rows), all of a slot's in its lane's registers: element (i, r, b)
         is warp i // 32's lane i % 32, its row tile r (the A fragment) and x's rows 8b .. 8b + 7 (the B fragment).
         The weight in `reorder`'s layout, or STORED in the checkpoint's (its strides in the units a lane loads, int64
-        NVFP4 and int32 MXFP8, the scales' in bytes; rows past N and columns past K masked when MASKED)."""
+        NVFP4 and int32 MXFP8, the scales' in bytes; rows past N and columns past K masked when MASKED).
+
+        SUM_SPLITS: the fp32 partial sums y of the NSPLIT splits are added here, not by a kernel of their own: each
+        program takes a ticket from its output tile's counter (int32 `cnt_ptr[p, pid_n]`, zero before the launch)
+        once its partials are stored, and the tile's last program adds the NSPLIT partials in split order (the split
+        sum kernel's order, the same bits), rounds once, stores bf16 `out_ptr` (strides as y's) and sets the counter
+        back to zero for the next launch (and the next replay of a CUDA graph)."""
         S: gl.constexpr = 32 * WARPS
         SHAPE: gl.constexpr = [S, RT, NB]
         L3: gl.constexpr = gl.BlockedLayout([1, RT, NB], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
@@ -583,14 +590,17 @@ if AVAILABLE:
         m0 = gl.expand_dims(group * 8 + 2 * c_x, 1)  # [S, 1, NB]
         y_base = y_ptr + sid * stride_ys + p * stride_yp
         if SELECT == 2:
-            # an entry no row uses: nothing read, zeros written
+            # an entry no row uses: nothing read, zeros written (SUM_SPLITS: to the output, by every split alike)
             if gl.load(sel_ptr + p) == 0:
                 zero = gl.zeros(SHAPE, gl.float32, L3)
-                if OUT_BF16:
+                zero_base = y_base
+                if OUT_BF16 or SUM_SPLITS:
                     zero = zero.to(gl.bfloat16)
+                if SUM_SPLITS:
+                    zero_base = out_ptr + p * stride_yp
                 for h in gl.static_range(2):
                     for col in gl.static_range(2):
-                        gl.store(y_base + (m0 + col) * stride_ym + n0 + 8 * h, zero,
+                        gl.store(zero_base + (m0 + col) * stride_ym + n0 + 8 * h, zero,
                                  mask=(m0 + col < M) & (n0 + 8 * h < N))
                 return
         if STORED:
@@ -639,15 +649,33 @@ if AVAILABLE:
                 if OUT_BF16:
                     out = out.to(gl.bfloat16)
                 gl.store(y_base + (m0 + col) * stride_ym + n0 + 8 * h, out, mask=(m0 + col < M) & (n0 + 8 * h < N))
+        if SUM_SPLITS:
+            gl.thread_barrier()  # every lane's partials stored before the program's ticket (released with it)
+            counter = cnt_ptr + p * gl.num_programs(0) + pid_n
+            if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
+                # the tile's last split: the partials from L2 (.cg: not this SM's L1), in split order
+                part = y_ptr + p * stride_yp
+                for h in gl.static_range(2):
+                    for col in gl.static_range(2):
+                        offs = (m0 + col) * stride_ym + n0 + 8 * h
+                        ok = (m0 + col < M) & (n0 + 8 * h < N)
+                        total = gl.load(part + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                        for sp in range(1, NSPLIT):
+                            total += gl.load(part + sp * stride_ys + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                        gl.store(out_ptr + p * stride_yp + offs, total.to(gl.bfloat16), mask=ok)
+                gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
+    # `counters` is written and restored to zeros within the launch, so the operator leaves it as it found it (no
+    # mutation for torch.compile to functionalise: a copy a call)
     @custom_op("minimax_ref::packed_mma_gemv", mutates_args=())
     def _mma_gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                      sel: torch.Tensor | None, select: int, outputs: int, n: int, split: int, nvfp4: bool,
-                     stored: bool) -> torch.Tensor:
+                     stored: bool, counters: torch.Tensor | None) -> torch.Tensor:
         """The launch (see `packed_product`): x bf16 `[Px, M, K]` (Px 1: shared by every output entry); the weight
         in `reorder`'s layout (words, scales, glob), or `stored` in the checkpoint's (uint8 views `[E, N, K/2 or K]`
         and `[E, N, K/16 or K/32]`, glob NVFP4's weight_scale_2 `[E]` or `[1]`, MXFP8 anything: unread); sel int
-        `[outputs]` (ids, select 1; flags, select 2) or None. Returns bf16 `[outputs, M, N]`."""
+        `[outputs]` (ids, select 1; flags, select 2) or None; counters int32 zeros (at least `programs`) for the K
+        splits' sum in the kernel, or None (a second kernel adds them). Returns bf16 `[outputs, M, N]`."""
         m, k = x.shape[1], x.shape[2]
         if stored:
             n16, steps = -(-n // ROW_TILE), -(-k // STEP_K)
@@ -663,24 +691,34 @@ if AVAILABLE:
         out = torch.empty(shape, dtype=torch.bfloat16 if split == 1 else torch.float32, device=x.device)
         nb, launch = launch_for(NVFP4 if nvfp4 else MXFP8, m)
         tiles = WARPS * launch.row_tiles
-        _mma_gemv_kernel[(-(-n16 // tiles), outputs, split)](
-            x, weight, scales, glob, weight if sel is None else sel, out,
-            m, n, k, n16, steps, per,
+        grid = (-(-n16 // tiles), outputs, split)
+        sum_splits = split > 1 and counters is not None and counters.numel() >= grid[0] * grid[1]
+        masked = stored and bool(n % (ROW_TILE * tiles) or k % STEP_K)  # rows or columns past the weight's
+        y = torch.empty((outputs, m, n), dtype=torch.bfloat16, device=x.device) if split > 1 else out
+        _mma_gemv_kernel[grid](
+            x, weight, scales, glob, weight if sel is None else sel, out, y, counters if sum_splits else out,
+            m, n, k, n16, steps, per, split,
             x.stride(0) if x.shape[0] > 1 else 0, x.stride(1), 1 if glob.numel() > 1 else 0,
             0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2), *strides,
             NVFP4_FMT=nvfp4, SELECT=select, RT=launch.row_tiles, NB=nb, WARPS=WARPS, OUT_BF16=split == 1,
-            EVEN_K=k % STEP_K == 0, STORED=stored, MASKED=stored and (n % (ROW_TILE * tiles) or k % STEP_K),
-            num_warps=WARPS)
-        if split == 1:
-            return out
-        y = torch.empty((outputs, m, n), dtype=torch.bfloat16, device=x.device)
+            EVEN_K=k % STEP_K == 0, STORED=stored, MASKED=masked, SUM_SPLITS=sum_splits, num_warps=WARPS)
+        if split == 1 or sum_splits:
+            return y
         grouped._sum_splits_kernel[(-(-y.numel() // 1024),)](out, y, y.numel(), SPLIT=split, BLOCK=1024,
                                                              EXACT_FP32=False)
         return y
 
     @_mma_gemv_op.register_fake
-    def _(x, weight, scales, glob, sel, select, outputs, n, split, nvfp4, stored):
+    def _(x, weight, scales, glob, sel, select, outputs, n, split, nvfp4, stored, counters):
         return x.new_empty((outputs, x.shape[1], n))
+
+
+def counters_for(entries: int, n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters for the in-kernel split sum of every launch over `entries` output entries of a weight of
+    `n` rows (a program's output tile each, at the launch with the most; the kernel leaves them zero)."""
+    tiles = WARPS * min(launch.row_tiles for launch in LAUNCH.values())
+    row_tiles = -(-n // ROW_TILE)
+    return torch.zeros(entries * -(-row_tiles // tiles), dtype=torch.int32, device=device)
 
 
 def launch_for(fmt: str, m: int) -> tuple[int, Launch]:
@@ -704,7 +742,8 @@ def splits(programs: int, steps: int, sms: int, per_sm: int) -> int:
 
 def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                    index: torch.Tensor | None = None, active: torch.Tensor | None = None,
-                   split: int | None = None, sms: int = 1, busy: int | None = None) -> torch.Tensor:
+                   split: int | None = None, sms: int = 1, busy: int | None = None,
+                   counters: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w_hat^T` for a weight in `reorder`'s layout (N = `n` rows; the format read from the words a lane holds a
     step), one launch (two with K splits).
 
@@ -712,15 +751,16 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
     blocks of the format (x's last dimension; its rows 8-byte aligned: read as int64 quads); index: None or an integer
     tensor `[P]` of stack entries; active: None or int32 `[E]` flags over the stack (index None): unflagged entries
     read nothing and give zero rows. Returns bf16 `[P, M, N]`. split: K splits (default `splits` for `sms` SMs,
-    counting `busy` flagged entries with `active`). Contract: the module docstring. Static in the shapes: no host
-    synchronisation."""
+    counting `busy` flagged entries with `active`); counters: `counters_for`'s zeros, with which the kernel adds its
+    splits itself (one launch; a launch needing more counters, or None, takes the split sum kernel: the same bits).
+    Contract: the module docstring. Static in the shapes: no host synchronisation."""
     entries, n16, steps = words.shape[:3]
     fmt = NVFP4 if words.shape[-1] == 4 else MXFP8
     k = x.shape[-1]
     if (-(-k // STEP_K) != steps or n16 != -(-n // (ROW_TILE * GROUP)) * GROUP or words.dim() != 5
             or words.shape[-1] not in (4, 8)):
         raise ValueError(f"mma_gemv.packed_product: x {list(x.shape)} against words {list(words.shape)}, n {n}")
-    return _product(x, fmt, n, entries, words, scales, glob, False, index, active, split, sms, busy)
+    return _product(x, fmt, n, entries, words, scales, glob, False, index, active, split, sms, busy, counters)
 
 
 def stored_supports(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -736,7 +776,7 @@ def stored_supports(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor) 
 def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
                           weight_scale_2: torch.Tensor | None, index: torch.Tensor | None = None,
                           active: torch.Tensor | None = None, split: int | None = None, sms: int = 1,
-                          busy: int | None = None) -> torch.Tensor:
+                          busy: int | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`packed_product` reading the weight where the checkpoint's layout stores it (no reordered copy; operands as in
     `packed.decode_reference`: NVFP4 uint8 codes `[.., N, K/2]`, E4M3 block scales `[.., N, K/16]`, weight_scale_2;
     MXFP8 E4M3 elements `[.., N, K]`, E8M0 block scales `[.., N, K/32]`), which `stored_supports` must accept. Each
@@ -753,12 +793,12 @@ def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
         glob = weight_scale_2.reshape(-1).to(torch.float32)
     else:
         glob = s  # unread
-    return _product(x, fmt, w.shape[1], w.shape[0], w, s, glob, True, index, active, split, sms, busy)
+    return _product(x, fmt, w.shape[1], w.shape[0], w, s, glob, True, index, active, split, sms, busy, counters)
 
 
 def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tensor, scales: torch.Tensor,
              glob: torch.Tensor, stored: bool, index: torch.Tensor | None, active: torch.Tensor | None,
-             split: int | None, sms: int, busy: int | None) -> torch.Tensor:
+             split: int | None, sms: int, busy: int | None, counters: torch.Tensor | None) -> torch.Tensor:
     """The checks and launch both layouts share."""
     if not AVAILABLE:
         raise RuntimeError("mma_gemv needs triton with Gluon")
@@ -781,4 +821,4 @@ def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tens
     elif active is not None:
         select, sel = 2, active.to(torch.int32)
     return torch.ops.minimax_ref.packed_mma_gemv(xs.contiguous(), weight, scales, glob, sel, select, outputs, n,
-                                                 split, fmt == NVFP4, stored)
+                                                 split, fmt == NVFP4, stored, counters)

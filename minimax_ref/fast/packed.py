@@ -484,7 +484,7 @@ class Kernels:
 
 # The non-persistent buffers holding `fast.gemv`'s reordered copy of a weight (not in the state_dict; `fast.apply`
 # removes them when it restores the reference)
-GEMV_BUFFERS = ("gemv_words", "gemv_scales", "gemv_global")
+GEMV_BUFFERS = ("gemv_words", "gemv_scales", "gemv_global", "gemv_counters")
 
 
 class FastPackedWeight(PackedWeight):
@@ -561,6 +561,10 @@ class FastPackedWeight(PackedWeight):
                 reordered = gemv.reorder(self.fmt, *self.parts())
             for name, t in zip(GEMV_BUFFERS, reordered):
                 self.register_buffer(name, t, persistent=False)
+            if self.gemv_kernel != "triton":  # `fast.mma_gemv` adds its K splits in the kernel with these
+                entries = self.weight.shape[0] if self.weight.dim() == 3 else 1
+                self.register_buffer("gemv_counters", mma_gemv.counters_for(entries, self.shape[-2], self.device),
+                                     persistent=False)
 
     def takes_gemv(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a product of `rows` rows of `x` goes through `fast.gemv`: at most `gemv_tokens` (the weight's side
@@ -574,10 +578,11 @@ class FastPackedWeight(PackedWeight):
         `[P, M, N]`."""
         if self.gemv_kernel == "mma-stored":
             return mma_gemv.packed_product_stored(x, self.fmt, *self.parts(), index=index, active=active,
-                                                  sms=self.gemv_sms, busy=busy)
+                                                  sms=self.gemv_sms, busy=busy, counters=self.gemv_counters)
         if self.gemv_kernel == "mma":
             return mma_gemv.packed_product(x, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
-                                           index=index, active=active, sms=self.gemv_sms, busy=busy)
+                                           index=index, active=active, sms=self.gemv_sms, busy=busy,
+                                           counters=self.gemv_counters)
         return gemv.packed_product(x, self.fmt, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
                                    index=index, active=active, sms=self.gemv_sms, busy=busy, table=self.table)
 

@@ -304,6 +304,21 @@ def test_kernel_on_cuda_one_hot_rows_read_out_the_decoded_weight(layout, fmt):
 
 @pytest.mark.gpu
 @on_gpu
+def test_stored_nvfp4_rows_at_8_byte_boundaries():
+    """An NVFP4 weight of K = 80 (rows of 40 bytes: 8-byte aligned, the last step a quarter full) read in place: the
+    one-hot rows read out the reference decode."""
+    E, N, K = 2, 24, 80
+    w, s, g = _operands("nvfp4", E, N, K, 1, device="cuda")
+    assert mg.stored_supports("nvfp4", w, s) and w.stride(-2) % 16
+    eye = torch.eye(K, dtype=BF16, device="cuda")
+    want = _decoded("nvfp4", w, s, g)
+    for k0 in range(0, K, mg.MAX_ROWS):
+        got = mg.packed_product_stored(eye[k0:k0 + mg.MAX_ROWS], "nvfp4", w, s, g)
+        assert torch.equal(got.transpose(-1, -2), want[..., k0:k0 + mg.MAX_ROWS]), k0
+
+
+@pytest.mark.gpu
+@on_gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FMTS)
 def test_kernel_adds_its_splits_to_the_same_bits(layout, fmt):

@@ -765,12 +765,13 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
 
 def stored_supports(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """Whether the kernel reads this packed weight (`[N, ...]` or `[E, N, ...]`, as `packed_product_stored` takes
-    it) where it is stored: whole blocks of K, rows contiguous, and every row at a 16-byte boundary (each lane loads
-    a row's 8 (NVFP4) or 16 (MXFP8) bytes of a step at once)."""
+    it) where it is stored: whole blocks of K, rows contiguous, and every row aligned to the load a lane makes of a
+    step (NVFP4 8 bytes, MXFP8 16)."""
     k = weight.shape[-1] * (2 if fmt == NVFP4 else 1)
+    align = 8 if fmt == NVFP4 else 16
     return (supports(fmt, k) and weight.element_size() == 1 and weight_scale.element_size() == 1
-            and weight.stride(-1) == 1 and weight_scale.stride(-1) == 1 and weight.data_ptr() % 16 == 0
-            and all(stride % 16 == 0 for stride in weight.stride()[:-1]))
+            and weight.stride(-1) == 1 and weight_scale.stride(-1) == 1 and weight.data_ptr() % align == 0
+            and all(stride % align == 0 for stride in weight.stride()[:-1]))
 
 
 def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,

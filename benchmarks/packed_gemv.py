@@ -13,7 +13,7 @@ rows shared, w2 (down) with each expert's own rows. `--per-sm` times the GEMV's 
 programs an SM (`fast.gemv.splits`). Products of up to 32 rows also through `fast.mma_gemv` (the `gemv-mma` preset's
 kernel: tensor-core MMAs on fragments each lane decodes from its own words), on GPUs it runs on: from its reordered
 copy ("mma default") and read where the weight is stored, its K splits added in the kernel ("mma stored", what
-`gemv-mma` runs).
+`gemv-mma` runs; `--mma-ahead 2` also with loads two K steps ahead).
 
     # 1 x H200 (about a minute; the first launch of each kernel compiles it):
     python benchmarks/packed_gemv.py --rows 1,32 --per-sm 2,4,8 --out packed_gemv.jsonl
@@ -45,7 +45,7 @@ CHOSEN_AT_ONE_ROW = 4  # top-k of the release's router
 
 
 def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, kernels: Kernels,
-            device: torch.device, dot_tiles: list | None = None) -> dict:
+            device: torch.device, dot_tiles: list | None = None, mma_ahead: list[int] | None = None) -> dict:
     """One shape at `rows` rows: microseconds and copy-rate fraction of gemv (one entry per `per_sm`) and of today's
     kernel; at one row also the grouped kernel's tensor-core product (x's row padded to the MMA's 16) for each of
     `dot_tiles` (`grouped.Tiles`), its K split filling the GPU twice over with the chosen entries' tiles."""
@@ -94,6 +94,14 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
         counters = mma_gemv.counters_for(max(experts, 1), n, device)
         variants["mma stored"] = lambda: mma_gemv.packed_product_stored(x, fmt, w, s, g, active=active, sms=sms,
                                                                         busy=busy, counters=counters)
+        default = mma_gemv.launch_for(fmt, rows)[1]
+        for ahead in mma_ahead or []:  # the same launch with another depth of loads in flight
+            if ahead != default.ahead:
+                launch = default._replace(ahead=ahead)
+                variants[f"mma stored ahead={ahead}"] = (
+                    lambda launch=launch: mma_gemv.packed_product_stored(x, fmt, w, s, g, active=active, sms=sms,
+                                                                         busy=busy, counters=counters,
+                                                                         launch=launch))
     if rows == 1:
         words = fmt == "nvfp4" or "gate_proj" in name  # the compiled preset: nvfp4_words, mxfp8_words="gate_up"
         if experts:  # the gathered experts, each token's row broadcast against them (`FastExperts.forward_sync_free`)
@@ -140,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
     device = torch.device("cuda")
     bw = copy_bandwidth(device, 2 * GIB)["bytes_per_s"]
     kernels = Kernels()
-    cases = [measure(shape, rows, args.per_sm, args.iters, bw, kernels, device, args.dot_tiles)
+    cases = [measure(shape, rows, args.per_sm, args.iters, bw, kernels, device, args.dot_tiles, args.mma_ahead)
              for rows in args.rows for shape in SHAPES]
     command = "python benchmarks/packed_gemv.py " + " ".join(sys.argv[1:])
     print(f"command (BENCHMARKS.md): {command}", file=sys.stderr, flush=True)
@@ -176,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dot-tiles", type=_tiles_list, default=[],
                    help="at one row, also the grouped kernel's tensor-core product with these launch configurations "
                         "(BLOCK_N,BLOCK_K,NUM_WARPS,NUM_STAGES, space-separated), e.g. '64,128,4,4 32,256,4,3'")
+    p.add_argument("--mma-ahead", type=_positive_list, default=[],
+                   help="also fast.mma_gemv read in place with these K steps of loads in flight (1 or 2), "
+                        "comma-separated")
     p.add_argument("--iters", type=int, default=30, help="graph replays timed (default: 30)")
     p.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = p.parse_args(argv)
@@ -185,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         args.per_sm = [PROGRAMS_PER_SM]
     if max(args.rows) > 64:
         p.error(f"--rows {args.rows}: at most 64 rows (a decode step's)")
+    if not set(args.mma_ahead) <= {1, 2}:
+        p.error(f"--mma-ahead {args.mma_ahead}: 1 or 2")
     return main_guard(lambda: run(args), [])
 
 

@@ -162,7 +162,7 @@ def test_two_table_assembly_decodes_the_reference_bits():
 
 
 def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: int = 1, stored: bool = False,
-              masked: bool = False, sum_splits: bool = False) -> str:
+              masked: bool = False, sum_splits: bool = False, ahead: int | None = None) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -170,7 +170,8 @@ def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: in
     kernel = mg._mma_gemv_kernel
     launch = mg.LAUNCH["nvfp4" if nvfp4 else "mxfp8", groups]
     consts = {"NVFP4_FMT": nvfp4, "SELECT": select, "RT": launch.row_tiles, "NB": groups, "WARPS": mg.WARPS,
-              "OUT_BF16": out_bf16, "EVEN_K": even_k, "STORED": stored, "MASKED": masked, "SUM_SPLITS": sum_splits}
+              "OUT_BF16": out_bf16, "EVEN_K": even_k, "STORED": stored, "MASKED": masked, "SUM_SPLITS": sum_splits,
+              "AHEAD": ahead or launch.ahead}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
                 "sel_ptr": "*i64" if select == 1 else "*i32", "y_ptr": "*bf16" if out_bf16 else "*fp32",
                 "out_ptr": "*bf16", "cnt_ptr": "*i32"}
@@ -195,23 +196,28 @@ def test_row_groups_launches_and_splits():
     assert mg.splits(96, 96, 132, 4) == 6 and mg.splits(1000, 96, 132, 4) == 1 and mg.splits(1, 3, 132, 4) == 1
 
 
+COMPILE_CASES = [(True, 0, True, True, 1, False, False), (True, 1, False, True, 1, False, False),
+                 (True, 2, True, False, 1, False, False), (False, 0, True, True, 1, False, False),
+                 (False, 2, False, False, 1, False, False), (True, 2, True, True, 2, False, False),
+                 (False, 2, True, True, 2, False, False), (True, 2, False, False, 4, False, False),
+                 (False, 1, True, True, 4, False, False), (True, 2, True, True, 1, True, False),
+                 (True, 0, False, False, 4, True, True), (False, 0, True, True, 1, True, False),
+                 (False, 2, True, False, 2, True, True)]
+
+
 @pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
-@pytest.mark.parametrize("nvfp4,select,out_bf16,even_k,groups,stored,masked",
-                         [(True, 0, True, True, 1, False, False), (True, 1, False, True, 1, False, False),
-                          (True, 2, True, False, 1, False, False), (False, 0, True, True, 1, False, False),
-                          (False, 2, False, False, 1, False, False), (True, 2, True, True, 2, False, False),
-                          (False, 2, True, True, 2, False, False), (True, 2, False, False, 4, False, False),
-                          (False, 1, True, True, 4, False, False), (True, 2, True, True, 1, True, False),
-                          (True, 0, False, False, 4, True, True), (False, 0, True, True, 1, True, False),
-                          (False, 2, True, False, 2, True, True)])
-def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, groups, stored, masked):
+@pytest.mark.parametrize("nvfp4,select,out_bf16,even_k,groups,stored,masked,ahead",
+                         [(*case, 1) for case in COMPILE_CASES]
+                         + [(*case, 2) for case in COMPILE_CASES if case[4] == 1])  # two steps ahead: one group
+def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, groups, stored, masked, ahead):
     """Every word is decoded in the lane that loads it: the kernel issues one MMA a row tile, row group and MMA tile,
     loads a lane's 16 bytes of words at once (from the stored layout: a row's 8 NVFP4 or 16 MXFP8 bytes at once), and
-    has no shared memory, barrier or spill; its registers let `RESIDENT` programs share an SM. With the K splits
-    added in the kernel, the same loop; a barrier and one acquire-release ticket a program."""
-    ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked)
+    has no shared memory, barrier or spill; its registers let `RESIDENT` programs share an SM (loads one K step
+    ahead, or two at one row group). With the K splits added in the kernel, the same loop; a barrier and one
+    acquire-release ticket a program."""
+    ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, ahead=ahead)
     if not out_bf16:  # a launch with K splits: the same kernel adding them itself
-        summed = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, sum_splits=True)
+        summed = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, sum_splits=True, ahead=ahead)
         tickets = [op for op in re.findall(r"\batom\.[\w.]+", summed) if ".add." in op]
         assert tickets and all(".gpu." in op and ".acq_rel." in op for op in tickets), tickets
         assert "ld.global.cg" in summed and "bar.sync" in summed
@@ -315,6 +321,24 @@ def test_stored_nvfp4_rows_at_8_byte_boundaries():
     for k0 in range(0, K, mg.MAX_ROWS):
         got = mg.packed_product_stored(eye[k0:k0 + mg.MAX_ROWS], "nvfp4", w, s, g)
         assert torch.equal(got.transpose(-1, -2), want[..., k0:k0 + mg.MAX_ROWS]), k0
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_loads_two_steps_ahead_give_the_same_bits(layout, fmt):
+    """A launch loading two K steps ahead (`Launch.ahead` 2) issues the same MMAs in the same order: the same bits
+    as one step ahead, for splits of one step, a few and none."""
+    for case, (E, N, K) in enumerate(SHAPES):
+        w, s, g = _operands(fmt, E, N, K, min(case, 1), device="cuda")
+        product = _product_fn(layout, fmt, N, w, s, g)
+        for rows in (1, 5):
+            x = torch.randn(rows, K, device="cuda").to(BF16)
+            one = mg.launch_for(fmt, rows)[1]._replace(ahead=1)
+            for split in (1, 2, K // mg.STEP_K):
+                want = product(x, split=split, launch=one)
+                assert torch.equal(product(x, split=split, launch=one._replace(ahead=2)), want), (case, rows, split)
 
 
 @pytest.mark.gpu

@@ -89,6 +89,7 @@ class Launch(NamedTuple):
 
     row_tiles: int
     per_sm: int
+    ahead: int = 1  # K steps of loads in flight while a step is decoded (1 or 2)
 
 
 # By format and row groups (x rows / 8, rounded up to a power of two), from products at release shapes on 1 x H100
@@ -478,65 +479,66 @@ if AVAILABLE:
 
     @gluon.jit
     def _nvfp4_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr,
-                     STORED: gl.constexpr, MASKED: gl.constexpr, L3: gl.constexpr, LA: gl.constexpr,
-                     WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
-        """The split's steps of NVFP4 words (4 a lane, row tile and step), the next step's words, scales and x loaded
-        before this step is decoded (software pipelining by hand)."""
-        acc0 = gl.zeros(SHAPE, gl.float32, L3)
-        acc1 = gl.zeros(SHAPE, gl.float32, L3)
-        acc2 = gl.zeros(SHAPE, gl.float32, L3)
-        acc3 = gl.zeros(SHAPE, gl.float32, L3)
-        nw0, nw1, nw2, nw3, n_cg, n_ch = _nvfp4_operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, STORED, MASKED,
-                                                         WIDE, LA)
-        nq0, nq1, nq2, nq3 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
+                     STORED: gl.constexpr, MASKED: gl.constexpr, AHEAD: gl.constexpr, L3: gl.constexpr,
+                     LA: gl.constexpr, WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+        """The split's steps of NVFP4 words (4 a lane, row tile and step), the words, scales and x of the step AHEAD
+        (1 or 2) steps on loaded before this step is decoded (software pipelining by hand: AHEAD steps of loads in
+        flight)."""
+        acc = (gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3),
+               gl.zeros(SHAPE, gl.float32, L3))
+        ops1 = _nvfp4_operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+        xq1 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
+        if AHEAD == 2:
+            second = gl.minimum(s_lo + 1, s_hi - 1)
+            ops2 = _nvfp4_operands(wa, wb, sa, sb, kc, second, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+            xq2 = _x_quads(x_rows, second, c_x, K, EVEN_K, XWIDE, L3)
         for step in range(s_lo, s_hi):
-            w0, w1, w2, w3, code_g, code_h = nw0, nw1, nw2, nw3, n_cg, n_ch
-            q0, q1, q2, q3 = nq0, nq1, nq2, nq3
-            nxt = gl.minimum(step + 1, s_hi - 1)  # the last step loads its own again: no mask in the loop
-            nw0, nw1, nw2, nw3, n_cg, n_ch = _nvfp4_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED,
-                                                             WIDE, LA)
-            nq0, nq1, nq2, nq3 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
-            tg = _table_bytes(code_g, glob)
-            th = _table_bytes(code_h, glob)
-            a0, a1, a2, a3 = _fragment(w0, tg, th)
-            acc0, acc1, acc2, acc3 = _tile_mma(a0, a1, a2, a3, q0, acc0, acc1, acc2, acc3)
-            a0, a1, a2, a3 = _fragment(w1, tg, th)
-            acc0, acc1, acc2, acc3 = _tile_mma(a0, a1, a2, a3, q1, acc0, acc1, acc2, acc3)
-            a0, a1, a2, a3 = _fragment(w2, tg, th)
-            acc0, acc1, acc2, acc3 = _tile_mma(a0, a1, a2, a3, q2, acc0, acc1, acc2, acc3)
-            a0, a1, a2, a3 = _fragment(w3, tg, th)
-            acc0, acc1, acc2, acc3 = _tile_mma(a0, a1, a2, a3, q3, acc0, acc1, acc2, acc3)
-        return acc0, acc1, acc2, acc3
+            ops, xq = ops1, xq1
+            nxt = gl.minimum(step + AHEAD, s_hi - 1)  # the last steps load the last again: no mask in the loop
+            if AHEAD == 2:
+                ops1, xq1 = ops2, xq2
+                ops2 = _nvfp4_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+                xq2 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
+            else:
+                ops1 = _nvfp4_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+                xq1 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
+            tg = _table_bytes(ops[4], glob)
+            th = _table_bytes(ops[5], glob)
+            for t in gl.static_range(4):  # the MMA tiles of a step
+                a0, a1, a2, a3 = _fragment(ops[t], tg, th)
+                acc = _tile_mma(a0, a1, a2, a3, xq[t], acc[0], acc[1], acc[2], acc[3])
+        return acc
 
     @gluon.jit
     def _mxfp8_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, s_lo, s_hi, K, EVEN_K: gl.constexpr,
-                     STORED: gl.constexpr, MASKED: gl.constexpr, L3: gl.constexpr, LA: gl.constexpr,
-                     WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+                     STORED: gl.constexpr, MASKED: gl.constexpr, AHEAD: gl.constexpr, L3: gl.constexpr,
+                     LA: gl.constexpr, WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
         """The split's steps of MXFP8 words (8 a lane, row tile and step: word 2t + h is row g + 8h's bytes of MMA
         tile t), pipelined as `_nvfp4_steps`."""
-        acc0 = gl.zeros(SHAPE, gl.float32, L3)
-        acc1 = gl.zeros(SHAPE, gl.float32, L3)
-        acc2 = gl.zeros(SHAPE, gl.float32, L3)
-        acc3 = gl.zeros(SHAPE, gl.float32, L3)
-        nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, n_cg, n_ch = _mxfp8_operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h,
-                                                                             KB, STORED, MASKED, WIDE, LA)
-        nq0, nq1, nq2, nq3 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
+        acc = (gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3),
+               gl.zeros(SHAPE, gl.float32, L3))
+        ops1 = _mxfp8_operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+        xq1 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
+        if AHEAD == 2:
+            second = gl.minimum(s_lo + 1, s_hi - 1)
+            ops2 = _mxfp8_operands(wa, wb, sa, sb, kc, second, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+            xq2 = _x_quads(x_rows, second, c_x, K, EVEN_K, XWIDE, L3)
         for step in range(s_lo, s_hi):
-            w0, w1, w2, w3, w4, w5, w6, w7 = nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7
-            code_g, code_h = n_cg, n_ch
-            q0, q1, q2, q3 = nq0, nq1, nq2, nq3
-            nxt = gl.minimum(step + 1, s_hi - 1)
-            nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, n_cg, n_ch = _mxfp8_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h,
-                                                                                 KB, STORED, MASKED, WIDE, LA)
-            nq0, nq1, nq2, nq3 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
+            ops, xq = ops1, xq1
+            nxt = gl.minimum(step + AHEAD, s_hi - 1)
+            if AHEAD == 2:
+                ops1, xq1 = ops2, xq2
+                ops2 = _mxfp8_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+                xq2 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
+            else:
+                ops1 = _mxfp8_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+                xq1 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
             # E8M0 code c -> 2^(c - 127) on the fp32 bits (c >= 1 in the normal range)
-            sg = (code_g.to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            sh = (code_h.to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            acc0, acc1, acc2, acc3 = _mx_tile_mma(w0, w1, q0, sg, sh, acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _mx_tile_mma(w2, w3, q1, sg, sh, acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _mx_tile_mma(w4, w5, q2, sg, sh, acc0, acc1, acc2, acc3)
-            acc0, acc1, acc2, acc3 = _mx_tile_mma(w6, w7, q3, sg, sh, acc0, acc1, acc2, acc3)
-        return acc0, acc1, acc2, acc3
+            sg = (ops[8].to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            sh = (ops[9].to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            for t in gl.static_range(4):  # the MMA tiles of a step
+                acc = _mx_tile_mma(ops[2 * t], ops[2 * t + 1], xq[t], sg, sh, acc[0], acc[1], acc[2], acc[3])
+        return acc
 
     @gluon.jit
     def _lane_arange(S: gl.constexpr, PARENT: gl.constexpr):
@@ -550,7 +552,7 @@ if AVAILABLE:
                          stride_we, stride_wn, stride_se, stride_sn,
                          NVFP4_FMT: gl.constexpr, SELECT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr,
                          WARPS: gl.constexpr, OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr,
-                         MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr):
+                         MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr, AHEAD: gl.constexpr):
         """y[split, p, m, n] = sum over this split's steps of x[p, m, k] * w_hat[e, n, k] (fp32), e = p (SELECT 0),
         index[p] (SELECT 1), or p with unflagged entries (active[p] == 0) read as nothing (SELECT 2). Grid: (groups
         of WARPS x RT row tiles, output entries, splits). The program's tensors are [S, RT, NB] (S = 32 WARPS lane
@@ -638,10 +640,10 @@ if AVAILABLE:
         if NVFP4_FMT:
             glob = gl.load(g_ptr + e * stride_ge)
             acc0, acc1, acc2, acc3 = _nvfp4_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi,
-                                                  K, EVEN_K, STORED, MASKED, L3, LA, WIDE, XWIDE, SHAPE)
+                                                  K, EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
         else:
             acc0, acc1, acc2, acc3 = _mxfp8_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, s_lo, s_hi, K,
-                                                  EVEN_K, STORED, MASKED, L3, LA, WIDE, XWIDE, SHAPE)
+                                                  EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
         accs = (acc0, acc1, acc2, acc3)
         for h in gl.static_range(2):
             for col in gl.static_range(2):
@@ -670,12 +672,13 @@ if AVAILABLE:
     @custom_op("minimax_ref::packed_mma_gemv", mutates_args=())
     def _mma_gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                      sel: torch.Tensor | None, select: int, outputs: int, n: int, split: int, nvfp4: bool,
-                     stored: bool, counters: torch.Tensor | None) -> torch.Tensor:
+                     stored: bool, counters: torch.Tensor | None, row_tiles: int, ahead: int) -> torch.Tensor:
         """The launch (see `packed_product`): x bf16 `[Px, M, K]` (Px 1: shared by every output entry); the weight
         in `reorder`'s layout (words, scales, glob), or `stored` in the checkpoint's (uint8 views `[E, N, K/2 or K]`
         and `[E, N, K/16 or K/32]`, glob NVFP4's weight_scale_2 `[E]` or `[1]`, MXFP8 anything: unread); sel int
         `[outputs]` (ids, select 1; flags, select 2) or None; counters int32 zeros (at least `programs`) for the K
-        splits' sum in the kernel, or None (a second kernel adds them). Returns bf16 `[outputs, M, N]`."""
+        splits' sum in the kernel, or None (a second kernel adds them); row_tiles / ahead: the `Launch`'s. Returns
+        bf16 `[outputs, M, N]`."""
         m, k = x.shape[1], x.shape[2]
         if stored:
             n16, steps = -(-n // ROW_TILE), -(-k // STEP_K)
@@ -689,8 +692,7 @@ if AVAILABLE:
         per = -(-steps // split)
         shape = (outputs, m, n) if split == 1 else (split, outputs, m, n)
         out = torch.empty(shape, dtype=torch.bfloat16 if split == 1 else torch.float32, device=x.device)
-        nb, launch = launch_for(NVFP4 if nvfp4 else MXFP8, m)
-        tiles = WARPS * launch.row_tiles
+        tiles = WARPS * row_tiles
         grid = (-(-n16 // tiles), outputs, split)
         sum_splits = split > 1 and counters is not None and counters.numel() >= grid[0] * grid[1]
         masked = stored and bool(n % (ROW_TILE * tiles) or k % STEP_K)  # rows or columns past the weight's
@@ -700,8 +702,9 @@ if AVAILABLE:
             m, n, k, n16, steps, per, split,
             x.stride(0) if x.shape[0] > 1 else 0, x.stride(1), 1 if glob.numel() > 1 else 0,
             0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2), *strides,
-            NVFP4_FMT=nvfp4, SELECT=select, RT=launch.row_tiles, NB=nb, WARPS=WARPS, OUT_BF16=split == 1,
-            EVEN_K=k % STEP_K == 0, STORED=stored, MASKED=masked, SUM_SPLITS=sum_splits, num_warps=WARPS)
+            NVFP4_FMT=nvfp4, SELECT=select, RT=row_tiles, NB=row_groups(m), WARPS=WARPS, OUT_BF16=split == 1,
+            EVEN_K=k % STEP_K == 0, STORED=stored, MASKED=masked, SUM_SPLITS=sum_splits, AHEAD=ahead,
+            num_warps=WARPS)
         if split == 1 or sum_splits:
             return y
         grouped._sum_splits_kernel[(-(-y.numel() // 1024),)](out, y, y.numel(), SPLIT=split, BLOCK=1024,
@@ -709,7 +712,7 @@ if AVAILABLE:
         return y
 
     @_mma_gemv_op.register_fake
-    def _(x, weight, scales, glob, sel, select, outputs, n, split, nvfp4, stored, counters):
+    def _(x, weight, scales, glob, sel, select, outputs, n, split, nvfp4, stored, counters, row_tiles, ahead):
         return x.new_empty((outputs, x.shape[1], n))
 
 
@@ -727,9 +730,10 @@ def launch_for(fmt: str, m: int) -> tuple[int, Launch]:
     return groups, LAUNCH[fmt, groups]
 
 
-def programs(fmt: str, entries: int, n16: int, m: int) -> int:
-    """The programs of one K split of a product of `m` rows over `entries` output entries of `n16` row tiles."""
-    return entries * -(-n16 // (WARPS * launch_for(fmt, m)[1].row_tiles))
+def programs(fmt: str, entries: int, n16: int, m: int, launch: Launch | None = None) -> int:
+    """The programs of one K split of a product of `m` rows over `entries` output entries of `n16` row tiles
+    (`launch`: default `launch_for`'s)."""
+    return entries * -(-n16 // (WARPS * (launch or launch_for(fmt, m)[1]).row_tiles))
 
 
 def splits(programs: int, steps: int, sms: int, per_sm: int) -> int:
@@ -743,7 +747,7 @@ def splits(programs: int, steps: int, sms: int, per_sm: int) -> int:
 def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                    index: torch.Tensor | None = None, active: torch.Tensor | None = None,
                    split: int | None = None, sms: int = 1, busy: int | None = None,
-                   counters: torch.Tensor | None = None) -> torch.Tensor:
+                   counters: torch.Tensor | None = None, launch: Launch | None = None) -> torch.Tensor:
     """`x @ w_hat^T` for a weight in `reorder`'s layout (N = `n` rows; the format read from the words a lane holds a
     step), one launch (two with K splits).
 
@@ -752,15 +756,17 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
     tensor `[P]` of stack entries; active: None or int32 `[E]` flags over the stack (index None): unflagged entries
     read nothing and give zero rows. Returns bf16 `[P, M, N]`. split: K splits (default `splits` for `sms` SMs,
     counting `busy` flagged entries with `active`); counters: `counters_for`'s zeros, with which the kernel adds its
-    splits itself (one launch; a launch needing more counters, or None, takes the split sum kernel: the same bits).
-    Contract: the module docstring. Static in the shapes: no host synchronisation."""
+    splits itself (one launch; a launch needing more counters, or None, takes the split sum kernel: the same bits);
+    launch: a `Launch` instead of `LAUNCH`'s for the format and rows (benchmarks compare them). Contract: the module
+    docstring. Static in the shapes: no host synchronisation."""
     entries, n16, steps = words.shape[:3]
     fmt = NVFP4 if words.shape[-1] == 4 else MXFP8
     k = x.shape[-1]
     if (-(-k // STEP_K) != steps or n16 != -(-n // (ROW_TILE * GROUP)) * GROUP or words.dim() != 5
             or words.shape[-1] not in (4, 8)):
         raise ValueError(f"mma_gemv.packed_product: x {list(x.shape)} against words {list(words.shape)}, n {n}")
-    return _product(x, fmt, n, entries, words, scales, glob, False, index, active, split, sms, busy, counters)
+    return _product(x, fmt, n, entries, words, scales, glob, False, index, active, split, sms, busy, counters,
+                    launch)
 
 
 def stored_supports(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -777,7 +783,8 @@ def stored_supports(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor) 
 def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
                           weight_scale_2: torch.Tensor | None, index: torch.Tensor | None = None,
                           active: torch.Tensor | None = None, split: int | None = None, sms: int = 1,
-                          busy: int | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                          busy: int | None = None, counters: torch.Tensor | None = None,
+                          launch: Launch | None = None) -> torch.Tensor:
     """`packed_product` reading the weight where the checkpoint's layout stores it (no reordered copy; operands as in
     `packed.decode_reference`: NVFP4 uint8 codes `[.., N, K/2]`, E4M3 block scales `[.., N, K/16]`, weight_scale_2;
     MXFP8 E4M3 elements `[.., N, K]`, E8M0 block scales `[.., N, K/32]`), which `stored_supports` must accept. Each
@@ -794,12 +801,14 @@ def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
         glob = weight_scale_2.reshape(-1).to(torch.float32)
     else:
         glob = s  # unread
-    return _product(x, fmt, w.shape[1], w.shape[0], w, s, glob, True, index, active, split, sms, busy, counters)
+    return _product(x, fmt, w.shape[1], w.shape[0], w, s, glob, True, index, active, split, sms, busy, counters,
+                    launch)
 
 
 def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tensor, scales: torch.Tensor,
              glob: torch.Tensor, stored: bool, index: torch.Tensor | None, active: torch.Tensor | None,
-             split: int | None, sms: int, busy: int | None, counters: torch.Tensor | None) -> torch.Tensor:
+             split: int | None, sms: int, busy: int | None, counters: torch.Tensor | None,
+             launch: Launch | None) -> torch.Tensor:
     """The checks and launch both layouts share."""
     if not AVAILABLE:
         raise RuntimeError("mma_gemv needs triton with Gluon")
@@ -812,9 +821,12 @@ def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tens
         raise ValueError(f"mma_gemv: x {list(x.shape)} {x.dtype} against a {fmt} weight {list(weight.shape)}, n {n}")
     steps = -(-k // STEP_K)
     n16 = -(-n // ROW_TILE)
+    launch = launch or launch_for(fmt, m)[1]
+    if launch.ahead not in (1, 2) or launch.row_tiles not in (1, 2) or GROUP % (WARPS * launch.row_tiles):
+        raise ValueError(f"mma_gemv: {launch} (ahead 1 or 2 K steps, 1 or 2 row tiles a warp)")
     if split is None:
         working = min(outputs, busy) if busy is not None and active is not None else outputs
-        split = splits(programs(fmt, working, n16, m), steps, sms, launch_for(fmt, m)[1].per_sm)
+        split = splits(programs(fmt, working, n16, m, launch), steps, sms, launch.per_sm)
     split = -(-steps // -(-steps // max(1, min(split, steps))))
     select, sel = 0, None
     if index is not None:
@@ -822,4 +834,5 @@ def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tens
     elif active is not None:
         select, sel = 2, active.to(torch.int32)
     return torch.ops.minimax_ref.packed_mma_gemv(xs.contiguous(), weight, scales, glob, sel, select, outputs, n,
-                                                 split, fmt == NVFP4, stored, counters)
+                                                 split, fmt == NVFP4, stored, counters, launch.row_tiles,
+                                                 launch.ahead)

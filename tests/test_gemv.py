@@ -330,29 +330,36 @@ def tiny(ckpt_factory):
 
 
 @interp
-def test_decode_step_through_the_kernel(tiny, monkeypatch):
-    """A cached decode step of 2 sequences (prefilled by the reference) with the eager fast paths and gemv on: every
-    packed product of the step takes the kernel, the routed experts through their flags, and the logits equal the
-    reference's to bf16 rounding."""
+@pytest.mark.parametrize("batch", [2, 4])
+def test_decode_step_through_the_kernel(tiny, monkeypatch, batch):
+    """A cached decode step of `batch` sequences (prefilled by the reference) with the eager fast paths and gemv on:
+    every packed product of the step takes the kernel, the routed experts by the chosen ids while the step's
+    (token, slot) pairs are fewer than the experts (2 x 4 of 16), else through their flags (4 x 4), and the logits
+    equal the reference's to bf16 rounding."""
     model = load_model(tiny, dtype=BF16, weights="packed")
-    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (batch, 7), generator=torch.Generator().manual_seed(0))
     calls = []
     real = gemv.packed_product
-    monkeypatch.setattr(gemv, "packed_product", lambda *a, **k: calls.append((k.get("active"), k.get("busy")))
-                        or real(*a, **k))
+    monkeypatch.setattr(gemv, "packed_product", lambda *a, **k: calls.append(
+        (k.get("active"), k.get("busy"), k.get("index"))) or real(*a, **k))
     steps = []
     for paths in (FastPaths(), FastPaths(moe=True, static_kv=True, gemv="triton")):
         apply(model, False)
         with torch.no_grad():
-            cache = model.new_cache(2, 8)
-            model(ids[:, :6], positions=torch.arange(6).expand(2, -1), cache=cache)
+            cache = model.new_cache(batch, 8)
+            model(ids[:, :6], positions=torch.arange(6).expand(batch, -1), cache=cache)
             apply(model, paths)
-            steps.append(model(ids[:, 6:], positions=torch.full((2, 1), 6), cache=cache))
+            steps.append(model(ids[:, 6:], positions=torch.full((batch, 1), 6), cache=cache))
     packed = sum(1 for m in model.modules() if isinstance(m, PackedWeight))
     assert len(calls) >= packed, (len(calls), packed)
-    routed = [busy for active, busy in calls if active is not None]  # the routed experts' three products a layer
     top_k, experts = model.text.num_experts_per_tok, model.layers[1].block_sparse_moe.experts
-    assert len(routed) >= 3 and set(routed) == {min(len(experts.local_experts), 2 * top_k)}
+    pairs, count = batch * top_k, len(experts.local_experts)
+    flagged = [busy for active, busy, _ in calls if active is not None]
+    by_id = [len(index) for _, _, index in calls if index is not None]
+    if pairs < count:  # the routed experts' three products a layer, over the step's pairs
+        assert not flagged and len(by_id) >= 3 and set(by_id) == {pairs}
+    else:
+        assert not by_id and len(flagged) >= 3 and set(flagged) == {min(count, pairs)}
     assert _rel(steps[1], steps[0]) < 2e-2, _rel(steps[1], steps[0])
     apply(model, False)
 

@@ -187,7 +187,10 @@ class FastExperts(Experts):
         (decoding P experts, the chosen ones) and applied with batched matmuls; otherwise every local expert runs on
         every token (decoding each local expert once) and the outputs are combined with a dense [T, E] weight
         matrix whose unchosen entries are 0. Under expert parallelism, pairs routed to another rank's experts get
-        weight 0. With `FastPaths.grouped` and more tokens than the fused matmul takes, `forward_grouped` instead.
+        weight 0. With `FastPaths.grouped` and more tokens than the fused matmul takes, `forward_grouped` instead,
+        except that with P < E, where the stacks multiply one row by `fast.gemv` / `fast.mma_gemv`
+        (`gathers_through_kernel`), each pair's expert is read through the kernel's entry ids: a launch over the P
+        pairs, not over the E experts' flags (whose unchosen entries still take programs that write zeros).
         """
         T, k = routing.expert_ids.shape
         E = len(self.local_experts)
@@ -195,7 +198,7 @@ class FastExperts(Experts):
         mine = (local >= 0) & (local < E)
         weights = torch.where(mine, routing.weights, torch.zeros_like(routing.weights))  # fp32 [T, k]
         local = local.clamp(0, E - 1)
-        if self.takes_grouped(x):
+        if self.takes_grouped(x) and not (T * k < E and self.gathers_through_kernel(x)):
             return self.forward_grouped(x, local, mine, weights)
         if T * k < E:
             # each token's row broadcast against its k experts (not repeated: the fused matmul reads x in place)
@@ -211,6 +214,11 @@ class FastExperts(Experts):
         h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))
         y = self.matmul("w2", h)  # [E, T, H]
         return torch.einsum("te,eth->th", dense, y.float())
+
+    def gathers_through_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the three stacks multiply a pair's one row of x by `fast.gemv` or `fast.mma_gemv`
+        (`FastPackedWeight.takes_gemv`), which read the chosen entries by id."""
+        return all(isinstance(w, FastPackedWeight) and w.takes_gemv(x, 1) for w in (self.w1, self.w3, self.w2))
 
     def takes_grouped(self, x: torch.Tensor) -> bool:
         """Whether the three stacks are packed and multiply x's rows through the grouped kernel

@@ -13,7 +13,8 @@ rows shared, w2 (down) with each expert's own rows. `--per-sm` times the GEMV's 
 programs an SM (`fast.gemv.splits`). Products of up to 32 rows also through `fast.mma_gemv` (the `gemv-mma` preset's
 kernel: tensor-core MMAs on fragments each lane decodes from its own words), on GPUs it runs on: from its reordered
 copy ("mma default") and read where the weight is stored, its K splits added in the kernel ("mma stored", what
-`gemv-mma` runs; `--mma-ahead 2` also with loads two K steps ahead).
+`gemv-mma` runs: at one row the routed experts by their ids, "mma stored flags" by flags over the stack;
+`--mma-ahead 2` also with loads two K steps ahead).
 
     # 1 x H200 (about a minute; the first launch of each kernel compiles it):
     python benchmarks/packed_gemv.py --rows 1,32 --per-sm 2,4,8 --out packed_gemv.jsonl
@@ -74,6 +75,7 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
     k_tiles, programs = reordered[0].shape[2], (chosen if experts else 1) * -(-n // gemv.TILE_N)
     sms = grouped.sm_count(device)
     variants = {}
+    in_id_order = set()  # variants whose outputs are the chosen experts' alone, in `ids`' order
     for target in per_sm:
         split = gemv.splits(programs, k_tiles, sms, target)
         variants[f"gemv per_sm={target} split={split}"] = (
@@ -92,16 +94,22 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
         variants["mma default"] = lambda: mma_gemv.packed_product(x, n, *mma_reordered, active=active, sms=sms,
                                                                   busy=busy)
         counters = mma_gemv.counters_for(max(experts, 1), n, device)
-        variants["mma stored"] = lambda: mma_gemv.packed_product_stored(x, fmt, w, s, g, active=active, sms=sms,
-                                                                        busy=busy, counters=counters)
+        if experts and rows == 1:  # a token's chosen experts by id, as `FastExperts` passes them (fewer pairs)
+            xs, sel = (x[ids] if per_expert else x), {"index": ids}
+            in_id_order.update({"mma stored", *(f"mma stored ahead={a}" for a in mma_ahead or [])})
+            variants["mma stored flags"] = lambda: mma_gemv.packed_product_stored(
+                x, fmt, w, s, g, active=active, sms=sms, busy=busy, counters=counters)
+        else:
+            xs, sel = x, {"active": active, "busy": busy}
+        variants["mma stored"] = lambda: mma_gemv.packed_product_stored(xs, fmt, w, s, g, sms=sms,
+                                                                        counters=counters, **sel)
         default = mma_gemv.launch_for(fmt, rows)[1]
         for ahead in mma_ahead or []:  # the same launch with another depth of loads in flight
             if ahead != default.ahead:
                 launch = default._replace(ahead=ahead)
                 variants[f"mma stored ahead={ahead}"] = (
-                    lambda launch=launch: mma_gemv.packed_product_stored(x, fmt, w, s, g, active=active, sms=sms,
-                                                                         busy=busy, counters=counters,
-                                                                         launch=launch))
+                    lambda launch=launch: mma_gemv.packed_product_stored(xs, fmt, w, s, g, sms=sms, counters=counters,
+                                                                         launch=launch, **sel))
     if rows == 1:
         words = fmt == "nvfp4" or "gate_proj" in name  # the compiled preset: nvfp4_words, mxfp8_words="gate_up"
         if experts:  # the gathered experts, each token's row broadcast against them (`FastExperts.forward_sync_free`)
@@ -124,7 +132,7 @@ def measure(shape: tuple, rows: int, per_sm: list[int], iters: int, bw: float, k
                   "rows": rows, "packed_bytes": nbytes, "roofline_us": 1e6 * nbytes / bw}
     for vname, fn in variants.items():
         got = fn().float()
-        if experts and not vname.startswith("today: fused"):
+        if experts and not vname.startswith("today: fused") and vname not in in_id_order:
             got = got[ids]
         err = float((got.reshape(want.shape) - want).abs().max() / want.abs().max())
         if err > 1e-2:

@@ -9,7 +9,7 @@ switches and their named `PRESETS`), `model` (the model twin and `apply`), `atte
 configurations, as data), `graph` (a decode step captured in a CUDA graph), `overlap` (greedy steps launched ahead of
 the host), `segments` (offloaded steps split at their synchronisation points), `drafter` (the DSpark drafter's twin),
 and the Triton kernels: `grouped` (packed products of a few dozen rows), `gemv` (packed products from reordered
-weights), `mma_gemv` (packed products of up to 32 rows from weights reordered into tensor-core fragments; Gluon),
+weights), `mma_gemv` (packed products of up to 32 rows, each lane decoding its tensor-core fragments; Gluon),
 `prefill_experts` (prefill's routed experts from their packed stacks), `attention_kernel` (block-sparse
 attention of prefill and decode steps), `selection_kernel` (MSA block scores).
 """

@@ -1,8 +1,10 @@
-"""Packed products of 1 to 32 rows (decode steps) on the tensor cores, the weights reordered once at load so that
-every lane of a warp loads, as whole int32 words, exactly the 8 weight elements it holds in an `mma.sync.m16n8k16`
-(bf16 inputs, fp32 accumulators): no element moves between lanes or through shared memory, and decoding its words
-to the four bf16x2 registers of its fragment is the whole of the per-element work. x's rows go in groups of 8 (the
-MMA's N, one B fragment each); each decoded A fragment is multiplied by every group's. NVFP4 and MXFP8 weights.
+"""Packed products of 1 to 32 rows (decode steps) on the tensor cores: every lane of a warp loads, as whole words,
+exactly the 8 weight elements it holds in an `mma.sync.m16n8k16` (bf16 inputs, fp32 accumulators), from the weight
+where the checkpoint's layout stores it (`packed_product_stored`) or from a copy reordered once at load into the
+lanes' order (`reorder`, `packed_product`): no element moves between lanes or through shared memory, and decoding
+its words to the four bf16x2 registers of its fragment is the whole of the per-element work. x's rows go in groups of
+8 (the MMA's N, one B fragment each); each decoded A fragment is multiplied by every group's. NVFP4 and MXFP8
+weights.
 
 Layout (`reorder`). A stack `[E, N, K]` (a linear: E = 1) is cut into row tiles of 16 weight rows and K steps of
 64 elements (N and K padded with zero codes and zero scales). A step of a row tile is four MMA tiles t = 0..3 of

@@ -482,8 +482,8 @@ class Kernels:
         return torch.cat(parts, dim=-2)
 
 
-# The non-persistent buffers holding `fast.gemv`'s reordered copy of a weight (not in the state_dict; `fast.apply`
-# removes them when it restores the reference)
+# The non-persistent buffers holding `fast.gemv`'s or `fast.mma_gemv`'s reordered copy of a weight and the latter's
+# split counters (not in the state_dict; `fast.apply` removes them when it restores the reference)
 GEMV_BUFFERS = ("gemv_words", "gemv_scales", "gemv_global", "gemv_counters")
 
 
@@ -574,8 +574,8 @@ class FastPackedWeight(PackedWeight):
 
     def gemv_product(self, x: torch.Tensor, index: torch.Tensor | None = None, active: torch.Tensor | None = None,
                      busy: int | None = None) -> torch.Tensor:
-        """`fast.gemv.packed_product` (or `fast.mma_gemv`'s) on the reordered copy: x `[M, K]` or `[P, M, K]`; bf16
-        `[P, M, N]`."""
+        """`fast.gemv.packed_product` on the reordered copy, or `fast.mma_gemv`'s on the stored weight or its copy:
+        x `[M, K]` or `[P, M, K]`; bf16 `[P, M, N]`."""
         if self.gemv_kernel == "mma-stored":
             return mma_gemv.packed_product_stored(x, self.fmt, *self.parts(), index=index, active=active,
                                                   sms=self.gemv_sms, busy=busy, counters=self.gemv_counters)

@@ -70,9 +70,9 @@ take.
 * `gemv="mma"` (the non-user preset `gemv-mma`; to be measured reading the weights in place before a user preset
   takes it): as "triton", except that on CUDA products with packed weights of 1 to `fast.mma_gemv.MAX_ROWS` (32) rows
   go through `fast.mma_gemv`: each lane of a warp loads the 8 elements it holds in a tensor-core MMA from its rows'
-  stored bytes (a weight whose rows are not 16-byte aligned: from a copy reordered once at configuration), decoded
-  to the reference's bf16 bits in its registers, fp32 sums on the tensor cores; more rows take the grouped and fused
-  paths. A Gluon kernel (no interpreter: on CPU tensors the mode is "triton"). Equal to fp32 rounding.
+  stored bytes (a weight whose rows are not aligned to those loads: from a copy reordered once at configuration),
+  decoded to the reference's bf16 bits in its registers, fp32 sums on the tensor cores; more rows take the grouped
+  and fused paths. A Gluon kernel (no interpreter: on CPU tensors the mode is "triton"). Equal to fp32 rounding.
 * `nvfp4_table=True` (the `compiled` preset): the grouped kernel (and the GEMV of `gemv="triton"`) decodes NVFP4
   through each block's table: with A = bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S, every decoded element
   is one of {0, A/2, A, B, 2A, 2B, 4A, 4B} with its sign, looked up by byte permutes (`fast.grouped._TABLE_ASM`: no

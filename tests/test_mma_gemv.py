@@ -17,8 +17,9 @@ from test_grouped import _bound_ok, _decoded, _operands, _ptxas_report, _run_ptx
 
 import minimax_ref.fast.mma_gemv as mg
 from minimax_ref.fast import FastPaths, apply
-from minimax_ref.fast.packed import FastPackedWeight, decode_reference, scales_in_normal_range
+from minimax_ref.fast.packed import GEMV_BUFFERS, FastPackedWeight, decode_reference, scales_in_normal_range
 from minimax_ref.weights.loader import load_model
+from minimax_ref.weights.packed import PackedWeight
 
 BF16 = torch.bfloat16
 INTERP = mg.grouped.interpreting()
@@ -256,6 +257,38 @@ def test_mma_mode_falls_back_where_the_kernel_does_not_run(tiny_nvfp4):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     else:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_mma_mode_reads_aligned_weights_in_place(fmt, monkeypatch):
+    """`gemv="mma"` where the kernel runs (its device check stubbed on CPU; nothing is launched): a weight whose rows
+    are aligned to a lane's loads keeps no copy (`gemv_kernel` "mma-stored", only the split counters as buffers); a
+    stack whose rows are not (a view starting mid-row) gets the reordered copy; the reference restored, no buffer
+    is left."""
+    monkeypatch.setattr(mg, "runs_on", lambda device: True)
+    monkeypatch.setattr(mg.grouped, "runs_on", lambda device: True)
+    E, N, K = 3, 40, 128
+    w, s, g = _operands(fmt, E, N, K, 1)
+    aligned = PackedWeight(fmt, w, s, g)
+    keys = set(aligned.state_dict())
+    apply(aligned, FastPaths(gemv="mma"))
+    assert aligned.gemv_kernel == "mma-stored" and aligned.gemv_tokens == mg.MAX_ROWS
+    assert set(dict(aligned.named_buffers())) - keys == {"gemv_counters"} and set(aligned.state_dict()) == keys
+    # N = 40: 3 row tiles, one program an entry at one row tile a warp (4 a program)
+    assert aligned.gemv_counters.numel() == E and not aligned.gemv_counters.any()
+    apply(aligned, False)
+    assert not any(hasattr(aligned, b) for b in GEMV_BUFFERS)
+    row = K // 2 if fmt == "nvfp4" else K
+    wide = torch.zeros(E, N, row + 4, dtype=torch.uint8)
+    wide[..., 4:] = w.view(torch.uint8)
+    shifted = wide[..., 4:].view(w.dtype)  # every row 4 bytes past an aligned start
+    assert not mg.stored_supports(fmt, shifted, s)
+    stack = PackedWeight(fmt, shifted, s, g)
+    apply(stack, FastPaths(gemv="mma"))
+    assert stack.gemv_kernel == "mma" and stack.gemv_words.shape[:3] == (E, mg.GROUP, K // mg.STEP_K)
+    assert stack.gemv_counters.numel() > 0
+    apply(stack, False)
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU

@@ -480,66 +480,57 @@ if AVAILABLE:
         return w0, w1, w2, w3, w4, w5, w6, w7, code_g, code_h
 
     @gluon.jit
-    def _nvfp4_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr,
-                     STORED: gl.constexpr, MASKED: gl.constexpr, AHEAD: gl.constexpr, L3: gl.constexpr,
-                     LA: gl.constexpr, WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
-        """The split's steps of NVFP4 words (4 a lane, row tile and step), the words, scales and x of the step AHEAD
-        (1 or 2) steps on loaded before this step is decoded (software pipelining by hand: AHEAD steps of loads in
-        flight)."""
+    def _operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, NVFP4_FMT: gl.constexpr, STORED: gl.constexpr,
+                  MASKED: gl.constexpr, WIDE: gl.constexpr, LA: gl.constexpr):
+        """A step's words and scale codes of a lane (`_nvfp4_operands` or `_mxfp8_operands`)."""
+        if NVFP4_FMT:
+            ops = _nvfp4_operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+        else:
+            ops = _mxfp8_operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+        return ops
+
+    @gluon.jit
+    def _step_mmas(ops, xq, glob, acc, NVFP4_FMT: gl.constexpr):
+        """A step's MMAs of a lane: its 4 MMA tiles decoded from `ops` (`_operands`) against x's quads `xq`."""
+        if NVFP4_FMT:
+            tg = _table_bytes(ops[4], glob)
+            th = _table_bytes(ops[5], glob)
+            for t in gl.static_range(4):  # the MMA tiles of a step
+                a0, a1, a2, a3 = _fragment(ops[t], tg, th)
+                acc = _tile_mma(a0, a1, a2, a3, xq[t], acc[0], acc[1], acc[2], acc[3])
+        else:
+            # E8M0 code c -> 2^(c - 127) on the fp32 bits (c >= 1 in the normal range)
+            sg = (ops[8].to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            sh = (ops[9].to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            for t in gl.static_range(4):
+                acc = _mx_tile_mma(ops[2 * t], ops[2 * t + 1], xq[t], sg, sh, acc[0], acc[1], acc[2], acc[3])
+        return acc
+
+    @gluon.jit
+    def _steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K, NVFP4_FMT: gl.constexpr,
+               EVEN_K: gl.constexpr, STORED: gl.constexpr, MASKED: gl.constexpr, AHEAD: gl.constexpr,
+               L3: gl.constexpr, LA: gl.constexpr, WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+        """The split's steps, the words, scales and x of the step AHEAD (1 or 2) steps on loaded before this step is
+        decoded (software pipelining by hand: AHEAD steps of loads in flight). Returns the 4 accumulators."""
         acc = (gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3),
                gl.zeros(SHAPE, gl.float32, L3))
-        ops1 = _nvfp4_operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+        ops1 = _operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, NVFP4_FMT, STORED, MASKED, WIDE, LA)
         xq1 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
         if AHEAD == 2:
             second = gl.minimum(s_lo + 1, s_hi - 1)
-            ops2 = _nvfp4_operands(wa, wb, sa, sb, kc, second, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+            ops2 = _operands(wa, wb, sa, sb, kc, second, ok_g, ok_h, KB, NVFP4_FMT, STORED, MASKED, WIDE, LA)
             xq2 = _x_quads(x_rows, second, c_x, K, EVEN_K, XWIDE, L3)
         for step in range(s_lo, s_hi):
             ops, xq = ops1, xq1
             nxt = gl.minimum(step + AHEAD, s_hi - 1)  # the last steps load the last again: no mask in the loop
             if AHEAD == 2:
                 ops1, xq1 = ops2, xq2
-                ops2 = _nvfp4_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+                ops2 = _operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, NVFP4_FMT, STORED, MASKED, WIDE, LA)
                 xq2 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
             else:
-                ops1 = _nvfp4_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+                ops1 = _operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, NVFP4_FMT, STORED, MASKED, WIDE, LA)
                 xq1 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
-            tg = _table_bytes(ops[4], glob)
-            th = _table_bytes(ops[5], glob)
-            for t in gl.static_range(4):  # the MMA tiles of a step
-                a0, a1, a2, a3 = _fragment(ops[t], tg, th)
-                acc = _tile_mma(a0, a1, a2, a3, xq[t], acc[0], acc[1], acc[2], acc[3])
-        return acc
-
-    @gluon.jit
-    def _mxfp8_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, s_lo, s_hi, K, EVEN_K: gl.constexpr,
-                     STORED: gl.constexpr, MASKED: gl.constexpr, AHEAD: gl.constexpr, L3: gl.constexpr,
-                     LA: gl.constexpr, WIDE: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
-        """The split's steps of MXFP8 words (8 a lane, row tile and step: word 2t + h is row g + 8h's bytes of MMA
-        tile t), pipelined as `_nvfp4_steps`."""
-        acc = (gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3),
-               gl.zeros(SHAPE, gl.float32, L3))
-        ops1 = _mxfp8_operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
-        xq1 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
-        if AHEAD == 2:
-            second = gl.minimum(s_lo + 1, s_hi - 1)
-            ops2 = _mxfp8_operands(wa, wb, sa, sb, kc, second, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
-            xq2 = _x_quads(x_rows, second, c_x, K, EVEN_K, XWIDE, L3)
-        for step in range(s_lo, s_hi):
-            ops, xq = ops1, xq1
-            nxt = gl.minimum(step + AHEAD, s_hi - 1)
-            if AHEAD == 2:
-                ops1, xq1 = ops2, xq2
-                ops2 = _mxfp8_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
-                xq2 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
-            else:
-                ops1 = _mxfp8_operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
-                xq1 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
-            # E8M0 code c -> 2^(c - 127) on the fp32 bits (c >= 1 in the normal range)
-            sg = (ops[8].to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            sh = (ops[9].to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            for t in gl.static_range(4):  # the MMA tiles of a step
-                acc = _mx_tile_mma(ops[2 * t], ops[2 * t + 1], xq[t], sg, sh, acc[0], acc[1], acc[2], acc[3])
+            acc = _step_mmas(ops, xq, glob, acc, NVFP4_FMT)
         return acc
 
     @gluon.jit
@@ -639,13 +630,9 @@ if AVAILABLE:
                   + (p * stride_xp + gl.minimum(group * 8 + g_x, M - 1) * stride_xm) // 4)
         x_rows = gl.convert_layout(x_rows, gl.SliceLayout(2, XWIDE))
         c_x = gl.convert_layout(c_x, gl.SliceLayout(2, XWIDE))
-        if NVFP4_FMT:
-            glob = gl.load(g_ptr + e * stride_ge)
-            acc0, acc1, acc2, acc3 = _nvfp4_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi,
-                                                  K, EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
-        else:
-            acc0, acc1, acc2, acc3 = _mxfp8_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, s_lo, s_hi, K,
-                                                  EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
+        glob = gl.load(g_ptr + e * stride_ge) if NVFP4_FMT else 1.0  # NVFP4's weight_scale_2
+        acc0, acc1, acc2, acc3 = _steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K,
+                                        NVFP4_FMT, EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
         accs = (acc0, acc1, acc2, acc3)
         for h in gl.static_range(2):
             for col in gl.static_range(2):

@@ -137,6 +137,13 @@ def restore(fmt: str, words: torch.Tensor, scales: torch.Tensor, glob: torch.Ten
     row_bytes = k // 2 if fmt == NVFP4 else k
     data = words.transpose(2, 3).reshape(e, n_tiles * TILE_N, k_tiles * WORDS).view(torch.uint8)[:, :n, :row_bytes]
     scale = scales.transpose(2, 3).reshape(e, n_tiles * TILE_N, -1)[:, :n, :k // BLOCK[fmt]]
+    return stored_parts(fmt, data, scale, glob, stack)
+
+
+def stored_parts(fmt: str, data: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor,
+                 stack: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A reordered weight's bytes put back (uint8 `[E, N, K/2 or K]` and `[E, N, blocks]`) as the stored parts: the
+    checkpoint's dtypes, one global `()` or one per entry `[E]` (None for MXFP8), `[N, ...]` without `stack`."""
     if fmt == NVFP4:
         scale = scale.view(torch.float8_e4m3fn)
         g = glob.reshape(()) if glob.numel() == 1 and not stack else glob

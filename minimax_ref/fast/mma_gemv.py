@@ -66,6 +66,7 @@ import torch
 
 from ..weights.checkpoint import MXFP8, NVFP4
 from . import grouped
+from .gemv import stored_parts
 
 try:
     from triton.experimental import gluon
@@ -181,14 +182,8 @@ def restore(words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, n: in
     lanes = scales.view(e, n16, steps, 8, 4, 2)[:, :, :, :, ::4 // blocks]  # one lane of each block
     scale = lanes.permute(0, 1, 5, 3, 2, 4).reshape(e, n16 * ROW_TILE, steps * blocks)
     scale = scale[:, :n, :k // (16 if nvfp4 else 32)]
-    if nvfp4:
-        data, scale = codes[..., 0::2] | (codes[..., 1::2] << 4), scale.view(torch.float8_e4m3fn)
-        g = glob.reshape(()) if glob.numel() == 1 and not stack else glob
-    else:
-        data, g = codes.view(torch.float8_e4m3fn), None
-    if not stack:
-        data, scale = data[0], scale[0]
-    return data.contiguous(), scale.contiguous(), g
+    data = codes[..., 0::2] | (codes[..., 1::2] << 4) if nvfp4 else codes
+    return stored_parts(NVFP4 if nvfp4 else MXFP8, data, scale, glob, stack)
 
 
 def emulate(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, n: int) -> torch.Tensor:

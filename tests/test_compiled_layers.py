@@ -98,3 +98,59 @@ def test_the_digest_reads_shapes_kinds_and_code():
 def test_without_saving_the_layers_compile_in_the_process(monkeypatch, tmp_path):
     monkeypatch.setattr(fc, "saves_compiled_layers", lambda: False)
     assert fc.CompiledLayers(None, tmp_path).folder is None
+
+
+class _ScaledLayer(torch.nn.Module):
+    """A layer with a bf16 weight and its compute dtype as an attribute, read by its forward or not."""
+
+    def __init__(self, reads_dtype: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(-1, 1, 16).reshape(4, 4).to(torch.bfloat16),
+                                         requires_grad=False)
+        self.dtype = torch.bfloat16
+        self.reads_dtype = reads_dtype
+
+    def forward(self, x, pos, cos, sin, cache, kv_len):
+        y = x @ self.weight
+        return y.to(self.dtype) if self.reads_dtype else y
+
+
+@pytest.mark.parametrize("reads_dtype", [True, False])
+def test_every_kept_file_loads_back(tmp_path, reads_dtype, capsys):
+    """A saved graph is loaded back before it is kept: a graph whose guards this torch saves but cannot load (a module
+    attribute holding a dtype that the forward never reads: torch saves it as missing, and with it every tensor's
+    dtype) is used in the process and leaves no file; any file left loads in a new layer set (a later process),
+    which compiles nothing."""
+    x = torch.linspace(-2, 2, 8).reshape(2, 4).to(torch.bfloat16)
+    args = (None, None, None, None, 0)
+    layer = _ScaledLayer(reads_dtype)
+    want = layer(x, *args)
+    first = fc.CompiledLayers(None, folder=tmp_path)
+    assert torch.equal(first(layer, x, *args), want)
+    files = list(tmp_path.glob("*.aot"))
+    assert not list(tmp_path.glob(".*.tmp"))
+    if not files:
+        assert "does not load back" in capsys.readouterr().err
+    later = fc.CompiledLayers(None, folder=tmp_path)
+    if files:
+        later.compile_ahead = lambda *a: pytest.fail("compiled again")
+    assert torch.equal(later(_ScaledLayer(reads_dtype), x, *args), want)
+    if reads_dtype:  # the dtype guarded: saved and loaded on every torch
+        assert len(files) == 1
+
+
+def test_a_failed_load_leaves_the_compiler_settings_as_they_were(tmp_path, monkeypatch):
+    """A load that changes a compiler setting and then fails (as torch's can, halfway through a saved graph): the
+    setting is put back, so the layers compiled next compile as before."""
+    before = torch._inductor.config.max_autotune
+
+    def half_load(f):
+        torch._inductor.config.max_autotune = not before
+        raise TypeError("halfway")
+
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", half_load)
+    path = tmp_path / "graph.aot"
+    path.write_bytes(b"")
+    with pytest.raises(TypeError, match="halfway"):
+        fc._load(path)
+    assert torch._inductor.config.max_autotune == before

@@ -144,6 +144,28 @@ def _aot_enabled():
     return torch._dynamo.config.patch(enable_aot_compile=True)
 
 
+@contextlib.contextmanager
+def _settings_kept_on_error():
+    """Puts inductor's, dynamo's and functorch's settings back if the block raises: a saved graph that fails to load
+    can leave settings of its own behind, and the graphs compiled next then fail."""
+    configs = (torch._inductor.config, torch._dynamo.config, torch._functorch.config)
+    kept = [config.get_config_copy() for config in configs]
+    try:
+        yield
+    except BaseException:
+        for config, values in zip(configs, kept):
+            for name, value in values.items():
+                if getattr(config, name) != value:
+                    setattr(config, name, value)
+        raise
+
+
+def _load(path: Path):
+    """A saved compiled layer (`load_compiled_function`), the compiler's settings kept if it fails."""
+    with _settings_kept_on_error(), _aot_enabled(), path.open("rb") as f:
+        return torch.compiler.load_compiled_function(f)
+
+
 def code_version() -> str:
     """A digest of the package's Python sources: a saved compiled layer is the code it traced, so another version of
     the code never loads it (a loaded function's guards see its inputs, not the source)."""
@@ -256,8 +278,7 @@ class CompiledLayers:
             graphs = []
             for path in sorted(self.folder.glob(f"{digest}-*.aot"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
                 try:
-                    with _aot_enabled(), path.open("rb") as f:
-                        graphs.append(torch.compiler.load_compiled_function(f))
+                    graphs.append(_load(path))
                 except Exception as e:  # written by another torch, or cut short: compiled again beside it
                     print(f"[fast] skipping saved layer graph {path.name}: {type(e).__name__}: {e}", file=sys.stderr)
             self.graphs[digest] = graphs
@@ -282,10 +303,21 @@ class CompiledLayers:
             self.folder.mkdir(parents=True, exist_ok=True)
             with _aot_enabled():
                 graph.save_compiled_function(str(tmp))
-            tmp.replace(self.folder / f"{digest}-{len(graphs) - 1}.aot")
         except Exception as e:
+            tmp.unlink(missing_ok=True)
             print(f"[fast] could not save a compiled layer in {self.folder} ({type(e).__name__}: {e}); it is used in "
                   "this process only", file=sys.stderr)
+            return graph
+        # loaded back before it is kept: torch can save guards it cannot load (an unread module attribute holding a
+        # dtype is saved as missing, and so is every tensor's dtype), and a later process must not find such a file
+        try:
+            _load(tmp)
+        except Exception as e:
+            tmp.unlink(missing_ok=True)
+            print(f"[fast] a compiled layer saved here does not load back ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}); it is used in this process only", file=sys.stderr)
+            return graph
+        tmp.replace(self.folder / f"{digest}-{len(graphs) - 1}.aot")
         return graph
 
 

@@ -174,8 +174,12 @@ def case_mma_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, rows: int
             mma_gemv.packed_product(x, n, *mma_gemv.reorder(fmt, *parts), active=active, busy=chosen or None,
                                     sms=132)
 
-    def elements(kernel: dict) -> float | None:  # a lane's elements of a step: 8 a row tile and MMA tile
-        return 32 * kernel["constexprs"]["RT"] if kernel["kernel"] == "_mma_gemv_kernel" else None
+    def elements(kernel: dict) -> float | None:  # a lane's elements of a loop: 8 a row tile, MMA tile and step of 64
+        if kernel["kernel"] != "_mma_gemv_kernel":
+            return None
+        c = kernel["constexprs"]
+        sub_steps = mma_gemv.step_columns(NVFP4 if c["NVFP4_FMT"] else MXFP8, c["STORED"]) // mma_gemv.STEP_K
+        return 32 * c["RT"] * sub_steps
     return run, elements
 
 

@@ -77,11 +77,11 @@ def test_fast_flag_offers_the_user_presets_in_their_own_words(capsys):
     presets (compile, fused) are for benchmarks and tests."""
     from minimax_ref.fast.paths import PRESETS, USER_PRESETS
 
-    assert USER_PRESETS == ("off", "on", "compiled")
+    assert USER_PRESETS == ("off", "on", "compiled", "gemv-mma")
     with pytest.raises(SystemExit) as e:
         main(["generate", "--help"])
     out = "".join(capsys.readouterr().out.split())  # argparse rewraps the help
-    assert e.value.code == 0 and "--fast{auto,off,on,compiled}" in out
+    assert e.value.code == 0 and "--fast{auto,off,on,compiled,gemv-mma}" in out
     for name in USER_PRESETS:
         assert f"{name}={''.join(PRESETS[name].description.split())}" in out
     with pytest.raises(SystemExit) as e:

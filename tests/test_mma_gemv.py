@@ -1,4 +1,4 @@
-"""`fast.mma_gemv`: packed products of 1 to 64 rows on the tensor cores from weights reordered into MMA fragments.
+"""`fast.mma_gemv`: packed products of 1 to 32 rows on the tensor cores, each lane decoding its MMA fragments.
 
 The lane layout (no triton): `reorder` / `restore` are inverse for NVFP4 and MXFP8, and the reordered words placed as
 the PTX ISA's m16n8k16 fragment tables place them (`emulate`) multiply to the reference's product. The kernel (Gluon, no
@@ -91,32 +91,51 @@ def test_product_refuses_shapes_it_does_not_take():
 
 
 @pytest.mark.skipif(not mg.AVAILABLE, reason="the kernel's assembly text (triton with Gluon)")
-@pytest.mark.parametrize("fmt", FMTS)
-def test_stored_rows_assemble_the_reordered_words(fmt):
-    """Read in place, a lane's rows g and g + 8 give `reorder`'s words: NVFP4 row g's 8 bytes of a step (byte 8c on)
-    and row g + 8's through `_STORED_WORDS_ASM` (run through the PTX instruction model), MXFP8 row g's 16 bytes
-    (byte 16c on) as words 0, 2, 4, 6 and row g + 8's as 1, 3, 5, 7."""
-    E, N, K = 2, 32, 192
-    w, s, g = _operands(fmt, E, N, K, 1)
-    words = mg.reorder(fmt, w, s, g)[0]
+def test_stored_nvfp4_pair_steps_assemble_fragment_words():
+    """Read in place by pair steps of 128 columns: lane 4g + c's 8 bytes J of row g (byte 64 s + 16 c + 8 J) and of
+    row g + 8, through `_STORED_WORDS_ASM` (run through the PTX instruction model), give MMA tile t's word with nibble
+    4h + q the code of row g + 8h, column 128 s + 32 c + 16 J + 4 t + q: the word format `reorder` lays out, for the
+    columns that sub-step J gives the lane (x is read at the same columns)."""
+    E, N, K = 2, 32, 256
+    w, _, _ = _operands("nvfp4", E, N, K, 1)
     data = w.view(torch.uint8)
-    row_bytes, width = (8, 4) if fmt == "nvfp4" else (16, 8)
+    codes = torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(E, N, K)  # [E, N, K]: element k's code
+    for ent in range(E):
+        for tile in range(N // 16):
+            for step in range(K // mg.step_columns("nvfp4", True)):
+                for sub in range(2):
+                    for lane in range(mg.LANES):
+                        gg, c = lane // 4, lane % 4
+                        at = 64 * step + 16 * c + 8 * sub
+                        rows = [data[ent, 16 * tile + gg + 8 * h, at:at + 8].contiguous().view(torch.int32)
+                                for h in (0, 1)]
+                        regs = _run_ptx(mg._STORED_WORDS_ASM.value,
+                                        {f"${4 + i}": int(v) & 0xFFFFFFFF for i, v in enumerate(torch.cat(rows))})
+                        for t in range(mg.TILES):
+                            col = 128 * step + 32 * c + 16 * sub + 4 * t
+                            want = sum(int(codes[ent, 16 * tile + gg + 8 * h, col + q]) << (4 * (4 * h + q))
+                                       for h in (0, 1) for q in range(4))
+                            assert regs[f"${t}"] == want, (ent, tile, step, sub, lane, t)
+
+
+@pytest.mark.skipif(not mg.AVAILABLE, reason="the kernel's assembly text (triton with Gluon)")
+def test_stored_mxfp8_rows_are_the_reordered_words():
+    """Read in place, a lane's MXFP8 row g's 16 bytes of a step (byte 16c on) are `reorder`'s words 0, 2, 4, 6 and
+    row g + 8's its words 1, 3, 5, 7."""
+    E, N, K = 2, 32, 192
+    w, s, g = _operands("mxfp8", E, N, K, 1)
+    words = mg.reorder("mxfp8", w, s, g)[0]
+    data = w.view(torch.uint8)
     for ent in range(E):
         for tile in range(N // 16):
             for step in range(K // mg.STEP_K):
                 for lane in range(mg.LANES):
                     gg, c = lane // 4, lane % 4
-                    at = step * 4 * row_bytes + c * row_bytes
-                    rows = [data[ent, 16 * tile + gg + 8 * h, at:at + row_bytes].contiguous().view(torch.int32)
+                    at = 64 * step + 16 * c
+                    rows = [data[ent, 16 * tile + gg + 8 * h, at:at + 16].contiguous().view(torch.int32)
                             for h in (0, 1)]
                     want = [int(v) & 0xFFFFFFFF for v in words[ent, tile, step, lane]]
-                    if fmt == "nvfp4":
-                        regs = _run_ptx(mg._STORED_WORDS_ASM.value, {f"${4 + i}": int(v) & 0xFFFFFFFF for i, v in
-                                                                      enumerate(torch.cat(rows))})
-                        got = [regs[f"${i}"] for i in range(width)]
-                    else:
-                        got = [int(rows[i % 2][i // 2]) & 0xFFFFFFFF for i in range(width)]
-                    assert got == want, (ent, tile, step, lane)
+                    assert [int(rows[i % 2][i // 2]) & 0xFFFFFFFF for i in range(8)] == want, (ent, tile, step, lane)
 
 
 @pytest.mark.skipif(not mg.AVAILABLE, reason="the kernel's assembly text (triton with Gluon)")
@@ -202,8 +221,8 @@ COMPILE_CASES = [(True, 0, True, True, 1, False, False), (True, 1, False, True, 
                  (False, 2, False, False, 1, False, False), (True, 2, True, True, 2, False, False),
                  (False, 2, True, True, 2, False, False), (True, 2, False, False, 4, False, False),
                  (False, 1, True, True, 4, False, False), (True, 2, True, True, 1, True, False),
-                 (True, 0, False, False, 4, True, True), (False, 0, True, True, 1, True, False),
-                 (False, 2, True, False, 2, True, True)]
+                 (True, 0, False, True, 4, True, True), (True, 2, False, True, 2, True, True),
+                 (False, 0, True, True, 1, True, False), (False, 2, True, False, 2, True, True)]
 
 
 @pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
@@ -227,10 +246,12 @@ def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, 
         assert 65536 // (-(-int(re.search(r"Used (\d+) registers", info).group(1)) // 8) * 8 * 32 * mg.WARPS) \
             >= mg.RESIDENT
     launch = mg.LAUNCH["nvfp4" if nvfp4 else "mxfp8", groups]
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mg.TILES * launch.row_tiles * groups
-    if stored and nvfp4:
-        assert re.search(r"ld\.global(\.\w+)*\.b64", ptx) and "ld.global.v4.b32" not in ptx
-    else:
+    sub_steps = mg.step_columns("nvfp4" if nvfp4 else "mxfp8", stored) // mg.STEP_K  # a loop's steps of 64
+    assert (ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+            == sub_steps * mg.TILES * launch.row_tiles * groups)
+    if stored and nvfp4 and not masked:  # a row's 16 bytes and 2 scales of a pair step: one load each
+        assert "ld.global.v2.b64" in ptx and "ld.global.v4.b32" not in ptx and "ld.global.b16" in ptx
+    elif not stored or not nvfp4:
         assert "ld.global.v4.b32" in ptx
     assert "bar.sync" not in ptx and "st.shared" not in ptx and "ld.shared" not in ptx
     info = _ptxas_report(ptx)
@@ -261,11 +282,11 @@ def test_mma_mode_falls_back_where_the_kernel_does_not_run(tiny_nvfp4):
 
 @pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon")
 @pytest.mark.parametrize("fmt", FMTS)
-def test_mma_mode_reads_aligned_weights_in_place(fmt, monkeypatch):
-    """`gemv="mma"` where the kernel runs (its device check stubbed on CPU; nothing is launched): a weight whose rows
-    are aligned to a lane's loads keeps no copy (`gemv_kernel` "mma-stored", only the split counters as buffers); a
-    stack whose rows are not (a view starting mid-row) gets the reordered copy; the reference restored, no buffer
-    is left."""
+def test_mma_mode_reads_aligned_stacks_in_place(fmt, monkeypatch):
+    """`gemv="mma"` where the kernel runs (its device check stubbed on CPU; nothing is launched): a stack whose rows
+    are aligned to a lane's loads keeps no copy (`gemv_kernel` "mma-stored" up to `STORED_STACK_ROWS` rows, only the
+    split counters as buffers); a stack whose rows are not (a view starting mid-row) and a linear get the reordered
+    copy (up to `MAX_ROWS` rows); the reference restored, no buffer is left."""
     monkeypatch.setattr(mg, "runs_on", lambda device: True)
     monkeypatch.setattr(mg.grouped, "runs_on", lambda device: True)
     E, N, K = 3, 40, 128
@@ -273,7 +294,7 @@ def test_mma_mode_reads_aligned_weights_in_place(fmt, monkeypatch):
     aligned = PackedWeight(fmt, w, s, g)
     keys = set(aligned.state_dict())
     apply(aligned, FastPaths(gemv="mma"))
-    assert aligned.gemv_kernel == "mma-stored" and aligned.gemv_tokens == mg.MAX_ROWS
+    assert aligned.gemv_kernel == "mma-stored" and aligned.gemv_tokens == mg.STORED_STACK_ROWS
     assert set(dict(aligned.named_buffers())) - keys == {"gemv_counters"} and set(aligned.state_dict()) == keys
     # N = 40: 3 row tiles, one program an entry at one row tile a warp (4 a program)
     assert aligned.gemv_counters.numel() == E and not aligned.gemv_counters.any()
@@ -287,8 +308,13 @@ def test_mma_mode_reads_aligned_weights_in_place(fmt, monkeypatch):
     stack = PackedWeight(fmt, shifted, s, g)
     apply(stack, FastPaths(gemv="mma"))
     assert stack.gemv_kernel == "mma" and stack.gemv_words.shape[:3] == (E, mg.GROUP, K // mg.STEP_K)
-    assert stack.gemv_counters.numel() > 0
+    assert stack.gemv_counters.numel() > 0 and stack.gemv_tokens == mg.MAX_ROWS
     apply(stack, False)
+    linear = PackedWeight(fmt, w[0], s[0], None if g is None else g[:1].reshape(()))
+    assert mg.stored_supports(fmt, linear.weight, linear.weight_scale)
+    apply(linear, FastPaths(gemv="mma"))
+    assert linear.gemv_kernel == "mma" and linear.gemv_words.shape[:3] == (1, mg.GROUP, K // mg.STEP_K)
+    apply(linear, False)
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU
@@ -344,7 +370,7 @@ def test_kernel_on_cuda_one_hot_rows_read_out_the_decoded_weight(layout, fmt):
 @pytest.mark.gpu
 @on_gpu
 def test_stored_nvfp4_rows_at_8_byte_boundaries():
-    """An NVFP4 weight of K = 80 (rows of 40 bytes: 8-byte aligned, the last step a quarter full) read in place: the
+    """An NVFP4 weight of K = 80 (rows of 40 bytes: 8-byte aligned, its one pair step 5/8 full) read in place: the
     one-hot rows read out the reference decode."""
     E, N, K = 2, 24, 80
     w, s, g = _operands("nvfp4", E, N, K, 1, device="cuda")

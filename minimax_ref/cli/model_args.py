@@ -180,6 +180,7 @@ COMPILE_NOTICES = {
     "compiled": "every decoder layer of a decode step is compiled by torch.compile on first use (minutes on a GPU "
                 "at release size; the first decode step says when it starts and how long it took)",
 }
+COMPILE_NOTICES["gemv-mma"] = COMPILE_NOTICES["compiled"]
 DEVICE_TYPES = ("cpu", "cuda")  # the devices the kernels and formats (float8, packed bytes) are written for
 
 

@@ -28,12 +28,17 @@ and row a step, shared by the step's words.
     scales uint8 [E, N16, S, 32, 2]   lane l's block scales (E4M3 or E8M0) in a step: row g's, then row g + 8's
     glob   fp32  [E] or [1]           NVFP4's weight_scale_2 (MXFP8: an unread 1.0)
 
-Read in place (`packed_product_stored`, what `gemv="mma"` runs where `stored_supports` allows: no copy of the
-weight). A lane's 16 columns of a row in a step are contiguous where the checkpoint stores them (NVFP4 8 bytes, low
-nibble the even element; MXFP8 16 bytes), so each lane loads row g's and row g + 8's with one load each and forms
-`reorder`'s words from them: MXFP8's are the loaded int32s themselves, NVFP4's take a byte permute each (row g's
-nibbles 4t .. 4t + 3 in the low half, row g + 8's in the high: `_STORED_WORDS_ASM`). The block scales are read a byte
-a row. The same words, so the same products and contract; rows past N and columns past K are masked to zeros.
+Read in place (`packed_product_stored`, what `gemv="mma"` runs for expert stacks where `stored_supports` allows: no
+copy of the weight). MXFP8: a lane's 16 columns of a row in a step are contiguous where the checkpoint stores them (16
+bytes), so each lane loads row g's and row g + 8's with one load each, and the loaded int32s are `reorder`'s words; the
+block scales are read a byte a row. NVFP4 goes by pair steps of 128 columns (`step_columns`, `_pair_steps`): sub-step
+j (0, 1) gives lane c the columns 128 s + 32 c + 16 j + 4 t + q instead of a plain step's 64 s + 16 c + 4 t + q, so
+a lane's 16 bytes of a row (low nibble the even element) and its 2 block scales of a pair step are one load each; each
+sub-step's 8 bytes of rows g and g + 8 become its 4 words by a byte permute each (row g's nibbles 4t .. 4t + 3 in the
+low half, row g + 8's in the high: `_STORED_WORDS_ASM`), words of `reorder`'s format, and x is read at the same
+columns. The same products in another order of K (the MMAs' fp32 sums may differ from the copy's in the last bits),
+the same contract; rows past N and columns past K are masked to zeros (NVFP4's x is padded with zeros to whole pair
+steps on the host).
 
 Numerics contract (`packed_product`): y[p, m, n] = bf16( sum_k x[p, m, k] * w_hat[e(p), n, k] ) with w_hat the
 reference decoder's bf16 bits (`packed.decode_reference(...).to(bfloat16)`). NVFP4: looked up in the table of the 8
@@ -76,6 +81,9 @@ except ImportError:  # no triton, or one without Gluon
 
 AVAILABLE = gluon is not None and grouped.AVAILABLE
 MAX_ROWS = 32
+# rows up to which `gemv="mma"` reads an expert stack where it is stored; past them its loop waits on x's loads
+# (a lane's rows of x are not contiguous) and the grouped kernel is faster (BENCHMARKS.md)
+STORED_STACK_ROWS = 8
 X_GROUP = 8  # the MMA's N: a row group of x's rows are the B fragment's columns
 ROW_TILE = 16
 STEP_K = 64
@@ -92,7 +100,7 @@ class Launch(NamedTuple):
 
     row_tiles: int
     per_sm: int
-    ahead: int = 1  # K steps of loads in flight while a step is decoded (1 or 2)
+    ahead: int = 1  # K steps of loads in flight while a step is decoded (1 or 2; a stored NVFP4 pair step: 2)
 
 
 # By format and row groups (x rows / 8, rounded up to a power of two), from products at release shapes on 1 x H100
@@ -331,12 +339,13 @@ if AVAILABLE:
                 gl.convert_layout(w3, LA))
 
     @gluon.jit
-    def _x_quads(x_rows, step, c, K, EVEN_K: gl.constexpr, XWIDE: gl.constexpr, L3: gl.constexpr):
-        """The lane's x columns of a step, 64 step + 16c + 4t .. + 3 for MMA tiles t = 0..3 (`c` [S, 1]), of each of
-        its row groups (`x_rows` [S, NB]: int64 pointers) as four int64 (one 32-byte range a group), each [S, 1, NB]
-        (layout L3: the B registers of every row tile); zeros past K."""
+    def _x_quads(x_rows, base, K, EVEN_K: gl.constexpr, XWIDE: gl.constexpr, L3: gl.constexpr):
+        """The lane's x columns 4 (base + t) .. + 3 for MMA tiles t = 0..3 (`base` [S, 1]: the lane's first quad of
+        4 columns in a step, 16 step + 4c), of each of its row groups (`x_rows` [S, NB]: int64 pointers) as four
+        int64 (one 32-byte range a group), each [S, 1, NB] (layout L3: the B registers of every row tile); zeros past
+        K."""
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, XWIDE)))
-        quad = gl.expand_dims(step * 16 + 4 * c, 2) + gl.expand_dims(gl.expand_dims(t, 0), 0)  # [S, 1, 4]
+        quad = gl.expand_dims(base, 2) + gl.expand_dims(gl.expand_dims(t, 0), 0)  # [S, 1, 4]
         ptrs = gl.expand_dims(x_rows, 2) + quad
         if EVEN_K:
             q0, q1, q2, q3 = _columns(gl.load(ptrs))
@@ -402,43 +411,64 @@ if AVAILABLE:
         h01, h23 = _mx_word(word_h, sh)
         return _tile_mma(g01, h01, g23, h23, quad, acc0, acc1, acc2, acc3)
 
-    # A lane's NVFP4 words of a step read from the stored layout: row g's 8 bytes (16 elements, columns 16c ..
-    # 16c + 15 of the step) as the words $4 (elements 0..7) and $5 (8..15), row g + 8's as $6, $7; MMA tile t's word
-    # is row g's nibbles 4t .. 4t + 3 in its low half and row g + 8's in its high half, `reorder`'s word.
+    # A lane's NVFP4 words of a step read from the stored layout: row g's 8 bytes of the step (16 elements) as the
+    # words $4 (elements 0..7) and $5 (8..15), row g + 8's as $6, $7; MMA tile t's word is row g's nibbles 4t .. 4t + 3
+    # in its low half and row g + 8's in its high half, the word `reorder` lays out.
     _STORED_WORDS_ASM = gl.constexpr(" ".join((
         "prmt.b32 $0, $4, $6, 0x5410;", "prmt.b32 $1, $4, $6, 0x7632;",
         "prmt.b32 $2, $5, $7, 0x5410;", "prmt.b32 $3, $5, $7, 0x7632;")))
 
     @gluon.jit
-    def _nvfp4_operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, STORED: gl.constexpr, MASKED: gl.constexpr,
-                        WIDE: gl.constexpr, LA: gl.constexpr):
-        """A lane's 4 NVFP4 words of a step (MMA tile t's, [S, RT] int32) and its rows' scale codes (g, g + 8: 0..255
-        in an integer type).
-        STORED: from the checkpoint's layout (`wa` / `wb`: rows g's and g + 8's int64 at the lane's column, `sa` /
-        `sb` their block scales, `kc` the lane's byte in a step's 32, masked past the rows and K when MASKED); else
-        from `reorder`'s (`wa` the lane's words, `sa` its scale pair read as an int16)."""
-        if STORED:
-            if MASKED:
-                in_k = kc + step * 32 < KB
-                lo = gl.load(wa + step * 4, mask=ok_g & in_k, other=0)
-                hi = gl.load(wb + step * 4, mask=ok_h & in_k, other=0)
-                code_g = gl.load(sa + step * 4, mask=ok_g & in_k, other=0)
-                code_h = gl.load(sb + step * 4, mask=ok_h & in_k, other=0)
-            else:
-                lo = gl.load(wa + step * 4)
-                hi = gl.load(wb + step * 4)
-                code_g = gl.load(sa + step * 4)
-                code_h = gl.load(sb + step * 4)
-            w0, w1, w2, w3 = gl.inline_asm_elementwise(
-                _STORED_WORDS_ASM, "=r,=r,=r,=r,r,r,r,r",
-                [lo.to(gl.int32), (lo >> 32).to(gl.int32), hi.to(gl.int32), (hi >> 32).to(gl.int32)],
-                dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    def _nvfp4_operands(wa, sa, step, WIDE: gl.constexpr, LA: gl.constexpr):
+        """A lane's 4 NVFP4 words of a step in `reorder`'s layout (MMA tile t's, [S, RT] int32: `wa` the lane's words)
+        and its rows' scale codes (g, g + 8: 0..255 in an integer type; `sa` its scale pair read as an int16)."""
+        w0, w1, w2, w3 = _lane_words(wa + step * 128, WIDE, LA)
+        codes = gl.load(sa + step * 32)
+        return w0, w1, w2, w3, codes & 0xFF, (codes >> 8) & 0xFF
+
+    @gluon.jit
+    def _pair_loads(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, MASKED: gl.constexpr, PAIR: gl.constexpr):
+        """A lane's bytes of a stored NVFP4 pair step (128 columns, `_pair_steps`), as loaded: rows g's and g + 8's 16
+        bytes at byte 64 step + 16c of the row (`wa` / `wb` int64 pointers [S, RT] in PAIR's slice) as [S, RT, 2]
+        int64, and their two block scales (blocks 8 step + 2c, + 1) as an int32 each, the first in its low byte
+        (`sa` / `sb` byte pointers, read as an int16; byte by byte when MASKED: rows past N and columns past K read
+        as zeros, `kc` the lane's byte in a pair step's 64)."""
+        j = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, PAIR))), 0), 0)
+        if MASKED:
+            in_k0 = kc + step * 64 < KB
+            in_k1 = kc + step * 64 + 8 < KB
+            in_k = gl.expand_dims(kc + step * 64, 2) + 8 * j < KB
+            lo = gl.load(gl.expand_dims(wa + step * 8, 2) + j, mask=gl.expand_dims(ok_g, 2) & in_k, other=0)
+            hi = gl.load(gl.expand_dims(wb + step * 8, 2) + j, mask=gl.expand_dims(ok_h, 2) & in_k, other=0)
+            code_g = (gl.load(sa + step * 8, mask=ok_g & in_k0, other=0).to(gl.int32)
+                      | (gl.load(sa + step * 8 + 1, mask=ok_g & in_k1, other=0).to(gl.int32) << 8))
+            code_h = (gl.load(sb + step * 8, mask=ok_h & in_k0, other=0).to(gl.int32)
+                      | (gl.load(sb + step * 8 + 1, mask=ok_h & in_k1, other=0).to(gl.int32) << 8))
         else:
-            w0, w1, w2, w3 = _lane_words(wa + step * 128, WIDE, LA)
-            codes = gl.load(sa + step * 32)
-            code_g = codes & 0xFF
-            code_h = (codes >> 8) & 0xFF
-        return w0, w1, w2, w3, code_g, code_h
+            lo = gl.load(gl.expand_dims(wa + step * 8, 2) + j)
+            hi = gl.load(gl.expand_dims(wb + step * 8, 2) + j)
+            code_g = gl.load((sa + step * 8).to(gl.pointer_type(gl.int16))).to(gl.int32)
+            code_h = gl.load((sb + step * 8).to(gl.pointer_type(gl.int16))).to(gl.int32)
+        return lo, hi, code_g, code_h
+
+    @gluon.jit
+    def _pair_operands(loads, J: gl.constexpr, LA: gl.constexpr):
+        """Sub-step J's operands (as `_nvfp4_operands` gives a step's) from a pair step's `_pair_loads`: the 4 words
+        by `_STORED_WORDS_ASM` from rows g's and g + 8's 8 bytes J, the scale codes' byte J."""
+        lo0, lo1 = gl.split(loads[0])
+        hi0, hi1 = gl.split(loads[1])
+        if J == 0:
+            lo, hi = lo0, hi0
+        else:
+            lo, hi = lo1, hi1
+        w0, w1, w2, w3 = gl.inline_asm_elementwise(
+            _STORED_WORDS_ASM, "=r,=r,=r,=r,r,r,r,r",
+            [lo.to(gl.int32), (lo >> 32).to(gl.int32), hi.to(gl.int32), (hi >> 32).to(gl.int32)],
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+        code_g = gl.convert_layout((loads[2] >> (8 * J)) & 0xFF, LA)
+        code_h = gl.convert_layout((loads[3] >> (8 * J)) & 0xFF, LA)
+        return (gl.convert_layout(w0, LA), gl.convert_layout(w1, LA), gl.convert_layout(w2, LA),
+                gl.convert_layout(w3, LA), code_g, code_h)
 
     @gluon.jit
     def _mxfp8_operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, STORED: gl.constexpr, MASKED: gl.constexpr,
@@ -478,8 +508,8 @@ if AVAILABLE:
     def _operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, NVFP4_FMT: gl.constexpr, STORED: gl.constexpr,
                   MASKED: gl.constexpr, WIDE: gl.constexpr, LA: gl.constexpr):
         """A step's words and scale codes of a lane (`_nvfp4_operands` or `_mxfp8_operands`)."""
-        if NVFP4_FMT:
-            ops = _nvfp4_operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
+        if NVFP4_FMT:  # the reordered copy (stored NVFP4 goes by pair steps: `_pair_steps`)
+            ops = _nvfp4_operands(wa, sa, step, WIDE, LA)
         else:
             ops = _mxfp8_operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, STORED, MASKED, WIDE, LA)
         return ops
@@ -510,22 +540,44 @@ if AVAILABLE:
         acc = (gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3),
                gl.zeros(SHAPE, gl.float32, L3))
         ops1 = _operands(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, NVFP4_FMT, STORED, MASKED, WIDE, LA)
-        xq1 = _x_quads(x_rows, s_lo, c_x, K, EVEN_K, XWIDE, L3)
+        xq1 = _x_quads(x_rows, s_lo * 16 + 4 * c_x, K, EVEN_K, XWIDE, L3)
         if AHEAD == 2:
             second = gl.minimum(s_lo + 1, s_hi - 1)
             ops2 = _operands(wa, wb, sa, sb, kc, second, ok_g, ok_h, KB, NVFP4_FMT, STORED, MASKED, WIDE, LA)
-            xq2 = _x_quads(x_rows, second, c_x, K, EVEN_K, XWIDE, L3)
+            xq2 = _x_quads(x_rows, second * 16 + 4 * c_x, K, EVEN_K, XWIDE, L3)
         for step in range(s_lo, s_hi):
             ops, xq = ops1, xq1
             nxt = gl.minimum(step + AHEAD, s_hi - 1)  # the last steps load the last again: no mask in the loop
             if AHEAD == 2:
                 ops1, xq1 = ops2, xq2
                 ops2 = _operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, NVFP4_FMT, STORED, MASKED, WIDE, LA)
-                xq2 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
+                xq2 = _x_quads(x_rows, nxt * 16 + 4 * c_x, K, EVEN_K, XWIDE, L3)
             else:
                 ops1 = _operands(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, NVFP4_FMT, STORED, MASKED, WIDE, LA)
-                xq1 = _x_quads(x_rows, nxt, c_x, K, EVEN_K, XWIDE, L3)
+                xq1 = _x_quads(x_rows, nxt * 16 + 4 * c_x, K, EVEN_K, XWIDE, L3)
             acc = _step_mmas(ops, xq, glob, acc, NVFP4_FMT)
+        return acc
+
+    @gluon.jit
+    def _pair_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr,
+                    MASKED: gl.constexpr, L3: gl.constexpr, LA: gl.constexpr, PAIR: gl.constexpr,
+                    XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+        """`_steps` for an NVFP4 weight read where it is stored, by pair steps of 128 columns: sub-step j (0, 1) of
+        pair step s gives lane c the columns 128 s + 32 c + 16 j + 4 t + q (MMA tile t, q = 0..3), so a lane's 16
+        bytes of a row and its 2 block scales of a pair step are one load each (`_pair_loads`). The next pair step's
+        bytes are loaded before this one's are decoded (two sub-steps in flight); x's quads one sub-step ahead."""
+        acc = (gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3),
+               gl.zeros(SHAPE, gl.float32, L3))
+        loads1 = _pair_loads(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, MASKED, PAIR)
+        xa = _x_quads(x_rows, s_lo * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
+        for step in range(s_lo, s_hi):
+            loads = loads1
+            nxt = gl.minimum(step + 1, s_hi - 1)  # the last step loads the last again: no mask in the loop
+            loads1 = _pair_loads(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, MASKED, PAIR)
+            xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
+            acc = _step_mmas(_pair_operands(loads, 0, LA), xa, glob, acc, True)
+            xa = _x_quads(x_rows, nxt * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
+            acc = _step_mmas(_pair_operands(loads, 1, LA), xb, glob, acc, True)
         return acc
 
     @gluon.jit
@@ -559,7 +611,10 @@ if AVAILABLE:
         L3: gl.constexpr = gl.BlockedLayout([1, RT, NB], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
         LA: gl.constexpr = gl.SliceLayout(2, L3)  # [S, RT]: words, scales, A fragments
         LX: gl.constexpr = gl.SliceLayout(1, L3)  # [S, NB]: x's row groups
-        WIDE: gl.constexpr = gl.BlockedLayout([1, RT, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])  # 4 words a tile
+        if STORED and NVFP4_FMT:  # a row's 16 bytes of a pair step: two int64
+            WIDE: gl.constexpr = gl.BlockedLayout([1, RT, 2], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
+        else:  # 4 words a tile
+            WIDE: gl.constexpr = gl.BlockedLayout([1, RT, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
         XWIDE: gl.constexpr = gl.BlockedLayout([1, NB, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])  # 4 quads a group
         pid_n = gl.program_id(0)
         p = gl.program_id(1)
@@ -594,17 +649,22 @@ if AVAILABLE:
                                  mask=(m0 + col < M) & (n0 + 8 * h < N))
                 return
         if STORED:
-            # rows g and g + 8 of the lane's row tile; its 16 columns of a step, 16c .. 16c + 15: NVFP4 one int64 of
-            # each row (byte 8c of the step's 32), MXFP8 four int32 (byte 16c of 64); one block scale a row
+            # rows g and g + 8 of the lane's row tile. NVFP4 by pair steps (`_pair_steps`): its 32 columns of a pair
+            # step, 32c .. 32c + 31, two int64 of each row (byte 16c of the pair step's 64) and two block scales.
+            # MXFP8: its 16 columns of a step, 16c .. 16c + 15, four int32 (byte 16c of 64) and one block scale.
             row = tile * 16 + lane_a // 4
             c_a = lane_a % 4
             ok_g = row < N
             ok_h = row + 8 < N
             KB = K // 2 if NVFP4_FMT else K
-            if NVFP4_FMT:  # weight strides in int64s
-                wa = w_ptr.to(gl.pointer_type(gl.int64)) + e * stride_we + row * stride_wn + c_a
-                kc = 8 * c_a
-                sa = s_ptr + e * stride_se + row * stride_sn + c_a
+            if NVFP4_FMT:  # weight strides in int64s; everything a pair step loads in WIDE's slice
+                PA: gl.constexpr = gl.SliceLayout(2, WIDE)
+                wa = gl.convert_layout(w_ptr.to(gl.pointer_type(gl.int64)) + e * stride_we + row * stride_wn + 2 * c_a,
+                                       PA)
+                kc = gl.convert_layout(16 * c_a, PA)
+                sa = gl.convert_layout(s_ptr + e * stride_se + row * stride_sn + 2 * c_a, PA)
+                ok_g = gl.convert_layout(ok_g, PA)
+                ok_h = gl.convert_layout(ok_h, PA)
             else:  # weight strides in int32s
                 wa = gl.convert_layout(w_ptr.to(gl.pointer_type(gl.int32)) + e * stride_we + row * stride_wn + 4 * c_a,
                                        gl.SliceLayout(2, WIDE))
@@ -626,8 +686,12 @@ if AVAILABLE:
         x_rows = gl.convert_layout(x_rows, gl.SliceLayout(2, XWIDE))
         c_x = gl.convert_layout(c_x, gl.SliceLayout(2, XWIDE))
         glob = gl.load(g_ptr + e * stride_ge) if NVFP4_FMT else 1.0  # NVFP4's weight_scale_2
-        acc0, acc1, acc2, acc3 = _steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K,
-                                        NVFP4_FMT, EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
+        if STORED and NVFP4_FMT:
+            acc0, acc1, acc2, acc3 = _pair_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K,
+                                                 EVEN_K, MASKED, L3, LA, WIDE, XWIDE, SHAPE)
+        else:
+            acc0, acc1, acc2, acc3 = _steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K,
+                                            NVFP4_FMT, EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
         accs = (acc0, acc1, acc2, acc3)
         for h in gl.static_range(2):
             for col in gl.static_range(2):
@@ -664,13 +728,23 @@ if AVAILABLE:
         splits' sum in the kernel, or None (a second kernel adds them); row_tiles / ahead: the `Launch`'s. Returns
         bf16 `[outputs, M, N]`."""
         m, k = x.shape[1], x.shape[2]
+        columns = step_columns(NVFP4 if nvfp4 else MXFP8, stored)
+        odd_scales = False
         if stored:
-            n16, steps = -(-n // ROW_TILE), -(-k // STEP_K)
             unit = 8 if nvfp4 else 4  # the kernel's loads: int64 (NVFP4) or int32 (MXFP8) units
+            if weight.data_ptr() % unit or any(stride % unit for stride in weight.stride()[:-1]):
+                raise ValueError(f"mma_gemv: a stored {'NVFP4' if nvfp4 else 'MXFP8'} weight's rows must be "
+                                 f"{unit}-byte aligned (stored_supports)")
+            n16, steps = -(-n // ROW_TILE), -(-k // columns)
             strides = (weight.stride(0) // unit, weight.stride(1) // unit, scales.stride(0), scales.stride(1))
+            # NVFP4 reads a pair step's two scales as an int16 where they are 2-byte aligned, else byte by byte
+            odd_scales = nvfp4 and bool(scales.data_ptr() % 2 or any(stride % 2 for stride in scales.stride()[:-1]))
         else:
             n16, steps = weight.shape[1:3]
             strides = (0, 0, 0, 0)
+        even_k = k % columns == 0
+        if stored and nvfp4 and not even_k:  # pair steps read x unmasked (registers): zeros to whole pair steps
+            x, even_k = torch.nn.functional.pad(x, (0, -k % columns)), True
         if x.data_ptr() % 8:  # x is read as int64 quads (its rows are: K is a multiple of 16)
             x = x.clone()
         per = -(-steps // split)
@@ -679,7 +753,8 @@ if AVAILABLE:
         tiles = WARPS * row_tiles
         grid = (-(-n16 // tiles), outputs, split)
         sum_splits = split > 1 and counters is not None and counters.numel() >= grid[0] * grid[1]
-        masked = stored and bool(n % (ROW_TILE * tiles) or k % STEP_K)  # rows or columns past the weight's
+        # rows or columns past the weight's, or scales read byte by byte
+        masked = stored and bool(n % (ROW_TILE * tiles) or k % columns or odd_scales)
         y = torch.empty((outputs, m, n), dtype=torch.bfloat16, device=x.device) if split > 1 else out
         _mma_gemv_kernel[grid](
             x, weight, scales, glob, weight if sel is None else sel, out, y, counters if sum_splits else out,
@@ -687,7 +762,7 @@ if AVAILABLE:
             x.stride(0) if x.shape[0] > 1 else 0, x.stride(1), 1 if glob.numel() > 1 else 0,
             0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2), *strides,
             NVFP4_FMT=nvfp4, SELECT=select, RT=row_tiles, NB=row_groups(m), WARPS=WARPS, OUT_BF16=split == 1,
-            EVEN_K=k % STEP_K == 0, STORED=stored, MASKED=masked, SUM_SPLITS=sum_splits, AHEAD=ahead,
+            EVEN_K=even_k, STORED=stored, MASKED=masked, SUM_SPLITS=sum_splits, AHEAD=ahead,
             num_warps=WARPS)
         if split == 1 or sum_splits:
             return y
@@ -706,6 +781,12 @@ def counters_for(entries: int, n: int, device: torch.device) -> torch.Tensor:
     tiles = WARPS * min(launch.row_tiles for launch in LAUNCH.values())
     row_tiles = -(-n // ROW_TILE)
     return torch.zeros(entries * -(-row_tiles // tiles), dtype=torch.int32, device=device)
+
+
+def step_columns(fmt: str, stored: bool) -> int:
+    """K columns of one of the kernel's steps (what its splits count): 128 for an NVFP4 weight read where it is
+    stored (pair steps: a lane's 16 bytes of a row at once), else `STEP_K`."""
+    return 2 * STEP_K if stored and fmt == NVFP4 else STEP_K
 
 
 def launch_for(fmt: str, m: int) -> tuple[int, Launch]:
@@ -774,7 +855,8 @@ def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     MXFP8 E4M3 elements `[.., N, K]`, E8M0 block scales `[.., N, K/32]`), which `stored_supports` must accept. Each
     lane assembles `reorder`'s words from its rows' bytes (`_STORED_WORDS_ASM`): the same products, the same
     contract."""
-    if not stored_supports(fmt, weight, weight_scale):
+    # alignment (a data pointer) is checked again where the kernel launches, which a compiled region does not trace
+    if not torch.compiler.is_compiling() and not stored_supports(fmt, weight, weight_scale):
         raise ValueError(f"mma_gemv.packed_product_stored: {fmt} weight {list(weight.shape)} strides "
                          f"{list(weight.stride())} is not read in place (stored_supports)")
     w = weight.view(torch.uint8)
@@ -803,7 +885,7 @@ def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tens
     if (x.dtype != torch.bfloat16 or not 1 <= m <= MAX_ROWS or not supports(fmt, k) or (stored and k != stored_k)
             or xs.shape[0] not in (1, outputs) or (index is not None and active is not None)):
         raise ValueError(f"mma_gemv: x {list(x.shape)} {x.dtype} against a {fmt} weight {list(weight.shape)}, n {n}")
-    steps = -(-k // STEP_K)
+    steps = -(-k // step_columns(fmt, stored))
     n16 = -(-n // ROW_TILE)
     launch = launch or launch_for(fmt, m)[1]
     if launch.ahead not in (1, 2) or launch.row_tiles not in (1, 2) or GROUP % (WARPS * launch.row_tiles):

@@ -551,11 +551,14 @@ class FastPackedWeight(PackedWeight):
         if gemv_tokens > 0 and kernel_decodes and gemv.runs_on(self.device):
             self.gemv_sms = grouped.sm_count(self.device)
             if gemv_mode == "mma" and mma_gemv.supports(self.fmt, self.shape[-1]) and mma_gemv.runs_on(self.device):
-                self.gemv_tokens = min(gemv_tokens, mma_gemv.MAX_ROWS)
-                if mma_gemv.stored_supports(self.fmt, self.weight, self.weight_scale):
-                    self.gemv_kernel, reordered = "mma-stored", ()  # read where it is stored: no copy
+                # expert stacks (most of the bytes) are read where they are stored, linears from their copy (faster
+                # where the whole weight is read)
+                if stack and mma_gemv.stored_supports(self.fmt, self.weight, self.weight_scale):
+                    self.gemv_kernel, reordered = "mma-stored", ()
+                    self.gemv_tokens = min(gemv_tokens, mma_gemv.STORED_STACK_ROWS)
                 else:
                     self.gemv_kernel, reordered = "mma", mma_gemv.reorder(self.fmt, *self.parts())
+                    self.gemv_tokens = min(gemv_tokens, mma_gemv.MAX_ROWS)
             else:
                 self.gemv_tokens = min(gemv_tokens, gemv.MAX_ROWS)
                 reordered = gemv.reorder(self.fmt, *self.parts())
@@ -568,8 +571,11 @@ class FastPackedWeight(PackedWeight):
 
     def takes_gemv(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a product of `rows` rows of `x` goes through `fast.gemv`: at most `gemv_tokens` (the weight's side
-        was checked by `configure`), a bf16 x, on a device the kernel runs on."""
-        return (0 < rows <= self.gemv_tokens and x.dtype == torch.bfloat16 and gemv.runs_on(x.device)
+        was checked by `configure`: among it a bf16 compute dtype), x in the compute dtype, on a device the kernel
+        runs on."""
+        # the compute dtype read first, on every path: a compiled step saved across processes keeps only the
+        # attributes its guards read, and torch saves an unread dtype attribute in a way it cannot load
+        return (x.dtype == self.dtype and 0 < rows <= self.gemv_tokens and gemv.runs_on(x.device)
                 and (self.gemv_kernel != "mma-stored" or self.weight.device == x.device))
 
     def gemv_product(self, x: torch.Tensor, index: torch.Tensor | None = None, active: torch.Tensor | None = None,

@@ -1,8 +1,8 @@
 """`FastPaths`: which fast paths are on. All off (`FastPaths()`) is the reference engine; each switch replaces
 one reference computation by a twin that computes the same function (tests/test_packed.py, test_fused.py,
 test_launch.py, test_grouped.py, test_gemv.py and test_attention_kernel.py compare each with the reference).
-`PRESETS` names the sets users choose (`minimax-ref --fast off|on|compiled`) and the finer ones benchmarks and tests
-take.
+`PRESETS` names the sets users choose (`minimax-ref --fast off|on|compiled|gemv-mma`) and the finer ones benchmarks
+and tests take.
 
 * `decode="fast"`: packed-weight decoding by a two-pass decoder (`fast.packed.decode_fast`). Bit-identical.
 * `decode="compile"`: the reference decoder through `torch.compile` (one fused kernel). Bit-identical.
@@ -67,12 +67,13 @@ take.
   rows and the tensor cores' dot above, fp32 sums; the routed experts read only the chosen experts. Takes precedence
   over `matmul="fused"` and `grouped` where it applies (as `grouped`: scales in the normal range, bf16). Equal to fp32
   rounding.
-* `gemv="mma"` (the non-user preset `gemv-mma`; to be measured reading the weights in place before a user preset
-  takes it): as "triton", except that on CUDA products with packed weights of 1 to `fast.mma_gemv.MAX_ROWS` (32) rows
-  go through `fast.mma_gemv`: each lane of a warp loads the 8 elements it holds in a tensor-core MMA from its rows'
-  stored bytes (a weight whose rows are not aligned to those loads: from a copy reordered once at configuration),
-  decoded to the reference's bf16 bits in its registers, fp32 sums on the tensor cores; more rows take the grouped
-  and fused paths. A Gluon kernel (no interpreter: on CPU tensors the mode is "triton"). Equal to fp32 rounding.
+* `gemv="mma"` (the preset `gemv-mma`): as "triton", except that on CUDA products with packed weights of
+  few rows go through `fast.mma_gemv`: each lane of a warp loads the 8 elements it holds in a tensor-core MMA,
+  decoded to the reference's bf16 bits in its registers, fp32 sums on the tensor cores. Expert stacks (most of the
+  bytes) are read where they are stored, up to `fast.mma_gemv.STORED_STACK_ROWS` (8) rows; linears (and stacks whose
+  rows are not aligned to a lane's loads) from a copy reordered once at configuration (beside the stored planes),
+  up to `fast.mma_gemv.MAX_ROWS` (32) rows. More rows take the grouped and fused paths. A Gluon kernel (no
+  interpreter: on CPU tensors the mode is "triton"). Equal to fp32 rounding.
 * `nvfp4_table=True` (the `compiled` preset): the grouped kernel (and the GEMV of `gemv="triton"`) decodes NVFP4
   through each block's table: with A = bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S, every decoded element
   is one of {0, A/2, A, B, 2A, 2B, 4A, 4B} with its sign, looked up by byte permutes (`fast.grouped._TABLE_ASM`: no
@@ -319,8 +320,10 @@ PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
 PRESETS["gemv-mma"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma"),
-                             "compiled, with products of 1 to 32 rows on the tensor cores, each lane decoding its "
-                             "MMA fragments from the stored weights (fast.mma_gemv)", user=False)
+                             "compiled, with decode steps' products with packed weights (up to 32 rows; routed "
+                             "experts up to 8, read where they are stored) on the tensor cores, each lane decoding "
+                             "its MMA fragments (fast.mma_gemv; CUDA, compute capability 8.9 and above): the "
+                             "linears' packed bytes kept once more, reordered")
 # `compiled` with one-row products too by the grouped kernel (its loop issues fewer instructions an NVFP4 element than
 # the GEMV's: benchmarks/kernel_sass.py); slower than the fused product at one row on a GPU (BENCHMARKS.md)
 PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),

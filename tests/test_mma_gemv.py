@@ -317,6 +317,24 @@ def test_mma_mode_reads_aligned_stacks_in_place(fmt, monkeypatch):
     apply(linear, False)
 
 
+@pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon (the custom operator)")
+def test_stored_product_traces_whole_in_a_compiled_region():
+    """A compiled layer traces `packed_product_stored` into one graph: the data pointer's alignment, which dynamo
+    cannot read, is checked at the launch instead (the backend here records the graph and runs nothing)."""
+    w, s, g = _operands("nvfp4", 4, 32, 128, 1)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        outputs = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [None] * outputs
+
+    product = torch.compile(lambda x: mg.packed_product_stored(x, "nvfp4", w, s, g), backend=record, fullgraph=True)
+    product(torch.zeros(1, 128, dtype=BF16))
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and torch.ops.minimax_ref.packed_mma_gemv in ops
+
+
 # ------------------------------------------------------------------------------------------------------------ GPU
 
 

@@ -732,9 +732,10 @@ if AVAILABLE:
         odd_scales = False
         if stored:
             unit = 8 if nvfp4 else 4  # the kernel's loads: int64 (NVFP4) or int32 (MXFP8) units
-            if weight.data_ptr() % unit or any(stride % unit for stride in weight.stride()[:-1]):
+            align = 8 if nvfp4 else 16  # `stored_supports`'s
+            if weight.data_ptr() % align or any(stride % align for stride in weight.stride()[:-1]):
                 raise ValueError(f"mma_gemv: a stored {'NVFP4' if nvfp4 else 'MXFP8'} weight's rows must be "
-                                 f"{unit}-byte aligned (stored_supports)")
+                                 f"{align}-byte aligned (stored_supports)")
             n16, steps = -(-n // ROW_TILE), -(-k // columns)
             strides = (weight.stride(0) // unit, weight.stride(1) // unit, scales.stride(0), scales.stride(1))
             # NVFP4 reads a pair step's two scales as an int16 where they are 2-byte aligned, else byte by byte
@@ -834,14 +835,16 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
                     launch)
 
 
-def stored_supports(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+def stored_supports(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor, address: bool = True) -> bool:
     """Whether the kernel reads this packed weight (`[N, ...]` or `[E, N, ...]`, as `packed_product_stored` takes
-    it) where it is stored: whole blocks of K, rows contiguous, and every row aligned to the load a lane makes of a
-    step (NVFP4 8 bytes, MXFP8 16)."""
+    it) where it is stored: whole blocks of K, rows contiguous, and every row aligned to the loads a lane makes
+    (NVFP4 8 bytes, MXFP8 16). `address`: the data pointer's alignment too (not while a compiled region is traced,
+    which cannot read it; the launch checks it)."""
     k = weight.shape[-1] * (2 if fmt == NVFP4 else 1)
     align = 8 if fmt == NVFP4 else 16
     return (supports(fmt, k) and weight.element_size() == 1 and weight_scale.element_size() == 1
-            and weight.stride(-1) == 1 and weight_scale.stride(-1) == 1 and weight.data_ptr() % align == 0
+            and weight.stride(-1) == 1 and weight_scale.stride(-1) == 1
+            and (not address or weight.data_ptr() % align == 0)
             and all(stride % align == 0 for stride in weight.stride()[:-1]))
 
 
@@ -853,10 +856,9 @@ def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     """`packed_product` reading the weight where the checkpoint's layout stores it (no reordered copy; operands as in
     `packed.decode_reference`: NVFP4 uint8 codes `[.., N, K/2]`, E4M3 block scales `[.., N, K/16]`, weight_scale_2;
     MXFP8 E4M3 elements `[.., N, K]`, E8M0 block scales `[.., N, K/32]`), which `stored_supports` must accept. Each
-    lane assembles `reorder`'s words from its rows' bytes (`_STORED_WORDS_ASM`): the same products, the same
-    contract."""
-    # alignment (a data pointer) is checked again where the kernel launches, which a compiled region does not trace
-    if not torch.compiler.is_compiling() and not stored_supports(fmt, weight, weight_scale):
+    lane forms words of `reorder`'s format from its rows' bytes (NVFP4 by pair steps, `_STORED_WORDS_ASM`): the
+    products of `packed_product`, NVFP4's in another order of K; the same contract."""
+    if not stored_supports(fmt, weight, weight_scale, address=not torch.compiler.is_compiling()):
         raise ValueError(f"mma_gemv.packed_product_stored: {fmt} weight {list(weight.shape)} strides "
                          f"{list(weight.stride())} is not read in place (stored_supports)")
     w = weight.view(torch.uint8)

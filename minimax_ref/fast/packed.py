@@ -548,9 +548,13 @@ class FastPackedWeight(PackedWeight):
         for name in GEMV_BUFFERS:  # a configuration before this one may have made them
             self._buffers.pop(name, None)
         self.gemv_tokens, self.gemv_kernel = 0, "triton"
-        if gemv_tokens > 0 and kernel_decodes and gemv.runs_on(self.device):
+        # "mma" where the MMA kernel does not run (a GPU before sm_89, a K of part blocks) takes no one-to-few-row
+        # kernel: the products of the paths without one, not `fast.gemv`'s copy of the weight
+        takes_mma = (gemv_mode == "mma" and mma_gemv.supports(self.fmt, self.shape[-1])
+                     and mma_gemv.runs_on(self.device))
+        if gemv_tokens > 0 and kernel_decodes and gemv.runs_on(self.device) and (gemv_mode != "mma" or takes_mma):
             self.gemv_sms = grouped.sm_count(self.device)
-            if gemv_mode == "mma" and mma_gemv.supports(self.fmt, self.shape[-1]) and mma_gemv.runs_on(self.device):
+            if takes_mma:
                 # expert stacks (most of the bytes) are read where they are stored, linears from their copy (faster
                 # where the whole weight is read)
                 if stack and mma_gemv.stored_supports(self.fmt, self.weight, self.weight_scale):

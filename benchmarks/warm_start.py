@@ -16,6 +16,8 @@ notices on stderr (`fast_notices`, e.g. why its layers are not saved).
     # where the warm process's warm-up goes, function by function (cProfile of its generate call), and a third
     # process with inductor's compile workers ready before the cached graphs load:
     python benchmarks/warm_start.py --cases compile_caches --profile 40 --pool
+    # the same with the gemv-mma preset (its layers' graphs saved and loaded alike):
+    python benchmarks/warm_start.py --cases compile_caches --fast gemv-mma
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ def run_cli(args: list[str], cache: str) -> dict:
     return out
 
 
-def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool = False) -> None:
-    """Load the compiled synthetic model, generate 4 tokens after a 3-token prompt, print one JSON line: import,
-    load and warm-up seconds, inductor's cache counters and the slowest compile phases; with `profile` > 0 also the
-    generate call's `profile` functions of most cumulative time and of most own time (cProfile); with `pool`,
+def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool = False,
+          fast: str = "compiled") -> None:
+    """Load the synthetic model with the preset `fast`, generate 4 tokens after a 3-token prompt, print one JSON
+    line: import, load and warm-up seconds, inductor's cache counters and the slowest compile phases; with `profile` >
+    0 also the generate call's `profile` functions of most cumulative time and of most own time (cProfile); with `pool`,
     inductor's compile workers started and ready before the load (otherwise the first compile request starts them,
     and kernels loaded before they are ready load in this process, one after another)."""
     t0 = time.perf_counter()
@@ -85,7 +88,7 @@ def child(layers: int, experts: int, device: str, profile: int = 0, pool: bool =
     built = _record_cubins()
     t1 = time.perf_counter()
     model = load_synthetic("release", format="nvfp4", layers=layers, experts=experts, device=device,
-                           weights="packed", fast="compiled")
+                           weights="packed", fast=fast)
     t2 = time.perf_counter()
     profiler = cProfile.Profile() if profile else None
     if profiler:
@@ -178,7 +181,7 @@ def run_child(args: argparse.Namespace, cache: str, profile: int = 0, pool: bool
         env.pop(var, None)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--child", "--layers", str(args.layers), "--experts",
-                           str(args.experts), "--device", args.device, "--profile", str(profile),
+                           str(args.experts), "--device", args.device, "--profile", str(profile), "--fast", args.fast,
                            *(["--pool"] if pool else [])],
                           capture_output=True, text=True, env=env)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -202,13 +205,15 @@ def main() -> int:
     p.add_argument("--pool", action="store_true",
                    help="compile_caches: a third process, warm, with inductor's compile workers started and ready "
                         "before the load (the cached graphs' kernels then load in the workers)")
+    p.add_argument("--fast", default="compiled", choices=["compiled", "gemv-mma"],
+                   help="the compiling preset of compile_caches and synthetic_compiled (default: compiled)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.layers, args.experts, args.device, args.profile, args.pool)
+        child(args.layers, args.experts, args.device, args.profile, args.pool, args.fast)
         return 0
     synthetic = ["--synthetic-weights", "release", "--synthetic-layers", str(args.layers), "--synthetic-experts",
-                 str(args.experts), "--weights", "packed", "--device", args.device, "--fast", "compiled", "--prompt",
+                 str(args.experts), "--weights", "packed", "--device", args.device, "--fast", args.fast, "--prompt",
                  "Hello", "--max-new-tokens", "32", "--temperature", "0"]
     cases = [("readme_first_command", [*README_FIRST, "--device", args.device]),
              ("readme_first_command_compiled", [*README_FIRST, "--device", args.device, "--fast", "compiled"]),

@@ -230,11 +230,11 @@ COMPILE_CASES = [(True, 0, True, True, 1, False, False), (True, 1, False, True, 
                          [(*case, 1) for case in COMPILE_CASES]
                          + [(*case, 2) for case in COMPILE_CASES if case[4] == 1])  # two steps ahead: one group
 def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, groups, stored, masked, ahead):
-    """Every word is decoded in the lane that loads it: the kernel issues one MMA a row tile, row group and MMA tile,
-    loads a lane's 16 bytes of words at once (from the stored layout: a row's 8 NVFP4 or 16 MXFP8 bytes at once), and
-    has no shared memory, barrier or spill; its registers let `RESIDENT` programs share an SM (loads one K step
-    ahead, or two at one row group). With the K splits added in the kernel, the same loop; a barrier and one
-    acquire-release ticket a program."""
+    """Every word is decoded in the lane that loads it: the kernel issues one MMA a row tile, row group, MMA tile and
+    step of 64, loads a lane's 16 bytes of words at once (from the stored layout: a row's 16 NVFP4 bytes of a pair
+    step, or its 16 MXFP8 bytes of a step), and has no shared memory, barrier or spill; its registers let `RESIDENT`
+    programs share an SM (loads one K step ahead, or two at one row group). With the K splits added in the kernel, the
+    same loop; a barrier and one acquire-release ticket a program."""
     ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, ahead=ahead)
     if not out_bf16:  # a launch with K splits: the same kernel adding them itself
         summed = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, sum_splits=True, ahead=ahead)

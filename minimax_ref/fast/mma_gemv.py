@@ -100,7 +100,7 @@ class Launch(NamedTuple):
 
     row_tiles: int
     per_sm: int
-    ahead: int = 1  # K steps of loads in flight while a step is decoded (1 or 2; a stored NVFP4 pair step: 2)
+    ahead: int = 1  # K steps of loads in flight while a step is decoded (1 or 2; stored NVFP4: pair steps)
 
 
 # By format and row groups (x rows / 8, rounded up to a power of two), from products at release shapes on 1 x H100
@@ -560,20 +560,28 @@ if AVAILABLE:
 
     @gluon.jit
     def _pair_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr,
-                    MASKED: gl.constexpr, L3: gl.constexpr, LA: gl.constexpr, PAIR: gl.constexpr,
-                    XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+                    MASKED: gl.constexpr, AHEAD: gl.constexpr, L3: gl.constexpr, LA: gl.constexpr,
+                    PAIR: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
         """`_steps` for an NVFP4 weight read where it is stored, by pair steps of 128 columns: sub-step j (0, 1) of
         pair step s gives lane c the columns 128 s + 32 c + 16 j + 4 t + q (MMA tile t, q = 0..3), so a lane's 16
-        bytes of a row and its 2 block scales of a pair step are one load each (`_pair_loads`). The next pair step's
-        bytes are loaded before this one's are decoded (two sub-steps in flight); x's quads one sub-step ahead."""
+        bytes of a row and its 2 block scales of a pair step are one load each (`_pair_loads`). The bytes of the pair
+        step AHEAD (1 or 2) on are loaded before this one's are decoded (2 AHEAD sub-steps in flight); x's quads one
+        sub-step ahead."""
         acc = (gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3),
                gl.zeros(SHAPE, gl.float32, L3))
         loads1 = _pair_loads(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, MASKED, PAIR)
+        if AHEAD == 2:
+            loads2 = _pair_loads(wa, wb, sa, sb, kc, gl.minimum(s_lo + 1, s_hi - 1), ok_g, ok_h, KB, MASKED, PAIR)
         xa = _x_quads(x_rows, s_lo * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
         for step in range(s_lo, s_hi):
             loads = loads1
-            nxt = gl.minimum(step + 1, s_hi - 1)  # the last step loads the last again: no mask in the loop
-            loads1 = _pair_loads(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, MASKED, PAIR)
+            nxt = gl.minimum(step + 1, s_hi - 1)  # the last steps load the last again: no mask in the loop
+            if AHEAD == 2:
+                loads1 = loads2
+                loads2 = _pair_loads(wa, wb, sa, sb, kc, gl.minimum(step + 2, s_hi - 1), ok_g, ok_h, KB, MASKED,
+                                     PAIR)
+            else:
+                loads1 = _pair_loads(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, MASKED, PAIR)
             xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
             acc = _step_mmas(_pair_operands(loads, 0, LA), xa, glob, acc, True)
             xa = _x_quads(x_rows, nxt * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
@@ -688,7 +696,7 @@ if AVAILABLE:
         glob = gl.load(g_ptr + e * stride_ge) if NVFP4_FMT else 1.0  # NVFP4's weight_scale_2
         if STORED and NVFP4_FMT:
             acc0, acc1, acc2, acc3 = _pair_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K,
-                                                 EVEN_K, MASKED, L3, LA, WIDE, XWIDE, SHAPE)
+                                                 EVEN_K, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
         else:
             acc0, acc1, acc2, acc3 = _steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K,
                                             NVFP4_FMT, EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)

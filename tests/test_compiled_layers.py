@@ -140,17 +140,22 @@ def test_every_kept_file_loads_back(tmp_path, reads_dtype, capsys):
 
 
 def test_a_failed_load_leaves_the_compiler_settings_as_they_were(tmp_path, monkeypatch):
-    """A load that changes a compiler setting and then fails (as torch's can, halfway through a saved graph): the
-    setting is put back, so the layers compiled next compile as before."""
+    """A saved graph loads under the layers' inductor options (as they compile: the static launcher off); a load that
+    changes a compiler setting and then fails (as torch's can, halfway through a saved graph) has the setting put
+    back, so the layers compiled next compile as before."""
     before = torch._inductor.config.max_autotune
+    seen = {}
 
     def half_load(f):
+        seen["static launcher"] = torch._inductor.config.use_static_cuda_launcher
         torch._inductor.config.max_autotune = not before
         raise TypeError("halfway")
 
     monkeypatch.setattr(torch.compiler, "load_compiled_function", half_load)
     path = tmp_path / "graph.aot"
     path.write_bytes(b"")
+    layers = fc.CompiledLayers(None, folder=tmp_path)
     with pytest.raises(TypeError, match="halfway"):
-        fc._load(path)
+        fc._load(path, layers.options)
+    assert seen == {"static launcher": False} and layers.options["use_static_cuda_launcher"] is False
     assert torch._inductor.config.max_autotune == before

@@ -160,9 +160,11 @@ def _settings_kept_on_error():
         raise
 
 
-def _load(path: Path):
-    """A saved compiled layer (`load_compiled_function`), the compiler's settings kept if it fails."""
-    with _settings_kept_on_error(), _aot_enabled(), path.open("rb") as f:
+def _load(path: Path, options: dict):
+    """A saved compiled layer (`load_compiled_function`) under the inductor `options` it was compiled with (the
+    kernels a load brings in are then made as a compile here makes them: one made with the static launcher that the
+    layers' options turn off fails a later compile's check), the compiler's settings kept if it fails."""
+    with _settings_kept_on_error(), torch._inductor.config.patch(options), _aot_enabled(), path.open("rb") as f:
         return torch.compiler.load_compiled_function(f)
 
 
@@ -214,13 +216,13 @@ class CompiledLayers:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         register_materialize_lowering()
         self.reductions = reductions
-        options = dict(LAYER_INDUCTOR_OPTIONS)
+        self.options = dict(LAYER_INDUCTOR_OPTIONS)  # inductor's, for compiling and for loading saved graphs
         if reductions is not None:
-            options.update(inductor_options(reductions))
+            self.options.update(inductor_options(reductions))
         self.folder = folder if folder is not None and saves_compiled_layers() else None
         # torch 2.11 and 2.12 attach `aot_compile` to a compiled function only if the flag is on when it is wrapped
         with _aot_enabled() if self.folder is not None else contextlib.nullcontext():
-            self.compiled = torch.compile(run_layer, dynamic=False, fullgraph=True, options=options)
+            self.compiled = torch.compile(run_layer, dynamic=False, fullgraph=True, options=self.options)
         self.context = repr((paths, reductions, torch.__version__, _triton_version()))
         self.graphs: dict[str, list] = {}  # digest -> the graphs saved under it, in the order they were made
         self.chosen: dict[tuple[int, str], object] = {}  # (id of a layer, digest) -> the graph its guards pass
@@ -278,7 +280,7 @@ class CompiledLayers:
             graphs = []
             for path in sorted(self.folder.glob(f"{digest}-*.aot"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
                 try:
-                    graphs.append(_load(path))
+                    graphs.append(_load(path, self.options))
                 except Exception as e:  # written by another torch, or cut short: compiled again beside it
                     print(f"[fast] skipping saved layer graph {path.name}: {type(e).__name__}: {e}", file=sys.stderr)
             self.graphs[digest] = graphs
@@ -311,7 +313,7 @@ class CompiledLayers:
         # loaded back before it is kept: torch can save guards it cannot load (an unread module attribute holding a
         # dtype is saved as missing, and so is every tensor's dtype), and a later process must not find such a file
         try:
-            _load(tmp)
+            _load(tmp, self.options)
         except Exception as e:
             tmp.unlink(missing_ok=True)
             print(f"[fast] a compiled layer saved here does not load back ({type(e).__name__}: "

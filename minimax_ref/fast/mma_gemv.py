@@ -54,7 +54,7 @@ sum_k |x w_hat| before the final rounding, u = 2^-24, as `fast.gemv`'s dot.
 
 The decode needs the block scales in the normal range (`packed.scales_in_normal_range`) and, MXFP8, no E4M3 NaN
 byte, which `FastPackedWeight.configure` checks before it gives a weight to this kernel (`FastPaths(gemv="mma")`,
-the non-user preset `gemv-mma`). x's rows past M: the lanes whose B column is past M read row M - 1, whose products
+the preset `gemv-mma`). x's rows past M: the lanes whose B column is past M read row M - 1, whose products
 land in accumulator columns no lane stores; x's columns past K read as zeros. Launch shapes (row tiles a warp, K
 splits) are data by format and row groups (`LAUNCH`).
 

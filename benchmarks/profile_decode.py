@@ -2,8 +2,10 @@
 count and device time per step, beside the step's wall time and its HBM roofline, measured in one run.
 
 A synthetic model (`--preset`, `--layers`, `--experts`, NVFP4+MXFP8 packed weights by default) prefills a
-`--prompt-len` prompt once, then for each batch size of `--batch` (comma-separated: the prompt's cache replicated) one
-decode step of that many sequences with the fast paths `--fast` is captured in a CUDA graph (`fast.graph.GraphStep`);
+`--prompt-len` prompt once, then for each batch size of `--batch` (comma-separated: the prompt's cache replicated,
+each row of a batch feeding a random token of its own, so that the rows route to different experts as distinct
+requests do) one decode step of that many sequences with the fast paths `--fast` is captured in a CUDA graph
+(`fast.graph.GraphStep`);
 `--steps` replays are timed (wall clock, synchronised), then profiled with `torch.profiler` (CUPTI records the kernels
 a graph launches). One JSON line per batch size and configuration gives:
 
@@ -181,7 +183,12 @@ def run(args: argparse.Namespace, holder: list) -> None:
                 cache = prompt_cache
                 if batch > 1:
                     cache = replicate_cache(model, prompt_cache, batch, args.kv_cache_dtype)
-                tok = last.argmax(-1, keepdim=True).expand(batch, 1).contiguous()
+                tok = last.argmax(-1, keepdim=True)
+                if batch > 1:
+                    # a token of its own per row, so that the rows route to different experts as distinct requests
+                    # do (the roofline counts the experts `batch` rows choose at random)
+                    tok = torch.randint(0, model.config.text.vocab_size, (batch, 1), device=device,
+                                        generator=torch.Generator(device=device).manual_seed(5))
                 pos = torch.full((batch, 1), args.prompt_len, dtype=torch.long, device=device)
                 result = profile_step(args, world, model, cache, tok, pos, bw)
                 emit(result, args.out)

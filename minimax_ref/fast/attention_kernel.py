@@ -24,7 +24,7 @@ registers as `LayerCache.load` converts), with an online softmax:
 * Calls of fewer tokens than a tile (decode steps) get tiles of fewer tokens; one token's tile reads its own
   selection as given (no union). Such calls have a few dozen programs, too few for the GPU: each program's blocks
   or key tiles are then split over several programs (`splits_for`, flash-decoding) and their normalised sums merged
-  by their softmax denominators (fp32).
+  by their softmax denominators (fp32) in a second kernel, one launch (`_merge_kernel`).
 
 Numerics (the contract the tests check against the reference, which computes in fp32 on bf16-valued operands):
 * scores: q . k with bf16 queries and keys (exact in fp32: a product of two bf16 values fits), summed in fp32 on
@@ -38,6 +38,9 @@ Numerics (the contract the tests check against the reference, which computes in 
   relative, far below the bf16 rounding the layer's output gets next; with `split_probabilities=False`
   (`FastPaths(attention_probabilities="bf16")`, the `compiled` preset) one part, p rounded once to bf16
   (|r| <= 2^-9 p, as flash attention does), one product a key tile; the denominator sums the fp32 p either way;
+* split keys: each split's output (its sum divided by its denominator) weighted by exp2 of its log2-sum-exp minus the
+  row's largest (the GPU's approximate exp2), the weighted outputs and the weights summed in fp32 in an unspecified
+  order, one division;
 * output fp32 [B, T, Hq, D], the sum divided by the softmax denominator once (0 for a query with no key); or, with
   `out_dtype` bf16 (a prefill's and decode step's attention in a bf16 model), that fp32 value rounded once to bf16
   (to nearest, ties to even), the bits its `.to(bfloat16)` gives.
@@ -70,6 +73,8 @@ if AVAILABLE:
 # The tensor cores' smallest tile side (tl.dot): rows and key tiles are at least this.
 MIN_TILE = 16
 LOG2E = 1.4426950408889634
+# Splits the merge loads at once (a [CHUNK, head dim] fp32 tile a program)
+MERGE_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -312,6 +317,38 @@ if AVAILABLE:
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + split * stride_ls + b * stride_lb + tok * stride_lt + h * G + g, lse, mask=row_ok)
 
+    @triton.jit
+    def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_os, stride_ls, SPLITS: tl.constexpr, SP: tl.constexpr,
+                      CHUNK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, OUT_BF16: tl.constexpr,
+                      EXACT_FP32: tl.constexpr):
+        """The splits of `_attention_kernel` merged for one query row r (b, t, head flattened; grid: rows):
+        out[r] = sum_s w_s o[s, r] / sum_s w_s with w_s = exp2(lse[s, r] - max_s lse[s, r]), in fp32, the sums in an
+        unspecified order; a row no split read (every lse -inf) gives 0. OUT_BF16: rounded once to bf16. o, out
+        [rows, D] contiguous a split, lse [rows] a split; SP >= SPLITS and CHUNK powers of two. Every split's
+        weight at once, then the outputs CHUNK splits a load (their loads independent: a step of one row has up to
+        2 x SMs splits, which one at a time would wait on memory in turn)."""
+        r = tl.program_id(0)
+        s = tl.arange(0, SP)
+        lse = tl.load(lse_ptr + s * stride_ls + r, mask=s < SPLITS, other=float("-inf"))
+        m = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+        den = tl.sum(w, 0)
+        d = tl.arange(0, DP)
+        c = tl.arange(0, CHUNK)
+        num = tl.zeros((DP,), dtype=tl.float32)
+        for s0 in range(0, SPLITS, CHUNK):
+            ok = s0 + c < SPLITS
+            wc = tl.exp2(tl.load(lse_ptr + (s0 + c) * stride_ls + r, mask=ok, other=float("-inf"))
+                         - tl.where(m == float("-inf"), 0.0, m))
+            o = tl.load(o_ptr + (s0 + c)[:, None] * stride_os + r * D + d[None, :],
+                        mask=ok[:, None] & (d < D)[None, :], other=0.0)
+            num += tl.sum(wc[:, None] * o, 0)
+        out = num / tl.where(den > 0, den, 1.0)
+        if OUT_BF16:
+            tl.store(out_ptr + r * D + d, _bf16_storable(out, EXACT_FP32), mask=d < D)
+        else:
+            tl.store(out_ptr + r * D + d, out, mask=d < D)
+
     # An opaque operator (not `triton_op`): inductor calls it as it is from a compiled layer, and it launches the
     # kernel through Triton's own compilation, the one the eager calls and the tests use.
     @torch.library.custom_op("minimax_ref::block_attention", mutates_args=())
@@ -352,10 +389,13 @@ if AVAILABLE:
             num_warps=num_warps if tokens * gp >= 64 else 4, num_stages=num_stages)
         if splits == 1:
             return out
-        # the splits merged: each split's normalised sum weighted by its share of the softmax denominator
-        weight = torch.exp2(lse - lse.amax(0))
-        merged = (out * weight[..., None]).sum(0) / weight.sum(0)[..., None]
-        return merged.to(torch.bfloat16) if out_bf16 else merged
+        # the splits merged by one kernel: each split's normalised sum weighted by its share of the denominator
+        merged = torch.empty(B, T, Hq, D, dtype=torch.bfloat16 if out_bf16 else torch.float32, device=q.device)
+        _merge_kernel[(B * T * Hq,)](
+            out, lse, merged, out.stride(0), lse.stride(0), SPLITS=splits, SP=_pow2(splits),
+            CHUNK=min(MERGE_CHUNK, _pow2(splits)), D=D, DP=max(MIN_TILE, _pow2(D)), OUT_BF16=out_bf16,
+            EXACT_FP32=exact_fp32, num_warps=4)
+        return merged
 
     @_attention_op.register_fake
     def _(q, k, v, q_pos, blocks, union, block_size, tokens, keys, scale, kv_scale, splits, num_warps, num_stages,

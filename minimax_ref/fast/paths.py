@@ -53,7 +53,7 @@ and tests take.
   tile instead of two, about a quarter off an 8K prefill's attention.
 * `decode_attention="triton"` (the `compiled` preset): decode steps (up to `sync_free_tokens` tokens a sequence) attend
   through the same kernel, inside compiled layers and CUDA graphs, each program's keys split over the GPU and the
-  splits merged by their softmax denominators (fp32). The same contract.
+  splits merged by their softmax denominators (fp32, one kernel). The same contract.
 * `grouped=True`: on CUDA with triton, products with packed weights of more rows than `fused_tokens`, up to
   `sync_free_tokens` (batch > 1 decode steps), by one Triton kernel that decodes each weight tile once in registers
   (the same bf16 bits) and multiplies it by all the rows on the tensor cores, fp32 sums (`fast.grouped`); the routed

@@ -320,8 +320,8 @@ PRESETS: dict[str, Preset] = {
 PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
-# `compiled` with `fast.mma_gemv`'s decode products: a user's choice, not `auto`'s, until a later process's warm start
-# and the seed's workload are measured with it on a GPU
+# `compiled` with `fast.mma_gemv`'s decode products: a user's choice, not `auto`'s: the linears' reordered copies take
+# memory a full batch needs (the seed's 32 requests at 16 experts fit 30 rows on one H100, and the run was slower)
 PRESETS["gemv-mma"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma"),
                              "compiled, with decode steps' products with packed weights (up to 32 rows; routed "
                              "experts up to 8, read where they are stored) on the tensor cores, each lane decoding "

@@ -331,15 +331,14 @@ if AVAILABLE:
         s = tl.arange(0, SP)
         lse = tl.load(lse_ptr + s * stride_ls + r, mask=s < SPLITS, other=float("-inf"))
         m = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-        den = tl.sum(w, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a row no split read: every weight 0
+        den = tl.sum(tl.exp2(lse - m), 0)
         d = tl.arange(0, DP)
         c = tl.arange(0, CHUNK)
         num = tl.zeros((DP,), dtype=tl.float32)
         for s0 in range(0, SPLITS, CHUNK):
             ok = s0 + c < SPLITS
-            wc = tl.exp2(tl.load(lse_ptr + (s0 + c) * stride_ls + r, mask=ok, other=float("-inf"))
-                         - tl.where(m == float("-inf"), 0.0, m))
+            wc = tl.exp2(tl.load(lse_ptr + (s0 + c) * stride_ls + r, mask=ok, other=float("-inf")) - m)
             o = tl.load(o_ptr + (s0 + c)[:, None] * stride_os + r * D + d[None, :],
                         mask=ok[:, None] & (d < D)[None, :], other=0.0)
             num += tl.sum(wc[:, None] * o, 0)

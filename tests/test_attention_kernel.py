@@ -154,7 +154,7 @@ def test_scaled_fp8_cache_read_as_the_cache_loads_it(kv_scale, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_scale", [1.0, 0.5])
-def test_keys_widened_before_the_kernel_give_the_same_bits(kv_scale, device):
+def test_keys_widened_before_the_kernel_give_the_same_output(kv_scale, device):
     """Prefill converts an fp8 cache's keys and values once (`fast.attention.widen_keys`) and runs the kernel on
     bf16: the same operands as the kernel's own conversion (bit for bit), so the same output within the kernel's
     fp32 rounding, MSA and dense (in the interpreter the same bits; compiled for a GPU, the two storages are

@@ -153,6 +153,95 @@ def test_fp8_index_keys_read_as_the_cache_loads_them(scale, device):
         _check_selection(ids, select_blocks_chunked(iq, loaded, pos, bs, kb, local, init, 64), want, got, bound)
 
 
+# few query rows (the decode grid): (batch, queries, cached keys, index heads, index dim, block size, top-k, local,
+# init) with each sequence at a position of its own (`_decode_operands`)
+DECODE_GEOMETRIES = {
+    # a decode step of 4 heads over 3 sequences, 13 blocks of 16, the last ragged
+    "step": (3, 1, 200, 4, 32, 16, 4, 1, 0),
+    # speculative verification: 8 queries of 4 heads (32 rows), blocks of 10 read as one tile of 16, forced blocks
+    "verify": (2, 8, 150, 4, 24, 10, 5, 2, 2),
+    # 9 rows (3 queries of 3 heads: not a power of two), blocks of 32 read as two tiles of 16 with 64 channels
+    "rows": (2, 3, 300, 3, 64, 32, 4, 1, 1),
+}
+
+
+def _decode_operands(geometry: tuple, device: str, seed: int):
+    """Random operands for a few-row call: sequence b's T queries end at a position of its own, the first near the
+    end of the cache, the others far before it (blocks after every row's position unread: -inf)."""
+    B, T, L0, Hi, Di, bs, kb, local, init = geometry
+    g = torch.Generator().manual_seed(seed)
+    L = L0 + T
+    iq = torch.randn(B, T, Hi, Di, generator=g).bfloat16()
+    ik = (2 * torch.randn(B, L, Di, generator=g)).bfloat16()
+    ends = [L - 1] + [int(x) for x in torch.randint(T + 2 * bs, L - bs, (B - 1,), generator=g)]
+    pos = torch.stack([torch.arange(e - T + 1, e + 1) for e in ends])
+    return iq.to(device), ik.to(device), pos.to(device), bs, kb, local, init
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sms", [1, 1000], ids=["long-runs", "a-block-a-program"])
+@pytest.mark.parametrize("name", sorted(DECODE_GEOMETRIES))
+def test_decode_grid_equals_the_reference(name, sms, device):
+    """Calls of few query rows take the decode grid (a program a sequence and run of blocks): the same contract as
+    the prefill grid, whether a program's run is many blocks (1 SM) or one (many SMs)."""
+    iq, ik, pos, bs, kb, local, init = _decode_operands(DECODE_GEOMETRIES[name], device, seed=len(name))
+    assert iq.shape[1] * iq.shape[2] <= sk.DECODE_ROWS
+    want = block_scores(index_scores(iq, ik, pos), pos, bs, local, init)
+    bound = _bound(iq, ik, pos, bs)
+    got = sk.block_scores(iq, ik, pos, bs, local, init, sms=sms)
+    _check_scores(got, want, bound)
+    ids = select_blocks_kernel(iq, ik, pos, bs, kb, local, init, iq.shape[1], sms=sms)
+    assert _check_selection(ids, select_blocks_chunked(iq, ik, pos, bs, kb, local, init, 4), want, got, bound) > 0.9
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_decode_grid_reads_fp8_index_keys_as_the_cache_loads_them(scale, device):
+    iq, ik, pos, bs, kb, local, init = _decode_operands(DECODE_GEOMETRIES["verify"], device, seed=3)
+    stored = store_kv(ik, torch.float8_e4m3fn, scale)
+    loaded = (stored.float() * scale).to(torch.bfloat16)
+    want = block_scores(index_scores(iq, loaded, pos), pos, bs, local, init)
+    bound = _bound(iq, loaded, pos, bs)
+    got = sk.block_scores(iq, stored, pos, bs, local, init, ik_scale=scale, sms=4)
+    _check_scores(got, want, bound)
+    ids = select_blocks_kernel(iq, stored, pos, bs, kb, local, init, 8, ik_scale=scale, sms=4)
+    _check_selection(ids, select_blocks_chunked(iq, loaded, pos, bs, kb, local, init, 8), want, got, bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_decode_steps_read_the_stored_index_keys(tiny_nvfp4, device, monkeypatch):
+    """Decode steps of a bf16 model with an fp8 cache and the `on` preset: each MSA layer's selection takes the
+    cache's fp8 index keys as stored (no loaded copy) through the decode grid, and the greedy tokens equal those
+    of the same preset selecting by the reference path (the logits within the rounding of the index scores' sums,
+    bit for bit where every selection is the same)."""
+    from minimax_ref.weights.loader import load_model
+
+    model = load_model(tiny_nvfp4, dtype=torch.bfloat16, weights="packed", device=device)
+    sparse = [layer.self_attn for layer in model.layers if layer.self_attn.sparse]
+    ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(6)).to(device)
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            cache = model.new_cache(2, 64, "fp8")
+            model(ids[:, :36], positions=torch.arange(36, device=device).expand(2, 36), cache=cache)
+            return torch.cat([model(ids[:, t:t + 1], positions=torch.full((2, 1), t, device=device), cache=cache)
+                              for t in range(36, 40)], dim=1)
+
+    apply(model, replace(FastPaths.of(True), block_selection="reference"))
+    want = run()
+    dtypes = []
+    original = sk.block_scores
+    monkeypatch.setattr(sk, "block_scores", lambda *a, **kw: dtypes.append((a[0].shape[1], a[1].dtype))
+                        or original(*a, **kw))
+    apply(model, True)
+    got = run()
+    steps = [d for t, d in dtypes if t == 1]
+    assert steps == [torch.float8_e4m3fn] * (4 * len(sparse))
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    scale = want.float().abs().amax()
+    assert ((got.float() - want.float()).abs().amax(-1) / scale).median() < 1e-2
+
+
 def test_tiles_and_switches():
     assert sk.Tiles.parse("64,32,4,3") == sk.Tiles(64, 32, 4, 3) and sk.Tiles(64, 32, 4, 3).text() == "64,32,4,3"
     with pytest.raises(ConfigError, match="queries=96: give a power of two"):
@@ -187,10 +276,10 @@ def test_where_the_kernel_runs():
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_model_prefill_selects_through_the_kernel(tiny_nvfp4, kv_cache_dtype, device, monkeypatch):
     """A bf16 model with the `on` preset (which selects through the kernel): the 70-token prefill chunk of two
-    sequences at different positions selects through the kernel on every MSA layer (the 20-token chunk after it is
-    decode-sized: the other path), each layer's ids equal the reference's selection of the same operands up to
-    ties, and the logits equal those of the same preset selecting by the reference path (bit for bit where every
-    selection is the same)."""
+    sequences at different positions and the 20-token call after it (40 query rows of 2 index heads: the decode grid)
+    select through the kernel on every MSA layer, each layer's ids equal the reference's selection of the same
+    operands up to ties, and the logits equal those of the same preset selecting by the reference path (bit for bit
+    where every selection is the same). The hooks get the index keys as the reference gives them (loaded)."""
     from minimax_ref.weights.loader import load_model
 
     model = load_model(tiny_nvfp4, dtype=torch.bfloat16, weights="packed", device=device)
@@ -216,11 +305,10 @@ def test_model_prefill_selects_through_the_kernel(tiny_nvfp4, kv_cache_dtype, de
     records.clear()
     apply(model, True)
     got = run()
-    assert calls == [70] * len(sparse)  # one chunk a layer, the 70-token call only
+    assert calls == [70] * len(sparse) + [20] * len(sparse)  # one chunk a layer and call
+    assert len(records) == 2 * len(sparse) and all(r[2].dtype == torch.bfloat16 for r in records)
     same = True
     for geometry, iq, ik, q_pos, out in records:
-        if iq.shape[1] <= model.fast.sync_free_tokens:
-            continue
         g = geometry
         ref = block_scores(index_scores(iq, ik, q_pos), q_pos, g.block_size, g.local_blocks, g.init_blocks)
         mine = sk.block_scores(iq, ik, q_pos, g.block_size, g.local_blocks, g.init_blocks)

@@ -10,8 +10,9 @@ equal to fp32 rounding, with
   cache as stored in decode steps; a prefill widens an fp8 cache's keys and values to bf16 once (`widen_keys`: the
   same values) where its query tiles would convert more keys than the cache holds (`widening_pays`); the MSA
   selection by `select_blocks_chunked`;
-* `block_selection="triton"` (prefill calls of a bf16 model on CUDA): the MSA block scores by one Triton kernel
-  (`fast.selection_kernel`: no [T, L] index scores), then the same top-k (`select_blocks_kernel`);
+* `block_selection="triton"` (prefill calls and calls of few query rows, such as decode steps, of a bf16 model on
+  CUDA): the MSA block scores by one Triton kernel (`fast.selection_kernel`: no [T, L] index scores; a decode step's
+  fp8 index keys read as stored), then the same top-k (`select_blocks_kernel`);
 * in a compiled region (`FastPaths.compile_layers`): the contractions as broadcast products (`contract`), block
   selection by unsorted top-k (nothing in a compiled decode step reads the order of the ids; only the order of the
   fp32 sums changes), and the queries and softmax probabilities stored once (`compiled.materialize`).
@@ -113,13 +114,15 @@ def select_blocks_chunked(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tenso
 
 def select_blocks_kernel(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
                          local_blocks: int, init_blocks: int, chunk: int,
-                         tiles: selection_kernel.Tiles | None = None) -> torch.Tensor:
-    """`select_blocks_chunked` with the block scores by `fast.selection_kernel` (bf16 iq, bf16 or fp8 ik; `tiles` its
-    launch configuration): block ids [B, Hi, T, kb], `chunk` queries at a time (only one chunk's block scores
-    [B, Hi, chunk, nb] exist at once). The same ids up to ties within the fp32 sums' rounding (the kernel module's
-    contract)."""
+                         tiles: selection_kernel.Tiles | None = None, ik_scale: float = 1.0,
+                         sms: int = 1) -> torch.Tensor:
+    """`select_blocks_chunked` with the block scores by `fast.selection_kernel` (bf16 iq, bf16 or fp8 ik read as
+    bf16(fp32(ik) * ik_scale); `tiles` the prefill grid's launch configuration, `sms` the SMs the decode grid fills):
+    block ids [B, Hi, T, kb], `chunk` queries at a time (only one chunk's block scores [B, Hi, chunk, nb] exist at
+    once). The same ids up to ties within the fp32 sums' rounding (the kernel module's contract)."""
     return torch.cat([top_blocks(selection_kernel.block_scores(iq[:, s:s + chunk], ik, q_pos[:, s:s + chunk],
-                                                               block_size, local_blocks, init_blocks, tiles=tiles),
+                                                               block_size, local_blocks, init_blocks, ik_scale,
+                                                               tiles, sms),
                                  topk_blocks)
                       for s in range(0, iq.shape[1], chunk)], dim=2)
 
@@ -132,24 +135,46 @@ def index_chunk(iq: torch.Tensor, ik: torch.Tensor, chunk_elements: int) -> int:
 
 
 class FastBlockSelection(BlockSelection):
-    """`msa.BlockSelection` through this module's `select_blocks` (`contract`; unsorted top-k when compiled), or for
-    prefill calls with `block_selection="triton"` where the kernel runs, `select_blocks_kernel`."""
+    """`msa.BlockSelection` through this module's `select_blocks` (`contract`; unsorted top-k when compiled), or with
+    `block_selection="triton"` where the kernel runs, `select_blocks_kernel`: prefill calls, and calls of few query
+    rows (decode steps, speculative verification: queries x index heads <= `selection_kernel.DECODE_ROWS`), which
+    read an fp8 cache's index keys as stored (`reads_stored`)."""
 
-    def forward(self, iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, chunk: int) -> torch.Tensor:
+    sm_count = 1  # the GPU's SMs (`fast.apply`): the kernel's decode grid fills them
+
+    def forward(self, iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, chunk: int,
+                ik_scale: float = 1.0) -> torch.Tensor:
+        """Block ids as `BlockSelection`'s; ik may be an fp8 cache's stored index keys where `reads_stored` allows,
+        read as bf16(fp32(ik) * ik_scale) (`LayerCache.load`)."""
         g = self.geometry
-        if self.kernel_selects(iq, ik):
+        if self.kernel_selects(iq, ik.dtype):
             # the kernel's temporary is nb block scores a query where the reference's is L index scores: the same
             # element budget takes block_size times the queries
             return select_blocks_kernel(iq, ik, q_pos, g.block_size, g.topk_blocks, g.local_blocks, g.init_blocks,
-                                        chunk * g.block_size)
+                                        chunk * g.block_size, ik_scale=ik_scale, sms=self.sm_count)
         return select_blocks_chunked(iq, ik, q_pos, g.block_size, g.topk_blocks, g.local_blocks, g.init_blocks, chunk)
 
-    def kernel_selects(self, iq: torch.Tensor, ik: torch.Tensor) -> bool:
+    def kernel_selects(self, iq: torch.Tensor, ik_dtype: torch.dtype) -> bool:
         """Whether this call's block scores come from `fast.selection_kernel`: `block_selection="triton"`, a prefill
-        call (more than `sync_free_tokens` queries; decode steps keep the compiled-friendly path) and operands the
-        kernel handles (bf16 index queries on CUDA with triton)."""
-        return (self.paths.block_selection == "triton" and iq.shape[1] > self.paths.sync_free_tokens
-                and selection_kernel.handles(iq.device, iq.dtype, ik.dtype, iq.shape[-1]))
+        call (more than `sync_free_tokens` queries) or one of few query rows (`decode_grid`; other decode-sized calls
+        keep the compiled-friendly path), and operands the kernel handles (bf16 index queries on CUDA with triton; index
+        keys of `ik_dtype`)."""
+        return (self.paths.block_selection == "triton"
+                and (iq.shape[1] > self.paths.sync_free_tokens or self.decode_grid(iq))
+                and selection_kernel.handles(iq.device, iq.dtype, ik_dtype, iq.shape[-1]))
+
+    @staticmethod
+    def decode_grid(iq: torch.Tensor) -> bool:
+        """Whether a call of index queries `iq` [B, T, Hi, Di] has few enough query rows for the kernel's decode
+        grid."""
+        return iq.shape[1] * iq.shape[2] <= selection_kernel.DECODE_ROWS
+
+    def reads_stored(self, iq: torch.Tensor, stored: torch.dtype) -> bool:
+        """Whether this call takes the cache's index keys as stored (`stored` their dtype): the kernel's decode grid
+        reads them once, converting in registers, where loading them first would write and read them again. Not
+        while hooks watch the selection (they get the keys as the reference gives them)."""
+        return (not (self._forward_hooks or self._forward_pre_hooks) and self.decode_grid(iq)
+                and self.kernel_selects(iq, stored))
 
 
 def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
@@ -253,6 +278,7 @@ class FastAttention(Attention):
         q, k, v = self.qkv(x, cos, sin)
         q = materialize(q)  # compiled: computed once, not once per key
         iq = ik = None
+        ik_scale = 1.0
         if self.sparse:
             iq, ik = self.index_qk(x, cos, sin)
             iq = materialize(iq)
@@ -277,11 +303,14 @@ class FastAttention(Attention):
                 k, v = cache.keys_values(length)
             if self.sparse:
                 cache.write_index(ik, pos)
-                ik = cache.index_keys(length)
+                if self.selection.reads_stored(iq, cache.index_k.dtype):
+                    ik, ik_scale = cache.stored_index_keys(length), cache.scale
+                else:
+                    ik = cache.index_keys(length)
         sp = self.geometry if self.sparse else None
         split = self.paths.attention_probabilities == "split"
         if kernel and self.sparse:
-            blocks = self.selection(iq, ik, pos, index_chunk(iq, ik, self.chunk_elements))
+            blocks = self.selection(iq, ik, pos, index_chunk(iq, ik, self.chunk_elements), ik_scale=ik_scale)
             # the output in the model's dtype, rounded once by the kernel as the `.to` below would
             o = attention_kernel.block_attention(q, k, v, pos, self.scale, blocks, sp.block_size, kv_scale,
                                                  self.sm_count, out_dtype=x.dtype, split_probabilities=split)
@@ -290,7 +319,7 @@ class FastAttention(Attention):
                                                  out_dtype=x.dtype, split_probabilities=split)
         elif self.sparse:
             chunk = query_chunk(q, k, iq, sp.block_size, sp.topk_blocks, self.chunk_elements)
-            blocks = self.selection(iq, ik, pos, chunk)
+            blocks = self.selection(iq, ik, pos, chunk, ik_scale=ik_scale)
             o = block_sparse_attention(q, k, v, blocks, pos, sp.block_size, self.scale, chunk, load=load, sdpa=sdpa)
         elif sdpa:
             o = causal_attention_sdpa(q, k, v, pos, self.scale, self.chunk_elements)

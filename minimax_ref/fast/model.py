@@ -223,6 +223,8 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
             m.paths = paths
             if twin is FastAttention:
                 m.sm_count = sm_count(m.q_norm.weight.device)
+                if isinstance(getattr(m, "selection", None), BlockSelection):
+                    m.selection.sm_count = m.sm_count
         if isinstance(m, FastPackedWeight):
             m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
                         paths.grouped_tokens, paths.gemv_tokens, paths.nvfp4_table,

@@ -33,12 +33,13 @@ and tests take.
   `compiled` preset rounds them once to bf16, `attention_probabilities`). Equal to fp32 rounding plus that split
   (tests/test_attention_kernel.py). Elsewhere (fp32 models, CPU) the gathering path.
 * `block_selection="triton"` (every preset but "off"): the MSA block selection of prefill calls (more than
-  `sync_free_tokens` tokens) of a bf16 model on CUDA by one Triton kernel (`fast.selection_kernel`) that computes
-  each block's max index score straight from the index queries and keys (tensor-core dot of the bf16 values, fp32
-  sums; future keys excluded, forced blocks +inf), never the [T, L] index scores, then the same top-k. The same
-  block scores up to the order of the fp32 sums, so the same ids except at ties within that rounding
-  (tests/test_selection_kernel.py).
-  Elsewhere (fp32 models, CPU, decode steps) `fast.attention.select_blocks`.
+  `sync_free_tokens` tokens) and of calls of few query rows (decode steps and speculative verification: queries x
+  index heads <= `selection_kernel.DECODE_ROWS`, an fp8 cache's index keys read as stored) of a bf16 model on CUDA
+  by one Triton kernel (`fast.selection_kernel`) that computes each block's max index score straight from the index
+  queries and keys (tensor-core dot of the bf16 values, fp32 sums; future keys excluded, forced blocks +inf), never
+  the [T, L] index scores, then the same top-k. The same block scores up to the order of the fp32 sums, so the same
+  ids except at ties within that rounding (tests/test_selection_kernel.py).
+  Elsewhere (fp32 models, CPU, other decode-sized calls) `fast.attention.select_blocks`.
 * `prefill_fusion=True` (the `compiled` preset): in prefill calls (more than `sync_free_tokens` tokens) each
   decoder layer's input and post-attention RMSNorm, and each q / k / index-q / index-k norm with the RoPE rotation
   after it, run as one kernel compiled by torch.compile with dynamic shapes (`fast.prefill`), instead of a chain of

@@ -32,6 +32,12 @@ Contract (`block_scores`; the tests check it against the reference, `msa.block_s
   scores lie within the sums' rounding of each other (ties): a selected block's reference score is at least the
   k-th largest reference score minus twice the bound; the count of valid ids and the empty slots are the same.
 
+Two launch shapes of the same contract. Prefill calls: a program a tile of queries and index head (above). Few query
+rows (queries x index heads <= `DECODE_ROWS`: decode steps, speculative verification): a program a sequence and a run
+of consecutive blocks (`_decode_block_scores_kernel`), every query row of the sequence (t, h) against each key tile
+loaded once, the runs sized so the programs fill the GPU; blocks after every row's position are written -inf unread.
+A decode step's query tile would be mostly padding and its few programs would each stream a whole cache.
+
 `block_scores` launches the kernel through `torch.library.triton_op` (`minimax_ref::selection_block_scores`), so a
 compiled region and a CUDA graph take it as it is (static shapes, no host read). `handles` says where it runs: CUDA
 with triton, bf16 index queries, index keys bf16 or fp8, index heads of at most 256 channels; under
@@ -60,6 +66,14 @@ if AVAILABLE:
 MIN_TILE = 16
 # Index heads wider than this are left to the reference (the query tile stays in registers).
 MAX_INDEX_DIM = 256
+# Query rows (queries x index heads) up to which a call takes the decode grid: the rows are one dot operand.
+DECODE_ROWS = 64
+# The decode grid's key tile and warps: a 16-row dot against 128 keys a load keeps 16 KB of fp8 keys in flight a
+# program with few registers.
+DECODE_KEYS = 128
+DECODE_WARPS = 4
+# Programs an SM the decode grid's runs of blocks aim at (loads in flight over the GPU).
+DECODE_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,15 @@ if AVAILABLE:
         return m
 
     @triton.jit
+    def _block_bounds(qpos, ok, L, BS: tl.constexpr):
+        """(full, read) of a program's rows at positions `qpos` (where `ok`): blocks before `full` lie wholly before L
+        and at or before every row's position (no causal mask); blocks from `read` on hold no key of any row (-inf,
+        unread)."""
+        last = tl.minimum(tl.max(qpos, 0), L - 1)
+        first = tl.minimum(tl.min(tl.where(ok, qpos, L - 1), 0), L - 1)
+        return tl.minimum((first + 1) // BS, L // BS), last // BS + 1
+
+    @triton.jit
     def _store_block(out_rows, j, m, qblk, LOCAL, INIT, t_ok):
         """Block j's scores `m` of the rows, +inf where the block is forced (msa.block_scores' rule)."""
         forced = ((j <= qblk) & (j > qblk - LOCAL)) | ((j < INIT) & (j <= qblk))
@@ -157,12 +180,7 @@ if AVAILABLE:
         k_base = ik_ptr + b * stride_kb
         out_rows = out_ptr + b * stride_ob + h * stride_oh + t * stride_ot
         qblk = qpos // BS
-        # blocks up to the tile's last key read; those wholly before L and at or before every row's position need
-        # no causal mask; blocks after the last one hold no key of any row: -inf
-        last = tl.minimum(tl.max(qpos, 0), L - 1)
-        first = tl.minimum(tl.min(tl.where(t_ok, qpos, L - 1), 0), L - 1)
-        read = last // BS + 1
-        full = tl.minimum((first + 1) // BS, L // BS)
+        full, read = _block_bounds(qpos, t_ok, L, BS)
         for j in range(0, full):
             m = _block_max(q, k_base, stride_kl, j, qpos, L, d, d_ok, ik_scale, BS, QUERIES, KEYS, False, IK_FP8,
                            EXACT_FP32)
@@ -175,35 +193,84 @@ if AVAILABLE:
         for j in range(read, NB):
             tl.store(out_rows + j, none, mask=t_ok)
 
+    @triton.jit
+    def _decode_block_scores_kernel(
+        iq_ptr, ik_ptr, pos_ptr, out_ptr, T, L, NB, LOCAL, INIT, ik_scale, PER,
+        stride_qb, stride_qt, stride_qh, stride_kb, stride_kl, stride_pb, stride_pt, stride_ob, stride_oh, stride_ot,
+        HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
+        KEYS: tl.constexpr, IK_FP8: tl.constexpr, EXACT_FP32: tl.constexpr,
+    ):
+        """out[b, h, t, j] for every query t and index head h of sequence b (row t * HI + h of ROWS) and the PER
+        blocks j of this program's run (see `block_scores`). Grid: (runs of PER blocks, sequences)."""
+        b = tl.program_id(1).to(tl.int64)
+        r = tl.arange(0, ROWS)
+        t = r // HI
+        h = r % HI
+        r_ok = t < T
+        d = tl.arange(0, DP)
+        d_ok = d < DI
+        qpos = tl.load(pos_ptr + b * stride_pb + t * stride_pt, mask=r_ok, other=-1)
+        q = _x_operand(iq_ptr + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                       r_ok[:, None] & d_ok[None, :], EXACT_FP32)
+        k_base = ik_ptr + b * stride_kb
+        out_rows = out_ptr + b * stride_ob + h * stride_oh + t * stride_ot
+        qblk = qpos // BS
+        full, read = _block_bounds(qpos, r_ok, L, BS)  # blocks from `read` on: -inf, never forced
+        j0 = tl.program_id(0) * PER
+        for j in range(j0, tl.minimum(j0 + PER, NB)):
+            if j < full:
+                m = _block_max(q, k_base, stride_kl, j, qpos, L, d, d_ok, ik_scale, BS, ROWS, KEYS, False, IK_FP8,
+                               EXACT_FP32)
+            elif j < read:
+                m = _block_max(q, k_base, stride_kl, j, qpos, L, d, d_ok, ik_scale, BS, ROWS, KEYS, True, IK_FP8,
+                               EXACT_FP32)
+            else:
+                m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+            _store_block(out_rows, j, m, qblk, LOCAL, INIT, r_ok)
+
     @triton_op("minimax_ref::selection_block_scores", mutates_args=())
     def _block_scores_op(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int,
                          local_blocks: int, init_blocks: int, ik_scale: float, queries: int, keys: int,
-                         num_warps: int, num_stages: int, exact_fp32: bool) -> torch.Tensor:
+                         num_warps: int, num_stages: int, exact_fp32: bool, sms: int) -> torch.Tensor:
         """The launch (see `block_scores`): iq bf16 [B, T, Hi, Di], ik bf16 or uint8 (fp8's bytes) [B, L, Di], both
-        with unit channel stride; returns fp32 [B, Hi, T, nb]."""
+        with unit channel stride; returns fp32 [B, Hi, T, nb]. T * Hi <= DECODE_ROWS: the decode grid, its runs of
+        blocks sized for `sms` SMs."""
         B, T, Hi, Di = iq.shape
         L = ik.shape[1]
         nb = triton.cdiv(L, block_size)
         out = torch.empty(B, Hi, T, nb, dtype=torch.float32, device=iq.device)
+        fp8 = attention_kernel.fp8_mode(ik.dtype, ik_scale)
+        if T * Hi <= DECODE_ROWS:
+            per = max(1, nb * B // (DECODE_PER_SM * sms))
+            wrap_triton(_decode_block_scores_kernel)[(triton.cdiv(nb, per), B)](
+                iq, ik, q_pos, out, T, L, nb, local_blocks, init_blocks, ik_scale, per,
+                iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), *q_pos.stride(),
+                out.stride(0), out.stride(1), out.stride(2),
+                HI=Hi, DI=Di, DP=max(MIN_TILE, _pow2(Di)), BS=block_size, ROWS=max(MIN_TILE, _pow2(T * Hi)),
+                KEYS=min(DECODE_KEYS, max(MIN_TILE, _pow2(block_size))), IK_FP8=fp8, EXACT_FP32=exact_fp32,
+                num_warps=DECODE_WARPS, num_stages=1)
+            return out
         grid = (triton.cdiv(T, queries), Hi, B)
         wrap_triton(_block_scores_kernel)[grid](
             iq, ik, q_pos, out, T, L, nb, local_blocks, init_blocks, ik_scale,
             iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), *q_pos.stride(),
             out.stride(0), out.stride(1), out.stride(2),
             DI=Di, DP=max(MIN_TILE, _pow2(Di)), BS=block_size, QUERIES=queries,
-            KEYS=min(keys, max(MIN_TILE, _pow2(block_size))), IK_FP8=attention_kernel.fp8_mode(ik.dtype, ik_scale),
+            KEYS=min(keys, max(MIN_TILE, _pow2(block_size))), IK_FP8=fp8,
             EXACT_FP32=exact_fp32,
             num_warps=num_warps, num_stages=num_stages)
         return out
 
 
 def block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, local_blocks: int = 1,
-                 init_blocks: int = 0, ik_scale: float = 1.0, tiles: Tiles | None = None) -> torch.Tensor:
+                 init_blocks: int = 0, ik_scale: float = 1.0, tiles: Tiles | None = None,
+                 sms: int = 1) -> torch.Tensor:
     """`msa.block_scores(msa.index_scores(iq, ik, q_pos), q_pos, block_size, local_blocks, init_blocks)` without the
     index scores: fp32 [B, Hi, T, ceil(L / block_size)] of bf16 index queries iq [B, T, Hi, Di] at positions q_pos
     [B, T] over index keys ik [B, L, Di] (bf16, or float8_e4m3fn read as bf16(fp32(x) * ik_scale)). Equal to the
-    reference within the order of the fp32 sums (the module docstring's contract). tiles: the launch configuration
-    (default `tiles_for` this device). Static in the shapes, no host read."""
+    reference within the order of the fp32 sums (the module docstring's contract). tiles: the prefill grid's launch
+    configuration (default `tiles_for` this device); sms: the GPU's SMs, which the decode grid (T * Hi <=
+    `DECODE_ROWS`) spreads its programs over. Static in the shapes, no host read."""
     if not AVAILABLE:
         raise RuntimeError("selection_kernel.block_scores needs triton")
     B, T, Hi, Di = iq.shape
@@ -221,7 +288,7 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_
         ik = ik.view(torch.uint8)
     return torch.ops.minimax_ref.selection_block_scores(iq, ik, q_pos, block_size, local_blocks, init_blocks,
                                                         float(ik_scale), tiles.queries, tiles.keys, tiles.num_warps,
-                                                        tiles.num_stages, interpreting())
+                                                        tiles.num_stages, interpreting(), max(1, sms))
 
 
 def handles(device: torch.device, dtype: torch.dtype, ik_dtype: torch.dtype, index_dim: int) -> bool:

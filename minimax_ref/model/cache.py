@@ -96,6 +96,10 @@ class LayerCache:
     def index_keys(self, length: int) -> torch.Tensor:
         return self.load(self.index_k[:, :length])
 
+    def stored_index_keys(self, length: int) -> torch.Tensor:
+        """Index keys of slots [0, length) as stored (a view; `load` converts them)."""
+        return self.index_k[:, :length]
+
 
 class KVCache:
     """Every layer's K, V (and index keys) for `batch_size` sequences of up to `max_seq_len` positions."""

@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import minimax_ref as mr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `examples.nano`
 
@@ -211,3 +214,38 @@ def test_misses_are_placed_in_the_word_where_they_start():
     assert ne.miss_word("Corpus Christi", "Corpus") == "later_word"  # cut off at the word boundary
     assert ne.miss_word("Thunder Bay", "Thun") == "first_word"  # cut off inside the first word
     assert ne.miss_word("Thunder Bay", None) == "no_call"
+
+
+def test_first_miss_is_where_the_model_leaves_the_name():
+    """`eval.first_miss` against a plain forward of the default: a greedy reply scored as written has no position
+    whose most likely token differs from it; with one letter of its city changed, the first such position is inside
+    the city, its probability is the softmax of the forward's logits there, and a reply without a call gives None."""
+    import math
+
+    from examples.nano import eval as ne
+    from minimax_ref.weights.embedded import default_checkpoint
+
+    ckpt = default_checkpoint()
+    model = mr.load_model(ckpt, dtype=torch.float32)
+    tok = mr.load_tokenizer(ckpt)
+    got, replies = ne._exact_city_copies(model, tok, ["Lisbon"], 1, random.Random(0))
+    city, reply = got[0], replies[0]
+    assert city and ne.first_miss(model, tok, reply, city, city) == {"before": None, "right": None, "p_right": None,
+                                                                      "chosen": None}
+    assert ne.first_miss(model, tok, reply, city, None) is None
+    want = city[:2] + ("q" if city[2] != "q" else "z") + city[3:]
+    miss = ne.first_miss(model, tok, reply, want, city)
+    ids = tok.encode(reply.text.replace(city, want, 1))
+    prompt = list(reply.prompt_token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids]))[0, len(prompt) - 1:-1].double()
+    chosen = logits.argmax(-1)
+    i = next(i for i, t in enumerate(ids) if int(chosen[i]) != t)
+    assert miss["right"] == tok.decode([ids[i]]) and miss["chosen"] == tok.decode([int(chosen[i])])
+    assert miss["before"] == tok.decode(ids[max(0, i - 3):i])
+    assert math.isclose(miss["p_right"], float(logits[i].softmax(-1)[ids[i]]), abs_tol=1e-4)
+    # the first wrong token starts at or before the changed letter and ends past the name's start
+    text = tok.decode(ids)
+    start = text.index(want)
+    assert len(tok.decode(ids[:i])) <= start + 2
+    assert len(tok.decode(ids[:i + 1])) > start

@@ -17,7 +17,8 @@ Measurements, through the Python API (`minimax_ref.generation.generate`, batched
   top_p 0.95 (top_k off): the parsed call's argument must equal the held-out string exactly;
 * tool-argument copy accuracy on held-out long city names (10-15 characters, diacritics or several
   words), greedy (`long_name_copying`, --n-long): overall, with diacritics, multi-word, by kind
-  (spaces / hyphen / apostrophe / one word, ascii / non-ascii) and by length;
+  (spaces / hyphen / apostrophe / one word, ascii / non-ascii) and by length; each miss with the token where the
+  reply first leaves the name, that token's probability and the token chosen instead (`first_miss`);
 * the same on fresh random strings of 6-20 characters (`fresh_string_copying`, --n-random; lower,
   title, upper and mixed case, diacritics, digits in turn: `data.fresh_copy_strings`, which no
   training draw can produce): overall, by style and by length;
@@ -139,15 +140,45 @@ def _batched(model: Any, tok: Any, prompts: list[Any], batch: int, **kw: Any) ->
 
 
 def _exact_city_copies(model: Any, tok: Any, names: Sequence[str], batch: int, rng: random.Random,
-                       ) -> list[str | None]:
-    """Greedy `get_weather` calls for weather requests naming `names`: each call's parsed `city`."""
+                       ) -> tuple[list[str | None], list[Any]]:
+    """Greedy `get_weather` calls for weather requests naming `names`: each call's parsed `city`, and the replies."""
     prompts = [nd.weather_request(c, rng.randint(1, 7), rng) for c in names]
     results = _batched(model, tok, prompts, batch, chat=True, tools=nd.TOOLS, max_new_tokens=96, temperature=0.0)
     got = []
     for r in results:
         call = next((c for c in r.tool_calls if c.get("name") == "get_weather"), {})
         got.append((call.get("arguments") or {}).get("city"))
-    return got
+    return got, results
+
+
+def first_miss(model: Any, tok: Any, reply: Any, want: str, got: str | None) -> dict[str, Any] | None:
+    """Where a greedy `reply` (a `GenerationResult`) whose call named `got` instead of `want` first leaves `want`:
+    the reply's text with `want` in place of `got`, scored teacher-forced after the same prompt (`minimax_ref.score`),
+    gives the first position whose most likely token is not the reply's: `before` (the three tokens before it),
+    `right` (the token the reply needed), `p_right` (its probability) and `chosen` (the most likely token). A
+    confident miss (`p_right` near 0) asks for other training than a near-tie. None without a call (`got` None);
+    `right` None where every position's most likely token is the corrected reply's."""
+    import math
+
+    import minimax_ref as mr
+
+    if got is None or got not in reply.text:
+        return None
+    ids = tok.encode(reply.text.replace(got, want, 1))
+    prompt = list(reply.prompt_token_ids)
+    scored = mr.score(model, None, [{"input_ids": prompt + ids, "completion_start": len(prompt)}]).per_trace[0]
+    for i, (target, chosen) in enumerate(zip(ids, scored.argmax)):
+        if int(chosen) != target:
+            return {"before": tok.decode(ids[max(0, i - 3):i]), "right": tok.decode([target]),
+                    "p_right": round(math.exp(-float(scored.nll[i])), 4), "chosen": tok.decode([int(chosen)])}
+    return {"before": None, "right": None, "p_right": None, "chosen": None}
+
+
+def _misses(model: Any, tok: Any, wants: Sequence[str], got: Sequence[str | None], replies: Sequence[Any],
+            limit: int = 12) -> list[dict[str, Any]]:
+    """The first `limit` misses: `want`, `got` and `first_miss`."""
+    misses = [(w, g, r) for w, g, r in zip(wants, got, replies) if g != w][:limit]
+    return [{"want": w, "got": g, "first_miss": first_miss(model, tok, r, w, g)} for w, g, r in misses]
 
 
 def _tally(wants: Sequence[str], gots: Sequence[str | None], groups: Sequence[Sequence[str]]) -> dict[str, Any]:
@@ -200,32 +231,33 @@ def long_name_copying(model: Any, tok: Any, names: Sequence[str], batch: int, se
     """Tool-argument copy accuracy on held-out long city names (`data.LONG_CITIES`: 10-15 characters,
     diacritics or several words), greedy: the parsed `get_weather` call's `city` must equal the name
     exactly. Reported overall (`all`), for names with diacritics, for multi-word names (spaces, hyphens
-    or apostrophes), `by_kind` (`name_kind`, and ascii / diacritics), `by_length` (characters) and the misses by the
-    word where they first go wrong (`miss_word`)."""
+    or apostrophes), `by_kind` (`name_kind`, and ascii / diacritics), `by_length` (characters), the misses by the
+    word where they first go wrong (`miss_word`) and each miss's first wrong token (`first_miss`)."""
     rng = random.Random(f"nano-eval-long-{seed}")
     names = list(names)
-    got = _exact_city_copies(model, tok, names, batch, rng)
+    got, replies = _exact_city_copies(model, tok, names, batch, rng)
     flags = [["all"] + (["diacritics"] if not c.isascii() else []) + (["multi_word"] if name_kind(c) != "one_word"
                                                                      else []) for c in names]
     return {**_tally(names, got, flags),
             "by_kind": _tally(names, got, [[name_kind(c), "ascii" if c.isascii() else "non_ascii"] for c in names]),
             "by_length": _by_length(names, got, (10, 12, 14, 16)),
             "misses_by_word": dict(Counter(miss_word(w, g) for w, g in zip(names, got) if g != w)),
-            "sampling": "greedy", "misses": [{"want": w, "got": g} for w, g in zip(names, got) if g != w][:12]}
+            "sampling": "greedy", "misses": _misses(model, tok, names, got, replies)}
 
 
 def fresh_string_copying(model: Any, tok: Any, n: int, batch: int, seed: int) -> dict[str, Any]:
     """Tool-argument copy accuracy on `n` fresh random strings of 6-20 characters
     (`data.fresh_copy_strings`: their own stream, and a reserved share of all strings that no training
     draw produces), greedy, exact match of the `get_weather` call's `city`: overall (`all`),
-    `by_style` (`data.COPY_STRING_STYLES`) and `by_length` (characters)."""
+    `by_style` (`data.COPY_STRING_STYLES`) and `by_length` (characters); each miss with its first wrong token
+    (`first_miss`)."""
     pairs = nd.fresh_copy_strings(n, seed)
     wants = [s for s, _ in pairs]
-    got = _exact_city_copies(model, tok, wants, batch, random.Random(f"nano-eval-fresh-prompts-{seed}"))
+    got, replies = _exact_city_copies(model, tok, wants, batch, random.Random(f"nano-eval-fresh-prompts-{seed}"))
     return {**_tally(wants, got, [["all"]] * len(wants)),
             "by_style": _tally(wants, got, [[style] for _, style in pairs]),
             "by_length": _by_length(wants, got, (6, 10, 15, 21)),
-            "sampling": "greedy", "misses": [{"want": w, "got": g} for w, g in zip(wants, got) if g != w][:12]}
+            "sampling": "greedy", "misses": _misses(model, tok, wants, got, replies)}
 
 
 def copying(model: Any, tok: Any, heldout: nd.Heldout, n_cities: int, n_orders: int, batch: int,

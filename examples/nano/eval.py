@@ -156,8 +156,9 @@ def first_miss(model: Any, tok: Any, reply: Any, want: str, got: str | None) -> 
     the reply's text with `want` in place of `got`, scored teacher-forced after the same prompt (`minimax_ref.score`),
     gives the first position whose most likely token is not the reply's: `before` (the three tokens before it),
     `right` (the token the reply needed), `p_right` (its probability) and `chosen` (the most likely token). A
-    confident miss (`p_right` near 0) asks for other training than a near-tie. None without a call (`got` None);
-    `right` None where every position's most likely token is the corrected reply's."""
+    confident miss (`p_right` near 0) asks for other training than a near-tie. None without a call (`got` None) or
+    where the reply's text does not hold `got` as written; `right` None where every position's most likely token is
+    the corrected reply's."""
     import math
 
     import minimax_ref as mr

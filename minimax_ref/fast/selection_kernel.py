@@ -68,8 +68,8 @@ MIN_TILE = 16
 MAX_INDEX_DIM = 256
 # Query rows (queries x index heads) up to which a call takes the decode grid: the rows are one dot operand.
 DECODE_ROWS = 64
-# The decode grid's key tile and warps: a 16-row dot against 128 keys a load keeps 16 KB of fp8 keys in flight a
-# program with few registers.
+# The decode grid's key tile and warps: a program loads 128 keys at once (16 KB of fp8 keys in flight), and 4 warps
+# suffice for its dot of 16 to 64 query rows.
 DECODE_KEYS = 128
 DECODE_WARPS = 4
 # Programs an SM the decode grid's runs of blocks aim at (loads in flight over the GPU).

@@ -13,6 +13,8 @@ equal to fp32 rounding, with
 * `block_selection="triton"` (prefill calls and calls of few query rows, such as decode steps, of a bf16 model on
   CUDA): the MSA block scores by one Triton kernel (`fast.selection_kernel`: no [T, L] index scores; a decode step's
   fp8 index keys read as stored), then the same top-k (`select_blocks_kernel`);
+* `gemv="mma"` (decode-sized calls of packed linears with `fast.mma_gemv` copies): the input's projections (q, k, v
+  and the indexer's) as one product, one launch (`fast.joint`; not while a hook watches one of them);
 * in a compiled region (`FastPaths.compile_layers`): the contractions as broadcast products (`contract`), block
   selection by unsorted top-k (nothing in a compiled decode step reads the order of the ids; only the order of the
   fp32 sums changes), and the queries and softmax probabilities stored once (`compiled.materialize`).
@@ -33,6 +35,7 @@ from ..model.cache import LayerCache
 from ..model.msa import CHUNK_ELEMENTS, BlockSelection, block_scores, gather_blocks, mask_future, query_chunk
 from . import attention_kernel, selection_kernel
 from .compiled import materialize
+from .joint import JointProduct
 from .prefill import fused_norm_rope
 
 
@@ -241,6 +244,14 @@ class FastAttention(Attention):
     replaces it attaches as on the reference; what attaches to the reference core (its operands) gets the
     reference forward."""
 
+    def join_projections(self) -> None:
+        """Hold the input's projections (q, k, v and the indexer's) as one product where they can be
+        (`fast.joint.JointProduct`, the child `joint`): what `forward` then runs for decode-sized inputs."""
+        indexer = [self.index_q_proj, self.index_k_proj] if self.sparse else []
+        joint = JointProduct.of([self.q_proj, self.k_proj, self.v_proj, *indexer])
+        if joint is not None:
+            self.joint = joint
+
     def fuses(self, x: torch.Tensor, *norms: nn.Module) -> bool:
         """Whether this call's `norms` and rotations run fused (`prefill_fusion`, a prefill call, nothing attached to
         the norms: they are not called as modules then)."""
@@ -275,12 +286,13 @@ class FastAttention(Attention):
         sdpa = self.paths.sdpa
         stored = cache.k.dtype if cache is not None else x.dtype
         kernel = mode == "triton" and attention_kernel.handles(x.device, x.dtype, stored, self.head_dim)
-        q, k, v = self.qkv(x, cos, sin)
+        joint = self.joint(x) if "joint" in self._modules and self.joint.takes(x) else None
+        q, k, v = self.qkv(x, cos, sin) if joint is None else self.heads(*joint[:3], cos, sin)
         q = materialize(q)  # compiled: computed once, not once per key
         iq = ik = None
         ik_scale = 1.0
         if self.sparse:
-            iq, ik = self.index_qk(x, cos, sin)
+            iq, ik = self.index_qk(x, cos, sin) if joint is None else self.index_heads(*joint[3:], cos, sin)
             iq = materialize(iq)
         load = None
         kv_scale = 1.0

@@ -229,6 +229,9 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
             m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
                         paths.grouped_tokens, paths.gemv_tokens, paths.nvfp4_table,
                         paths.prefill_experts != "reference", paths.gemv)
+    # after every packed weight has its copy: the linears that read one input as one product
+    for m in [m for m in model.modules() if isinstance(m, (FastAttention, FastMLP))]:
+        m.join_projections()
     if isinstance(model, FastMiniMaxM3):
         model.fast, model.kernels = paths, kernels
         reductions = tuned_for(model.device) if paths.layer_reductions == "auto" else paths.layer_reductions
@@ -239,11 +242,12 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
 
 
 def _restore(model: nn.Module) -> None:
-    for m in model.modules():
+    for m in list(model.modules()):
         ref = REFERENCES.get(type(m))
         if ref is None:
             continue
         m.__class__ = ref
+        m._modules.pop("joint", None)  # `fast.joint`'s product (its parts' copies are the buffers below)
         for attr in _GIVEN:
             m.__dict__.pop(attr, None)
         for buffer in GEMV_BUFFERS:  # `fast.gemv`'s reordered copy of a packed weight

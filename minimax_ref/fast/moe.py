@@ -12,7 +12,8 @@
 * `FastRouter`: in a compiled region, the chosen experts unsorted (the order only changes the fp32 sum order of
   their outputs, and the sort is a kernel of its own).
 * `FastMLP`: the SwiGLU output stored once when compiled (`compiled.materialize`), not recomputed per weight row; in
-  prefill calls with `prefill_fusion`, one compiled kernel (`fast.prefill`).
+  prefill calls with `prefill_fusion`, one compiled kernel (`fast.prefill`); with `gemv="mma"` copies, gate_proj and
+  up_proj as one product in decode-sized calls (`fast.joint`).
 * `FastMoE`: in prefill calls with `prefill_fusion` on one rank, the routed experts' combine, the scaling, the shared
   expert's output and the rounding to the compute dtype as one compiled kernel (`fast.prefill.moe_output`).
 """
@@ -28,6 +29,7 @@ from ..model.moe import Experts, MoE, Router, Routing, router_scores, routing_of
 from ..weights.packed import PackedWeight
 from . import prefill_experts
 from .compiled import materialize
+from .joint import JointProduct
 from .packed import FastPackedWeight
 from .prefill import fused_combine_sorted, fused_moe_output, fused_swiglu
 
@@ -41,6 +43,18 @@ class FastRouter(Router):
 
 
 class FastMLP(MLP):
+    def join_projections(self) -> None:
+        """Hold gate_proj and up_proj as one product where they can be (`fast.joint.JointProduct`, the child
+        `joint`): what `forward` then runs for decode-sized inputs."""
+        joint = JointProduct.of([self.gate_proj, self.up_proj])
+        if joint is not None:
+            self.joint = joint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "joint" in self._modules and self.joint.takes(x):
+            return self.down_proj(self.act(*self.joint(x)))
+        return super().forward(x)
+
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.paths.prefill_fusion and gate.numel() // gate.shape[-1] > self.paths.sync_free_tokens:
             return fused_swiglu(gate, up, self.alpha, self.limit)

@@ -73,7 +73,9 @@ and tests take.
   decoded to the reference's bf16 bits in its registers, fp32 sums on the tensor cores. Expert stacks (most of the
   bytes) are read where they are stored, up to `fast.mma_gemv.STORED_STACK_ROWS` (8) rows; linears (and stacks whose
   rows are not aligned to a lane's loads) from a copy reordered once at configuration (beside the stored planes),
-  up to `fast.mma_gemv.MAX_ROWS` (32) rows. More rows take the grouped and fused paths. A Gluon kernel; where it
+  up to `fast.mma_gemv.MAX_ROWS` (32) rows; the linears that read one input (an attention's q, k, v and indexer
+  projections, an MLP's gate and up) hold their copies as one weight and multiply it in one launch
+  (`fast.joint`). More rows take the grouped and fused paths. A Gluon kernel; where it
   does not run (CPU tensors, the interpreter, GPUs before sm_89) no weight takes a one-to-few-row kernel: the
   products are those of `gemv="reference"`. Equal to fp32 rounding.
 * `nvfp4_table=True` (the `compiled` preset): the grouped kernel (and the GEMV of `gemv="triton"`) decodes NVFP4

@@ -170,14 +170,24 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries [B, T, heads, D] and keys [B, T, kv_heads, D] after q/k norm and RoPE, values [B, T, kv_heads, D]."""
-        B, T, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos, sin)
-        return q, k, self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`qkv` from the projections q [B, T, heads * D], k and v [B, T, kv_heads * D]."""
+        B, T, _ = q.shape
+        q = apply_rope(self.q_norm(q.view(B, T, self.n_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(k.view(B, T, self.n_kv, self.head_dim)), cos, sin)
+        return q, k, v.view(B, T, self.n_kv, self.head_dim)
 
     def index_qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The lightning indexer's queries [B, T, kv_heads, Di] and key [B, T, Di], after norm and RoPE."""
-        B, T, _ = x.shape
-        iq = self.index_q_norm(self.index_q_proj(x).view(B, T, self.n_kv, self.index_dim))
-        ik = self.index_k_norm(self.index_k_proj(x).view(B, T, 1, self.index_dim))
+        return self.index_heads(self.index_q_proj(x), self.index_k_proj(x), cos, sin)
+
+    def index_heads(self, iq: torch.Tensor, ik: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`index_qk` from the projections iq [B, T, kv_heads * Di] and ik [B, T, Di]."""
+        B, T, _ = iq.shape
+        iq = self.index_q_norm(iq.view(B, T, self.n_kv, self.index_dim))
+        ik = self.index_k_norm(ik.view(B, T, 1, self.index_dim))
         return apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, :, 0]

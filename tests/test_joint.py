@@ -1,0 +1,211 @@
+"""`fast.joint`: the linears that read one input held as one `fast.mma_gemv` product.
+
+On the CPU the joint copy is checked against `mma_gemv.reorder` of the stacked rows and `restore` (no kernel runs);
+the kernel-side checks (each part's rows of the joint product within the bound, the model's decode steps) run on a
+GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_grouped import _bound_ok, _decoded, _operands
+
+import minimax_ref.fast.mma_gemv as mg
+from minimax_ref.fast import FastPaths, apply
+from minimax_ref.fast.attention import FastAttention
+from minimax_ref.fast.joint import JointProduct, joined
+from minimax_ref.fast.moe import FastMLP
+from minimax_ref.fast.packed import GEMV_BUFFERS
+from minimax_ref.model.linear import Linear
+from minimax_ref.weights.loader import load_model
+from minimax_ref.weights.packed import PackedWeight
+
+BF16 = torch.bfloat16
+on_gpu = pytest.mark.skipif(mg.grouped.interpreting() or not mg.AVAILABLE or not torch.cuda.is_available(),
+                            reason="the Gluon kernel on a CUDA GPU (not under TRITON_INTERPRET=1)")
+# rows of the parts: none of them whole `GROUP`s of row tiles but the last
+ROWS = (40, 300, 128)
+
+
+def _linear(fmt: str, n: int, k: int, device: str = "cpu", glob: float | None = None) -> Linear:
+    w, s, g = _operands(fmt, 1, n, k, 1, device=device)
+    if g is not None:
+        g = g[:1].reshape(()) if glob is None else torch.tensor(glob, device=device)
+    linear = Linear(k, n)
+    linear.set_packed(PackedWeight(fmt, w[0], s[0], g))
+    return linear
+
+
+@pytest.fixture
+def mma_on_cpu(monkeypatch):
+    """`gemv="mma"`'s copies made on the CPU (the kernel's device checks stubbed; nothing is launched)."""
+    monkeypatch.setattr(mg, "runs_on", lambda device: True)
+    monkeypatch.setattr(mg.grouped, "runs_on", lambda device: True)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_joined_copy_is_the_reorder_of_the_stacked_rows(fmt):
+    K = 128
+    parts = [_operands(fmt, 1, n, K, 1) for n in ROWS]
+    parts = [(w[0], s[0], None if g is None else g[:1].reshape(())) for w, s, g in parts]
+    words, scales, starts = joined([mg.reorder(fmt, *p) for p in parts])
+    # the parts' rows stacked, each padded with zero rows (codes and scales) to its whole groups of row tiles
+    group_rows = mg.ROW_TILE * mg.GROUP
+    data, scale = [], []
+    for (w, s, _), n in zip(parts, ROWS):
+        pad = -n % group_rows
+        data.append(torch.cat([w.view(torch.uint8), w.view(torch.uint8).new_zeros(pad, w.shape[-1])]))
+        scale.append(torch.cat([s.view(torch.uint8), s.view(torch.uint8).new_zeros(pad, s.shape[-1])]))
+    stacked = torch.cat(data).view(parts[0][0].dtype), torch.cat(scale).view(parts[0][1].dtype), parts[0][2]
+    want_words, want_scales, _ = mg.reorder(fmt, *stacked)
+    assert torch.equal(words, want_words) and torch.equal(scales, want_scales)
+    tiles = [-(-n // group_rows) * mg.GROUP for n in ROWS]
+    assert starts == [0, tiles[0], tiles[0] + tiles[1]]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_parts_read_their_rows_of_the_joint_copy(fmt, mma_on_cpu):
+    """`JointProduct.of` on linears with `gemv="mma"` copies: each part's copy becomes a view of its rows of the
+    joint one (its storage, no second copy) that `restore` reads back as the part's weight; the output bounds are
+    the parts' rows at their first row tile."""
+    K = 128
+    parts = [_linear(fmt, n, K, glob=0.5) for n in ROWS]
+    for p in parts:
+        apply(p.packed, FastPaths(gemv="mma"))
+        assert p.packed.gemv_kernel == "mma"
+    joint = JointProduct.of(parts)
+    assert joint is not None and joint.rows == joint.words.shape[1] * mg.ROW_TILE
+    start = 0
+    for p, (first, n) in zip(parts, joint.bounds):
+        w = p.packed
+        assert w.gemv_words.untyped_storage().data_ptr() == joint.words.untyped_storage().data_ptr()
+        assert w.gemv_scales.untyped_storage().data_ptr() == joint.scales.untyped_storage().data_ptr()
+        assert (first, n) == (start * mg.ROW_TILE, p.out_features)
+        assert torch.equal(joint.words[:, start:start + w.gemv_words.shape[1]], w.gemv_words)
+        got = mg.restore(w.gemv_words, w.gemv_scales, w.gemv_global, p.out_features, K, stack=False)
+        assert torch.equal(got[0].view(torch.uint8), w.weight.view(torch.uint8))
+        assert torch.equal(got[1].view(torch.uint8), w.weight_scale.view(torch.uint8))
+        start += w.gemv_words.shape[1]
+
+
+def test_of_refuses_what_one_launch_cannot_hold(mma_on_cpu):
+    """None for: one linear; a part without an MMA copy (the reference, another preset); formats, K or NVFP4
+    global scales that differ; a part whose input is fake-quantized. The parts' copies are left as they were."""
+    K = 128
+
+    def prepared(*linears):
+        for p in linears:
+            apply(p.packed, FastPaths(gemv="mma"))
+        return list(linears)
+
+    assert JointProduct.of(prepared(_linear("mxfp8", 64, K))) is None
+    plain = _linear("mxfp8", 64, K)
+    assert JointProduct.of(prepared(_linear("mxfp8", 64, K)) + [plain]) is None
+    assert JointProduct.of(prepared(_linear("mxfp8", 64, K), _linear("nvfp4", 64, K))) is None
+    assert JointProduct.of(prepared(_linear("mxfp8", 64, K), _linear("mxfp8", 64, 2 * K))) is None
+    different = prepared(_linear("nvfp4", 64, K, glob=0.5), _linear("nvfp4", 64, K, glob=0.25))
+    before = [p.packed.gemv_words for p in different]
+    assert JointProduct.of(different) is None
+    assert all(p.packed.gemv_words is b for p, b in zip(different, before))
+    quantized = prepared(_linear("mxfp8", 64, K), _linear("mxfp8", 64, K))
+    quantized[1].act_format, quantized[1].emulate_act_quant = "mxfp8", True
+    assert JointProduct.of(quantized) is None
+    assert JointProduct.of(prepared(_linear("nvfp4", 64, K, glob=0.5), _linear("nvfp4", 64, K, glob=0.5)))
+
+
+def test_apply_joins_each_layers_projections(tiny_nvfp4, mma_on_cpu):
+    """`gemv-mma` on a model: every attention's input projections (q, k, v and on MSA layers the indexer's) and
+    every MLP's gate and up are one joint product whose parts are those linears; the state dict is unchanged;
+    restoring the reference removes the joint products and the copies."""
+    model = load_model(tiny_nvfp4, weights="packed", dtype=BF16)
+    keys = set(model.state_dict())
+    apply(model, "gemv-mma")
+    attentions = [m for m in model.modules() if isinstance(m, FastAttention)]
+    mlps = [m for m in model.modules() if isinstance(m, FastMLP)]
+    assert attentions and mlps
+    for m in attentions:
+        want = [m.q_proj, m.k_proj, m.v_proj] + ([m.index_q_proj, m.index_k_proj] if m.sparse else [])
+        assert m.joint.parts == want and sum(n for _, n in m.joint.bounds) == sum(p.out_features for p in want)
+    for m in mlps:
+        assert m.joint.parts == [m.gate_proj, m.up_proj]
+    assert set(model.state_dict()) == keys
+    apply(model, False)
+    assert not any("joint" in m._modules for m in model.modules())
+    assert not any(hasattr(m, b) for m in model.modules() for b in GEMV_BUFFERS)
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("rows", [1, 5, 8, 32])
+def test_joint_product_on_cuda_within_the_bound(fmt, rows):
+    """Each part's rows of the joint product within the kernel's bound against the decoded weight, and equal to
+    the part's own launch where the two launches split K alike (one split)."""
+    K = 256
+    parts = [_linear(fmt, n, K, device="cuda", glob=0.5) for n in ROWS]
+    for p in parts:
+        apply(p.packed, FastPaths(gemv="mma"))
+    joint = JointProduct.of(parts)
+    x = torch.randn(rows, K, device="cuda").to(BF16)
+    assert joint.takes(x)
+    for p, y in zip(parts, joint(x)):
+        w = p.packed
+        assert y.shape == (rows, p.out_features)
+        ok, ratio = _bound_ok(y[None], x, _decoded(fmt, w.weight[None], w.weight_scale[None],
+                                                    None if w.weight_scale_2 is None else w.weight_scale_2.reshape(1)))
+        assert ok, ratio
+    one = mg.packed_product(x, joint.rows, joint.words, joint.scales, joint.glob, split=1)[0]
+    for p, (start, n) in zip(parts, joint.bounds):
+        alone = mg.packed_product(x, p.out_features, p.packed.gemv_words, p.packed.gemv_scales, p.packed.gemv_global,
+                                  split=1)[0]
+        assert torch.equal(one[:, start:start + n], alone)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_a_hooked_part_is_called_alone(tiny_nvfp4):
+    """A hook on one of the joined linears: the layer calls the linears one by one (the hook sees its call)."""
+    model = load_model(tiny_nvfp4, weights="packed", dtype=BF16, device="cuda")
+    apply(model, FastPaths(gemv="mma"))
+    attention = next(m for m in model.modules() if isinstance(m, FastAttention))
+    x = torch.randn(1, 1, attention.q_proj.in_features, device="cuda").to(BF16)
+    assert attention.joint.takes(x)
+    seen = []
+    handle = attention.k_proj.register_forward_hook(lambda m, args, out: seen.append(out))
+    assert not attention.joint.takes(x)
+    handle.remove()
+    assert attention.joint.takes(x) and not seen
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_decode_steps_take_the_joint_products(tiny_nvfp4):
+    """An eager decode step with `gemv="mma"`: one joint product an attention and an MLP (each its one launch), the
+    logits as with the joint products removed (each linear its own launch) within bf16 rounding; the captured
+    `gemv-mma` step against the reference engine is `test_mma_gemv.test_mma_preset_decode_step_equals_reference`."""
+    model = load_model(tiny_nvfp4, weights="packed", dtype=BF16, device="cuda")
+    apply(model, FastPaths(gemv="mma"))
+    joints = [m.joint for m in model.modules() if isinstance(m, (FastAttention, FastMLP)) and "joint" in m._modules]
+    assert len(joints) == sum(isinstance(m, (FastAttention, FastMLP)) for m in model.modules())
+    calls = []
+    handles = [j.register_forward_hook(lambda m, args, out: calls.append(m)) for j in joints]
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def step():
+        cache = model.new_cache(2, 16)
+        with torch.no_grad():
+            model(ids[:, :8], positions=torch.arange(8, device="cuda").expand(2, -1), cache=cache)
+            calls.clear()  # the prefill's 16 rows take them too
+            return model(ids[:, 8:], positions=torch.full((2, 1), 8, device="cuda"), cache=cache)[:, -1].float()
+
+    got = step()
+    assert sorted(map(id, calls)) == sorted(map(id, joints))
+    for h in handles:
+        h.remove()
+    for m in model.modules():
+        m._modules.pop("joint", None)
+    want = step()
+    assert float((got - want).norm() / want.norm()) < 2e-2

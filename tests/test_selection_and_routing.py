@@ -371,3 +371,32 @@ def test_route_bias_chooses_but_does_not_weigh():
     shifted = route(x, w, torch.full((6,), 0.25), k)
     assert shifted.expert_ids.tolist() == plain.expert_ids.tolist()
     assert torch.equal(shifted.weights, plain.weights)
+
+
+def test_fast_router_in_a_compiled_region_against_loops():
+    """`FastRouter` traced by torch.compile: the logits as a broadcast product summed (no matmul in the graph, so
+    inductor makes one reduction of it), the choice and the weights against the loops (the ids come unsorted)."""
+    from minimax_ref.fast import FastPaths, apply
+    from minimax_ref.model.moe import Router
+
+    g = torch.Generator().manual_seed(4)
+    T, H, E, k = 6, 32, 12, 4
+    router = Router(H, E, k, use_bias=True)
+    router.weight.data = torch.randn(E, H, generator=g) * 0.3
+    router.e_score_correction_bias.data = torch.randn(E, generator=g) * 0.05
+    apply(router, FastPaths(moe=True))
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    routed = torch.compile(router, backend=record, fullgraph=True)(x)
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert not any("linear" in t or "matmul" in t or "mm" in t.split(".")[-1] for t in targets), targets
+    # the slots in decreasing order of the choice, as `check_routing` reads them
+    choice = torch.sigmoid(routed.logits) + router.e_score_correction_bias
+    order = choice.gather(-1, routed.expert_ids).argsort(dim=-1, descending=True)
+    check_routing(type(routed)(routed.expert_ids.gather(-1, order), routed.weights.gather(-1, order), routed.logits),
+                  x, router.weight, router.e_score_correction_bias, k)

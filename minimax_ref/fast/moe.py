@@ -9,8 +9,10 @@
   multiply each chosen expert's decoded tiles by all the tokens at once and skip the experts no token chose
   (`forward_grouped`, `fast.grouped`); with `prefill_experts="triton"`, prefill's sorted rows multiply the packed
   stacks in place too, each tile decoded in registers (`fast.prefill_experts`). Equal to fp32 rounding.
-* `FastRouter`: in a compiled region, the chosen experts unsorted (the order only changes the fp32 sum order of
-  their outputs, and the sort is a kernel of its own).
+* `FastRouter`: in a compiled region, the logits of more than one row as a broadcast product summed
+  (`attention.contract`: inductor's one reduction with the sigmoid and bias fused into it, where a few rows'
+  `F.linear` is a cuBLAS matmul and its split-K sum; fp32 sums in another order) and the chosen experts unsorted
+  (the order only changes the fp32 sum order of their outputs, and the sort is a kernel of its own).
 * `FastMLP`: the SwiGLU output stored once when compiled (`compiled.materialize`), not recomputed per weight row; in
   prefill calls with `prefill_fusion`, one compiled kernel (`fast.prefill`); with `gemv="mma"` copies, gate_proj and
   up_proj as one product in decode-sized calls (`fast.joint`).
@@ -25,9 +27,10 @@ import math
 import torch
 
 from ..model.mlp import MLP, swiglu_oai
-from ..model.moe import Experts, MoE, Router, Routing, router_scores, routing_of
+from ..model.moe import Experts, MoE, Router, Routing, router_scores, routing_of, scores_of
 from ..weights.packed import PackedWeight
 from . import prefill_experts
+from .attention import contract
 from .compiled import materialize
 from .joint import JointProduct
 from .packed import FastPackedWeight
@@ -36,9 +39,14 @@ from .prefill import fused_combine_sorted, fused_moe_output, fused_swiglu
 
 class FastRouter(Router):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
-        logits, scores, choice = router_scores(x, self.weight, self.e_score_correction_bias, self.top_k,
-                                               self.mask_with(mask))
-        ids = torch.topk(choice, self.top_k, dim=-1, sorted=not torch.compiler.is_compiling()).indices
+        compiling = torch.compiler.is_compiling()
+        bias, mask = self.e_score_correction_bias, self.mask_with(mask)
+        if compiling and x.numel() > x.shape[-1]:  # one row: inductor makes F.linear a reduction itself, a faster one
+            logits, scores, choice = scores_of(contract("th,eh->te", x.float(), self.weight.float(), broadcast=True),
+                                               bias, self.top_k, mask)
+        else:
+            logits, scores, choice = router_scores(x, self.weight, bias, self.top_k, mask)
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=not compiling).indices
         return routing_of(logits, scores, ids)
 
 

@@ -73,7 +73,12 @@ def router_scores(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor
                   expert_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`route`'s fp32 logits [T, E], sigmoid scores [T, E] and the scores the choice ranks (bias added, masked
     experts at -inf)."""
-    logits = F.linear(x.float(), gate_weight.float())
+    return scores_of(F.linear(x.float(), gate_weight.float()), bias, top_k, expert_mask)
+
+
+def scores_of(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+              expert_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`router_scores` from the fp32 logits [T, E]."""
     scores = torch.sigmoid(logits)
     choice = scores if bias is None else scores + bias.float()
     if expert_mask is not None:

@@ -18,7 +18,7 @@ from minimax_ref.fast.moe import FastMLP
 from minimax_ref.fast.packed import GEMV_BUFFERS
 from minimax_ref.model.linear import Linear
 from minimax_ref.weights.loader import load_model
-from minimax_ref.weights.packed import PackedWeight
+from minimax_ref.weights.packed import PackedWeight, model_nbytes
 
 BF16 = torch.bfloat16
 on_gpu = pytest.mark.skipif(mg.grouped.interpreting() or not mg.AVAILABLE or not torch.cuda.is_available(),
@@ -115,10 +115,11 @@ def test_of_refuses_what_one_launch_cannot_hold(mma_on_cpu):
 
 def test_apply_joins_each_layers_projections(tiny_nvfp4, mma_on_cpu):
     """`gemv-mma` on a model: every attention's input projections (q, k, v and on MSA layers the indexer's) and
-    every MLP's gate and up are one joint product whose parts are those linears; the state dict is unchanged;
-    restoring the reference removes the joint products and the copies."""
+    every MLP's gate and up are one joint product whose parts are those linears; the state dict is unchanged and the
+    weight memory counts each copied byte once; restoring the reference removes the joint products and the copies."""
     model = load_model(tiny_nvfp4, weights="packed", dtype=BF16)
     keys = set(model.state_dict())
+    before = model_nbytes(model)
     apply(model, "gemv-mma")
     attentions = [m for m in model.modules() if isinstance(m, FastAttention)]
     mlps = [m for m in model.modules() if isinstance(m, FastMLP)]
@@ -129,6 +130,11 @@ def test_apply_joins_each_layers_projections(tiny_nvfp4, mma_on_cpu):
     for m in mlps:
         assert m.joint.parts == [m.gate_proj, m.up_proj]
     assert set(model.state_dict()) == keys
+    # the copies' bytes once: each weight's copy (the joined ones views of their joint copy) and the joint counters
+    copies = sum(t.numel() * t.element_size() for m in model.modules() for name, t in m._buffers.items()
+                 if name in GEMV_BUFFERS)
+    counters = sum(m.joint.counters.numel() * 4 for m in attentions + mlps)
+    assert model_nbytes(model) == before + copies + counters
     apply(model, False)
     assert not any("joint" in m._modules for m in model.modules())
     assert not any(hasattr(m, b) for m in model.modules() for b in GEMV_BUFFERS)

@@ -182,6 +182,27 @@ def test_packed_emulated_activations_equal_dequant(checkpoints):
     assert torch.equal(_logits(a, IDS[:1, :40]), _logits(b, IDS[:1, :40]))
 
 
+def test_model_nbytes_counts_each_byte_once():
+    """Tied tensors and contiguous views into one storage (a joint copy's parts, `fast.joint`) count their bytes once;
+    views that overlap count their union; a strided view counts its elements; separate tensors add up."""
+    m = torch.nn.Module()
+    base = torch.zeros(10, 8, dtype=torch.int32)  # 320 bytes
+    m.register_buffer("base", base)
+    m.register_buffer("head", base[:4])  # inside base
+    m.register_buffer("tail", base[6:])
+    m.tied = torch.nn.Parameter(torch.zeros(3, dtype=torch.float32), requires_grad=False)
+    m.register_buffer("also_tied", m.tied.data)
+    assert model_nbytes(m) == 320 + 12
+    views = torch.nn.Module()  # only views, overlapping: rows 0-5 and 3-8 of 10 rows of 8 bytes
+    rows = torch.zeros(10, 2, dtype=torch.float32)
+    views.register_buffer("a", rows[0:6])
+    views.register_buffer("b", rows[3:9])
+    assert model_nbytes(views) == 9 * 8
+    views.register_buffer("column", rows[:, 1])  # strided: its elements
+    views.register_buffer("same_column", rows[:, 1])
+    assert model_nbytes(views) == 9 * 8 + 10 * 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_memory_at_load_is_the_packed_size(checkpoints, dtype):
     """Every quantized linear costs its stored bytes (data, block scales, globals, input scales); plain tensors

@@ -156,12 +156,24 @@ def packed_weights(model: nn.Module) -> Iterator[tuple[str, PackedWeight]]:
 
 
 def model_nbytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model` (tied tensors counted once): its weight memory."""
-    seen, total = set(), 0
+    """Bytes of every parameter and buffer of `model`: its weight memory. The bytes of contiguous tensors are counted
+    once (tied tensors; views into one storage, such as the parts of a joint copy, `fast.joint`); a strided view (a
+    tensor-parallel column slice) counts its elements, not the storage around them."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    strided, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        if nbytes and t.is_contiguous():
+            start = t.storage_offset() * t.element_size()
+            spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + nbytes))
+        elif nbytes and (t.data_ptr(), t.shape, t.stride()) not in strided:
+            strided.add((t.data_ptr(), t.shape, t.stride()))
+            total += nbytes
+    for ranges in spans.values():
+        end = 0
+        for lo, hi in sorted(ranges):  # the union of a storage's byte ranges
+            total += max(0, hi - max(lo, end))
+            end = max(end, hi)
     return total
 
 

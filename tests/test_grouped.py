@@ -206,6 +206,29 @@ def test_kernel_compiles_for_h200_without_spills(fmt):
 
 @pytest.mark.skipif(not grouped.AVAILABLE or INTERP, reason="compiles the CUDA kernel (triton, not interpreted)")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_swiglu_pair_compiles_for_h200_without_spills(fmt):
+    """`swiglu_pair_grouped`'s kernel (two accumulators, two decoded tiles a step) compiles for sm_90 at 32 rows with
+    the tiles `TUNED` holds for the H200 and `DEFAULT`'s, flagged or not, NVFP4 also through the tables, with
+    tensor-core products and no register spills (ptxas -v)."""
+    if _ptxas() is None:
+        pytest.skip("triton's ptxas is not installed")
+    pointers = {"x_ptr": "*bf16", "gw_ptr": "*i32", "gs_ptr": "*u8", "gg_ptr": "*fp32", "uw_ptr": "*i32",
+                "us_ptr": "*u8", "ug_ptr": "*fp32", "active_ptr": "*i32", "h_ptr": "*bf16", "alpha": "fp32",
+                "limit": "fp32"}
+    tuned = next(iter(grouped.TUNED.values()))[fmt]
+    for tiles in (tuned, grouped.DEFAULT[fmt]):
+        for has_active, table in ((True, False), (False, fmt == "nvfp4")):
+            consts = {"NVFP4_FMT": fmt == "nvfp4", "HAS_ACTIVE": has_active, "EXACT_FP32": False, "BLOCK_M": 32,
+                      "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "TABLE": table}
+            ptx = _sm90_ptx(grouped._swiglu_pair_kernel, consts, pointers, num_warps=tiles.num_warps,
+                            num_stages=tiles.num_stages)
+            assert "mma" in ptx
+            info = _ptxas_report(ptx)
+            assert " 0 bytes spill stores" in info, (tiles, info)
+
+
+@pytest.mark.skipif(not grouped.AVAILABLE or INTERP, reason="compiles the CUDA kernel (triton, not interpreted)")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 def test_decoder_compiles_for_h200_without_spills(fmt):
     """The decoder kernel (`decode_grouped`) as the GPU runs it compiles for sm_90 with the default tiles and no
     register spills (ptxas -v)."""
@@ -538,6 +561,45 @@ def tiny(ckpt_factory):
     return ckpt_factory("tiny", "nvfp4")
 
 
+def _swiglu_of(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """The SwiGLU of bf16 products in fp32, rounded once to bf16 (`swiglu_pair_grouped`'s contract)."""
+    g, u = gate.float().clamp(max=limit), up.float().clamp(-limit, limit)
+    return ((u + 1) * (g * torch.sigmoid(alpha * g))).to(BF16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("fmt", "table"), [("nvfp4", False), ("nvfp4", True), ("mxfp8", False)],
+                         ids=["nvfp4", "nvfp4-table", "mxfp8"])
+def test_swiglu_pair_is_the_activation_of_the_two_products(device, fmt, table):
+    """`swiglu_pair_grouped` against the two products of `packed_matmul_grouped` at one K split (the same sums) and
+    their SwiGLU in fp32: within one bf16 step of it (the sigmoid's last fp32 bit apart), most elements equal; inactive
+    entries give zero rows; partial column tiles, rows across the clamp limit (x scaled up)."""
+    E, N, K = 3, 40, 256
+    alpha, limit = 1.702, 7.0
+    w1, s1, g1 = _operands(fmt, E, N, K, 1, device)
+    w3, s3, g3 = _operands(fmt, E, N, K, 2 if fmt == "nvfp4" else 1, device)
+    w3 = w3.flip(1).contiguous()  # another weight of the same scale range
+    gen = torch.Generator().manual_seed(11)
+    for M, tiles in ((1, SMALL), (9, WIDE), (33, SMALL)):
+        x = (torch.randn(M, K, generator=gen) * 30).to(BF16).to(device)
+        gate = packed_matmul_grouped(x, fmt, w1, s1, g1, tiles=tiles, split=1, table=table)
+        up = packed_matmul_grouped(x, fmt, w3, s3, g3, tiles=tiles, split=1, table=table)
+        want = _swiglu_of(gate, up, alpha, limit)
+        got = grouped.swiglu_pair_grouped(x, fmt, (w1, s1, g1), (w3, s3, g3), alpha, limit, tiles=tiles, table=table)
+        assert got.shape == (E, M, N) and got.dtype == BF16
+        steps = (got.float() - want.float()).abs() / want.float().abs().clamp(min=2.0**-126)
+        assert float(steps.max()) <= 2.0**-7, (M, float(steps.max()))
+        assert float((got == want).float().mean()) > 0.99
+        assert bool((gate.float() > limit).any()) and bool((up.float().abs() > limit).any())
+    active = torch.tensor([0, 1, 0], dtype=torch.int32, device=device)
+    some = grouped.swiglu_pair_grouped(x, fmt, (w1, s1, g1), (w3, s3, g3), alpha, limit, active=active, tiles=SMALL)
+    every = grouped.swiglu_pair_grouped(x, fmt, (w1, s1, g1), (w3, s3, g3), alpha, limit, tiles=SMALL)
+    assert torch.equal(some[1], every[1]) and not some[[0, 2]].any()
+    with pytest.raises(ValueError, match="swiglu_pair_grouped"):
+        grouped.swiglu_pair_grouped(x, fmt, (w1, s1, g1), (w3[:2], s3[:2], g3 if g3 is None else g3[:2]), alpha,
+                                    limit)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_experts_read_only_the_chosen_ones(device, tiny, monkeypatch):
     """`FastExperts.forward_grouped` equals the sync-free path it replaces (decode, then bf16 matmuls) to bf16
@@ -570,6 +632,45 @@ def test_experts_read_only_the_chosen_ones(device, tiny, monkeypatch):
     apply(ex, FastPaths(moe=True, grouped=True))
     assert _rel(ex.forward_sync_free(x, r), want) < 2e-2
     apply(ex, FastPaths())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_experts_take_the_swiglu_pair(device, tiny, monkeypatch):
+    """`grouped_swiglu`: `FastExperts.forward_grouped` multiplies gate and up with their SwiGLU in one launch over the
+    flagged experts (w2 by the grouped kernel as before), equal to the two products and the activation to bf16
+    rounding; where the two stacks' launches differ, the two products and the activation as before."""
+    model = load_model(tiny, dtype=BF16, weights="packed", device=device)
+    moe = model.layers[1].block_sparse_moe
+    ex = moe.experts
+    x = torch.randn(12, model.text.hidden_size, generator=torch.Generator().manual_seed(5)).to(BF16).to(device)
+    r = moe.gate(x)
+    apply(ex, FastPaths(moe=True, grouped=True))
+    want = ex.forward_sync_free(x, r)
+    pairs, products = [], []
+    real_pair, real_product = grouped.swiglu_pair_grouped, grouped.packed_matmul_grouped
+    monkeypatch.setattr(grouped, "swiglu_pair_grouped",
+                        lambda *a, active=None, **k: pairs.append(active) or real_pair(*a, active=active, **k))
+    monkeypatch.setattr(grouped, "packed_matmul_grouped",
+                        lambda *a, **k: products.append(a[1]) or real_product(*a, **k))
+    apply(ex, FastPaths(moe=True, grouped=True, grouped_swiglu=True))
+    got = ex.forward_sync_free(x, r)
+    chosen = torch.zeros(len(ex.local_experts), dtype=torch.int32)
+    chosen[r.expert_ids.flatten().cpu()] = 1
+    assert len(pairs) == 1 and torch.equal(pairs[0].cpu(), chosen) and len(products) == 1
+    assert _rel(got, want) < 2e-2, _rel(got, want)
+    ex.w3.grouped_launch = (SMALL, 1) if ex.w1.grouped_launch[0] != SMALL else (WIDE, 1)  # launches that differ
+    pairs.clear()
+    products.clear()
+    assert _rel(ex.forward_sync_free(x, r), want) < 2e-2 and not pairs and len(products) == 3
+    apply(ex, FastPaths())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERP or not grouped.AVAILABLE, reason="compiled Triton kernels")
+def test_swiglu_pair_preset_decode_step_at_batch_16_equals_reference(tiny):
+    """The `grouped-swiglu` preset's captured decode step of 16 sequences against the reference engine."""
+    err = captured_step_error(tiny, "grouped-swiglu", 16, "grouped_tokens")
+    assert math.isfinite(err) and err < 5e-2
 
 
 @interp

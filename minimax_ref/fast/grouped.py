@@ -23,6 +23,9 @@ it issues 6 to 13 % fewer instructions an element (benchmarks/kernel_sass.py's `
   flag is 0 are not read at all and their output rows are zeros: the experts no token chose cost nothing, without a
   host synchronisation and with static shapes (a grouped GEMM over the selected experts, each multiplied by all M
   rows, since at these sizes the tensor cores idle while the weight bytes stream in).
+* `swiglu_pair_grouped(x, fmt, gate, up, alpha, limit)` (`FastPaths.grouped_swiglu`): the routed experts' gate and
+  up stacks multiplied by the same rows in one launch, each program decoding a tile of both and loading x's step tile
+  once for the two, its SwiGLU stored instead of the two products (one K split: the activation needs whole sums).
 * `table=True` (`FastPaths.nvfp4_table`): NVFP4 decoded through each block's table of its 8 values (`_TABLE_ASM`:
   byte permutes, no multiply or conversion an element; 7.2 instructions an element in the loop against 9.2,
   benchmarks/kernel_sass.py). The same bits.
@@ -570,6 +573,61 @@ if AVAILABLE:
             tl.store(y_ptrs, acc, mask=mask)
 
     @triton.jit
+    def _swiglu_pair_kernel(
+        x_ptr, gw_ptr, gs_ptr, gg_ptr, uw_ptr, us_ptr, ug_ptr, active_ptr, h_ptr,
+        M, N, K_STEPS, alpha, limit,
+        stride_xm, stride_gwe, stride_gwn, stride_gse, stride_gsn, stride_gge,
+        stride_uwe, stride_uwn, stride_use, stride_usn, stride_uge, stride_he, stride_hm,
+        NVFP4_FMT: tl.constexpr, HAS_ACTIVE: tl.constexpr, EXACT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TABLE: tl.constexpr,
+    ):
+        """h[e, m, n] = swiglu(bf16(x w_gate[e]^T), bf16(x w_up[e]^T))[m, n] (`swiglu_pair_grouped`): the two
+        products of a tile of output columns in one program, x's step tile loaded once for both. Grid: (column
+        tiles, entries)."""
+        pid_n = tl.program_id(0)
+        e = tl.program_id(1).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        n_ok = offs_n < N
+        m_ok = offs_m < M
+        k_hi = K_STEPS
+        if HAS_ACTIVE:
+            if tl.load(active_ptr + e) == 0:  # no row uses the entry: nothing read, zeros written (swiglu(0, 0))
+                k_hi = 0
+        gw_rows = gw_ptr + e * stride_gwe + offs_n[:, None] * stride_gwn
+        gs_rows = gs_ptr + e * stride_gse + offs_n[:, None] * stride_gsn
+        uw_rows = uw_ptr + e * stride_uwe + offs_n[:, None] * stride_uwn
+        us_rows = us_ptr + e * stride_use + offs_n[:, None] * stride_usn
+        gg = tl.load(gg_ptr + e * stride_gge)
+        ug = tl.load(ug_ptr + e * stride_uge)
+        x_rows = x_ptr + offs_m[None, :] * stride_xm  # [1, BLOCK_M]: x^T's columns, shared by every entry
+        jk = tl.arange(0, BLOCK_K)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        BLOCKS: tl.constexpr = BLOCK_K // 16 if NVFP4_FMT else BLOCK_K // 32
+        gsc_next = _step_scales(gs_rows, 0, n_ok & (0 < k_hi), BLOCKS)  # a step ahead, as `_packed_matmul_kernel`
+        usc_next = _step_scales(us_rows, 0, n_ok & (0 < k_hi), BLOCKS)
+        for ks in range(0, k_hi):
+            gsc, usc = gsc_next, usc_next
+            gsc_next = _step_scales(gs_rows, ks + 1, n_ok & (ks + 1 < k_hi), BLOCKS)
+            usc_next = _step_scales(us_rows, ks + 1, n_ok & (ks + 1 < k_hi), BLOCKS)
+            b = _x_operand(x_rows + ks * BLOCK_K + jk[:, None], m_ok[None, :], EXACT_FP32)  # [BK, BM]
+            wg = _decoded_tile(gw_rows, gsc, gg, ks, n_ok, NVFP4_FMT, TABLE, BLOCK_N, BLOCK_K, EXACT_FP32)
+            wu = _decoded_tile(uw_rows, usc, ug, ks, n_ok, NVFP4_FMT, TABLE, BLOCK_N, BLOCK_K, EXACT_FP32)
+            if EXACT_FP32:
+                acc_g = tl.dot(wg, b, acc_g, input_precision="ieee")
+                acc_u = tl.dot(wu, b, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(wg, b, acc_g)
+                acc_u = tl.dot(wu, b, acc_u)
+        # the products rounded to bf16 as their own launches would store them, the activation in fp32
+        gate = tl.minimum(_bf16_value(acc_g, EXACT_FP32).to(tl.float32), limit)
+        up = tl.minimum(tl.maximum(_bf16_value(acc_u, EXACT_FP32).to(tl.float32), -limit), limit)
+        h = (up + 1.0) * (gate * tl.sigmoid(alpha * gate))
+        h_ptrs = h_ptr + e * stride_he + offs_m[None, :] * stride_hm + offs_n[:, None]
+        tl.store(h_ptrs, _bf16_storable(h, EXACT_FP32), mask=n_ok[:, None] & m_ok[None, :])
+
+    @triton.jit
     def _decode_kernel(w_ptr, s_ptr, g_ptr, y_ptr, N, stride_we, stride_wn, stride_se, stride_sn, stride_ge,
                        stride_ye, stride_yn, NVFP4_FMT: tl.constexpr, EXACT_FP32: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TABLE: tl.constexpr):
@@ -640,6 +698,28 @@ if AVAILABLE:
         wrap_triton(_sum_splits_kernel)[(triton.cdiv(y.numel(), 1024),)](out, y, y.numel(), SPLIT=split, BLOCK=1024,
                                                                           EXACT_FP32=exact_fp32)
         return y
+
+
+    @triton_op("minimax_ref::swiglu_pair_grouped", mutates_args=())
+    def _swiglu_pair_op(x: torch.Tensor, gate_words: torch.Tensor, gate_scale: torch.Tensor, gate_g: torch.Tensor,
+                        up_words: torch.Tensor, up_scale: torch.Tensor, up_g: torch.Tensor,
+                        active: torch.Tensor | None, nvfp4: bool, n: int, alpha: float, limit: float, block_n: int,
+                        block_k: int, num_warps: int, num_stages: int, exact_fp32: bool,
+                        table: bool = False) -> torch.Tensor:
+        """The launch (see `swiglu_pair_grouped`): x bf16 `[M, K]`, each stack as `_grouped_op` takes its weight.
+        Returns bf16 `[E, M, N]`."""
+        e, m, k = gate_words.shape[0], x.shape[0], x.shape[1]
+        h = torch.empty((e, m, n), dtype=torch.bfloat16, device=x.device)
+        wrap_triton(_swiglu_pair_kernel)[(triton.cdiv(n, block_n), e)](
+            x, gate_words, gate_scale, gate_g, up_words, up_scale, up_g,
+            gate_words if active is None else active, h, m, n, k // block_k, alpha, limit,
+            x.stride(0), gate_words.stride(0), gate_words.stride(1), gate_scale.stride(0), gate_scale.stride(1),
+            1 if gate_g.numel() > 1 else 0, up_words.stride(0), up_words.stride(1), up_scale.stride(0),
+            up_scale.stride(1), 1 if up_g.numel() > 1 else 0, h.stride(0), h.stride(1),
+            NVFP4_FMT=nvfp4, HAS_ACTIVE=active is not None, EXACT_FP32=exact_fp32,
+            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, TABLE=table,
+            num_warps=num_warps, num_stages=num_stages)
+        return h
 
 
 if AVAILABLE:
@@ -743,3 +823,42 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
         tiles.block_n, block_k, tiles.num_warps, tiles.num_stages, split, _INTERPRET, table, bool(tiles.x_major),
         planes)
     return y[0] if linear and x.dim() == 2 else y
+
+
+def pair_splits(fmt: str, entries: int, n: int, k: int, tiles: Tiles, device: torch.device) -> bool:
+    """Whether `swiglu_pair_grouped` fills the GPU at these shapes as the two products would: `split_for` gives
+    their launch one K split (the pair kernel has no split: its SwiGLU needs whole sums)."""
+    return split_for(entries * triton.cdiv(n, tiles.block_n), k // _fit_block_k(tiles, k), sm_count(device)) == 1
+
+
+def swiglu_pair_grouped(x: torch.Tensor, fmt: str, gate: tuple, up: tuple, alpha: float, limit: float,
+                        active: torch.Tensor | None = None, tiles: Tiles | None = None,
+                        table: bool = False) -> torch.Tensor:
+    """`swiglu_oai(packed_matmul_grouped(x, *gate), packed_matmul_grouped(x, *up), alpha, limit)` in one launch: each
+    program multiplies x by a tile of both stacks (x's step tile loaded once for the two) and stores the activation,
+    not the products.
+
+    x: bf16 `[M, K]`, shared by every entry; gate, up: (weight, weight_scale, weight_scale_2) of two stacks `[E, N, K]`
+    of format `fmt` as `packed_matmul_grouped` takes them; active: int32 `[E]` or None (unflagged entries read nothing
+    and give zero rows). Returns bf16 `[E, M, N]`.
+
+    Contract: each product is `packed_matmul_grouped`'s at one K split (fp32 sums of exact products in an unspecified
+    order, rounded once to bf16: the bound of that docstring); then, in fp32 from those bf16 values, gate clamped
+    above at `limit`, up to [-limit, limit], `(up + 1) * (gate * sigmoid(alpha * gate))`, rounded once to bf16: what
+    the compiled step's fused SwiGLU computes from the two bf16 products (the eager reference rounds each bf16 op).
+    """
+    if not AVAILABLE:
+        raise RuntimeError("swiglu_pair_grouped needs triton")
+    _, gw, gs, gg = _packed_operands(fmt, *gate)
+    _, uw, us, ug = _packed_operands(fmt, *up)
+    m, k = x.shape
+    n = gw.shape[1]
+    if (x.dtype != torch.bfloat16 or not 1 <= m <= MAX_ROWS or not supports(fmt, k) or gate[0].dim() != 3
+            or gw.shape != uw.shape or gs.shape != us.shape or gw.shape[-1] * (8 if fmt == NVFP4 else 4) != k):
+        raise ValueError(f"swiglu_pair_grouped: x {list(x.shape)} {x.dtype} against {fmt} stacks "
+                         f"{list(gate[0].shape)} and {list(up[0].shape)}")
+    tiles = tiles or tiles_for(fmt, x.device)
+    return torch.ops.minimax_ref.swiglu_pair_grouped(
+        x.contiguous(), gw, gs, gg, uw, us, ug, None if active is None else active.to(torch.int32), fmt == NVFP4, n,
+        float(alpha), float(limit), tiles.block_n, _fit_block_k(tiles, k), tiles.num_warps, tiles.num_stages,
+        _INTERPRET, table and fmt == NVFP4)

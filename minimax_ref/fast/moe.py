@@ -7,7 +7,8 @@
   `torch._grouped_mm` runs, instead of a dozen kernels per expert. With packed stacks and `matmul="fused"` those matmuls
   read the chosen experts' packed bytes in place (`FastPackedWeight.matmul`); with `grouped`, calls of more tokens
   multiply each chosen expert's decoded tiles by all the tokens at once and skip the experts no token chose
-  (`forward_grouped`, `fast.grouped`); with `prefill_experts="triton"`, prefill's sorted rows multiply the packed
+  (`forward_grouped`, `fast.grouped`; with `grouped_swiglu`, gate, up and their SwiGLU as one launch); with
+  `prefill_experts="triton"`, prefill's sorted rows multiply the packed
   stacks in place too, each tile decoded in registers (`fast.prefill_experts`). Equal to fp32 rounding.
 * `FastRouter`: in a compiled region, the logits of more than one row as a broadcast product summed
   (`attention.contract`: inductor's one reduction with the sigmoid and bias fused into it, where a few rows'
@@ -29,7 +30,7 @@ import torch
 from ..model.mlp import MLP, swiglu_oai
 from ..model.moe import Experts, MoE, Router, Routing, router_scores, routing_of, scores_of
 from ..weights.packed import PackedWeight
-from . import prefill_experts
+from . import grouped, prefill_experts
 from .attention import contract
 from .compiled import materialize
 from .joint import JointProduct
@@ -263,13 +264,33 @@ class FastExperts(Experts):
         experts = torch.arange(E, device=x.device)
         active = ((local[..., None] == experts) & mine[..., None]).flatten(0, 1).any(0).to(torch.int32)  # [E]
         busy = min(E, local.numel())  # at most one expert a (token, slot) pair
-        gate = self.matmul("w1", x, active=active, busy=busy)  # [E, T, I]
-        up = self.matmul("w3", x, active=active, busy=busy)
-        h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
+        h = self.swiglu_pair(x, active)  # [E, T, I]
+        if h is None:
+            gate = self.matmul("w1", x, active=active, busy=busy)  # [E, T, I]
+            up = self.matmul("w3", x, active=active, busy=busy)
+            h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
         y = self.matmul("w2", h, active=active, busy=busy)  # [E, T, H]
         # each pair's row; a pair that is not mine has weight 0 and reads a computed (or zero) row
         picked = y[local, torch.arange(T, device=x.device)[:, None]]  # [T, k, H]
         return (picked.float() * weights[..., None]).sum(1)
+
+    def swiglu_pair(self, x: torch.Tensor, active: torch.Tensor) -> torch.Tensor | None:
+        """The SwiGLU of x's `[T, H]` gate and up products with every flagged expert (`active`), both products in one
+        grouped launch (`fast.grouped.swiglu_pair_grouped`): bf16 `[E, T, I]`, where `FastPaths.grouped_swiglu` is on
+        and both stacks multiply x through the grouped kernel with one launch configuration at one K split; None
+        elsewhere (then two products and the activation)."""
+        w1, w3, rows = self.w1, self.w3, x.shape[0]
+        if not (self.paths.grouped_swiglu and x.dim() == 2 and isinstance(w1, FastPackedWeight)
+                and isinstance(w3, FastPackedWeight)):
+            return None
+        if any(w.takes_gemv(x, rows) or not w.takes_grouped(x, rows) for w in (w1, w3)):
+            return None
+        tiles, split = w1.grouped_launch
+        if ((w1.fmt, w1.shape, w1.table, w1.grouped_launch) != (w3.fmt, w3.shape, w3.table, w3.grouped_launch)
+                or split != 1 or tiles.x_major or tiles.planes):
+            return None
+        return grouped.swiglu_pair_grouped(x, w1.fmt, w1.parts(), w3.parts(), self.alpha, self.limit, active=active,
+                                           tiles=tiles, table=w1.table)
 
     def matmul(self, leaf: str, x: torch.Tensor, index: torch.Tensor | None = None,
                active: torch.Tensor | None = None, busy: int | None = None) -> torch.Tensor:

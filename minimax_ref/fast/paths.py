@@ -61,6 +61,11 @@ and tests take.
   experts read only the experts some token chose (`fast.moe.FastExperts.forward_grouped`). Equal to fp32 rounding.
   For weights whose scales are in the normal range (`fast.packed.scales_in_normal_range`: real checkpoints) and a
   bf16 compute dtype; elsewhere, and without triton, the other paths.
+* `grouped_swiglu=True` (the non-user preset `grouped-swiglu`: `compiled` with it; to be measured before a user preset
+  takes it): where the routed experts' gate and up stacks multiply a batch's shared rows through the grouped kernel
+  at one K split, both products and their SwiGLU in one launch (`fast.grouped.swiglu_pair_grouped`: x's step tile
+  loaded once for the two tiles, the activation stored, not the products; the SwiGLU of the bf16 products in fp32,
+  rounded once, as the compiled step's fused SwiGLU).
 * `gemv="triton"` (the non-user preset `gemv`: `compiled` with it; to be measured before a user preset takes it): on
   CUDA with triton, products with packed weights of 1 to `sync_free_tokens` rows (decode steps) by `fast.gemv`: the
   weight reordered once at configuration into the kernel's tile order (beside the stored planes: the packed bytes
@@ -184,6 +189,9 @@ class FastPaths:
     prefill_fusion: bool = False
     # products of more than `fused_tokens` and up to `sync_free_tokens` rows through the grouped Triton kernel
     grouped: bool = False
+    # the routed experts' gate and up products of the grouped kernel and their SwiGLU as one launch
+    # (`fast.grouped.swiglu_pair_grouped`; the non-user preset `grouped-swiglu`)
+    grouped_swiglu: bool = False
     # the grouped and GEMV kernels decode NVFP4 through each block's 8-value table (`fast.grouped._TABLE_ASM`)
     nvfp4_table: bool = False
     # "triton": products of up to `sync_free_tokens` rows through `fast.gemv` (weights reordered at configuration)
@@ -323,6 +331,12 @@ PRESETS: dict[str, Preset] = {
 PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
+# `compiled` with the routed experts' gate, up and SwiGLU as one grouped launch (non-user: to be measured against
+# `compiled` on a GPU before a user preset takes it)
+PRESETS["grouped-swiglu"] = Preset(replace(PRESETS["compiled"].paths, grouped_swiglu=True),
+                                   "compiled, with the routed experts' gate and up products of 2 to 64 rows and their "
+                                   "SwiGLU in one grouped-kernel launch (fast.grouped.swiglu_pair_grouped)",
+                                   user=False)
 # `compiled` with `fast.mma_gemv`'s decode products: a user's choice, not `auto`'s: the linears' reordered copies take
 # memory a full batch needs (the seed's 32 requests at 16 experts fit 30 rows on one H100, and the run was slower)
 PRESETS["gemv-mma"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma"),

@@ -124,7 +124,8 @@ def main() -> int:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill forward (default: chosen from free memory, as the CLI)")
     p.add_argument("--device", default="cuda")
-    add_fast_flag(p, ["off", "on", "compiled", "gemv-mma", "prefill-experts", "split-probabilities"], "auto",
+    add_fast_flag(p, ["off", "on", "compiled", "gemv-mma", "gemv-mma-stored", "grouped-swiglu", "prefill-experts",
+                      "split-probabilities"], "auto",
                   auto="compiled on CUDA, off elsewhere")
     p.add_argument("--out", default=None, help="append the JSON result to this file")
     args = p.parse_args()

@@ -318,6 +318,31 @@ def test_mma_mode_reads_aligned_stacks_in_place(fmt, monkeypatch):
     apply(linear, False)
 
 
+@pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_mma_stored_mode_keeps_no_copy(fmt, monkeypatch):
+    """`gemv="mma-stored"` (device checks stubbed on CPU; nothing is launched): a linear and a stack whose rows are
+    aligned are both read where they are stored (no buffer but the split counters, up to `STORED_STACK_ROWS` rows); a
+    stack whose rows are not takes no one-to-few-row kernel (no copy is made)."""
+    monkeypatch.setattr(mg, "runs_on", lambda device: True)
+    monkeypatch.setattr(mg.grouped, "runs_on", lambda device: True)
+    E, N, K = 3, 40, 128
+    w, s, g = _operands(fmt, E, N, K, 1)
+    for weight in (PackedWeight(fmt, w, s, g), PackedWeight(fmt, w[0], s[0], None if g is None else g[:1].reshape(()))):
+        keys = set(dict(weight.named_buffers()))
+        apply(weight, FastPaths(gemv="mma-stored"))
+        assert weight.gemv_kernel == "mma-stored" and weight.gemv_tokens == mg.STORED_STACK_ROWS
+        assert set(dict(weight.named_buffers())) - keys == {"gemv_counters"}
+        apply(weight, False)
+    row = K // 2 if fmt == "nvfp4" else K
+    wide = torch.zeros(E, N, row + 4, dtype=torch.uint8)
+    wide[..., 4:] = w.view(torch.uint8)
+    shifted = PackedWeight(fmt, wide[..., 4:].view(w.dtype), s, g)
+    apply(shifted, FastPaths(gemv="mma-stored"))
+    assert shifted.gemv_tokens == 0 and not any(hasattr(shifted, b) for b in GEMV_BUFFERS)
+    apply(shifted, False)
+
+
 @pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon (the custom operator)")
 def test_stored_product_traces_whole_in_a_compiled_region():
     """A compiled layer traces `packed_product_stored` into one graph: the data pointer's alignment, which dynamo
@@ -491,4 +516,14 @@ def test_mma_preset_decode_step_equals_reference(tiny_nvfp4):
     decode step's logits against the reference engine's within bf16 rounding."""
     for batch in (1, 8, 32):
         err = captured_step_error(tiny_nvfp4, "gemv-mma", batch, "gemv_tokens")
+        assert err < 5e-2, (batch, err)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_mma_stored_preset_decode_step_equals_reference(tiny_nvfp4):
+    """The `gemv-mma-stored` preset (every weight read in place up to 8 rows, the grouped kernel above): the captured
+    decode step's logits at batch 1, 8 and 32 against the reference engine's within bf16 rounding."""
+    for batch in (1, 8, 32):
+        err = captured_step_error(tiny_nvfp4, "gemv-mma-stored", batch, "gemv_tokens")
         assert err < 5e-2, (batch, err)

@@ -523,8 +523,9 @@ class FastPackedWeight(PackedWeight):
         `table`, an NVFP4 weight is decoded by the grouped and GEMV kernels through its blocks' tables. With
         `sorted_rows`, a stack the kernels decode multiplies prefill's sorted expert rows through
         `fast.prefill_experts` (`sorted_matmul`). With `gemv_mode` "mma", a weight on a GPU takes `fast.mma_gemv`
-        for up to its `MAX_ROWS` rows instead, read where it is stored where `mma_gemv.stored_supports` says so
-        (no copy), else from its reordered copy in the same buffers."""
+        for up to its `MAX_ROWS` rows instead, a stack read where it is stored where `mma_gemv.stored_supports` says
+        so (no copy, up to `STORED_STACK_ROWS` rows), else from its reordered copy in the same buffers; with
+        "mma-stored", every weight the kernel reads in place, up to `STORED_STACK_ROWS` rows, and no copy."""
         self.kernels, self.mode = kernels, mode
         self.fused_tokens, self.fused_rows = fused_tokens, fused_rows
         self.normal_range = scales_in_normal_range(self.fmt, self.weight_scale, self.weight_scale_2)
@@ -549,15 +550,18 @@ class FastPackedWeight(PackedWeight):
             self._buffers.pop(name, None)
         self.gemv_tokens, self.gemv_kernel = 0, "triton"
         # "mma" where the MMA kernel does not run (a GPU before sm_89, a K of part blocks) takes no one-to-few-row
-        # kernel: the products of the paths without one, not `fast.gemv`'s copy of the weight
-        takes_mma = (gemv_mode == "mma" and mma_gemv.supports(self.fmt, self.shape[-1])
-                     and mma_gemv.runs_on(self.device))
-        if gemv_tokens > 0 and kernel_decodes and gemv.runs_on(self.device) and (gemv_mode != "mma" or takes_mma):
+        # kernel: the products of the paths without one, not `fast.gemv`'s copy of the weight; "mma-stored" makes no
+        # copy at all, so a weight the kernel cannot read in place takes none either
+        mma = gemv_mode in ("mma", "mma-stored")
+        in_place = mma_gemv.stored_supports(self.fmt, self.weight, self.weight_scale)
+        takes_mma = (mma and mma_gemv.supports(self.fmt, self.shape[-1]) and mma_gemv.runs_on(self.device)
+                     and (gemv_mode == "mma" or in_place))
+        if gemv_tokens > 0 and kernel_decodes and gemv.runs_on(self.device) and (not mma or takes_mma):
             self.gemv_sms = grouped.sm_count(self.device)
             if takes_mma:
                 # expert stacks (most of the bytes) are read where they are stored, linears from their copy (faster
-                # where the whole weight is read)
-                if stack and mma_gemv.stored_supports(self.fmt, self.weight, self.weight_scale):
+                # where the whole weight is read) unless "mma-stored"
+                if (stack or gemv_mode == "mma-stored") and in_place:
                     self.gemv_kernel, reordered = "mma-stored", ()
                     self.gemv_tokens = min(gemv_tokens, mma_gemv.STORED_STACK_ROWS)
                 else:

@@ -83,6 +83,10 @@ and tests take.
   (`fast.joint`). More rows take the grouped and fused paths. A Gluon kernel; where it
   does not run (CPU tensors, the interpreter, GPUs before sm_89) no weight takes a one-to-few-row kernel: the
   products are those of `gemv="reference"`. Equal to fp32 rounding.
+* `gemv="mma-stored"` (the non-user preset `gemv-mma-stored`: to be measured before a user preset, or `auto`, takes
+  it): as "mma", with every weight read where it is stored (linears too: no reordered copy, so no memory beyond the
+  weights), up to `fast.mma_gemv.STORED_STACK_ROWS` (8) rows; more rows take the grouped and fused paths, and a
+  weight the kernel cannot read in place takes no one-to-few-row kernel.
 * `nvfp4_table=True` (the `compiled` preset): the grouped kernel (and the GEMV of `gemv="triton"`) decodes NVFP4
   through each block's table: with A = bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S, every decoded element
   is one of {0, A/2, A, B, 2A, 2B, 4A, 4B} with its sign, looked up by byte permutes (`fast.grouped._TABLE_ASM`: no
@@ -133,7 +137,7 @@ FUSED_ROWS = 8
 DECODE_MODES = ("reference", "fast", "compile", "triton")
 ATTENTION_MODES = ("reference", "triton")
 MATMUL_MODES = ("reference", "fused")
-GEMV_MODES = ("reference", "triton", "mma")
+GEMV_MODES = ("reference", "triton", "mma", "mma-stored")
 SELECTION_MODES = ("reference", "triton")
 PREFILL_EXPERT_MODES = ("reference", "triton", "auto")
 PROBABILITY_MODES = ("split", "bf16")
@@ -337,6 +341,12 @@ PRESETS["grouped-swiglu"] = Preset(replace(PRESETS["compiled"].paths, grouped_sw
                                    "compiled, with the routed experts' gate and up products of 2 to 64 rows and their "
                                    "SwiGLU in one grouped-kernel launch (fast.grouped.swiglu_pair_grouped)",
                                    user=False)
+# `compiled` with `fast.mma_gemv`'s decode products of up to 8 rows, every weight read where it is stored: no copy,
+# so the memory of `compiled` (non-user: to be measured against `compiled` before `auto` takes it)
+PRESETS["gemv-mma-stored"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma-stored"),
+                                    "compiled, with decode steps' products with packed weights of up to 8 rows on the "
+                                    "tensor cores, every weight read where it is stored (fast.mma_gemv; no copy)",
+                                    user=False)
 # `compiled` with `fast.mma_gemv`'s decode products: a user's choice, not `auto`'s: the linears' reordered copies take
 # memory a full batch needs (the seed's 32 requests at 16 experts fit 30 rows on one H100, and the run was slower)
 PRESETS["gemv-mma"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma"),

@@ -113,6 +113,28 @@ def test_of_refuses_what_one_launch_cannot_hold(mma_on_cpu):
     assert JointProduct.of(prepared(_linear("nvfp4", 64, K, glob=0.5), _linear("nvfp4", 64, K, glob=0.5)))
 
 
+@pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon (the custom operator)")
+def test_a_compiled_region_traces_the_joint_product_whole(mma_on_cpu):
+    """`takes` (the parts' checks and hooks) and the product trace into one graph with one kernel launch (the backend
+    records the graph and runs nothing)."""
+    parts = [_linear("mxfp8", n, 128) for n in ROWS]
+    for p in parts:
+        apply(p.packed, FastPaths(gemv="mma"))
+    joint = JointProduct.of(parts)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        outputs = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [None] * outputs
+
+    step = torch.compile(lambda x: joint(x) if joint.takes(x) else None, backend=record, fullgraph=True)
+    step(torch.zeros(1, 2, 128, dtype=BF16))
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and ops.count(torch.ops.minimax_ref.packed_mma_gemv.default) + ops.count(
+        torch.ops.minimax_ref.packed_mma_gemv) == 1, ops
+
+
 def test_apply_joins_each_layers_projections(tiny_nvfp4, mma_on_cpu):
     """`gemv-mma` on a model: every attention's input projections (q, k, v and on MSA layers the indexer's) and
     every MLP's gate and up are one joint product whose parts are those linears; the state dict is unchanged and the

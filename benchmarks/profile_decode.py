@@ -22,8 +22,9 @@ a graph launches). One JSON line per batch size and configuration gives:
     python benchmarks/profile_decode.py --layers 60 --reduction-config 1,256,8 --reduction-config tuned --out prof.jsonl
     # batch 1 and 32 at 60 layers, the grouped kernel of batch > fused_rows off then on:
     python benchmarks/profile_decode.py --layers 60 --batch 1,32 --grouped both --steps 10 --out prof.jsonl
-    # batch 32 with the routed experts' gate, up and SwiGLU as one launch, off then on:
+    # batch 32 with the routed experts' gate, up and SwiGLU as one launch, off then on; top-k by sort, off then on:
     python benchmarks/profile_decode.py --layers 60 --fast gemv-mma --batch 32 --grouped-swiglu both --out prof.jsonl
+    python benchmarks/profile_decode.py --layers 60 --fast gemv-mma --batch 1,32 --sort-topk both --out prof.jsonl
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grouped-swiglu", default="default", choices=sorted(GROUPED),
                    help="FastPaths.grouped_swiglu: the routed experts' gate, up and SwiGLU as one grouped launch; "
                    "both: each configuration without, then with (default: as --fast sets it)")
+    p.add_argument("--sort-topk", default="default", choices=sorted(GROUPED),
+                   help="FastPaths.sort_topk: the compiled step's top-k of short rows by a stable sort; both: each "
+                   "configuration without, then with (default: as --fast sets it)")
     p.add_argument("--decode-attention", default="default", choices=sorted(DECODE_ATTENTION),
                    help="FastPaths.decode_attention: the decode step's attention by the Triton kernel or the compiled\n"
                    "gathering path; both: each in turn (default: as --fast sets it; compiled: triton)")
@@ -178,15 +182,15 @@ def run(args: argparse.Namespace, holder: list) -> None:
         prompt_cache = model.new_cache(1, max_len, args.kv_cache_dtype)
         last = prefill(model, prompt_cache, ids, args.prefill_chunk)
         # each step writes the same cache slot, so every configuration sees the same state
-        for reductions, nvfp4_words, mxfp8_words, grouped, attention, swiglu in itertools.product(
+        for reductions, nvfp4_words, mxfp8_words, grouped, attention, swiglu, by_sort in itertools.product(
                 configs, words_settings(args.nvfp4_words, fast.nvfp4_words),
                 words_settings(args.mxfp8_words, fast.mxfp8_words), GROUPED[args.grouped] or [fast.grouped],
                 DECODE_ATTENTION[args.decode_attention] or [fast.decode_attention],
-                GROUPED[args.grouped_swiglu] or [fast.grouped_swiglu]):
+                GROUPED[args.grouped_swiglu] or [fast.grouped_swiglu], GROUPED[args.sort_topk] or [fast.sort_topk]):
             torch._dynamo.reset()
             apply(model, replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words,
                                    mxfp8_words=mxfp8_words, grouped=grouped, decode_attention=attention,
-                                   grouped_swiglu=swiglu))
+                                   grouped_swiglu=swiglu, sort_topk=by_sort))
             for batch in args.batch:  # one compile of each layer kind per batch size, kept across the sizes
                 cache = prompt_cache
                 if batch > 1:
@@ -252,6 +256,7 @@ def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tenso
                     for fmt in ("nvfp4", "mxfp8") if (on := getattr(model.fast, f"{fmt}_words")))
     words += " grouped" if model.fast.grouped else ""
     words += " swiglu-pair" if model.fast.grouped_swiglu else ""
+    words += " sort-topk" if model.fast.sort_topk else ""
     words += f" attention={model.fast.decode_attention}"
     log(world, f"[{result['reduction_config']}{words}] batch {batch}: step {1e3 * step_s:.2f} ms "
                f"({batch / step_s:.1f} tok/s), "

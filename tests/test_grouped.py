@@ -673,6 +673,15 @@ def test_swiglu_pair_preset_decode_step_at_batch_16_equals_reference(tiny):
     assert math.isfinite(err) and err < 5e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERP or not grouped.AVAILABLE, reason="compiled Triton kernels")
+def test_sort_topk_decode_step_at_batch_16_equals_reference(tiny):
+    """`compiled` with `sort_topk` (the routing's and block selection's top-k by inductor's sort kernel): the captured
+    decode step of 16 sequences against the reference engine."""
+    err = captured_step_error(tiny, replace(FastPaths.of("compiled"), sort_topk=True), 16, "grouped_tokens")
+    assert math.isfinite(err) and err < 5e-2
+
+
 @interp
 def test_decode_step_of_a_batch_equals_the_paths_it_replaces(tiny, monkeypatch):
     """A cached decode step of 12 sequences with every eager fast path, grouped on and off: bf16 rounding apart; every

@@ -400,3 +400,42 @@ def test_fast_router_in_a_compiled_region_against_loops():
     order = choice.gather(-1, routed.expert_ids).argsort(dim=-1, descending=True)
     check_routing(type(routed)(routed.expert_ids.gather(-1, order), routed.weights.gather(-1, order), routed.logits),
                   x, router.weight, router.e_score_correction_bias, k)
+
+
+def test_sort_topk_in_a_compiled_region_against_loops():
+    """`FastPaths.sort_topk`: in a compiled region the routing and the block choice take a stable sort (no topk in the
+    graph); the routing against the loops, the blocks a top-k of their scores with -inf blocks left out and ties to
+    the lower index (in slot order: the sort's order)."""
+    from minimax_ref.fast import FastPaths, apply
+    from minimax_ref.fast.attention import top_blocks
+    from minimax_ref.model.moe import Router
+
+    g = torch.Generator().manual_seed(6)
+    T, H, E, k = 6, 32, 12, 4
+    router = Router(H, E, k, use_bias=True)
+    router.weight.data = torch.randn(E, H, generator=g) * 0.3
+    router.e_score_correction_bias.data = torch.randn(E, generator=g) * 0.05
+    apply(router, FastPaths(moe=True, sort_topk=True))
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def targets() -> set:
+        return {str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"}
+
+    routed = torch.compile(router, backend=record, fullgraph=True)(x)
+    assert any("sort" in t for t in targets()) and not any("topk" in t for t in targets()), targets()
+    check_routing(routed, x, router.weight, router.e_score_correction_bias, k)
+    # block scores with ties (two equal pairs) and -inf blocks (future ones); fewer valid blocks than slots in a row
+    scores = torch.randn(2, 3, 4, 9, generator=g)
+    scores[..., 3] = scores[..., 5]
+    scores[0, 0, 0, 2:] = float("-inf")
+    scores[1, :, :, 7:] = float("-inf")
+    blocks = torch.compile(lambda s: top_blocks(s, 4, by_sort=True), backend=record, fullgraph=True)(scores)
+    assert any("sort" in t for t in targets()) and not any("topk" in t for t in targets()), targets()
+    for row, got in zip(scores.reshape(-1, 9).tolist(), blocks.reshape(-1, 4).tolist()):
+        check_selection(got, row, 4)
+        assert got == [j for j, _ in naive_topk(row, 4)] + [-1] * (4 - len(naive_topk(row, 4)))

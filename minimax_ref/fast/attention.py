@@ -34,7 +34,7 @@ from ..model.attention import Attention, gqa_chunks, merge_heads
 from ..model.cache import LayerCache
 from ..model.msa import CHUNK_ELEMENTS, BlockSelection, block_scores, gather_blocks, mask_future, query_chunk
 from . import attention_kernel, selection_kernel
-from .compiled import materialize
+from .compiled import materialize, top_k
 from .joint import JointProduct
 from .prefill import fused_norm_rope
 
@@ -93,32 +93,32 @@ def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_p
     return torch.cat(outs, dim=1)
 
 
-def top_blocks(block: torch.Tensor, topk_blocks: int) -> torch.Tensor:
+def top_blocks(block: torch.Tensor, topk_blocks: int, by_sort: bool = False) -> torch.Tensor:
     """`msa.select_blocks`' choice from block scores [B, Hi, T, nb]: the ids of the min(topk, nb) largest, -1 where
-    the score is -inf; unsorted top-k when compiled."""
-    vals, ids = block.topk(min(topk_blocks, block.shape[-1]), dim=-1, sorted=not torch.compiler.is_compiling())
+    the score is -inf (`compiled.top_k`: unsorted when compiled, or `by_sort`)."""
+    vals, ids = top_k(block, min(topk_blocks, block.shape[-1]), by_sort)
     return ids.masked_fill(vals == float("-inf"), -1)
 
 
 def select_blocks(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
-                  local_blocks: int, init_blocks: int) -> torch.Tensor:
-    """`msa.index_scores` then `msa.select_blocks`, with `contract` and, compiled, unsorted top-k."""
+                  local_blocks: int, init_blocks: int, by_sort: bool = False) -> torch.Tensor:
+    """`msa.index_scores` then `msa.select_blocks`, with `contract` and `top_blocks`."""
     scores = mask_future(contract("bthd,bld->bhtl", iq.float(), ik.float()), q_pos)
-    return top_blocks(block_scores(scores, q_pos, block_size, local_blocks, init_blocks), topk_blocks)
+    return top_blocks(block_scores(scores, q_pos, block_size, local_blocks, init_blocks), topk_blocks, by_sort)
 
 
 def select_blocks_chunked(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
-                          local_blocks: int, init_blocks: int, chunk: int) -> torch.Tensor:
+                          local_blocks: int, init_blocks: int, chunk: int, by_sort: bool = False) -> torch.Tensor:
     """`msa.select_blocks_chunked` with this module's `select_blocks`: block ids [B, Hi, T, kb], `chunk` queries at
     a time."""
     return torch.cat([select_blocks(iq[:, s:s + chunk], ik, q_pos[:, s:s + chunk], block_size, topk_blocks,
-                                    local_blocks, init_blocks) for s in range(0, iq.shape[1], chunk)], dim=2)
+                                    local_blocks, init_blocks, by_sort) for s in range(0, iq.shape[1], chunk)], dim=2)
 
 
 def select_blocks_kernel(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
                          local_blocks: int, init_blocks: int, chunk: int,
                          tiles: selection_kernel.Tiles | None = None, ik_scale: float = 1.0,
-                         sms: int = 1) -> torch.Tensor:
+                         sms: int = 1, by_sort: bool = False) -> torch.Tensor:
     """`select_blocks_chunked` with the block scores by `fast.selection_kernel` (bf16 iq, bf16 or fp8 ik read as
     bf16(fp32(ik) * ik_scale); `tiles` the prefill grid's launch configuration, `sms` the SMs the decode grid fills):
     block ids [B, Hi, T, kb], `chunk` queries at a time (only one chunk's block scores [B, Hi, chunk, nb] exist at
@@ -126,7 +126,7 @@ def select_blocks_kernel(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor
     return torch.cat([top_blocks(selection_kernel.block_scores(iq[:, s:s + chunk], ik, q_pos[:, s:s + chunk],
                                                                block_size, local_blocks, init_blocks, ik_scale,
                                                                tiles, sms),
-                                 topk_blocks)
+                                 topk_blocks, by_sort)
                       for s in range(0, iq.shape[1], chunk)], dim=2)
 
 
@@ -154,8 +154,10 @@ class FastBlockSelection(BlockSelection):
             # the kernel's temporary is nb block scores a query where the reference's is L index scores: the same
             # element budget takes block_size times the queries
             return select_blocks_kernel(iq, ik, q_pos, g.block_size, g.topk_blocks, g.local_blocks, g.init_blocks,
-                                        chunk * g.block_size, ik_scale=ik_scale, sms=self.sm_count)
-        return select_blocks_chunked(iq, ik, q_pos, g.block_size, g.topk_blocks, g.local_blocks, g.init_blocks, chunk)
+                                        chunk * g.block_size, ik_scale=ik_scale, sms=self.sm_count,
+                                        by_sort=self.paths.sort_topk)
+        return select_blocks_chunked(iq, ik, q_pos, g.block_size, g.topk_blocks, g.local_blocks, g.init_blocks, chunk,
+                                     self.paths.sort_topk)
 
     def kernel_selects(self, iq: torch.Tensor, ik_dtype: torch.dtype) -> bool:
         """Whether this call's block scores come from `fast.selection_kernel`: `block_selection="triton"`, a prefill

@@ -56,6 +56,25 @@ def materialize(x: torch.Tensor) -> torch.Tensor:
     return _materialize(x) if torch.compiler.is_compiling() else x
 
 
+# Rows up to which inductor compiles a sort into one Triton kernel (its persistent sort); longer rows fall back to ATen
+SORT_ROWS = 512
+
+
+def top_k(values: torch.Tensor, k: int, by_sort: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of `values` along the last dimension and their indices: `torch.topk`, its slots in no stated
+    order inside a compiled region (nothing there reads it) and in decreasing order elsewhere. `by_sort`
+    (`FastPaths.sort_topk`), in a compiled region with rows of at most `SORT_ROWS`: a stable descending sort cut at k,
+    which inductor compiles into one Triton kernel with the elementwise ops that produce `values` fused into it, where
+    `torch.topk` is an ATen kernel of its own; the same k values, ties to the lower index (torch.topk's are
+    implementation-defined), in decreasing order."""
+    compiling = torch.compiler.is_compiling()
+    if by_sort and compiling and values.shape[-1] <= SORT_ROWS:
+        v, i = torch.sort(values, dim=-1, descending=True, stable=True)
+        return v[..., :k], i[..., :k]
+    found = values.topk(k, dim=-1, sorted=not compiling)
+    return found.values, found.indices
+
+
 def register_materialize_lowering() -> None:
     """Have inductor lower `materialize` to x's buffer itself: the producer's kernel stores x and the consumers read
     it, instead of storing it and then copying it through the operator (a device-to-device copy per use). Same

@@ -32,7 +32,7 @@ from ..model.moe import Experts, MoE, Router, Routing, router_scores, routing_of
 from ..weights.packed import PackedWeight
 from . import grouped, prefill_experts
 from .attention import contract
-from .compiled import materialize
+from .compiled import materialize, top_k
 from .joint import JointProduct
 from .packed import FastPackedWeight
 from .prefill import fused_combine_sorted, fused_moe_output, fused_swiglu
@@ -47,8 +47,7 @@ class FastRouter(Router):
                                                bias, self.top_k, mask)
         else:
             logits, scores, choice = router_scores(x, self.weight, bias, self.top_k, mask)
-        ids = torch.topk(choice, self.top_k, dim=-1, sorted=not compiling).indices
-        return routing_of(logits, scores, ids)
+        return routing_of(logits, scores, top_k(choice, self.top_k, self.paths.sort_topk)[1])
 
 
 class FastMLP(MLP):

@@ -196,6 +196,10 @@ class FastPaths:
     # the routed experts' gate and up products of the grouped kernel and their SwiGLU as one launch
     # (`fast.grouped.swiglu_pair_grouped`; the non-user preset `grouped-swiglu`)
     grouped_swiglu: bool = False
+    # in compiled regions, the routing's and the block selection's top-k of short rows by a stable sort, which
+    # inductor compiles into one Triton kernel with the producer fused (`compiled.top_k`; to be measured before a
+    # preset takes it)
+    sort_topk: bool = False
     # the grouped and GEMV kernels decode NVFP4 through each block's 8-value table (`fast.grouped._TABLE_ASM`)
     nvfp4_table: bool = False
     # "triton": products of up to `sync_free_tokens` rows through `fast.gemv` (weights reordered at configuration)

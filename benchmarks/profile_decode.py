@@ -67,6 +67,10 @@ from minimax_ref.weights.loader import load_synthetic
 from minimax_ref.weights.synth import PRESETS
 
 GROUPED = {"default": None, "on": [True], "off": [False], "both": [False, True]}
+# The on / off switches of FastPaths a run can set or compare (`GROUPED`'s choices), and what each does
+SWITCHES = {"grouped": "products of more than --fused-rows rows by the grouped Triton kernel (compiled: on)",
+            "grouped_swiglu": "the routed experts' gate, up and SwiGLU as one grouped launch",
+            "sort_topk": "the compiled step's top-k of short rows by a stable sort"}
 DECODE_ATTENTION = {"default": None, "reference": ["reference"], "triton": ["triton"], "both": ["reference", "triton"]}
 
 
@@ -108,15 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mxfp8-words", default="default", type=words_choice(MXFP8_WORDS_CHOICES),
                    help="FastPaths.mxfp8_words: the same for MXFP8's E4M3 bytes; gate_up: only the gate and up "
                    "projections; several, comma-separated: each in turn (default: as --fast sets it)")
-    p.add_argument("--grouped", default="default", choices=sorted(GROUPED),
-                   help="FastPaths.grouped: products of more than --fused-rows rows by the grouped Triton kernel; "
-                   "both: each configuration without, then with (default: as --fast sets it; compiled: on)")
-    p.add_argument("--grouped-swiglu", default="default", choices=sorted(GROUPED),
-                   help="FastPaths.grouped_swiglu: the routed experts' gate, up and SwiGLU as one grouped launch; "
-                   "both: each configuration without, then with (default: as --fast sets it)")
-    p.add_argument("--sort-topk", default="default", choices=sorted(GROUPED),
-                   help="FastPaths.sort_topk: the compiled step's top-k of short rows by a stable sort; both: each "
-                   "configuration without, then with (default: as --fast sets it)")
+    for switch, what in SWITCHES.items():
+        p.add_argument(f"--{switch.replace('_', '-')}", default="default", choices=sorted(GROUPED),
+                       help=f"FastPaths.{switch}: {what}; both: each configuration without, then with (default: as "
+                       "--fast sets it)")
     p.add_argument("--decode-attention", default="default", choices=sorted(DECODE_ATTENTION),
                    help="FastPaths.decode_attention: the decode step's attention by the Triton kernel or the compiled\n"
                    "gathering path; both: each in turn (default: as --fast sets it; compiled: triton)")
@@ -182,15 +181,15 @@ def run(args: argparse.Namespace, holder: list) -> None:
         prompt_cache = model.new_cache(1, max_len, args.kv_cache_dtype)
         last = prefill(model, prompt_cache, ids, args.prefill_chunk)
         # each step writes the same cache slot, so every configuration sees the same state
-        for reductions, nvfp4_words, mxfp8_words, grouped, attention, swiglu, by_sort in itertools.product(
+        switches = [[(name, on) for on in GROUPED[getattr(args, name)] or [getattr(fast, name)]]
+                    for name in SWITCHES]
+        for reductions, nvfp4_words, mxfp8_words, attention, *settings in itertools.product(
                 configs, words_settings(args.nvfp4_words, fast.nvfp4_words),
-                words_settings(args.mxfp8_words, fast.mxfp8_words), GROUPED[args.grouped] or [fast.grouped],
-                DECODE_ATTENTION[args.decode_attention] or [fast.decode_attention],
-                GROUPED[args.grouped_swiglu] or [fast.grouped_swiglu], GROUPED[args.sort_topk] or [fast.sort_topk]):
+                words_settings(args.mxfp8_words, fast.mxfp8_words),
+                DECODE_ATTENTION[args.decode_attention] or [fast.decode_attention], *switches):
             torch._dynamo.reset()
             apply(model, replace(fast, layer_reductions=reductions, nvfp4_words=nvfp4_words,
-                                   mxfp8_words=mxfp8_words, grouped=grouped, decode_attention=attention,
-                                   grouped_swiglu=swiglu, sort_topk=by_sort))
+                                   mxfp8_words=mxfp8_words, decode_attention=attention, **dict(settings)))
             for batch in args.batch:  # one compile of each layer kind per batch size, kept across the sizes
                 cache = prompt_cache
                 if batch > 1:

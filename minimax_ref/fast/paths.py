@@ -66,6 +66,10 @@ and tests take.
   at one K split, both products and their SwiGLU in one launch (`fast.grouped.swiglu_pair_grouped`: x's step tile
   loaded once for the two tiles, the activation stored, not the products; the SwiGLU of the bf16 products in fp32,
   rounded once, as the compiled step's fused SwiGLU).
+* `sort_topk=True` (no preset; to be measured before one takes it): in compiled regions the routing's and the MSA
+  block selection's top-k of rows up to `compiled.SORT_ROWS` by a stable descending sort cut at k, which inductor
+  compiles into one Triton kernel with the producer's elementwise ops fused (`compiled.top_k`); the same values,
+  ties to the lower index.
 * `gemv="triton"` (the non-user preset `gemv`: `compiled` with it; to be measured before a user preset takes it): on
   CUDA with triton, products with packed weights of 1 to `sync_free_tokens` rows (decode steps) by `fast.gemv`: the
   weight reordered once at configuration into the kernel's tile order (beside the stored planes: the packed bytes

@@ -1,5 +1,6 @@
 """The compiled decoder layer of decode steps (`FastPaths.compile_layers`), saved across processes where torch can,
-and what it needs: `materialize`, the operator that bounds inductor's recomputation, and the norm twin that uses it.
+and what it needs: `materialize`, the operator that bounds inductor's recomputation, the norm twin that uses it, and
+`top_k`, the top-k of compiled steps.
 
 Inductor fuses an elementwise chain into every consumer and recomputes it there; for the queries after norm and
 RoPE, the softmax probabilities, the SwiGLU output or a norm that multiplies every weight row, that means once per

@@ -825,12 +825,6 @@ def packed_matmul_grouped(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     return y[0] if linear and x.dim() == 2 else y
 
 
-def pair_splits(fmt: str, entries: int, n: int, k: int, tiles: Tiles, device: torch.device) -> bool:
-    """Whether `swiglu_pair_grouped` fills the GPU at these shapes as the two products would: `split_for` gives
-    their launch one K split (the pair kernel has no split: its SwiGLU needs whole sums)."""
-    return split_for(entries * triton.cdiv(n, tiles.block_n), k // _fit_block_k(tiles, k), sm_count(device)) == 1
-
-
 def swiglu_pair_grouped(x: torch.Tensor, fmt: str, gate: tuple, up: tuple, alpha: float, limit: float,
                         active: torch.Tensor | None = None, tiles: Tiles | None = None,
                         table: bool = False) -> torch.Tensor:

@@ -147,6 +147,54 @@ def test_names_kind_copies_english_words_never_of_a_heldout_name(heldout):
     assert first.kind == "copy" and copy_gen.copy(b).prompt == first.prompt
 
 
+def test_pieces_kind_draws_every_vocabulary_piece_alike(heldout):
+    """The "pieces" kind: the copy kind's turns on names built from the tokenizer's letter pieces, drawn
+    uniformly, so that a piece rare in every other generator's text (the held-out misses' `ince`, `fil`)
+    is copied as often as a common one; never a held-out city or an evaluation string; it needs the pieces."""
+    tok = mr.load_tokenizer(None)
+    pieces = nd.vocabulary_pieces(tok)
+    # pieces are the tokens' own texts: letters only, a start piece's token begins with a space
+    assert all(p.isalpha() for p in pieces.starts + pieces.inner) and len(pieces.inner) > 1000
+    assert {"ince", "fil", "under"} <= set(pieces.inner) and "Pr" in pieces.starts
+    assert all(len(tok.encode(" " + p)) == 1 for p in pieces.starts[::50])
+    assert all(len(tok.encode(p)) == 1 for p in ("ince", "fil", *pieces.inner[::50]))
+    with pytest.raises(ValueError, match="pieces"):
+        nd.TaskGenerator(heldout, {"pieces": 1.0})
+    g = nd.TaskGenerator(heldout, {"pieces": 1.0}, pieces=pieces)
+    pattern = _heldout_pattern(heldout)
+    rng = random.Random(10)
+    examples = [g.sample(rng) for _ in range(300)]
+    assert {ex.kind for ex in examples} == {"pieces"}
+    for ex in examples:
+        assert pattern.search(ex.prompt + ex.completion) is None
+        for c in ex.meta["calls"]:
+            arg = c["arguments"].get("city", c["arguments"].get("order_id"))
+            assert arg in ex.meta["user"] and not nd.eval_only(arg)
+        if ex.meta["stage"] == "call":
+            parsed = chat.parse_output(ex.completion[: -len(chat.TURN_END)], nd.TOOLS,
+                                       reasoning_started=ex.meta["thinking"] == "enabled")
+            assert not parsed["errors"] and parsed["tool_calls"] == ex.meta["calls"]
+    names = [g.piece_string(rng) for _ in range(6000)]
+    assert len(set(names)) > 5900 and max(map(len, names)) <= 32 and all(n == n.strip() for n in names)
+    assert sum(" " in n for n in names) > 2000 and sum("-" in n for n in names) > 300
+    assert 0.75 < sum(n[0].isupper() for n in names) / len(names) < 0.95
+    # uniform over the vocabulary: each inner piece drawn about as often as any other (a name's tokens, not its
+    # letters: the tokenizer may merge two pieces, so count the pieces as tokenized, by id)
+    counts = {p: 0 for p in pieces.inner}
+    for n in names:
+        for i in tok.encode(n):
+            text = tok.decode([i])
+            if text in counts:
+                counts[text] += 1
+    drawn = sorted(counts.values())
+    assert drawn[len(drawn) // 10] >= 2, "a tenth of the inner pieces were (nearly) never drawn"
+    assert counts["ince"] > 0 and counts["fil"] > 0
+    # the other kinds draw as before (their streams do not depend on the pieces)
+    a, b = random.Random(11), random.Random(11)
+    with_pieces = nd.TaskGenerator(heldout, {"copy": 1.0}, pieces=pieces)
+    assert with_pieces.copy(a).prompt == nd.TaskGenerator(heldout, {"copy": 1.0}).copy(b).prompt
+
+
 def test_fresh_strings_are_reserved_for_evaluation(gen):
     fresh = nd.fresh_copy_strings(200, 0)
     assert fresh == nd.fresh_copy_strings(200, 0) and fresh[:100] == nd.fresh_copy_strings(100, 0)

@@ -20,6 +20,11 @@ its seed):
 * (f) copying words ("names", only in a mix that names it): the same turns on place-like names made of
   real English words (`ENGLISH_WORDS`, less every word of a held-out name), so that a word the model
   knows as text but never saw as a city is copied, not replaced by a city it knows;
+* (g) copying pieces ("pieces", only in a mix that names it): the same turns on names made of the
+  tokenizer's own letter pieces drawn uniformly over the vocabulary (`vocabulary_pieces`,
+  `piece_name`), so that every piece a user's name can tokenize into has been copied in training, not
+  only the pieces common in the other generators' text (a piece never trained is not copied: the
+  model writes a familiar piece in its place);
 plus a few greetings, so that a first "Hello" gets a sensible answer.
 
 Held-out split (`Heldout`, written to JSON by `write_heldout`): 100 cities, 50 long city names and
@@ -208,12 +213,13 @@ ORDER_TOOL: dict[str, Any] = {
 #: The tool list of the seed's checks and of `examples/nano/tools.json`.
 TOOLS: list[dict[str, Any]] = [WEATHER_TOOL, ORDER_TOOL]
 
-KINDS = ("arith", "tool", "image", "greet", "text", "copy", "names")
+KINDS = ("arith", "tool", "image", "greet", "text", "copy", "names", "pieces")
 #: Share of each generator in the training stream ("text" is dropped when no text source is given).
-#: "copy" (tool calls on never-seen strings, `TaskGenerator.copy`) and "names" (on names of English
-#: words, `TaskGenerator.names`) are only in a `--mix` that names them, so the stages run before they
-#: existed mean what they meant.
+#: "copy" (tool calls on never-seen strings, `TaskGenerator.copy`), "names" (on names of English
+#: words, `TaskGenerator.names`) and "pieces" (on names of vocabulary pieces, `TaskGenerator.pieces`) are
+#: only in a `--mix` that names them, so the stages run before they existed mean what they meant.
 DEFAULT_MIX: dict[str, float] = {"arith": 0.35, "tool": 0.35, "image": 0.15, "greet": 0.03, "text": 0.12}
+NEEDS_PIECES = "the pieces kind needs the tokenizer's pieces: TaskGenerator(pieces=vocabulary_pieces(tok))"
 THINKING_WEIGHTS: dict[str, float] = {"enabled": 0.35, "adaptive": 0.45, "disabled": 0.20}
 
 #: Image preprocessing of the nano checkpoint (written as its preprocessor_config.json): the
@@ -699,6 +705,42 @@ Water Well West White Wild Willow Wind Winter Wolf Wood Wren Yellow
 """.split())
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """A tokenizer's letter pieces (`vocabulary_pieces`): `starts` the pieces of its tokens that begin
+    with a space (a word's first piece after a space), `inner` those of the tokens that do not."""
+
+    starts: tuple[str, ...]
+    inner: tuple[str, ...]
+
+
+def vocabulary_pieces(tokenizer: Any) -> Pieces:
+    """Every token of `tokenizer` whose text, less one leading space, is letters only (`str.isalpha`:
+    accented letters included; byte fragments of a character and special tokens are not), sorted."""
+    starts, inner = set(), set()
+    for i in range(tokenizer.vocab_size):
+        text = tokenizer.decode([i])
+        core = text[1:] if text.startswith(" ") else text
+        if core.isalpha():
+            (starts if text.startswith(" ") else inner).add(core)
+    if not starts or not inner:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'path', '')}: no letter pieces to build names from")
+    return Pieces(tuple(sorted(starts)), tuple(sorted(inner)))
+
+
+def piece_name(rng: random.Random, pieces: Pieces) -> str:
+    """A name of one to three words (spaces, sometimes a hyphen), each word one to four pieces drawn
+    uniformly from `pieces` (its first piece from `starts` or `inner` alike), capitalised 85 % of the
+    time: every piece of the vocabulary is as likely as any other, however rare it is in text."""
+    def word() -> str:
+        first = rng.choice(pieces.starts if rng.random() < 0.5 else pieces.inner)
+        w = first + "".join(rng.choice(pieces.inner) for _ in range(rng.choice((0, 1, 1, 2, 2, 3))))
+        return _cased(w[0], True) + w[1:] if rng.random() < 0.85 else w
+
+    words = [word() for _ in range(rng.choices((1, 2, 3), weights=(45, 40, 15))[0])]
+    return words[0] + "".join(rng.choice((" ", " ", " ", "-")) + w for w in words[1:])
+
+
 def word_name(rng: random.Random, words: Sequence[str]) -> str:
     """A place-like name of one to three of `words`: alone, two or three apart, hyphenated, with a joiner
     (`NAME_JOINERS`), after a familiar first word (`NAME_PREFIXES`) or before a suffix word; mostly title
@@ -1000,7 +1042,7 @@ class TaskGenerator:
     """
 
     def __init__(self, heldout: Heldout, mix: Mapping[str, float] | None = None,
-                 text_source: StdlibText | None = None, fonts: Sequence[str] = ("",)):
+                 text_source: StdlibText | None = None, fonts: Sequence[str] = ("",), pieces: Pieces | None = None):
         self.heldout = heldout
         mix = dict(DEFAULT_MIX if mix is None else mix)
         if text_source is None:
@@ -1008,6 +1050,9 @@ class TaskGenerator:
         unknown = set(mix) - set(KINDS)
         if unknown or not mix or any(v < 0 for v in mix.values()):
             raise ValueError(f"bad data mix {mix}: kinds are {KINDS}, weights >= 0")
+        if mix.get("pieces") and pieces is None:
+            raise ValueError(NEEDS_PIECES)
+        self.pieces_of_vocabulary = pieces
         self.kinds = list(mix)
         self.weights = [mix[k] for k in self.kinds]
         self.text_source = text_source
@@ -1090,6 +1135,14 @@ class TaskGenerator:
         evaluation string."""
         while True:
             s = word_name(rng, self._name_words)
+            if self._novel_ok(s):
+                return s
+
+    def piece_string(self, rng: random.Random) -> str:
+        """A city argument for the pieces kind (`piece_name` over the tokenizer's pieces), never a held-out
+        or evaluation string."""
+        while True:
+            s = piece_name(rng, self.pieces_of_vocabulary)
             if self._novel_ok(s):
                 return s
 
@@ -1213,6 +1266,13 @@ class TaskGenerator:
     def names(self, rng: random.Random, *, thinking: str | None = None, stage: str | None = None) -> Example:
         """`copy`'s turns with `word_string` cities: names made of English words the model knows as text."""
         return self._copy_turn(rng, "names", self.word_string, thinking, stage)
+
+    def pieces(self, rng: random.Random, *, thinking: str | None = None, stage: str | None = None) -> Example:
+        """`copy`'s turns with `piece_string` cities: names made of the vocabulary's letter pieces, each
+        piece as likely as any other."""
+        if self.pieces_of_vocabulary is None:
+            raise ValueError(NEEDS_PIECES)
+        return self._copy_turn(rng, "pieces", self.piece_string, thinking, stage)
 
     def _copy_turn(self, rng: random.Random, kind: str, draw: Callable[[random.Random], str],
                    thinking: str | None, stage: str | None) -> Example:

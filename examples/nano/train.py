@@ -460,7 +460,8 @@ class BatchStream(torch.utils.data.IterableDataset):
         if info is not None:
             torch.set_num_threads(1)
         tok = load_tokenizer(tokenizer_dir)
-        gen = nd.TaskGenerator(heldout, mix, nd.StdlibText(heldout) if stdlib else None, fonts)
+        gen = nd.TaskGenerator(heldout, mix, nd.StdlibText(heldout) if stdlib else None, fonts,
+                               nd.vocabulary_pieces(tok))
         stream = nd.training_stream(gen, tok, seed, stream=0 if info is None else info.id)
         packer = nd.Packer(stream, seq_len, pad_id=tok.special_ids.bod)
         while True:
@@ -662,18 +663,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     mix = _mix(args.mix)
     stdlib = not args.no_stdlib
     fonts = nd.find_fonts(args.fonts)
-    gen = nd.TaskGenerator(heldout, mix, nd.StdlibText(heldout) if stdlib else None, fonts)
+    text = nd.StdlibText(heldout) if stdlib else None
     vocab = size.text["vocab_size"]
     t0 = time.time()
     if args.init is not None:  # the model to continue comes with its tokenizer
         special = copy_tokenizer(args.init, run_dir / "tokenizer")
         print(f"tokenizer: {vocab} ids from {args.init}", flush=True)
     else:
-        special = train_tokenizer(nd.tokenizer_texts(gen, size.tokenizer_examples, args.seed), vocab,
+        # the pieces kind draws from the tokenizer's vocabulary: the tokenizer is trained without it
+        unpieced = {k: v for k, v in (mix or nd.DEFAULT_MIX).items() if k != "pieces"}
+        special = train_tokenizer(nd.tokenizer_texts(nd.TaskGenerator(heldout, unpieced, text, fonts),
+                                                     size.tokenizer_examples, args.seed), vocab,
                                   run_dir / "tokenizer")
         print(f"tokenizer: {vocab} ids trained on {size.tokenizer_examples} examples in {time.time() - t0:.1f}s",
               flush=True)
     tok = load_tokenizer(run_dir / "tokenizer")
+    gen = nd.TaskGenerator(heldout, mix, text, fonts, nd.vocabulary_pieces(tok))
     print(f"data: {json.dumps(nd.data_config(gen)['mix'])}, {len(fonts)} fonts", flush=True)
 
     # 2. model

@@ -653,12 +653,18 @@ def test_experts_take_the_swiglu_pair(device, tiny, monkeypatch):
     monkeypatch.setattr(grouped, "packed_matmul_grouped",
                         lambda *a, **k: products.append(a[1]) or real_product(*a, **k))
     apply(ex, FastPaths(moe=True, grouped=True, grouped_swiglu=True))
+    # one K split, as at release widths (a GPU's many SMs split this tiny model's products, which takes no pair)
+    ex.w1.grouped_launch = ex.w3.grouped_launch = (ex.w1.grouped_launch[0], 1)
     got = ex.forward_sync_free(x, r)
     chosen = torch.zeros(len(ex.local_experts), dtype=torch.int32)
     chosen[r.expert_ids.flatten().cpu()] = 1
     assert len(pairs) == 1 and torch.equal(pairs[0].cpu(), chosen) and len(products) == 1
     assert _rel(got, want) < 2e-2, _rel(got, want)
     ex.w3.grouped_launch = (SMALL, 1) if ex.w1.grouped_launch[0] != SMALL else (WIDE, 1)  # launches that differ
+    pairs.clear()
+    products.clear()
+    assert _rel(ex.forward_sync_free(x, r), want) < 2e-2 and not pairs and len(products) == 3
+    ex.w3.grouped_launch = (ex.w1.grouped_launch[0], 2)  # K splits: no pair either
     pairs.clear()
     products.clear()
     assert _rel(ex.forward_sync_free(x, r), want) < 2e-2 and not pairs and len(products) == 3
@@ -676,9 +682,12 @@ def test_swiglu_pair_preset_decode_step_at_batch_16_equals_reference(tiny):
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERP or not grouped.AVAILABLE, reason="compiled Triton kernels")
 def test_sort_topk_decode_step_at_batch_16_equals_reference(tiny):
-    """`compiled` with `sort_topk` (the routing's and block selection's top-k by inductor's sort kernel): the captured
-    decode step of 16 sequences against the reference engine."""
-    err = captured_step_error(tiny, replace(FastPaths.of("compiled"), sort_topk=True), 16, "grouped_tokens")
+    """`compiled` with and without `sort_topk` (the routing's and block selection's top-k by inductor's sort kernel,
+    which `compiled` takes, or ATen's topk): the captured decode step of 16 sequences against the reference engine."""
+    assert FastPaths.of("compiled").sort_topk
+    err = captured_step_error(tiny, replace(FastPaths.of("compiled"), sort_topk=False), 16, "grouped_tokens")
+    assert math.isfinite(err) and err < 5e-2
+    err = captured_step_error(tiny, "compiled", 16, "grouped_tokens")
     assert math.isfinite(err) and err < 5e-2
 
 

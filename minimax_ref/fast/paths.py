@@ -61,15 +61,14 @@ and tests take.
   experts read only the experts some token chose (`fast.moe.FastExperts.forward_grouped`). Equal to fp32 rounding.
   For weights whose scales are in the normal range (`fast.packed.scales_in_normal_range`: real checkpoints) and a
   bf16 compute dtype; elsewhere, and without triton, the other paths.
-* `grouped_swiglu=True` (the non-user preset `grouped-swiglu`: `compiled` with it; to be measured before a user preset
-  takes it): where the routed experts' gate and up stacks multiply a batch's shared rows through the grouped kernel
-  at one K split, both products and their SwiGLU in one launch (`fast.grouped.swiglu_pair_grouped`: x's step tile
-  loaded once for the two tiles, the activation stored, not the products; the SwiGLU of the bf16 products in fp32,
-  rounded once, as the compiled step's fused SwiGLU).
-* `sort_topk=True` (no preset; to be measured before one takes it): in compiled regions the routing's and the MSA
-  block selection's top-k of rows up to `compiled.SORT_ROWS` by a stable descending sort cut at k, which inductor
-  compiles into one Triton kernel with the producer's elementwise ops fused (`compiled.top_k`); the same values,
-  ties to the lower index.
+* `grouped_swiglu=True` (the non-user preset `grouped-swiglu`: `compiled` with it; a 32-row step of `gemv-mma` was
+  slower with it on an H100, BENCHMARKS.md): where the routed experts' gate and up stacks multiply a batch's shared
+  rows through the grouped kernel at one K split, both products and their SwiGLU in one launch
+  (`fast.grouped.swiglu_pair_grouped`: x's step tile loaded once for the two tiles, the activation stored, not the
+  products; the SwiGLU of the bf16 products in fp32, rounded once, as the compiled step's fused SwiGLU).
+* `sort_topk=True` (the `compiled` preset): in compiled regions the routing's and the MSA block selection's top-k of
+  rows up to `compiled.SORT_ROWS` by a stable descending sort cut at k, which inductor compiles into one Triton kernel
+  with the producer's elementwise ops fused (`compiled.top_k`); the same values, ties to the lower index.
 * `gemv="triton"` (the non-user preset `gemv`: `compiled` with it; to be measured before a user preset takes it): on
   CUDA with triton, products with packed weights of 1 to `sync_free_tokens` rows (decode steps) by `fast.gemv`: the
   weight reordered once at configuration into the kernel's tile order (beside the stored planes: the packed bytes
@@ -87,10 +86,11 @@ and tests take.
   (`fast.joint`). More rows take the grouped and fused paths. A Gluon kernel; where it
   does not run (CPU tensors, the interpreter, GPUs before sm_89) no weight takes a one-to-few-row kernel: the
   products are those of `gemv="reference"`. Equal to fp32 rounding.
-* `gemv="mma-stored"` (the non-user preset `gemv-mma-stored`: to be measured before a user preset, or `auto`, takes
-  it): as "mma", with every weight read where it is stored (linears too: no reordered copy, so no memory beyond the
-  weights), up to `fast.mma_gemv.STORED_STACK_ROWS` (8) rows; more rows take the grouped and fused paths, and a
-  weight the kernel cannot read in place takes no one-to-few-row kernel.
+* `gemv="mma-stored"` (the non-user preset `gemv-mma-stored`: its one-row step is between `compiled`'s and
+  `gemv-mma`'s on an H100, BENCHMARKS.md; `auto` takes it once its captured step is tested on a GPU and timed beside
+  `compiled` in one run): as "mma", with every weight read where it is stored (linears too: no reordered copy, so no
+  memory beyond the weights), up to `fast.mma_gemv.STORED_STACK_ROWS` (8) rows; more rows take the grouped and fused
+  paths, and a weight the kernel cannot read in place takes no one-to-few-row kernel.
 * `nvfp4_table=True` (the `compiled` preset): the grouped kernel (and the GEMV of `gemv="triton"`) decodes NVFP4
   through each block's table: with A = bf16(S) and B = bf16(fp32(1.5 S)) for the block scale S, every decoded element
   is one of {0, A/2, A, B, 2A, 2B, 4A, 4B} with its sign, looked up by byte permutes (`fast.grouped._TABLE_ASM`: no
@@ -201,8 +201,7 @@ class FastPaths:
     # (`fast.grouped.swiglu_pair_grouped`; the non-user preset `grouped-swiglu`)
     grouped_swiglu: bool = False
     # in compiled regions, the routing's and the block selection's top-k of short rows by a stable sort, which
-    # inductor compiles into one Triton kernel with the producer fused (`compiled.top_k`; to be measured before a
-    # preset takes it)
+    # inductor compiles into one Triton kernel with the producer fused (`compiled.top_k`; the `compiled` preset)
     sort_topk: bool = False
     # the grouped and GEMV kernels decode NVFP4 through each block's 8-value table (`fast.grouped._TABLE_ASM`)
     nvfp4_table: bool = False
@@ -328,7 +327,7 @@ PRESETS: dict[str, Preset] = {
                   compile_layers=True, nvfp4_words=True, mxfp8_words="gate_up", grouped=True, nvfp4_table=True,
                   prefill_attention="triton", block_selection="triton", decode_attention="triton",
                   prefill_fusion=True, prefill_experts="auto", attention_probabilities="bf16", graph=True,
-                  overlap_steps=True),
+                  overlap_steps=True, sort_topk=True),
         "on without SDPA, plus each decoder layer of a decode step compiled by torch.compile (on first use: "
         "minutes on a GPU), one-row products with packed weights by a compiled dequantize-and-multiply and, on CUDA "
         f"with triton, products of 2 to {SYNC_FREE_TOKENS} rows (batches, verify steps) by a grouped Triton kernel, "
@@ -336,6 +335,7 @@ PRESETS: dict[str, Preset] = {
         "Triton kernel (prefill's routed experts with few rows an expert multiplied from their packed weights, "
         "decoded in registers), prefill's norms, rotations, activations and expert combine as compiled kernels, the "
         "attention kernel's softmax probabilities rounded once to bf16 for the value sum (flash attention's rule), "
+        "the compiled step's routing and block-selection top-k as one sort kernel with its producer fused, "
         "and greedy decode steps launched on the previous step's tokens on the device before the host reads them"),
 }
 # `compiled` with the reordered-weight products of `fast.gemv` for every decode row count (benchmarks measure it
@@ -343,14 +343,14 @@ PRESETS: dict[str, Preset] = {
 PRESETS["gemv"] = Preset(replace(PRESETS["compiled"].paths, gemv="triton"),
                          "compiled, with products of 1 to 64 rows by the split-K GEMV / dot kernel of fast.gemv on "
                          "weights reordered at load (beside the stored planes)", user=False)
-# `compiled` with the routed experts' gate, up and SwiGLU as one grouped launch (non-user: to be measured against
-# `compiled` on a GPU before a user preset takes it)
+# `compiled` with the routed experts' gate, up and SwiGLU as one grouped launch (non-user: a 32-row step was slower
+# with it on an H100, BENCHMARKS.md)
 PRESETS["grouped-swiglu"] = Preset(replace(PRESETS["compiled"].paths, grouped_swiglu=True),
                                    "compiled, with the routed experts' gate and up products of 2 to 64 rows and their "
                                    "SwiGLU in one grouped-kernel launch (fast.grouped.swiglu_pair_grouped)",
                                    user=False)
 # `compiled` with `fast.mma_gemv`'s decode products of up to 8 rows, every weight read where it is stored: no copy,
-# so the memory of `compiled` (non-user: to be measured against `compiled` before `auto` takes it)
+# so the memory of `compiled` (non-user until its captured step is tested on a GPU and timed beside `compiled`)
 PRESETS["gemv-mma-stored"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma-stored"),
                                     "compiled, with decode steps' products with packed weights of up to 8 rows on the "
                                     "tensor cores, every weight read where it is stored (fast.mma_gemv; no copy)",

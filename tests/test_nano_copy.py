@@ -35,6 +35,20 @@ def _heldout_pattern(heldout: nd.Heldout) -> re.Pattern[str]:
     return re.compile("|".join(re.escape(c) for c in sorted(heldout.city_set, key=len, reverse=True)))
 
 
+def _check_copy_turns(examples: list[nd.Example], heldout_names: re.Pattern[str]) -> None:
+    """Turns of a copy-like kind: no held-out city anywhere, every argument copied from the user's message and none
+    reserved to evaluation, and each calling turn parses back to its calls."""
+    for ex in examples:
+        assert heldout_names.search(ex.prompt + ex.completion) is None
+        for c in ex.meta["calls"]:
+            arg = c["arguments"].get("city", c["arguments"].get("order_id"))
+            assert arg in ex.meta["user"] and not nd.eval_only(arg)
+        if ex.meta["stage"] == "call":
+            parsed = chat.parse_output(ex.completion[: -len(chat.TURN_END)], nd.TOOLS,
+                                       reasoning_started=ex.meta["thinking"] == "enabled")
+            assert not parsed["errors"] and parsed["tool_calls"] == ex.meta["calls"]
+
+
 @pytest.mark.parametrize("thinking", ["enabled", "adaptive", "disabled"])
 def test_copy_turns_parse_back_to_their_arguments(gen, thinking):
     rng = random.Random(1)
@@ -118,22 +132,13 @@ def test_names_kind_copies_english_words_never_of_a_heldout_name(heldout):
     assert g._name_words and not {w.casefold() for w in g._name_words} & held_words
     # a held-out name's words are left out whatever its case ("Bay" of a held-out "Thunder Bay" among them)
     assert len(g._name_words) < len(nd.ENGLISH_WORDS)
-    pattern = _heldout_pattern(heldout)
     rng = random.Random(8)
     examples = [g.sample(rng) for _ in range(400)]
     assert {ex.kind for ex in examples} == {"names"}
     cities = [c["arguments"]["city"] for ex in examples for c in ex.meta["calls"] if c["name"] == "get_weather"]
     assert len(cities) > 400 and len(set(cities)) > 0.9 * len(cities)
     assert sum(" " in c for c in cities) > 150 and sum("-" in c for c in cities) > 40
-    for ex in examples:
-        assert pattern.search(ex.prompt + ex.completion) is None
-        for c in ex.meta["calls"]:
-            arg = c["arguments"].get("city", c["arguments"].get("order_id"))
-            assert arg in ex.meta["user"] and not nd.eval_only(arg)
-        if ex.meta["stage"] == "call":
-            parsed = chat.parse_output(ex.completion[: -len(chat.TURN_END)], nd.TOOLS,
-                                       reasoning_started=ex.meta["thinking"] == "enabled")
-            assert not parsed["errors"] and parsed["tool_calls"] == ex.meta["calls"]
+    _check_copy_turns(examples, _heldout_pattern(heldout))
     # the drawn words (prefix, suffix and joiner words are the copy kind's shared place-name vocabulary)
     english = {w.casefold() for w in nd.ENGLISH_WORDS} - {w.casefold() for w in nd.NAME_PREFIXES + nd.NAME_SUFFIXES}
     for city in cities:
@@ -161,19 +166,10 @@ def test_pieces_kind_draws_every_vocabulary_piece_alike(heldout):
     with pytest.raises(ValueError, match="pieces"):
         nd.TaskGenerator(heldout, {"pieces": 1.0})
     g = nd.TaskGenerator(heldout, {"pieces": 1.0}, pieces=pieces)
-    pattern = _heldout_pattern(heldout)
     rng = random.Random(10)
     examples = [g.sample(rng) for _ in range(300)]
     assert {ex.kind for ex in examples} == {"pieces"}
-    for ex in examples:
-        assert pattern.search(ex.prompt + ex.completion) is None
-        for c in ex.meta["calls"]:
-            arg = c["arguments"].get("city", c["arguments"].get("order_id"))
-            assert arg in ex.meta["user"] and not nd.eval_only(arg)
-        if ex.meta["stage"] == "call":
-            parsed = chat.parse_output(ex.completion[: -len(chat.TURN_END)], nd.TOOLS,
-                                       reasoning_started=ex.meta["thinking"] == "enabled")
-            assert not parsed["errors"] and parsed["tool_calls"] == ex.meta["calls"]
+    _check_copy_turns(examples, _heldout_pattern(heldout))
     names = [g.piece_string(rng) for _ in range(6000)]
     assert len(set(names)) > 5900 and max(map(len, names)) <= 32 and all(n == n.strip() for n in names)
     assert sum(" " in n for n in names) > 2000 and sum("-" in n for n in names) > 300

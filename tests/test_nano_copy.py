@@ -260,6 +260,20 @@ def test_misses_are_placed_in_the_word_where_they_start():
     assert ne.miss_word("Thunder Bay", None) == "no_call"
 
 
+def test_image_readings_by_digits_worked_by_hand():
+    """`eval.image_readings`: exact digits are right (spaces around them aside), counted by the number's digits; a
+    miss records what was read and whether it kept the number's length."""
+    from examples.nano import eval as ne
+
+    got = ne.image_readings([3, 7, 63, 427, 5038], ["31", " 7", "54", "427", "5638"])
+    assert (got["n"], got["correct"], got["accuracy"]) == (5, 2, 0.4)
+    assert got["by_digits"] == {"1": {"n": 2, "correct": 1}, "2": {"n": 1, "correct": 0},
+                                "3": {"n": 1, "correct": 1}, "4": {"n": 1, "correct": 0}}
+    assert got["misses"] == [{"want": "3", "got": "31", "same_length": False},
+                             {"want": "63", "got": "54", "same_length": True},
+                             {"want": "5038", "got": "5638", "same_length": True}]
+
+
 def test_first_miss_is_where_the_model_leaves_the_name():
     """`eval.first_miss` against a plain forward of the default: a greedy reply scored as written has no position
     whose most likely token differs from it; with one letter of its city changed, the first such position is inside

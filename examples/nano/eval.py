@@ -321,15 +321,32 @@ def arithmetic(model: Any, tok: Any, heldout: nd.Heldout, n: int, batch: int, ma
             "by_op": {op: round(s[0] / s[1], 4) for op, s in sorted(by_op.items())}, "wrong_examples": examples}
 
 
+def image_readings(numbers: Sequence[int], answers: Sequence[str]) -> dict[str, Any]:
+    """Readings of number images graded: right when the answer is the number's digits exactly; the counts overall and
+    by the number's digits (`by_digits`, "1" to "4"), and each miss with what was read and whether it has the number's
+    length (`same_length`: a misread digit) or not (a digit added or dropped)."""
+    by: dict[str, list[int]] = {}
+    misses = []
+    for k, answer in zip(numbers, answers, strict=True):
+        want, got = str(k), answer.strip()
+        cell = by.setdefault(str(len(want)), [0, 0])
+        cell[0] += got == want
+        cell[1] += 1
+        if got != want:
+            misses.append({"want": want, "got": got, "same_length": len(got) == len(want)})
+    right = sum(c[0] for c in by.values())
+    return {"n": len(numbers), "correct": right, "accuracy": round(right / max(1, len(numbers)), 4),
+            "by_digits": {d: {"n": c[1], "correct": c[0]} for d, c in sorted(by.items())}, "misses": misses}
+
+
 def images(model: Any, tok: Any, heldout: nd.Heldout, n: int, batch: int, fonts: Sequence[str]) -> dict[str, Any]:
-    """Accuracy on images of held-out numbers (random fonts, sizes and noise), greedy."""
+    """Accuracy on images of held-out numbers (random fonts, sizes and noise), greedy, graded by `image_readings`."""
     rng = random.Random("nano-eval-images")
     numbers = list(heldout.image_numbers[:n])
     pictures = [[nd.random_image_spec(k, rng, fonts).render()] for k in numbers]
     results = _batched(model, tok, ["What number is this?"] * len(numbers), batch, chat=True, images=pictures,
                        max_new_tokens=16, temperature=0.0)
-    right = sum(r.content.strip() == str(k) for k, r in zip(numbers, results))
-    return {"n": len(numbers), "correct": right, "accuracy": round(right / max(1, len(numbers)), 4)}
+    return image_readings(numbers, [r.content for r in results])
 
 
 def speculative(model: Any, tok: Any, heldout: nd.Heldout, ckpt: Path, n: int) -> dict[str, Any]:

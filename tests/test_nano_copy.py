@@ -165,6 +165,7 @@ def test_pieces_kind_draws_every_vocabulary_piece_alike(heldout):
     assert all(len(tok.encode(p)) == 1 for p in ("ince", "fil", *pieces.inner[::50]))
     with pytest.raises(ValueError, match="pieces"):
         nd.TaskGenerator(heldout, {"pieces": 1.0})
+    assert nd.pieces_for({"pieces": 0.1}, tok) == pieces and nd.pieces_for({"copy": 1.0}, tok) is None
     g = nd.TaskGenerator(heldout, {"pieces": 1.0}, pieces=pieces)
     rng = random.Random(10)
     examples = [g.sample(rng) for _ in range(300)]

@@ -728,6 +728,11 @@ def vocabulary_pieces(tokenizer: Any) -> Pieces:
     return Pieces(tuple(sorted(starts)), tuple(sorted(inner)))
 
 
+def pieces_for(mix: Mapping[str, float] | None, tokenizer: Any) -> Pieces | None:
+    """`vocabulary_pieces(tokenizer)` where `mix` draws the pieces kind, else None (nothing reads them)."""
+    return vocabulary_pieces(tokenizer) if (mix or {}).get("pieces") else None
+
+
 def piece_name(rng: random.Random, pieces: Pieces) -> str:
     """A name of one to three words (spaces, sometimes a hyphen), each word one to four pieces drawn
     uniformly from `pieces` (its first piece from `starts` or `inner` alike), capitalised 85 % of the

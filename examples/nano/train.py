@@ -461,7 +461,7 @@ class BatchStream(torch.utils.data.IterableDataset):
             torch.set_num_threads(1)
         tok = load_tokenizer(tokenizer_dir)
         gen = nd.TaskGenerator(heldout, mix, nd.StdlibText(heldout) if stdlib else None, fonts,
-                               nd.vocabulary_pieces(tok))
+                               nd.pieces_for(mix, tok))
         stream = nd.training_stream(gen, tok, seed, stream=0 if info is None else info.id)
         packer = nd.Packer(stream, seq_len, pad_id=tok.special_ids.bod)
         while True:
@@ -678,7 +678,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         print(f"tokenizer: {vocab} ids trained on {size.tokenizer_examples} examples in {time.time() - t0:.1f}s",
               flush=True)
     tok = load_tokenizer(run_dir / "tokenizer")
-    gen = nd.TaskGenerator(heldout, mix, text, fonts, nd.vocabulary_pieces(tok))
+    gen = nd.TaskGenerator(heldout, mix, text, fonts, nd.pieces_for(mix, tok))
     print(f"data: {json.dumps(nd.data_config(gen)['mix'])}, {len(fonts)} fonts", flush=True)
 
     # 2. model

@@ -161,21 +161,26 @@ def case_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, table: bool =
     return run, elements
 
 
-def case_mma_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, rows: int = 1, stored: bool = False):
+def case_mma_gemv(fmt: str, entries: int, n: int, k: int, chosen: int, rows: int = 1, stored: bool = False,
+                  ranged: bool = False):
     """`mma_gemv.packed_product`: `rows` rows against a stack read at `chosen` entries flagged active, or a linear
-    (entries 1, chosen 0); `stored`: `packed_product_stored` (the weight read where it is stored)."""
+    (entries 1, chosen 0); `stored`: `packed_product_stored` (the weight read where it is stored); `ranged`: the
+    rows sorted by entry instead, an even share each (`ends`)."""
     def run():
         parts = _packed(fmt, entries, n, k)
         x = torch.zeros(rows, k, dtype=torch.bfloat16)
         active = (torch.arange(entries) < chosen).to(torch.int32) if chosen else None
+        kw = {"active": active, "busy": chosen or None}
+        if ranged:
+            kw = {"ends": (torch.arange(1, entries + 1) * rows // entries).to(torch.int32)}
         if stored:
-            mma_gemv.packed_product_stored(x, fmt, *parts, active=active, busy=chosen or None, sms=132)
+            mma_gemv.packed_product_stored(x, fmt, *parts, sms=132, **kw)
         else:
-            mma_gemv.packed_product(x, n, *mma_gemv.reorder(fmt, *parts), active=active, busy=chosen or None,
-                                    sms=132)
+            mma_gemv.packed_product(x, n, *mma_gemv.reorder(fmt, *parts), sms=132, **kw)
 
     def elements(kernel: dict) -> float | None:  # a lane's elements of a loop: 8 a row tile, MMA tile and step of 64
-        if kernel["kernel"] != "_mma_gemv_kernel":
+        # ranges: the longest backward branch is the loop of 16-row passes around a K loop, not an element's loop
+        if kernel["kernel"] != "_mma_gemv_kernel" or kernel["constexprs"]["SELECT"] == 3:
             return None
         c = kernel["constexprs"]
         sub_steps = mma_gemv.step_columns(NVFP4 if c["NVFP4_FMT"] else MXFP8, c["STORED"]) // mma_gemv.STEP_K
@@ -260,6 +265,9 @@ CASES = {
                           "32 rows, 16 routed experts' w1 (NVFP4) on the tensor cores from MMA fragments"),
     "mma-gemv-mxfp8-32": (case_mma_gemv, (MXFP8, 1, 8192, 6144, 0, 32),
                           "32 rows, q_proj (MXFP8) on the tensor cores from MMA fragments"),
+    "mma-gemv-nvfp4-ranged": (case_mma_gemv, (NVFP4, 16, 3072, 6144, 0, 128, True, True),
+                              "32 tokens' 128 (token, choice) rows sorted by expert, 16 routed experts' w1 (NVFP4) "
+                              "read where stored, each expert's own rows"),
     "grouped-nvfp4": (case_grouped, (NVFP4, 16, 3072, 6144, 32), "32 rows, 16 routed experts' w1 (NVFP4)"),
     "grouped-nvfp4-table": (case_grouped, (NVFP4, 16, 3072, 6144, 32, True),
                             "32 rows, 16 routed experts' w1 (NVFP4) through the blocks' tables"),

@@ -25,6 +25,7 @@ a graph launches). One JSON line per batch size and configuration gives:
     # batch 32 with the routed experts' gate, up and SwiGLU as one launch, off then on; top-k by sort, off then on:
     python benchmarks/profile_decode.py --layers 60 --fast gemv-mma --batch 32 --grouped-swiglu both --out prof.jsonl
     python benchmarks/profile_decode.py --layers 60 --fast gemv-mma --batch 1,32 --sort-topk both --out prof.jsonl
+    python benchmarks/profile_decode.py --layers 60 --fast gemv-mma --batch 16,32 --expert-ranges both --out prof.jsonl
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ GROUPED = {"default": None, "on": [True], "off": [False], "both": [False, True]}
 # The on / off switches of FastPaths a run can set or compare (`GROUPED`'s choices), and what each does
 SWITCHES = {"grouped": "products of more than --fused-rows rows by the grouped Triton kernel (compiled: on)",
             "grouped_swiglu": "the routed experts' gate, up and SwiGLU as one grouped launch",
-            "sort_topk": "the compiled step's top-k of short rows by a stable sort"}
+            "sort_topk": "the compiled step's top-k of short rows by a stable sort",
+            "expert_ranges": "each chosen routed expert times its own tokens only (with gemv-mma)"}
 DECODE_ATTENTION = {"default": None, "reference": ["reference"], "triton": ["triton"], "both": ["reference", "triton"]}
 
 
@@ -91,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp8", "bf16"])
     p.add_argument("--layers", type=int, default=6, help="layers (0 = the preset's)")
     p.add_argument("--experts", type=int, default=16, help="routed experts per layer (0 = the preset's)")
-    add_fast_flag(p, ["on", "fused", "compiled", "gemv", "gemv-mma", "gemv-mma-stored", "grouped-rows",
-                      "grouped-swiglu"], "compiled")
+    add_fast_flag(p, ["on", "fused", "compiled", "gemv", "gemv-mma", "gemv-mma-stored", "gemv-mma-ranges",
+                      "grouped-rows", "grouped-swiglu"], "compiled")
     p.add_argument("--fused-rows", type=fused_rows_arg, default=None, help=FUSED_ROWS_HELP)
     p.add_argument("--batch", type=batch_sizes, default=[1],
                    help="sequences a step, comma-separated to profile several sizes on one prefill (default: 1)")
@@ -256,6 +258,7 @@ def profile_step(args: argparse.Namespace, world, model, cache, tok: torch.Tenso
     words += " grouped" if model.fast.grouped else ""
     words += " swiglu-pair" if model.fast.grouped_swiglu else ""
     words += " sort-topk" if model.fast.sort_topk else ""
+    words += " expert-ranges" if model.fast.expert_ranges else ""
     words += f" attention={model.fast.decode_attention}"
     log(world, f"[{result['reduction_config']}{words}] batch {batch}: step {1e3 * step_s:.2f} ms "
                f"({batch / step_s:.1f} tok/s), "

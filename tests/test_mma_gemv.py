@@ -182,14 +182,16 @@ def test_two_table_assembly_decodes_the_reference_bits():
 
 
 def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: int = 1, stored: bool = False,
-              masked: bool = False, sum_splits: bool = False, ahead: int | None = None) -> str:
+              masked: bool = False, sum_splits: bool = False, ahead: int | None = None,
+              row_tiles: int | None = None) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = mg._mma_gemv_kernel
     launch = mg.LAUNCH["nvfp4" if nvfp4 else "mxfp8", groups]
-    consts = {"NVFP4_FMT": nvfp4, "SELECT": select, "RT": launch.row_tiles, "NB": groups, "WARPS": mg.WARPS,
+    consts = {"NVFP4_FMT": nvfp4, "SELECT": select, "RT": row_tiles or launch.row_tiles, "NB": groups,
+              "WARPS": mg.WARPS,
               "OUT_BF16": out_bf16, "EVEN_K": even_k, "STORED": stored, "MASKED": masked, "SUM_SPLITS": sum_splits,
               "AHEAD": ahead or launch.ahead}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
@@ -254,6 +256,31 @@ def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, 
     elif not stored or not nvfp4:
         assert "ld.global.v4.b32" in ptx
     assert "bar.sync" not in ptx and "st.shared" not in ptx and "ld.shared" not in ptx
+    info = _ptxas_report(ptx)
+    assert " 0 bytes spill stores" in info, info
+    used = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert 65536 // (-(-used // 8) * 8 * 32 * mg.WARPS) >= mg.RESIDENT, used
+
+
+@pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
+@pytest.mark.parametrize("nvfp4,stored,sum_splits", [(True, True, False), (True, True, True), (True, False, False),
+                                                     (False, True, True), (False, False, False)])
+def test_ranged_kernel_compiles_both_passes(nvfp4, stored, sum_splits):
+    """Products over ranges of rows (SELECT 3): the kernel holds a one-row-group pass and a two-group pass (ranges of
+    more than 8 rows), each the plain loop's MMAs (one a row tile, row group, MMA tile and step of 64), nothing
+    through shared memory but the split sum's ticket, no spill, and registers for `RESIDENT` programs an SM at
+    `RANGED_LAUNCH`'s row tiles."""
+    fmt = "nvfp4" if nvfp4 else "mxfp8"
+    launch = mg.RANGED_LAUNCH[fmt]
+    ptx = _sm90_ptx(nvfp4, 3, not sum_splits, True, 1, stored, False, sum_splits=sum_splits, ahead=launch.ahead,
+                    row_tiles=launch.row_tiles)
+    sub_steps = mg.step_columns(fmt, stored) // mg.STEP_K
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == sub_steps * mg.TILES * \
+        launch.row_tiles * (1 + 2)
+    if sum_splits:  # the ticket's value reaches the program's threads through shared memory, after a barrier
+        assert "ld.global.cg" in ptx and "bar.sync" in ptx
+    else:
+        assert "bar.sync" not in ptx and "st.shared" not in ptx and "ld.shared" not in ptx
     info = _ptxas_report(ptx)
     assert " 0 bytes spill stores" in info, info
     used = int(re.search(r"Used (\d+) registers", info).group(1))
@@ -359,6 +386,62 @@ def test_stored_product_traces_whole_in_a_compiled_region():
     product(torch.zeros(1, 128, dtype=BF16))
     ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert len(graphs) == 1 and torch.ops.minimax_ref.packed_mma_gemv in ops
+
+
+def _ranges_by_reference(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`FastPackedWeight.ranged_product`'s contract in torch: each range of x's rows times its entry's decoded bf16
+    weight, fp32 sums rounded once."""
+    w_hat = decode_reference(self.fmt, *self.parts()).to(BF16)
+    out = torch.empty(x.shape[0], w_hat.shape[1], dtype=BF16)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        out[start:end] = (x[start:end].float() @ w_hat[e].float().T).to(BF16)
+        start = end
+    return out
+
+
+@pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon")
+def test_expert_ranges_multiply_each_expert_by_its_own_tokens(tiny_nvfp4, monkeypatch):
+    """`expert_ranges` (the MMA kernel's device checks stubbed on CPU, its ranged product by its contract in torch):
+    above 8 tokens `FastExperts.forward_sync_free` sorts the (token, choice) pairs by expert, gives each stack the
+    gathered rows and each expert's range end, and combines the outputs to the reference `Experts.forward` within
+    fp32 rounding; experts no pair chose get empty ranges; 8 tokens keep the flags over every chosen expert."""
+    monkeypatch.setattr(mg, "runs_on", lambda device: True)
+    monkeypatch.setattr(mg.grouped, "runs_on", lambda device: True)
+    calls = []
+
+    def ranged(self, x, ends):
+        calls.append((x.clone(), ends.clone()))
+        return _ranges_by_reference(self, x, ends)
+
+    monkeypatch.setattr(FastPackedWeight, "ranged_product", ranged)
+    model = load_model(tiny_nvfp4, dtype=BF16, weights="packed")
+    moe = model.layers[1].block_sparse_moe
+    ex = moe.experts
+    E = len(ex.local_experts)
+    for tokens, narrow in ((9, False), (32, False), (32, True)):
+        x = torch.randn(tokens, model.text.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(BF16)
+        r = moe.gate(x)
+        if narrow:  # every token on the same few experts: the others' ranges are empty
+            r.expert_ids[:] = r.expert_ids[:1]
+        apply(ex, FastPaths())
+        want = ex(x, r)
+        apply(ex, FastPaths(moe=True, gemv="mma", expert_ranges=True))
+        assert ex.takes_ranges(x)
+        calls.clear()
+        got = ex.forward_sync_free(x, r)
+        assert len(calls) == 3
+        k = r.expert_ids.shape[1]
+        pairs = r.expert_ids.flatten()
+        order = torch.argsort(pairs, stable=True)
+        xs, ends = calls[0]
+        assert torch.equal(ends, torch.bincount(pairs, minlength=E).cumsum(0).to(torch.int32))
+        assert torch.equal(xs, x[order // k]) and (ends[1:] == ends[:-1]).any() == narrow
+        assert torch.equal(calls[2][1], ends) and calls[2][0].shape == (tokens * k, ex.w2.shape[-1])
+        torch.testing.assert_close(got, want.float(), rtol=2e-2, atol=2e-2)
+    x = torch.randn(8, model.text.hidden_size).to(BF16)
+    assert not ex.takes_ranges(x)
+    apply(model, FastPaths())
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU
@@ -510,6 +593,49 @@ def test_kernel_on_cuda_selects_entries_and_captures(layout, fmt):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_ranges_equal_each_entry_alone(layout, fmt):
+    """`ends`: rows sorted by entry, each range multiplied by its own entry, bit for bit the rows of the same range
+    multiplied alone by that entry (`index`) at the same K split (ranges of 0, 1 to 8, 9 to 16 and 17 to 32 rows: one
+    row group, two, passes of two), within the bound of the decoded weight (the default split too); with the splits
+    added in the kernel or by the split sum kernel; the same bits replayed from a CUDA graph, the counters zero
+    again."""
+    E = 6
+    for case, (_, N, K) in enumerate(SHAPES):
+        w, s, g = _operands(fmt, E, N, K, min(case, 1), device="cuda")
+        w_hat = _decoded(fmt, w, s, g)
+        product = _product_fn(layout, fmt, N, w, s, g)
+        counters = mg.counters_for(E, N, torch.device("cuda"))
+        for sizes in ([3, 0, 12, 1, 30, 8], [0, 0, 17, 0, 0, 9], [16, 5, 0, 2, 24, 32]):
+            ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+            x = torch.randn(sum(sizes), K, device="cuda").to(BF16)
+            starts = [sum(sizes[:e]) for e in range(E)]
+            for split in (None, 1, 2, 3):
+                got = product(x, ends=ends, split=split, sms=132)
+                assert got.shape == (sum(sizes), N)
+                for e, (start, size) in enumerate(zip(starts, sizes)):
+                    rows = slice(start, start + size)
+                    ok, ratio = _bound_ok(got[rows], x[rows], w_hat[e])
+                    assert ok, (case, sizes, split, e, ratio)
+                    if size and split is not None:
+                        alone = product(x[rows], index=torch.tensor([e], device="cuda"), split=split)[0]
+                        assert torch.equal(got[rows], alone), (case, sizes, split, e)
+                if split is not None:
+                    summed = product(x, ends=ends, split=split, counters=counters)
+                    assert torch.equal(summed, got) and not counters.any(), (case, sizes, split)
+        want = product(x, ends=ends, split=2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = product(x, ends=ends, split=2, counters=counters)
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, want) and not counters.any()
+
+
+@pytest.mark.gpu
+@on_gpu
 def test_mma_preset_decode_step_equals_reference(tiny_nvfp4):
     """The tiny model on CUDA with the `gemv-mma` preset (compiled layers, CUDA graph, packed products of up to 32
     rows by the kernel, the weights read in place; at batch 1 the routed experts by id, at 8 and 32 by flags): a
@@ -526,4 +652,15 @@ def test_mma_stored_preset_decode_step_equals_reference(tiny_nvfp4):
     decode step's logits at batch 1, 8 and 32 against the reference engine's within bf16 rounding."""
     for batch in (1, 8, 32):
         err = captured_step_error(tiny_nvfp4, "gemv-mma-stored", batch, "gemv_tokens")
+        assert err < 5e-2, (batch, err)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_mma_ranges_preset_decode_step_equals_reference(tiny_nvfp4):
+    """The `gemv-mma-ranges` preset (above 8 tokens each chosen routed expert times its own tokens, `expert_ranges`):
+    the captured decode step's logits at batch 12, 16 and 32 against the reference engine's within bf16 rounding."""
+    assert FastPaths.of("gemv-mma-ranges").expert_ranges
+    for batch in (12, 16, 32):
+        err = captured_step_error(tiny_nvfp4, "gemv-mma-ranges", batch, "gemv_tokens")
         assert err < 5e-2, (batch, err)

@@ -58,6 +58,11 @@ the preset `gemv-mma`). x's rows past M: the lanes whose B column is past M read
 land in accumulator columns no lane stores; x's columns past K read as zeros. Launch shapes (row tiles a warp, K
 splits) are data by format and row groups (`LAUNCH`).
 
+Rows sorted by entry (`ends`, an MoE step's (token, choice) pairs sorted by expert: `FastPaths.expert_ranges`): each
+program reads its entry's range of rows, none for an empty range, one row group for up to 8 rows and passes of two
+groups (16 rows) over its weight tiles for more, so an expert's MMAs and x loads go to its own rows only, where the
+flags (`active`) multiply every flagged entry by all M rows. Each row's sums are those of its range multiplied alone.
+
 A Gluon kernel (`triton.experimental.gluon`: explicit layouts, so that the lane that loads a word is the lane whose
 fragment it is); the MMA is issued as inline PTX, each lane passing its own registers. It runs on CUDA GPUs of
 compute capability 8.9 and above (the E4M3 conversion); there is no interpreter path (`emulate` is the CPU statement
@@ -108,6 +113,9 @@ class Launch(NamedTuple):
 # the loop issues an MMA an element and lane, and the grouped kernel takes such products.
 LAUNCH = {(NVFP4, 1): Launch(2, 8), (NVFP4, 2): Launch(2, 8), (NVFP4, 4): Launch(1, 8),
           (MXFP8, 1): Launch(2, 4), (MXFP8, 2): Launch(2, 4), (MXFP8, 4): Launch(1, 4)}
+# Products over ranges of rows sorted by entry (`ends`): the kernel holds a pass of one row group and one of two, and
+# at two NVFP4 row tiles a warp their registers would allow 3 programs an SM
+RANGED_LAUNCH = {NVFP4: Launch(1, 8), MXFP8: Launch(2, 4)}
 RESIDENT = 4  # programs an SM that every launch's registers allow
 GROUP = WARPS * max(launch.row_tiles for launch in LAUNCH.values())  # `reorder` pads N to whole groups of row tiles
 MIN_STEPS_PER_SPLIT = 4  # a split's K steps at least: tiny products (k_proj) otherwise spend more on the split sum
@@ -594,41 +602,15 @@ if AVAILABLE:
         return gl.arange(0, S, layout=gl.SliceLayout(1, PARENT))
 
     @gluon.jit
-    def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr, out_ptr, cnt_ptr,
-                         M, N, K, N16, STEPS, STEPS_PER_SPLIT, NSPLIT,
-                         stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
-                         stride_we, stride_wn, stride_se, stride_sn,
-                         NVFP4_FMT: gl.constexpr, SELECT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr,
-                         WARPS: gl.constexpr, OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr,
-                         MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr, AHEAD: gl.constexpr):
-        """y[split, p, m, n] = sum over this split's steps of x[p, m, k] * w_hat[e, n, k] (fp32), e = p (SELECT 0),
-        index[p] (SELECT 1), or p with unflagged entries (active[p] == 0) read as nothing (SELECT 2). Grid: (groups
-        of WARPS x RT row tiles, output entries, splits). The program's tensors are [S, RT, NB] (S = 32 WARPS lane
-        slots, RT row tiles, NB row groups of 8 x rows), all of a slot's in its lane's registers: element (i, r, b)
-        is warp i // 32's lane i % 32, its row tile r (the A fragment) and x's rows 8b .. 8b + 7 (the B fragment).
-        The weight in `reorder`'s layout, or STORED in the checkpoint's (its strides in the units a lane loads, int64
-        NVFP4 and int32 MXFP8, the scales' in bytes; rows past N and columns past K masked when MASKED).
-
-        SUM_SPLITS: the fp32 partial sums y of the NSPLIT splits are added here, not by a kernel of their own: each
-        program takes a ticket from its output tile's counter (int32 `cnt_ptr[p, pid_n]`, zero before the launch)
-        once its partials are stored, and the tile's last program adds the NSPLIT partials in split order (the split
-        sum kernel's order, the same bits), rounds once, stores bf16 `out_ptr` (strides as y's) and sets the counter
-        back to zero for the next launch (and the next replay of a CUDA graph)."""
+    def _places(pid_n, RT: gl.constexpr, NB: gl.constexpr, WARPS: gl.constexpr):
+        """A program's lane slots' places: each slot's row tiles `tile` and lane `lane_a` ([S, RT] and [S, 1], layout
+        LA), its x row within a group `g_x` and quad `c_x` ([S, 1], LX), the row groups `group` ([1, NB], LX), and the
+        accumulators' places (D fragment): weight row `n0` [S, RT, 1] (c0, c1 at row g; c2, c3 at g + 8) and x row
+        `m0` [S, 1, NB] (c0 at 8b + 2c, c1 at 8b + 2c + 1)."""
         S: gl.constexpr = 32 * WARPS
-        SHAPE: gl.constexpr = [S, RT, NB]
         L3: gl.constexpr = gl.BlockedLayout([1, RT, NB], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
-        LA: gl.constexpr = gl.SliceLayout(2, L3)  # [S, RT]: words, scales, A fragments
-        LX: gl.constexpr = gl.SliceLayout(1, L3)  # [S, NB]: x's row groups
-        if STORED and NVFP4_FMT:  # a row's 16 bytes of a pair step: two int64
-            WIDE: gl.constexpr = gl.BlockedLayout([1, RT, 2], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
-        else:  # 4 words a tile
-            WIDE: gl.constexpr = gl.BlockedLayout([1, RT, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
-        XWIDE: gl.constexpr = gl.BlockedLayout([1, NB, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])  # 4 quads a group
-        pid_n = gl.program_id(0)
-        p = gl.program_id(1)
-        sid = gl.program_id(2)
-        s_lo, s_hi, e = _split_and_entry(sel_ptr, p, sid, STEPS_PER_SPLIT, STEPS, SELECT)
-        # a slot's row tiles (LA) and row groups (LX)
+        LA: gl.constexpr = gl.SliceLayout(2, L3)
+        LX: gl.constexpr = gl.SliceLayout(1, L3)
         i_a = _lane_arange(S, LA)
         tile = (pid_n * (WARPS * RT) + gl.expand_dims((i_a // 32) * RT, 1)
                 + gl.expand_dims(gl.arange(0, RT, layout=gl.SliceLayout(0, LA)), 0))
@@ -637,25 +619,46 @@ if AVAILABLE:
         g_x = gl.expand_dims((i_x % 32) // 4, 1)
         c_x = gl.expand_dims(i_x % 4, 1)
         group = gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, LX)), 0)
-        # the accumulators' places (D fragment): c0 weight row g, x row 8b + 2c; c1 x row 8b + 2c + 1; c2, c3 weight
-        # row g + 8
-        n0 = gl.expand_dims(tile * 16 + (lane_a // 4), 2)  # [S, RT, 1]
-        m0 = gl.expand_dims(group * 8 + 2 * c_x, 1)  # [S, 1, NB]
-        y_base = y_ptr + sid * stride_ys + p * stride_yp
-        if SELECT == 2:
-            # an entry no row uses: nothing read, zeros written (SUM_SPLITS: to the output, by every split alike)
-            if gl.load(sel_ptr + p) == 0:
-                zero = gl.zeros(SHAPE, gl.float32, L3)
-                zero_base = y_base
-                if OUT_BF16 or SUM_SPLITS:
-                    zero = zero.to(gl.bfloat16)
-                if SUM_SPLITS:
-                    zero_base = out_ptr + p * stride_yp
-                for h in gl.static_range(2):
-                    for col in gl.static_range(2):
-                        gl.store(zero_base + (m0 + col) * stride_ym + n0 + 8 * h, zero,
-                                 mask=(m0 + col < M) & (n0 + 8 * h < N))
-                return
+        n0 = gl.expand_dims(tile * 16 + (lane_a // 4), 2)
+        m0 = gl.expand_dims(group * 8 + 2 * c_x, 1)
+        return tile, lane_a, g_x, c_x, group, n0, m0
+
+    @gluon.jit
+    def _store_zeros(y_ptr, out_ptr, pid_n, p, sid, M, N, stride_ys, stride_yp, stride_ym, RT: gl.constexpr,
+                     NB: gl.constexpr, WARPS: gl.constexpr, OUT_BF16: gl.constexpr, SUM_SPLITS: gl.constexpr):
+        """An entry no row uses (SELECT 2): nothing read, zeros written to its output tile (SUM_SPLITS: to the
+        output, by every split alike)."""
+        L3: gl.constexpr = gl.BlockedLayout([1, RT, NB], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
+        _, _, _, _, _, n0, m0 = _places(pid_n, RT, NB, WARPS)
+        zero = gl.zeros([32 * WARPS, RT, NB], gl.float32, L3)
+        base = y_ptr + sid * stride_ys + p * stride_yp
+        if OUT_BF16 or SUM_SPLITS:
+            zero = zero.to(gl.bfloat16)
+        if SUM_SPLITS:
+            base = out_ptr + p * stride_yp
+        for h in gl.static_range(2):
+            for col in gl.static_range(2):
+                gl.store(base + (m0 + col) * stride_ym + n0 + 8 * h, zero, mask=(m0 + col < M) & (n0 + 8 * h < N))
+
+    @gluon.jit
+    def _entry_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, pid_n, sid, s_lo, s_hi, e, x_off, y_off, M, N, K, N16,
+                       STEPS, stride_xm, stride_ge, stride_ys, stride_ym, stride_we, stride_wn, stride_se, stride_sn,
+                       NVFP4_FMT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr, WARPS: gl.constexpr,
+                       OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr, MASKED: gl.constexpr,
+                       AHEAD: gl.constexpr):
+        """One pass of a program: stack entry e's row tiles of program `pid_n` against M <= 8 NB rows of x from
+        element `x_off`, K steps [s_lo, s_hi) of split `sid`, stored at y's rows from element `y_off` (see
+        `_mma_gemv_kernel`)."""
+        S: gl.constexpr = 32 * WARPS
+        SHAPE: gl.constexpr = [S, RT, NB]
+        L3: gl.constexpr = gl.BlockedLayout([1, RT, NB], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
+        LA: gl.constexpr = gl.SliceLayout(2, L3)  # [S, RT]: words, scales, A fragments
+        if STORED and NVFP4_FMT:  # a row's 16 bytes of a pair step: two int64
+            WIDE: gl.constexpr = gl.BlockedLayout([1, RT, 2], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
+        else:  # 4 words a tile
+            WIDE: gl.constexpr = gl.BlockedLayout([1, RT, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
+        XWIDE: gl.constexpr = gl.BlockedLayout([1, NB, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])  # 4 quads a group
+        tile, lane_a, g_x, c_x, group, n0, m0 = _places(pid_n, RT, NB, WARPS)
         if STORED:
             # rows g and g + 8 of the lane's row tile. NVFP4 by pair steps (`_pair_steps`): its 32 columns of a pair
             # step, 32c .. 32c + 31, two int64 of each row (byte 16c of the pair step's 64) and two block scales.
@@ -689,8 +692,7 @@ if AVAILABLE:
         # x's row 8b + g (column g of group b's B fragment; rows past M repeat row M - 1, whose products land in
         # columns no lane stores) read as int64 quads of bf16: quad 16 step + 4c + t is the lane's two B registers
         # for MMA tile t
-        x_rows = (x_ptr.to(gl.pointer_type(gl.int64))
-                  + (p * stride_xp + gl.minimum(group * 8 + g_x, M - 1) * stride_xm) // 4)
+        x_rows = x_ptr.to(gl.pointer_type(gl.int64)) + (x_off + gl.minimum(group * 8 + g_x, M - 1) * stride_xm) // 4
         x_rows = gl.convert_layout(x_rows, gl.SliceLayout(2, XWIDE))
         c_x = gl.convert_layout(c_x, gl.SliceLayout(2, XWIDE))
         glob = gl.load(g_ptr + e * stride_ge) if NVFP4_FMT else 1.0  # NVFP4's weight_scale_2
@@ -701,27 +703,111 @@ if AVAILABLE:
             acc0, acc1, acc2, acc3 = _steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K,
                                             NVFP4_FMT, EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
         accs = (acc0, acc1, acc2, acc3)
+        y_base = y_ptr + sid * stride_ys + y_off
         for h in gl.static_range(2):
             for col in gl.static_range(2):
                 out = accs[2 * h + col]
                 if OUT_BF16:
                     out = out.to(gl.bfloat16)
                 gl.store(y_base + (m0 + col) * stride_ym + n0 + 8 * h, out, mask=(m0 + col < M) & (n0 + 8 * h < N))
-        if SUM_SPLITS:
-            gl.thread_barrier()  # every lane's partials stored before the program's ticket (released with it)
-            counter = cnt_ptr + p * gl.num_programs(0) + pid_n
-            if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
-                # the tile's last split: the partials from L2 (.cg: not this SM's L1), in split order
-                part = y_ptr + p * stride_yp
+
+    @gluon.jit
+    def _add_splits(y_ptr, out_ptr, cnt_ptr, pid_n, p, y_off, M, N, NSPLIT, stride_ys, stride_ym, RT: gl.constexpr,
+                    NB: gl.constexpr, WARPS: gl.constexpr):
+        """The in-kernel split sum (SUM_SPLITS) of a program whose partials of M rows from `y_off` are stored: its
+        ticket from the output tile's counter; the tile's last split adds the NSPLIT partials of the rows in split
+        order, from L2 (.cg: not this SM's L1), 8 NB rows at a time, and sets the counter back to zero."""
+        gl.thread_barrier()  # every lane's partials stored before the program's ticket (released with it)
+        counter = cnt_ptr + p * gl.num_programs(0) + pid_n
+        if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
+            _, _, _, _, _, n0, m0 = _places(pid_n, RT, NB, WARPS)
+            for r0 in range(0, M, 8 * NB):
+                part = y_ptr + y_off + r0 * stride_ym
                 for h in gl.static_range(2):
                     for col in gl.static_range(2):
                         offs = (m0 + col) * stride_ym + n0 + 8 * h
-                        ok = (m0 + col < M) & (n0 + 8 * h < N)
+                        ok = (m0 + col < M - r0) & (n0 + 8 * h < N)
                         total = gl.load(part + offs, mask=ok, other=0.0, cache_modifier=".cg")
                         for sp in range(1, NSPLIT):
                             total += gl.load(part + sp * stride_ys + offs, mask=ok, other=0.0, cache_modifier=".cg")
-                        gl.store(out_ptr + p * stride_yp + offs, total.to(gl.bfloat16), mask=ok)
-                gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                        gl.store(out_ptr + y_off + r0 * stride_ym + offs, total.to(gl.bfloat16), mask=ok)
+            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+    @gluon.jit
+    def _whole_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, cnt_ptr, pid_n, p, sid, s_lo, s_hi, e, M, N, K,
+                       N16, STEPS, NSPLIT, stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym, stride_we,
+                       stride_wn, stride_se, stride_sn, NVFP4_FMT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr,
+                       WARPS: gl.constexpr, OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr,
+                       MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr, AHEAD: gl.constexpr):
+        """A program of SELECT 0 to 2: x's M rows of output entry p (`_entry_product`), then its split sum."""
+        _entry_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, pid_n, sid, s_lo, s_hi, e, p * stride_xp, p * stride_yp, M,
+                       N, K, N16, STEPS, stride_xm, stride_ge, stride_ys, stride_ym, stride_we, stride_wn, stride_se,
+                       stride_sn, NVFP4_FMT, RT, NB, WARPS, OUT_BF16, EVEN_K, STORED, MASKED, AHEAD)
+        if SUM_SPLITS:
+            _add_splits(y_ptr, out_ptr, cnt_ptr, pid_n, p, p * stride_yp, M, N, NSPLIT, stride_ys, stride_ym, RT, NB,
+                        WARPS)
+
+    @gluon.jit
+    def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr, out_ptr, cnt_ptr,
+                         M, N, K, N16, STEPS, STEPS_PER_SPLIT, NSPLIT,
+                         stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
+                         stride_we, stride_wn, stride_se, stride_sn,
+                         NVFP4_FMT: gl.constexpr, SELECT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr,
+                         WARPS: gl.constexpr, OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr,
+                         MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr, AHEAD: gl.constexpr):
+        """y[split, p, m, n] = sum over this split's steps of x[p, m, k] * w_hat[e, n, k] (fp32), e = p (SELECT 0),
+        index[p] (SELECT 1), or p with unflagged entries (active[p] == 0) read as nothing (SELECT 2). SELECT 3: entry
+        p's rows are its range of x's and y's rows (one x, stride_yp 0), [ends[p - 1], ends[p]) with `sel_ptr` the
+        int32 ends (the first from row 0), at most 8 NB; the program multiplies the row groups the range has (1, 2 or
+        NB: an empty range reads nothing), so an entry's MMAs and x loads go to its own rows only.
+
+        Grid: (groups of WARPS x RT row tiles, output entries, splits). The program's tensors are [S, RT, NB'] (S = 32
+        WARPS lane slots, RT row tiles, NB' row groups of 8 x rows), all of a slot's in its lane's registers: element
+        (i, r, b) is warp i // 32's lane i % 32, its row tile r (the A fragment) and x's rows 8b .. 8b + 7 (the B
+        fragment). The weight in `reorder`'s layout, or STORED in the checkpoint's (its strides in the units a lane
+        loads, int64 NVFP4 and int32 MXFP8, the scales' in bytes; rows past N and columns past K masked when MASKED).
+
+        SUM_SPLITS: the fp32 partial sums y of the NSPLIT splits are added here, not by a kernel of their own: each
+        program takes a ticket from its output tile's counter (int32 `cnt_ptr[p, pid_n]`, zero before the launch)
+        once its partials are stored, and the tile's last program adds the NSPLIT partials in split order (the split
+        sum kernel's order, the same bits), rounds once, stores bf16 `out_ptr` (strides as y's) and sets the counter
+        back to zero for the next launch (and the next replay of a CUDA graph)."""
+        pid_n = gl.program_id(0)
+        p = gl.program_id(1)
+        sid = gl.program_id(2)
+        s_lo, s_hi, e = _split_and_entry(sel_ptr, p, sid, STEPS_PER_SPLIT, STEPS, SELECT)
+        if SELECT == 3:
+            row0 = gl.load(sel_ptr + gl.maximum(p - 1, 0)) * (p > 0).to(gl.int32)
+            rows = gl.load(sel_ptr + p) - row0
+            if rows > 0:
+                if rows > 8:  # passes of 16 rows (registers for more would cost every program)
+                    for r0 in range(row0, row0 + rows, 16):
+                        _entry_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, pid_n, sid, s_lo, s_hi, e, r0 * stride_xm,
+                                       r0 * stride_ym, gl.minimum(row0 + rows - r0, 16), N, K, N16, STEPS, stride_xm,
+                                       stride_ge, stride_ys, stride_ym, stride_we, stride_wn, stride_se, stride_sn,
+                                       NVFP4_FMT, RT, 2, WARPS, OUT_BF16, EVEN_K, STORED, MASKED, AHEAD)
+                else:
+                    _entry_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, pid_n, sid, s_lo, s_hi, e, row0 * stride_xm,
+                                   row0 * stride_ym, rows, N, K, N16, STEPS, stride_xm, stride_ge, stride_ys,
+                                   stride_ym, stride_we, stride_wn, stride_se, stride_sn, NVFP4_FMT, RT, 1, WARPS,
+                                   OUT_BF16, EVEN_K, STORED, MASKED, AHEAD)
+                if SUM_SPLITS:
+                    _add_splits(y_ptr, out_ptr, cnt_ptr, pid_n, p, row0 * stride_ym, rows, N, NSPLIT, stride_ys,
+                                stride_ym, RT, NB, WARPS)
+        elif SELECT == 2:  # x's first M rows for every entry; an unflagged entry reads nothing and gives zeros
+            if gl.load(sel_ptr + p) == 0:
+                _store_zeros(y_ptr, out_ptr, pid_n, p, sid, M, N, stride_ys, stride_yp, stride_ym, RT, NB, WARPS,
+                             OUT_BF16, SUM_SPLITS)
+            else:
+                _whole_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, cnt_ptr, pid_n, p, sid, s_lo, s_hi, e, M, N,
+                               K, N16, STEPS, NSPLIT, stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
+                               stride_we, stride_wn, stride_se, stride_sn, NVFP4_FMT, RT, NB, WARPS, OUT_BF16, EVEN_K,
+                               STORED, MASKED, SUM_SPLITS, AHEAD)
+        else:  # x's first M rows for every entry
+            _whole_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, cnt_ptr, pid_n, p, sid, s_lo, s_hi, e, M, N, K,
+                           N16, STEPS, NSPLIT, stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
+                           stride_we, stride_wn, stride_se, stride_sn, NVFP4_FMT, RT, NB, WARPS, OUT_BF16, EVEN_K,
+                           STORED, MASKED, SUM_SPLITS, AHEAD)
 
     # `counters` is written and restored to zeros within the launch, so the operator leaves it as it found it (no
     # mutation for torch.compile to functionalise: a copy a call)
@@ -732,10 +818,12 @@ if AVAILABLE:
         """The launch (see `packed_product`): x bf16 `[Px, M, K]` (Px 1: shared by every output entry); the weight
         in `reorder`'s layout (words, scales, glob), or `stored` in the checkpoint's (uint8 views `[E, N, K/2 or K]`
         and `[E, N, K/16 or K/32]`, glob NVFP4's weight_scale_2 `[E]` or `[1]`, MXFP8 anything: unread); sel int
-        `[outputs]` (ids, select 1; flags, select 2) or None; counters int32 zeros (at least `programs`) for the K
+        `[outputs]` (ids, select 1; flags, select 2; select 3: int32 ends of the entries' ranges of x's M rows, and
+        outputs 1) or None; counters int32 zeros (at least `programs`) for the K
         splits' sum in the kernel, or None (a second kernel adds them); row_tiles / ahead: the `Launch`'s. Returns
         bf16 `[outputs, M, N]`."""
         m, k = x.shape[1], x.shape[2]
+        entries = sel.shape[0] if select == 3 else outputs
         columns = step_columns(NVFP4 if nvfp4 else MXFP8, stored)
         odd_scales = False
         if stored:
@@ -760,7 +848,7 @@ if AVAILABLE:
         shape = (outputs, m, n) if split == 1 else (split, outputs, m, n)
         out = torch.empty(shape, dtype=torch.bfloat16 if split == 1 else torch.float32, device=x.device)
         tiles = WARPS * row_tiles
-        grid = (-(-n16 // tiles), outputs, split)
+        grid = (-(-n16 // tiles), entries, split)
         sum_splits = split > 1 and counters is not None and counters.numel() >= grid[0] * grid[1]
         # rows or columns past the weight's, or scales read byte by byte
         masked = stored and bool(n % (ROW_TILE * tiles) or k % columns or odd_scales)
@@ -769,8 +857,9 @@ if AVAILABLE:
             x, weight, scales, glob, weight if sel is None else sel, out, y, counters if sum_splits else out,
             m, n, k, n16, steps, per, split,
             x.stride(0) if x.shape[0] > 1 else 0, x.stride(1), 1 if glob.numel() > 1 else 0,
-            0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2), *strides,
-            NVFP4_FMT=nvfp4, SELECT=select, RT=row_tiles, NB=row_groups(m), WARPS=WARPS, OUT_BF16=split == 1,
+            0 if split == 1 else out.stride(0), 0 if select == 3 else out.stride(-3), out.stride(-2), *strides,
+            NVFP4_FMT=nvfp4, SELECT=select, RT=row_tiles, NB=1 if select == 3 else row_groups(m), WARPS=WARPS,
+            OUT_BF16=split == 1,
             EVEN_K=even_k, STORED=stored, MASKED=masked, SUM_SPLITS=sum_splits, AHEAD=ahead,
             num_warps=WARPS)
         if split == 1 or sum_splits:
@@ -821,7 +910,8 @@ def splits(programs: int, steps: int, sms: int, per_sm: int) -> int:
 def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                    index: torch.Tensor | None = None, active: torch.Tensor | None = None,
                    split: int | None = None, sms: int = 1, busy: int | None = None,
-                   counters: torch.Tensor | None = None, launch: Launch | None = None) -> torch.Tensor:
+                   counters: torch.Tensor | None = None, launch: Launch | None = None,
+                   ends: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w_hat^T` for a weight in `reorder`'s layout (N = `n` rows; the format read from the words a lane holds a
     step), one launch (two with K splits).
 
@@ -832,7 +922,14 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
     counting `busy` flagged entries with `active`); counters: `counters_for`'s zeros, with which the kernel adds its
     splits itself (one launch; a launch needing more counters, or None, takes the split sum kernel: the same bits);
     launch: a `Launch` instead of `LAUNCH`'s for the format and rows (benchmarks compare them). Contract: the module
-    docstring. Static in the shapes: no host synchronisation."""
+    docstring. Static in the shapes: no host synchronisation.
+
+    ends (int32 `[E]`, on x's device; index and active None): rows sorted by stack entry instead (an MoE's (token,
+    choice) pairs), x `[R, K]` with entry e's rows x[ends[e - 1]:ends[e]] (entry 0's from row 0; equal ends: none)
+    and ends[E - 1] = R: returns bf16 `[R, N]`, row r the product with its own entry. Each entry's MMAs and x loads
+    go to its own rows only: a range of up to 8 rows in one row group, more in passes of 16 (two groups) over the
+    program's weight tiles. Each row's sums are those of the same rows multiplied alone by their entry at the same
+    split."""
     entries, n16, steps = words.shape[:3]
     fmt = NVFP4 if words.shape[-1] == 4 else MXFP8
     k = x.shape[-1]
@@ -840,7 +937,7 @@ def packed_product(x: torch.Tensor, n: int, words: torch.Tensor, scales: torch.T
             or words.shape[-1] not in (4, 8)):
         raise ValueError(f"mma_gemv.packed_product: x {list(x.shape)} against words {list(words.shape)}, n {n}")
     return _product(x, fmt, n, entries, words, scales, glob, False, index, active, split, sms, busy, counters,
-                    launch)
+                    launch, ends)
 
 
 def stored_supports(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor, address: bool = True) -> bool:
@@ -860,7 +957,7 @@ def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
                           weight_scale_2: torch.Tensor | None, index: torch.Tensor | None = None,
                           active: torch.Tensor | None = None, split: int | None = None, sms: int = 1,
                           busy: int | None = None, counters: torch.Tensor | None = None,
-                          launch: Launch | None = None) -> torch.Tensor:
+                          launch: Launch | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
     """`packed_product` reading the weight where the checkpoint's layout stores it (no reordered copy; operands as in
     `packed.decode_reference`: NVFP4 uint8 codes `[.., N, K/2]`, E4M3 block scales `[.., N, K/16]`, weight_scale_2;
     MXFP8 E4M3 elements `[.., N, K]`, E8M0 block scales `[.., N, K/32]`), which `stored_supports` must accept. Each
@@ -878,30 +975,36 @@ def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     else:
         glob = s  # unread
     return _product(x, fmt, w.shape[1], w.shape[0], w, s, glob, True, index, active, split, sms, busy, counters,
-                    launch)
+                    launch, ends)
 
 
 def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tensor, scales: torch.Tensor,
              glob: torch.Tensor, stored: bool, index: torch.Tensor | None, active: torch.Tensor | None,
              split: int | None, sms: int, busy: int | None, counters: torch.Tensor | None,
-             launch: Launch | None) -> torch.Tensor:
+             launch: Launch | None, ends: torch.Tensor | None = None) -> torch.Tensor:
     """The checks and launch both layouts share."""
     if not AVAILABLE:
         raise RuntimeError("mma_gemv needs triton with Gluon")
     xs = x.unsqueeze(0) if x.dim() == 2 else x
-    outputs = entries if index is None else index.shape[0]
+    ranged = ends is not None
+    outputs = 1 if ranged else entries if index is None else index.shape[0]
     m, k = xs.shape[1], xs.shape[2]
     stored_k = weight.shape[-1] * (2 if fmt == NVFP4 else 1)
-    if (x.dtype != torch.bfloat16 or not 1 <= m <= MAX_ROWS or not supports(fmt, k) or (stored and k != stored_k)
+    rows_ok = (x.dim() == 2 and index is None and active is None and ends.dim() == 1 and ends.dtype == torch.int32
+               and ends.device == x.device) if ranged else 1 <= m <= MAX_ROWS
+    if (x.dtype != torch.bfloat16 or not rows_ok or not supports(fmt, k) or (stored and k != stored_k)
             or xs.shape[0] not in (1, outputs) or (index is not None and active is not None)):
-        raise ValueError(f"mma_gemv: x {list(x.shape)} {x.dtype} against a {fmt} weight {list(weight.shape)}, n {n}")
+        raise ValueError(f"mma_gemv: x {list(x.shape)} {x.dtype} against a {fmt} weight {list(weight.shape)}, n {n}"
+                         + (f", ranges {list(ends.shape)} {ends.dtype} on {ends.device}" if ranged else ""))
     steps = -(-k // step_columns(fmt, stored))
     n16 = -(-n // ROW_TILE)
-    launch = launch or launch_for(fmt, m)[1]
+    busy_entries = min(ends.shape[0], m) if ranged else None  # entries with rows, at most
+    launch = launch or (RANGED_LAUNCH[fmt] if ranged else launch_for(fmt, m)[1])
     if launch.ahead not in (1, 2) or launch.row_tiles not in (1, 2) or GROUP % (WARPS * launch.row_tiles):
         raise ValueError(f"mma_gemv: {launch} (ahead 1 or 2 K steps, 1 or 2 row tiles a warp)")
     if split is None:
-        working = min(outputs, busy) if busy is not None and active is not None else outputs
+        working = busy_entries if ranged else min(outputs, busy) if busy is not None and active is not None \
+            else outputs
         split = splits(programs(fmt, working, n16, m, launch), steps, sms, launch.per_sm)
     split = -(-steps // -(-steps // max(1, min(split, steps))))
     select, sel = 0, None
@@ -909,6 +1012,8 @@ def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tens
         select, sel = 1, index
     elif active is not None:
         select, sel = 2, active.to(torch.int32)
-    return torch.ops.minimax_ref.packed_mma_gemv(xs.contiguous(), weight, scales, glob, sel, select, outputs, n,
-                                                 split, fmt == NVFP4, stored, counters, launch.row_tiles,
-                                                 launch.ahead)
+    elif ranged:
+        select, sel = 3, ends
+    y = torch.ops.minimax_ref.packed_mma_gemv(xs.contiguous(), weight, scales, glob, sel, select, outputs, n, split,
+                                              fmt == NVFP4, stored, counters, launch.row_tiles, launch.ahead)
+    return y[0] if ranged else y

@@ -30,7 +30,7 @@ import torch
 from ..model.mlp import MLP, swiglu_oai
 from ..model.moe import Experts, MoE, Router, Routing, router_scores, routing_of, scores_of
 from ..weights.packed import PackedWeight
-from . import grouped, prefill_experts
+from . import grouped, mma_gemv, prefill_experts
 from .attention import contract
 from .compiled import materialize, top_k
 from .joint import JointProduct
@@ -209,7 +209,9 @@ class FastExperts(Experts):
         (decoding P experts, the chosen ones) and applied with batched matmuls; otherwise every local expert runs on
         every token (decoding each local expert once) and the outputs are combined with a dense [T, E] weight
         matrix whose unchosen entries are 0. Under expert parallelism, pairs routed to another rank's experts get
-        weight 0. With `FastPaths.grouped` and more tokens than the fused matmul takes, `forward_grouped` instead,
+        weight 0. With `FastPaths.expert_ranges` and more tokens than a row group, `forward_ranges` instead (each
+        chosen expert times its own tokens). With `FastPaths.grouped` and more tokens than the fused matmul takes,
+        `forward_grouped` instead,
         except that with P < E, where the stacks multiply one row by `fast.gemv` / `fast.mma_gemv`
         (`gathers_through_kernel`), each pair's expert is read through the kernel's entry ids: a launch over the P
         pairs, not over the E experts' flags (whose unchosen entries still take programs that write zeros).
@@ -220,6 +222,8 @@ class FastExperts(Experts):
         mine = (local >= 0) & (local < E)
         weights = torch.where(mine, routing.weights, torch.zeros_like(routing.weights))  # fp32 [T, k]
         local = local.clamp(0, E - 1)
+        if self.takes_ranges(x):
+            return self.forward_ranges(x, local, weights)
         if self.takes_grouped(x) and not (T * k < E and self.gathers_through_kernel(x)):
             return self.forward_grouped(x, local, mine, weights)
         if T * k < E:
@@ -236,6 +240,39 @@ class FastExperts(Experts):
         h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))
         y = self.matmul("w2", h)  # [E, T, H]
         return torch.einsum("te,eth->th", dense, y.float())
+
+    def takes_ranges(self, x: torch.Tensor) -> bool:
+        """Whether `forward_sync_free` takes x's `[T, H]` tokens through `forward_ranges`: `FastPaths.expert_ranges`
+        on, more tokens than one row group of the MMA kernel (up to 8 tokens every chosen expert multiplies all of
+        them at the same cost), and all three stacks multiplied by `fast.mma_gemv`'s ranges
+        (`FastPackedWeight.takes_ranged`)."""
+        return (self.paths.expert_ranges and x.dim() == 2 and x.shape[0] > mma_gemv.X_GROUP
+                and all(isinstance(w, FastPackedWeight) and w.takes_ranged(x) for w in (self.w1, self.w3, self.w2)))
+
+    def forward_ranges(self, x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`forward_sync_free` with each chosen expert multiplying its own tokens only: the T * k (token, choice)
+        pairs sorted by expert (a stable sort of the local ids), the tokens gathered in that order, each projection
+        one launch of `fast.mma_gemv` over the experts' ranges of rows (`FastPackedWeight.ranged_product`: an expert
+        no pair chose reads nothing, the others their own rows' MMAs), the SwiGLU once, then each pair's row back in
+        token order, weighted, and a token's k rows added in slot order.
+
+        x: `[T, H]` bf16; local: `[T, k]` local expert ids (clamped: another rank's pairs read a local expert and
+        have weight 0); weights: fp32 `[T, k]`. Returns fp32 `[T, H]`, equal to `forward` to fp32 rounding (bf16
+        products exact, fp32 sums in another order). Static shapes, no host synchronisation."""
+        T, k = local.shape
+        E = len(self.local_experts)
+        key = local.flatten()
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, key, torch.ones_like(
+            key, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)
+        xs = x[order // k]
+        gate = self.w1.ranged_product(xs, ends)
+        up = self.w3.ranged_product(xs, ends)
+        h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
+        y = self.w2.ranged_product(h, ends)  # [T * k, H], sorted
+        picked = y[inverse_order(order)].view(T, k, -1)
+        return (picked.float() * weights[..., None]).sum(1)
 
     def gathers_through_kernel(self, x: torch.Tensor) -> bool:
         """Whether the three stacks multiply a pair's one row of x by `fast.gemv` or `fast.mma_gemv`

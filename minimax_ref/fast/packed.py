@@ -600,6 +600,22 @@ class FastPackedWeight(PackedWeight):
         return gemv.packed_product(x, self.fmt, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
                                    index=index, active=active, sms=self.gemv_sms, busy=busy, table=self.table)
 
+    def takes_ranged(self, x: torch.Tensor) -> bool:
+        """Whether rows of x sorted by stack entry multiply this stack by `fast.mma_gemv`'s ranges (`ranged_product`):
+        a stack configured for that kernel (`gemv_mode` "mma" or "mma-stored"), x in the compute dtype on a device
+        the kernel runs on, the stack's bytes there too."""
+        return (x.dtype == self.dtype and self.weight.dim() == 3 and self.gemv_kernel in ("mma", "mma-stored")
+                and self.gemv_tokens > 0 and gemv.runs_on(x.device) and self.weight.device == x.device)
+
+    def ranged_product(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x bf16 `[R, K]` sorted by entry, entry e's rows ending at ends[e] (int32 `[E]`, cumulative, ends[E - 1] =
+        R), each row times its own entry (`fast.mma_gemv`'s `ends`, read in place or from the copy): bf16 `[R, N]`."""
+        if self.gemv_kernel == "mma-stored":
+            return mma_gemv.packed_product_stored(x, self.fmt, *self.parts(), ends=ends, sms=self.gemv_sms,
+                                                  counters=self.gemv_counters)
+        return mma_gemv.packed_product(x, self.shape[-2], self.gemv_words, self.gemv_scales, self.gemv_global,
+                                       ends=ends, sms=self.gemv_sms, counters=self.gemv_counters)
+
     def takes_grouped(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a product of `rows` rows of `x` goes through the grouped kernel: more rows than the fused matmul
         takes and at most `grouped_tokens`, a bf16 x, on CUDA (or under the Triton interpreter). The weight's side

@@ -86,6 +86,13 @@ and tests take.
   (`fast.joint`). More rows take the grouped and fused paths. A Gluon kernel; where it
   does not run (CPU tensors, the interpreter, GPUs before sm_89) no weight takes a one-to-few-row kernel: the
   products are those of `gemv="reference"`. Equal to fp32 rounding.
+* `expert_ranges=True` (the non-user preset `gemv-mma-ranges`: `gemv-mma` with it, until its captured step is tested
+  and timed on a GPU): with `gemv="mma"` or "mma-stored", decode
+  steps of more than 8 tokens (one MMA row group) multiply each chosen routed expert by its own tokens only: the
+  (token, choice) pairs sorted by expert on the device, each projection one `fast.mma_gemv` launch over the experts'
+  ranges of rows (an expert's ranges of up to 8 rows in one row group, more in passes of 16; experts no pair chose
+  read nothing), where the grouped kernel and the flags multiply every chosen expert by all the tokens
+  (`fast.moe.FastExperts.forward_ranges`). Equal to fp32 rounding.
 * `gemv="mma-stored"` (the non-user preset `gemv-mma-stored`: its one-row step is between `compiled`'s and
   `gemv-mma`'s on an H100, BENCHMARKS.md; `auto` takes it once its captured step is tested on a GPU and timed beside
   `compiled` in one run): as "mma", with every weight read where it is stored (linears too: no reordered copy, so no
@@ -200,6 +207,9 @@ class FastPaths:
     # the routed experts' gate and up products of the grouped kernel and their SwiGLU as one launch
     # (`fast.grouped.swiglu_pair_grouped`; the non-user preset `grouped-swiglu`)
     grouped_swiglu: bool = False
+    # decode steps of more than 8 tokens: each chosen routed expert multiplies its own tokens only, the (token,
+    # choice) pairs sorted by expert, by `fast.mma_gemv`'s ranges (with `gemv` "mma" or "mma-stored")
+    expert_ranges: bool = False
     # in compiled regions, the routing's and the block selection's top-k of short rows by a stable sort, which
     # inductor compiles into one Triton kernel with the producer fused (`compiled.top_k`; the `compiled` preset)
     sort_topk: bool = False
@@ -362,6 +372,12 @@ PRESETS["gemv-mma"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma"),
                              "experts up to 8, read where they are stored) on the tensor cores, each lane decoding "
                              "its MMA fragments (fast.mma_gemv; CUDA, compute capability 8.9 and above): the "
                              "linears' packed bytes kept once more, reordered")
+# `gemv-mma` with each chosen routed expert multiplying its own tokens in steps of more than 8 (non-user until its
+# captured step is tested on a GPU and timed beside `gemv-mma` in one run)
+PRESETS["gemv-mma-ranges"] = Preset(replace(PRESETS["gemv-mma"].paths, expert_ranges=True),
+                                    "gemv-mma, with decode steps of more than 8 tokens multiplying each chosen routed "
+                                    "expert by its own tokens only (fast.mma_gemv's ranges of rows sorted by expert)",
+                                    user=False)
 # `compiled` with one-row products too by the grouped kernel (its loop issues fewer instructions an NVFP4 element than
 # the GEMV's: benchmarks/kernel_sass.py); slower than the fused product at one row on a GPU (BENCHMARKS.md)
 PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),

@@ -86,8 +86,9 @@ and tests take.
   (`fast.joint`). More rows take the grouped and fused paths. A Gluon kernel; where it
   does not run (CPU tensors, the interpreter, GPUs before sm_89) no weight takes a one-to-few-row kernel: the
   products are those of `gemv="reference"`. Equal to fp32 rounding.
-* `expert_ranges=True` (the non-user preset `gemv-mma-ranges`: `gemv-mma` with it, until its captured step is tested
-  and timed on a GPU): with `gemv="mma"` or "mma-stored", decode
+* `expert_ranges=True` (the non-user preset `gemv-mma-ranges`: `gemv-mma` with it; a 32-row step was faster with it
+  on an H100, BENCHMARKS.md, and a user preset takes it once its captured step is tested on a GPU): with
+  `gemv="mma"` or "mma-stored", decode
   steps of more than 8 tokens (one MMA row group) multiply each chosen routed expert by its own tokens only: the
   (token, choice) pairs sorted by expert on the device, each projection one `fast.mma_gemv` launch over the experts'
   ranges of rows (an expert's ranges of up to 8 rows in one row group, more in passes of 16; experts no pair chose
@@ -373,7 +374,7 @@ PRESETS["gemv-mma"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma"),
                              "its MMA fragments (fast.mma_gemv; CUDA, compute capability 8.9 and above): the "
                              "linears' packed bytes kept once more, reordered")
 # `gemv-mma` with each chosen routed expert multiplying its own tokens in steps of more than 8 (non-user until its
-# captured step is tested on a GPU and timed beside `gemv-mma` in one run)
+# captured step is tested against the reference on a GPU; timed beside `gemv-mma`: BENCHMARKS.md)
 PRESETS["gemv-mma-ranges"] = Preset(replace(PRESETS["gemv-mma"].paths, expert_ranges=True),
                                     "gemv-mma, with decode steps of more than 8 tokens multiplying each chosen routed "
                                     "expert by its own tokens only (fast.mma_gemv's ranges of rows sorted by expert)",

@@ -115,6 +115,31 @@ def test_export_holds_exactly_what_qat_trains(micro, tmp_path):
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_algo"] == "MIXED_PRECISION"
 
 
+def test_a_frozen_part_keeps_its_stored_bytes(micro, tmp_path):
+    """`write_checkpoint(keep=stored_tensors(...))` (what `train.py --train vision` passes for the frozen text model):
+    the kept tensors are written byte for byte as the earlier checkpoint stored them, the others encoded from the
+    model; a kept tensor the export does not write, or of another shape, is refused."""
+    gen, tok_dir, raw, model = micro
+    first = nx.write_checkpoint(model, raw, tmp_path / "first", tok_dir)
+    again = MiniMaxM3(parse_model_config(raw))
+    nt.load_init(again, first)
+    with torch.no_grad():
+        again.layers[0].self_attn.q_proj.weight.mul_(1.5)  # a change in the text model, which `keep` overrides
+        again.lm_head.weight.add_(1.0)
+    text = nx.stored_tensors(first, "language_model.")
+    assert text and all(name.startswith("language_model.") for name in text)
+    out = nx.write_checkpoint(again, raw, tmp_path / "second", tok_dir, keep=text)
+    stored = nx.stored_tensors(out, "")
+    assert all(torch.equal(stored[name].view(torch.uint8) if stored[name].dim() else stored[name], t.view(torch.uint8)
+                           if t.dim() else t) for name, t in text.items())
+    assert set(stored) - set(text)  # the rest (the vision tower) encoded from the model
+    name = next(n for n in text if n.endswith("q_proj.weight"))
+    with pytest.raises(ValueError, match="kept tensors"):
+        nx.write_checkpoint(again, raw, tmp_path / "third", tok_dir, keep={name: text[name][:1]})
+    with pytest.raises(ValueError, match="kept tensors"):
+        nx.write_checkpoint(again, raw, tmp_path / "third", tok_dir, keep={"language_model.nothing": text[name]})
+
+
 @pytest.mark.slow
 def test_micro_pipeline_end_to_end(tmp_path, capsys):
     from examples.nano import eval as ne

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -105,14 +106,22 @@ def state_tensors(model: nn.Module, raw: dict[str, Any], fmt: str = "nvfp4",
 def write_checkpoint(model: nn.Module, raw: dict[str, Any], out_dir: str | Path, tokenizer_dir: str | Path, *,
                      fmt: str = "nvfp4", input_scales: Mapping[tuple[str, str, int], float] | None = None,
                      preprocessor: Mapping[str, Any] | None = None, extra_files: Mapping[str, Any] | None = None,
-                     ) -> Path:
+                     keep: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Write the checkpoint folder: config.json, one shard + model.safetensors.index.json,
     generation_config.json, the tokenizer files of `tokenizer_dir` with `chat.CHAT_TEMPLATE` as
     chat_template.jinja, preprocessor_config.json, and `extra_files` (name -> JSON value). An existing
-    folder's shards are replaced."""
+    folder's shards are replaced. `keep`: stored tensors written as they are instead of encoded from the
+    model (a frozen part keeps its bytes: `stored_tensors`), each the name, dtype and shape of one the
+    export writes."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = state_tensors(model, raw, fmt, input_scales)
+    wrong = [name for name, t in (keep or {}).items()
+             if name not in tensors or (t.dtype, t.shape) != (tensors[name].dtype, tensors[name].shape)]
+    if wrong:
+        raise ValueError(f"{len(wrong)} kept tensors are not ones this export writes with that dtype and shape, "
+                         f"e.g. {wrong[:3]}: keep the stored tensors of a checkpoint of the same model")
+    tensors.update(keep or {})
     for old in out.glob("model-*.safetensors"):
         old.unlink()
     save_file(tensors, str(out / SHARD), metadata={"format": "pt"})
@@ -134,6 +143,20 @@ def write_checkpoint(model: nn.Module, raw: dict[str, Any], out_dir: str | Path,
         (out / "preprocessor_config.json").write_text(json.dumps(dict(preprocessor), indent=2) + "\n")
     for name, value in (extra_files or {}).items():
         (out / name).write_text(json.dumps(value, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out
+
+
+def stored_tensors(ckpt_dir: str | Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of an exported checkpoint whose names start with `prefix`, as stored (packed codes and scales,
+    not decoded): what `write_checkpoint(keep=...)` writes again unchanged. Encoding decoded weights again is not
+    byte-idempotent (NVFP4's weight_scale_2 is recomputed from the decoded amax, MXFP8 can take another block scale
+    for the same values), so a part that did not train keeps its bytes this way."""
+    folder = Path(ckpt_dir)
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        with safe_open(str(folder / shard), "pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)})
     return out
 
 

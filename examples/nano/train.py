@@ -843,8 +843,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         import shutil
 
         shutil.rmtree(out / "dspark")
+    # a frozen text model keeps the bytes it was stored in (encoding its decoded weights again is not idempotent)
+    keep = nx.stored_tensors(args.init, "language_model.") if args.train == "vision" else None
     nx.write_checkpoint(model, raw, out, run_dir / "tokenizer", fmt="nvfp4", input_scales=scales,
-                        preprocessor=preprocessor, extra_files={"nano_run.json": summary})
+                        preprocessor=preprocessor, extra_files={"nano_run.json": summary}, keep=keep)
 
     # 5. verify: load the checkpoint with the engine and evaluate it next to the trained model
     import minimax_ref as mr

@@ -564,7 +564,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tokenizer) instead of a fresh initialisation")
     p.add_argument("--train", choices=["all", "vision"], default="all",
                    help="what learns: everything, or (with --init) the vision tower and projector only, the text "
-                        "model frozen and its routing biases fixed (a reading stage on an image-heavy --mix)")
+                        "model frozen, its routing biases fixed and its tensors written as --init stored them (a "
+                        "reading stage on an image-heavy --mix)")
     p.add_argument("--reinit-vision", action="store_true",
                    help="with --init: initialise the vision tower and projector afresh")
     p.add_argument("--vision-init", type=Path, default=None,

@@ -23,6 +23,7 @@ import sys
 import torch
 from common import GIB, BenchmarkError, copy_bandwidth, emit, main_guard
 from fused_matmul import operands, per_call_s
+from profile_decode import batch_sizes
 
 from minimax_ref.fast.packed import packed_matmul_reference
 
@@ -97,16 +98,6 @@ def _launch(text: str) -> tuple[int, int]:
     return row_tiles, per_sm
 
 
-def _tokens(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive token counts, comma-separated (e.g. 16,32)")
-    return values
-
-
 def run(args: argparse.Namespace) -> None:
     from minimax_ref.fast import mma_gemv
 
@@ -127,7 +118,8 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=_tokens, default=[16, 32], help="tokens of the step, comma-separated")
+    p.add_argument("--tokens", type=batch_sizes, default=[16, 32],
+                   help="tokens of the step (one a sequence), comma-separated")
     p.add_argument("--launches", type=_launch, nargs="*", default=[],
                    help="ranges at these launch shapes too: ROW_TILES,PER_SM each (e.g. 1,8 2,8)")
     p.add_argument("--iters", type=int, default=30, help="graph replays timed (default: 30)")

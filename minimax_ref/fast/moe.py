@@ -76,6 +76,15 @@ def inverse_order(order: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def expert_ends(key: torch.Tensor, experts: int) -> torch.Tensor:
+    """Where each of experts 0 .. `experts` - 1 ends among the pairs `key` [P] (their expert ids, each < `experts`)
+    sorted by expert: int32 `[experts]`, cumulative, on the device. Counted by a scatter-add, since CUDA's bincount
+    reads the ids' max on the host."""
+    ones = torch.ones_like(key, dtype=torch.int32)
+    return torch.zeros(experts, dtype=torch.int32, device=key.device).scatter_add_(0, key, ones).cumsum(
+        0, dtype=torch.int32)
+
+
 # Decoded expert weights one grouped product of `FastExperts.forward_sorted` may hold at once (the three stacks of a
 # group of experts): all 16 experts of a release-width layer in one group, 128 in a few.
 SORTED_DECODED_BYTES = 2 << 30
@@ -150,11 +159,8 @@ class FastExperts(Experts):
         if not self.expert_parallel and at_once:
             # every pair is this rank's and the whole stacks are at hand (or decode at once): the groups' offsets
             # stay on the device, so the host does not wait for the GPU here (an expert no pair chose is an empty
-            # group); counted by a scatter-add, since CUDA's bincount reads the ids' max on the host
-            ones = torch.ones_like(key, dtype=torch.int32)
-            counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, key, ones)
-            offs = counts.cumsum(0, dtype=torch.int32)
-            return self.grouped(x[everything // k], None, offs), everything, T * k
+            # group)
+            return self.grouped(x[everything // k], None, expert_ends(key, E)), everything, T * k
         counts = torch.bincount(key, minlength=E + 1)[:E].tolist()
         mine = sum(counts)
         xs = x[everything[:mine] // k]
@@ -263,9 +269,7 @@ class FastExperts(Experts):
         E = len(self.local_experts)
         key = local.flatten()
         order = torch.argsort(key, stable=True)
-        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, key, torch.ones_like(
-            key, dtype=torch.int32))
-        ends = counts.cumsum(0, dtype=torch.int32)
+        ends = expert_ends(key, E)
         xs = x[order // k]
         gate = self.w1.ranged_product(xs, ends)
         up = self.w3.ranged_product(xs, ends)

@@ -998,13 +998,14 @@ def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tens
                          + (f", ranges {list(ends.shape)} {ends.dtype} on {ends.device}" if ranged else ""))
     steps = -(-k // step_columns(fmt, stored))
     n16 = -(-n // ROW_TILE)
-    busy_entries = min(ends.shape[0], m) if ranged else None  # entries with rows, at most
     launch = launch or (RANGED_LAUNCH[fmt] if ranged else launch_for(fmt, m)[1])
     if launch.ahead not in (1, 2) or launch.row_tiles not in (1, 2) or GROUP % (WARPS * launch.row_tiles):
         raise ValueError(f"mma_gemv: {launch} (ahead 1 or 2 K steps, 1 or 2 row tiles a warp)")
     if split is None:
-        working = busy_entries if ranged else min(outputs, busy) if busy is not None and active is not None \
-            else outputs
+        if ranged:
+            working = min(ends.shape[0], m)  # entries with rows, at most
+        else:
+            working = min(outputs, busy) if busy is not None and active is not None else outputs
         split = splits(programs(fmt, working, n16, m, launch), steps, sms, launch.per_sm)
     split = -(-steps // -(-steps // max(1, min(split, steps))))
     select, sel = 0, None

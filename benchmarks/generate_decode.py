@@ -46,7 +46,7 @@ def add_model_args(p: argparse.ArgumentParser, prompt_len: int) -> None:
     p.add_argument("--preset", default="release", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--experts", type=int, default=16)
-    add_fast_flag(p, ["on", "fused", "compiled", "gemv", "gemv-mma", "gemv-mma-stored", "gemv-mma-ranges",
+    add_fast_flag(p, ["on", "fused", "compiled", "gemv", "gemv-mma", "gemv-mma-stored",
                       "grouped-rows", "grouped-swiglu"], "compiled")
     p.add_argument("--prompt-len", type=int, default=prompt_len)
 

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp8", "bf16"])
     p.add_argument("--layers", type=int, default=6, help="layers (0 = the preset's)")
     p.add_argument("--experts", type=int, default=16, help="routed experts per layer (0 = the preset's)")
-    add_fast_flag(p, ["on", "fused", "compiled", "gemv", "gemv-mma", "gemv-mma-stored", "gemv-mma-ranges",
+    add_fast_flag(p, ["on", "fused", "compiled", "gemv", "gemv-mma", "gemv-mma-stored",
                       "grouped-rows", "grouped-swiglu"], "compiled")
     p.add_argument("--fused-rows", type=fused_rows_arg, default=None, help=FUSED_ROWS_HELP)
     p.add_argument("--batch", type=batch_sizes, default=[1],

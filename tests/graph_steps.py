@@ -32,11 +32,12 @@ def routing_margins(model, trace: Trace) -> torch.Tensor:
     return margins
 
 
-def captured_step_error(ckpt, preset: str, batch: int, switch: str) -> float:
+def captured_step_error(ckpt, preset: str, batch: int, switch: str | type) -> float:
     """The relative error of the logits of one decode step of `batch` sequences (8 prompt tokens each, bf16, packed
     weights on CUDA) under `preset`, replayed from a CUDA graph, against the reference engine's, over the sequences
     whose step is not at a routing tie (`TIE_MARGIN`; at least half of them must not be). `switch`: an attribute some
-    module must have non-zero under the preset (the path under test is on)."""
+    module must have non-zero under the preset, or a module type the preset must install (the path under test is
+    on)."""
     model = load_model(ckpt, dtype=torch.bfloat16, weights="packed", device="cuda")
     ids = torch.randint(0, 1000, (batch, 12), generator=torch.Generator().manual_seed(0)).cuda()
     pos = torch.full((batch, 1), 8, device="cuda")
@@ -54,7 +55,8 @@ def captured_step_error(ckpt, preset: str, batch: int, switch: str) -> float:
     away = routing_margins(model, trace) >= TIE_MARGIN if trace.routing else torch.ones(batch, dtype=torch.bool)
     assert int(away.sum()) * 2 >= batch, f"{batch - int(away.sum())} of {batch} steps at a routing tie"
     apply(model, preset)
-    assert any(getattr(m, switch, 0) for m in model.modules()), f"{preset}: no module has {switch}"
+    assert any(isinstance(m, switch) if isinstance(switch, type) else getattr(m, switch, 0)
+               for m in model.modules()), f"{preset}: no module has {switch}"
     cache = prefilled()
     with torch.no_grad():
         got = GraphStep(model, cache, ids[:, 8:9], pos).step(ids[:, 8:9], pos).clone()

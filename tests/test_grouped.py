@@ -135,9 +135,9 @@ def test_benchmarks_refuse_a_cpu_machine_and_parse_batch_lists(capsys, monkeypat
     err = _bench("profile_decode.py", ["--batch", "1,32", "--grouped", "both"], capsys, code=2)
     assert err.startswith("error: [rank 0]") and "CUDA" in err
     assert "positive batch sizes" in _bench("profile_decode.py", ["--batch", "0,32"], capsys, code=2)
-    err = _bench("expert_ranges.py", ["--tokens", "16"], capsys, code=2)
+    err = _bench("routed_products.py", ["--tokens", "16"], capsys, code=2)
     assert err.startswith("error: [rank 0]") and "CUDA" in err and "Traceback" not in err
-    assert "ROW_TILES,PER_SM" in _bench("expert_ranges.py", ["--launches", "1"], capsys, code=2)
+    assert "ROW_TILES,PER_SM" in _bench("routed_products.py", ["--launches", "1"], capsys, code=2)
 
 
 def test_grouped_switch():

@@ -1,8 +1,9 @@
-"""`fast.joint`: the linears that read one input held as one `fast.mma_gemv` product.
+"""`fast.joint`: the linears that read one input held as one `fast.mma_gemv` product, and a routed layer's gate and
+up stacks read in place as one stack.
 
-On the CPU the joint copy is checked against `mma_gemv.reorder` of the stacked rows and `restore` (no kernel runs);
-the kernel-side checks (each part's rows of the joint product within the bound, the model's decode steps) run on a
-GPU."""
+On the CPU the joint copy is checked against `mma_gemv.reorder` of the stacked rows and `restore`, and the joint
+stack's products against the kernel's contract written in torch (no kernel runs); the kernel-side checks (each part's
+rows of the joint product within the bound, the model's decode steps) run on a GPU."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from test_grouped import _bound_ok, _decoded, _operands
 import minimax_ref.fast.mma_gemv as mg
 from minimax_ref.fast import FastPaths, apply
 from minimax_ref.fast.attention import FastAttention
-from minimax_ref.fast.joint import JointProduct, joined
-from minimax_ref.fast.moe import FastMLP
-from minimax_ref.fast.packed import GEMV_BUFFERS
+from minimax_ref.fast.joint import JointProduct, JointStack, joined
+from minimax_ref.fast.moe import FastExperts, FastMLP
+from minimax_ref.fast.packed import GEMV_BUFFERS, decode_reference
 from minimax_ref.model.linear import Linear
 from minimax_ref.weights.loader import load_model
 from minimax_ref.weights.packed import PackedWeight, model_nbytes
@@ -137,7 +138,8 @@ def test_a_compiled_region_traces_the_joint_product_whole(mma_on_cpu):
 
 def test_apply_joins_each_layers_projections(tiny_nvfp4, mma_on_cpu):
     """`gemv-mma` on a model: every attention's input projections (q, k, v and on MSA layers the indexer's) and
-    every MLP's gate and up are one joint product whose parts are those linears; the state dict is unchanged and the
+    every MLP's gate and up are one joint product whose parts are those linears, and every routed layer's gate and
+    up stacks one joint stack (views: no byte more than its split counters); the state dict is unchanged and the
     weight memory counts each copied byte once; restoring the reference removes the joint products and the copies."""
     model = load_model(tiny_nvfp4, weights="packed", dtype=BF16)
     keys = set(model.state_dict())
@@ -155,11 +157,103 @@ def test_apply_joins_each_layers_projections(tiny_nvfp4, mma_on_cpu):
     # the copies' bytes once: each weight's copy (the joined ones views of their joint copy) and the joint counters
     copies = sum(t.numel() * t.element_size() for m in model.modules() for name, t in m._buffers.items()
                  if name in GEMV_BUFFERS)
-    counters = sum(m.joint.counters.numel() * 4 for m in attentions + mlps)
+    experts = [m for m in model.modules() if isinstance(m, FastExperts)]
+    assert experts and all(m.joint.parts == [m.w1, m.w3] for m in experts)
+    counters = sum(m.joint.counters.numel() * 4 for m in attentions + mlps + experts)
     assert model_nbytes(model) == before + copies + counters
     apply(model, False)
     assert not any("joint" in m._modules for m in model.modules())
     assert not any(hasattr(m, b) for m in model.modules() for b in GEMV_BUFFERS)
+
+
+def _stored_by_contract(x, fmt, weight, weight_scale, weight_scale_2, index=None, active=None, ends=None, **_):
+    """`mma_gemv.packed_product_stored`'s contract in torch (the kernel does not run on a CPU): each entry's decoded
+    bf16 weight times its rows, fp32 sums rounded once to bf16; unflagged entries give zero rows."""
+    w_hat = decode_reference(fmt, weight, weight_scale, weight_scale_2).to(BF16).float()
+    if ends is not None:
+        out, start = torch.empty(x.shape[0], w_hat.shape[1], dtype=BF16), 0
+        for e, end in enumerate(ends.tolist()):
+            out[start:end] = (x[start:end].float() @ w_hat[e].T).to(BF16)
+            start = end
+        return out
+    xs = x.unsqueeze(0) if x.dim() == 2 else x
+    y = (xs.float() @ (w_hat if index is None else w_hat[index]).transpose(-1, -2)).to(BF16)
+    return y if active is None else y * (active != 0)[:, None, None]
+
+
+def test_loader_places_gate_and_up_stacks_in_one_allocation(tiny_nvfp4):
+    """Packed weights: each routed layer's up stack (w3: codes, block scales, global scales) starts where its gate
+    stack (w1) ends, in one allocation, each a contiguous stack of the layer's experts."""
+    model = load_model(tiny_nvfp4, weights="packed", dtype=BF16)
+    layers = [m for m in model.modules() if type(m).__name__ == "Experts"]
+    assert layers
+    for m in layers:
+        for a, b in zip(m.w1.parts(), m.w3.parts()):
+            assert a.is_contiguous() and b.is_contiguous() and a.shape[0] == len(m.local_experts)
+            assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            assert b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+
+
+def test_joint_stack_refuses_stacks_that_are_not_one(mma_on_cpu):
+    """`JointStack.of` is None for stacks allocated apart, of other shapes or formats, or not read in place; for a
+    pair allocation its halves are the stacks' own bytes."""
+    E, N, K = 4, 40, 128
+
+    def stacks(pair: bool, fmt: str = "nvfp4", n_up: int = N):
+        (w, s, g), (w3, s3, g3) = _operands(fmt, E, N, K, 1), _operands(fmt, E, n_up, K, 1)
+        if pair and n_up == N:
+            both = [None if a is None else torch.stack((a, b)) for a, b in ((w, w3), (s, s3), (g, g3))]
+            (w, w3), (s, s3), (g, g3) = [(None, None) if t is None else (t[0], t[1]) for t in both]
+        gate, up = PackedWeight(fmt, w, s, g), PackedWeight(fmt, w3, s3, g3)
+        for p in (gate, up):
+            apply(p, FastPaths(gemv="mma"))
+        return gate, up
+
+    joint = JointStack.of(*stacks(True))
+    gate, up = joint.parts
+    assert torch.equal(joint.weight[:E], gate.weight) and torch.equal(joint.weight[E:], up.weight)
+    assert torch.equal(joint.weight_scale_2, torch.cat((gate.weight_scale_2, up.weight_scale_2)))
+    assert joint.weight.untyped_storage().data_ptr() == gate.weight.untyped_storage().data_ptr()
+    assert JointStack.of(*stacks(True, "mxfp8")).weight_scale_2 is None
+    assert JointStack.of(*stacks(False)) is None
+    assert JointStack.of(*stacks(True, n_up=2 * N)) is None
+    gate, up = stacks(True)
+    apply(up, False)  # the reference: not read in place
+    assert JointStack.of(gate, up) is None
+
+
+@pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon")
+@pytest.mark.parametrize("tokens, path", [(1, "index"), (3, "index"), (4, "active"), (8, "active"),
+                                          (12, "ends")])
+def test_gate_and_up_stacks_multiply_in_one_launch(tiny_nvfp4, mma_on_cpu, monkeypatch, tokens, path):
+    """`gemv-mma` (the kernel stubbed by its contract in torch): a decode step's tokens multiply the gate and up
+    stacks in one launch over the joint stack of 2 E entries (the chosen experts by id below E pairs, flags up to 8
+    tokens, ranges of rows sorted by expert above), then the down stack; the experts' output equals the reference
+    `Experts.forward` within fp32 rounding. A gate stack replaced after `fast.apply` is not read through the joint
+    stack: each stack its own launch."""
+    calls = []
+
+    def stored(x, fmt, weight, *args, **kw):
+        calls.append((weight.shape[0], next(k for k in ("index", "active", "ends") if kw.get(k) is not None)))
+        return _stored_by_contract(x, fmt, weight, *args, **kw)
+
+    monkeypatch.setattr(mg, "packed_product_stored", stored)
+    model = load_model(tiny_nvfp4, weights="packed", dtype=BF16)
+    moe = model.layers[1].block_sparse_moe
+    ex, E = moe.experts, len(moe.experts.local_experts)
+    x = torch.randn(tokens, model.text.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(BF16)
+    routing = moe.gate(x)
+    want = ex(x, routing).float()
+    apply(ex, "gemv-mma")
+    got = ex.forward_sync_free(x, routing)
+    assert calls == [(2 * E, path), (E, path)]
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    ex.w1.register_buffer("weight", ex.w1.weight.clone())
+    calls.clear()
+    torch.testing.assert_close(ex.forward_sync_free(x, routing), got, rtol=0, atol=0)
+    assert calls == [(E, path)] * 3
+    apply(ex, False)
+    assert "joint" not in ex._modules
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU
@@ -237,3 +331,56 @@ def test_decode_steps_take_the_joint_products(tiny_nvfp4):
         m._modules.pop("joint", None)
     want = step()
     assert float((got - want).norm() / want.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_joint_stack_on_cuda_within_the_bound(fmt):
+    """The joint stack of a pair allocation read in place: by ids (a token's chosen experts, and 3 tokens' rows laid
+    out), by flags (unflagged experts zero) and by ranges of rows sorted by expert (empty ones too), each part's rows
+    within the kernel's bound against its decoded stack; at one K split the joint launch gives the bits of each
+    stack's own launch."""
+    E, N, K = 6, 300, 256
+    gate, up = (_operands(fmt, E, N, K, case, device="cuda") for case in (0, 1))
+    pair = [None if a is None else torch.stack((a, b)) for a, b in zip(gate, up)]
+    parts = [PackedWeight(fmt, *(None if t is None else t[i] for t in pair)) for i in (0, 1)]
+    for p in parts:
+        apply(p, FastPaths(gemv="mma"))
+    joint = JointStack.of(*parts)
+    assert joint is not None
+    w_hat = [_decoded(fmt, *p.parts()) for p in parts]
+    ids = torch.tensor([[4, 0, 5, 2], [1, 1, 3, 0], [2, 5, 4, 3]], device="cuda")
+    for T in (1, 3):
+        x = torch.randn(T, K, device="cuda").to(BF16)
+        assert joint.takes(x, 1)
+        for y, w in zip(joint.by_ids(x, ids[:T]), w_hat):
+            assert y.shape == (T, 4, 1, N)
+            for t in range(T):
+                for j in range(4):
+                    ok, ratio = _bound_ok(y[t, j], x[t:t + 1], w[ids[t, j]])
+                    assert ok, (T, t, j, ratio)
+    x = torch.randn(5, K, device="cuda").to(BF16)
+    active = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.int32, device="cuda")
+    for y, w in zip(joint.by_flags(x, active, busy=4), w_hat):
+        for e in range(E):
+            if active[e]:
+                assert _bound_ok(y[e], x, w[e])[0], e
+            else:
+                assert not y[e].any(), e
+    sizes = [3, 0, 12, 1, 9, 0]
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    xs = torch.randn(sum(sizes), K, device="cuda").to(BF16)
+    assert joint.takes_ranged(xs)
+    for y, w in zip(joint.by_ranges(xs, ends), w_hat):
+        start = 0
+        for e, size in enumerate(sizes):
+            rows = slice(start, start + size)
+            assert size == 0 or _bound_ok(y[rows], xs[rows], w[e])[0], e
+            start += size
+    both = torch.tensor([4, 0, 5, 2], device="cuda")
+    one = mg.packed_product_stored(x[:1], fmt, joint.weight, joint.weight_scale, joint.weight_scale_2,
+                                   index=torch.cat((both, both + E)), split=1)
+    for i, p in enumerate(parts):
+        alone = mg.packed_product_stored(x[:1], fmt, *p.parts(), index=both, split=1)
+        assert torch.equal(one[4 * i:4 * i + 4], alone), i

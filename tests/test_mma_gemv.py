@@ -17,6 +17,7 @@ from test_grouped import _bound_ok, _decoded, _operands, _ptxas_report, _run_ptx
 
 import minimax_ref.fast.mma_gemv as mg
 from minimax_ref.fast import FastPaths, apply
+from minimax_ref.fast.joint import JointStack
 from minimax_ref.fast.packed import GEMV_BUFFERS, FastPackedWeight, decode_reference, scales_in_normal_range
 from minimax_ref.weights.loader import load_model
 from minimax_ref.weights.packed import PackedWeight
@@ -263,6 +264,25 @@ def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, 
 
 
 @pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
+@pytest.mark.parametrize("sum_splits", [False, True])
+def test_stored_ids_launch_compiles_to_the_same_loop(sum_splits):
+    """`STORED_IDS_LAUNCH` (a few NVFP4 entries by id read in place: one row tile a warp): the stored loop's MMAs (one a
+    row tile, MMA tile and step of 64), a row's 16 bytes of a pair step a load, no spill, and registers for
+    `RESIDENT` programs an SM."""
+    launch = mg.STORED_IDS_LAUNCH["nvfp4"]
+    ptx = _sm90_ptx(True, 1, not sum_splits, True, 1, True, False, sum_splits=sum_splits, ahead=launch.ahead,
+                    row_tiles=launch.row_tiles)
+    sub_steps = mg.step_columns("nvfp4", True) // mg.STEP_K
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == sub_steps * mg.TILES * \
+        launch.row_tiles
+    assert "ld.global.v2.b64" in ptx
+    info = _ptxas_report(ptx)
+    assert " 0 bytes spill stores" in info, info
+    used = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert 65536 // (-(-used // 8) * 8 * 32 * mg.WARPS) >= mg.RESIDENT, used
+
+
+@pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
 @pytest.mark.parametrize("nvfp4,stored,sum_splits", [(True, True, False), (True, True, True), (True, False, False),
                                                      (False, True, True), (False, False, False)])
 def test_ranged_kernel_compiles_both_passes(nvfp4, stored, sum_splits):
@@ -427,6 +447,7 @@ def test_expert_ranges_multiply_each_expert_by_its_own_tokens(tiny_nvfp4, monkey
         apply(ex, FastPaths())
         want = ex(x, r)
         apply(ex, FastPaths(moe=True, gemv="mma", expert_ranges=True))
+        ex._modules.pop("joint")  # each stack its own ranges here (gate and up as one: tests/test_joint.py)
         assert ex.takes_ranges(x)
         calls.clear()
         got = ex.forward_sync_free(x, r)
@@ -640,10 +661,12 @@ def test_ranges_equal_each_entry_alone(layout, fmt):
 @on_gpu
 def test_mma_preset_decode_step_equals_reference(tiny_nvfp4):
     """The tiny model on CUDA with the `gemv-mma` preset (compiled layers, CUDA graph, packed products of up to 32
-    rows by the kernel, the weights read in place; at batch 1 the routed experts by id, at 8 and 32 by flags): a
-    decode step's logits against the reference engine's within bf16 rounding."""
-    for batch in (1, 8, 32):
-        err = captured_step_error(tiny_nvfp4, "gemv-mma", batch, "gemv_tokens")
+    rows by the kernel, the expert stacks read in place, gate and up as one joint stack: at batch 1 the routed experts
+    by id, at 8 by flags, at 16 and 32 each chosen expert times its own tokens): a decode step's logits against the
+    reference engine's within bf16 rounding."""
+    assert FastPaths.of("gemv-mma").expert_ranges
+    for batch in (1, 8, 16, 32):
+        err = captured_step_error(tiny_nvfp4, "gemv-mma", batch, JointStack)
         assert err < 5e-2, (batch, err)
 
 
@@ -654,15 +677,4 @@ def test_mma_stored_preset_decode_step_equals_reference(tiny_nvfp4):
     decode step's logits at batch 1, 8 and 32 against the reference engine's within bf16 rounding."""
     for batch in (1, 8, 32):
         err = captured_step_error(tiny_nvfp4, "gemv-mma-stored", batch, "gemv_tokens")
-        assert err < 5e-2, (batch, err)
-
-
-@pytest.mark.gpu
-@on_gpu
-def test_mma_ranges_preset_decode_step_equals_reference(tiny_nvfp4):
-    """The `gemv-mma-ranges` preset (above 8 tokens each chosen routed expert times its own tokens, `expert_ranges`):
-    the captured decode step's logits at batch 12, 16 and 32 against the reference engine's within bf16 rounding."""
-    assert FastPaths.of("gemv-mma-ranges").expert_ranges
-    for batch in (12, 16, 32):
-        err = captured_step_error(tiny_nvfp4, "gemv-mma-ranges", batch, "gemv_tokens")
         assert err < 5e-2, (batch, err)

@@ -12,6 +12,13 @@ Contract: part i of the output is the rows of linear i in the joint product, eac
 `mma_gemv.packed_product` computes for that row (the same decoded bf16 values and fp32 MMAs over K; the K splits
 are chosen for the joint launch, so their fp32 partial sums may be added in another grouping than the linear's own
 launch would add them: equal to fp32 rounding before the one bf16 rounding).
+
+A routed layer's gate and up stacks (w1, w3) read the same tokens too. The loader allocates them as one buffer, the
+gate's E entries then the up's (`weights.loader.GATE_UP`), so `JointStack` reads them in place as one stack of 2 E
+entries: a token's chosen experts' gate and up rows in one launch, by ids (a decode step's few tokens), flags or
+ranges of rows sorted by expert (`FastExperts`), with the same contract against each stack's own launch. Nothing is
+copied: the joint stack is a view of the stacks' own bytes, taken when the fast paths are applied (a stack replaced
+afterwards is not read through it: eager calls check, and `fast.apply` joins again).
 """
 
 from __future__ import annotations
@@ -102,3 +109,110 @@ class JointProduct(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rows={self.rows}, parts={[n for _, n in self.bounds]}"
+
+
+class JointStack(nn.Module):
+    """The gate and up stacks `parts` (two `FastPackedWeight`s of E entries each, read in place by `fast.mma_gemv`)
+    as one stack of 2 E entries, gate's first (the module docstring), built by `of`. Non-persistent buffers: the
+    joint views (`weight`, `weight_scale`, `weight_scale_2`: NVFP4's global scales, gate's then up's; None for
+    MXFP8) and the split-sum `counters`. Each product returns (gate, up), each as the stack's own launch shapes it."""
+
+    def __init__(self, parts: Sequence[FastPackedWeight], weight: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_scale_2: torch.Tensor | None):
+        super().__init__()
+        self.parts = list(parts)  # not submodules: they stay where the experts hold them
+        self.fmt, self.entries = parts[0].fmt, parts[0].weight.shape[0]
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("weight_scale", weight_scale, persistent=False)
+        self.register_buffer("weight_scale_2", weight_scale_2, persistent=False)
+        self.rows = parts[0].shape[-2]
+        self.register_buffer("counters", mma_gemv.counters_for(2 * self.entries, self.rows, weight.device),
+                             persistent=False)
+        self.sms = grouped.sm_count(weight.device)
+
+    @classmethod
+    def of(cls, gate: nn.Module, up: nn.Module) -> JointStack | None:
+        """The joint stack of `gate` and `up`, or None where their bytes are not one stack: either is not a stack that
+        `fast.mma_gemv` reads in place (`gemv_kernel` "mma-stored"), their formats, shapes, compute dtypes or
+        devices differ, or up's tensors do not follow gate's in one allocation (a loader other than
+        `weights.loader`'s, an offloaded stack's staging buffers)."""
+        if not all(isinstance(w, FastPackedWeight) and w.gemv_kernel == "mma-stored" and w.weight.dim() == 3
+                   for w in (gate, up)):
+            return None
+        if (gate.fmt, gate.shape, gate.dtype, gate.device) != (up.fmt, up.shape, up.dtype, up.device):
+            return None
+        joint = []
+        for a, b in zip(gate.parts(), up.parts()):
+            if a is None and b is None:
+                joint.append(None)
+                continue
+            if not _follows(a, b):
+                return None
+            joint.append(a.as_strided((2 * a.shape[0], *a.shape[1:]), a.stride()))
+        if not mma_gemv.stored_supports(gate.fmt, joint[0], joint[1]):
+            return None
+        return cls((gate, up), *joint)
+
+    def current(self) -> bool:
+        """Whether the parts still hold the joint stack's halves (not checked while a compiled region is traced,
+        where tensors have no addresses)."""
+        if torch.compiler.is_compiling():
+            return True
+        half = self.weight.shape[0] // 2
+        return all(getattr(p, name).data_ptr() == getattr(self, name)[i * half:].data_ptr()
+                   for i, p in enumerate(self.parts) for name in ("weight", "weight_scale"))
+
+    def takes(self, x: torch.Tensor, rows: int) -> bool:
+        """Whether a product of `rows` rows of x goes through the joint stack: both parts would multiply it by
+        `fast.mma_gemv` (`FastPackedWeight.takes_gemv`), nothing is attached to a part (a hook sees its own call),
+        and the parts still hold the joint's bytes."""
+        return all(p.takes_gemv(x, rows) and not (p._forward_hooks or p._forward_pre_hooks)
+                   for p in self.parts) and self.current()
+
+    def takes_ranged(self, x: torch.Tensor) -> bool:
+        """`takes` for rows sorted by entry (`FastPackedWeight.takes_ranged`)."""
+        return all(p.takes_ranged(x) and not (p._forward_hooks or p._forward_pre_hooks)
+                   for p in self.parts) and self.current()
+
+    def _product(self, x: torch.Tensor, **select) -> torch.Tensor:
+        return mma_gemv.packed_product_stored(x, self.fmt, self.weight, self.weight_scale, self.weight_scale_2,
+                                              sms=self.sms, counters=self.counters, **select)
+
+    def by_ids(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's row of x bf16 `[T, K]` times its chosen entries `ids` (`[T, k]`, local expert ids): gate and
+        up, each bf16 `[T, k, 1, N]` (what `FastPackedWeight.matmul(x[:, None, None], ids)` gives for one stack)."""
+        T, k = ids.shape
+        pairs = ids.reshape(-1)
+        both = torch.cat((pairs, pairs + self.entries))
+        # one token's row is shared by every entry (read in place); otherwise each entry's row is laid out once
+        xs = x.reshape(1, 1, -1) if T == 1 else x[:, None].expand(T, k, x.shape[-1]).reshape(T * k, 1, -1).repeat(
+            2, 1, 1)
+        y = self._product(xs, index=both)
+        return y[:T * k].view(T, k, 1, -1), y[T * k:].view(T, k, 1, -1)
+
+    def by_flags(self, x: torch.Tensor, active: torch.Tensor | None = None,
+                 busy: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x bf16 `[T, K]` times every entry, or every entry flagged in `active` (int32 `[E]`; unflagged entries give
+        zero rows, at most `busy` flagged): gate and up, each bf16 `[E, T, N]`."""
+        if active is None:
+            y = self._product(x)
+        else:
+            y = self._product(x, active=torch.cat((active, active)), busy=None if busy is None else 2 * busy)
+        return y[:self.entries], y[self.entries:]
+
+    def by_ranges(self, xs: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows xs bf16 `[R, K]` sorted by entry (entry e's end at ends[e], int32 `[E]`), each times its own entry: gate
+        and up, each bf16 `[R, N]` (`FastPackedWeight.ranged_product`). The rows go twice, once to each half."""
+        R = xs.shape[0]
+        y = self._product(torch.cat((xs, xs)), ends=torch.cat((ends, ends + R)))
+        return y[:R], y[R:]
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, entries={self.entries} x 2, rows={self.rows}"
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `b` is contiguous, shaped as `a` (contiguous) and starts where `a` ends, in the same allocation."""
+    return (a.is_contiguous() and b.is_contiguous() and a.shape == b.shape and a.dtype == b.dtype
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())

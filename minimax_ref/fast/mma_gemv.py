@@ -56,7 +56,8 @@ The decode needs the block scales in the normal range (`packed.scales_in_normal_
 byte, which `FastPackedWeight.configure` checks before it gives a weight to this kernel (`FastPaths(gemv="mma")`,
 the preset `gemv-mma`). x's rows past M: the lanes whose B column is past M read row M - 1, whose products
 land in accumulator columns no lane stores; x's columns past K read as zeros. Launch shapes (row tiles a warp, K
-splits) are data by format and row groups (`LAUNCH`).
+splits) are data by format and row groups (`LAUNCH`), for rows sorted by entry (`RANGED_LAUNCH`) and for entries
+chosen by id read in place (`STORED_IDS_LAUNCH`).
 
 Rows sorted by entry (`ends`, an MoE step's (token, choice) pairs sorted by expert: `FastPaths.expert_ranges`): each
 program reads its entry's range of rows, none for an empty range, one row group for up to 8 rows and passes of two
@@ -116,6 +117,9 @@ LAUNCH = {(NVFP4, 1): Launch(2, 8), (NVFP4, 2): Launch(2, 8), (NVFP4, 4): Launch
 # Products over ranges of rows sorted by entry (`ends`): the kernel holds a pass of one row group and one of two, and
 # at two NVFP4 row tiles a warp their registers would allow 3 programs an SM
 RANGED_LAUNCH = {NVFP4: Launch(1, 8), MXFP8: Launch(2, 4)}
+# A few entries chosen by id, read in place, up to one row group (a token's experts): one row tile a warp gives each
+# program twice the K steps at the same program count, which these short products need to keep their loads in flight
+STORED_IDS_LAUNCH = {NVFP4: Launch(1, 8)}
 RESIDENT = 4  # programs an SM that every launch's registers allow
 GROUP = WARPS * max(launch.row_tiles for launch in LAUNCH.values())  # `reorder` pads N to whole groups of row tiles
 MIN_STEPS_PER_SPLIT = 4  # a split's K steps at least: tiny products (k_proj) otherwise spend more on the split sum
@@ -998,7 +1002,13 @@ def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tens
                          + (f", ranges {list(ends.shape)} {ends.dtype} on {ends.device}" if ranged else ""))
     steps = -(-k // step_columns(fmt, stored))
     n16 = -(-n // ROW_TILE)
-    launch = launch or (RANGED_LAUNCH[fmt] if ranged else launch_for(fmt, m)[1])
+    if launch is None:
+        if ranged:
+            launch = RANGED_LAUNCH[fmt]
+        elif stored and index is not None and m <= X_GROUP and fmt in STORED_IDS_LAUNCH:
+            launch = STORED_IDS_LAUNCH[fmt]
+        else:
+            launch = launch_for(fmt, m)[1]
     if launch.ahead not in (1, 2) or launch.row_tiles not in (1, 2) or GROUP % (WARPS * launch.row_tiles):
         raise ValueError(f"mma_gemv: {launch} (ahead 1 or 2 K steps, 1 or 2 row tiles a warp)")
     if split is None:

@@ -229,8 +229,8 @@ def apply(model: nn.Module, paths: bool | str | dict | FastPaths | None = True) 
             m.configure(kernels, paths.decode, paths.fused_tokens, paths.fused_rows, paths.reads_words(name, m.fmt),
                         paths.grouped_tokens, paths.gemv_tokens, paths.nvfp4_table,
                         paths.prefill_experts != "reference", paths.gemv)
-    # after every packed weight has its copy: the linears that read one input as one product
-    for m in [m for m in model.modules() if isinstance(m, (FastAttention, FastMLP))]:
+    # after every packed weight has its copy: the linears (and expert stacks) that read one input as one product
+    for m in [m for m in model.modules() if isinstance(m, (FastAttention, FastMLP, FastExperts))]:
         m.join_projections()
     if isinstance(model, FastMiniMaxM3):
         model.fast, model.kernels = paths, kernels

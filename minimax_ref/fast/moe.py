@@ -33,7 +33,7 @@ from ..weights.packed import PackedWeight
 from . import grouped, mma_gemv, prefill_experts
 from .attention import contract
 from .compiled import materialize, top_k
-from .joint import JointProduct
+from .joint import JointProduct, JointStack
 from .packed import FastPackedWeight
 from .prefill import fused_combine_sorted, fused_moe_output, fused_swiglu
 
@@ -102,7 +102,36 @@ def grouped_mm_runs(x: torch.Tensor) -> bool:
 
 
 class FastExperts(Experts):
-    """`Experts` with the fast paths `paths` (a `FastPaths`, set by `fast.apply`). Same parameters."""
+    """`Experts` with the fast paths `paths` (a `FastPaths`, set by `fast.apply`). Same parameters. Where the gate and
+    up stacks are one allocation read in place by `fast.mma_gemv` (`fast.joint.JointStack`, the child `joint`), a
+    decode step's gate and up products are one launch."""
+
+    def join_projections(self) -> None:
+        """Hold the gate and up stacks as one where their bytes allow (`fast.joint.JointStack.of`)."""
+        joint = JointStack.of(self.w1, self.w3)
+        if joint is not None:
+            self.joint = joint
+
+    def joins(self, x: torch.Tensor, rows: int | None = None) -> bool:
+        """Whether x's gate and up products go through the joint stack: one of `rows` rows each (None: rows sorted
+        by expert, `forward_ranges`), no hook on the experts (offload's staging)."""
+        if "joint" not in self._modules or hasattr(self, "_hf_hook"):
+            return False
+        return self.joint.takes_ranged(x) if rows is None else self.joint.takes(x, rows)
+
+    def gate_up(self, x: torch.Tensor, ids: torch.Tensor | None = None, active: torch.Tensor | None = None,
+                busy: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate and up products of x: each token's row `[T, H]` times its chosen experts `ids` (`[T, k]`: each
+        `[T, k, 1, I]`), or x `[T, H]` times every expert (flagged in `active`: each `[E, T, I]`); through the joint
+        stack where it takes them (`joins`), else a product a stack."""
+        if ids is not None:
+            if self.joins(x, 1):
+                return self.joint.by_ids(x, ids)
+            xt = x[:, None, None]  # [T, 1, 1, H]: each token's row broadcast against its k experts, not repeated
+            return self.matmul("w1", xt, ids), self.matmul("w3", xt, ids)
+        if self.joins(x, x.shape[0]):
+            return self.joint.by_flags(x, active, busy)
+        return (self.matmul("w1", x, active=active, busy=busy), self.matmul("w3", x, active=active, busy=busy))
 
     def forward(self, x: torch.Tensor, routing: Routing, sorted_rows: bool = False):
         """`Experts.forward`; with `sorted_rows` (where `sorts(x)`), `sorted_products` instead: the expert outputs
@@ -233,16 +262,12 @@ class FastExperts(Experts):
         if self.takes_grouped(x) and not (T * k < E and self.gathers_through_kernel(x)):
             return self.forward_grouped(x, local, mine, weights)
         if T * k < E:
-            # each token's row broadcast against its k experts (not repeated: the fused matmul reads x in place)
-            xt = x[:, None, None]  # [T, 1, 1, H]
-            gate = self.matmul("w1", xt, local)  # [T, k, 1, I]
-            up = self.matmul("w3", xt, local)
+            gate, up = self.gate_up(x, local)  # [T, k, 1, I]
             h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
             y = self.matmul("w2", h, local).view(T, k, -1)  # [T, k, H]
             return (y.float() * weights[..., None]).sum(1)
         dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, local, weights)
-        gate = self.matmul("w1", x)  # [E, T, I]
-        up = self.matmul("w3", x)
+        gate, up = self.gate_up(x)  # [E, T, I]
         h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))
         y = self.matmul("w2", h)  # [E, T, H]
         return torch.einsum("te,eth->th", dense, y.float())
@@ -271,8 +296,10 @@ class FastExperts(Experts):
         order = torch.argsort(key, stable=True)
         ends = expert_ends(key, E)
         xs = x[order // k]
-        gate = self.w1.ranged_product(xs, ends)
-        up = self.w3.ranged_product(xs, ends)
+        if self.joins(xs):
+            gate, up = self.joint.by_ranges(xs, ends)
+        else:
+            gate, up = self.w1.ranged_product(xs, ends), self.w3.ranged_product(xs, ends)
         h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
         y = self.w2.ranged_product(h, ends)  # [T * k, H], sorted
         picked = y[inverse_order(order)].view(T, k, -1)
@@ -306,8 +333,7 @@ class FastExperts(Experts):
         busy = min(E, local.numel())  # at most one expert a (token, slot) pair
         h = self.swiglu_pair(x, active)  # [E, T, I]
         if h is None:
-            gate = self.matmul("w1", x, active=active, busy=busy)  # [E, T, I]
-            up = self.matmul("w3", x, active=active, busy=busy)
+            gate, up = self.gate_up(x, active=active, busy=busy)  # [E, T, I]
             h = materialize(swiglu_oai(gate, up, self.alpha, self.limit))  # not recomputed per row of w2
         y = self.matmul("w2", h, active=active, busy=busy)  # [E, T, H]
         # each pair's row; a pair that is not mine has weight 0 and reads a computed (or zero) row

@@ -83,11 +83,11 @@ and tests take.
   rows are not aligned to a lane's loads) from a copy reordered once at configuration (beside the stored planes),
   up to `fast.mma_gemv.MAX_ROWS` (32) rows; the linears that read one input (an attention's q, k, v and indexer
   projections, an MLP's gate and up) hold their copies as one weight and multiply it in one launch
-  (`fast.joint`). More rows take the grouped and fused paths. A Gluon kernel; where it
+  (`fast.joint`), as a routed layer's gate and up stacks are read as one stack where the loader placed them in one
+  allocation. More rows take the grouped and fused paths. A Gluon kernel; where it
   does not run (CPU tensors, the interpreter, GPUs before sm_89) no weight takes a one-to-few-row kernel: the
   products are those of `gemv="reference"`. Equal to fp32 rounding.
-* `expert_ranges=True` (the non-user preset `gemv-mma-ranges`: `gemv-mma` with it; a 32-row step was faster with it
-  on an H100, BENCHMARKS.md, and a user preset takes it once its captured step is tested on a GPU): with
+* `expert_ranges=True` (in the preset `gemv-mma`; a 32-row step is faster with it, BENCHMARKS.md): with
   `gemv="mma"` or "mma-stored", decode
   steps of more than 8 tokens (one MMA row group) multiply each chosen routed expert by its own tokens only: the
   (token, choice) pairs sorted by expert on the device, each projection one `fast.mma_gemv` launch over the experts'
@@ -368,17 +368,11 @@ PRESETS["gemv-mma-stored"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma
                                     user=False)
 # `compiled` with `fast.mma_gemv`'s decode products: a user's choice, not `auto`'s: the linears' reordered copies take
 # memory a full batch needs (the seed's 32 requests at 16 experts fit 30 rows on one H100, and the run was slower)
-PRESETS["gemv-mma"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma"),
+PRESETS["gemv-mma"] = Preset(replace(PRESETS["compiled"].paths, gemv="mma", expert_ranges=True),
                              "compiled, with decode steps' products with packed weights (up to 32 rows; routed "
-                             "experts up to 8, read where they are stored) on the tensor cores, each lane decoding "
-                             "its MMA fragments (fast.mma_gemv; CUDA, compute capability 8.9 and above): the "
-                             "linears' packed bytes kept once more, reordered")
-# `gemv-mma` with each chosen routed expert multiplying its own tokens in steps of more than 8 (non-user until its
-# captured step is tested against the reference on a GPU; timed beside `gemv-mma`: BENCHMARKS.md)
-PRESETS["gemv-mma-ranges"] = Preset(replace(PRESETS["gemv-mma"].paths, expert_ranges=True),
-                                    "gemv-mma, with decode steps of more than 8 tokens multiplying each chosen routed "
-                                    "expert by its own tokens only (fast.mma_gemv's ranges of rows sorted by expert)",
-                                    user=False)
+                             "experts read where they are stored, each chosen expert times its own tokens) on the "
+                             "tensor cores, each lane decoding its MMA fragments (fast.mma_gemv; CUDA, compute "
+                             "capability 8.9 and above): the linears' packed bytes kept once more, reordered")
 # `compiled` with one-row products too by the grouped kernel (its loop issues fewer instructions an NVFP4 element than
 # the GEMV's: benchmarks/kernel_sass.py); slower than the fused product at one row on a GPU (BENCHMARKS.md)
 PRESETS["grouped-rows"] = Preset(replace(PRESETS["compiled"].paths, matmul="reference"),

@@ -107,6 +107,21 @@ def _part_bytes(ck: Checkpoint, names: tuple[str | None, ...], shape: tuple[int,
     return total
 
 
+# a routed expert's gate and up projections: they read the same input (their stacks are allocated together)
+GATE_UP = ("w1", "w3")
+
+
+def _pairs_gate_up(ck: Checkpoint, spec, planned: set[str]) -> bool:
+    """Whether the routed expert linear `spec` (gate or up, the first of its layer read) and its sibling get one
+    allocation: the sibling is read in this call (`planned`: prefixes) in the same packed format and shape."""
+    if spec.leaf not in GATE_UP:
+        return False
+    sibling = spec.prefix[: -len(spec.leaf)] + GATE_UP[1 - GATE_UP.index(spec.leaf)]
+    other = ck.linears.get(sibling)
+    return (sibling in planned and other is not None and ck.formats[sibling].fmt == ck.formats[spec.prefix].fmt
+            and (other.out_features, other.in_features) == (spec.out_features, spec.in_features))
+
+
 def _plan(model: MiniMaxM3, ck: Checkpoint, select=None) -> tuple[list, list, int]:
     """What this rank reads: plain tensors as (spec, rows), linears as (spec, rows, cols), and the
     bytes that makes. The parts come from the modules (`rows` / `cols` of the parallel layers,
@@ -151,6 +166,7 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
     a layer's routed experts must be selected together, since they are stacked)."""
     problems: list[str] = []
     plain, linears, total = _plan(model, ck, select)
+    planned = {spec.prefix for spec, _, _ in linears}
     bar = Progress(f"loading {ck.path.name}", total)
     read: dict[str, int] = {}
 
@@ -206,12 +222,21 @@ def load_weights(model: MiniMaxM3, ck: Checkpoint, *, device: torch.device, dtyp
         local = spec.expert - experts.local_experts.start
         if key not in stacks:
             n_local = len(experts.local_experts)
-            if packed:  # empty packed stacks of this rank's experts, filled expert by expert
+            if packed and _pairs_gate_up(ck, spec, planned):
+                # a layer's gate and up stacks are one allocation, gate's entries then up's, so that a kernel can
+                # read both as one stack of 2 E entries (`fast.joint.JointStack`); each stays contiguous
+                pair = [None if t is None else torch.empty((2, n_local, *t.shape), dtype=t.dtype, device=device)
+                        for t in parts]
+                for i, leaf in enumerate(GATE_UP):
+                    stacks[spec.module, leaf] = PackedWeight(f.fmt, *(None if b is None else b[i] for b in pair),
+                                                             dtype=dtype)
+                    expert_scales[spec.module, leaf] = torch.ones(n_local, dtype=torch.float32, device=device)
+            elif packed:  # empty packed stacks of this rank's experts, filled expert by expert
                 stacks[key] = PackedWeight(f.fmt, *(None if t is None else torch.empty(
                     (n_local, *t.shape), dtype=t.dtype, device=device) for t in parts), dtype=dtype)
             else:
                 stacks[key] = torch.empty((n_local, *w.shape), dtype=dtype, device=device)
-            expert_scales[key] = torch.ones(n_local, dtype=torch.float32, device=device)
+            expert_scales.setdefault(key, torch.ones(n_local, dtype=torch.float32, device=device))
         stack = stacks[key]
         if isinstance(stack, PackedWeight) != packed or (packed and stack.fmt != f.fmt):
             problems.append(f"{prefix}: stored {f.fmt}, unlike the other experts of its layer")

@@ -222,6 +222,37 @@ def test_joint_stack_refuses_stacks_that_are_not_one(mma_on_cpu):
     assert JointStack.of(gate, up) is None
 
 
+@pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon (the custom operator)")
+def test_a_compiled_region_traces_the_joint_stack_whole(mma_on_cpu):
+    """`takes` / `takes_ranged` (the parts' checks and hooks; the address check skipped while tracing) and each of the
+    joint stack's products trace into one graph with one kernel launch (the backend records the graph and runs
+    nothing)."""
+    E, N, K = 4, 40, 128
+    w, s, g = (torch.stack((a, a)) for a in _operands("nvfp4", E, N, K, 1))
+    parts = [PackedWeight("nvfp4", w[i], s[i], g[i]) for i in (0, 1)]
+    for p in parts:
+        apply(p, FastPaths(gemv="mma"))
+    joint = JointStack.of(*parts)
+    ids = torch.tensor([[0, 3]])
+    ends = torch.tensor([2, 2, 3, 5], dtype=torch.int32)
+    calls = {"ids": lambda x: joint.by_ids(x, ids) if joint.takes(x, 1) else None,
+             "flags": lambda x: joint.by_flags(x, torch.ones(E, dtype=torch.int32), E) if joint.takes(x, 1) else None,
+             "ranges": lambda x: joint.by_ranges(x.expand(5, K), ends) if joint.takes_ranged(x) else None}
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        outputs = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [None] * outputs
+
+    for name, fn in calls.items():
+        graphs.clear()
+        torch.compile(fn, backend=record, fullgraph=True)(torch.zeros(1, K, dtype=BF16))
+        ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+        assert len(graphs) == 1 and ops.count(torch.ops.minimax_ref.packed_mma_gemv.default) + ops.count(
+            torch.ops.minimax_ref.packed_mma_gemv) == 1, (name, ops)
+
+
 @pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon")
 @pytest.mark.parametrize("tokens, path", [(1, "index"), (3, "index"), (4, "active"), (8, "active"),
                                           (12, "ends")])

@@ -166,13 +166,14 @@ class JointStack(nn.Module):
         """Whether a product of `rows` rows of x goes through the joint stack: both parts would multiply it by
         `fast.mma_gemv` (`FastPackedWeight.takes_gemv`), nothing is attached to a part (a hook sees its own call),
         and the parts still hold the joint's bytes."""
-        return all(p.takes_gemv(x, rows) and not (p._forward_hooks or p._forward_pre_hooks)
-                   for p in self.parts) and self.current()
+        return all(p.takes_gemv(x, rows) for p in self.parts) and self._untouched()
 
     def takes_ranged(self, x: torch.Tensor) -> bool:
         """`takes` for rows sorted by entry (`FastPackedWeight.takes_ranged`)."""
-        return all(p.takes_ranged(x) and not (p._forward_hooks or p._forward_pre_hooks)
-                   for p in self.parts) and self.current()
+        return all(p.takes_ranged(x) for p in self.parts) and self._untouched()
+
+    def _untouched(self) -> bool:
+        return not any(p._forward_hooks or p._forward_pre_hooks for p in self.parts) and self.current()
 
     def _product(self, x: torch.Tensor, **select) -> torch.Tensor:
         return mma_gemv.packed_product_stored(x, self.fmt, self.weight, self.weight_scale, self.weight_scale_2,

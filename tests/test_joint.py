@@ -18,6 +18,7 @@ from minimax_ref.fast.joint import JointProduct, JointStack, joined
 from minimax_ref.fast.moe import FastExperts, FastMLP
 from minimax_ref.fast.packed import GEMV_BUFFERS, decode_reference
 from minimax_ref.model.linear import Linear
+from minimax_ref.model.moe import Experts
 from minimax_ref.weights.loader import load_model
 from minimax_ref.weights.packed import PackedWeight, model_nbytes
 
@@ -185,7 +186,7 @@ def test_loader_places_gate_and_up_stacks_in_one_allocation(tiny_nvfp4):
     """Packed weights: each routed layer's up stack (w3: codes, block scales, global scales) starts where its gate
     stack (w1) ends, in one allocation, each a contiguous stack of the layer's experts."""
     model = load_model(tiny_nvfp4, weights="packed", dtype=BF16)
-    layers = [m for m in model.modules() if type(m).__name__ == "Experts"]
+    layers = [m for m in model.modules() if isinstance(m, Experts)]
     assert layers
     for m in layers:
         for a, b in zip(m.w1.parts(), m.w3.parts()):

@@ -117,8 +117,8 @@ LAUNCH = {(NVFP4, 1): Launch(2, 8), (NVFP4, 2): Launch(2, 8), (NVFP4, 4): Launch
 # Products over ranges of rows sorted by entry (`ends`): the kernel holds a pass of one row group and one of two, and
 # at two NVFP4 row tiles a warp their registers would allow 3 programs an SM
 RANGED_LAUNCH = {NVFP4: Launch(1, 8), MXFP8: Launch(2, 4)}
-# A few entries chosen by id, read in place, up to one row group (a token's experts): one row tile a warp gives each
-# program twice the K steps at the same program count, which these short products need to keep their loads in flight
+# A few entries chosen by id, read in place, up to one row group (a token's experts): one row tile a warp takes fewer
+# registers (sm_90: 56 against 96), so more programs share an SM to keep these short products' loads in flight
 STORED_IDS_LAUNCH = {NVFP4: Launch(1, 8)}
 RESIDENT = 4  # programs an SM that every launch's registers allow
 GROUP = WARPS * max(launch.row_tiles for launch in LAUNCH.values())  # `reorder` pads N to whole groups of row tiles

@@ -15,7 +15,7 @@ them). Every variant is first checked against `fast.packed.packed_matmul_referen
 adds the stacks' ranges at other launch shapes (`mma_gemv.Launch`: row tiles a warp, programs an SM).
 
     # 1 x H100 or H200, about a minute:
-    python benchmarks/routed_products.py --tokens 1,16,32 --out routed_products.jsonl
+    python benchmarks/routed_products.py --tokens 1,2,16,32 --out routed_products.jsonl
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=batch_sizes, default=[1, 16, 32],
+    p.add_argument("--tokens", type=batch_sizes, default=[1, 2, 16, 32],
                    help="tokens of the step (one a sequence), comma-separated")
     p.add_argument("--launches", type=_launch, nargs="*", default=[],
                    help="the stacks' ranges at these launch shapes too: ROW_TILES,PER_SM each (e.g. 1,8 2,8)")

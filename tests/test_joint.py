@@ -167,19 +167,25 @@ def test_apply_joins_each_layers_projections(tiny_nvfp4, mma_on_cpu):
     assert not any(hasattr(m, b) for m in model.modules() for b in GEMV_BUFFERS)
 
 
-def _stored_by_contract(x, fmt, weight, weight_scale, weight_scale_2, index=None, active=None, ends=None, **_):
+def _stored_by_contract(x, fmt, weight, weight_scale, weight_scale_2, index=None, active=None, ends=None, copies=1,
+                        **_):
     """`mma_gemv.packed_product_stored`'s contract in torch (the kernel does not run on a CPU): each entry's decoded
-    bf16 weight times its rows, fp32 sums rounded once to bf16; unflagged entries give zero rows."""
+    bf16 weight times its rows, fp32 sums rounded once to bf16; unflagged entries give zero rows; `copies` stacks of
+    E / copies entries each take the same selection, their outputs one after the other."""
     w_hat = decode_reference(fmt, weight, weight_scale, weight_scale_2).to(BF16).float()
-    if ends is not None:
-        out, start = torch.empty(x.shape[0], w_hat.shape[1], dtype=BF16), 0
-        for e, end in enumerate(ends.tolist()):
-            out[start:end] = (x[start:end].float() @ w_hat[e].T).to(BF16)
-            start = end
-        return out
-    xs = x.unsqueeze(0) if x.dim() == 2 else x
-    y = (xs.float() @ (w_hat if index is None else w_hat[index]).transpose(-1, -2)).to(BF16)
-    return y if active is None else y * (active != 0)[:, None, None]
+    outs = []
+    for stack in w_hat.chunk(copies):
+        if ends is not None:
+            out, start = torch.empty(x.shape[0], stack.shape[1], dtype=BF16), 0
+            for e, end in enumerate(ends.tolist()):
+                out[start:end] = (x[start:end].float() @ stack[e].T).to(BF16)
+                start = end
+        else:
+            xs = x.unsqueeze(0) if x.dim() == 2 else x
+            out = (xs.float() @ (stack if index is None else stack[index]).transpose(-1, -2)).to(BF16)
+            out = out if active is None else out * (active != 0)[:, None, None]
+        outs.append(out)
+    return torch.cat(outs)
 
 
 def test_loader_places_gate_and_up_stacks_in_one_allocation(tiny_nvfp4):
@@ -221,6 +227,22 @@ def test_joint_stack_refuses_stacks_that_are_not_one(mma_on_cpu):
     gate, up = stacks(True)
     apply(up, False)  # the reference: not read in place
     assert JointStack.of(gate, up) is None
+
+
+@pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon")
+def test_a_selection_that_does_not_fit_the_stacks_is_refused():
+    """`packed_product_stored(..., copies=c)`: a stack that is not c stacks of whole entries, flags or ranges longer
+    than one stack's entries, and x with one row per selected entry of another count are each refused with the
+    shapes named, before anything is launched."""
+    w, s, g = _operands("nvfp4", 4, 40, 128, 0)
+    x = torch.zeros(1, 128, dtype=BF16)
+    cases = [dict(index=torch.tensor([0]), copies=3),
+             dict(active=torch.ones(4, dtype=torch.int32), copies=2),
+             dict(ends=torch.tensor([1, 1, 1], dtype=torch.int32), copies=2),
+             dict(index=torch.tensor([0, 1]), copies=2, x=torch.zeros(3, 1, 128, dtype=BF16))]
+    for kw in cases:
+        with pytest.raises(ValueError, match=r"nvfp4 weight \[4, 40, 64\].*stacks"):
+            mg.packed_product_stored(kw.pop("x", x), "nvfp4", w, s, g, **kw)
 
 
 @pytest.mark.skipif(not mg.AVAILABLE, reason="triton with Gluon (the custom operator)")
@@ -413,6 +435,14 @@ def test_joint_stack_on_cuda_within_the_bound(fmt):
     both = torch.tensor([4, 0, 5, 2], device="cuda")
     one = mg.packed_product_stored(x[:1], fmt, joint.weight, joint.weight_scale, joint.weight_scale_2,
                                    index=torch.cat((both, both + E)), split=1)
+    copies = mg.packed_product_stored(x[:1], fmt, joint.weight, joint.weight_scale, joint.weight_scale_2,
+                                      index=both, split=1, copies=2)
+    assert torch.equal(one, copies)
     for i, p in enumerate(parts):
         alone = mg.packed_product_stored(x[:1], fmt, *p.parts(), index=both, split=1)
         assert torch.equal(one[4 * i:4 * i + 4], alone), i
+    joined = mg.packed_product_stored(xs, fmt, joint.weight, joint.weight_scale, joint.weight_scale_2, ends=ends,
+                                      split=1, copies=2)
+    for i, p in enumerate(parts):  # ranges (empty ones too) at one split: each stack's own bits
+        alone = mg.packed_product_stored(xs, fmt, *p.parts(), ends=ends, split=1)
+        assert torch.equal(joined[i * xs.shape[0]:(i + 1) * xs.shape[0]], alone), i

@@ -184,7 +184,7 @@ def test_two_table_assembly_decodes_the_reference_bits():
 
 def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: int = 1, stored: bool = False,
               masked: bool = False, sum_splits: bool = False, ahead: int | None = None,
-              row_tiles: int | None = None) -> str:
+              row_tiles: int | None = None, copies: int = 1, prefetch: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -194,7 +194,7 @@ def _sm90_ptx(nvfp4: bool, select: int, out_bf16: bool, even_k: bool, groups: in
     consts = {"NVFP4_FMT": nvfp4, "SELECT": select, "RT": row_tiles or launch.row_tiles, "NB": groups,
               "WARPS": mg.WARPS,
               "OUT_BF16": out_bf16, "EVEN_K": even_k, "STORED": stored, "MASKED": masked, "SUM_SPLITS": sum_splits,
-              "AHEAD": ahead or launch.ahead}
+              "AHEAD": ahead or launch.ahead, "PREFETCH": prefetch, "COPIES": copies}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
                 "sel_ptr": "*i64" if select == 1 else "*i32", "y_ptr": "*bf16" if out_bf16 else "*fp32",
                 "out_ptr": "*bf16", "cnt_ptr": "*i32"}
@@ -229,18 +229,22 @@ COMPILE_CASES = [(True, 0, True, True, 1, False, False), (True, 1, False, True, 
 
 
 @pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
-@pytest.mark.parametrize("nvfp4,select,out_bf16,even_k,groups,stored,masked,ahead",
-                         [(*case, 1) for case in COMPILE_CASES]
-                         + [(*case, 2) for case in COMPILE_CASES if case[4] == 1])  # two steps ahead: one group
-def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, groups, stored, masked, ahead):
+@pytest.mark.parametrize("nvfp4,select,out_bf16,even_k,groups,stored,masked,ahead,copies",
+                         [(*case, 1, 1) for case in COMPILE_CASES]
+                         + [(*case, 2, 1) for case in COMPILE_CASES if case[4] == 1]  # two steps ahead: one group
+                         # a joint stack's flags (`fast.joint.JointStack`)
+                         + [(*case, 1, 2) for case in COMPILE_CASES if case[1] == 2 and case[5] and case[4] == 1])
+def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, groups, stored, masked, ahead,
+                                               copies):
     """Every word is decoded in the lane that loads it: the kernel issues one MMA a row tile, row group, MMA tile and
     step of 64, loads a lane's 16 bytes of words at once (from the stored layout: a row's 16 NVFP4 bytes of a pair
     step, or its 16 MXFP8 bytes of a step), and has no shared memory, barrier or spill; its registers let `RESIDENT`
     programs share an SM (loads one K step ahead, or two at one row group). With the K splits added in the kernel, the
     same loop; a barrier and one acquire-release ticket a program."""
-    ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, ahead=ahead)
+    ptx = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, ahead=ahead, copies=copies)
     if not out_bf16:  # a launch with K splits: the same kernel adding them itself
-        summed = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, sum_splits=True, ahead=ahead)
+        summed = _sm90_ptx(nvfp4, select, out_bf16, even_k, groups, stored, masked, sum_splits=True, ahead=ahead,
+                           copies=copies)
         tickets = [op for op in re.findall(r"\batom\.[\w.]+", summed) if ".add." in op]
         assert tickets and all(".gpu." in op and ".acq_rel." in op for op in tickets), tickets
         assert "ld.global.cg" in summed and "bar.sync" in summed
@@ -265,17 +269,20 @@ def test_kernel_compiles_to_register_fragments(nvfp4, select, out_bf16, even_k, 
 
 @pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
 @pytest.mark.parametrize("sum_splits", [False, True])
-def test_stored_ids_launch_compiles_to_the_same_loop(sum_splits):
-    """`STORED_IDS_LAUNCH` (a few NVFP4 entries by id read in place: one row tile a warp): the stored loop's MMAs (one a
-    row tile, MMA tile and step of 64), a row's 16 bytes of a pair step a load, no spill, and registers for
-    `RESIDENT` programs an SM."""
-    launch = mg.STORED_IDS_LAUNCH["nvfp4"]
+@pytest.mark.parametrize("copies", [1, 2])
+@pytest.mark.parametrize("key", sorted(mg.STORED_IDS_LAUNCH))
+def test_stored_ids_launch_compiles_to_the_same_loop(sum_splits, copies, key):
+    """`STORED_IDS_LAUNCH` (a few NVFP4 entries by id read in place: one row tile a warp; of one stack, or of a joint
+    stack's two): the stored loop's MMAs (one a row tile, MMA tile and step of 64), a row's 16 bytes of a pair step a
+    load (with the L2 prefetch size where the launch asks for it), no spill, and registers for `RESIDENT` programs an
+    SM."""
+    launch = mg.STORED_IDS_LAUNCH[key]
     ptx = _sm90_ptx(True, 1, not sum_splits, True, 1, True, False, sum_splits=sum_splits, ahead=launch.ahead,
-                    row_tiles=launch.row_tiles)
+                    row_tiles=launch.row_tiles, copies=copies, prefetch=launch.prefetch)
     sub_steps = mg.step_columns("nvfp4", True) // mg.STEP_K
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == sub_steps * mg.TILES * \
         launch.row_tiles
-    assert "ld.global.v2.b64" in ptx
+    assert ("ld.global.nc.L2::256B.v2.b64" if launch.prefetch else "ld.global.v2.b64") in ptx
     info = _ptxas_report(ptx)
     assert " 0 bytes spill stores" in info, info
     used = int(re.search(r"Used (\d+) registers", info).group(1))
@@ -285,15 +292,20 @@ def test_stored_ids_launch_compiles_to_the_same_loop(sum_splits):
 @pytest.mark.skipif(not mg.AVAILABLE or INTERP, reason="compiles the Gluon kernel (triton with Gluon, not interpreted)")
 @pytest.mark.parametrize("nvfp4,stored,sum_splits", [(True, True, False), (True, True, True), (True, False, False),
                                                      (False, True, True), (False, False, False)])
-def test_ranged_kernel_compiles_both_passes(nvfp4, stored, sum_splits):
-    """Products over ranges of rows (SELECT 3): the kernel holds a one-row-group pass and a two-group pass (ranges of
-    more than 8 rows), each the plain loop's MMAs (one a row tile, row group, MMA tile and step of 64), nothing
-    through shared memory but the split sum's ticket, no spill, and registers for `RESIDENT` programs an SM at
-    `RANGED_LAUNCH`'s row tiles."""
+@pytest.mark.parametrize("copies", [1, 2])
+def test_ranged_kernel_compiles_both_passes(nvfp4, stored, sum_splits, copies):
+    """Products over ranges of rows (SELECT 3), of one stack or of a joint stack's two (`copies`, stored only): the
+    kernel holds a one-row-group pass and a two-group pass (ranges of more than 8 rows), each the plain loop's MMAs
+    (one a row tile, row group, MMA tile and step of 64), nothing through shared memory but the split sum's ticket,
+    no spill, and registers for `RESIDENT` programs an SM at `RANGED_LAUNCH`'s row tiles."""
+    if copies > 1 and not stored:
+        pytest.skip("a joint stack is read in place")
     fmt = "nvfp4" if nvfp4 else "mxfp8"
     launch = mg.RANGED_LAUNCH[fmt]
     ptx = _sm90_ptx(nvfp4, 3, not sum_splits, True, 1, stored, False, sum_splits=sum_splits, ahead=launch.ahead,
-                    row_tiles=launch.row_tiles)
+                    row_tiles=launch.row_tiles, copies=copies, prefetch=launch.prefetch)
+    if stored and nvfp4 and launch.prefetch:
+        assert "ld.global.nc.L2::256B.v2.b64" in ptx
     sub_steps = mg.step_columns(fmt, stored) // mg.STEP_K
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == sub_steps * mg.TILES * \
         launch.row_tiles * (1 + 2)
@@ -546,6 +558,30 @@ def test_loads_two_steps_ahead_give_the_same_bits(layout, fmt):
             for split in (1, 2, K // mg.STEP_K):
                 want = product(x, split=split, launch=one)
                 assert torch.equal(product(x, split=split, launch=one._replace(ahead=2)), want), (case, rows, split)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_loads_that_prefetch_into_l2_give_the_same_bits():
+    """A stored NVFP4 launch whose loads fetch their rows' 256-byte blocks into L2 (`Launch.prefetch`; unmasked: whole
+    row tiles and pair steps) reads the same bytes: the same bits as plain loads, by ids (one x for all, one an
+    entry), flags and ranges (empty ones too), at splits of one pair step, a few and none."""
+    E, N, K = 5, 256, 1024
+    w, s, g = _operands("nvfp4", E, N, K, 1, device="cuda")
+    sizes = [3, 0, 9, 1, 2]
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    ids = torch.tensor([4, 0, 2], device="cuda")
+    calls = {"ids, one x": dict(x=torch.randn(1, 1, K), index=ids), "ids, x an entry": dict(x=torch.randn(3, 1, K),
+                                                                                              index=ids),
+             "flags": dict(x=torch.randn(4, K), active=torch.tensor([1, 0, 1, 1, 0], device="cuda")),
+             "ranges": dict(x=torch.randn(sum(sizes), K), ends=ends)}
+    for name, kw in calls.items():
+        x = kw.pop("x").to("cuda", BF16)
+        for split in (1, 2, K // mg.step_columns("nvfp4", True)):
+            plain = mg.Launch(1, 8)
+            want = mg.packed_product_stored(x, "nvfp4", w, s, g, split=split, launch=plain, **kw)
+            got = mg.packed_product_stored(x, "nvfp4", w, s, g, split=split, launch=plain._replace(prefetch=True), **kw)
+            assert torch.equal(got, want), (name, split)
 
 
 @pytest.mark.gpu

@@ -16,9 +16,11 @@ launch would add them: equal to fp32 rounding before the one bf16 rounding).
 A routed layer's gate and up stacks (w1, w3) read the same tokens too. The loader allocates them as one buffer, the
 gate's E entries then the up's (`weights.loader.GATE_UP`), so `JointStack` reads them in place as one stack of 2 E
 entries: a token's chosen experts' gate and up rows in one launch, by ids (a decode step's few tokens), flags or
-ranges of rows sorted by expert (`FastExperts`), with the same contract against each stack's own launch. Nothing is
-copied: the joint stack is a view of the stacks' own bytes, taken when the fast paths are applied (a stack replaced
-afterwards is not read through it: eager calls check, and `fast.apply` joins again).
+ranges of rows sorted by expert (`FastExperts`), with the same contract against each stack's own launch. The launch
+applies one selection to both halves (`mma_gemv.packed_product_stored(..., copies=2)`), so the step's ids, flags, rows
+and range ends go in as they are. Nothing is copied: the joint stack is a view of the stacks' own bytes, taken when
+the fast paths are applied (a stack replaced afterwards is not read through it: eager calls check, and `fast.apply`
+joins again).
 """
 
 from __future__ import annotations
@@ -177,36 +179,29 @@ class JointStack(nn.Module):
 
     def _product(self, x: torch.Tensor, **select) -> torch.Tensor:
         return mma_gemv.packed_product_stored(x, self.fmt, self.weight, self.weight_scale, self.weight_scale_2,
-                                              sms=self.sms, counters=self.counters, **select)
+                                              sms=self.sms, counters=self.counters, copies=2, **select)
 
     def by_ids(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's row of x bf16 `[T, K]` times its chosen entries `ids` (`[T, k]`, local expert ids): gate and
         up, each bf16 `[T, k, 1, N]` (what `FastPackedWeight.matmul(x[:, None, None], ids)` gives for one stack)."""
         T, k = ids.shape
-        pairs = ids.reshape(-1)
-        both = torch.cat((pairs, pairs + self.entries))
-        # one token's row is shared by every entry (read in place); otherwise each entry's row is laid out once
-        xs = x.reshape(1, 1, -1) if T == 1 else x[:, None].expand(T, k, x.shape[-1]).reshape(T * k, 1, -1).repeat(
-            2, 1, 1)
-        y = self._product(xs, index=both)
+        # one token's row is shared by every entry (read in place); otherwise each pair's row is laid out once
+        xs = x.reshape(1, 1, -1) if T == 1 else x[:, None].expand(T, k, x.shape[-1]).reshape(T * k, 1, -1)
+        y = self._product(xs, index=ids.reshape(-1))
         return y[:T * k].view(T, k, 1, -1), y[T * k:].view(T, k, 1, -1)
 
     def by_flags(self, x: torch.Tensor, active: torch.Tensor | None = None,
                  busy: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x bf16 `[T, K]` times every entry, or every entry flagged in `active` (int32 `[E]`; unflagged entries give
         zero rows, at most `busy` flagged): gate and up, each bf16 `[E, T, N]`."""
-        if active is None:
-            y = self._product(x)
-        else:
-            y = self._product(x, active=torch.cat((active, active)), busy=None if busy is None else 2 * busy)
+        y = self._product(x, active=active, busy=busy)
         return y[:self.entries], y[self.entries:]
 
     def by_ranges(self, xs: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows xs bf16 `[R, K]` sorted by entry (entry e's end at ends[e], int32 `[E]`), each times its own entry: gate
-        and up, each bf16 `[R, N]` (`FastPackedWeight.ranged_product`). The rows go twice, once to each half."""
-        R = xs.shape[0]
-        y = self._product(torch.cat((xs, xs)), ends=torch.cat((ends, ends + R)))
-        return y[:R], y[R:]
+        and up, each bf16 `[R, N]` (`FastPackedWeight.ranged_product`). The rows are read once for both."""
+        y = self._product(xs, ends=ends)
+        return y[:xs.shape[0]], y[xs.shape[0]:]
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, entries={self.entries} x 2, rows={self.rows}"

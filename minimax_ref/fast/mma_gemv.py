@@ -107,6 +107,9 @@ class Launch(NamedTuple):
     row_tiles: int
     per_sm: int
     ahead: int = 1  # K steps of loads in flight while a step is decoded (1 or 2; stored NVFP4: pair steps)
+    # stored NVFP4 (unmasked): a load that misses brings its row's 256-byte block (this pair step and the next three)
+    # into L2, so a lane's next loads wait on L2, not memory, with no registers held for them
+    prefetch: bool = False
 
 
 # By format and row groups (x rows / 8, rounded up to a power of two), from products at release shapes on 1 x H100
@@ -115,11 +118,14 @@ class Launch(NamedTuple):
 LAUNCH = {(NVFP4, 1): Launch(2, 8), (NVFP4, 2): Launch(2, 8), (NVFP4, 4): Launch(1, 8),
           (MXFP8, 1): Launch(2, 4), (MXFP8, 2): Launch(2, 4), (MXFP8, 4): Launch(1, 4)}
 # Products over ranges of rows sorted by entry (`ends`): the kernel holds a pass of one row group and one of two, and
-# at two NVFP4 row tiles a warp their registers would allow 3 programs an SM
-RANGED_LAUNCH = {NVFP4: Launch(1, 8), MXFP8: Launch(2, 4)}
-# A few entries chosen by id, read in place, up to one row group (a token's experts): one row tile a warp takes fewer
-# registers (sm_90: 56 against 96), so more programs share an SM to keep these short products' loads in flight
-STORED_IDS_LAUNCH = {NVFP4: Launch(1, 8)}
+# at two NVFP4 row tiles a warp their registers would allow 3 programs an SM; NVFP4's rows come into L2 by 256-byte
+# blocks ahead of the loads (each step's MMAs over a range's rows give the fetch time to land)
+RANGED_LAUNCH = {NVFP4: Launch(1, 8, prefetch=True), MXFP8: Launch(2, 4)}
+# A few entries chosen by id, read in place, up to one row group, by format and whether each entry has its own x (a
+# token's experts share its row; several tokens' pairs each have theirs): one row tile a warp takes fewer registers
+# (sm_90: 56 against 96), so more programs share an SM to keep these short products' loads in flight; with x an entry,
+# fewer K splits and the rows' 256-byte blocks fetched into L2 ahead
+STORED_IDS_LAUNCH = {(NVFP4, False): Launch(1, 8), (NVFP4, True): Launch(1, 4, prefetch=True)}
 RESIDENT = 4  # programs an SM that every launch's registers allow
 GROUP = WARPS * max(launch.row_tiles for launch in LAUNCH.values())  # `reorder` pads N to whole groups of row tiles
 MIN_STEPS_PER_SPLIT = 4  # a split's K steps at least: tiny products (k_proj) otherwise spend more on the split sum
@@ -439,12 +445,14 @@ if AVAILABLE:
         return w0, w1, w2, w3, codes & 0xFF, (codes >> 8) & 0xFF
 
     @gluon.jit
-    def _pair_loads(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, MASKED: gl.constexpr, PAIR: gl.constexpr):
+    def _pair_loads(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, MASKED: gl.constexpr, PAIR: gl.constexpr,
+                    PREFETCH: gl.constexpr):
         """A lane's bytes of a stored NVFP4 pair step (128 columns, `_pair_steps`), as loaded: rows g's and g + 8's 16
         bytes at byte 64 step + 16c of the row (`wa` / `wb` int64 pointers [S, RT] in PAIR's slice) as [S, RT, 2]
         int64, and their two block scales (blocks 8 step + 2c, + 1) as an int32 each, the first in its low byte
         (`sa` / `sb` byte pointers, read as an int16; byte by byte when MASKED: rows past N and columns past K read
-        as zeros, `kc` the lane's byte in a pair step's 64)."""
+        as zeros, `kc` the lane's byte in a pair step's 64). PREFETCH (unmasked): the rows' bytes by a load whose miss
+        fetches the row's aligned 256 bytes into L2 (`ld.global.nc.L2::256B`)."""
         j = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, PAIR))), 0), 0)
         if MASKED:
             in_k0 = kc + step * 64 < KB
@@ -456,6 +464,15 @@ if AVAILABLE:
                       | (gl.load(sa + step * 8 + 1, mask=ok_g & in_k1, other=0).to(gl.int32) << 8))
             code_h = (gl.load(sb + step * 8, mask=ok_h & in_k0, other=0).to(gl.int32)
                       | (gl.load(sb + step * 8 + 1, mask=ok_h & in_k1, other=0).to(gl.int32) << 8))
+        elif PREFETCH:  # a miss brings the row's 256-byte block (this pair step and the next three) into L2
+            lo0, lo1 = gl.inline_asm_elementwise("ld.global.nc.L2::256B.v2.b64 {$0, $1}, [$2];", "=l,=l,l",
+                                                 [wa + step * 8], dtype=(gl.int64, gl.int64), is_pure=True, pack=1)
+            hi0, hi1 = gl.inline_asm_elementwise("ld.global.nc.L2::256B.v2.b64 {$0, $1}, [$2];", "=l,=l,l",
+                                                 [wb + step * 8], dtype=(gl.int64, gl.int64), is_pure=True, pack=1)
+            lo = gl.convert_layout(gl.join(lo0, lo1), PAIR)
+            hi = gl.convert_layout(gl.join(hi0, hi1), PAIR)
+            code_g = gl.load((sa + step * 8).to(gl.pointer_type(gl.int16))).to(gl.int32)
+            code_h = gl.load((sb + step * 8).to(gl.pointer_type(gl.int16))).to(gl.int32)
         else:
             lo = gl.load(gl.expand_dims(wa + step * 8, 2) + j)
             hi = gl.load(gl.expand_dims(wb + step * 8, 2) + j)
@@ -573,17 +590,18 @@ if AVAILABLE:
     @gluon.jit
     def _pair_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr,
                     MASKED: gl.constexpr, AHEAD: gl.constexpr, L3: gl.constexpr, LA: gl.constexpr,
-                    PAIR: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr):
+                    PAIR: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr, PREFETCH: gl.constexpr):
         """`_steps` for an NVFP4 weight read where it is stored, by pair steps of 128 columns: sub-step j (0, 1) of
         pair step s gives lane c the columns 128 s + 32 c + 16 j + 4 t + q (MMA tile t, q = 0..3), so a lane's 16
         bytes of a row and its 2 block scales of a pair step are one load each (`_pair_loads`). The bytes of the pair
         step AHEAD (1 or 2) on are loaded before this one's are decoded (2 AHEAD sub-steps in flight); x's quads one
-        sub-step ahead."""
+        sub-step ahead; PREFETCH: the rows' 256-byte blocks into L2 (the next pair steps) with each miss."""
         acc = (gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3),
                gl.zeros(SHAPE, gl.float32, L3))
-        loads1 = _pair_loads(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, MASKED, PAIR)
+        loads1 = _pair_loads(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
         if AHEAD == 2:
-            loads2 = _pair_loads(wa, wb, sa, sb, kc, gl.minimum(s_lo + 1, s_hi - 1), ok_g, ok_h, KB, MASKED, PAIR)
+            loads2 = _pair_loads(wa, wb, sa, sb, kc, gl.minimum(s_lo + 1, s_hi - 1), ok_g, ok_h, KB, MASKED, PAIR,
+                                 PREFETCH)
         xa = _x_quads(x_rows, s_lo * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
         for step in range(s_lo, s_hi):
             loads = loads1
@@ -591,9 +609,9 @@ if AVAILABLE:
             if AHEAD == 2:
                 loads1 = loads2
                 loads2 = _pair_loads(wa, wb, sa, sb, kc, gl.minimum(step + 2, s_hi - 1), ok_g, ok_h, KB, MASKED,
-                                     PAIR)
+                                     PAIR, PREFETCH)
             else:
-                loads1 = _pair_loads(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, MASKED, PAIR)
+                loads1 = _pair_loads(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
             xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
             acc = _step_mmas(_pair_operands(loads, 0, LA), xa, glob, acc, True)
             xa = _x_quads(x_rows, nxt * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
@@ -649,7 +667,7 @@ if AVAILABLE:
                        STEPS, stride_xm, stride_ge, stride_ys, stride_ym, stride_we, stride_wn, stride_se, stride_sn,
                        NVFP4_FMT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr, WARPS: gl.constexpr,
                        OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr, MASKED: gl.constexpr,
-                       AHEAD: gl.constexpr):
+                       AHEAD: gl.constexpr, PREFETCH: gl.constexpr):
         """One pass of a program: stack entry e's row tiles of program `pid_n` against M <= 8 NB rows of x from
         element `x_off`, K steps [s_lo, s_hi) of split `sid`, stored at y's rows from element `y_off` (see
         `_mma_gemv_kernel`)."""
@@ -702,7 +720,7 @@ if AVAILABLE:
         glob = gl.load(g_ptr + e * stride_ge) if NVFP4_FMT else 1.0  # NVFP4's weight_scale_2
         if STORED and NVFP4_FMT:
             acc0, acc1, acc2, acc3 = _pair_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K,
-                                                 EVEN_K, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
+                                                 EVEN_K, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE, PREFETCH)
         else:
             acc0, acc1, acc2, acc3 = _steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K,
                                             NVFP4_FMT, EVEN_K, STORED, MASKED, AHEAD, L3, LA, WIDE, XWIDE, SHAPE)
@@ -738,32 +756,37 @@ if AVAILABLE:
             gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
     @gluon.jit
-    def _whole_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, cnt_ptr, pid_n, p, sid, s_lo, s_hi, e, M, N, K,
-                       N16, STEPS, NSPLIT, stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym, stride_we,
+    def _whole_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, cnt_ptr, pid_n, p, sid, s_lo, s_hi, e, x_off, M,
+                       N, K, N16, STEPS, NSPLIT, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym, stride_we,
                        stride_wn, stride_se, stride_sn, NVFP4_FMT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr,
                        WARPS: gl.constexpr, OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr,
-                       MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr, AHEAD: gl.constexpr):
-        """A program of SELECT 0 to 2: x's M rows of output entry p (`_entry_product`), then its split sum."""
-        _entry_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, pid_n, sid, s_lo, s_hi, e, p * stride_xp, p * stride_yp, M,
+                       MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr, AHEAD: gl.constexpr,
+                       PREFETCH: gl.constexpr):
+        """A program of SELECT 0 to 2: x's M rows from element `x_off` times entry e as output entry p
+        (`_entry_product`), then its split sum."""
+        _entry_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, pid_n, sid, s_lo, s_hi, e, x_off, p * stride_yp, M,
                        N, K, N16, STEPS, stride_xm, stride_ge, stride_ys, stride_ym, stride_we, stride_wn, stride_se,
-                       stride_sn, NVFP4_FMT, RT, NB, WARPS, OUT_BF16, EVEN_K, STORED, MASKED, AHEAD)
+                       stride_sn, NVFP4_FMT, RT, NB, WARPS, OUT_BF16, EVEN_K, STORED, MASKED, AHEAD, PREFETCH)
         if SUM_SPLITS:
             _add_splits(y_ptr, out_ptr, cnt_ptr, pid_n, p, p * stride_yp, M, N, NSPLIT, stride_ys, stride_ym, RT, NB,
                         WARPS)
 
     @gluon.jit
     def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, sel_ptr, y_ptr, out_ptr, cnt_ptr,
-                         M, N, K, N16, STEPS, STEPS_PER_SPLIT, NSPLIT,
+                         M, N, K, N16, STEPS, STEPS_PER_SPLIT, NSPLIT, SEL_LEN, COPY_ENTRIES,
                          stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
                          stride_we, stride_wn, stride_se, stride_sn,
                          NVFP4_FMT: gl.constexpr, SELECT: gl.constexpr, RT: gl.constexpr, NB: gl.constexpr,
                          WARPS: gl.constexpr, OUT_BF16: gl.constexpr, EVEN_K: gl.constexpr, STORED: gl.constexpr,
-                         MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr, AHEAD: gl.constexpr):
-        """y[split, p, m, n] = sum over this split's steps of x[p, m, k] * w_hat[e, n, k] (fp32), e = p (SELECT 0),
-        index[p] (SELECT 1), or p with unflagged entries (active[p] == 0) read as nothing (SELECT 2). SELECT 3: entry
-        p's rows are its range of x's and y's rows (one x, stride_yp 0), [ends[p - 1], ends[p]) with `sel_ptr` the
-        int32 ends (the first from row 0), at most 8 NB; the program multiplies the row groups the range has (1, 2 or
-        NB: an empty range reads nothing), so an entry's MMAs and x loads go to its own rows only.
+                         MASKED: gl.constexpr, SUM_SPLITS: gl.constexpr, AHEAD: gl.constexpr,
+                         PREFETCH: gl.constexpr, COPIES: gl.constexpr):
+        """y[split, p, m, n] = sum over this split's steps of x[q, m, k] * w_hat[e, n, k] (fp32) for output entry p =
+        c SEL_LEN + q: selection entry q of copy c < COPIES, whose stack entry is e = c COPY_ENTRIES + e(q) with e(q) =
+        q (SELECT 0), index[q] (SELECT 1), or q with unflagged entries (active[q] == 0) read as nothing (SELECT 2); x
+        is one per selection entry (or one for all: stride_xp 0), so the copies read the same rows. SELECT 3: entry
+        q's rows are its range of x's rows and of copy c's output rows (one x), [ends[q - 1], ends[q]) with `sel_ptr`
+        the int32 ends (the first from row 0), at most 8 NB; the program multiplies the row groups the range has (1,
+        2 or NB: an empty range reads nothing), so an entry's MMAs and x loads go to its own rows only.
 
         Grid: (groups of WARPS x RT row tiles, output entries, splits). The program's tensors are [S, RT, NB'] (S = 32
         WARPS lane slots, RT row tiles, NB' row groups of 8 x rows), all of a slot's in its lane's registers: element
@@ -779,55 +802,66 @@ if AVAILABLE:
         pid_n = gl.program_id(0)
         p = gl.program_id(1)
         sid = gl.program_id(2)
-        s_lo, s_hi, e = _split_and_entry(sel_ptr, p, sid, STEPS_PER_SPLIT, STEPS, SELECT)
+        if COPIES == 1:  # a constant: the other launches' registers stay as they were
+            q, copy = p, 0
+        else:
+            q, copy = p % SEL_LEN, p // SEL_LEN
+        s_lo, s_hi, e = _split_and_entry(sel_ptr, q, sid, STEPS_PER_SPLIT, STEPS, SELECT)
+        if COPIES > 1:
+            e += copy * COPY_ENTRIES
         if SELECT == 3:
-            row0 = gl.load(sel_ptr + gl.maximum(p - 1, 0)) * (p > 0).to(gl.int32)
-            rows = gl.load(sel_ptr + p) - row0
+            row0 = gl.load(sel_ptr + gl.maximum(q - 1, 0)) * (q > 0).to(gl.int32)
+            rows = gl.load(sel_ptr + q) - row0
+            y0 = copy * stride_yp
             if rows > 0:
                 if rows > 8:  # passes of 16 rows (registers for more would cost every program)
                     for r0 in range(row0, row0 + rows, 16):
                         _entry_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, pid_n, sid, s_lo, s_hi, e, r0 * stride_xm,
-                                       r0 * stride_ym, gl.minimum(row0 + rows - r0, 16), N, K, N16, STEPS, stride_xm,
-                                       stride_ge, stride_ys, stride_ym, stride_we, stride_wn, stride_se, stride_sn,
-                                       NVFP4_FMT, RT, 2, WARPS, OUT_BF16, EVEN_K, STORED, MASKED, AHEAD)
+                                       y0 + r0 * stride_ym, gl.minimum(row0 + rows - r0, 16), N, K, N16, STEPS,
+                                       stride_xm, stride_ge, stride_ys, stride_ym, stride_we, stride_wn, stride_se,
+                                       stride_sn, NVFP4_FMT, RT, 2, WARPS, OUT_BF16, EVEN_K, STORED, MASKED, AHEAD,
+                                       PREFETCH)
                 else:
                     _entry_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, pid_n, sid, s_lo, s_hi, e, row0 * stride_xm,
-                                   row0 * stride_ym, rows, N, K, N16, STEPS, stride_xm, stride_ge, stride_ys,
+                                   y0 + row0 * stride_ym, rows, N, K, N16, STEPS, stride_xm, stride_ge, stride_ys,
                                    stride_ym, stride_we, stride_wn, stride_se, stride_sn, NVFP4_FMT, RT, 1, WARPS,
-                                   OUT_BF16, EVEN_K, STORED, MASKED, AHEAD)
+                                   OUT_BF16, EVEN_K, STORED, MASKED, AHEAD, PREFETCH)
                 if SUM_SPLITS:
-                    _add_splits(y_ptr, out_ptr, cnt_ptr, pid_n, p, row0 * stride_ym, rows, N, NSPLIT, stride_ys,
+                    _add_splits(y_ptr, out_ptr, cnt_ptr, pid_n, p, y0 + row0 * stride_ym, rows, N, NSPLIT, stride_ys,
                                 stride_ym, RT, NB, WARPS)
         elif SELECT == 2:  # x's first M rows for every entry; an unflagged entry reads nothing and gives zeros
-            if gl.load(sel_ptr + p) == 0:
+            if gl.load(sel_ptr + q) == 0:
                 _store_zeros(y_ptr, out_ptr, pid_n, p, sid, M, N, stride_ys, stride_yp, stride_ym, RT, NB, WARPS,
                              OUT_BF16, SUM_SPLITS)
             else:
-                _whole_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, cnt_ptr, pid_n, p, sid, s_lo, s_hi, e, M, N,
-                               K, N16, STEPS, NSPLIT, stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
-                               stride_we, stride_wn, stride_se, stride_sn, NVFP4_FMT, RT, NB, WARPS, OUT_BF16, EVEN_K,
-                               STORED, MASKED, SUM_SPLITS, AHEAD)
+                _whole_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, cnt_ptr, pid_n, p, sid, s_lo, s_hi, e,
+                               q * stride_xp, M, N, K, N16, STEPS, NSPLIT, stride_xm, stride_ge, stride_ys, stride_yp,
+                               stride_ym, stride_we, stride_wn, stride_se, stride_sn, NVFP4_FMT, RT, NB, WARPS,
+                               OUT_BF16, EVEN_K, STORED, MASKED, SUM_SPLITS, AHEAD, PREFETCH)
         else:  # x's first M rows for every entry
-            _whole_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, cnt_ptr, pid_n, p, sid, s_lo, s_hi, e, M, N, K,
-                           N16, STEPS, NSPLIT, stride_xp, stride_xm, stride_ge, stride_ys, stride_yp, stride_ym,
-                           stride_we, stride_wn, stride_se, stride_sn, NVFP4_FMT, RT, NB, WARPS, OUT_BF16, EVEN_K,
-                           STORED, MASKED, SUM_SPLITS, AHEAD)
+            _whole_product(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, cnt_ptr, pid_n, p, sid, s_lo, s_hi, e,
+                           q * stride_xp, M, N, K, N16, STEPS, NSPLIT, stride_xm, stride_ge, stride_ys, stride_yp,
+                           stride_ym, stride_we, stride_wn, stride_se, stride_sn, NVFP4_FMT, RT, NB, WARPS, OUT_BF16,
+                           EVEN_K, STORED, MASKED, SUM_SPLITS, AHEAD, PREFETCH)
 
     # `counters` is written and restored to zeros within the launch, so the operator leaves it as it found it (no
     # mutation for torch.compile to functionalise: a copy a call)
     @custom_op("minimax_ref::packed_mma_gemv", mutates_args=())
     def _mma_gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor,
                      sel: torch.Tensor | None, select: int, outputs: int, n: int, split: int, nvfp4: bool,
-                     stored: bool, counters: torch.Tensor | None, row_tiles: int, ahead: int) -> torch.Tensor:
+                     stored: bool, counters: torch.Tensor | None, row_tiles: int, ahead: int, prefetch: bool,
+                     copies: int) -> torch.Tensor:
         """The launch (see `packed_product`): x bf16 `[Px, M, K]` (Px 1: shared by every output entry); the weight
         in `reorder`'s layout (words, scales, glob), or `stored` in the checkpoint's (uint8 views `[E, N, K/2 or K]`
         and `[E, N, K/16 or K/32]`, glob NVFP4's weight_scale_2 `[E]` or `[1]`, MXFP8 anything: unread); sel int
-        `[outputs]` (ids, select 1; flags, select 2; select 3: int32 ends of the entries' ranges of x's M rows, and
-        outputs 1) or None; counters int32 zeros (at least `programs`) for the K
-        splits' sum in the kernel, or None (a second kernel adds them); row_tiles / ahead: the `Launch`'s. Returns
-        bf16 `[outputs, M, N]`."""
+        `[outputs / copies]` (ids, select 1; flags, select 2; select 3: int32 ends of the entries' ranges of x's M
+        rows, and outputs = copies) or None; copies: the weight's stacks of E / copies entries each, one after the
+        other, each multiplied by the selection (output entry c Q + q is selection entry q of stack c, for Q selected
+        entries; x per selection entry: Px 1 or Q); counters int32 zeros (at least `programs`) for the K splits' sum
+        in the kernel, or None (a second kernel adds them); row_tiles / ahead: the `Launch`'s. Returns bf16
+        `[outputs, M, N]`."""
         m, k = x.shape[1], x.shape[2]
-        entries = sel.shape[0] if select == 3 else outputs
+        sel_len = outputs if sel is None else sel.shape[0]  # the selection's entries (Q)
         columns = step_columns(NVFP4 if nvfp4 else MXFP8, stored)
         odd_scales = False
         if stored:
@@ -852,19 +886,20 @@ if AVAILABLE:
         shape = (outputs, m, n) if split == 1 else (split, outputs, m, n)
         out = torch.empty(shape, dtype=torch.bfloat16 if split == 1 else torch.float32, device=x.device)
         tiles = WARPS * row_tiles
-        grid = (-(-n16 // tiles), entries, split)
+        grid = (-(-n16 // tiles), copies * sel_len, split)
         sum_splits = split > 1 and counters is not None and counters.numel() >= grid[0] * grid[1]
         # rows or columns past the weight's, or scales read byte by byte
         masked = stored and bool(n % (ROW_TILE * tiles) or k % columns or odd_scales)
         y = torch.empty((outputs, m, n), dtype=torch.bfloat16, device=x.device) if split > 1 else out
         _mma_gemv_kernel[grid](
             x, weight, scales, glob, weight if sel is None else sel, out, y, counters if sum_splits else out,
-            m, n, k, n16, steps, per, split,
+            m, n, k, n16, steps, per, split, sel_len, weight.shape[0] // copies,
             x.stride(0) if x.shape[0] > 1 else 0, x.stride(1), 1 if glob.numel() > 1 else 0,
-            0 if split == 1 else out.stride(0), 0 if select == 3 else out.stride(-3), out.stride(-2), *strides,
+            0 if split == 1 else out.stride(0), out.stride(-3), out.stride(-2), *strides,
             NVFP4_FMT=nvfp4, SELECT=select, RT=row_tiles, NB=1 if select == 3 else row_groups(m), WARPS=WARPS,
             OUT_BF16=split == 1,
-            EVEN_K=even_k, STORED=stored, MASKED=masked, SUM_SPLITS=sum_splits, AHEAD=ahead,
+            EVEN_K=even_k, STORED=stored, MASKED=masked, SUM_SPLITS=sum_splits, AHEAD=ahead, PREFETCH=prefetch,
+            COPIES=copies,
             num_warps=WARPS)
         if split == 1 or sum_splits:
             return y
@@ -873,7 +908,8 @@ if AVAILABLE:
         return y
 
     @_mma_gemv_op.register_fake
-    def _(x, weight, scales, glob, sel, select, outputs, n, split, nvfp4, stored, counters, row_tiles, ahead):
+    def _(x, weight, scales, glob, sel, select, outputs, n, split, nvfp4, stored, counters, row_tiles, ahead, prefetch,
+          copies):
         return x.new_empty((outputs, x.shape[1], n))
 
 
@@ -961,12 +997,19 @@ def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
                           weight_scale_2: torch.Tensor | None, index: torch.Tensor | None = None,
                           active: torch.Tensor | None = None, split: int | None = None, sms: int = 1,
                           busy: int | None = None, counters: torch.Tensor | None = None,
-                          launch: Launch | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
+                          launch: Launch | None = None, ends: torch.Tensor | None = None,
+                          copies: int = 1) -> torch.Tensor:
     """`packed_product` reading the weight where the checkpoint's layout stores it (no reordered copy; operands as in
     `packed.decode_reference`: NVFP4 uint8 codes `[.., N, K/2]`, E4M3 block scales `[.., N, K/16]`, weight_scale_2;
     MXFP8 E4M3 elements `[.., N, K]`, E8M0 block scales `[.., N, K/32]`), which `stored_supports` must accept. Each
     lane forms words of `reorder`'s format from its rows' bytes (NVFP4 by pair steps, `_STORED_WORDS_ASM`): the
-    products of `packed_product`, NVFP4's in another order of K; the same contract."""
+    products of `packed_product`, NVFP4's in another order of K; the same contract.
+
+    copies: the stack `[E, ...]` is `copies` stacks of E / copies entries, one after the other (a routed layer's gate
+    and up: `fast.joint.JointStack`), and `index`, `active` and `ends` select entries of one of them (ids below E /
+    copies, flags and ends `[E / copies]`; `busy` counts one stack's flagged entries), the same for each: one launch
+    returns each stack's product after the other's, `[copies * P, M, N]` (ids: `[P]`), `[E, M, N]` (flags) or
+    `[copies * R, N]` (ranges), x read once for all of them."""
     if not stored_supports(fmt, weight, weight_scale, address=not torch.compiler.is_compiling()):
         raise ValueError(f"mma_gemv.packed_product_stored: {fmt} weight {list(weight.shape)} strides "
                          f"{list(weight.stride())} is not read in place (stored_supports)")
@@ -979,43 +1022,49 @@ def packed_product_stored(x: torch.Tensor, fmt: str, weight: torch.Tensor, weigh
     else:
         glob = s  # unread
     return _product(x, fmt, w.shape[1], w.shape[0], w, s, glob, True, index, active, split, sms, busy, counters,
-                    launch, ends)
+                    launch, ends, copies)
 
 
 def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tensor, scales: torch.Tensor,
              glob: torch.Tensor, stored: bool, index: torch.Tensor | None, active: torch.Tensor | None,
              split: int | None, sms: int, busy: int | None, counters: torch.Tensor | None,
-             launch: Launch | None, ends: torch.Tensor | None = None) -> torch.Tensor:
+             launch: Launch | None, ends: torch.Tensor | None = None, copies: int = 1) -> torch.Tensor:
     """The checks and launch both layouts share."""
     if not AVAILABLE:
         raise RuntimeError("mma_gemv needs triton with Gluon")
     xs = x.unsqueeze(0) if x.dim() == 2 else x
     ranged = ends is not None
-    outputs = 1 if ranged else entries if index is None else index.shape[0]
+    outputs = copies * (1 if ranged else entries // copies if index is None else index.shape[0])
+    chosen = outputs // copies  # the selection's output entries (what x's entries match)
     m, k = xs.shape[1], xs.shape[2]
     stored_k = weight.shape[-1] * (2 if fmt == NVFP4 else 1)
     rows_ok = (x.dim() == 2 and index is None and active is None and ends.dim() == 1 and ends.dtype == torch.int32
                and ends.device == x.device) if ranged else 1 <= m <= MAX_ROWS
+    sel_ok = ((active is None or active.shape == (entries // copies,))
+              and (not ranged or ends.shape[0] <= entries // copies))
     if (x.dtype != torch.bfloat16 or not rows_ok or not supports(fmt, k) or (stored and k != stored_k)
-            or xs.shape[0] not in (1, outputs) or (index is not None and active is not None)):
+            or xs.shape[0] not in (1, chosen) or (index is not None and active is not None) or copies < 1
+            or entries % copies or not sel_ok):
         raise ValueError(f"mma_gemv: x {list(x.shape)} {x.dtype} against a {fmt} weight {list(weight.shape)}, n {n}"
+                         + (f", {copies} stacks" if copies > 1 else "")
+                         + (f", flags {list(active.shape)}" if active is not None else "")
                          + (f", ranges {list(ends.shape)} {ends.dtype} on {ends.device}" if ranged else ""))
     steps = -(-k // step_columns(fmt, stored))
     n16 = -(-n // ROW_TILE)
     if launch is None:
         if ranged:
             launch = RANGED_LAUNCH[fmt]
-        elif stored and index is not None and m <= X_GROUP and fmt in STORED_IDS_LAUNCH:
-            launch = STORED_IDS_LAUNCH[fmt]
+        elif stored and index is not None and m <= X_GROUP and (fmt, xs.shape[0] > 1) in STORED_IDS_LAUNCH:
+            launch = STORED_IDS_LAUNCH[fmt, xs.shape[0] > 1]
         else:
             launch = launch_for(fmt, m)[1]
     if launch.ahead not in (1, 2) or launch.row_tiles not in (1, 2) or GROUP % (WARPS * launch.row_tiles):
         raise ValueError(f"mma_gemv: {launch} (ahead 1 or 2 K steps, 1 or 2 row tiles a warp)")
     if split is None:
         if ranged:
-            working = min(ends.shape[0], m)  # entries with rows, at most
+            working = copies * min(ends.shape[0], m)  # entries with rows, at most
         else:
-            working = min(outputs, busy) if busy is not None and active is not None else outputs
+            working = copies * min(chosen, busy) if busy is not None and active is not None else outputs
         split = splits(programs(fmt, working, n16, m, launch), steps, sms, launch.per_sm)
     split = -(-steps // -(-steps // max(1, min(split, steps))))
     select, sel = 0, None
@@ -1026,5 +1075,6 @@ def _product(x: torch.Tensor, fmt: str, n: int, entries: int, weight: torch.Tens
     elif ranged:
         select, sel = 3, ends
     y = torch.ops.minimax_ref.packed_mma_gemv(xs.contiguous(), weight, scales, glob, sel, select, outputs, n, split,
-                                              fmt == NVFP4, stored, counters, launch.row_tiles, launch.ahead)
-    return y[0] if ranged else y
+                                              fmt == NVFP4, stored, counters, launch.row_tiles, launch.ahead,
+                                              launch.prefetch, copies)
+    return y.view(copies * m, n) if ranged else y

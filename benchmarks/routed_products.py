@@ -5,7 +5,8 @@ as the engine runs them: the gate and up stacks (w1, w3) one allocation, as the 
 
 * ids (fewer pairs than experts: 1 to 3 tokens): each (token, choice) pair's expert by id;
 * flags: every chosen expert times all T tokens (`fast.grouped` in `compiled`, `fast.mma_gemv` up to 8 tokens);
-* ranges (`FastPaths.expert_ranges`, above 8 tokens): the pairs sorted by expert, each expert times its own rows.
+* ranges (`FastPaths.expert_ranges`, above 8 tokens; measured at every count, beside the ids and flags below): the
+  pairs sorted by expert, each expert times its own rows.
 
 Each token chooses 4 of the 16 experts at random (seeded), as the release's router spreads a batch's tokens. Down (w2)
 multiplies each pair's own row (its activation in the engine). Microseconds per product (a CUDA graph of 10, replayed)
@@ -102,16 +103,16 @@ def measure(name: str, n: int, k: int, pair: bool, tokens: int, launches: list, 
         variants["mma flags"] = each(lambda w: w.gemv_product(x, active=active, busy=chosen), by_flags)
         if joint:
             variants["mma flags, joint"] = together(lambda: joint.by_flags(x, active, chosen), by_flags)
-    if tokens > mma_gemv.X_GROUP:
-        variants["mma ranges"] = each(lambda w: w.ranged_product(xs, ends), lambda y: y)
-        if joint:
-            variants["mma ranges, joint"] = together(lambda: joint.by_ranges(xs, ends), lambda y: y)
-        for row_tiles, per_sm in launches:
-            launch = mma_gemv.Launch(row_tiles, per_sm)
-            variants[f"mma ranges rt={row_tiles} per_sm={per_sm}"] = each(
-                lambda w, launch=launch: mma_gemv.packed_product_stored(xs, "nvfp4", *w.parts(), ends=ends, sms=sms,
-                                                                        counters=w.gemv_counters, launch=launch),
-                lambda y: y)
+    # ranges at every count: above 8 tokens what the engine runs, below beside its ids and flags
+    variants["mma ranges"] = each(lambda w: w.ranged_product(xs, ends), lambda y: y)
+    if joint:
+        variants["mma ranges, joint"] = together(lambda: joint.by_ranges(xs, ends), lambda y: y)
+    for row_tiles, per_sm in launches:
+        launch = mma_gemv.Launch(row_tiles, per_sm)
+        variants[f"mma ranges rt={row_tiles} per_sm={per_sm}"] = each(
+            lambda w, launch=launch: mma_gemv.packed_product_stored(xs, "nvfp4", *w.parts(), ends=ends, sms=sms,
+                                                                    counters=w.gemv_counters, launch=launch),
+            lambda y: y)
     case: dict = {"name": name, "N": n, "K": k, "stacks": len(weights), "tokens": tokens,
                   "rows_per_expert": counts.tolist(), "chosen": chosen, "packed_bytes": nbytes,
                   "roofline_us": 1e6 * nbytes / bw}

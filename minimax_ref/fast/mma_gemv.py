@@ -64,6 +64,10 @@ program reads its entry's range of rows, none for an empty range, one row group 
 groups (16 rows) over its weight tiles for more, so an expert's MMAs and x loads go to its own rows only, where the
 flags (`active`) multiply every flagged entry by all M rows. Each row's sums are those of its range multiplied alone.
 
+A stack of c stacks one after the other (`copies`: a routed layer's gate and up, `fast.joint.JointStack`) takes one
+selection (ids, flags or ends of one stack) for all c: output entry c' Q + q is selection entry q of stack c', each
+output the bits its own stack's launch gives at the same K split count, x read once.
+
 A Gluon kernel (`triton.experimental.gluon`: explicit layouts, so that the lane that loads a word is the lane whose
 fragment it is); the MMA is issued as inline PTX, each lane passing its own registers. It runs on CUDA GPUs of
 compute capability 8.9 and above (the E4M3 conversion); there is no interpreter path (`emulate` is the CPU statement

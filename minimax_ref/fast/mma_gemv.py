@@ -449,6 +449,13 @@ if AVAILABLE:
         return w0, w1, w2, w3, codes & 0xFF, (codes >> 8) & 0xFF
 
     @gluon.jit
+    def _prefetching_load(ptr):
+        """The two int64 at each of `ptr` (16-byte aligned), by one load whose miss fetches the aligned 256 bytes
+        around them into L2 (the PTX prefetch size; read-only path: the weight does not change within the launch)."""
+        return gl.inline_asm_elementwise("ld.global.nc.L2::256B.v2.b64 {$0, $1}, [$2];", "=l,=l,l", [ptr],
+                                         dtype=(gl.int64, gl.int64), is_pure=True, pack=1)
+
+    @gluon.jit
     def _pair_loads(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, MASKED: gl.constexpr, PAIR: gl.constexpr,
                     PREFETCH: gl.constexpr):
         """A lane's bytes of a stored NVFP4 pair step (128 columns, `_pair_steps`), as loaded: rows g's and g + 8's 16
@@ -468,18 +475,15 @@ if AVAILABLE:
                       | (gl.load(sa + step * 8 + 1, mask=ok_g & in_k1, other=0).to(gl.int32) << 8))
             code_h = (gl.load(sb + step * 8, mask=ok_h & in_k0, other=0).to(gl.int32)
                       | (gl.load(sb + step * 8 + 1, mask=ok_h & in_k1, other=0).to(gl.int32) << 8))
-        elif PREFETCH:  # a miss brings the row's 256-byte block (this pair step and the next three) into L2
-            lo0, lo1 = gl.inline_asm_elementwise("ld.global.nc.L2::256B.v2.b64 {$0, $1}, [$2];", "=l,=l,l",
-                                                 [wa + step * 8], dtype=(gl.int64, gl.int64), is_pure=True, pack=1)
-            hi0, hi1 = gl.inline_asm_elementwise("ld.global.nc.L2::256B.v2.b64 {$0, $1}, [$2];", "=l,=l,l",
-                                                 [wb + step * 8], dtype=(gl.int64, gl.int64), is_pure=True, pack=1)
-            lo = gl.convert_layout(gl.join(lo0, lo1), PAIR)
-            hi = gl.convert_layout(gl.join(hi0, hi1), PAIR)
-            code_g = gl.load((sa + step * 8).to(gl.pointer_type(gl.int16))).to(gl.int32)
-            code_h = gl.load((sb + step * 8).to(gl.pointer_type(gl.int16))).to(gl.int32)
         else:
-            lo = gl.load(gl.expand_dims(wa + step * 8, 2) + j)
-            hi = gl.load(gl.expand_dims(wb + step * 8, 2) + j)
+            if PREFETCH:  # a miss brings the row's 256-byte block (this pair step and the next three) into L2
+                lo0, lo1 = _prefetching_load(wa + step * 8)
+                hi0, hi1 = _prefetching_load(wb + step * 8)
+                lo = gl.convert_layout(gl.join(lo0, lo1), PAIR)
+                hi = gl.convert_layout(gl.join(hi0, hi1), PAIR)
+            else:
+                lo = gl.load(gl.expand_dims(wa + step * 8, 2) + j)
+                hi = gl.load(gl.expand_dims(wb + step * 8, 2) + j)
             code_g = gl.load((sa + step * 8).to(gl.pointer_type(gl.int16))).to(gl.int32)
             code_h = gl.load((sb + step * 8).to(gl.pointer_type(gl.int16))).to(gl.int32)
         return lo, hi, code_g, code_h

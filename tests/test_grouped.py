@@ -343,14 +343,24 @@ def _run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
     """`grouped._TABLE_ASM` executed instruction by instruction on 32-bit integers, by the PTX ISA's definitions of
     each instruction it uses (prmt.b32's default mode: bytes {b, a} indexed 0..7, a selector nibble's bit 3 replicating
     the picked byte's sign bit; lop3.b32 by its truth table; mad.lo / add / shifts modulo 2^32; mov.b32 {lo, hi}
-    splitting a word into halves). Returns every register and output ($0..$7 as 16-bit values)."""
+    splitting a word into halves; mul.f32 as IEEE fp32 multiplication rounded to nearest even, on the registers' bits;
+    cvt.rn.bf16x2.f32 d, a, b: a rounded to bf16 in d's high half, b in its low half, to nearest even). Returns every
+    register and output ($0..$7 as 16-bit values)."""
     regs = dict(operands)
 
     def val(tok: str) -> int:
         tok = tok.strip()
         if tok in regs:
             return regs[tok]
+        if tok.startswith("0f"):  # a PTX fp32 literal: its bits in hexadecimal
+            return int(tok[2:], 16)
         return int(tok, 0) & 0xFFFFFFFF
+
+    def f32(bits: int) -> torch.Tensor:
+        return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+    def bf16_bits(bits: int) -> int:
+        return int(f32(bits).to(BF16).view(torch.int16)) & 0xFFFF
 
     def prmt(a: int, b: int, c: int) -> int:
         src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
@@ -386,6 +396,10 @@ def _run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
             r = x[0] >> x[1]
         elif op == "and.b32":
             r = x[0] & x[1]
+        elif op == "mul.f32":
+            r = int((f32(x[0]) * f32(x[1])).view(torch.int32)) & 0xFFFFFFFF
+        elif op == "cvt.rn.bf16x2.f32":
+            r = bf16_bits(x[0]) << 16 | bf16_bits(x[1])
         elif op == "lop3.b32":
             r = sum(((x[3] >> ((x[0] >> i & 1) << 2 | (x[1] >> i & 1) << 1 | (x[2] >> i & 1))) & 1) << i
                     for i in range(32))

@@ -278,17 +278,38 @@ if AVAILABLE:
     from torch.library import custom_op
 
     from .gemv import _split_and_entry
-    from .grouped import _table_words
 
-    # A block table's four words (entries t0..t7 as bf16, two a word: `grouped._table_words`) split into a low-byte
-    # and a high-byte table of 8 bytes each, two words each: $0, $2 the low bytes of entries 0..3 and 4..7, $1, $3
-    # their high bytes. Once a step and row: the words of a step share their rows' blocks.
-    _TABLE_BYTES_ASM = gl.constexpr(" ".join((
-        "prmt.b32 $0, $4, $5, 0x6420;", "prmt.b32 $1, $4, $5, 0x7531;",
-        "prmt.b32 $2, $6, $7, 0x6420;", "prmt.b32 $3, $6, $7, 0x7531;")))
+    # A block scale S ($4, fp32) as its table of 8 values split into a low-byte and a high-byte table of 8 bytes each,
+    # two words each: $0, $2 the low bytes of entries 0..3 and 4..7, $1, $3 their high bytes. The entries
+    # (`grouped._table_words`: S's signed zero, A/2, A, B, 2A, 2B, 4A, 4B with A = bf16(S), B = bf16(fp32(1.5 S)))
+    # as bf16 pairs, each pair one conversion of two fp32 multiples of S: 0 S and S/2, S and 1.5 S, 2 S and 3 S, 4 S
+    # and 6 S. A power of two times S rounds to that power times A (or times B for 1.5 S's multiples: 3 S = 2 (1.5 S)
+    # exactly in fp32), so no entry needs a case of its own: a zero S gives its signed zero everywhere. Once a step
+    # and row: the words of a step share their rows' blocks.
+    _SCALE_TABLE_ASM = gl.constexpr(" ".join((
+        "{",
+        ".reg .f32 lo, hi;",
+        ".reg .b32 wa, wb;",
+        "mul.f32 lo, $4, 0f00000000;",
+        "mul.f32 hi, $4, 0f3F000000;",
+        "cvt.rn.bf16x2.f32 wa, hi, lo;",
+        "mul.f32 hi, $4, 0f3FC00000;",
+        "cvt.rn.bf16x2.f32 wb, hi, $4;",
+        "prmt.b32 $0, wa, wb, 0x6420;",
+        "prmt.b32 $1, wa, wb, 0x7531;",
+        "mul.f32 lo, $4, 0f40000000;",
+        "mul.f32 hi, $4, 0f40400000;",
+        "cvt.rn.bf16x2.f32 wa, hi, lo;",
+        "mul.f32 lo, $4, 0f40800000;",
+        "mul.f32 hi, $4, 0f40C00000;",
+        "cvt.rn.bf16x2.f32 wb, hi, lo;",
+        "prmt.b32 $2, wa, wb, 0x6420;",
+        "prmt.b32 $3, wa, wb, 0x7531;",
+        "}",
+    )))
     # A lane's word ($4) to its four A registers through two tables (`grouped._TABLE_ASM`'s lookup, one table for
     # each half): nibbles 0..3 (row g) through $5..$8, nibbles 4..7 (row g + 8) through $9..$12 (each as
-    # `_TABLE_BYTES_ASM` gives them); the codes are byte selectors, each nibble's sign bit replicated over a byte
+    # `_SCALE_TABLE_ASM` gives them); the codes are byte selectors, each nibble's sign bit replicated over a byte
     # flips its entry's sign, the bytes paired into bf16. $0 = nibbles (0, 1), $1 = (2, 3), $2 = (4, 5), $3 = (6, 7),
     # each the low then the high bf16 of a register. tests/test_mma_gemv.py runs this text through a model of each
     # instruction against `decode_reference`.
@@ -316,11 +337,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _table_bytes(code, glob):
-        """The byte tables (`_TABLE_BYTES_ASM`) of an E4M3 block scale code (int): the reference's block scale
-        fp32(e4m3) * weight_scale_2 (one rounding) as its 8-value table (`grouped._table_words`)."""
+        """The byte tables (`_SCALE_TABLE_ASM`) of an E4M3 block scale code (int): the reference's block scale
+        fp32(e4m3) * weight_scale_2 (one rounding) as its 8-value table."""
         scale = code.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * glob
-        t0, t1, t2, t3 = _table_words(scale, False)
-        return gl.inline_asm_elementwise(_TABLE_BYTES_ASM, "=r,=r,=r,=r,r,r,r,r", [t0, t1, t2, t3],
+        return gl.inline_asm_elementwise(_SCALE_TABLE_ASM, "=r,=r,=r,=r,f", [scale],
                                          dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
 
     @gluon.jit
@@ -603,7 +623,11 @@ if AVAILABLE:
         pair step s gives lane c the columns 128 s + 32 c + 16 j + 4 t + q (MMA tile t, q = 0..3), so a lane's 16
         bytes of a row and its 2 block scales of a pair step are one load each (`_pair_loads`). The bytes of the pair
         step AHEAD (1 or 2) on are loaded before this one's are decoded (2 AHEAD sub-steps in flight); x's quads one
-        sub-step ahead; PREFETCH: the rows' 256-byte blocks into L2 (the next pair steps) with each miss."""
+        sub-step ahead; PREFETCH: the rows' 256-byte blocks into L2 (the next pair steps) with each miss. AHEAD 1 at
+        one row tile a warp and up to two row groups runs two pair steps a loop iteration (an odd last one after
+        it), each load issued once the registers it fills are free: no register copies from the loaded to the decoded
+        pair step (with more row tiles or groups the unrolled loop takes more registers than `RESIDENT` allows). The
+        same products in the same order either way."""
         acc = (gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3), gl.zeros(SHAPE, gl.float32, L3),
                gl.zeros(SHAPE, gl.float32, L3))
         loads1 = _pair_loads(wa, wb, sa, sb, kc, s_lo, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
@@ -611,19 +635,37 @@ if AVAILABLE:
             loads2 = _pair_loads(wa, wb, sa, sb, kc, gl.minimum(s_lo + 1, s_hi - 1), ok_g, ok_h, KB, MASKED, PAIR,
                                  PREFETCH)
         xa = _x_quads(x_rows, s_lo * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
-        for step in range(s_lo, s_hi):
-            loads = loads1
-            nxt = gl.minimum(step + 1, s_hi - 1)  # the last steps load the last again: no mask in the loop
-            if AHEAD == 2:
-                loads1 = loads2
-                loads2 = _pair_loads(wa, wb, sa, sb, kc, gl.minimum(step + 2, s_hi - 1), ok_g, ok_h, KB, MASKED,
-                                     PAIR, PREFETCH)
-            else:
-                loads1 = _pair_loads(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
-            xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
-            acc = _step_mmas(_pair_operands(loads, 0, LA), xa, glob, acc, True)
-            xa = _x_quads(x_rows, nxt * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
-            acc = _step_mmas(_pair_operands(loads, 1, LA), xb, glob, acc, True)
+        if AHEAD == 1 and SHAPE[1] == 1 and SHAPE[2] <= 2:  # two pair steps an iteration: no copies of the loads
+            for step in range(s_lo, s_hi - 1, 2):
+                second = _pair_loads(wa, wb, sa, sb, kc, step + 1, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
+                xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
+                acc = _step_mmas(_pair_operands(loads1, 0, LA), xa, glob, acc, True)
+                xa = _x_quads(x_rows, (step + 1) * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
+                acc = _step_mmas(_pair_operands(loads1, 1, LA), xb, glob, acc, True)
+                third = gl.minimum(step + 2, s_hi - 1)
+                loads1 = _pair_loads(wa, wb, sa, sb, kc, third, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
+                xb = _x_quads(x_rows, (step + 1) * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
+                acc = _step_mmas(_pair_operands(second, 0, LA), xa, glob, acc, True)
+                xa = _x_quads(x_rows, third * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
+                acc = _step_mmas(_pair_operands(second, 1, LA), xb, glob, acc, True)
+            if (s_hi - s_lo) % 2 == 1:
+                xb = _x_quads(x_rows, (s_hi - 1) * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
+                acc = _step_mmas(_pair_operands(loads1, 0, LA), xa, glob, acc, True)
+                acc = _step_mmas(_pair_operands(loads1, 1, LA), xb, glob, acc, True)
+        else:
+            for step in range(s_lo, s_hi):
+                loads = loads1
+                nxt = gl.minimum(step + 1, s_hi - 1)  # the last steps load the last again: no mask in the loop
+                if AHEAD == 2:
+                    loads1 = loads2
+                    loads2 = _pair_loads(wa, wb, sa, sb, kc, gl.minimum(step + 2, s_hi - 1), ok_g, ok_h, KB, MASKED,
+                                         PAIR, PREFETCH)
+                else:
+                    loads1 = _pair_loads(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
+                xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
+                acc = _step_mmas(_pair_operands(loads, 0, LA), xa, glob, acc, True)
+                xa = _x_quads(x_rows, nxt * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
+                acc = _step_mmas(_pair_operands(loads, 1, LA), xb, glob, acc, True)
         return acc
 
     @gluon.jit

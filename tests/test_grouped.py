@@ -138,6 +138,8 @@ def test_benchmarks_refuse_a_cpu_machine_and_parse_batch_lists(capsys, monkeypat
     err = _bench("routed_products.py", ["--tokens", "16"], capsys, code=2)
     assert err.startswith("error: [rank 0]") and "CUDA" in err and "Traceback" not in err
     assert "ROW_TILES,PER_SM" in _bench("routed_products.py", ["--launches", "1"], capsys, code=2)
+    err = _bench("row_streams.py", [], capsys, code=2)
+    assert err.startswith("error: [rank 0]") and "CUDA" in err and "Traceback" not in err
 
 
 def test_grouped_switch():

@@ -616,6 +616,17 @@ if AVAILABLE:
         return acc
 
     @gluon.jit
+    def _pair_step_mmas(loads, xa, step, nxt, x_rows, c_x, glob, acc, K, EVEN_K: gl.constexpr, LA: gl.constexpr,
+                        XWIDE: gl.constexpr, L3: gl.constexpr):
+        """Pair step `step`'s MMAs from its `_pair_loads` and its first sub-step's x quads `xa`, loading the second
+        sub-step's between them; returns the accumulators and pair step `nxt`'s first x quads."""
+        xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
+        acc = _step_mmas(_pair_operands(loads, 0, LA), xa, glob, acc, True)
+        xa = _x_quads(x_rows, nxt * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
+        acc = _step_mmas(_pair_operands(loads, 1, LA), xb, glob, acc, True)
+        return acc, xa
+
+    @gluon.jit
     def _pair_steps(wa, wb, sa, sb, kc, ok_g, ok_h, KB, x_rows, c_x, glob, s_lo, s_hi, K, EVEN_K: gl.constexpr,
                     MASKED: gl.constexpr, AHEAD: gl.constexpr, L3: gl.constexpr, LA: gl.constexpr,
                     PAIR: gl.constexpr, XWIDE: gl.constexpr, SHAPE: gl.constexpr, PREFETCH: gl.constexpr):
@@ -638,20 +649,14 @@ if AVAILABLE:
         if AHEAD == 1 and SHAPE[1] == 1 and SHAPE[2] <= 2:  # two pair steps an iteration: no copies of the loads
             for step in range(s_lo, s_hi - 1, 2):
                 second = _pair_loads(wa, wb, sa, sb, kc, step + 1, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
-                xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
-                acc = _step_mmas(_pair_operands(loads1, 0, LA), xa, glob, acc, True)
-                xa = _x_quads(x_rows, (step + 1) * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
-                acc = _step_mmas(_pair_operands(loads1, 1, LA), xb, glob, acc, True)
+                acc, xa = _pair_step_mmas(loads1, xa, step, step + 1, x_rows, c_x, glob, acc, K, EVEN_K, LA, XWIDE, L3)
                 third = gl.minimum(step + 2, s_hi - 1)
                 loads1 = _pair_loads(wa, wb, sa, sb, kc, third, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
-                xb = _x_quads(x_rows, (step + 1) * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
-                acc = _step_mmas(_pair_operands(second, 0, LA), xa, glob, acc, True)
-                xa = _x_quads(x_rows, third * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
-                acc = _step_mmas(_pair_operands(second, 1, LA), xb, glob, acc, True)
-            if (s_hi - s_lo) % 2 == 1:
-                xb = _x_quads(x_rows, (s_hi - 1) * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
-                acc = _step_mmas(_pair_operands(loads1, 0, LA), xa, glob, acc, True)
-                acc = _step_mmas(_pair_operands(loads1, 1, LA), xb, glob, acc, True)
+                acc, xa = _pair_step_mmas(second, xa, step + 1, third, x_rows, c_x, glob, acc, K, EVEN_K, LA, XWIDE,
+                                          L3)
+            if (s_hi - s_lo) % 2 == 1:  # the odd last pair step (its next x quads are not read)
+                acc, _ = _pair_step_mmas(loads1, xa, s_hi - 1, s_hi - 1, x_rows, c_x, glob, acc, K, EVEN_K, LA, XWIDE,
+                                         L3)
         else:
             for step in range(s_lo, s_hi):
                 loads = loads1
@@ -662,10 +667,7 @@ if AVAILABLE:
                                          PAIR, PREFETCH)
                 else:
                     loads1 = _pair_loads(wa, wb, sa, sb, kc, nxt, ok_g, ok_h, KB, MASKED, PAIR, PREFETCH)
-                xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
-                acc = _step_mmas(_pair_operands(loads, 0, LA), xa, glob, acc, True)
-                xa = _x_quads(x_rows, nxt * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
-                acc = _step_mmas(_pair_operands(loads, 1, LA), xb, glob, acc, True)
+                acc, xa = _pair_step_mmas(loads, xa, step, nxt, x_rows, c_x, glob, acc, K, EVEN_K, LA, XWIDE, L3)
         return acc
 
     @gluon.jit

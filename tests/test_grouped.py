@@ -346,8 +346,10 @@ def _run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
     each instruction it uses (prmt.b32's default mode: bytes {b, a} indexed 0..7, a selector nibble's bit 3 replicating
     the picked byte's sign bit; lop3.b32 by its truth table; mad.lo / add / shifts modulo 2^32; mov.b32 {lo, hi}
     splitting a word into halves; mul.f32 as IEEE fp32 multiplication rounded to nearest even, on the registers' bits;
-    cvt.rn.bf16x2.f32 d, a, b: a rounded to bf16 in d's high half, b in its low half, to nearest even). Returns every
-    register and output ($0..$7 as 16-bit values)."""
+    cvt.rn.bf16x2.f32 d, a, b: a rounded to bf16 in d's high half, b in its low half, to nearest even; fma.rn.bf16x2
+    half by half, a * b + c rounded once to bf16; cvt.rn.f16x2.e4m3x2 byte 0 to the low half; cvt.f32.f16; mov.b32
+    d, literal). Returns every register and output ($0..$7 as
+    16-bit values)."""
     regs = dict(operands)
 
     def val(tok: str) -> int:
@@ -364,6 +366,25 @@ def _run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
     def bf16_bits(bits: int) -> int:
         return int(f32(bits).to(BF16).view(torch.int16)) & 0xFFFF
 
+    def bf16(bits: int) -> torch.Tensor:
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(BF16)
+
+    def f16_bits(e4m3: int) -> int:
+        value = torch.tensor([e4m3], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        assert torch.isfinite(value), "an E4M3 NaN is outside the model"
+        return int(value.to(torch.float16).view(torch.int16)) & 0xFFFF
+
+    def fma_bf16(a: int, b: int, c: int) -> int:
+        # a * b + c exactly (fp64: a bf16 product has 16 significant bits), rounded once to bf16 through fp32, which
+        # must hold the sum exactly for that to be one rounding (else this model does not cover the operands)
+        exact = bf16(a).double() * bf16(b).double() + bf16(c).double()
+        if exact == 0:  # IEEE: an exact zero sum is -0 only when both addends are -0
+            sign = torch.signbit(bf16(a).double() * bf16(b).double()) & torch.signbit(bf16(c).double())
+            exact = -exact.abs() if sign else exact.abs()
+        single = exact.float()
+        assert single.double() == exact, "fma.rn.bf16x2 operands outside the model"
+        return int(single.to(BF16).view(torch.int16)) & 0xFFFF
+
     def prmt(a: int, b: int, c: int) -> int:
         src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
         out = 0
@@ -378,6 +399,10 @@ def _run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
         if not line or line == "}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        if op == "mov.b32" and "{" not in rest:  # a register set to a literal
+            d, src = (t.strip() for t in rest.split(","))
+            regs[d] = val(src)
+            continue
         if op == "mov.b32":
             halves, src = rest.split("}")
             lo, hi = (h.strip() for h in halves.strip(" {").split(","))
@@ -402,6 +427,14 @@ def _run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
             r = int((f32(x[0]) * f32(x[1])).view(torch.int32)) & 0xFFFFFFFF
         elif op == "cvt.rn.bf16x2.f32":
             r = bf16_bits(x[0]) << 16 | bf16_bits(x[1])
+        elif op == "cvt.rn.f16x2.e4m3x2":  # byte 0 to the low half, byte 1 to the high half (exact)
+            r = f16_bits(x[0] & 0xFF) | f16_bits(x[0] >> 8 & 0xFF) << 16
+        elif op == "cvt.f32.f16":
+            r = int(torch.tensor([x[0]], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+                    .view(torch.int32)) & 0xFFFFFFFF
+        elif op == "fma.rn.bf16x2":
+            r = (fma_bf16(x[0] >> 16, x[1] >> 16, x[2] >> 16) << 16
+                 | fma_bf16(x[0] & 0xFFFF, x[1] & 0xFFFF, x[2] & 0xFFFF))
         elif op == "lop3.b32":
             r = sum(((x[3] >> ((x[0] >> i & 1) << 2 | (x[1] >> i & 1) << 1 | (x[2] >> i & 1))) & 1) << i
                     for i in range(32))

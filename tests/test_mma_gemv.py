@@ -179,6 +179,20 @@ def test_two_table_assembly_decodes_the_reference_bits():
     assert checked == 8 * len(words) * len(pairs)
 
 
+@pytest.mark.skipif(not mg.AVAILABLE, reason="the kernel's assembly text (triton with Gluon)")
+def test_e4m3_pair_assembly_gives_both_exact_values():
+    """`_E4M3_PAIR_ASM` run through the instruction model: the low 16 bits' two E4M3 codes (low byte first) as their
+    exact fp32 values, whatever the upper 16 bits hold, for every pair of finite codes."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    value = codes.view(torch.float8_e4m3fn).float()
+    finite = [int(c) for c in codes[torch.isfinite(value)]]
+    bits = {c: int(value[c:c + 1].view(torch.int32)) & 0xFFFFFFFF for c in finite}
+    for first in finite:
+        for second in finite[first % 7::7]:
+            out = _run_ptx(mg._E4M3_PAIR_ASM.value, {"$2": 0xA5C30000 | second << 8 | first})
+            assert (out["$0"], out["$1"]) == (bits[first], bits[second]), (first, second)
+
+
 # --------------------------------------------------------------------------------- kernel compiled for sm_90, offline
 
 

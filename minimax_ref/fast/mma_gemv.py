@@ -282,29 +282,26 @@ if AVAILABLE:
     # A block scale S ($4, fp32) as its table of 8 values split into a low-byte and a high-byte table of 8 bytes each,
     # two words each: $0, $2 the low bytes of entries 0..3 and 4..7, $1, $3 their high bytes. The entries
     # (`grouped._table_words`: S's signed zero, A/2, A, B, 2A, 2B, 4A, 4B with A = bf16(S), B = bf16(fp32(1.5 S)))
-    # as bf16 pairs, each pair one conversion of two fp32 multiples of S: 0 S and S/2, S and 1.5 S, 2 S and 3 S, 4 S
-    # and 6 S. A power of two times S rounds to that power times A (or times B for 1.5 S's multiples: 3 S = 2 (1.5 S)
-    # exactly in fp32), so no entry needs a case of its own: a zero S gives its signed zero everywhere. Once a step
-    # and row: the words of a step share their rows' blocks.
+    # from the one bf16 pair (B, A): fp32 1.5 S and S rounded by one conversion, then bf16x2 products by (0, 1/2),
+    # (2, 2) and (4, 4), each exact (a power of two or zero; -0 added keeps every sign), so a zero S gives its signed
+    # zero everywhere. Once a step and row: the words of a step share their rows' blocks.
     _SCALE_TABLE_ASM = gl.constexpr(" ".join((
         "{",
-        ".reg .f32 lo, hi;",
-        ".reg .b32 wa, wb;",
-        "mul.f32 lo, $4, 0f00000000;",
-        "mul.f32 hi, $4, 0f3F000000;",
-        "cvt.rn.bf16x2.f32 wa, hi, lo;",
-        "mul.f32 hi, $4, 0f3FC00000;",
-        "cvt.rn.bf16x2.f32 wb, hi, $4;",
-        "prmt.b32 $0, wa, wb, 0x6420;",
-        "prmt.b32 $1, wa, wb, 0x7531;",
-        "mul.f32 lo, $4, 0f40000000;",
-        "mul.f32 hi, $4, 0f40400000;",
-        "cvt.rn.bf16x2.f32 wa, hi, lo;",
-        "mul.f32 lo, $4, 0f40800000;",
-        "mul.f32 hi, $4, 0f40C00000;",
-        "cvt.rn.bf16x2.f32 wb, hi, lo;",
-        "prmt.b32 $2, wa, wb, 0x6420;",
-        "prmt.b32 $3, wa, wb, 0x7531;",
+        ".reg .f32 b;",
+        ".reg .b32 ba, w0, w2, w3, k, z;",
+        "mul.f32 b, $4, 0f3FC00000;",
+        "cvt.rn.bf16x2.f32 ba, $4, b;",
+        "mov.b32 z, 0x80008000;",
+        "mov.b32 k, 0x3F000000;",
+        "fma.rn.bf16x2 w0, ba, k, z;",
+        "mov.b32 k, 0x40004000;",
+        "fma.rn.bf16x2 w2, ba, k, z;",
+        "mov.b32 k, 0x40804080;",
+        "fma.rn.bf16x2 w3, ba, k, z;",
+        "prmt.b32 $0, w0, ba, 0x4620;",
+        "prmt.b32 $1, w0, ba, 0x5731;",
+        "prmt.b32 $2, w2, w3, 0x4602;",
+        "prmt.b32 $3, w2, w3, 0x5713;",
         "}",
     )))
     # A lane's word ($4) to its four A registers through two tables (`grouped._TABLE_ASM`'s lookup, one table for
@@ -336,10 +333,35 @@ if AVAILABLE:
     )))
 
     @gluon.jit
-    def _table_bytes(code, glob):
-        """The byte tables (`_SCALE_TABLE_ASM`) of an E4M3 block scale code (int): the reference's block scale
-        fp32(e4m3) * weight_scale_2 (one rounding) as its 8-value table."""
-        scale = code.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * glob
+    def _block_scale(code, glob):
+        """The reference's block scale of an E4M3 code (int 0..255): fp32(e4m3) * weight_scale_2, one rounding."""
+        return code.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * glob
+
+    # Two E4M3 codes (the low 16 bits of $2: low byte, high byte) as fp32 $0, $1, exactly (E4M3 is a subset of f16),
+    # by one conversion of the pair
+    _E4M3_PAIR_ASM = gl.constexpr(" ".join((
+        "{",
+        ".reg .b16 lo, hi, p;",
+        ".reg .b32 h;",
+        "mov.b32 {p, hi}, $2;",
+        "cvt.rn.f16x2.e4m3x2 h, p;",
+        "mov.b32 {lo, hi}, h;",
+        "cvt.f32.f16 $0, lo;",
+        "cvt.f32.f16 $1, hi;",
+        "}",
+    )))
+
+    @gluon.jit
+    def _block_scales(codes, glob):
+        """`_block_scale` of the two E4M3 codes of `codes` (int32: the first in its low byte, the second in the
+        next), by one conversion of the pair."""
+        first, second = gl.inline_asm_elementwise(_E4M3_PAIR_ASM, "=f,=f,r", [codes], dtype=(gl.float32, gl.float32),
+                                                  is_pure=True, pack=1)
+        return first * glob, second * glob
+
+    @gluon.jit
+    def _table_bytes(scale):
+        """The byte tables (`_SCALE_TABLE_ASM`) of a block scale (fp32, `_block_scale`) as its 8-value table."""
         return gl.inline_asm_elementwise(_SCALE_TABLE_ASM, "=r,=r,=r,=r,f", [scale],
                                          dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
 
@@ -509,9 +531,9 @@ if AVAILABLE:
         return lo, hi, code_g, code_h
 
     @gluon.jit
-    def _pair_operands(loads, J: gl.constexpr, LA: gl.constexpr):
-        """Sub-step J's operands (as `_nvfp4_operands` gives a step's) from a pair step's `_pair_loads`: the 4 words
-        by `_STORED_WORDS_ASM` from rows g's and g + 8's 8 bytes J, the scale codes' byte J."""
+    def _pair_words(loads, J: gl.constexpr, LA: gl.constexpr):
+        """Sub-step J's 4 words (as `_nvfp4_operands` gives a step's) from a pair step's `_pair_loads`, by
+        `_STORED_WORDS_ASM` from rows g's and g + 8's 8 bytes J."""
         lo0, lo1 = gl.split(loads[0])
         hi0, hi1 = gl.split(loads[1])
         if J == 0:
@@ -522,10 +544,8 @@ if AVAILABLE:
             _STORED_WORDS_ASM, "=r,=r,=r,=r,r,r,r,r",
             [lo.to(gl.int32), (lo >> 32).to(gl.int32), hi.to(gl.int32), (hi >> 32).to(gl.int32)],
             dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
-        code_g = gl.convert_layout((loads[2] >> (8 * J)) & 0xFF, LA)
-        code_h = gl.convert_layout((loads[3] >> (8 * J)) & 0xFF, LA)
         return (gl.convert_layout(w0, LA), gl.convert_layout(w1, LA), gl.convert_layout(w2, LA),
-                gl.convert_layout(w3, LA), code_g, code_h)
+                gl.convert_layout(w3, LA))
 
     @gluon.jit
     def _mxfp8_operands(wa, wb, sa, sb, kc, step, ok_g, ok_h, KB, STORED: gl.constexpr, MASKED: gl.constexpr,
@@ -572,14 +592,21 @@ if AVAILABLE:
         return ops
 
     @gluon.jit
+    def _nvfp4_mmas(words, sg, sh, xq, acc):
+        """An NVFP4 step's MMAs of a lane: its 4 words (one an MMA tile) decoded through the tables of its rows' block
+        scales `sg` (row g) and `sh` (row g + 8) against x's quads `xq`."""
+        tg = _table_bytes(sg)
+        th = _table_bytes(sh)
+        for t in gl.static_range(4):  # the MMA tiles of a step
+            a0, a1, a2, a3 = _fragment(words[t], tg, th)
+            acc = _tile_mma(a0, a1, a2, a3, xq[t], acc[0], acc[1], acc[2], acc[3])
+        return acc
+
+    @gluon.jit
     def _step_mmas(ops, xq, glob, acc, NVFP4_FMT: gl.constexpr):
         """A step's MMAs of a lane: its 4 MMA tiles decoded from `ops` (`_operands`) against x's quads `xq`."""
         if NVFP4_FMT:
-            tg = _table_bytes(ops[4], glob)
-            th = _table_bytes(ops[5], glob)
-            for t in gl.static_range(4):  # the MMA tiles of a step
-                a0, a1, a2, a3 = _fragment(ops[t], tg, th)
-                acc = _tile_mma(a0, a1, a2, a3, xq[t], acc[0], acc[1], acc[2], acc[3])
+            acc = _nvfp4_mmas(ops, _block_scale(ops[4], glob), _block_scale(ops[5], glob), xq, acc)
         else:
             # E8M0 code c -> 2^(c - 127) on the fp32 bits (c >= 1 in the normal range)
             sg = (ops[8].to(gl.int32) << 23).to(gl.float32, bitcast=True)
@@ -621,9 +648,11 @@ if AVAILABLE:
         """Pair step `step`'s MMAs from its `_pair_loads` and its first sub-step's x quads `xa`, loading the second
         sub-step's between them; returns the accumulators and pair step `nxt`'s first x quads."""
         xb = _x_quads(x_rows, step * 32 + 8 * c_x + 4, K, EVEN_K, XWIDE, L3)
-        acc = _step_mmas(_pair_operands(loads, 0, LA), xa, glob, acc, True)
+        sg0, sg1 = _block_scales(gl.convert_layout(loads[2], LA), glob)  # row g's blocks of sub-steps 0 and 1
+        sh0, sh1 = _block_scales(gl.convert_layout(loads[3], LA), glob)
+        acc = _nvfp4_mmas(_pair_words(loads, 0, LA), sg0, sh0, xa, acc)
         xa = _x_quads(x_rows, nxt * 32 + 8 * c_x, K, EVEN_K, XWIDE, L3)
-        acc = _step_mmas(_pair_operands(loads, 1, LA), xb, glob, acc, True)
+        acc = _nvfp4_mmas(_pair_words(loads, 1, LA), sg1, sh1, xb, acc)
         return acc, xa
 
     @gluon.jit

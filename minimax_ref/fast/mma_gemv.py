@@ -282,9 +282,10 @@ if AVAILABLE:
     # A block scale S ($4, fp32) as its table of 8 values split into a low-byte and a high-byte table of 8 bytes each,
     # two words each: $0, $2 the low bytes of entries 0..3 and 4..7, $1, $3 their high bytes. The entries
     # (`grouped._table_words`: S's signed zero, A/2, A, B, 2A, 2B, 4A, 4B with A = bf16(S), B = bf16(fp32(1.5 S)))
-    # from the one bf16 pair (B, A): fp32 1.5 S and S rounded by one conversion, then bf16x2 products by (0, 1/2),
-    # (2, 2) and (4, 4), each exact (a power of two or zero; -0 added keeps every sign), so a zero S gives its signed
-    # zero everywhere. Once a step and row: the words of a step share their rows' blocks.
+    # from one bf16 pair, B in its low half and A in its high (fp32 1.5 S and S rounded by one conversion), times
+    # (0, 1/2), (2, 2) and (4, 4) by bf16x2 products, each exact (a power of two or zero; the -0 added keeps every
+    # sign), so a zero S gives its signed zero everywhere. Once a step and row: the words of a step share their rows'
+    # blocks.
     _SCALE_TABLE_ASM = gl.constexpr(" ".join((
         "{",
         ".reg .f32 b;",

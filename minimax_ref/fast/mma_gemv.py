@@ -333,11 +333,6 @@ if AVAILABLE:
         "}",
     )))
 
-    @gluon.jit
-    def _block_scale(code, glob):
-        """The reference's block scale of an E4M3 code (int 0..255): fp32(e4m3) * weight_scale_2, one rounding."""
-        return code.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * glob
-
     # Two E4M3 codes (the low 16 bits of $2: low byte, high byte) as fp32 $0, $1, exactly (E4M3 is a subset of f16),
     # by one conversion of the pair
     _E4M3_PAIR_ASM = gl.constexpr(" ".join((
@@ -354,15 +349,15 @@ if AVAILABLE:
 
     @gluon.jit
     def _block_scales(codes, glob):
-        """`_block_scale` of the two E4M3 codes of `codes` (int32: the first in its low byte, the second in the
-        next), by one conversion of the pair."""
+        """The reference's block scales of the two E4M3 codes of `codes` (int32: the first in its low byte, the
+        second in the next), fp32(e4m3) * weight_scale_2 each (one rounding), by one conversion of the pair."""
         first, second = gl.inline_asm_elementwise(_E4M3_PAIR_ASM, "=f,=f,r", [codes], dtype=(gl.float32, gl.float32),
                                                   is_pure=True, pack=1)
         return first * glob, second * glob
 
     @gluon.jit
     def _table_bytes(scale):
-        """The byte tables (`_SCALE_TABLE_ASM`) of a block scale (fp32, `_block_scale`) as its 8-value table."""
+        """The byte tables (`_SCALE_TABLE_ASM`) of a block scale (fp32, `_block_scales`) as its 8-value table."""
         return gl.inline_asm_elementwise(_SCALE_TABLE_ASM, "=r,=r,=r,=r,f", [scale],
                                          dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
 
@@ -486,10 +481,10 @@ if AVAILABLE:
     @gluon.jit
     def _nvfp4_operands(wa, sa, step, WIDE: gl.constexpr, LA: gl.constexpr):
         """A lane's 4 NVFP4 words of a step in `reorder`'s layout (MMA tile t's, [S, RT] int32: `wa` the lane's words)
-        and its rows' scale codes (g, g + 8: 0..255 in an integer type; `sa` its scale pair read as an int16)."""
+        and its rows' scale codes (`sa` its scale pair read as an int16: row g's in the low byte, row g + 8's in the
+        next, as an int32)."""
         w0, w1, w2, w3 = _lane_words(wa + step * 128, WIDE, LA)
-        codes = gl.load(sa + step * 32)
-        return w0, w1, w2, w3, codes & 0xFF, (codes >> 8) & 0xFF
+        return w0, w1, w2, w3, gl.load(sa + step * 32).to(gl.int32)
 
     @gluon.jit
     def _prefetching_load(ptr):
@@ -607,7 +602,8 @@ if AVAILABLE:
     def _step_mmas(ops, xq, glob, acc, NVFP4_FMT: gl.constexpr):
         """A step's MMAs of a lane: its 4 MMA tiles decoded from `ops` (`_operands`) against x's quads `xq`."""
         if NVFP4_FMT:
-            acc = _nvfp4_mmas(ops, _block_scale(ops[4], glob), _block_scale(ops[5], glob), xq, acc)
+            sg, sh = _block_scales(ops[4], glob)
+            acc = _nvfp4_mmas(ops, sg, sh, xq, acc)
         else:
             # E8M0 code c -> 2^(c - 127) on the fp32 bits (c >= 1 in the normal range)
             sg = (ops[8].to(gl.int32) << 23).to(gl.float32, bitcast=True)
